@@ -1,0 +1,234 @@
+"""The three attention layers, with the official code's arguments and parameter names.
+
+- :class:`MultiheadAttention`: the standard twin (MHA / GQA / MQA), as ``multihead_attention.py``.
+- :class:`MultiheadDiffAttn`: DIFF V1, as ``multihead_flashdiff_1.py`` (its head pairing).
+- :class:`MultiheadDiffAttnV2`: DIFF V2, as ``multihead_flashdiffv2.py``.
+
+All are called as ``module(x, positions=None, segment_ids=None)`` with ``x`` ``[batch, seq,
+embed]`` and are causal unless built with ``causal=False``. The attention math itself is in
+:mod:`diffjax.ops` (one dispatch point, ``attention_impl``).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from . import ops
+from .config import lambda_init_fn
+from .layers import (Dtype, RMSNorm, apply_rotary, as_dtype, default_positions, rotary_angles,
+                     torch_linear_init)
+
+
+def _check_input(x: jax.Array, embed_dim: int, name: str) -> None:
+    if x.ndim != 3 or x.shape[-1] != embed_dim:
+        raise ValueError(f"{name} expects x of shape [batch, seq, {embed_dim}], got {x.shape}")
+
+
+def _rotate(q: jax.Array, k: jax.Array, x: jax.Array, positions: jax.Array | None,
+            theta: float) -> tuple[jax.Array, jax.Array]:
+    """Interleaved rotary on every raw q and k head (rotary dim = head dim)."""
+    positions = default_positions(x, positions)
+    cos, sin = rotary_angles(positions, q.shape[-1], theta)
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+
+class _Projections(nnx.Module):
+    """Shared constructor pieces: bias-free linears in the compute dtype."""
+
+    def _linear(self, n_in: int, n_out: int, dtype, param_dtype, kernel_init, rngs):
+        return nnx.Linear(n_in, n_out, use_bias=False, dtype=as_dtype(dtype),
+                          param_dtype=as_dtype(param_dtype), kernel_init=kernel_init, rngs=rngs)
+
+
+class MultiheadAttention(_Projections):
+    """Standard multi-head attention (MHA, GQA with ``num_kv_heads``, MQA with 1).
+
+    Parameters ``q_proj [D, H d]``, ``k_proj``/``v_proj [D, H_kv d]``, ``out_proj [H d, D]``, as
+    the official ``multihead_attention.py`` (``head_dim`` defaults to ``embed_dim // num_heads``;
+    set it for the twin of a DIFF V2 layer whose width is not ``D / h``).
+    """
+
+    def __init__(self, embed_dim: int, depth: int, num_heads: int, num_kv_heads: int | None = None,
+                 *, head_dim: int | None = None, rope_theta: float = 10000.0, causal: bool = True,
+                 attention_impl: str = "auto", dtype: Dtype = jnp.float32,
+                 param_dtype: Dtype = jnp.float32, kernel_init=torch_linear_init,
+                 rngs: nnx.Rngs):
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if num_heads % num_kv_heads:
+            raise ValueError(f"MultiheadAttention: num_kv_heads={num_kv_heads} must divide "
+                             f"num_heads={num_heads}")
+        if head_dim is None:
+            if embed_dim % num_heads:
+                raise ValueError(f"MultiheadAttention: embed_dim={embed_dim} is not divisible by "
+                                 f"num_heads={num_heads}; pass head_dim explicitly")
+            head_dim = embed_dim // num_heads
+        if head_dim % 2:
+            raise ValueError(f"MultiheadAttention: head_dim={head_dim} must be even for rotary")
+        self.embed_dim, self.depth = embed_dim, depth
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.n_rep = num_heads // num_kv_heads
+        self.scaling = head_dim ** -0.5
+        self.rope_theta, self.causal, self.attention_impl = rope_theta, causal, attention_impl
+        args = (dtype, param_dtype, kernel_init, rngs)
+        self.q_proj = self._linear(embed_dim, num_heads * head_dim, *args)
+        self.k_proj = self._linear(embed_dim, num_kv_heads * head_dim, *args)
+        self.v_proj = self._linear(embed_dim, num_kv_heads * head_dim, *args)
+        self.out_proj = self._linear(num_heads * head_dim, embed_dim, *args)
+
+    def __call__(self, x: jax.Array, positions: jax.Array | None = None,
+                 segment_ids: jax.Array | None = None) -> jax.Array:
+        _check_input(x, self.embed_dim, type(self).__name__)
+        b, t, _ = x.shape
+        q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+        q, k = _rotate(q, k, x, positions, self.rope_theta)
+        o = ops.dot_product_attention(q, k, v, causal=self.causal, segment_ids=segment_ids,
+                                      scale=self.scaling, impl=self.attention_impl)
+        return self.out_proj(o.reshape(b, t, self.num_heads * self.head_dim))
+
+
+class MultiheadDiffAttn(_Projections):
+    """Differential attention V1 (the paper), with the pairing of ``multihead_flashdiff_1.py``.
+
+    ``num_heads`` = h DIFF heads (half the baseline's heads); ``num_kv_heads`` = h_kv (half the
+    baseline's kv heads; None for MHA). Head width d = ``embed_dim // num_heads // 2``.
+
+    - ``q_proj: D -> D`` viewed as ``[T, 2h, d]``: DIFF head i has Q1 = raw head 2i, Q2 = 2i+1.
+    - ``k_proj: D -> D / n_rep`` viewed as ``[S, 2h_kv, d]``: group g = i // n_rep has
+      K1 = raw head 2g, K2 = raw head 2g+1.
+    - ``v_proj: D -> D / n_rep`` viewed as ``[S, h_kv, 2d]``.
+    - ``lambda = exp(lq1 . lk1) - exp(lq2 . lk2) + lambda_init`` (float32 scalar);
+      ``O = RMSNorm_2d((A1 - lambda A2) V) * (1 - lambda_init)``; ``out_proj: D -> D``.
+
+    ``lambda_init``: None for the depth schedule ``0.8 - 0.6 exp(-0.3 depth)``, or a fixed value
+    (the paper's ablation). ``norm=False`` drops the per-head RMSNorm and its ``(1 - lambda_init)``
+    factor (the paper's "without GroupNorm" ablation).
+    """
+
+    def __init__(self, embed_dim: int, depth: int, num_heads: int, num_kv_heads: int | None = None,
+                 *, lambda_init: float | None = None, norm: bool = True, norm_eps: float = 1e-5,
+                 rope_theta: float = 10000.0, causal: bool = True, attention_impl: str = "auto",
+                 dtype: Dtype = jnp.float32, param_dtype: Dtype = jnp.float32,
+                 kernel_init=torch_linear_init, rngs: nnx.Rngs):
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if num_heads % num_kv_heads:
+            raise ValueError(f"MultiheadDiffAttn: num_kv_heads={num_kv_heads} must divide "
+                             f"num_heads={num_heads}")
+        if embed_dim % (2 * num_heads):
+            raise ValueError(f"MultiheadDiffAttn: embed_dim={embed_dim} must be divisible by "
+                             f"2*num_heads={2 * num_heads} (num_heads is the number of DIFF heads, "
+                             f"half the baseline's)")
+        head_dim = embed_dim // num_heads // 2
+        if head_dim % 2:
+            raise ValueError(f"MultiheadDiffAttn: head width d={head_dim} must be even for rotary")
+        self.embed_dim, self.depth = embed_dim, depth
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.n_rep = num_heads // num_kv_heads
+        self.scaling = head_dim ** -0.5
+        self.rope_theta, self.causal, self.attention_impl = rope_theta, causal, attention_impl
+        self.lambda_init = float(lambda_init_fn(depth) if lambda_init is None else lambda_init)
+        args = (dtype, param_dtype, kernel_init, rngs)
+        self.q_proj = self._linear(embed_dim, embed_dim, *args)
+        self.k_proj = self._linear(embed_dim, embed_dim // self.n_rep, *args)
+        self.v_proj = self._linear(embed_dim, embed_dim // self.n_rep, *args)
+        self.out_proj = self._linear(embed_dim, embed_dim, *args)
+        init = nnx.initializers.normal(0.1)
+        key = rngs.params()
+        k1, k2, k3, k4 = jax.random.split(key, 4)
+        self.lambda_q1 = nnx.Param(init(k1, (head_dim,), jnp.float32))
+        self.lambda_k1 = nnx.Param(init(k2, (head_dim,), jnp.float32))
+        self.lambda_q2 = nnx.Param(init(k3, (head_dim,), jnp.float32))
+        self.lambda_k2 = nnx.Param(init(k4, (head_dim,), jnp.float32))
+        self.subln = (RMSNorm(2 * head_dim, eps=norm_eps, param_dtype=param_dtype)
+                      if norm else None)
+
+    def lambda_full(self) -> jax.Array:
+        """The layer's lambda (float32 scalar)."""
+        return differential_lambda(self.lambda_q1[...], self.lambda_k1[...], self.lambda_q2[...],
+                                   self.lambda_k2[...], self.lambda_init)
+
+    def __call__(self, x: jax.Array, positions: jax.Array | None = None,
+                 segment_ids: jax.Array | None = None) -> jax.Array:
+        _check_input(x, self.embed_dim, type(self).__name__)
+        b, t, _ = x.shape
+        h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        q = self.q_proj(x).reshape(b, t, 2 * h, d)
+        k = self.k_proj(x).reshape(b, t, 2 * hkv, d)
+        v = self.v_proj(x).reshape(b, t, hkv, 2 * d)
+        q, k = _rotate(q, k, x, positions, self.rope_theta)
+        q1, q2 = q[:, :, 0::2], q[:, :, 1::2]
+        k1, k2 = k[:, :, 0::2], k[:, :, 1::2]
+        o = ops.differential_attention(q1, k1, q2, k2, v, self.lambda_full(), causal=self.causal,
+                                       segment_ids=segment_ids, scale=self.scaling,
+                                       impl=self.attention_impl)
+        if self.subln is not None:
+            o = self.subln(o) * jnp.asarray(1.0 - self.lambda_init, o.dtype)
+        return self.out_proj(o.reshape(b, t, h * 2 * d))
+
+
+def differential_lambda(lq1: jax.Array, lk1: jax.Array, lq2: jax.Array, lk2: jax.Array,
+                        lambda_init: float) -> jax.Array:
+    """DIFF V1's re-parameterised lambda, ``exp(lq1.lk1) - exp(lq2.lk2) + lambda_init``, float32."""
+    f32 = jnp.float32
+    return (jnp.exp(jnp.sum(lq1.astype(f32) * lk1.astype(f32)))
+            - jnp.exp(jnp.sum(lq2.astype(f32) * lk2.astype(f32))) + f32(lambda_init))
+
+
+class MultiheadDiffAttnV2(_Projections):
+    """Differential attention V2, as ``multihead_flashdiffv2.py`` with ``use_diff_v2=True``.
+
+    ``num_heads`` = h output heads over 2h query heads of width ``head_dim`` = d; query heads 2i
+    and 2i+1 form pair i and share kv group ``i // (h / h_kv)``. ``q_proj: D -> 2h d``,
+    ``k_proj``/``v_proj: D -> h_kv d``, ``o_proj: h d -> D``, ``lambda_proj: D -> h``;
+    ``O_i = O_{2i} - sigmoid(lambda_proj(x))_i O_{2i+1}`` (lambda per token and head, in float32).
+    No per-head norm.
+    """
+
+    def __init__(self, d_model: int, num_heads: int, num_kv_heads: int | None, head_dim: int,
+                 *, rope_theta: float = 10000.0, causal: bool = True, attention_impl: str = "auto",
+                 dtype: Dtype = jnp.float32, param_dtype: Dtype = jnp.float32,
+                 kernel_init=torch_linear_init, rngs: nnx.Rngs):
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if num_heads % num_kv_heads:
+            raise ValueError(
+                f"MultiheadDiffAttnV2: num_kv_heads={num_kv_heads} must divide num_heads={num_heads}, "
+                f"or the query pairs (2i, 2i+1) straddle kv groups")
+        if head_dim % 2:
+            raise ValueError(f"MultiheadDiffAttnV2: head_dim={head_dim} must be even for rotary")
+        self.d_model = self.embed_dim = d_model
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.num_q_heads = 2 * num_heads
+        self.scaling = head_dim ** -0.5
+        self.rope_theta, self.causal, self.attention_impl = rope_theta, causal, attention_impl
+        args = (dtype, param_dtype, kernel_init, rngs)
+        self.q_proj = self._linear(d_model, self.num_q_heads * head_dim, *args)
+        self.k_proj = self._linear(d_model, num_kv_heads * head_dim, *args)
+        self.v_proj = self._linear(d_model, num_kv_heads * head_dim, *args)
+        self.o_proj = self._linear(num_heads * head_dim, d_model, *args)
+        # lambda is computed in float32 whatever the activation dtype.
+        self.lambda_proj = self._linear(d_model, num_heads, jnp.float32, param_dtype,
+                                        kernel_init, rngs)
+
+    def lambda_values(self, x: jax.Array) -> jax.Array:
+        """Per-token, per-head lambda ``sigmoid(lambda_proj(x))``, ``[batch, seq, h]`` float32."""
+        return jax.nn.sigmoid(self.lambda_proj(x.astype(jnp.float32)))
+
+    def __call__(self, x: jax.Array, positions: jax.Array | None = None,
+                 segment_ids: jax.Array | None = None) -> jax.Array:
+        _check_input(x, self.d_model, type(self).__name__)
+        b, t, _ = x.shape
+        h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        q = self.q_proj(x).reshape(b, t, 2 * h, d)
+        k = self.k_proj(x).reshape(b, t, hkv, d)
+        v = self.v_proj(x).reshape(b, t, hkv, d)
+        q, k = _rotate(q, k, x, positions, self.rope_theta)
+        o = ops.differential_attention(q[:, :, 0::2], k, q[:, :, 1::2], k, v, self.lambda_values(x),
+                                       causal=self.causal, segment_ids=segment_ids,
+                                       scale=self.scaling, impl=self.attention_impl)
+        return self.o_proj(o.reshape(b, t, h * d))
+
+
+__all__ = ["MultiheadAttention", "MultiheadDiffAttn", "MultiheadDiffAttnV2", "differential_lambda"]

@@ -1,0 +1,235 @@
+"""Model configuration: one typed dataclass, validated at construction, and `twin()`.
+
+Head conventions (the paper's and the official code's):
+
+- ``attention="standard"``: ``num_heads`` heads of width ``head_dim`` (default
+  ``d_model // num_heads``) over ``num_kv_heads`` key/value heads.
+- ``attention="diff_v1"``: ``num_heads`` = h DIFF heads. Each has two query/key halves of
+  width ``head_dim`` = d = ``d_model // (2 h)`` and a value 2d wide. The projections have the
+  shapes of a standard layer with 2h heads, so the matching baseline is ``twin(config)``:
+  2h heads, 2h_kv kv heads, width d, same ``d_model``.
+- ``attention="diff_v2"``: ``num_heads`` = h output heads over 2h query heads of width
+  ``head_dim`` = d (default ``d_model // num_heads``); query heads 2i and 2i+1 form DIFF
+  pair i and share one kv group. Its twin has the same h, h_kv and d.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+ATTENTION_KINDS = ("standard", "diff_v1", "diff_v2")
+ATTENTION_IMPLS = ("auto", "xla", "pallas")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class ConfigError(ValueError):
+    """An inconsistent configuration. The message names the field and the fix."""
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """A decoder-only language model built from one attention kind.
+
+    Every field is checked in ``__post_init__``; an inconsistent setting raises
+    :class:`ConfigError` naming the field and the fix before any array is allocated.
+    """
+
+    vocab_size: int = 259  # 256 bytes + BOS/EOS/PAD (the byte-level tokenizer)
+    d_model: int = 256
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int | None = None  # None: same as num_heads (MHA)
+    head_dim: int | None = None  # None: derived from d_model and num_heads (see module doc)
+    attention: str = "diff_v1"
+    max_seq_len: int = 1024
+    dtype: str = "float32"  # compute (activation) dtype
+    param_dtype: str = "float32"
+    attention_impl: str = "auto"  # "auto" | "xla" | "pallas"
+    ffn_dim: int | None = None  # None: 8/3 * d_model rounded up to ffn_multiple_of
+    ffn_multiple_of: int = 64
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+    # DIFF V1 ablations (the paper's Table 6). None: lambda_init(depth) = 0.8 - 0.6 exp(-0.3 depth).
+    lambda_init: float | None = None
+    diff_norm: bool = True  # V1's per-head RMSNorm (subln)
+
+    def __post_init__(self) -> None:
+        self._check_types()
+        self._check_values()
+
+    # ------------------------------------------------------------------ validation
+    def _fail(self, field: str, problem: str, fix: str) -> None:
+        raise ConfigError(f"ModelConfig.{field}: {problem}. Fix: {fix}.")
+
+    def _check_types(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            expected = f.type
+            if expected in ("int", "int | None"):
+                ok = (value is None and "None" in expected) or (
+                    isinstance(value, int) and not isinstance(value, bool)
+                )
+            elif expected in ("float", "float | None"):
+                ok = (value is None and "None" in expected) or (
+                    isinstance(value, (int, float)) and not isinstance(value, bool)
+                )
+            elif expected == "bool":
+                ok = isinstance(value, bool)
+            elif expected == "str":
+                ok = isinstance(value, str)
+            else:  # pragma: no cover - every field has one of the types above
+                ok = True
+            if not ok:
+                self._fail(
+                    f.name,
+                    f"expected {expected}, got {type(value).__name__} {value!r}",
+                    f"pass a value of type {expected}",
+                )
+
+    def _check_values(self) -> None:
+        for name in ("vocab_size", "d_model", "num_layers", "num_heads", "max_seq_len",
+                     "ffn_multiple_of"):
+            if getattr(self, name) < 1:
+                self._fail(name, f"must be >= 1, got {getattr(self, name)}", "use a positive integer")
+        for name in ("num_kv_heads", "head_dim", "ffn_dim"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                self._fail(name, f"must be >= 1 or None, got {value}", "use a positive integer or None")
+        if self.attention not in ATTENTION_KINDS:
+            self._fail("attention", f"unknown attention kind {self.attention!r}",
+                       f"use one of {', '.join(map(repr, ATTENTION_KINDS))}")
+        if self.attention_impl not in ATTENTION_IMPLS:
+            self._fail("attention_impl", f"unknown implementation {self.attention_impl!r}",
+                       f"use one of {', '.join(map(repr, ATTENTION_IMPLS))}")
+        for name in ("dtype", "param_dtype"):
+            if getattr(self, name) not in DTYPES:
+                self._fail(name, f"unknown dtype {getattr(self, name)!r}",
+                           f"use one of {', '.join(map(repr, DTYPES))}")
+        if not self.rope_theta > 0:
+            self._fail("rope_theta", f"must be > 0, got {self.rope_theta}", "use e.g. 10000.0")
+        if not self.norm_eps > 0:
+            self._fail("norm_eps", f"must be > 0, got {self.norm_eps}", "use e.g. 1e-5")
+        if not self.init_std > 0:
+            self._fail("init_std", f"must be > 0, got {self.init_std}", "use e.g. 0.02")
+        if self.lambda_init is not None and self.attention != "diff_v1":
+            self._fail("lambda_init", f"is a DIFF V1 setting but attention={self.attention!r}",
+                       "leave lambda_init=None or set attention='diff_v1'")
+        if not self.diff_norm and self.attention != "diff_v1":
+            self._fail("diff_norm", f"is a DIFF V1 setting but attention={self.attention!r}",
+                       "leave diff_norm=True or set attention='diff_v1'")
+
+        h, hkv, D = self.num_heads, self.kv_heads, self.d_model
+        if self.attention == "diff_v2" and h % hkv and (2 * h) % hkv == 0:
+            # 2h query heads over hkv groups of 2h/hkv heads: pairs (2i, 2i+1) stay in one
+            # group iff 2h/hkv is even, i.e. iff hkv divides h.
+            self._fail("num_kv_heads",
+                       f"DIFF V2 pairs (2i, 2i+1) of the {2 * h} query heads would straddle "
+                       f"kv groups of {2 * h // hkv} heads with num_kv_heads={hkv}",
+                       f"choose num_kv_heads from {_divisors(h)} (a divisor of num_heads)")
+        if h % hkv:
+            self._fail("num_kv_heads",
+                       f"{hkv} kv heads do not divide num_heads={h}",
+                       f"choose num_kv_heads from {_divisors(h)}")
+        if self.attention == "standard":
+            if self.head_dim is None and D % h:
+                self._fail("d_model", f"{D} is not divisible by num_heads={h}",
+                           f"choose num_heads from {_divisors(D)} or set head_dim explicitly")
+        elif self.attention == "diff_v1":
+            if D % (2 * h):
+                self._fail("d_model",
+                           f"DIFF V1 splits d_model={D} into 2*num_heads={2 * h} halves of width d, "
+                           f"and {D} is not divisible by {2 * h}",
+                           f"choose num_heads so that 2*num_heads divides d_model "
+                           f"(num_heads in {[k for k in _divisors(D) if D % (2 * k) == 0]})")
+            if self.head_dim is not None and self.head_dim != D // (2 * h):
+                self._fail("head_dim",
+                           f"DIFF V1 fixes head_dim = d_model // (2*num_heads) = {D // (2 * h)}, "
+                           f"got {self.head_dim}",
+                           "leave head_dim=None for diff_v1 (the official layout fixes it)")
+        else:  # diff_v2
+            if self.head_dim is None and D % h:
+                self._fail("d_model", f"{D} is not divisible by num_heads={h}",
+                           f"choose num_heads from {_divisors(D)} or set head_dim explicitly")
+        if self.resolved_head_dim % 2:
+            self._fail("head_dim",
+                       f"rotary embedding rotates pairs of channels, so the head width must be even, "
+                       f"got {self.resolved_head_dim}",
+                       "choose d_model/num_heads (or head_dim) so that the head width is even")
+
+    # ------------------------------------------------------------------ derived values
+    @property
+    def kv_heads(self) -> int:
+        """The number of key/value heads (``num_kv_heads`` or ``num_heads``)."""
+        return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+
+    @property
+    def resolved_head_dim(self) -> int:
+        """The width d of one query/key head (one half of a DIFF V1 head)."""
+        if self.head_dim is not None:
+            return self.head_dim
+        if self.attention == "diff_v1":
+            return self.d_model // (2 * self.num_heads)
+        return self.d_model // self.num_heads
+
+    @property
+    def resolved_ffn_dim(self) -> int:
+        """SwiGLU width: ``ffn_dim`` or 8/3 * d_model rounded up to ``ffn_multiple_of``."""
+        if self.ffn_dim is not None:
+            return self.ffn_dim
+        hidden = int(8 * self.d_model / 3)
+        m = self.ffn_multiple_of
+        return m * ((hidden + m - 1) // m)
+
+    @property
+    def is_diff(self) -> bool:
+        return self.attention in ("diff_v1", "diff_v2")
+
+    def replace(self, **changes: Any) -> "ModelConfig":
+        """A copy with ``changes`` applied (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def lambda_init_fn(depth: int) -> float:
+    """The paper's lambda_init schedule, ``0.8 - 0.6 * exp(-0.3 * depth)`` (0-based depth)."""
+    import math
+
+    return 0.8 - 0.6 * math.exp(-0.3 * depth)
+
+
+def twin(config: ModelConfig) -> ModelConfig:
+    """The standard-attention twin of a DIFF config, by the paper's rules.
+
+    - DIFF V1 with h heads, h_kv kv heads, width d: the twin has 2h heads and 2h_kv kv heads of
+      width d and the same ``d_model``, so every projection has the same shape.
+    - DIFF V2 with h heads, h_kv kv heads, width d: the twin has the same h, h_kv and d.
+
+    Everything else (vocab, depth, FFN, dtype, ...) is unchanged.
+    """
+    if not isinstance(config, ModelConfig):
+        raise TypeError(f"twin() takes a ModelConfig, got {type(config).__name__}")
+    common = dict(attention="standard", lambda_init=None, diff_norm=True)
+    if config.attention == "diff_v1":
+        return config.replace(
+            num_heads=2 * config.num_heads,
+            num_kv_heads=2 * config.kv_heads,
+            head_dim=config.resolved_head_dim,
+            **common,
+        )
+    if config.attention == "diff_v2":
+        return config.replace(
+            num_kv_heads=config.kv_heads, head_dim=config.resolved_head_dim, **common
+        )
+    raise ConfigError(
+        "twin(): ModelConfig.attention is 'standard'; a twin is defined for a DIFF config. "
+        "Fix: pass a config with attention='diff_v1' or 'diff_v2'."
+    )

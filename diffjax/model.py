@@ -1,0 +1,93 @@
+"""The decoder-only language model: embedding, L pre-norm blocks, final norm, output head."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from .attention import MultiheadAttention, MultiheadDiffAttn, MultiheadDiffAttnV2
+from .config import ModelConfig
+from .layers import RMSNorm, SwiGLU, as_dtype
+
+
+def make_attention(config: ModelConfig, depth: int, *, rngs: nnx.Rngs) -> nnx.Module:
+    """The attention layer of block ``depth`` for ``config.attention``."""
+    common = dict(rope_theta=config.rope_theta, attention_impl=config.attention_impl,
+                  dtype=as_dtype(config.dtype), param_dtype=as_dtype(config.param_dtype),
+                  kernel_init=nnx.initializers.normal(config.init_std), rngs=rngs)
+    if config.attention == "standard":
+        return MultiheadAttention(config.d_model, depth, config.num_heads, config.kv_heads,
+                                  head_dim=config.resolved_head_dim, **common)
+    if config.attention == "diff_v1":
+        return MultiheadDiffAttn(config.d_model, depth, config.num_heads, config.kv_heads,
+                                 lambda_init=config.lambda_init, norm=config.diff_norm, **common)
+    if config.attention == "diff_v2":
+        return MultiheadDiffAttnV2(config.d_model, config.num_heads, config.kv_heads,
+                                   config.resolved_head_dim, **common)
+    raise AssertionError(config.attention)  # unreachable: ModelConfig validates the kind
+
+
+class Block(nnx.Module):
+    """``x + attn(norm(x))``, then ``x + ffn(norm(x))`` (LLaMA's pre-norm residual block)."""
+
+    def __init__(self, config: ModelConfig, depth: int, *, rngs: nnx.Rngs):
+        pdt = as_dtype(config.param_dtype)
+        self.attn_norm = RMSNorm(config.d_model, eps=config.norm_eps, param_dtype=pdt)
+        self.attn = make_attention(config, depth, rngs=rngs)
+        self.ffn_norm = RMSNorm(config.d_model, eps=config.norm_eps, param_dtype=pdt)
+        self.ffn = SwiGLU(config.d_model, config.resolved_ffn_dim, dtype=as_dtype(config.dtype),
+                          param_dtype=pdt, kernel_init=nnx.initializers.normal(config.init_std),
+                          rngs=rngs)
+
+    def __call__(self, x, positions=None, segment_ids=None):
+        x = x + self.attn(self.attn_norm(x), positions, segment_ids)
+        return x + self.ffn(self.ffn_norm(x))
+
+
+class TransformerLM(nnx.Module):
+    """Decoder-only LM. ``model(tokens [B, T] int) -> logits [B, T, vocab]`` (float32).
+
+    ``positions`` (``[B, T]``, default ``arange(T)``) and ``segment_ids`` (``[B, T]``, packed
+    sequences: no attention across segments) are passed to every attention layer.
+    """
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        if not isinstance(config, ModelConfig):
+            raise TypeError(f"TransformerLM takes a ModelConfig, got {type(config).__name__}")
+        self.config = config
+        dt, pdt = as_dtype(config.dtype), as_dtype(config.param_dtype)
+        init = nnx.initializers.normal(config.init_std)
+        self.embed = nnx.Embed(config.vocab_size, config.d_model, dtype=dt, param_dtype=pdt,
+                               embedding_init=init, rngs=rngs)
+        self.layers = nnx.List([Block(config, i, rngs=rngs) for i in range(config.num_layers)])
+        self.norm = RMSNorm(config.d_model, eps=config.norm_eps, param_dtype=pdt)
+        self.lm_head = (None if config.tie_embeddings else
+                        nnx.Linear(config.d_model, config.vocab_size, use_bias=False, dtype=dt,
+                                   param_dtype=pdt, kernel_init=init, rngs=rngs))
+
+    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
+                 segment_ids: jax.Array | None = None) -> jax.Array:
+        cfg = self.config
+        if tokens.ndim != 2:
+            raise ValueError(f"TransformerLM expects tokens of shape [batch, seq], got {tokens.shape}")
+        if not jnp.issubdtype(tokens.dtype, jnp.integer):
+            raise ValueError(f"TransformerLM expects integer tokens, got dtype {tokens.dtype}")
+        if tokens.shape[1] > cfg.max_seq_len:
+            raise ValueError(f"sequence length {tokens.shape[1]} exceeds ModelConfig.max_seq_len="
+                             f"{cfg.max_seq_len}; raise max_seq_len or shorten the input")
+        for name, arr in (("positions", positions), ("segment_ids", segment_ids)):
+            if arr is not None and arr.shape != tokens.shape:
+                raise ValueError(f"{name} must have the shape of tokens {tokens.shape}, got {arr.shape}")
+        x = self.embed(tokens)
+        for block in self.layers:
+            x = block(x, positions, segment_ids)
+        x = self.norm(x)
+        logits = self.embed.attend(x) if self.lm_head is None else self.lm_head(x)
+        return logits.astype(jnp.float32)
+
+    def lambdas(self) -> list[jax.Array] | None:
+        """Each layer's DIFF V1 lambda (float32 scalars), or None for other kinds."""
+        if self.config.attention != "diff_v1":
+            return None
+        return [block.attn.lambda_full() for block in self.layers]
