@@ -35,7 +35,12 @@ def _rotate(q: jax.Array, k: jax.Array, x: jax.Array, positions: jax.Array | Non
 
 
 class _Projections(nnx.Module):
-    """Shared constructor pieces: bias-free linears in the compute dtype."""
+    """Shared constructor pieces: bias-free linears in the compute dtype, the impl check."""
+
+    @staticmethod
+    def _check_impl(attention_impl: str) -> str:
+        ops.resolve_impl(attention_impl)  # unknown names fail here, at construction
+        return attention_impl
 
     def _linear(self, n_in: int, n_out: int, dtype, param_dtype, kernel_init, rngs):
         return nnx.Linear(n_in, n_out, use_bias=False, dtype=as_dtype(dtype),
@@ -70,21 +75,35 @@ class MultiheadAttention(_Projections):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.n_rep = num_heads // num_kv_heads
         self.scaling = head_dim ** -0.5
-        self.rope_theta, self.causal, self.attention_impl = rope_theta, causal, attention_impl
+        self.rope_theta, self.causal = rope_theta, causal
+        self.attention_impl = self._check_impl(attention_impl)
         args = (dtype, param_dtype, kernel_init, rngs)
         self.q_proj = self._linear(embed_dim, num_heads * head_dim, *args)
         self.k_proj = self._linear(embed_dim, num_kv_heads * head_dim, *args)
         self.v_proj = self._linear(embed_dim, num_kv_heads * head_dim, *args)
         self.out_proj = self._linear(num_heads * head_dim, embed_dim, *args)
 
-    def __call__(self, x: jax.Array, positions: jax.Array | None = None,
-                 segment_ids: jax.Array | None = None) -> jax.Array:
+    def _qkv(self, x, positions):
+        """(q, k, v) after rotary, ``[B, T, heads, head_dim]``."""
         _check_input(x, self.embed_dim, type(self).__name__)
         b, t, _ = x.shape
         q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
         k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
         q, k = _rotate(q, k, x, positions, self.rope_theta)
+        return q, k, v
+
+    def attention_maps(self, x: jax.Array, positions: jax.Array | None = None,
+                       segment_ids: jax.Array | None = None) -> dict[str, jax.Array]:
+        """The softmax map ``a`` ``[B, heads, T, S]`` (float32), for analysis."""
+        q, k, _ = self._qkv(x, positions)
+        return {"a": ops.attention_weights(q, k, causal=self.causal, segment_ids=segment_ids,
+                                           scale=self.scaling)}
+
+    def __call__(self, x: jax.Array, positions: jax.Array | None = None,
+                 segment_ids: jax.Array | None = None) -> jax.Array:
+        q, k, v = self._qkv(x, positions)
+        b, t = x.shape[:2]
         o = ops.dot_product_attention(q, k, v, causal=self.causal, segment_ids=segment_ids,
                                       scale=self.scaling, impl=self.attention_impl)
         return self.out_proj(o.reshape(b, t, self.num_heads * self.head_dim))
@@ -128,7 +147,8 @@ class MultiheadDiffAttn(_Projections):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.n_rep = num_heads // num_kv_heads
         self.scaling = head_dim ** -0.5
-        self.rope_theta, self.causal, self.attention_impl = rope_theta, causal, attention_impl
+        self.rope_theta, self.causal = rope_theta, causal
+        self.attention_impl = self._check_impl(attention_impl)
         self.lambda_init = float(lambda_init_fn(depth) if lambda_init is None else lambda_init)
         args = (dtype, param_dtype, kernel_init, rngs)
         self.q_proj = self._linear(embed_dim, embed_dim, *args)
@@ -150,8 +170,8 @@ class MultiheadDiffAttn(_Projections):
         return differential_lambda(self.lambda_q1[...], self.lambda_k1[...], self.lambda_q2[...],
                                    self.lambda_k2[...], self.lambda_init)
 
-    def __call__(self, x: jax.Array, positions: jax.Array | None = None,
-                 segment_ids: jax.Array | None = None) -> jax.Array:
+    def _qkv(self, x, positions):
+        """(q1, k1, q2, k2, v) after rotary, in the flash_1 pairing."""
         _check_input(x, self.embed_dim, type(self).__name__)
         b, t, _ = x.shape
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
@@ -159,8 +179,24 @@ class MultiheadDiffAttn(_Projections):
         k = self.k_proj(x).reshape(b, t, 2 * hkv, d)
         v = self.v_proj(x).reshape(b, t, hkv, 2 * d)
         q, k = _rotate(q, k, x, positions, self.rope_theta)
-        q1, q2 = q[:, :, 0::2], q[:, :, 1::2]
-        k1, k2 = k[:, :, 0::2], k[:, :, 1::2]
+        return q[:, :, 0::2], k[:, :, 0::2], q[:, :, 1::2], k[:, :, 1::2], v
+
+    def attention_maps(self, x: jax.Array, positions: jax.Array | None = None,
+                       segment_ids: jax.Array | None = None) -> dict[str, jax.Array]:
+        """The two softmax maps ``a1``, ``a2`` ``[B, h, T, S]``, ``lam`` and the differential map
+        ``diff = a1 - lam * a2`` (float32), for analysis. Materialises ``T x S`` maps."""
+        q1, k1, q2, k2, _ = self._qkv(x, positions)
+        kw = dict(causal=self.causal, segment_ids=segment_ids, scale=self.scaling)
+        a1 = ops.attention_weights(q1, k1, **kw)
+        a2 = ops.attention_weights(q2, k2, **kw)
+        lam = self.lambda_full()
+        return {"a1": a1, "a2": a2, "lam": lam, "diff": a1 - lam * a2}
+
+    def __call__(self, x: jax.Array, positions: jax.Array | None = None,
+                 segment_ids: jax.Array | None = None) -> jax.Array:
+        q1, k1, q2, k2, v = self._qkv(x, positions)
+        b, t = x.shape[:2]
+        h, d = self.num_heads, self.head_dim
         o = ops.differential_attention(q1, k1, q2, k2, v, self.lambda_full(), causal=self.causal,
                                        segment_ids=segment_ids, scale=self.scaling,
                                        impl=self.attention_impl)
@@ -202,7 +238,8 @@ class MultiheadDiffAttnV2(_Projections):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.num_q_heads = 2 * num_heads
         self.scaling = head_dim ** -0.5
-        self.rope_theta, self.causal, self.attention_impl = rope_theta, causal, attention_impl
+        self.rope_theta, self.causal = rope_theta, causal
+        self.attention_impl = self._check_impl(attention_impl)
         args = (dtype, param_dtype, kernel_init, rngs)
         self.q_proj = self._linear(d_model, self.num_q_heads * head_dim, *args)
         self.k_proj = self._linear(d_model, num_kv_heads * head_dim, *args)
@@ -216,8 +253,8 @@ class MultiheadDiffAttnV2(_Projections):
         """Per-token, per-head lambda ``sigmoid(lambda_proj(x))``, ``[batch, seq, h]`` float32."""
         return jax.nn.sigmoid(self.lambda_proj(x.astype(jnp.float32)))
 
-    def __call__(self, x: jax.Array, positions: jax.Array | None = None,
-                 segment_ids: jax.Array | None = None) -> jax.Array:
+    def _qkv(self, x, positions):
+        """(q, k, v) after rotary: q ``[B, T, 2h, d]``, k and v ``[B, S, h_kv, d]``."""
         _check_input(x, self.d_model, type(self).__name__)
         b, t, _ = x.shape
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
@@ -225,10 +262,28 @@ class MultiheadDiffAttnV2(_Projections):
         k = self.k_proj(x).reshape(b, t, hkv, d)
         v = self.v_proj(x).reshape(b, t, hkv, d)
         q, k = _rotate(q, k, x, positions, self.rope_theta)
+        return q, k, v
+
+    def attention_maps(self, x: jax.Array, positions: jax.Array | None = None,
+                       segment_ids: jax.Array | None = None) -> dict[str, jax.Array]:
+        """``a1``, ``a2`` ``[B, h, T, S]``, ``lam`` ``[B, T, h]`` and ``diff = a1 - lam * a2``
+        (float32), for analysis. Materialises ``T x S`` maps."""
+        q, k, _ = self._qkv(x, positions)
+        kw = dict(causal=self.causal, segment_ids=segment_ids, scale=self.scaling)
+        a1 = ops.attention_weights(q[:, :, 0::2], k, **kw)
+        a2 = ops.attention_weights(q[:, :, 1::2], k, **kw)
+        lam = self.lambda_values(x)
+        return {"a1": a1, "a2": a2, "lam": lam,
+                "diff": a1 - jnp.transpose(lam, (0, 2, 1))[..., None] * a2}
+
+    def __call__(self, x: jax.Array, positions: jax.Array | None = None,
+                 segment_ids: jax.Array | None = None) -> jax.Array:
+        q, k, v = self._qkv(x, positions)
+        b, t = x.shape[:2]
         o = ops.differential_attention(q[:, :, 0::2], k, q[:, :, 1::2], k, v, self.lambda_values(x),
                                        causal=self.causal, segment_ids=segment_ids,
                                        scale=self.scaling, impl=self.attention_impl)
-        return self.o_proj(o.reshape(b, t, h * d))
+        return self.o_proj(o.reshape(b, t, self.num_heads * self.head_dim))
 
 
 __all__ = ["MultiheadAttention", "MultiheadDiffAttn", "MultiheadDiffAttnV2", "differential_lambda"]

@@ -103,6 +103,24 @@ def differential_attention_xla(q1, k1, q2, k2, v, lam, *, causal=True, segment_i
     return (o1 - lam * o2).astype(q1.dtype)
 
 
+def attention_weights(q: jax.Array, k: jax.Array, *, causal: bool = True,
+                      segment_ids: jax.Array | None = None,
+                      kv_segment_ids: jax.Array | None = None,
+                      scale: float | None = None) -> jax.Array:
+    """The softmax attention map ``[B, Hq, T, S]`` (float32), for analysis and plots.
+
+    q ``[B,T,Hq,D]``, k ``[B,S,Hkv,D]``; query head ``i`` reads kv head ``i // (Hq // Hkv)``.
+    Materialises the whole map: meant for inspection, not for training.
+    """
+    _check_qkv(q, k, k, segment_ids, kv_segment_ids, "attention_weights")
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    mask = attention_mask(q.shape[1], k.shape[1], causal=causal, segment_ids=segment_ids,
+                          kv_segment_ids=kv_segment_ids)
+    probs = _attention_probs(q, k, mask, scale)  # [B, Hkv, R, T, S]
+    b, hkv, r, t, s = probs.shape
+    return probs.reshape(b, hkv * r, t, s)
+
+
 # ---------------------------------------------------------------------------- registry
 class StandardFn(Protocol):
     def __call__(self, q, k, v, *, causal, segment_ids, kv_segment_ids, scale) -> jax.Array: ...
