@@ -226,7 +226,8 @@ class MultiheadDiffAttnV2(_Projections):
     def __init__(self, d_model: int, num_heads: int, num_kv_heads: int | None, head_dim: int,
                  *, rope_theta: float = 10000.0, causal: bool = True, attention_impl: str = "auto",
                  dtype: Dtype = jnp.float32, param_dtype: Dtype = jnp.float32,
-                 kernel_init=torch_linear_init, rngs: nnx.Rngs):
+                 kernel_init=torch_linear_init, lambda_proj_init=torch_linear_init,
+                 rngs: nnx.Rngs):
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if num_heads % num_kv_heads:
             raise ValueError(
@@ -246,8 +247,9 @@ class MultiheadDiffAttnV2(_Projections):
         self.v_proj = self._linear(d_model, num_kv_heads * head_dim, *args)
         self.o_proj = self._linear(num_heads * head_dim, d_model, *args)
         # lambda is computed in float32 whatever the activation dtype.
+        # (``lambda_proj_init``: torch's default Linear init, as the official code leaves it.)
         self.lambda_proj = self._linear(d_model, num_heads, jnp.float32, param_dtype,
-                                        kernel_init, rngs)
+                                        lambda_proj_init, rngs)
 
     def lambda_values(self, x: jax.Array) -> jax.Array:
         """Per-token, per-head lambda ``sigmoid(lambda_proj(x))``, ``[batch, seq, h]`` float32."""

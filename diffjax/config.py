@@ -16,7 +16,10 @@ Head conventions (the paper's and the official code's):
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Any
+
+import numpy as np
 
 ATTENTION_KINDS = ("standard", "diff_v1", "diff_v2")
 ATTENTION_IMPLS = ("auto", "xla", "pallas")
@@ -74,12 +77,16 @@ class ModelConfig:
             expected = f.type
             if expected in ("int", "int | None"):
                 ok = (value is None and "None" in expected) or (
-                    isinstance(value, int) and not isinstance(value, bool)
+                    isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
                 )
+                if ok and value is not None:  # numpy integers become plain ints
+                    object.__setattr__(self, f.name, int(value))
             elif expected in ("float", "float | None"):
                 ok = (value is None and "None" in expected) or (
-                    isinstance(value, (int, float)) and not isinstance(value, bool)
+                    isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
                 )
+                if ok and value is not None:
+                    object.__setattr__(self, f.name, float(value))
             elif expected == "bool":
                 ok = isinstance(value, bool)
             elif expected == "str":

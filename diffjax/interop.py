@@ -98,6 +98,15 @@ def load_unilm_state_dict(module: nnx.Module, state_dict: Mapping[str, Any], *,
 
 
 def unilm_state_dict(module: nnx.Module) -> dict[str, np.ndarray]:
-    """The module's weights under the official names, torch layout, as numpy arrays."""
-    return {name: np.asarray(param[...]).T if transpose else np.asarray(param[...])
-            for name, (param, transpose) in _param_table(module).items()}
+    """The module's weights under the official names, torch layout, as writable numpy arrays.
+
+    bfloat16 parameters come out as float32 (``torch.from_numpy`` takes no numpy bfloat16);
+    ``torch.from_numpy(a).to(torch.bfloat16)`` restores them exactly.
+    """
+    out = {}
+    for name, (param, transpose) in _param_table(module).items():
+        array = np.asarray(param[...])
+        if array.dtype == jnp.bfloat16:
+            array = array.astype(np.float32)
+        out[name] = np.array(array.T if transpose else array, copy=True)
+    return out

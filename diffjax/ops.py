@@ -60,9 +60,13 @@ def _attention_probs(q: jax.Array, k: jax.Array, mask: jax.Array | None, scale: 
     qg = q.reshape(b, t, hkv, hq // hkv, d)
     logits = jnp.einsum("btgrd,bsgd->bgrts", qg, k, preferred_element_type=jnp.float32)
     logits = logits * jnp.float32(scale)
-    if mask is not None:
-        logits = jnp.where(mask[:, None, None, :, :], logits, MASK_VALUE)
-    return jax.nn.softmax(logits, axis=-1)
+    if mask is None:
+        return jax.nn.softmax(logits, axis=-1)
+    mask = mask[:, None, None, :, :]
+    probs = jax.nn.softmax(jnp.where(mask, logits, MASK_VALUE), axis=-1)
+    # A query that sees no key at all gets zero weights (and a zero output), as flash attention
+    # gives, rather than a uniform average over keys it may not see.
+    return jnp.where(mask, probs, 0.0)
 
 
 def _attend(probs: jax.Array, v: jax.Array) -> jax.Array:
