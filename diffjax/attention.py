@@ -35,12 +35,25 @@ def _rotate(q: jax.Array, k: jax.Array, x: jax.Array, positions: jax.Array | Non
 
 
 class _Projections(nnx.Module):
-    """Shared constructor pieces: bias-free linears in the compute dtype, the impl check."""
+    """Shared constructor pieces: head bookkeeping and its checks, bias-free linears."""
 
-    @staticmethod
-    def _check_impl(attention_impl: str) -> str:
-        ops.resolve_impl(attention_impl)  # unknown names fail here, at construction
-        return attention_impl
+    def _init_heads(self, embed_dim: int, num_heads: int, num_kv_heads: int | None,
+                    head_dim: int, *, rope_theta: float, causal: bool, attention_impl: str,
+                    kv_note: str = "") -> None:
+        """Check and store the head layout; ``num_kv_heads=None`` means MHA."""
+        name = type(self).__name__
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if num_heads % num_kv_heads:
+            raise ValueError(f"{name}: num_kv_heads={num_kv_heads} must divide "
+                             f"num_heads={num_heads}{kv_note}")
+        if head_dim % 2:
+            raise ValueError(f"{name}: head width {head_dim} must be even for rotary")
+        ops.resolve_impl(attention_impl)  # an unknown implementation fails here, at construction
+        self.embed_dim = embed_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.n_rep = num_heads // num_kv_heads
+        self.scaling = head_dim ** -0.5
+        self.rope_theta, self.causal, self.attention_impl = rope_theta, causal, attention_impl
 
     def _linear(self, n_in: int, n_out: int, dtype, param_dtype, kernel_init, rngs):
         return nnx.Linear(n_in, n_out, use_bias=False, dtype=as_dtype(dtype),
@@ -60,28 +73,20 @@ class MultiheadAttention(_Projections):
                  attention_impl: str = "auto", dtype: Dtype = jnp.float32,
                  param_dtype: Dtype = jnp.float32, kernel_init=torch_linear_init,
                  rngs: nnx.Rngs):
-        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        if num_heads % num_kv_heads:
-            raise ValueError(f"MultiheadAttention: num_kv_heads={num_kv_heads} must divide "
-                             f"num_heads={num_heads}")
         if head_dim is None:
             if embed_dim % num_heads:
                 raise ValueError(f"MultiheadAttention: embed_dim={embed_dim} is not divisible by "
                                  f"num_heads={num_heads}; pass head_dim explicitly")
             head_dim = embed_dim // num_heads
-        if head_dim % 2:
-            raise ValueError(f"MultiheadAttention: head_dim={head_dim} must be even for rotary")
-        self.embed_dim, self.depth = embed_dim, depth
-        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.n_rep = num_heads // num_kv_heads
-        self.scaling = head_dim ** -0.5
-        self.rope_theta, self.causal = rope_theta, causal
-        self.attention_impl = self._check_impl(attention_impl)
+        self._init_heads(embed_dim, num_heads, num_kv_heads, head_dim, rope_theta=rope_theta,
+                         causal=causal, attention_impl=attention_impl)
+        self.depth = depth
+        h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         args = (dtype, param_dtype, kernel_init, rngs)
-        self.q_proj = self._linear(embed_dim, num_heads * head_dim, *args)
-        self.k_proj = self._linear(embed_dim, num_kv_heads * head_dim, *args)
-        self.v_proj = self._linear(embed_dim, num_kv_heads * head_dim, *args)
-        self.out_proj = self._linear(num_heads * head_dim, embed_dim, *args)
+        self.q_proj = self._linear(embed_dim, h * d, *args)
+        self.k_proj = self._linear(embed_dim, hkv * d, *args)
+        self.v_proj = self._linear(embed_dim, hkv * d, *args)
+        self.out_proj = self._linear(h * d, embed_dim, *args)
 
     def _qkv(self, x, positions):
         """(q, k, v) after rotary, ``[B, T, heads, head_dim]``."""
@@ -132,23 +137,14 @@ class MultiheadDiffAttn(_Projections):
                  rope_theta: float = 10000.0, causal: bool = True, attention_impl: str = "auto",
                  dtype: Dtype = jnp.float32, param_dtype: Dtype = jnp.float32,
                  kernel_init=torch_linear_init, rngs: nnx.Rngs):
-        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        if num_heads % num_kv_heads:
-            raise ValueError(f"MultiheadDiffAttn: num_kv_heads={num_kv_heads} must divide "
-                             f"num_heads={num_heads}")
         if embed_dim % (2 * num_heads):
             raise ValueError(f"MultiheadDiffAttn: embed_dim={embed_dim} must be divisible by "
                              f"2*num_heads={2 * num_heads} (num_heads is the number of DIFF heads, "
                              f"half the baseline's)")
         head_dim = embed_dim // num_heads // 2
-        if head_dim % 2:
-            raise ValueError(f"MultiheadDiffAttn: head width d={head_dim} must be even for rotary")
-        self.embed_dim, self.depth = embed_dim, depth
-        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.n_rep = num_heads // num_kv_heads
-        self.scaling = head_dim ** -0.5
-        self.rope_theta, self.causal = rope_theta, causal
-        self.attention_impl = self._check_impl(attention_impl)
+        self._init_heads(embed_dim, num_heads, num_kv_heads, head_dim, rope_theta=rope_theta,
+                         causal=causal, attention_impl=attention_impl)
+        self.depth = depth
         self.lambda_init = float(lambda_init_fn(depth) if lambda_init is None else lambda_init)
         args = (dtype, param_dtype, kernel_init, rngs)
         self.q_proj = self._linear(embed_dim, embed_dim, *args)
@@ -228,19 +224,12 @@ class MultiheadDiffAttnV2(_Projections):
                  dtype: Dtype = jnp.float32, param_dtype: Dtype = jnp.float32,
                  kernel_init=torch_linear_init, lambda_proj_init=torch_linear_init,
                  rngs: nnx.Rngs):
-        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        if num_heads % num_kv_heads:
-            raise ValueError(
-                f"MultiheadDiffAttnV2: num_kv_heads={num_kv_heads} must divide num_heads={num_heads}, "
-                f"or the query pairs (2i, 2i+1) straddle kv groups")
-        if head_dim % 2:
-            raise ValueError(f"MultiheadDiffAttnV2: head_dim={head_dim} must be even for rotary")
-        self.d_model = self.embed_dim = d_model
-        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self._init_heads(d_model, num_heads, num_kv_heads, head_dim, rope_theta=rope_theta,
+                         causal=causal, attention_impl=attention_impl,
+                         kv_note=", or the query pairs (2i, 2i+1) straddle kv groups")
+        self.d_model = d_model
         self.num_q_heads = 2 * num_heads
-        self.scaling = head_dim ** -0.5
-        self.rope_theta, self.causal = rope_theta, causal
-        self.attention_impl = self._check_impl(attention_impl)
+        num_kv_heads = self.num_kv_heads
         args = (dtype, param_dtype, kernel_init, rngs)
         self.q_proj = self._linear(d_model, self.num_q_heads * head_dim, *args)
         self.k_proj = self._linear(d_model, num_kv_heads * head_dim, *args)
