@@ -63,10 +63,9 @@ def load_unilm_state_dict(module: nnx.Module, state_dict: Mapping[str, Any], *,
     always an error. Nothing is written unless every check passes.
     """
     table = _param_table(module)
-    if isinstance(module, MultiheadAttention):
-        if "o_proj.weight" in {k[len(prefix):] for k in state_dict if k.startswith(prefix)}:
-            table["o_proj.weight"] = table.pop("out_proj.weight")
     given = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
+    if isinstance(module, MultiheadAttention) and "o_proj.weight" in given:
+        table["o_proj.weight"] = table.pop("out_proj.weight")  # the V2 file's baseline naming
     missing = sorted(set(table) - set(given))
     unexpected = sorted(set(given) - set(table))
     if strict and (missing or unexpected):
