@@ -271,7 +271,12 @@ class MultiheadDiffAttnV2(_Projections):
                  segment_ids: jax.Array | None = None) -> jax.Array:
         q, k, v = self._qkv(x, positions)
         b, t = x.shape[:2]
-        o = ops.differential_attention(q[:, :, 0::2], k, q[:, :, 1::2], k, v, self.lambda_values(x),
+        lam = self.lambda_values(x)
+        # The batch mean of this call's lambda, for training metrics (read it with
+        # nnx.state(model, nnx.Intermediate)); each call overwrites the last.
+        self.sow(nnx.Intermediate, "lambda_mean", jnp.mean(lam), reduce_fn=lambda _, new: new,
+                 init_fn=lambda: jnp.zeros((), jnp.float32))
+        o = ops.differential_attention(q[:, :, 0::2], k, q[:, :, 1::2], k, v, lam,
                                        causal=self.causal, segment_ids=segment_ids,
                                        scale=self.scaling, impl=self.attention_impl)
         return self.o_proj(o.reshape(b, t, self.num_heads * self.head_dim))

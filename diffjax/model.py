@@ -87,7 +87,12 @@ class TransformerLM(nnx.Module):
         return logits.astype(jnp.float32)
 
     def lambdas(self) -> list[jax.Array] | None:
-        """Each layer's DIFF V1 lambda (float32 scalars), or None for other kinds."""
-        if self.config.attention != "diff_v1":
-            return None
-        return [block.attn.lambda_full() for block in self.layers]
+        """Each layer's lambda (float32 scalars): DIFF V1's learned scalar; for DIFF V2 (lambda
+        per token and head) the mean over the last call's batch (zeros before any call); None
+        for standard attention."""
+        if self.config.attention == "diff_v1":
+            return [block.attn.lambda_full() for block in self.layers]
+        if self.config.attention == "diff_v2":
+            return [getattr(block.attn, "lambda_mean", nnx.Intermediate(jnp.zeros(()))).value
+                    for block in self.layers]
+        return None

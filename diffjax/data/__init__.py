@@ -1,0 +1,27 @@
+"""Data for diffjax: the byte tokenizer, corpora (the built-in stdlib corpus, text files,
+pre-tokenized files), synthetic retrieval tasks (multi-needle, MQAR) and the grain pipeline.
+
+    from diffjax.data import DataConfig, check_data, make_dataset
+
+    config = DataConfig(source="stdlib", seq_len=256)
+    print(check_data(config, vocab_size=259).description)   # fails early on bad data
+    it = iter(make_dataset(config, "train", batch_size=16))
+    batch = next(it)        # {"inputs": [16, 256] int32, "targets": ..., "weights": ...}
+    state = it.get_state()  # resume later with it.set_state(state)
+"""
+
+from .config import SOURCES, TOKEN_DTYPES, DataConfig, DataError
+from .pipeline import (DataSummary, check_data, describe, make_dataset, make_source,
+                       num_examples, num_tokens, steps_per_epoch)
+from .sources import (TokenStream, WindowSource, is_validation_file, load_corpus,
+                      stdlib_files, stdlib_root)
+from .synthetic import MQARSource, NeedleSource, answer_accuracy, answer_correct
+from .tokenizer import BOS, EOS, PAD, VOCAB_SIZE, ByteTokenizer
+
+__all__ = [
+    "BOS", "EOS", "PAD", "SOURCES", "TOKEN_DTYPES", "VOCAB_SIZE", "ByteTokenizer", "DataConfig",
+    "DataError", "DataSummary", "MQARSource", "NeedleSource", "TokenStream", "WindowSource",
+    "answer_accuracy", "answer_correct", "check_data", "describe", "is_validation_file",
+    "load_corpus", "make_dataset", "make_source", "num_examples", "num_tokens", "stdlib_files",
+    "stdlib_root", "steps_per_epoch",
+]

@@ -1,0 +1,232 @@
+"""``DataConfig``: what the model reads, validated at construction.
+
+Field problems raise :class:`diffjax.config.ConfigError` ("DataConfig.<field>: <problem>.
+Fix: <fix>."). Problems with the data itself (a path that does not exist, a file with no text,
+a token id the model cannot embed) are found by :func:`diffjax.data.check_data` /
+:func:`diffjax.data.make_dataset` and raise :class:`DataError`, a ``ConfigError`` subclass, so
+one ``except ConfigError`` catches both before training starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from typing import Any
+
+import numpy as np
+
+from diffjax.config import ConfigError
+
+SOURCES = ("stdlib", "text", "tokens", "needle", "mqar")
+TOKEN_DTYPES = ("uint16", "uint32", "int32")
+SYNTHETIC_SOURCES = ("needle", "mqar")
+
+# The needle task's templates (bytes; the key is lowercase letters, the value decimal digits).
+NEEDLE_TEMPLATE = "\nThe magic number for {key} is {value}.\n"
+QUERY_TEMPLATE = "\nWhat is the magic number for {key}? {value}."
+MQAR_MAX_PAIRS = 128  # keys are byte ids 0..127, values byte ids 128..255
+
+
+class DataError(ConfigError):
+    """Data that cannot be used as configured (missing path, no text, bad token ids, ...).
+
+    The message names the path or field and the fix."""
+
+
+def needle_len(key_len: int, value_len: int) -> int:
+    """Bytes of one needle sentence."""
+    return len(NEEDLE_TEMPLATE.format(key="k" * key_len, value="0" * value_len).encode())
+
+
+def query_len(key_len: int, value_len: int) -> int:
+    """Bytes of one query (question and answer)."""
+    return len(QUERY_TEMPLATE.format(key="k" * key_len, value="0" * value_len).encode())
+
+
+def _fail(field: str, problem: str, fix: str):
+    raise ConfigError(f"DataConfig.{field}: {problem}. Fix: {fix}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """The data: a corpus (``stdlib``, ``text``, ``tokens``) or a synthetic task (``needle``,
+    ``mqar``), cut into examples of ``seq_len`` inputs and ``seq_len`` next-token targets.
+
+    Every field is checked in ``__post_init__``. The data behind ``path`` is checked by
+    :func:`diffjax.data.check_data` (and by :func:`diffjax.data.make_dataset`).
+    """
+
+    # "stdlib": this interpreter's standard-library .py sources (built in, nothing to download).
+    # "text": UTF-8 text files under `path`. "tokens": pre-tokenized .npy / .bin files.
+    # "needle": multi-needle retrieval. "mqar": multi-query associative recall.
+    source: str = "stdlib"
+    # A file, a directory or a glob; several separated by commas. Required for "text" and
+    # "tokens"; for "needle" the text the haystack is cut from (default: the stdlib corpus).
+    path: str | None = None
+    seq_len: int = 256  # inputs per example (each example holds seq_len + 1 tokens)
+    # Validation share: by file (a stable hash of the file's path) for stdlib/text, the last
+    # fraction of the token stream for tokens (and for text with too few files to split).
+    val_fraction: float = 0.05
+    seed: int = 0  # shuffle order; synthetic examples
+    token_dtype: str = "uint16"  # dtype of raw .bin token files (.npy files carry their own)
+    shuffle: bool = True  # train: a new permutation every epoch; validation: one fixed permutation
+    max_files: int | None = None  # use only the first N files (sorted) of the corpus
+    stdlib_tests: bool = False  # include the stdlib's test packages (test/, tests/, idle_test/)
+    # needle: num_needles sentences "The magic number for <key> is <value>." in a haystack,
+    # num_queries of them asked at the end; the loss counts only the answer digits.
+    num_needles: int = 4
+    num_queries: int = 2  # needle and mqar
+    needle_depths: tuple[float, ...] | None = None  # one per needle in [0, 1]; None: random
+    key_len: int = 5  # needle keys: lowercase letters
+    value_len: int = 6  # needle values: decimal digits
+    # mqar: num_pairs (key, value) byte pairs, then num_queries keys; the loss counts the values.
+    num_pairs: int = 16
+    num_val_examples: int = 1024  # validation set size of the synthetic tasks
+
+    def __post_init__(self) -> None:
+        self._check_types()
+        self._check_values()
+
+    # ------------------------------------------------------------------ validation
+    def _check_types(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            expected = str(f.type)
+            optional = expected.endswith("| None")
+            base = expected.split("|")[0].strip()
+            if value is None:
+                ok = optional
+            elif base == "int":
+                ok = isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+                if ok:
+                    object.__setattr__(self, f.name, int(value))
+            elif base == "float":
+                ok = isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+                if ok:
+                    object.__setattr__(self, f.name, float(value))
+            elif base == "bool":
+                ok = isinstance(value, (bool, np.bool_))
+                if ok:
+                    object.__setattr__(self, f.name, bool(value))
+            elif base == "str":
+                ok = isinstance(value, str)
+            elif base.startswith("tuple["):
+                ok = self._coerce_floats(f.name, value)
+            else:  # pragma: no cover - every field has one of the types above
+                ok = True
+            if not ok:
+                _fail(f.name, f"expected {expected}, got {type(value).__name__} {value!r}",
+                      f"pass a value of type {expected}")
+
+    def _coerce_floats(self, name: str, value: Any) -> bool:
+        """Accept a tuple/list of numbers or a comma-separated string; store a tuple of floats."""
+        if isinstance(value, str):
+            parts = [p.strip() for p in value.strip("()[] ").split(",") if p.strip()]
+            try:
+                value = [float(p) for p in parts]
+            except ValueError:
+                return False
+        if isinstance(value, np.ndarray):
+            value = value.tolist()
+        if not isinstance(value, (list, tuple)):
+            return False
+        if not all(isinstance(v, numbers.Real) and not isinstance(v, (bool, np.bool_)) for v in value):
+            return False
+        object.__setattr__(self, name, tuple(float(v) for v in value))
+        return True
+
+    def _check_values(self) -> None:
+        if self.source not in SOURCES:
+            _fail("source", f"unknown source {self.source!r}",
+                  f"use one of {', '.join(map(repr, SOURCES))}")
+        if self.path is not None and not self.path.strip():
+            _fail("path", "is an empty string", "give a file, directory or glob, or leave it None")
+        if self.source in ("text", "tokens") and self.path is None:
+            what = "text files" if self.source == "text" else ".npy/.bin token files"
+            _fail("path", f"source={self.source!r} reads {what} from `path`, which is None",
+                  f"set data.path to a file, directory or glob (comma-separated for several)")
+        if self.source in ("stdlib", "mqar") and self.path is not None:
+            _fail("path", f"source={self.source!r} does not read files, but path={self.path!r}",
+                  "leave path=None, or use source='text' (or 'tokens') to read these files")
+        if self.seq_len < 8:
+            _fail("seq_len", f"must be >= 8, got {self.seq_len}", "use e.g. seq_len=256")
+        if not 0.0 <= self.val_fraction < 1.0:
+            _fail("val_fraction", f"must be in [0, 1), got {self.val_fraction}",
+                  "use e.g. 0.05 (0 disables the validation split)")
+        if not 0 <= self.seed < 2**32:
+            _fail("seed", f"must be in [0, 2**32), got {self.seed}", "use a non-negative 32-bit seed")
+        if self.token_dtype not in TOKEN_DTYPES:
+            _fail("token_dtype", f"unknown dtype {self.token_dtype!r}",
+                  f"use one of {', '.join(map(repr, TOKEN_DTYPES))}")
+        if self.max_files is not None and self.max_files < 1:
+            _fail("max_files", f"must be >= 1 or None, got {self.max_files}",
+                  "use a positive integer, or None for every file")
+        for name in ("num_needles", "num_queries", "key_len", "value_len", "num_pairs",
+                     "num_val_examples"):
+            if getattr(self, name) < 1:
+                _fail(name, f"must be >= 1, got {getattr(self, name)}", "use a positive integer")
+        if self.needle_depths is not None:
+            if self.source != "needle":
+                _fail("needle_depths", f"is a needle-task setting but source={self.source!r}",
+                      "leave needle_depths=None or set source='needle'")
+            if len(self.needle_depths) != self.num_needles:
+                _fail("needle_depths", f"has {len(self.needle_depths)} depths for "
+                      f"num_needles={self.num_needles}",
+                      f"give exactly {self.num_needles} depths (or None for random depths)")
+            bad = [d for d in self.needle_depths if not 0.0 <= d <= 1.0]
+            if bad:
+                _fail("needle_depths", f"depths must be fractions in [0, 1], got {bad}",
+                      "use e.g. (0.0, 0.25, 0.5, 1.0)")
+        if self.source == "needle":
+            self._check_needle()
+        if self.source == "mqar":
+            self._check_mqar()
+
+    def _check_needle(self) -> None:
+        n, r = self.num_needles, self.num_queries
+        if r > n:
+            _fail("num_queries", f"{r} queries but only num_needles={n} needles",
+                  f"set num_queries <= {n} (or more needles)")
+        if 26 ** min(self.key_len, 12) < n:
+            _fail("key_len", f"{self.key_len} letters give fewer than {n} distinct keys",
+                  "use a longer key_len")
+        if 9 * 10 ** (min(self.value_len, 12) - 1) < n:
+            _fail("value_len", f"{self.value_len} digits give fewer than {n} distinct values",
+                  "use a longer value_len")
+        need = self.needle_min_seq_len
+        if self.seq_len < need:
+            _fail("seq_len", f"{self.seq_len} is too short for {n} needles of "
+                  f"{needle_len(self.key_len, self.value_len)} bytes and {r} queries of "
+                  f"{query_len(self.key_len, self.value_len)} bytes (needs >= {need})",
+                  f"set seq_len >= {need} (a haystack needs more), or fewer needles/queries")
+
+    def _check_mqar(self) -> None:
+        p, r = self.num_pairs, self.num_queries
+        if p > MQAR_MAX_PAIRS:
+            _fail("num_pairs", f"{p} pairs, but the byte vocabulary has {MQAR_MAX_PAIRS} keys",
+                  f"use num_pairs <= {MQAR_MAX_PAIRS}")
+        if r > p:
+            _fail("num_queries", f"{r} queries but only num_pairs={p} pairs",
+                  f"set num_queries <= {p}")
+        need = 2 * p + 2 * r
+        if self.seq_len < need:
+            _fail("seq_len", f"{self.seq_len} is too short for {p} pairs and {r} queries "
+                  f"(needs >= {need})", f"set seq_len >= {need} or fewer pairs/queries")
+
+    # ------------------------------------------------------------------ derived values
+    @property
+    def needle_min_seq_len(self) -> int:
+        """The shortest ``seq_len`` that holds BOS, the needles and the queries (no haystack)."""
+        return (self.num_needles * needle_len(self.key_len, self.value_len)
+                + self.num_queries * query_len(self.key_len, self.value_len))
+
+    @property
+    def is_synthetic(self) -> bool:
+        return self.source in SYNTHETIC_SOURCES
+
+    def replace(self, **changes: Any) -> "DataConfig":
+        """A copy with ``changes`` applied (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)

@@ -1,0 +1,304 @@
+"""The input pipeline: ``make_dataset`` (a grain dataset of numpy batches) and the checks and
+summaries around it.
+
+Train: ``source -> shuffle(seed) -> [process_index : n' : process_count] -> repeat(num_epochs)
+-> batch(B, drop_remainder)``. The shuffle is global and reseeded every epoch (grain folds the
+epoch into the seed); each process reads only its stride of that permutation, and ``n'`` (``n``
+rounded down to a multiple of ``process_count``) gives every process the same number of
+examples, so no process runs out of batches first.
+
+Validation: ``source -> shuffle(fixed seed) -> pad -> [process_index :: process_count] ->
+batch(B)``: one fixed order (independent of ``seed``, so the first k batches are the same
+representative sample for every run), padded with zero-weight examples (all ``PAD``) to a
+multiple of ``process_count * B`` so every example is seen once, every batch has the same
+shape and every process gets the same number of batches.
+
+The iterator of the returned dataset has ``get_state()`` / ``set_state()`` (a small dict), and
+saves with Orbax as ``grain.checkpoint.CheckpointSave(iterator)`` inside ``ocp.args.Composite``
+(restore: ``grain.checkpoint.CheckpointRestore(fresh_iterator)``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import numpy as np
+
+from .config import DataConfig, DataError
+from .sources import (Corpus, WindowSource, check_token_ids, load_corpus, stdlib_root)
+from .synthetic import SYNTHETIC_TRAIN_EXAMPLES, MQARSource, NeedleSource
+from .tokenizer import PAD, VOCAB_SIZE
+
+SPLITS = ("train", "validation")
+VALIDATION_SHUFFLE_SEED = 0x5EED  # the validation order: one fixed permutation
+DEFAULT_NUM_THREADS = 2
+DEFAULT_PREFETCH = 8  # batches
+
+
+def _check_split(split: str) -> None:
+    if split not in SPLITS:
+        hint = " ('val' is spelled 'validation')" if split in ("val", "valid", "eval", "test") else ""
+        raise DataError(f"split: unknown split {split!r}{hint}. Fix: use 'train' or 'validation'")
+
+
+def _check_config(config: DataConfig) -> None:
+    if not isinstance(config, DataConfig):
+        raise TypeError(f"expected a diffjax.data.DataConfig, got {type(config).__name__}")
+
+
+# ============================================================================ sources
+def _haystack(config: DataConfig, split: str) -> tuple[Corpus, Any]:
+    corpus = load_corpus(config)
+    stream = corpus.stream(split)
+    if len(stream) == 0:  # val_fraction=0: the validation haystacks come from the train text
+        stream = corpus.train
+    return corpus, stream
+
+
+def make_source(config: DataConfig, split: str, *, seed: int | None = None):
+    """The random-access source of one split (``len``, ``[i]`` -> dict of numpy arrays).
+
+    ``seed`` (default ``config.seed``) picks the synthetic *train* examples; synthetic validation
+    examples always use ``config.seed``."""
+    _check_config(config)
+    _check_split(split)
+    seed = config.seed if seed is None or split == "validation" else int(seed)
+    if config.source == "mqar":
+        n = SYNTHETIC_TRAIN_EXAMPLES if split == "train" else config.num_val_examples
+        return MQARSource(config, split, seed, n)
+    if config.source == "needle":
+        _, stream = _haystack(config, split)
+        n = SYNTHETIC_TRAIN_EXAMPLES if split == "train" else config.num_val_examples
+        return NeedleSource(config, split, seed, stream, n)
+    corpus = load_corpus(config)
+    return WindowSource(corpus.stream(split), config.seq_len)
+
+
+class _PadSource:
+    """``n`` zero-weight examples shaped like ``template`` (inputs/targets all PAD)."""
+
+    def __init__(self, n: int, template: dict[str, np.ndarray]):
+        self._n = int(n)
+        self._example = {}
+        for k, v in template.items():
+            v = np.asarray(v)
+            fill = PAD if k in ("inputs", "targets") else 0
+            self._example[k] = np.full(v.shape, fill, v.dtype)
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+        return {k: v.copy() for k, v in self._example.items()}
+
+
+# ============================================================================ the dataset
+def make_dataset(config: DataConfig, split: str, *, batch_size: int, seed: int | None = None,
+                 process_index: int = 0, process_count: int = 1, num_epochs: int | None = None,
+                 vocab_size: int | None = None, read_options=None):
+    """A ``grain.IterDataset`` of batches: dicts of numpy arrays ``inputs`` [B, T] int32,
+    ``targets`` [B, T] int32, ``weights`` [B, T] float32 (1 where the target counts), plus the
+    synthetic tasks' extras (see :mod:`diffjax.data.synthetic`).
+
+    Args:
+      config: the data.
+      split: ``"train"`` or ``"validation"``.
+      batch_size: examples per batch *on this process* (global batch / process_count).
+      seed: train shuffle order and synthetic train examples (default ``config.seed``);
+        validation does not depend on it.
+      process_index, process_count: this process's share, ``[process_index::process_count]``
+        (e.g. ``jax.process_index()``, ``jax.process_count()``).
+      num_epochs: passes over the data; None = forever for train, 1 for validation.
+      vocab_size: if given, :func:`check_data` runs first (token ids < vocab_size).
+      read_options: ``grain.ReadOptions`` (default 2 threads, 8 batches prefetched).
+
+    ``iter(dataset)`` supports ``get_state()`` / ``set_state()``. Problems with the data raise
+    :class:`DataError` here, before any batch is read.
+    """
+    import grain
+
+    _check_config(config)
+    _check_split(split)
+    for name, value, low in (("batch_size", batch_size, 1), ("process_count", process_count, 1)):
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < low:
+            raise DataError(f"make_dataset: {name} must be an integer >= {low}, got {value!r}. "
+                            f"Fix: pass a positive {name}")
+    if not 0 <= process_index < process_count:
+        raise DataError(f"make_dataset: process_index {process_index} is not in [0, "
+                        f"{process_count}). Fix: pass jax.process_index() and jax.process_count()")
+    if num_epochs is not None and (not isinstance(num_epochs, (int, np.integer)) or num_epochs < 1):
+        raise DataError(f"make_dataset: num_epochs must be None or >= 1, got {num_epochs!r}. "
+                        f"Fix: pass None (train: forever; validation: one pass) or a positive int")
+    batch_size, pi, pc = int(batch_size), int(process_index), int(process_count)
+    if vocab_size is not None:
+        check_data(config, vocab_size)
+    train_seed = config.seed if seed is None else int(seed)
+    if not 0 <= train_seed < 2**32:
+        raise DataError(f"make_dataset: seed must be in [0, 2**32), got {seed}. Fix: pass a "
+                        f"non-negative 32-bit seed")
+    src = make_source(config, split, seed=train_seed)
+    n = len(src)
+    if n == 0:
+        if split == "validation" and config.val_fraction == 0:
+            raise DataError("DataConfig.val_fraction: is 0, so there is no validation split. "
+                            "Fix: set data.val_fraction > 0 (e.g. 0.05)")
+        where = config.path if config.path is not None else str(stdlib_root())
+        raise DataError(f"DataConfig.seq_len: the {split} split of {where!r} holds fewer than "
+                        f"seq_len + 1 = {config.seq_len + 1} tokens, so no example. Fix: use a "
+                        f"shorter seq_len, more data, or another val_fraction")
+    ds = grain.MapDataset.source(src)
+    shuffle = config.shuffle and not config.is_synthetic  # synthetic examples are i.i.d. already
+    if split == "train":
+        per_process = n // pc
+        if per_process == 0 or (num_epochs is not None and per_process * num_epochs < batch_size):
+            raise DataError(
+                f"make_dataset: the train split has {n} examples, {per_process} per process, "
+                f"fewer than one batch of {batch_size} in {num_epochs} epoch(s). Fix: use a "
+                f"smaller batch_size or seq_len, more epochs, or more data")
+        if shuffle:
+            ds = ds.shuffle(seed=train_seed)
+        ds = ds[pi:per_process * pc:pc]
+        ds = ds.repeat(num_epochs)
+        ds = ds.batch(batch_size, drop_remainder=True)
+    else:
+        if shuffle:
+            ds = ds.shuffle(seed=VALIDATION_SHUFFLE_SEED)
+        chunk = pc * batch_size
+        padded = math.ceil(n / chunk) * chunk
+        if padded > n:
+            pad = grain.MapDataset.source(_PadSource(padded - n, src[0]))
+            ds = grain.MapDataset.concatenate([ds, pad])
+        ds = ds[pi::pc]
+        if num_epochs is not None and num_epochs > 1:
+            ds = ds.repeat(num_epochs)
+        ds = ds.batch(batch_size, drop_remainder=True)
+    if read_options is None:
+        read_options = grain.ReadOptions(num_threads=DEFAULT_NUM_THREADS,
+                                         prefetch_buffer_size=DEFAULT_PREFETCH)
+    return ds.to_iter_dataset(read_options)
+
+
+def steps_per_epoch(config: DataConfig, split: str, *, batch_size: int,
+                    process_count: int = 1) -> int:
+    """Batches per process in one pass of ``split`` (validation counts the padded last batch)."""
+    n = num_examples(config, split)
+    if split == "train":
+        return (n // process_count) // batch_size
+    return math.ceil(n / (process_count * batch_size))
+
+
+# ============================================================================ checks, summaries
+@dataclasses.dataclass(frozen=True)
+class DataSummary:
+    """What :func:`check_data` found (the numbers behind :func:`describe`)."""
+
+    source: str
+    description: str
+    seq_len: int
+    files: int
+    train_files: int
+    validation_files: int
+    train_tokens: int  # the split's stream (synthetic: examples * (seq_len + 1))
+    validation_tokens: int
+    train_examples: int  # windows of seq_len + 1 tokens (synthetic: examples)
+    validation_examples: int
+    split_by: str  # "file" | "stream" | "synthetic"
+    seconds: float  # reading + tokenizing (of the load that filled the per-process cache)
+
+    def __str__(self) -> str:
+        return self.description
+
+
+def _fmt(n: int) -> str:
+    if n >= 1e6:
+        return f"{n / 1e6:,.1f} M"
+    if n >= 1e4:
+        return f"{n / 1e3:,.1f} k"
+    return f"{n:,}"
+
+
+def _corpus_words(corpus: Corpus, config: DataConfig) -> str:
+    files = f"{len(corpus.files):,} file{'s' if len(corpus.files) != 1 else ''}"
+    tokens = (f"{_fmt(len(corpus.train))} train tokens, "
+              f"{_fmt(len(corpus.validation))} validation tokens")
+    how = ""
+    if corpus.split_by == "stream" and corpus.kind != "tokens" and config.val_fraction > 0:
+        how = " (split by position: too few files to split by file)"
+    if corpus.kind == "stdlib":
+        tests = "with" if config.stdlib_tests else "without"
+        return f"stdlib corpus ({stdlib_root()}, {tests} tests): {files}, {tokens}{how}"
+    if corpus.kind == "text":
+        return f"text corpus {config.path!r}: {files}, {tokens}{how}"
+    return f"token files {config.path!r}: {files}, {tokens}"
+
+
+def check_data(config: DataConfig, vocab_size: int = VOCAB_SIZE) -> DataSummary:
+    """Read (and cache) the data of ``config`` and check it against a model with
+    ``vocab_size`` token ids: paths exist, files hold text / tokens, every token id is below
+    ``vocab_size``, each split holds at least one example. Raises :class:`DataError` (a
+    ``ConfigError``) naming the path or field and the fix."""
+    _check_config(config)
+    if config.source != "tokens" and vocab_size < VOCAB_SIZE:
+        raise DataError(f"DataConfig.source: {config.source!r} uses the byte tokenizer (ids up "
+                        f"to {VOCAB_SIZE - 1}) but the model's vocab_size is {vocab_size}. Fix: "
+                        f"set model.vocab_size={VOCAB_SIZE}")
+    T = config.seq_len
+    if config.is_synthetic:
+        if config.source == "needle":
+            corpus, _ = _haystack(config, "train")
+            hay = ("the stdlib corpus" if corpus.kind == "stdlib"
+                   else f"{len(corpus.files):,} text file(s) {config.path!r}")
+            F = config.seq_len - config.needle_min_seq_len
+            desc = (f"needle retrieval: {config.num_needles} needles, {config.num_queries} "
+                    f"queries, seq_len {T} ({F:,} haystack bytes per example from {hay})")
+            files, secs = len(corpus.files), corpus.seconds
+        else:
+            desc = (f"MQAR: {config.num_pairs} key-value pairs, {config.num_queries} queries, "
+                    f"seq_len {T}")
+            files, secs = 0, 0.0
+        ntr, nva = SYNTHETIC_TRAIN_EXAMPLES, config.num_val_examples
+        desc += f", {nva:,} validation examples"
+        return DataSummary(config.source, desc, T, files, files, files, ntr * (T + 1),
+                           nva * (T + 1), ntr, nva, "synthetic", secs)
+    corpus = load_corpus(config)
+    if config.source == "tokens":
+        check_token_ids(corpus.files, config.token_dtype, vocab_size)
+    ntr = max(0, (len(corpus.train) - 1) // T)
+    nva = max(0, (len(corpus.validation) - 1) // T)
+    where = config.path if config.path is not None else str(stdlib_root())
+    if ntr == 0:
+        raise DataError(f"DataConfig.seq_len: the train split of {where!r} holds "
+                        f"{len(corpus.train):,} tokens, fewer than seq_len + 1 = {T + 1}. Fix: "
+                        f"use a shorter seq_len, more data or a smaller val_fraction")
+    if nva == 0 and config.val_fraction > 0:
+        raise DataError(f"DataConfig.val_fraction: the validation split of {where!r} holds "
+                        f"{len(corpus.validation):,} tokens, fewer than seq_len + 1 = {T + 1}. "
+                        f"Fix: raise val_fraction, use a shorter seq_len or more data")
+    return DataSummary(config.source, _corpus_words(corpus, config), T, len(corpus.files),
+                       corpus.train_files, corpus.validation_files, len(corpus.train),
+                       len(corpus.validation), ntr, nva, corpus.split_by, corpus.seconds)
+
+
+def describe(config: DataConfig) -> str:
+    """One line, e.g. ``"stdlib corpus (...): 1,234 files, 12.1 M train tokens, 0.6 M
+    validation tokens"``."""
+    return check_data(config).description
+
+
+def num_tokens(config: DataConfig, split: str) -> int:
+    """Tokens in ``split`` (the corpus stream; synthetic: examples * (seq_len + 1))."""
+    _check_split(split)
+    _check_config(config)
+    if config.is_synthetic:
+        return num_examples(config, split) * (config.seq_len + 1)
+    return len(load_corpus(config).stream(split))
+
+
+def num_examples(config: DataConfig, split: str) -> int:
+    """Examples (windows of seq_len + 1 tokens) in one pass of ``split``."""
+    _check_split(split)
+    if config.is_synthetic:
+        return SYNTHETIC_TRAIN_EXAMPLES if split == "train" else config.num_val_examples
+    return len(make_source(config, split))

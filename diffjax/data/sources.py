@@ -1,0 +1,446 @@
+"""Corpora as token streams, and fixed-length windows over them (random access).
+
+- ``stdlib``: this interpreter's standard-library ``.py`` files (nothing to download).
+- ``text``: UTF-8 text files (a file, a directory, a glob; comma-separated for several).
+- ``tokens``: pre-tokenized ``.npy`` (``np.load(mmap_mode="r")``) / raw ``.bin`` (``np.memmap``)
+  files, never read into memory whole.
+
+Text corpora are split by file: a file goes to validation when ``crc32(key) / 2**32 <
+val_fraction``, where ``key`` is its path relative to the corpus root. The split of one file
+does not depend on any other file, so adding or removing files never moves the others. Each
+split is one stream ``BOS bytes EOS BOS bytes EOS ...`` (uint16, cached per process), and
+example ``i`` is the window ``stream[i*T : i*T + T + 1]`` (``inputs = w[:-1]``,
+``targets = w[1:]``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import glob
+import os
+import pathlib
+import sysconfig
+import time
+import zlib
+from typing import Sequence
+
+import numpy as np
+
+from .config import DataConfig, DataError
+from .tokenizer import BOS, EOS
+
+# Directories never part of the stdlib corpus (third-party packages, bytecode caches).
+STDLIB_EXCLUDED_DIRS = ("site-packages", "dist-packages", "__pycache__")
+# The stdlib's test packages: left out by default. They are ~60% of the bytes but (1) many
+# installations do not ship them (Debian/Ubuntu's python3 packages and the official Docker
+# images delete them), so including them would make "the stdlib corpus" differ between machines
+# with the same Python version, and (2) they hold large literal data blobs (unicode tables,
+# encoded test vectors, deliberately malformed source) rather than representative code.
+STDLIB_TEST_DIRS = ("test", "tests", "idle_test")
+SKIPPED_TEXT_DIRS = ("__pycache__", ".git", ".hg", ".svn")
+_BINARY_SNIFF_BYTES = 8192
+
+
+# ============================================================================ file lists
+def stdlib_root() -> pathlib.Path:
+    """The running interpreter's standard-library directory."""
+    return pathlib.Path(sysconfig.get_paths()["stdlib"])
+
+
+@functools.lru_cache(maxsize=4)
+def _stdlib_files(root: str, include_tests: bool) -> tuple[tuple[str, str], ...]:
+    base = pathlib.Path(root)
+    excluded = set(STDLIB_EXCLUDED_DIRS) | (set() if include_tests else set(STDLIB_TEST_DIRS))
+    found = []
+    for dirpath, dirnames, filenames in os.walk(base):
+        dirnames[:] = [d for d in dirnames if d not in excluded and not d.startswith(".")]
+        for name in filenames:
+            if name.endswith(".py"):
+                full = os.path.join(dirpath, name)
+                if os.path.isfile(full):
+                    found.append((pathlib.Path(full).relative_to(base).as_posix(), full))
+    return tuple(sorted(found))
+
+
+def stdlib_files(*, include_tests: bool = False, max_files: int | None = None) -> list[pathlib.Path]:
+    """The stdlib corpus's files: every ``.py`` under the interpreter's stdlib directory, except
+    ``site-packages``, ``dist-packages``, ``__pycache__`` (and the test packages unless
+    ``include_tests``), sorted by relative POSIX path; the first ``max_files`` if given."""
+    files = _stdlib_files(str(stdlib_root()), bool(include_tests))
+    if max_files is not None:
+        files = files[:max_files]
+    return [pathlib.Path(full) for _, full in files]
+
+
+def is_validation_file(key: str, val_fraction: float) -> bool:
+    """Whether the file with relative path ``key`` belongs to the validation split (a stable
+    hash, independent of every other file)."""
+    return zlib.crc32(key.encode("utf-8")) < val_fraction * 2**32
+
+
+def _split_patterns(path: str) -> list[str]:
+    return [p.strip() for p in path.split(",") if p.strip()]
+
+
+def _expand(path: str, *, field: str, want) -> list[tuple[str, str]]:
+    """``[(key, full_path)]`` for each file of the comma-separated ``path``; ``want(name)``
+    filters the files found inside directories. Keys are paths relative to the directory given
+    (or the path as matched), used for the split hash and for sorting."""
+    out: dict[str, str] = {}
+    for pattern in _split_patterns(path):
+        expanded = os.path.expanduser(pattern)
+        if glob.has_magic(expanded):
+            matches = sorted(glob.glob(expanded, recursive=True))
+            if not matches:
+                raise DataError(f"DataConfig.{field}: the glob {pattern!r} matches nothing "
+                                f"(working directory {os.getcwd()}). Fix: check the pattern, "
+                                f"or give a file or directory")
+        elif not os.path.exists(expanded):
+            raise DataError(f"DataConfig.{field}: {pattern!r} does not exist (working directory "
+                            f"{os.getcwd()}). Fix: give an existing file, directory or glob")
+        else:
+            matches = [expanded]
+        for m in matches:
+            if os.path.isdir(m):
+                for dirpath, dirnames, filenames in os.walk(m):
+                    dirnames[:] = sorted(d for d in dirnames
+                                         if d not in SKIPPED_TEXT_DIRS and not d.startswith("."))
+                    for name in filenames:
+                        full = os.path.join(dirpath, name)
+                        if not name.startswith(".") and want(name) and os.path.isfile(full):
+                            key = pathlib.Path(os.path.relpath(full, m)).as_posix()
+                            out.setdefault(os.path.realpath(full), key)
+            elif os.path.isfile(m):
+                out.setdefault(os.path.realpath(m), pathlib.Path(os.path.normpath(m)).as_posix())
+    files = sorted(((key, full) for full, key in out.items()))
+    if not files:
+        raise DataError(f"DataConfig.{field}: {path!r} holds no usable files. Fix: point it at "
+                        f"files, a directory with files, or a glob that matches files")
+    return files
+
+
+def _looks_binary(head: bytes) -> bool:
+    return b"\x00" in head
+
+
+# ============================================================================ streams
+class TokenStream:
+    """A read-only 1-D sequence of token ids made of pieces (in-memory arrays or memory-mapped
+    files), read by ``stream[start:stop]`` (an int32 copy of that range only)."""
+
+    def __init__(self, pieces: Sequence["_Piece"]):
+        self._pieces = list(pieces)
+        lengths = [len(p) for p in self._pieces]
+        self._offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int64)
+
+    def __len__(self) -> int:
+        return int(self._offsets[-1])
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        start, stop = max(0, int(start)), min(len(self), int(stop))
+        if stop <= start:
+            return np.zeros((0,), np.int32)
+        first = int(np.searchsorted(self._offsets, start, side="right")) - 1
+        out = []
+        i = first
+        while start < stop:
+            lo = int(self._offsets[i])
+            hi = int(self._offsets[i + 1])
+            take = min(stop, hi)
+            out.append(self._pieces[i].read(start - lo, take - lo))
+            start = take
+            i += 1
+        return out[0] if len(out) == 1 else np.concatenate(out)
+
+    def sub(self, start: int, stop: int) -> "TokenStream":
+        """The view ``[start, stop)`` of this stream."""
+        return _SubStream(self, start, stop)
+
+
+class _SubStream(TokenStream):
+    def __init__(self, parent: TokenStream, start: int, stop: int):
+        self._parent, self._start, self._stop = parent, int(start), int(stop)
+
+    def __len__(self) -> int:
+        return self._stop - self._start
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        start, stop = max(0, int(start)), min(len(self), int(stop))
+        return self._parent.read(self._start + start, self._start + stop)
+
+
+class _Piece:
+    def __len__(self) -> int:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def read(self, start: int, stop: int) -> np.ndarray:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+class _ArrayPiece(_Piece):
+    def __init__(self, array: np.ndarray):
+        self.array = array
+
+    def __len__(self) -> int:
+        return len(self.array)
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        return self.array[start:stop].astype(np.int32)
+
+
+class _FilePiece(_Piece):
+    """A token file, memory-mapped on first read (and again after unpickling)."""
+
+    def __init__(self, path: str, dtype: str, length: int):
+        self.path, self.dtype, self.length = path, dtype, int(length)
+        self._array = None
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getstate__(self):
+        return {"path": self.path, "dtype": self.dtype, "length": self.length, "_array": None}
+
+    @property
+    def array(self) -> np.ndarray:
+        if self._array is None:
+            self._array = open_token_file(self.path, self.dtype)
+        return self._array
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        return np.asarray(self.array[start:stop]).astype(np.int32)
+
+
+# ============================================================================ text corpora
+@dataclasses.dataclass(frozen=True)
+class Corpus:
+    """A tokenized corpus: the train and validation streams and how they were made."""
+
+    kind: str  # "stdlib" | "text" | "tokens"
+    path: str | None
+    files: tuple[str, ...]
+    train: TokenStream
+    validation: TokenStream
+    train_files: int
+    validation_files: int
+    split_by: str  # "file" | "stream"
+    seconds: float  # time to read and tokenize (0 when cached)
+
+    def stream(self, split: str) -> TokenStream:
+        return self.train if split == "train" else self.validation
+
+
+def _concat_documents(datas: Sequence[bytes]) -> np.ndarray:
+    """``BOS d0 EOS BOS d1 EOS ...`` as one uint16 array (np.frombuffer: ~1 GB/s)."""
+    total = sum(len(d) + 2 for d in datas)
+    out = np.empty((total,), np.uint16)
+    pos = 0
+    for d in datas:
+        n = len(d)
+        out[pos] = BOS
+        out[pos + 1:pos + 1 + n] = np.frombuffer(d, dtype=np.uint8)
+        out[pos + 1 + n] = EOS
+        pos += n + 2
+    return out
+
+
+def _stream_split(stream: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    cut = len(stream) - int(round(val_fraction * len(stream)))
+    return stream[:cut], stream[cut:]
+
+
+@functools.lru_cache(maxsize=8)
+def _load_text(kind: str, path: str | None, files: tuple[tuple[str, str, int, int], ...],
+               val_fraction: float) -> Corpus:
+    """Read, tokenize and split. ``files`` = ((key, full path, size, mtime_ns), ...) so that a
+    changed file is a cache miss."""
+    t0 = time.perf_counter()
+    train, val = [], []
+    for key, full, _, _ in files:
+        with open(full, "rb") as fh:
+            data = fh.read()
+        if not data:
+            continue
+        if kind == "text" and _looks_binary(data[:_BINARY_SNIFF_BYTES]):
+            continue
+        (val if is_validation_file(key, val_fraction) else train).append(data)
+    where = path if path is not None else str(stdlib_root())
+    if not train and not val:
+        raise DataError(
+            f"DataConfig.path: the {len(files)} file(s) of {where!r} hold no text (all are empty, "
+            f"or binary: they contain NUL bytes). Fix: point data.path at UTF-8 text files; for "
+            f"pre-tokenized .npy/.bin files use data.source='tokens'")
+    if val_fraction > 0 and (not train or not val):
+        # Too few files for a split by file (e.g. a single file): split the stream instead.
+        stream = _concat_documents(train + val)
+        train_arr, val_arr = _stream_split(stream, val_fraction)
+        split_by, n_train, n_val = "stream", len(train) + len(val), len(train) + len(val)
+    else:
+        train_arr, val_arr = _concat_documents(train), _concat_documents(val)
+        split_by, n_train, n_val = "file", len(train), len(val)
+    for arr in (train_arr, val_arr):
+        arr.setflags(write=False)
+    return Corpus(kind=kind, path=path, files=tuple(f[1] for f in files),
+                  train=TokenStream([_ArrayPiece(train_arr)]),
+                  validation=TokenStream([_ArrayPiece(val_arr)]),
+                  train_files=n_train, validation_files=n_val, split_by=split_by,
+                  seconds=time.perf_counter() - t0)
+
+
+def _stat_key(files: Sequence[tuple[str, str]]) -> tuple[tuple[str, str, int, int], ...]:
+    out = []
+    for key, full in files:
+        st = os.stat(full)
+        out.append((key, full, st.st_size, st.st_mtime_ns))
+    return tuple(out)
+
+
+def text_files(config: DataConfig) -> list[tuple[str, str]]:
+    """``[(key, full path)]`` of a stdlib/text(/needle haystack) corpus, sorted, capped by
+    ``max_files``."""
+    if config.path is None:
+        files = list(_stdlib_files(str(stdlib_root()), config.stdlib_tests))
+        if not files:
+            raise DataError(f"DataConfig.source: no .py files under {str(stdlib_root())!r} "
+                            f"(this Python ships without its stdlib sources). Fix: use "
+                            f"source='text' with data.path=<your text files>")
+    else:
+        files = _expand(config.path, field="path", want=lambda name: True)
+    if config.max_files is not None:
+        files = files[:config.max_files]
+    return files
+
+
+def load_text_corpus(config: DataConfig) -> Corpus:
+    """The stdlib corpus (``path is None``) or the text files of ``config.path``, tokenized
+    and split (cached per process)."""
+    kind = "stdlib" if config.path is None else "text"
+    return _load_text(kind, config.path, _stat_key(text_files(config)), config.val_fraction)
+
+
+# ============================================================================ token files
+TOKEN_EXTENSIONS = (".npy", ".bin")
+
+
+def open_token_file(path: str, dtype: str) -> np.ndarray:
+    """A 1-D read-only memory map of a token file (``.npy`` keeps its own dtype)."""
+    if path.endswith(".npy"):
+        arr = np.load(path, mmap_mode="r", allow_pickle=False)
+        if arr.ndim != 1:
+            arr = arr.reshape(-1)  # a view for C-contiguous arrays
+        return arr
+    return np.memmap(path, dtype=np.dtype(dtype), mode="r")
+
+
+def _check_token_file(path: str, dtype: str) -> int:
+    """The file's token count, after checking its format. Raises DataError."""
+    if not path.endswith(TOKEN_EXTENSIONS):
+        raise DataError(f"DataConfig.path: {path!r} is not a token file. Fix: give .npy files "
+                        f"(any integer dtype) or raw .bin files of data.token_dtype")
+    size = os.path.getsize(path)
+    if size == 0:
+        raise DataError(f"DataConfig.path: the token file {path!r} is empty (0 bytes). Fix: "
+                        f"remove it from data.path or regenerate it")
+    if path.endswith(".npy"):
+        try:
+            arr = np.load(path, mmap_mode="r", allow_pickle=False)
+        except Exception as e:  # noqa: BLE001 - any unreadable file
+            raise DataError(f"DataConfig.path: {path!r} is not a readable .npy file ({e}). Fix: "
+                            f"write it with np.save(path, tokens)") from None
+        if not np.issubdtype(arr.dtype, np.integer):
+            raise DataError(f"DataConfig.path: {path!r} holds {arr.dtype} values, not token ids. "
+                            f"Fix: save integer token ids (e.g. tokens.astype(np.uint16))")
+        n = int(arr.size)
+    else:
+        item = np.dtype(dtype).itemsize
+        if size % item:
+            raise DataError(f"DataConfig.token_dtype: {path!r} has {size} bytes, not a multiple "
+                            f"of {item} ({dtype}). Fix: set data.token_dtype to the dtype the "
+                            f"file was written with (uint16, uint32 or int32)")
+        n = size // item
+    if n == 0:
+        raise DataError(f"DataConfig.path: the token file {path!r} is empty. Fix: remove it "
+                        f"from data.path or regenerate it")
+    return n
+
+
+@functools.lru_cache(maxsize=64)
+def _token_range(path: str, dtype: str, size: int, mtime_ns: int) -> tuple[int, int, int]:
+    """(min id, max id, position of the first max) of a token file, in chunks of 16 M tokens."""
+    arr = open_token_file(path, dtype)
+    lo, hi, where = None, None, 0
+    chunk = 1 << 24
+    for start in range(0, len(arr), chunk):
+        block = np.asarray(arr[start:start + chunk])
+        bmin, bmax = int(block.min()), int(block.max())
+        lo = bmin if lo is None else min(lo, bmin)
+        if hi is None or bmax > hi:
+            hi, where = bmax, start + int(np.argmax(block))
+    return int(lo), int(hi), int(where)
+
+
+def check_token_ids(files: Sequence[str], dtype: str, vocab_size: int) -> None:
+    """Every id of every token file in ``[0, vocab_size)``; else a DataError naming the file."""
+    for path in files:
+        st = os.stat(path)
+        lo, hi, where = _token_range(path, dtype, st.st_size, st.st_mtime_ns)
+        if hi >= vocab_size:
+            raise DataError(
+                f"DataConfig.path: the token file {path!r} holds id {hi} (at position {where}), "
+                f"but the model's vocab_size is {vocab_size}. Fix: set model.vocab_size >= {hi + 1}, "
+                f"or check data.token_dtype ({dtype}) and the tokenizer that wrote the file")
+        if lo < 0:
+            raise DataError(
+                f"DataConfig.path: the token file {path!r} holds the negative id {lo}. Fix: "
+                f"write non-negative token ids")
+
+
+def load_token_corpus(config: DataConfig) -> Corpus:
+    """The ``.npy``/``.bin`` files of ``config.path`` as one memory-mapped stream (files in
+    sorted order), split at ``1 - val_fraction`` of its length."""
+    t0 = time.perf_counter()
+    files = _expand(config.path, field="path", want=lambda name: name.endswith(TOKEN_EXTENSIONS))
+    if config.max_files is not None:
+        files = files[:config.max_files]
+    pieces = [_FilePiece(full, config.token_dtype, _check_token_file(full, config.token_dtype))
+              for _, full in files]
+    stream = TokenStream(pieces)
+    n = len(stream)
+    cut = n - int(round(config.val_fraction * n))
+    return Corpus(kind="tokens", path=config.path, files=tuple(f[1] for f in files),
+                  train=stream.sub(0, cut), validation=stream.sub(cut, n),
+                  train_files=len(files), validation_files=len(files) if cut < n else 0,
+                  split_by="stream", seconds=time.perf_counter() - t0)
+
+
+def load_corpus(config: DataConfig) -> Corpus:
+    """The corpus of a stdlib/text/tokens config (and the haystack corpus of a needle config)."""
+    if config.source == "tokens":
+        return load_token_corpus(config)
+    return load_text_corpus(config)
+
+
+# ============================================================================ windows
+class WindowSource:
+    """Random access to the windows of a stream: example ``i`` is
+    ``w = stream[i*T : i*T + T + 1]`` as ``inputs = w[:-1]``, ``targets = w[1:]``, ``weights``
+    = 1 (int32 / float32). A grain ``MapDataset`` source (``__len__``, ``__getitem__``)."""
+
+    def __init__(self, stream: TokenStream, seq_len: int):
+        self.stream, self.seq_len = stream, int(seq_len)
+        self._len = max(0, (len(stream) - 1) // self.seq_len)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+        index = int(index)
+        if not 0 <= index < self._len:
+            raise IndexError(f"window {index} out of range [0, {self._len})")
+        T = self.seq_len
+        w = self.stream.read(index * T, index * T + T + 1)
+        return {"inputs": w[:-1], "targets": w[1:], "weights": np.ones((T,), np.float32)}
+
+    def __repr__(self) -> str:
+        return f"WindowSource({self._len} windows of {self.seq_len} + 1 tokens)"

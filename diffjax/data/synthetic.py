@@ -1,0 +1,279 @@
+"""Synthetic tasks with random access: example ``i`` is a pure function of (seed, split, i).
+
+Both return the language-model fields (``inputs``, ``targets``, ``weights``; ``weights`` is 1
+only on the answer tokens) plus fixed-shape extras, all in *position* coordinates ``t`` of the
+``seq_len`` inputs (``targets[t] = inputs[t + 1]``):
+
+- ``answer_spans`` [R, 2] int32: ``[start, end)`` of query r's answer in target positions
+  (``targets[start:end]`` is the answer; ``inputs[start]`` is the token the model answers from).
+- ``needle`` task: ``needle_spans`` [N, 2] (each needle sentence as input positions),
+  ``needle_value_spans`` [N, 2] (its value digits), ``needle_depths`` [N] float32 (where each
+  needle starts, as a fraction of the haystack), ``query_needle`` [R] (which needle query r asks).
+- ``mqar`` task: ``pair_spans`` [P, 2] (each key-value pair), ``query_pair`` [R].
+
+:func:`answer_accuracy` scores predictions: an example is correct when every answer token
+(``weights > 0``) is predicted exactly.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .config import (MQAR_MAX_PAIRS, NEEDLE_TEMPLATE, QUERY_TEMPLATE, DataConfig, needle_len,
+                     query_len)
+from .sources import TokenStream
+from .tokenizer import BOS, PAD
+
+SPLIT_IDS = {"train": 0, "validation": 1}
+SYNTHETIC_TRAIN_EXAMPLES = 2**31  # the train "epoch" of a synthetic task: practically endless
+_LETTERS = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz", np.uint8)
+_DIGITS = np.frombuffer(b"0123456789", np.uint8)
+
+
+def _rng(seed: int, split: str, index: int) -> np.random.Generator:
+    return np.random.default_rng([int(seed), SPLIT_IDS[split], int(index)])
+
+
+def _distinct_rows(rng: np.random.Generator, n: int, draw) -> np.ndarray:
+    """``n`` distinct rows from ``draw(rng, k) -> [k, width]`` (redraws the duplicates)."""
+    rows = draw(rng, n)
+    while True:
+        seen: set[bytes] = set()
+        dup = []
+        for i in range(n):
+            b = rows[i].tobytes()
+            if b in seen:
+                dup.append(i)
+            seen.add(b)
+        if not dup:
+            return rows
+        rows[dup] = draw(rng, len(dup))
+
+
+def place_needles(depths: np.ndarray, haystack_len: int, needle_bytes: int) -> np.ndarray:
+    """Start offsets in a haystack of ``haystack_len`` bytes for needles of ``needle_bytes``
+    at fractional ``depths``: needle i starts at ``round(depth_i * (H - L))`` unless that would
+    overlap its neighbours, in which case it is moved just enough (needles never overlap)."""
+    n = len(depths)
+    room = haystack_len - needle_bytes
+    ideal = np.rint(np.asarray(depths, np.float64) * room).astype(np.int64)
+    order = np.argsort(ideal, kind="stable")
+    pos = ideal[order].copy()
+    for k in range(1, n):
+        pos[k] = max(pos[k], pos[k - 1] + needle_bytes)
+    pos[-1] = min(pos[-1], room)
+    for k in range(n - 2, -1, -1):
+        pos[k] = min(pos[k], pos[k + 1] - needle_bytes)
+    out = np.empty(n, np.int64)
+    out[order] = pos
+    return out
+
+
+class NeedleSource:
+    """Multi-needle retrieval. Layout of the ``seq_len + 1`` tokens::
+
+        BOS | haystack (corpus text with N needles at their depths) | R queries
+
+    needle: ``"\\nThe magic number for <key> is <value>.\\n"``; query:
+    ``"\\nWhat is the magic number for <key>? <value>."``; keys are ``key_len`` lowercase
+    letters, values ``value_len`` digits (no leading zero), both distinct within an example.
+    Only the answer digits carry weight. The haystack is a random span of the split's corpus
+    stream (document markers become newlines)."""
+
+    def __init__(self, config: DataConfig, split: str, seed: int, haystack: TokenStream,
+                 length: int):
+        self.config, self.split, self.seed = config, split, int(seed)
+        self.haystack, self._len = haystack, int(length)
+        c = config
+        self.T = c.seq_len
+        self.K, self.V = c.key_len, c.value_len
+        self.nl, self.ql = needle_len(self.K, self.V), query_len(self.K, self.V)
+        self.H = self.T - c.num_queries * self.ql  # haystack + needles (BOS is the other token)
+        self.F = self.H - c.num_needles * self.nl  # filler bytes
+        self._needle_parts = [p.encode() for p in _split_template(NEEDLE_TEMPLATE)]
+        self._query_parts = [p.encode() for p in _split_template(QUERY_TEMPLATE)]
+        # Offset of the value inside a needle / of the answer inside a query.
+        self.needle_value_at = len(self._needle_parts[0]) + self.K + len(self._needle_parts[1])
+        self.query_value_at = len(self._query_parts[0]) + self.K + len(self._query_parts[1])
+
+    def __len__(self) -> int:
+        return self._len
+
+    def _filler(self, rng: np.random.Generator) -> np.ndarray:
+        F, M = self.F, len(self.haystack)
+        if F == 0:
+            return np.zeros((0,), np.int32)
+        if M >= F:
+            start = int(rng.integers(0, M - F + 1))
+            fill = self.haystack.read(start, start + F)
+        else:  # a corpus shorter than one haystack: repeat it
+            fill = np.resize(self.haystack.read(0, M), F)
+        return np.where(fill >= 256, 10, fill).astype(np.int32)
+
+    def _needle(self, key: bytes, value: bytes) -> np.ndarray:
+        a, b, c = self._needle_parts
+        return np.frombuffer(a + key + b + value + c, np.uint8).astype(np.int32)
+
+    def _query(self, key: bytes, value: bytes) -> np.ndarray:
+        a, b, c = self._query_parts
+        return np.frombuffer(a + key + b + value + c, np.uint8).astype(np.int32)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        c = self.config
+        N, R, T = c.num_needles, c.num_queries, self.T
+        rng = _rng(self.seed, self.split, index)
+        keys = _distinct_rows(rng, N, lambda g, k: _LETTERS[g.integers(0, 26, (k, self.K))])
+        values = _distinct_rows(rng, N, lambda g, k: np.concatenate(
+            [_DIGITS[g.integers(1, 10, (k, 1))], _DIGITS[g.integers(0, 10, (k, self.V - 1))]], 1))
+        if c.needle_depths is not None:
+            depths = np.asarray(c.needle_depths, np.float64)
+        else:
+            depths = rng.uniform(0.0, 1.0, N)
+        asked = rng.choice(N, size=R, replace=False)
+        filler = self._filler(rng)
+
+        pos = place_needles(depths, self.H, self.nl)  # haystack offsets
+        hay = np.empty((self.H,), np.int32)
+        cursor, used = 0, 0
+        for i in np.argsort(pos, kind="stable"):
+            gap = int(pos[i]) - cursor
+            hay[cursor:cursor + gap] = filler[used:used + gap]
+            used += gap
+            hay[pos[i]:pos[i] + self.nl] = self._needle(keys[i].tobytes(), values[i].tobytes())
+            cursor = int(pos[i]) + self.nl
+        hay[cursor:] = filler[used:used + self.H - cursor]
+
+        queries = [self._query(keys[i].tobytes(), values[i].tobytes()) for i in asked]
+        w = np.concatenate([np.array([BOS], np.int32), hay, *queries])
+        assert len(w) == T + 1, (len(w), T + 1)
+
+        weights = np.zeros((T,), np.float32)
+        answer_spans = np.zeros((R, 2), np.int32)
+        q0 = 1 + self.H
+        for r in range(R):
+            a = q0 + r * self.ql + self.query_value_at  # first answer digit, as a w position
+            answer_spans[r] = (a - 1, a - 1 + self.V)  # target positions
+            weights[a - 1:a - 1 + self.V] = 1.0
+        starts = 1 + pos
+        needle_spans = np.stack([starts, starts + self.nl], 1).astype(np.int32)
+        value_starts = starts + self.needle_value_at
+        value_spans = np.stack([value_starts, value_starts + self.V], 1).astype(np.int32)
+        room = max(self.H - self.nl, 1)
+        return {
+            "inputs": w[:-1],
+            "targets": w[1:],
+            "weights": weights,
+            "answer_spans": answer_spans,
+            "needle_spans": needle_spans,
+            "needle_value_spans": value_spans,
+            "needle_depths": (pos / room).astype(np.float32),
+            "query_needle": asked.astype(np.int32),
+        }
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (f"NeedleSource({self.split}, {self._len} examples, {c.num_needles} needles, "
+                f"{c.num_queries} queries, seq_len {c.seq_len}, {self.F} filler bytes)")
+
+
+def _split_template(template: str) -> list[str]:
+    """``"a{key}b{value}c"`` -> ``["a", "b", "c"]``."""
+    a, rest = template.split("{key}")
+    b, c = rest.split("{value}")
+    return [a, b, c]
+
+
+class MQARSource:
+    """Multi-query associative recall. Layout of the ``seq_len + 1`` tokens::
+
+        BOS k1 v1 k2 v2 ... kP vP | PAD ... PAD | kq1 vq1 ... kqR vqR
+
+    keys are distinct byte ids in 0..127, values byte ids in 128..255 (they may repeat); the R
+    queried pairs are distinct and sit at the end, so the recall distance grows with
+    ``seq_len``. Only the queried values carry weight."""
+
+    def __init__(self, config: DataConfig, split: str, seed: int, length: int):
+        self.config, self.split, self.seed, self._len = config, split, int(seed), int(length)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        c = self.config
+        P, R, T = c.num_pairs, c.num_queries, c.seq_len
+        rng = _rng(self.seed, self.split, index)
+        keys = rng.choice(MQAR_MAX_PAIRS, size=P, replace=False).astype(np.int32)
+        values = rng.integers(128, 256, size=P).astype(np.int32)
+        asked = rng.choice(P, size=R, replace=False)
+        w = np.full((T + 1,), PAD, np.int32)
+        w[0] = BOS
+        w[1:1 + 2 * P:2] = keys
+        w[2:2 + 2 * P:2] = values
+        qs = T + 1 - 2 * R
+        w[qs::2] = keys[asked]
+        w[qs + 1::2] = values[asked]
+        weights = np.zeros((T,), np.float32)
+        answer_at = qs + 2 * np.arange(R)  # target positions of the queried values
+        weights[answer_at] = 1.0
+        starts = 1 + 2 * np.arange(P)
+        return {
+            "inputs": w[:-1],
+            "targets": w[1:],
+            "weights": weights,
+            "answer_spans": np.stack([answer_at, answer_at + 1], 1).astype(np.int32),
+            "pair_spans": np.stack([starts, starts + 2], 1).astype(np.int32),
+            "query_pair": asked.astype(np.int32),
+        }
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (f"MQARSource({self.split}, {self._len} examples, {c.num_pairs} pairs, "
+                f"{c.num_queries} queries, seq_len {c.seq_len})")
+
+
+# ============================================================================ scoring
+def _is_numpy(*arrays) -> bool:
+    return all(isinstance(a, (np.ndarray, np.generic)) for a in arrays)
+
+
+def answer_correct(preds_or_logits, batch: dict[str, Any]):
+    """Per example: ``(correct, has_answer)``, two [B] bool arrays. ``preds_or_logits`` is
+    [B, T] token ids or [B, T, V] logits (argmax taken); an example is correct when every target
+    with ``weights > 0`` is predicted exactly. numpy in, numpy out; jax arrays (also under
+    ``jit``) in, jax arrays out."""
+    preds, targets, weights = preds_or_logits, batch["targets"], batch["weights"]
+    xp = np
+    if not _is_numpy(preds, targets, weights):
+        import jax.numpy as jnp
+
+        xp = jnp
+    preds = xp.asarray(preds)
+    if preds.ndim == 3:
+        preds = xp.argmax(preds, axis=-1)
+    if preds.shape != xp.asarray(targets).shape:
+        raise ValueError(f"answer_accuracy: predictions of shape {preds.shape} (after argmax) do "
+                         f"not match targets {xp.asarray(targets).shape}")
+    counts = xp.asarray(weights) > 0
+    ok = (preds == xp.asarray(targets)) | ~counts
+    return xp.all(ok, axis=-1), xp.any(counts, axis=-1)
+
+
+def answer_accuracy(preds_or_logits, batch: dict[str, Any]):
+    """The fraction of examples (with at least one answer token) whose answer tokens are all
+    predicted exactly; examples with no answer (validation padding) are left out. Returns a
+    float for numpy inputs, a jax scalar for jax inputs (0 when no example has an answer), and
+    None for batches of a corpus (no ``answer_spans``: every token is a target there, so
+    "answer accuracy" would mean whole windows predicted exactly; use
+    :func:`answer_correct` for that)."""
+    if "answer_spans" not in batch:
+        return None
+    correct, has = answer_correct(preds_or_logits, batch)
+    if isinstance(correct, np.ndarray):
+        n = int(has.sum())
+        return float((correct & has).sum() / n) if n else 0.0
+    import jax.numpy as jnp
+
+    n = has.sum()
+    return jnp.where(n > 0, (correct & has).sum() / jnp.maximum(n, 1), 0.0)

@@ -1,0 +1,17 @@
+"""Training: configs, optimizer, the loop, Orbax checkpoints, metrics and the comparison report.
+
+``python train.py`` (:func:`diffjax.train.cli.main`) trains a DIFF model and its standard twin
+on the same data in the same order from the same seed and writes ``runs/<name>/``.
+"""
+
+from .checkpoint import Checkpointer, CheckpointError
+from .config import (ExperimentConfig, RunConfig, TrainConfig, apply_overrides, config_keys,
+                     default_config, load_config)
+from .loop import TrainingDiverged, TrainResult, train_model
+from .optimizer import decay_mask, learning_rate_schedule, make_optimizer
+
+__all__ = [
+    "CheckpointError", "Checkpointer", "ExperimentConfig", "RunConfig", "TrainConfig",
+    "TrainResult", "TrainingDiverged", "apply_overrides", "config_keys", "decay_mask",
+    "default_config", "learning_rate_schedule", "load_config", "make_optimizer", "train_model",
+]

@@ -1,0 +1,123 @@
+"""Orbax checkpoints of the train state, the data iterator and the run's metadata.
+
+Saves are asynchronous and atomic (Orbax writes into a temporary directory and renames it
+when complete), so a process killed at any moment leaves either a whole checkpoint or a
+temporary directory that is ignored and cleaned up on the next start. The last
+``keep_checkpoints`` and the best (lowest validation loss) are preserved.
+
+Each checkpoint holds ``state`` (step, params, optimizer state), ``data`` (the Grain iterator's
+state, one file per process) and ``meta`` (the model config, for the mismatch check on resume).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import grain
+import jax
+import orbax.checkpoint as ocp
+from orbax.checkpoint import checkpoint_managers as cm
+
+from diffjax.config import ConfigError
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used: unreadable, or written by a different model config."""
+
+
+class _IteratorSnapshot:
+    """The data iterator's state captured when ``save`` is called (the async write happens
+    later, after the live iterator has moved on)."""
+
+    def __init__(self, state: Any):
+        self._state = json.dumps(state, indent=1).encode()
+
+    def get_state(self) -> bytes:
+        return self._state
+
+
+class Checkpointer:
+    def __init__(self, directory: str, *, keep: int = 3, async_save: bool = True):
+        self.directory = os.path.abspath(directory)
+        policy = cm.AnyPreservationPolicy([
+            cm.LatestN(n=keep),
+            cm.BestN(get_metric_fn=lambda m: m["val_loss"], reverse=True, n=1,
+                     keep_checkpoints_without_metrics=False),
+        ])
+        options = ocp.CheckpointManagerOptions(
+            preservation_policy=policy, enable_async_checkpointing=async_save,
+            cleanup_tmp_directories=True, create=True)
+        self.manager = ocp.CheckpointManager(
+            self.directory, options=options,
+            item_handlers={"state": ocp.StandardCheckpointHandler(),
+                           "data": grain.checkpoint.CheckpointHandler(),
+                           "meta": ocp.JsonCheckpointHandler()})
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        return list(self.manager.all_steps())
+
+    def save(self, step: int, state: Any, data_state: Any, meta: dict[str, Any],
+             val_loss: float | None = None) -> None:
+        metrics = None if val_loss is None else {"val_loss": float(val_loss)}
+        self.manager.save(step, metrics=metrics, args=ocp.args.Composite(
+            state=ocp.args.StandardSave(state),
+            data=grain.checkpoint.CheckpointSave(_IteratorSnapshot(data_state)),
+            meta=ocp.args.JsonSave(meta)))
+
+    def read_meta(self, step: int) -> dict[str, Any]:
+        try:
+            return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        except Exception as e:  # noqa: BLE001 - any failure to read is a bad checkpoint
+            raise CheckpointError(_unreadable(self.directory, step, e)) from e
+
+    def restore(self, step: int, abstract_state: Any, data_iterator: Any) -> Any:
+        """The state at ``step`` (placed like ``abstract_state``); sets ``data_iterator``'s
+        position in place."""
+        try:
+            out = self.manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract_state),
+                data=grain.checkpoint.CheckpointRestore(data_iterator)))
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(_unreadable(self.directory, step, e)) from e
+        return out["state"]
+
+    def wait(self) -> None:
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.close()
+
+
+def _unreadable(directory: str, step: int, error: Exception) -> str:
+    return (f"the checkpoint at step {step} in {directory} cannot be read "
+            f"({type(error).__name__}: {str(error)[:300]}). Nothing was changed. Fix: move "
+            f"{os.path.join(directory, str(step))} aside to resume from an earlier checkpoint, "
+            f"or set run.dir to a new directory to start over.")
+
+
+def check_same_model(saved: dict[str, Any], current: dict[str, Any], directory: str) -> None:
+    """Stop when a checkpoint was written by a different model config."""
+    diffs = [f"{k}: checkpoint has {saved.get(k)!r}, config has {current.get(k)!r}"
+             for k in sorted(set(saved) | set(current)) if saved.get(k) != current.get(k)]
+    if diffs:
+        raise ConfigError(
+            f"the checkpoint in {directory} was written by a different model config ("
+            + "; ".join(diffs) + "). Fix: use the same model.* settings to resume it, or set "
+            "run.dir (or run.name) to a new directory for a new run.")
+
+
+def abstract_like(tree: Any, sharding: Any = None) -> Any:
+    """Shape/dtype/sharding structs of ``tree`` (arrays or ``ShapeDtypeStruct``s), the restore
+    target; leaves without a sharding get ``sharding`` (default: the first local device)."""
+    default = sharding or jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+
+    def one(x):
+        s = getattr(x, "sharding", None) or default
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+
+    return jax.tree.map(one, tree)

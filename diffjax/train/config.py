@@ -1,0 +1,292 @@
+"""Experiment configuration: typed dataclasses, Python config files and ``dotted.key=value``.
+
+An experiment is :class:`ExperimentConfig` = ``run`` (where it writes) + ``model``
+(:class:`diffjax.ModelConfig`) + ``data`` (:class:`diffjax.data.DataConfig`) + ``train``
+(:class:`TrainConfig`) + ``compare`` (also train the model's standard-attention twin).
+
+A config file is a Python file with ``get_config() -> ExperimentConfig``. Any field can be
+overridden from the command line as ``section.field=value`` (``compare=false`` for the top-level
+flag); values are parsed by the field's declared type, and an unknown key or a bad value stops
+with a message that names it and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib.util
+import os
+from typing import Any
+
+from diffjax.config import ConfigError, ModelConfig
+from diffjax.data import DataConfig
+
+SCHEDULES = ("linear", "cosine", "constant")
+
+
+def _fail(cls: str, field: str, problem: str, fix: str):
+    raise ConfigError(f"{cls}.{field}: {problem}. Fix: {fix}.")
+
+
+# ---------------------------------------------------------------------------- typing helpers
+def _check_types(obj) -> None:
+    """Type checks for the train/run sections (the model and data sections check their own)."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if type(obj).__name__ == "ExperimentConfig" and f.name in SECTIONS:
+            if not isinstance(value, SECTIONS[f.name]):
+                _fail(type(obj).__name__, f.name, f"must be a {SECTIONS[f.name].__name__}, got {type(value).__name__}",
+                      f"build it with diffjax.train.{SECTIONS[f.name].__name__}(...)")
+            continue
+        try:
+            parse_value(f.type, value)
+        except ValueError as e:
+            _fail(type(obj).__name__, f.name, str(e), f"give a {f.type}")
+
+
+def _coerce(base: str, value: Any):
+    """Parse ``value`` (a string from the command line, or a Python value) as type ``base``."""
+    import numbers
+
+    if base == "bool":
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on"):
+            return True
+        if isinstance(value, str) and value.lower() in ("false", "0", "no", "off"):
+            return False
+        raise ValueError(f"expected true or false, got {value!r}")
+    if base == "int":
+        if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value.replace("_", ""))
+            except ValueError:
+                pass
+        raise ValueError(f"expected an integer, got {value!r}")
+    if base == "float":
+        if isinstance(value, numbers.Real) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ValueError(f"expected a number, got {value!r}")
+    if base == "str":
+        if isinstance(value, str):
+            return value
+        raise ValueError(f"expected a string, got {value!r}")
+    if base.startswith("tuple["):
+        inner = base[len("tuple["):-1].split(",")[0].strip()
+        if isinstance(value, str):
+            value = [v for v in value.strip("()[] ").split(",") if v.strip()]
+        if isinstance(value, (list, tuple)):
+            return tuple(_coerce(inner, v.strip() if isinstance(v, str) else v) for v in value)
+        raise ValueError(f"expected a comma-separated list, got {value!r}")
+    raise ValueError(f"unsupported field type {base}")
+
+
+def parse_value(type_str: str, value: Any):
+    """Parse ``value`` as the annotated type ``type_str`` (e.g. ``"int | None"``)."""
+    parts = [p.strip() for p in str(type_str).split("|")]
+    optional = "None" in parts
+    parts = [p for p in parts if p != "None"]
+    if value is None or (optional and isinstance(value, str) and value.lower() in ("none", "null")):
+        if optional:
+            return None
+        raise ValueError("may not be None")
+    errors = []
+    for base in parts:
+        try:
+            return _coerce(base, value)
+        except ValueError as e:
+            errors.append(str(e))
+    raise ValueError("; ".join(errors))
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Optimisation and bookkeeping. Defaults follow the paper's recipe for its small models
+    (Table 10: AdamW (0.9, 0.98), weight decay 0.05, 375 warmup steps, linear decay, lr 1.5e-4);
+    config files scale them to the model at hand."""
+
+    steps: int = 1000
+    batch_size: int = 16  # global batch (sequences per step)
+    lr: float = 1.5e-4
+    warmup_steps: int = 375
+    schedule: str = "linear"  # decay after warmup: "linear" | "cosine" | "constant"
+    min_lr_ratio: float = 0.0  # final lr = lr * min_lr_ratio
+    b1: float = 0.9
+    b2: float = 0.98
+    eps: float = 1e-8
+    weight_decay: float = 0.05  # not applied to norms, lambda parameters and biases
+    grad_clip: float = 1.0  # global-norm clipping; 0 turns it off
+    eval_every: int = 100
+    eval_batches: int = 8
+    checkpoint_every: int = 100
+    keep_checkpoints: int = 3  # the last K; the best (lowest validation loss) is kept too
+    log_every: int = 1  # metrics.jsonl gets every step; TensorBoard every log_every steps
+    seed: int = 0  # parameter init (the DIFF model and its twin get the same seed)
+    progress: bool = True  # progress bar
+    tensorboard: bool = True
+
+    def __post_init__(self):
+        _check_types(self)
+        c = "TrainConfig"
+        for name in ("steps", "batch_size", "eval_every", "eval_batches", "checkpoint_every",
+                     "keep_checkpoints", "log_every"):
+            if getattr(self, name) < 1:
+                _fail(c, name, f"must be >= 1, got {getattr(self, name)}", f"set train.{name} to a positive integer")
+        if self.warmup_steps < 0:
+            _fail(c, "warmup_steps", f"must be >= 0, got {self.warmup_steps}", "set train.warmup_steps=0 or more")
+        if not self.lr > 0:
+            _fail(c, "lr", f"must be > 0, got {self.lr}", "set train.lr to a positive learning rate, e.g. 1e-3")
+        if self.schedule not in SCHEDULES:
+            _fail(c, "schedule", f"unknown schedule {self.schedule!r}", f"use one of {', '.join(map(repr, SCHEDULES))}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            _fail(c, "min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}", "set train.min_lr_ratio between 0 and 1")
+        for name in ("b1", "b2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                _fail(c, name, f"must be in [0, 1), got {getattr(self, name)}", f"set train.{name} to e.g. 0.9")
+        for name in ("eps", "weight_decay", "grad_clip"):
+            if getattr(self, name) < 0:
+                _fail(c, name, f"must be >= 0, got {getattr(self, name)}", f"set train.{name} to 0 or more")
+        if self.seed < 0:
+            _fail(c, "seed", f"must be >= 0, got {self.seed}", "use a non-negative seed")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """Where a run writes: ``dir`` (default ``runs/<name>``)."""
+
+    name: str = "default"
+    dir: str | None = None
+
+    def __post_init__(self):
+        _check_types(self)
+        if not self.name or os.sep in self.name:
+            _fail("RunConfig", "name", f"must be a plain non-empty name, got {self.name!r}",
+                  "use a name like 'diff-vs-twin' (set run.dir for a path)")
+
+    @property
+    def path(self) -> str:
+        return self.dir if self.dir else os.path.join("runs", self.name)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExperimentConfig:
+    run: RunConfig = RunConfig()
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    train: TrainConfig = TrainConfig()
+    compare: bool = True  # also train the standard-attention twin of `model`
+
+    def __post_init__(self):
+        _check_types(self)
+        if self.compare and not self.model.is_diff:
+            _fail("ExperimentConfig", "compare",
+                  f"compare=true trains a DIFF model and its standard twin, but model.attention is "
+                  f"{self.model.attention!r}", "set model.attention=diff_v1 or diff_v2, or compare=false")
+        if self.data.seq_len > self.model.max_seq_len:
+            _fail("ExperimentConfig", "data.seq_len",
+                  f"{self.data.seq_len} is longer than the model takes (model.max_seq_len="
+                  f"{self.model.max_seq_len})",
+                  f"set data.seq_len <= {self.model.max_seq_len} or model.max_seq_len >= {self.data.seq_len}")
+
+    @property
+    def models(self) -> dict[str, ModelConfig]:
+        """``{"diff": model, "standard": twin}`` with compare, else ``{label: model}``."""
+        from diffjax.config import twin
+
+        if self.compare:
+            return {"diff": self.model, "standard": twin(self.model)}
+        return {"diff" if self.model.is_diff else "standard": self.model}
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+SECTIONS = {"run": RunConfig, "model": ModelConfig, "data": DataConfig, "train": TrainConfig}
+
+
+# ---------------------------------------------------------------------------- keys and overrides
+def config_keys(config: ExperimentConfig | None = None) -> list[tuple[str, str, Any]]:
+    """Every settable key as ``(key, type, current value)``."""
+    config = config or ExperimentConfig()
+    keys = []
+    for section in SECTIONS:
+        sub = getattr(config, section)
+        for f in dataclasses.fields(sub):
+            keys.append((f"{section}.{f.name}", str(f.type), getattr(sub, f.name)))
+    keys.append(("compare", "bool", config.compare))
+    return keys
+
+
+def apply_overrides(config: ExperimentConfig, overrides: list[str]) -> ExperimentConfig:
+    """Apply ``["section.field=value", ...]``; validation runs once all are applied."""
+    known = {k: t for k, t, _ in config_keys(config)}
+    changes: dict[str, dict[str, Any]] = {}
+    top: dict[str, Any] = {}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not key=value. Fix: write it like "
+                              f"train.steps=200 (see --help for every key).")
+        key, raw = item.split("=", 1)
+        key = key.strip()
+        if key not in known:
+            close = difflib.get_close_matches(key, list(known), n=3)
+            hint = f"did you mean {', '.join(close)}? " if close else ""
+            raise ConfigError(f"unknown config key {key!r}. Fix: {hint}run train.py --help for "
+                              f"the list of keys.")
+        try:
+            value = parse_value(known[key], raw)
+        except ValueError as e:
+            raise ConfigError(f"{key}: bad value {raw!r}: {e}. Fix: give a {known[key]}.") from None
+        if "." in key:
+            section, name = key.split(".", 1)
+            changes.setdefault(section, {})[name] = value
+        else:
+            top[key] = value
+    sections = {s: dataclasses.replace(getattr(config, s), **c) for s, c in changes.items()}
+    return dataclasses.replace(config, **sections, **top)
+
+
+def load_config(path: str | None) -> ExperimentConfig:
+    """``get_config()`` of a Python config file, or the defaults (``configs/default.py``'s
+    equivalent is :func:`default_config`) when ``path`` is None."""
+    if path is None:
+        return default_config()
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file {path!r} does not exist. Fix: pass a file such as "
+                          f"configs/default.py.")
+    spec = importlib.util.spec_from_file_location("_diffjax_config", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not hasattr(module, "get_config"):
+        raise ConfigError(f"config file {path!r} has no get_config(). Fix: define "
+                          f"get_config() returning diffjax.train.ExperimentConfig.")
+    try:
+        config = module.get_config()
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+    if not isinstance(config, ExperimentConfig):
+        raise ConfigError(f"{path}: get_config() returned {type(config).__name__}. Fix: return "
+                          f"a diffjax.train.ExperimentConfig.")
+    return config
+
+
+def default_config() -> ExperimentConfig:
+    """The default comparison: a small DIFF V1 model and its twin on the built-in corpus (the
+    standard library's sources), sized to finish in about five minutes on 2 CPU cores."""
+    return ExperimentConfig(
+        run=RunConfig(name="default"),
+        model=ModelConfig(vocab_size=259, d_model=128, num_layers=4, num_heads=2,
+                          attention="diff_v1", max_seq_len=256),
+        data=DataConfig(source="stdlib", seq_len=128),
+        train=TrainConfig(steps=300, batch_size=16, lr=2e-3, warmup_steps=30,
+                          schedule="cosine", min_lr_ratio=0.1, b2=0.95, weight_decay=0.1,
+                          eval_every=50, eval_batches=8, checkpoint_every=100),
+        compare=True,
+    )

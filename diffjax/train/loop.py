@@ -1,0 +1,315 @@
+"""The training loop of one model: jitted step with donated state, evaluation, metrics,
+checkpoints, exact resume, divergence stop.
+
+The state is a plain pytree ``{"step", "params", "opt_state"}`` (the model's ``nnx.Param``
+state and Optax's state), so one jitted function updates it, Orbax saves it and, later, a mesh
+can shard it. Every step's loss reaches ``metrics.jsonl``; the host reads step ``n``'s metrics
+while step ``n + 1`` runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import math
+import os
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from diffjax import data as data_lib
+from diffjax.config import ModelConfig
+from diffjax.model import TransformerLM
+from diffjax.params import count_params
+
+from .checkpoint import Checkpointer, CheckpointError, abstract_like, check_same_model
+from .config import ExperimentConfig
+from .metrics import MetricsWriter, read_metrics
+from .optimizer import learning_rate_schedule, make_optimizer
+
+# optax >= 0.2.5 has optax.tree.norm; older versions optax.global_norm
+_tree_norm = getattr(getattr(optax, "tree", None), "norm", None) or optax.global_norm
+
+MODEL_INPUTS = ("inputs", "targets", "weights", "segment_ids", "positions")
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss became NaN or infinite; the last good checkpoint is kept."""
+
+    def __init__(self, step: int, loss: float, last_checkpoint: int | None, directory: str):
+        self.step, self.loss, self.last_checkpoint = step, loss, last_checkpoint
+        kept = (f"the last good checkpoint (step {last_checkpoint}) is kept in {directory}"
+                if last_checkpoint is not None else "no checkpoint had been written yet")
+        super().__init__(f"the training loss is {loss} at step {step}; stopped, and {kept}. Fix: "
+                         f"lower train.lr, raise train.warmup_steps or set train.grad_clip, then "
+                         f"rerun (it resumes from the last good checkpoint).")
+
+
+@dataclasses.dataclass
+class TrainResult:
+    label: str
+    attention: str
+    directory: str
+    params: int
+    steps: int
+    tokens_seen: int
+    final_train_loss: float
+    final_val_loss: float | None
+    tokens_per_s: float
+    step_time_s: float
+    peak_memory_bytes: int | None
+    memory_source: str
+    lambdas: list[float] | None = None
+    val_accuracy: float | None = None
+    resumed_from: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# ---------------------------------------------------------------------------- pure functions
+def weighted_cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array):
+    """Sum of per-token cross-entropy times weight, and the sum of weights."""
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
+    return jnp.sum(ce * weights), jnp.sum(weights)
+
+
+def _model_kwargs(batch):
+    return {k: batch[k] for k in ("segment_ids", "positions") if k in batch}
+
+
+def make_train_step(graphdef, rest, tx: optax.GradientTransformation, schedule) -> Callable:
+    """``step(state, batch) -> (state, metrics)``; jit it with ``donate_argnums=0``."""
+
+    def loss_fn(params, batch):
+        model = nnx.merge(graphdef, params, rest)
+        logits = model(batch["inputs"], **_model_kwargs(batch))
+        total, weight = weighted_cross_entropy(logits, batch["targets"], batch["weights"])
+        lambdas = model.lambdas()
+        aux = {"lambda": jnp.stack(lambdas) if lambdas else jnp.zeros((0,), jnp.float32)}
+        return total / jnp.maximum(weight, 1.0), aux
+
+    def step(state, batch):
+        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"], batch)
+        updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        metrics = {"loss": loss, "grad_norm": _tree_norm(grads),
+                   "lr": schedule(state["step"]), **aux}
+        return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
+
+    return step
+
+
+def make_eval_step(graphdef, rest) -> Callable:
+    """``eval(params, batch) -> (loss sum, weight sum, argmax predictions)``."""
+
+    def evaluate(params, batch):
+        model = nnx.merge(graphdef, params, rest)
+        logits = model(batch["inputs"], **_model_kwargs(batch))
+        total, weight = weighted_cross_entropy(logits, batch["targets"], batch["weights"])
+        return total, weight, jnp.argmax(logits, axis=-1)
+
+    return evaluate
+
+
+def memory_estimate(compiled) -> int | None:
+    """XLA's estimate of the compiled step's memory: arguments + outputs + temporaries - aliased."""
+    try:
+        m = compiled.memory_analysis()
+        return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+                   - m.alias_size_in_bytes)
+    except Exception:  # noqa: BLE001 - not every backend reports it
+        return None
+
+
+def device_peak_memory() -> int | None:
+    stats = jax.local_devices()[0].memory_stats() or {}
+    return stats.get("peak_bytes_in_use")
+
+
+# ---------------------------------------------------------------------------- the loop
+def _to_device(batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+    return {k: jnp.asarray(v) for k, v in batch.items() if k in MODEL_INPUTS}
+
+
+def train_model(exp: ExperimentConfig, model_cfg: ModelConfig, label: str, directory: str, *,
+                require_checkpoint: bool = False, log: Callable[[str], None] = print
+                ) -> TrainResult:
+    """Train ``model_cfg`` on ``exp.data`` with ``exp.train`` in ``directory`` (resuming from its
+    latest checkpoint if it has one) and return the summary."""
+    tcfg = exp.train
+    os.makedirs(directory, exist_ok=True)
+    ckpt = Checkpointer(os.path.join(directory, "checkpoints"), keep=tcfg.keep_checkpoints)
+    latest = ckpt.latest_step()
+    if require_checkpoint and latest is None:
+        raise CheckpointError(f"--resume was given but {directory} holds no checkpoint. Fix: drop "
+                              f"--resume to start a new run, or point run.dir at the run to resume.")
+    meta = {"model": model_cfg.to_dict(), "label": label, "data": dataclasses.asdict(exp.data)}
+    if latest is not None:
+        check_same_model(ckpt.read_meta(latest)["model"], meta["model"], directory)
+
+    # Data: the same batches in the same order for every model of the experiment.
+    pcount, pindex = jax.process_count(), jax.process_index()
+    if tcfg.batch_size % pcount:
+        raise ValueError(f"train.batch_size={tcfg.batch_size} is not divisible by the {pcount} "
+                         f"processes. Fix: use a multiple of {pcount}.")
+    local_batch = tcfg.batch_size // pcount
+    train_iter = iter(data_lib.make_dataset(exp.data, "train", batch_size=local_batch,
+                                            process_index=pindex, process_count=pcount))
+    val_batches = list(itertools.islice(
+        iter(data_lib.make_dataset(exp.data, "validation", batch_size=local_batch,
+                                   process_index=pindex, process_count=pcount)),
+        tcfg.eval_batches))
+
+    # Model, optimizer, state: created in one jitted function (one compile, not one per
+    # initializer), or only described (eval_shape) when a checkpoint will replace it.
+    tx = make_optimizer(tcfg)
+    schedule = learning_rate_schedule(tcfg)
+
+    def init_state():
+        model = TransformerLM(model_cfg, rngs=nnx.Rngs(tcfg.seed))
+        _, params, rest = nnx.split(model, nnx.Param, ...)
+        state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
+        return state, rest
+
+    graphdef, _, _ = nnx.split(nnx.eval_shape(lambda: TransformerLM(model_cfg, rngs=nnx.Rngs(0))),
+                               nnx.Param, ...)
+    start = 0
+    if latest is None:
+        state, rest = jax.jit(init_state)()
+    else:
+        abstract, rest = jax.eval_shape(init_state)
+        rest = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), rest)
+        state = ckpt.restore(latest, abstract_like(abstract), train_iter)
+        start = int(state["step"])
+        log(f"[{label}] resuming from the checkpoint at step {start} in {ckpt.directory}")
+
+    n_params = count_params(model_cfg).total
+    if not val_batches:
+        raise data_lib.DataError(
+            f"the validation split of {exp.data.source!r} data holds no batch of "
+            f"{local_batch} x {exp.data.seq_len} tokens. Fix: add data, or lower "
+            f"train.batch_size or data.seq_len, or raise data.val_fraction.")
+    first = _to_device(val_batches[0])  # shapes for compiling; no training batch is consumed
+    step_fn = jax.jit(make_train_step(graphdef, rest, tx, schedule), donate_argnums=0)
+    compiled = step_fn.lower(state, first).compile()
+    memory = memory_estimate(compiled)
+    eval_fn = jax.jit(make_eval_step(graphdef, rest))
+
+    writer = MetricsWriter(directory, resume_step=start, tensorboard=tcfg.tensorboard,
+                           log_every=tcfg.log_every)
+    tokens_per_step = tcfg.batch_size * exp.data.seq_len
+
+    def evaluate(params) -> dict[str, float]:
+        total = weight = 0.0
+        preds = []
+        for b in val_batches:
+            t, w, p = eval_fn(params, _to_device(b))
+            total, weight = total + float(t), weight + float(w)
+            preds.append(np.asarray(p))
+        out = {"val_loss": total / max(weight, 1.0)}
+        out["val_ppl"] = math.exp(min(out["val_loss"], 50.0))
+        try:
+            acc = [data_lib.answer_accuracy(p, b) for p, b in zip(preds, val_batches)]
+            if acc and acc[0] is not None:
+                out["val_answer_accuracy"] = float(np.mean(acc))
+        except (KeyError, TypeError, ValueError):
+            pass
+        return out
+
+    last_good = latest
+    pending: list[tuple[int, Any]] = []
+    timer = {"t": time.perf_counter()}
+
+    bar = None
+    if tcfg.progress and pindex == 0:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=tcfg.steps, initial=start, desc=label, unit="step", dynamic_ncols=True)
+
+    def process(step: int, metrics: Any, timed: bool) -> dict[str, Any]:
+        host = jax.device_get(metrics)
+        now = time.perf_counter()
+        dt = now - timer["t"]
+        timer["t"] = now
+        loss = float(host["loss"])
+        record = {"step": step, "loss": loss, "lr": float(host["lr"]),
+                  "grad_norm": float(host["grad_norm"]), "tokens": step * tokens_per_step,
+                  "step_time": dt, "tokens_per_s": tokens_per_step / dt if dt > 0 else None,
+                  "timed": timed}
+        if host["lambda"].size:
+            record["lambda"] = [float(x) for x in host["lambda"]]
+        if not math.isfinite(loss):
+            writer.write(record)
+            raise TrainingDiverged(step, loss, last_good, ckpt.directory)
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
+        return record
+
+    try:
+        for step in range(start + 1, tcfg.steps + 1):
+            batch = _to_device(next(train_iter))
+            state, metrics = compiled(state, batch)
+            # the first step after (re)start includes warm-up; it is not counted in throughput
+            pending.append((step, metrics, step > start + 1))
+            boundary = (step % tcfg.eval_every == 0 or step % tcfg.checkpoint_every == 0
+                        or step == tcfg.steps)
+            while len(pending) > (0 if boundary else 1):
+                s, m, timed = pending.pop(0)
+                rec = process(s, m, timed)
+                if pending or not boundary:
+                    writer.write(rec)
+            if boundary:
+                rec.update(evaluate(state["params"]))
+                writer.write(rec)
+                if bar is not None:
+                    bar.set_postfix(loss=f"{rec['loss']:.3f}", val=f"{rec['val_loss']:.3f}",
+                                    tok_s=f"{rec['tokens_per_s']:.0f}")
+                if step % tcfg.checkpoint_every == 0 or step == tcfg.steps:
+                    ckpt.save(step, state, train_iter.get_state(), meta, rec["val_loss"])
+                    last_good = step
+                timer["t"] = time.perf_counter()  # eval/checkpoint time is not step time
+                pending = [(s, m, False) for s, m, _ in pending]
+    finally:
+        if bar is not None:
+            bar.close()
+        writer.close()
+        ckpt.wait()
+        ckpt.close()
+
+    records = read_metrics(os.path.join(directory, "metrics.jsonl"))
+    result = summarize(label, model_cfg, directory, records, n_params, memory, latest)
+    with open(os.path.join(directory, "result.json"), "w") as f:
+        json.dump(result.to_dict(), f, indent=1)
+    return result
+
+
+def summarize(label: str, model_cfg: ModelConfig, directory: str, records: list[dict],
+              n_params: int, memory: int | None, resumed_from: int | None) -> TrainResult:
+    """A :class:`TrainResult` from the run's metrics records."""
+    timed = [r for r in records if r.get("timed") and r.get("step_time")]
+    step_time = float(np.median([r["step_time"] for r in timed])) if timed else float("nan")
+    last = records[-1] if records else {}
+    tail = [r["loss"] for r in records[-max(1, len(records) // 20):]]
+    evals = [r for r in records if "val_loss" in r]
+    device_peak = device_peak_memory()
+    tokens_per_step = last.get("tokens", 0) / max(last.get("step", 1), 1)
+    return TrainResult(
+        label=label, attention=model_cfg.attention, directory=directory, params=n_params,
+        steps=int(last.get("step", 0)), tokens_seen=int(last.get("tokens", 0)),
+        final_train_loss=float(np.mean(tail)) if tail else float("nan"),
+        final_val_loss=evals[-1]["val_loss"] if evals else None,
+        tokens_per_s=tokens_per_step / step_time if timed else float("nan"),
+        step_time_s=step_time,
+        peak_memory_bytes=device_peak if device_peak else memory,
+        memory_source="device peak" if device_peak else "XLA estimate of the train step",
+        lambdas=last.get("lambda"),
+        val_accuracy=evals[-1].get("val_answer_accuracy") if evals else None,
+        resumed_from=resumed_from)

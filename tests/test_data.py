@@ -1,0 +1,605 @@
+"""diffjax.data: tokenizer, corpora, token files, synthetic tasks, the grain pipeline, errors."""
+
+from __future__ import annotations
+
+import pathlib
+import pickle
+import re
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from diffjax.config import ConfigError
+from diffjax.data import (BOS, EOS, PAD, ByteTokenizer, DataConfig, DataError, answer_accuracy,
+                          answer_correct, check_data, describe, is_validation_file, load_corpus,
+                          make_dataset, make_source, num_examples, num_tokens, stdlib_files,
+                          stdlib_root, steps_per_epoch)
+from diffjax.data.config import needle_len, query_len
+from diffjax.data.sources import open_token_file
+from diffjax.data.synthetic import place_needles
+
+TOK = ByteTokenizer()
+SMALL_STDLIB = DataConfig(source="stdlib", seq_len=64, max_files=40)
+
+
+def take(ds, k: int) -> list[dict[str, np.ndarray]]:
+    it = iter(ds)
+    return [next(it) for _ in range(k)]
+
+
+def batches_equal(a: list[dict], b: list[dict]) -> bool:
+    return len(a) == len(b) and all(
+        x.keys() == y.keys() and all(np.array_equal(x[k], y[k]) for k in x) for x, y in zip(a, b))
+
+
+def rows(batches: list[dict], key: str = "inputs", weighted_only: bool = False) -> list[tuple]:
+    out = []
+    for b in batches:
+        for r in range(b[key].shape[0]):
+            if weighted_only and not b["weights"][r].any():
+                continue
+            out.append(tuple(b[key][r].tolist()))
+    return out
+
+
+@pytest.fixture()
+def text_dir(tmp_path: pathlib.Path) -> pathlib.Path:
+    """12 files of random letters (every window distinct), in a nested directory."""
+    rng = np.random.default_rng(0)
+    root = tmp_path / "corpus"
+    for i in range(12):
+        sub = root / ("a" if i % 2 else "b")
+        sub.mkdir(parents=True, exist_ok=True)
+        text = bytes(rng.integers(97, 123, size=int(rng.integers(200, 600))).astype(np.uint8))
+        (sub / f"doc{i:02d}.txt").write_bytes(text)
+    (root / "__pycache__").mkdir()
+    (root / "__pycache__" / "x.txt").write_text("ignored")
+    return root
+
+
+# ============================================================================ tokenizer
+@settings(max_examples=50, deadline=None)
+@given(st.text())
+def test_tokenizer_round_trip(text):
+    ids = TOK.encode(text)
+    assert ids.dtype == np.int32 and ids.ndim == 1
+    assert TOK.decode(ids) == text
+    assert TOK.decode(TOK.encode(text, add_bos=True, add_eos=True)) == text
+
+
+def test_tokenizer_specials_and_bytes():
+    assert (BOS, EOS, PAD, TOK.vocab_size) == (256, 257, 258, 259)
+    ids = TOK.encode("hé", add_bos=True, add_eos=True)
+    assert ids.tolist() == [BOS, 104, 0xC3, 0xA9, EOS]
+    assert TOK.encode(b"\x00\xff").tolist() == [0, 255]
+    assert TOK.decode([BOS, 104, PAD, 105, EOS]) == "hi"
+    assert TOK.decode(np.array([[104], [105]])) == "hi"  # any shape
+    assert TOK.decode([0xC3]) == "\ufffd"  # invalid UTF-8 is replaced
+    with pytest.raises(TypeError):
+        TOK.encode(123)
+
+
+# ============================================================================ stdlib corpus
+def test_stdlib_files_deterministic_and_filtered():
+    files = stdlib_files()
+    assert files == stdlib_files() and len(files) > 100
+    root = stdlib_root()
+    rel = [p.relative_to(root).as_posix() for p in files]
+    assert rel == sorted(rel) and len(set(rel)) == len(rel)
+    assert all(r.endswith(".py") for r in rel)
+    for part in ("site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"):
+        assert not any(part in r.split("/")[:-1] for r in rel), part
+    assert "os.py" in rel and "json/__init__.py" in rel
+    with_tests = stdlib_files(include_tests=True)
+    assert set(files) <= set(with_tests)
+    assert stdlib_files(max_files=5) == files[:5]
+
+
+def test_stdlib_split_by_file_disjoint_stable_and_exact():
+    cfg = SMALL_STDLIB.replace(val_fraction=0.3)
+    corpus = load_corpus(cfg)
+    root = stdlib_root()
+    rel = [p.relative_to(root).as_posix() for p in stdlib_files(max_files=40)]
+    val = [r for r in rel if is_validation_file(r, 0.3)]
+    train = [r for r in rel if not is_validation_file(r, 0.3)]
+    assert val and train and not set(val) & set(train)
+    assert corpus.split_by == "file"
+    assert (corpus.train_files, corpus.validation_files) == (len(train), len(val))
+
+    def stream(names):
+        parts = [TOK.encode((root / n).read_bytes(), add_bos=True, add_eos=True) for n in names]
+        return np.concatenate(parts)
+
+    np.testing.assert_array_equal(corpus.train.read(0, len(corpus.train)), stream(train))
+    np.testing.assert_array_equal(corpus.validation.read(0, len(corpus.validation)), stream(val))
+    # Stable: a file's split depends only on its own path, not on which other files exist.
+    assert [is_validation_file(r, 0.3) for r in rel[:10]] == [r in val for r in rel[:10]]
+    assert is_validation_file("a/b.py", 0.5) == is_validation_file("a/b.py", 0.5)
+    assert not is_validation_file("a/b.py", 0.0)
+
+
+def test_stdlib_full_corpus_summary():
+    s = check_data(DataConfig())
+    assert str(s) == s.description == describe(DataConfig())
+    assert s.files == len(stdlib_files()) and s.split_by == "file"
+    assert s.train_tokens > 1_000_000 and 0 < s.validation_tokens < s.train_tokens
+    assert s.train_examples == (s.train_tokens - 1) // 256
+    assert num_tokens(DataConfig(), "validation") == s.validation_tokens
+    assert re.match(r"stdlib corpus \(.*\): [\d,]+ files, [\d.]+ M train tokens, [\d.]+ (M|k) "
+                    r"validation tokens$", describe(DataConfig())), describe(DataConfig())
+
+
+# ============================================================================ windows, pipeline
+def test_windows_shifted_by_one_and_contiguous():
+    src = make_source(SMALL_STDLIB, "train")
+    corpus = load_corpus(SMALL_STDLIB)
+    T = SMALL_STDLIB.seq_len
+    assert len(src) == (len(corpus.train) - 1) // T == num_examples(SMALL_STDLIB, "train")
+    for i in (0, 1, len(src) - 1):
+        ex = src[i]
+        assert ex["inputs"].shape == ex["targets"].shape == ex["weights"].shape == (T,)
+        assert ex["inputs"].dtype == ex["targets"].dtype == np.int32
+        assert ex["weights"].dtype == np.float32 and (ex["weights"] == 1).all()
+        np.testing.assert_array_equal(ex["inputs"][1:], ex["targets"][:-1])
+        np.testing.assert_array_equal(ex["inputs"], corpus.train.read(i * T, i * T + T))
+    np.testing.assert_array_equal(src[1]["inputs"][0], src[0]["targets"][-1])
+    assert src[0]["inputs"][0] == BOS
+
+
+def test_batches_shapes_and_determinism():
+    ds = make_dataset(SMALL_STDLIB, "train", batch_size=4)
+    a = take(ds, 3)
+    assert {k: (v.shape, v.dtype) for k, v in a[0].items()} == {
+        "inputs": ((4, 64), np.int32), "targets": ((4, 64), np.int32),
+        "weights": ((4, 64), np.float32)}
+    assert batches_equal(a, take(make_dataset(SMALL_STDLIB, "train", batch_size=4), 3))
+    assert batches_equal(a, take(make_dataset(SMALL_STDLIB, "train", batch_size=4, seed=0), 3))
+    assert not batches_equal(a, take(make_dataset(SMALL_STDLIB, "train", batch_size=4, seed=1), 3))
+    assert not batches_equal(a, take(make_dataset(SMALL_STDLIB.replace(seed=1), "train",
+                                                  batch_size=4), 3))
+    unshuffled = take(make_dataset(SMALL_STDLIB.replace(shuffle=False), "train", batch_size=2), 1)
+    src = make_source(SMALL_STDLIB, "train")
+    np.testing.assert_array_equal(unshuffled[0]["inputs"][1], src[1]["inputs"])
+
+
+def test_epochs_cover_data_and_reshuffle(text_dir):
+    cfg = DataConfig(source="text", path=str(text_dir), seq_len=16, val_fraction=0.2)
+    n = num_examples(cfg, "train")
+    src = make_source(cfg, "train")
+    everything = sorted(tuple(src[i]["inputs"].tolist()) for i in range(n))
+    one = rows(take(make_dataset(cfg, "train", batch_size=1, num_epochs=1), n))
+    assert sorted(one) == everything
+    two = rows(take(make_dataset(cfg, "train", batch_size=1, num_epochs=2), 2 * n))
+    assert sorted(two[n:]) == everything and two[n:] != two[:n]  # epoch 2: a new order
+    ds = make_dataset(cfg, "train", batch_size=1, num_epochs=1)
+    assert len(list(ds)) == n
+
+
+@pytest.mark.parametrize("split", ["train", "validation"])
+def test_process_sharding_disjoint_and_covering(text_dir, split):
+    cfg = DataConfig(source="text", path=str(text_dir), seq_len=16, val_fraction=0.3)
+    n = num_examples(cfg, split)
+    src = make_source(cfg, split)
+    everything = sorted(tuple(src[i]["inputs"].tolist()) for i in range(n))
+    B, pc = 3, 2
+    shards = []
+    for pi in range(pc):
+        ds = make_dataset(cfg, split, batch_size=B, process_index=pi, process_count=pc,
+                          num_epochs=1)
+        shards.append(list(ds))
+    assert len(shards[0]) == len(shards[1]) > 0  # same number of batches on every process
+    got = [rows(s, weighted_only=(split == "validation")) for s in shards]
+    assert not set(got[0]) & set(got[1])
+    if split == "train":  # each process gets n // pc examples, batches drop the remainder
+        assert len(shards[0]) == (n // pc) // B == steps_per_epoch(cfg, split, batch_size=B,
+                                                                     process_count=pc)
+        whole = rows(take(make_dataset(cfg, split, batch_size=1, num_epochs=1), n))
+        assert set(got[0]) | set(got[1]) <= set(whole)
+        first = rows(take(make_dataset(cfg, split, batch_size=1, num_epochs=1), pc * 2))
+        assert got[0][:2] == first[0::2][:2] and got[1][:2] == first[1::2][:2]
+    else:  # validation: every example exactly once, padded with zero-weight PAD rows
+        assert sorted(got[0] + got[1]) == everything
+        assert len(shards[0]) == steps_per_epoch(cfg, split, batch_size=B, process_count=pc)
+        pad_rows = [r for s in shards for b in s for r, w in zip(b["inputs"], b["weights"])
+                    if not w.any()]
+        assert len(pad_rows) == len(shards[0]) * B * pc - n
+        assert all((r == PAD).all() for r in pad_rows)
+
+
+def test_validation_fixed_order_independent_of_seed():
+    a = list(make_dataset(SMALL_STDLIB, "validation", batch_size=4))
+    b = list(make_dataset(SMALL_STDLIB, "validation", batch_size=4, seed=7))
+    assert batches_equal(a, b)
+    n = num_examples(SMALL_STDLIB, "validation")
+    assert len(a) == -(-n // 4)
+    assert sum(int(x["weights"].any(axis=1).sum()) for x in a) == n
+
+
+def test_iterator_state_resumes_exactly(text_dir):
+    cfg = DataConfig(source="text", path=str(text_dir), seq_len=16, val_fraction=0.2)
+    n = num_examples(cfg, "train")
+    ds = make_dataset(cfg, "train", batch_size=4)
+    it = iter(ds)
+    k = n // 4 - 1  # resume just before the epoch boundary
+    for _ in range(k):
+        next(it)
+    state = it.get_state()
+    want = [next(it) for _ in range(4)]
+    fresh = iter(make_dataset(cfg, "train", batch_size=4))
+    fresh.set_state(state)
+    assert batches_equal(want, [next(fresh) for _ in range(4)])
+
+
+def test_orbax_checkpoint_round_trip(tmp_path):
+    import grain
+    import orbax.checkpoint as ocp
+
+    ds = make_dataset(SMALL_STDLIB, "train", batch_size=4)
+    it = iter(ds)
+    for _ in range(5):
+        next(it)
+    params = {"w": np.arange(6, dtype=np.float32).reshape(2, 3)}
+    with ocp.CheckpointManager(tmp_path / "ckpt") as mngr:
+        mngr.save(5, args=ocp.args.Composite(state=ocp.args.StandardSave(params),
+                                             data=grain.checkpoint.CheckpointSave(it)))
+        mngr.wait_until_finished()
+    want = [next(it) for _ in range(3)]
+    fresh = iter(make_dataset(SMALL_STDLIB, "train", batch_size=4))
+    with ocp.CheckpointManager(tmp_path / "ckpt") as mngr:
+        assert mngr.latest_step() == 5
+        restored = mngr.restore(5, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(params),
+            data=grain.checkpoint.CheckpointRestore(fresh)))
+    np.testing.assert_array_equal(restored["state"]["w"], params["w"])
+    assert batches_equal(want, [next(fresh) for _ in range(3)])
+
+
+# ============================================================================ text and token files
+def test_text_source_files_globs_and_stream_split(tmp_path, text_dir):
+    cfg = DataConfig(source="text", path=str(text_dir), seq_len=16)
+    s = check_data(cfg)
+    assert s.files == 12  # __pycache__ skipped
+    one = tmp_path / "one.txt"
+    one.write_text("hello world " * 100)
+    cfg1 = DataConfig(source="text", path=str(one), seq_len=16, val_fraction=0.25)
+    c = load_corpus(cfg1)
+    assert c.split_by == "stream"  # a single file cannot be split by file
+    assert len(c.validation) == round(0.25 * (1200 + 2))
+    assert "split by position" in describe(cfg1)
+    glob_cfg = DataConfig(source="text", path=f"{text_dir}/a/*.txt,{one}", seq_len=16)
+    assert check_data(glob_cfg).files == 7
+
+
+@pytest.mark.parametrize("fmt", ["npy-uint16", "npy-int32", "bin-uint16", "bin-uint32"])
+def test_token_files_memory_mapped(tmp_path, fmt):
+    kind, dtype = fmt.split("-")
+    rng = np.random.default_rng(1)
+    arrays = [rng.integers(0, 259, size=n).astype(dtype) for n in (500, 300, 700)]
+    for i, a in enumerate(arrays):
+        path = tmp_path / f"part{i}.{kind}"
+        if kind == "npy":
+            np.save(path, a)
+        else:
+            a.tofile(path)
+    (tmp_path / "notes.txt").write_text("not a token file")  # ignored inside a directory
+    cfg = DataConfig(source="tokens", path=str(tmp_path), seq_len=32, val_fraction=0.1,
+                     token_dtype=dtype if kind == "bin" else "uint16")
+    corpus = load_corpus(cfg)
+    assert len(corpus.files) == 3
+    for f in corpus.files:
+        assert isinstance(open_token_file(f, cfg.token_dtype), np.memmap)
+    whole = np.concatenate(arrays).astype(np.int32)
+    cut = 1500 - 150
+    np.testing.assert_array_equal(corpus.train.read(0, cut), whole[:cut])
+    np.testing.assert_array_equal(corpus.validation.read(0, 150), whole[cut:])
+    src = make_source(cfg, "train")
+    assert len(src) == (cut - 1) // 32
+    i = 500 // 32  # a window across the first file boundary
+    np.testing.assert_array_equal(src[i]["inputs"], whole[i * 32:i * 32 + 32])
+    np.testing.assert_array_equal(src[i]["targets"], whole[i * 32 + 1:i * 32 + 33])
+    s = check_data(cfg, vocab_size=259)
+    assert s.train_tokens == cut and s.validation_tokens == 150
+    assert "token files" in describe(cfg)
+    b = next(iter(make_dataset(cfg, "train", batch_size=2)))
+    assert b["inputs"].dtype == np.int32 and b["inputs"].shape == (2, 32)
+    clone = pickle.loads(pickle.dumps(src))  # for multiprocess readers: paths, not the data
+    assert len(pickle.dumps(src)) < 2000
+    np.testing.assert_array_equal(clone[i]["inputs"], src[i]["inputs"])
+
+
+# ============================================================================ needle task
+NEEDLE = DataConfig(source="needle", seq_len=768, num_needles=4, num_queries=2,
+                    needle_depths=(0.0, 0.3, 0.6, 1.0), max_files=40)
+
+
+def test_needle_layout_answers_and_depths():
+    src = make_source(NEEDLE, "train")
+    T = NEEDLE.seq_len
+    nl, ql = needle_len(5, 6), query_len(5, 6)
+    H = T - 2 * ql
+    for i in range(5):
+        ex = src[i]
+        assert ex["inputs"].shape == ex["targets"].shape == ex["weights"].shape == (T,)
+        assert ex["inputs"][0] == BOS
+        np.testing.assert_array_equal(ex["inputs"][1:], ex["targets"][:-1])
+        w = np.concatenate([ex["inputs"], ex["targets"][-1:]])
+        text = TOK.decode(w)
+        # needles at the requested depths, each the expected sentence
+        np.testing.assert_allclose(ex["needle_depths"], NEEDLE.needle_depths, atol=1 / (H - nl))
+        facts = {}
+        for (s, e), (vs, ve) in zip(ex["needle_spans"], ex["needle_value_spans"]):
+            m = re.fullmatch(r"\nThe magic number for ([a-z]{5}) is ([1-9]\d{5})\.\n",
+                             TOK.decode(w[s:e]))
+            assert m, TOK.decode(w[s:e])
+            assert TOK.decode(w[vs:ve]) == m.group(2)
+            facts[m.group(1)] = m.group(2)
+            assert e <= 1 + H  # inside the haystack
+        assert len(set(facts.values())) == 4
+        starts = ex["needle_spans"][:, 0] - 1
+        np.testing.assert_array_equal(starts, np.rint(np.array(NEEDLE.needle_depths) * (H - nl)))
+        # queries at the end; weights exactly on the answer digits; answers appear in context
+        queries = re.findall(r"\nWhat is the magic number for ([a-z]{5})\? (\d{6})\.?", text[-2 * ql:])
+        assert len(queries) == 2 and text.endswith(queries[-1][1] + ".")
+        weighted = np.flatnonzero(ex["weights"])
+        assert weighted.min() >= T - 2 * ql and set(ex["weights"].tolist()) == {0.0, 1.0}
+        assert len(weighted) == 2 * 6
+        for r, (key, value) in enumerate(queries):
+            assert facts[key] == value
+            s, e = ex["answer_spans"][r]
+            assert TOK.decode(ex["targets"][s:e]) == value
+            assert (ex["weights"][s:e] == 1).all()
+            q = ex["query_needle"][r]
+            vs, ve = ex["needle_value_spans"][q]
+            np.testing.assert_array_equal(ex["inputs"][vs:ve], ex["targets"][s:e])
+            assert text[:1 + H].count(value) >= 1
+
+
+def test_needle_deterministic_and_random_depths():
+    src = make_source(NEEDLE, "train")
+    assert all(np.array_equal(src[3][k], src[3][k]) for k in src[3])
+    assert not np.array_equal(src[3]["inputs"], src[4]["inputs"])
+    other = make_source(NEEDLE, "train", seed=1)
+    assert not np.array_equal(src[3]["inputs"], other[3]["inputs"])
+    val = make_source(NEEDLE, "validation")
+    assert len(val) == NEEDLE.num_val_examples
+    assert not np.array_equal(src[3]["inputs"], val[3]["inputs"])
+    rnd = make_source(NEEDLE.replace(needle_depths=None), "train")
+    depths = np.stack([rnd[i]["needle_depths"] for i in range(20)])
+    assert depths.min() >= 0 and depths.max() <= 1 and depths.std() > 0.1
+    for i in range(20):  # needles never overlap
+        spans = np.sort(rnd[i]["needle_spans"], axis=0)
+        assert (spans[1:, 0] >= spans[:-1, 1]).all()
+    a = take(make_dataset(NEEDLE, "train", batch_size=2), 2)
+    assert batches_equal(a, take(make_dataset(NEEDLE, "train", batch_size=2), 2))
+    assert a[0]["needle_spans"].shape == (2, 4, 2) and a[0]["answer_spans"].shape == (2, 2, 2)
+
+
+def test_place_needles_resolves_overlaps():
+    pos = place_needles(np.array([0.5, 0.5, 0.5]), 100, 10)
+    assert sorted(pos.tolist()) == [45, 55, 65]
+    pos = place_needles(np.array([1.0, 1.0]), 50, 10)
+    assert sorted(pos.tolist()) == [30, 40]
+    pos = place_needles(np.array([0.0, 1.0]), 20, 10)
+    assert pos.tolist() == [0, 10]
+
+
+def test_needle_minimal_seq_len_and_text_haystack(text_dir):
+    cfg = DataConfig(source="needle", num_needles=2, num_queries=1, path=str(text_dir))
+    need = cfg.needle_min_seq_len
+    ex = make_source(cfg.replace(seq_len=need), "validation")[0]  # no haystack at all
+    assert ex["inputs"].shape == (need,)
+    ex = make_source(cfg.replace(seq_len=need + 40), "train")[0]
+    hay = np.ones(need + 40, bool)
+    hay[0] = False  # BOS
+    hay[1 + 40 + 2 * needle_len(5, 6):] = False  # the query
+    for s, e in ex["needle_spans"]:
+        hay[s:e] = False
+    assert hay.sum() == 40
+    assert set(TOK.decode(ex["inputs"][hay])) <= set("abcdefghijklmnopqrstuvwxyz\n")
+    assert "text file" in describe(cfg.replace(seq_len=need + 40))
+
+
+def test_needle_validation_padding_matches_train_batches():
+    cfg = NEEDLE.replace(num_val_examples=5)
+    val = list(make_dataset(cfg, "validation", batch_size=4))
+    train = next(iter(make_dataset(cfg, "train", batch_size=4)))
+    assert len(val) == 2 and val[1]["weights"].any(axis=1).tolist() == [True, False, False, False]
+    for b in val:
+        assert {k: (v.shape, v.dtype) for k, v in b.items()} == {
+            k: (v.shape, v.dtype) for k, v in train.items()}
+
+
+# ============================================================================ MQAR
+def test_mqar_layout_and_determinism():
+    cfg = DataConfig(source="mqar", seq_len=64, num_pairs=8, num_queries=3)
+    src = make_source(cfg, "train")
+    for i in range(5):
+        ex = src[i]
+        w = np.concatenate([ex["inputs"], ex["targets"][-1:]])
+        assert w[0] == BOS
+        keys, values = w[1:17:2], w[2:17:2]
+        assert len(set(keys.tolist())) == 8 and keys.max() < 128 and values.min() >= 128
+        pairs = dict(zip(keys.tolist(), values.tolist()))
+        assert (w[17:65 - 6] == PAD).all()
+        weighted = np.flatnonzero(ex["weights"])
+        assert weighted.tolist() == [59, 61, 63]
+        for r, t in enumerate(weighted):
+            assert pairs[int(ex["inputs"][t])] == ex["targets"][t]  # key -> its value
+            assert ex["answer_spans"][r].tolist() == [t, t + 1]
+            s, e = ex["pair_spans"][ex["query_pair"][r]]
+            assert ex["inputs"][s] == ex["inputs"][t]
+    assert np.array_equal(src[2]["inputs"], make_source(cfg, "train")[2]["inputs"])
+    assert not np.array_equal(src[2]["inputs"], make_source(cfg, "train", seed=5)[2]["inputs"])
+    b = next(iter(make_dataset(cfg, "validation", batch_size=4)))
+    assert b["inputs"].shape == (4, 64) and b["query_pair"].shape == (4, 3)
+    assert "MQAR" in describe(cfg)
+
+
+# ============================================================================ answer_accuracy
+def test_answer_accuracy_numpy_and_jax():
+    cfg = DataConfig(source="mqar", seq_len=32, num_pairs=4, num_queries=2)
+    b = next(iter(make_dataset(cfg, "validation", batch_size=4)))
+    assert answer_accuracy(b["targets"], b) == 1.0
+    wrong = b["targets"].copy()
+    t = np.flatnonzero(b["weights"][1])[0]
+    wrong[1, t] = (wrong[1, t] + 1) % 259
+    assert answer_accuracy(wrong, b) == 0.75
+    unweighted = b["targets"].copy()
+    unweighted[:, 0] = 0  # mistakes where weight == 0 do not count
+    assert answer_accuracy(unweighted, b) == 1.0
+    logits = np.eye(259, dtype=np.float32)[wrong]  # [B, T, V]
+    assert answer_accuracy(logits, b) == 0.75
+    correct, has = answer_correct(wrong, b)
+    assert correct.tolist() == [True, False, True, True] and has.all()
+    padded = dict(b, weights=b["weights"] * np.array([[1], [0], [1], [0]], np.float32))
+    assert answer_accuracy(wrong, padded) == 1.0  # examples without answers are left out
+    assert answer_accuracy(wrong, dict(b, weights=np.zeros_like(b["weights"]))) == 0.0
+
+    import jax
+    import jax.numpy as jnp
+
+    jb = {k: jnp.asarray(v) for k, v in b.items()}
+    acc = jax.jit(answer_accuracy)(jnp.asarray(logits), jb)
+    assert float(acc) == 0.75
+    with pytest.raises(ValueError, match="do not match"):
+        answer_accuracy(wrong[:, :5], b)
+    lm = next(iter(make_dataset(SMALL_STDLIB, "validation", batch_size=2)))
+    assert answer_accuracy(lm["targets"], lm) is None  # a corpus has no answers
+    assert answer_correct(lm["targets"], lm)[0].all()
+
+
+# ============================================================================ errors
+def assert_error(exc_type, fn, *contains):
+    with pytest.raises(exc_type) as info:
+        fn()
+    msg = str(info.value)
+    assert "Fix:" in msg, msg
+    for c in contains:
+        assert c in msg, msg
+    return msg
+
+
+@pytest.mark.parametrize("kwargs, field, contains", [
+    (dict(source="wiki"), "source", "'stdlib', 'text', 'tokens', 'needle', 'mqar'"),
+    (dict(seq_len=4), "seq_len", ">= 8"),
+    (dict(val_fraction=1.0), "val_fraction", "[0, 1)"),
+    (dict(val_fraction=-0.1), "val_fraction", "[0, 1)"),
+    (dict(seed=-1), "seed", "2**32"),
+    (dict(token_dtype="int8"), "token_dtype", "uint16"),
+    (dict(max_files=0), "max_files", ">= 1"),
+    (dict(seq_len="256"), "seq_len", "expected int"),
+    (dict(shuffle=1), "shuffle", "expected bool"),
+    (dict(source="text"), "path", "None"),
+    (dict(source="tokens"), "path", "None"),
+    (dict(path="/tmp"), "path", "does not read files"),
+    (dict(source="mqar", path="x.txt"), "path", "does not read files"),
+    (dict(source="needle", num_needles=2, num_queries=3, seq_len=1024), "num_queries", "<= 2"),
+    (dict(source="needle", seq_len=100), "seq_len", "needs >= 244"),
+    (dict(source="needle", seq_len=512, needle_depths=(0.1, 0.2)), "needle_depths", "exactly 4"),
+    (dict(source="needle", seq_len=512, needle_depths=(0.1, 0.2, 0.3, 1.5)), "needle_depths",
+     "[0, 1]"),
+    (dict(needle_depths=(0.5,) * 4), "needle_depths", "source='needle'"),
+    (dict(source="needle", seq_len=512, needle_depths="a,b"), "needle_depths", "expected"),
+    (dict(source="mqar", num_pairs=200, seq_len=1024), "num_pairs", "128"),
+    (dict(source="mqar", num_pairs=4, num_queries=5), "num_queries", "<= 4"),
+    (dict(source="mqar", num_pairs=16, seq_len=32), "seq_len", "needs >= 36"),
+    (dict(source="needle", value_len=1, num_needles=10, num_queries=1, seq_len=1024),
+     "value_len", "distinct"),
+])
+def test_config_errors(kwargs, field, contains):
+    msg = assert_error(ConfigError, lambda: DataConfig(**kwargs), f"DataConfig.{field}", contains)
+    assert msg.startswith(f"DataConfig.{field}: ")
+
+
+def test_config_coercions_and_roundtrip():
+    c = DataConfig(source="needle", seq_len=np.int64(512), needle_depths="0, 0.5,1,0.25",
+                   val_fraction=0, shuffle=np.bool_(False))
+    assert c.needle_depths == (0.0, 0.5, 1.0, 0.25) and type(c.seq_len) is int
+    assert isinstance(c.val_fraction, float) and c.shuffle is False
+    assert DataConfig(source="needle", seq_len=512, needle_depths=[0, 1, 1, 0]).needle_depths == (
+        0.0, 1.0, 1.0, 0.0)
+    assert c.replace(seed=3).seed == 3 and c.to_dict()["seq_len"] == 512
+    assert issubclass(DataError, ConfigError) and issubclass(DataError, ValueError)
+
+
+def test_data_errors_paths_and_text(tmp_path):
+    missing = tmp_path / "nope.txt"
+    assert_error(DataError, lambda: check_data(DataConfig(source="text", path=str(missing))),
+                 "DataConfig.path", "does not exist", str(missing))
+    assert_error(DataError, lambda: make_dataset(DataConfig(source="text", path=str(missing)),
+                                                 "train", batch_size=2), "does not exist")
+    assert_error(DataError, lambda: check_data(DataConfig(source="text",
+                                                          path=str(tmp_path / "*.md"))),
+                 "matches nothing", "*.md")
+    (tmp_path / "empty.txt").write_bytes(b"")
+    (tmp_path / "blob.dat").write_bytes(b"\x00\x01\x02" * 100)
+    assert_error(DataError, lambda: check_data(DataConfig(source="text", path=str(tmp_path))),
+                 "hold no text", str(tmp_path), "source='tokens'")
+    empty_dir = tmp_path / "emptydir"
+    empty_dir.mkdir()
+    assert_error(DataError, lambda: check_data(DataConfig(source="text", path=str(empty_dir))),
+                 "no usable files")
+    (tmp_path / "short.txt").write_text("tiny")
+    assert_error(DataError, lambda: check_data(DataConfig(source="text", seq_len=64,
+                                                          path=str(tmp_path / "short.txt"))),
+                 "DataConfig.seq_len", "fewer than seq_len + 1")
+    assert_error(DataError, lambda: make_dataset(DataConfig(source="text", seq_len=64,
+                                                            path=str(tmp_path / "short.txt")),
+                                                 "train", batch_size=2), "seq_len + 1")
+    assert_error(DataError, lambda: check_data(DataConfig(), vocab_size=100),
+                 "vocab_size=259")
+
+
+def test_data_errors_token_files(tmp_path):
+    (tmp_path / "empty.bin").write_bytes(b"")
+    assert_error(DataError, lambda: check_data(DataConfig(source="tokens",
+                                                          path=str(tmp_path / "empty.bin"))),
+                 "empty", "empty.bin")
+    np.save(tmp_path / "empty.npy", np.zeros((0,), np.uint16))
+    assert_error(DataError, lambda: check_data(DataConfig(source="tokens",
+                                                          path=str(tmp_path / "empty.npy"))),
+                 "empty", "empty.npy")
+    np.save(tmp_path / "big.npy", np.array([1, 2, 3, 500, 4] * 20, np.uint16))
+    cfg = DataConfig(source="tokens", path=str(tmp_path / "big.npy"), seq_len=8, val_fraction=0.2)
+    assert_error(DataError, lambda: check_data(cfg, vocab_size=259),
+                 "id 500", "position 3", "big.npy", "vocab_size >= 501")
+    assert_error(DataError, lambda: make_dataset(cfg, "train", batch_size=2, vocab_size=259),
+                 "id 500")
+    assert check_data(cfg, vocab_size=501).train_tokens == 80
+    np.save(tmp_path / "neg.npy", np.array([1, -2] * 50, np.int32))
+    assert_error(DataError, lambda: check_data(DataConfig(source="tokens", seq_len=8,
+                                                          path=str(tmp_path / "neg.npy"))),
+                 "negative")
+    np.save(tmp_path / "float.npy", np.ones(100, np.float32))
+    assert_error(DataError, lambda: check_data(DataConfig(source="tokens", seq_len=8,
+                                                          path=str(tmp_path / "float.npy"))),
+                 "float32")
+    (tmp_path / "odd.bin").write_bytes(b"\x01\x00\x02")
+    assert_error(DataError, lambda: check_data(DataConfig(source="tokens", seq_len=8,
+                                                          path=str(tmp_path / "odd.bin"))),
+                 "DataConfig.token_dtype", "not a multiple of 2")
+    (tmp_path / "x.txt").write_text("text")
+    assert_error(DataError, lambda: check_data(DataConfig(source="tokens", seq_len=8,
+                                                          path=str(tmp_path / "x.txt"))),
+                 "not a token file")
+
+
+def test_pipeline_argument_errors():
+    for split in ("val", "test", "TRAIN"):
+        assert_error(DataError, lambda: make_dataset(SMALL_STDLIB, split, batch_size=2),
+                     "unknown split", "'train' or 'validation'")
+    assert_error(DataError, lambda: make_source(SMALL_STDLIB, "valid"), "unknown split")
+    assert_error(DataError, lambda: make_dataset(SMALL_STDLIB, "train", batch_size=0),
+                 "batch_size")
+    assert_error(DataError, lambda: make_dataset(SMALL_STDLIB, "train", batch_size=2,
+                                                 process_index=2, process_count=2),
+                 "process_index")
+    assert_error(DataError, lambda: make_dataset(SMALL_STDLIB, "train", batch_size=2,
+                                                 num_epochs=0), "num_epochs")
+    assert_error(DataError, lambda: make_dataset(SMALL_STDLIB.replace(val_fraction=0.0),
+                                                 "validation", batch_size=2),
+                 "DataConfig.val_fraction")
+    assert_error(DataError, lambda: make_dataset(SMALL_STDLIB, "train", batch_size=10**7,
+                                                 num_epochs=1), "fewer than one batch")

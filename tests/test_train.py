@@ -1,0 +1,313 @@
+"""Training: config keys and overrides, the optimizer's schedule and decay mask, the command line
+(default comparison smoke test, report and plot), exact resume after a kill, and every bad-input
+case stopping with its message before training."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import diffjax
+from diffjax.config import ConfigError
+from diffjax.train import (ExperimentConfig, TrainConfig, apply_overrides, config_keys,
+                           decay_mask, default_config, learning_rate_schedule, load_config)
+from diffjax.train.cli import main
+from diffjax.train.metrics import read_metrics
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# A tiny experiment: seconds per model on CPU.
+TINY = ["model.d_model=32", "model.num_layers=1", "model.num_heads=1", "model.max_seq_len=32",
+        "data.seq_len=16", "data.max_files=12", "train.batch_size=2", "train.eval_batches=2",
+        "train.warmup_steps=2", "train.progress=false"]
+
+
+def run_main(tmp_path, *extra, name="run"):
+    return main([f"run.dir={tmp_path / name}", *TINY, *extra])
+
+
+def losses(path):
+    return [r["loss"] for r in read_metrics(str(path / "metrics.jsonl"))]
+
+
+# ---------------------------------------------------------------------------- config
+def test_every_key_is_listed_in_help(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for key, _, value in config_keys(default_config()):
+        assert key in out, key
+    for key in ("run.dir", "data.path", "data.seq_len", "train.steps", "train.batch_size",
+                "train.checkpoint_every", "train.eval_every", "model.attention",
+                "model.num_layers", "model.d_model", "compare"):
+        assert f"  {key} " in out
+
+
+def test_overrides_are_parsed_by_type():
+    cfg = apply_overrides(default_config(), [
+        "train.steps=7", "train.lr=3e-4", "model.attention=diff_v2", "compare=false",
+        "model.num_kv_heads=none", "data.seq_len=64", "run.dir=/tmp/x"])
+    assert cfg.train.steps == 7 and cfg.train.lr == 3e-4 and cfg.compare is False
+    assert cfg.model.attention == "diff_v2" and cfg.model.num_kv_heads is None
+    assert cfg.data.seq_len == 64 and cfg.run.path == "/tmp/x"
+    assert set(cfg.models) == {"diff"}
+    assert set(default_config().models) == {"diff", "standard"}
+    assert default_config().models["standard"] == diffjax.twin(default_config().model)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.stpes=3", r"unknown config key 'train.stpes'.*did you mean train.steps"),
+    ("nonsense=3", r"unknown config key 'nonsense'"),
+    ("train.steps=many", r"train.steps: bad value 'many'.*integer"),
+    ("compare=maybe", r"compare: bad value 'maybe'"),
+    ("train.steps=0", r"TrainConfig.steps: must be >= 1"),
+    ("train.schedule=exp", r"TrainConfig.schedule: unknown schedule 'exp'"),
+    ("train.lr=-1", r"TrainConfig.lr: must be > 0"),
+    ("model.num_heads=3", r"ModelConfig"),
+    ("data.seq_len=4096", r"data.seq_len: 4096 is longer than the model takes"),
+    ("train.steps", r"not key=value"),
+])
+def test_bad_overrides_name_the_key_and_the_fix(override, message):
+    with pytest.raises(ConfigError, match=message):
+        apply_overrides(default_config(), [override])
+
+
+def test_compare_needs_a_diff_model():
+    with pytest.raises(ConfigError, match="compare=true.*model.attention=diff_v1"):
+        apply_overrides(default_config(), ["model.attention=standard"])
+    cfg = apply_overrides(default_config(), ["model.attention=standard", "compare=false"])
+    assert set(cfg.models) == {"standard"}
+
+
+@pytest.mark.parametrize("name", ["default", "needle", "diff_125m", "diff_350m"])
+def test_config_files_load(name):
+    cfg = load_config(os.path.join(ROOT, "configs", f"{name}.py"))
+    assert isinstance(cfg, ExperimentConfig) and cfg.compare
+    if name == "default":
+        assert cfg == default_config()
+    if name.startswith("diff_"):
+        n = diffjax.count_params(cfg.model).total
+        low, high = (110e6, 140e6) if name == "diff_125m" else (320e6, 380e6)
+        assert low < n < high and low < diffjax.count_params(diffjax.twin(cfg.model)).total < high
+        assert (cfg.train.b1, cfg.train.b2, cfg.train.weight_decay, cfg.train.warmup_steps) == \
+            (0.9, 0.98, 0.05, 375)
+
+
+def test_missing_config_file_is_a_clear_error():
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config("configs/nope.py")
+
+
+# ---------------------------------------------------------------------------- optimizer
+def test_schedule_warms_up_then_decays():
+    cfg = TrainConfig(steps=100, lr=1e-3, warmup_steps=10, schedule="linear", min_lr_ratio=0.1)
+    s = learning_rate_schedule(cfg)
+    np.testing.assert_allclose([s(0), s(5), s(10), s(55), s(100)],
+                               [0.0, 5e-4, 1e-3, 1e-3 - 0.5 * 0.9e-3, 1e-4], rtol=1e-5, atol=1e-9)
+    cos = learning_rate_schedule(TrainConfig(steps=100, lr=1e-3, warmup_steps=0,
+                                             schedule="cosine", min_lr_ratio=0.0))
+    np.testing.assert_allclose(float(cos(50)), 0.5e-3, rtol=1e-5)
+
+
+def test_weight_decay_skips_norms_lambdas_and_vectors():
+    for attention in ("diff_v1", "diff_v2"):
+        model = diffjax.TransformerLM(diffjax.ModelConfig(d_model=32, num_layers=1, num_heads=1,
+                                                          attention=attention),
+                                      rngs=nnx.Rngs(0))
+        params = nnx.state(model, nnx.Param)
+        mask = decay_mask(params)
+        flat = {"/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path): v
+                for path, v in jax.tree_util.tree_flatten_with_path(mask)[0]}
+        assert flat["embed/embedding/value"] and flat["layers/0/attn/q_proj/kernel/value"]
+        assert flat["layers/0/ffn/w1/kernel/value"]
+        for name, decays in flat.items():
+            if "lambda" in name or "norm" in name:
+                assert not decays, name
+    # and the mask really reaches AdamW: a lambda parameter with zero gradient does not move
+    cfg = TrainConfig(steps=10, lr=1e-1, warmup_steps=0, weight_decay=0.5, grad_clip=0)
+    tx = diffjax.train.make_optimizer(cfg)
+    params = {"lambda_q1": jnp.ones((4,)), "w": jnp.ones((4, 4))}
+    updates, _ = tx.update(jax.tree.map(jnp.zeros_like, params), tx.init(params), params)
+    new = optax.apply_updates(params, updates)
+    np.testing.assert_array_equal(new["lambda_q1"], params["lambda_q1"])
+    assert float(new["w"][0, 0]) < 1.0
+
+
+# ---------------------------------------------------------------------------- command line
+def test_comparison_smoke(tmp_path, capsys):
+    assert run_main(tmp_path, "train.steps=4", "train.eval_every=2",
+                    "train.checkpoint_every=2") == 0
+    out = capsys.readouterr().out
+    run = tmp_path / "run"
+    for label in ("diff", "standard"):
+        records = read_metrics(str(run / label / "metrics.jsonl"))
+        assert [r["step"] for r in records] == [1, 2, 3, 4]
+        assert all(np.isfinite(r["loss"]) and r["loss"] > 0 for r in records)
+        assert "val_loss" in records[1] and "val_loss" in records[3]
+        assert (run / label / "checkpoints" / "4").is_dir()
+        assert any(f.startswith("events") for f in os.listdir(run / label / "tb"))
+    assert "lambda" in read_metrics(str(run / "diff" / "metrics.jsonl"))[0]
+    report = (run / "report.md").read_text()
+    assert "| | diff | standard |" in report and "final validation loss" in report
+    assert (run / "loss.png").stat().st_size > 10_000
+    assert "| parameters |" in out
+    # same data, same order, same init seed: the two models saw the same tokens
+    d, s = (read_metrics(str(run / x / "metrics.jsonl")) for x in ("diff", "standard"))
+    assert [r["tokens"] for r in d] == [r["tokens"] for r in s]
+
+
+def test_finished_run_is_not_retrained(tmp_path, capsys):
+    assert run_main(tmp_path, "train.steps=2", "compare=false") == 0
+    before = (tmp_path / "run" / "diff" / "metrics.jsonl").read_text()
+    assert run_main(tmp_path, "train.steps=2", "compare=false") == 0
+    assert "resuming from the checkpoint at step 2" in capsys.readouterr().out
+    assert (tmp_path / "run" / "diff" / "metrics.jsonl").read_text() == before
+
+
+def test_resume_from_an_earlier_checkpoint_equals_uninterrupted(tmp_path, capsys):
+    """Drop the later checkpoints of a finished run and rerun it: it resumes at step 3 and the
+    losses of steps 4-8 equal, bit for bit, those of the first pass."""
+    import shutil
+
+    common = ("compare=false", "train.steps=8", "train.eval_every=3", "train.checkpoint_every=3")
+    assert run_main(tmp_path, *common) == 0
+    run = tmp_path / "run" / "diff"
+    first = losses(run)
+    assert sorted(os.listdir(run / "checkpoints")) == ["3", "6", "8"]
+    for step in ("6", "8"):
+        shutil.rmtree(run / "checkpoints" / step)
+    assert run_main(tmp_path, *common) == 0
+    assert "resuming from the checkpoint at step 3" in capsys.readouterr().out
+    assert [r["step"] for r in read_metrics(str(run / "metrics.jsonl"))] == list(range(1, 9))
+    assert losses(run) == first
+
+
+def _wait_for(predicate, timeout):
+    end = time.time() + timeout
+    while time.time() < end:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.slow
+def test_killed_and_resumed_run_equals_uninterrupted_bit_for_bit(tmp_path):
+    """SIGKILL a run after its step-4 checkpoint, rerun it: the losses of all 10 steps equal
+    those of an uninterrupted run exactly."""
+    args = [sys.executable, os.path.join(ROOT, "train.py"), *TINY, "compare=false",
+            "train.steps=10", "train.eval_every=4", "train.checkpoint_every=4"]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    subprocess.run(args + [f"run.dir={tmp_path / 'straight'}"], check=True, env=env,
+                   capture_output=True)
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen(args + [f"run.dir={killed}"], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    ckpt4 = killed / "diff" / "checkpoints" / "4"
+    metrics = killed / "diff" / "metrics.jsonl"
+    try:
+        assert _wait_for(lambda: ckpt4.is_dir() and len(losses(killed / "diff")) >= 5, 120)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert len(losses(killed / "diff")) < 10  # it really was interrupted
+    out = subprocess.run(args + [f"run.dir={killed}", "--resume"], env=env, capture_output=True,
+                         text=True)
+    assert out.returncode == 0, out.stderr
+    assert "resuming from the checkpoint at step" in out.stdout
+    a, b = losses(tmp_path / "straight" / "diff"), losses(killed / "diff")
+    assert len(a) == len(b) == 10
+    assert a == b  # bit for bit (JSON floats round-trip exactly)
+    assert metrics.exists()
+
+
+# ---------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize("extra, message", [
+    (["data.path=/no/such/dir/*.txt", "data.source=text"], r"/no/such/dir"),
+    (["data.source=nope"], r"DataConfig.source"),
+    (["data.seq_len=64"], r"data.seq_len: 64 is longer than the model takes"),
+    (["train.batchsize=2"], r"unknown config key 'train.batchsize'"),
+    (["train.steps=-1"], r"TrainConfig.steps"),
+    (["model.num_layers=two"], r"model.num_layers: bad value"),
+])
+def test_bad_input_stops_before_training(tmp_path, capsys, extra, message):
+    import re
+
+    assert run_main(tmp_path, "train.steps=2", *extra) == 2
+    err = capsys.readouterr().err
+    assert re.search(message, err), err
+    assert err.startswith("error: ") and "Fix:" in err
+    assert not (tmp_path / "run" / "diff" / "metrics.jsonl").exists()
+
+
+def test_empty_text_data_is_a_clear_error(tmp_path, capsys):
+    (tmp_path / "empty.txt").write_text("")
+    assert run_main(tmp_path, "data.source=text", f"data.path={tmp_path / 'empty.txt'}") == 2
+    assert "empty.txt" in capsys.readouterr().err
+
+
+def test_checkpoint_of_another_model_config_is_refused(tmp_path, capsys):
+    assert run_main(tmp_path, "train.steps=2", "compare=false") == 0
+    saved = sorted(os.listdir(tmp_path / "run" / "diff" / "checkpoints"))
+    assert run_main(tmp_path, "train.steps=4", "compare=false", "model.d_model=64") == 2
+    err = capsys.readouterr().err
+    assert "different model config" in err and "d_model: checkpoint has 32, config has 64" in err
+    assert sorted(os.listdir(tmp_path / "run" / "diff" / "checkpoints")) == saved  # nothing lost
+
+
+def test_resume_flag_without_checkpoint_is_an_error(tmp_path, capsys):
+    assert main(["--resume", f"run.dir={tmp_path / 'fresh'}", *TINY]) == 4
+    assert "holds no checkpoint" in capsys.readouterr().err
+
+
+def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, capsys):
+    # an absurd learning rate blows the weights up within a few steps
+    code = run_main(tmp_path, "compare=false", "train.steps=30", "train.lr=1e12",
+                    "train.warmup_steps=0", "train.grad_clip=0", "train.checkpoint_every=1",
+                    "train.eval_every=1")
+    err = capsys.readouterr().err
+    assert code == 3, err
+    assert "the training loss is nan at step" in err or "the training loss is inf at step" in err
+    step = int(err.split(" at step ")[1].split(";")[0])
+    ckpts = sorted(int(x) for x in os.listdir(tmp_path / "run" / "diff" / "checkpoints")
+                   if x.isdigit())
+    assert ckpts and max(ckpts) == step - 1
+    assert f"last good checkpoint (step {step - 1})" in err
+
+
+def test_corrupt_checkpoint_is_a_clear_error_and_nothing_is_deleted(tmp_path, capsys):
+    assert run_main(tmp_path, "train.steps=2", "compare=false") == 0
+    ckdir = tmp_path / "run" / "diff" / "checkpoints" / "2" / "state"
+    for root, _, files in os.walk(ckdir):
+        for f in files:
+            p = os.path.join(root, f)
+            with open(p, "r+b") as fh:
+                fh.write(b"\x00garbage\x00" * 4)
+    listing = sorted(os.walk(tmp_path / "run"))
+    assert run_main(tmp_path, "train.steps=4", "compare=false") == 4
+    err = capsys.readouterr().err
+    assert "checkpoint at step 2" in err and "cannot be read" in err and "Fix:" in err
+    assert sorted(os.walk(tmp_path / "run")) == listing
+
+
+def test_half_written_checkpoint_is_ignored(tmp_path):
+    """A temporary (uncommitted) checkpoint directory, as a kill mid-save leaves, is not loaded."""
+    assert run_main(tmp_path, "train.steps=2", "compare=false") == 0
+    ck = tmp_path / "run" / "diff" / "checkpoints"
+    (ck / "3.orbax-checkpoint-tmp-123").mkdir()
+    (ck / "3.orbax-checkpoint-tmp-123" / "junk").write_text("half")
+    assert run_main(tmp_path, "train.steps=4", "compare=false") == 0
+    assert [r["step"] for r in read_metrics(str(tmp_path / "run" / "diff" / "metrics.jsonl"))] \
+        == [1, 2, 3, 4]
