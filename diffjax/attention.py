@@ -239,6 +239,9 @@ class MultiheadDiffAttnV2(_Projections):
         # (``lambda_proj_init``: torch's default Linear init, as the official code leaves it.)
         self.lambda_proj = self._linear(d_model, num_heads, jnp.float32, param_dtype,
                                         lambda_proj_init, rngs)
+        # Set True (e.g. on a model merged inside a train step) to sow each call's batch-mean
+        # lambda as the nnx.Intermediate ``lambda_mean``; off by default (no side effects).
+        self.record_lambda = False
 
     def lambda_values(self, x: jax.Array) -> jax.Array:
         """Per-token, per-head lambda ``sigmoid(lambda_proj(x))``, ``[batch, seq, h]`` float32."""
@@ -272,10 +275,9 @@ class MultiheadDiffAttnV2(_Projections):
         q, k, v = self._qkv(x, positions)
         b, t = x.shape[:2]
         lam = self.lambda_values(x)
-        # The batch mean of this call's lambda, for training metrics (read it with
-        # nnx.state(model, nnx.Intermediate)); each call overwrites the last.
-        self.sow(nnx.Intermediate, "lambda_mean", jnp.mean(lam), reduce_fn=lambda _, new: new,
-                 init_fn=lambda: jnp.zeros((), jnp.float32))
+        if self.record_lambda:  # the batch mean of lambda, for training metrics
+            self.sow(nnx.Intermediate, "lambda_mean", jnp.mean(lam),
+                     reduce_fn=lambda _, new: new, init_fn=lambda: jnp.zeros((), jnp.float32))
         o = ops.differential_attention(q[:, :, 0::2], k, q[:, :, 1::2], k, v, lam,
                                        causal=self.causal, segment_ids=segment_ids,
                                        scale=self.scaling, impl=self.attention_impl)

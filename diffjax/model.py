@@ -86,13 +86,19 @@ class TransformerLM(nnx.Module):
         logits = self.embed.attend(x) if self.lm_head is None else self.lm_head(x)
         return logits.astype(jnp.float32)
 
+    def record_lambdas(self, on: bool = True) -> None:
+        """DIFF V2: make each attention layer keep its last call's batch-mean lambda."""
+        for block in self.layers:
+            if hasattr(block.attn, "record_lambda"):
+                block.attn.record_lambda = on
+
     def lambdas(self) -> list[jax.Array] | None:
         """Each layer's lambda (float32 scalars): DIFF V1's learned scalar; for DIFF V2 (lambda
-        per token and head) the mean over the last call's batch (zeros before any call); None
-        for standard attention."""
+        per token and head) the mean over the last call's batch when ``record_lambdas()`` was set
+        before that call (None otherwise); None for standard attention."""
         if self.config.attention == "diff_v1":
             return [block.attn.lambda_full() for block in self.layers]
-        if self.config.attention == "diff_v2":
-            return [getattr(block.attn, "lambda_mean", nnx.Intermediate(jnp.zeros(()))).value
-                    for block in self.layers]
+        if self.config.attention == "diff_v2" and all(
+                hasattr(block.attn, "lambda_mean") for block in self.layers):
+            return [block.attn.lambda_mean.value for block in self.layers]
         return None

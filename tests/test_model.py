@@ -369,3 +369,23 @@ def test_v1_lambdas_move_during_training():
     before = [float(x) for x in fresh.lambdas()]
     after = [float(x) for x in model.lambdas()]
     assert any(abs(a - b) > 1e-4 for a, b in zip(after, before)), (before, after)
+
+
+def test_v2_records_batch_mean_lambda_only_when_asked():
+    cfg = diffjax.ModelConfig(attention="diff_v2", d_model=32, num_heads=2, num_layers=2,
+                              vocab_size=64)
+    model = diffjax.TransformerLM(cfg, rngs=nnx.Rngs(0))
+    tokens = jnp.arange(16, dtype=jnp.int32).reshape(2, 8)
+    model(tokens)
+    assert model.lambdas() is None  # no side effects by default
+    model.record_lambdas()
+    model(tokens)
+    got = np.asarray(model.lambdas())
+    # independent: the mean of each layer's sigmoid(lambda_proj(normed input)), layer by layer
+    x = model.embed(tokens)
+    want = []
+    for block in model.layers:
+        h = block.attn_norm(x)
+        want.append(float(jnp.mean(block.attn.lambda_values(h))))
+        x = block(x)
+    np.testing.assert_allclose(got, want, rtol=1e-6)

@@ -89,6 +89,7 @@ def make_train_step(graphdef, rest, tx: optax.GradientTransformation, schedule) 
 
     def loss_fn(params, batch):
         model = nnx.merge(graphdef, params, rest)
+        model.record_lambdas()
         logits = model(batch["inputs"], **_model_kwargs(batch))
         total, weight = weighted_cross_entropy(logits, batch["targets"], batch["weights"])
         lambdas = model.lambdas()
