@@ -176,11 +176,8 @@ def resolve_impl(impl: str) -> AttentionImpl:
         candidates = [i for i in _IMPLS.values() if backend in i.backends]
         return max(candidates, key=lambda i: i.priority) if candidates else _IMPLS["xla"]
     if impl not in _IMPLS:
-        hint = ""
-        if impl == "pallas":
-            hint = " (the Pallas kernels are not part of this build)"
         raise ValueError(
-            f"unknown attention impl {impl!r}{hint}. Fix: use 'auto' or one of "
+            f"unknown attention impl {impl!r}. Fix: use 'auto' or one of "
             f"{', '.join(map(repr, _IMPLS))}."
         )
     return _IMPLS[impl]
@@ -255,3 +252,27 @@ def differential_attention(q1: jax.Array, k1: jax.Array, q2: jax.Array, k2: jax.
     fn = resolve_impl(impl).differential
     return fn(q1, k1, q2, k2, v, lam, causal=causal, segment_ids=segment_ids,
               kv_segment_ids=kv_segment_ids, scale=scale)
+
+
+# ---------------------------------------------------------------------------- Pallas
+# The fused kernels (diffjax.kernels) are imported on first use, so that importing diffjax does
+# not import Pallas. On CPU they run interpreted: slow, but the same code path, for tests.
+def _kernel_kwargs(scale):
+    return dict(sm_scale=scale, interpret=jax.default_backend() == "cpu")
+
+
+def pallas_standard(q, k, v, *, causal, segment_ids, kv_segment_ids, scale):
+    from diffjax import kernels
+    return kernels.flash_attention(q, k, v, causal=causal, segment_ids=segment_ids,
+                                   kv_segment_ids=kv_segment_ids, **_kernel_kwargs(scale))
+
+
+def pallas_differential(q1, k1, q2, k2, v, lam, *, causal, segment_ids, kv_segment_ids, scale):
+    from diffjax import kernels
+    return kernels.diff_flash_attention(q1, k1, q2, k2, v, lam, causal=causal,
+                                        segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
+                                        **_kernel_kwargs(scale))
+
+
+register_attention_impl(AttentionImpl(
+    "pallas", pallas_standard, pallas_differential, backends=("gpu", "tpu"), priority=10))

@@ -1,0 +1,105 @@
+"""Pallas kernels for differential attention: both softmax maps in one fused flash-style pass.
+
+:func:`diff_flash_attention` computes ``softmax(q1 k1^T s) v - lam * softmax(q2 k2^T s) v``
+streaming each key/value tile once, with two online-softmax states and two accumulators, and a
+Pallas backward (``jax.custom_vjp``) from the two saved log-sum-exps. :func:`flash_attention` is
+the standard attention of the twin through the same machinery, so comparisons are like for like.
+
+Two kernels, one API:
+
+- ``gpu``: Pallas on the Triton lowering (:mod:`diffjax.kernels.gpu`).
+- ``tpu``: Pallas Mosaic with VMEM scratch (:mod:`diffjax.kernels.tpu`).
+
+``backend=None`` picks by ``jax.default_backend()``. On CPU the kernels only run interpreted
+(``interpret=True``; the GPU kernel unless ``backend="tpu"``), for tests. Each kernel is tested
+against :mod:`diffjax.kernels.reference`, the plain ``jax.numpy`` function it computes.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import jax
+
+from diffjax import ops
+
+from .reference import attention_reference, diff_attention_reference
+
+KERNEL_BACKENDS = ("gpu", "tpu")
+_ALIASES = {"gpu": "gpu", "cuda": "gpu", "tpu": "tpu"}
+
+
+def kernel_module(backend: str | None = None, *, interpret: Any = False):
+    """The kernel module (:mod:`.gpu` or :mod:`.tpu`) for ``backend`` (default: the current one).
+
+    Raises a ValueError that says what to do when no kernel can run: an unknown backend, or CPU
+    without ``interpret``.
+    """
+    if backend is None:
+        platform = jax.default_backend()
+        if platform == "cpu":
+            if not interpret:
+                raise ValueError(
+                    "the Pallas kernels compile only for GPU and TPU, and this process runs on CPU. "
+                    "Fix: pass interpret=True to run them interpreted (slow; for tests), or use "
+                    "the XLA path (attention_impl='xla' / impl='xla').")
+            platform = "gpu"
+        backend = platform
+    name = _ALIASES.get(backend)
+    if name is None:
+        raise ValueError(f"no Pallas kernel for backend {backend!r}. Fix: use one of "
+                         f"{', '.join(map(repr, KERNEL_BACKENDS))}, or None for the current one.")
+    return importlib.import_module(f"{__name__}.{name}")
+
+
+def diff_flash_attention(q1: jax.Array, k1: jax.Array, q2: jax.Array, k2: jax.Array,
+                         v: jax.Array, lam: jax.Array | float, *, causal: bool = True,
+                         segment_ids: jax.Array | None = None,
+                         kv_segment_ids: jax.Array | None = None,
+                         sm_scale: float | None = None, block_sizes: Any = None,
+                         interpret: Any = False, backend: str | None = None) -> jax.Array:
+    """Fused differential attention, ``[B, T, Hq, Dv]`` in ``q1.dtype``.
+
+    q1, q2 ``[B,T,Hq,Dqk]``; k1, k2 ``[B,S,Hkv,Dqk]`` (pass the same array twice, as V2 does, and
+    each key tile is loaded once); v ``[B,S,Hkv,Dv]`` with ``Dv`` = ``Dqk`` or ``2*Dqk``; ``lam``
+    a scalar (V1) or ``[B,T,Hq]`` (V2). Query head ``i`` reads kv head ``i // (Hq // Hkv)``.
+    Causal masking is bottom-right aligned; ``segment_ids`` ``[B,T]`` separate packed sequences
+    (keys use ``kv_segment_ids`` ``[B,S]`` when given). ``sm_scale`` defaults to ``Dqk**-0.5``.
+    ``block_sizes``: the chosen kernel's ``BlockSizes``.
+    """
+    what = "diff_flash_attention"
+    ops._check_qkv(q1, k1, v, segment_ids, kv_segment_ids, what, "q1", "k1")
+    if q2.shape != q1.shape or k2.shape != k1.shape:
+        raise ValueError(f"{what}: q2/k2 must have q1/k1's shapes, got q1 {q1.shape}, q2 "
+                         f"{q2.shape}, k1 {k1.shape}, k2 {k2.shape}")
+    dqk, dv = q1.shape[-1], v.shape[-1]
+    if dv not in (dqk, 2 * dqk):
+        raise ValueError(f"{what}: v's head dim must equal q/k's ({dqk}) or be twice it "
+                         f"({2 * dqk}), got {dv}")
+    b, t, hq, _ = q1.shape
+    if jax.numpy.shape(lam) not in ((), (b, t, hq)):
+        raise ValueError(f"{what}: lam must be a scalar or [batch, seq, heads] = [{b}, {t}, {hq}], "
+                         f"got shape {jax.numpy.shape(lam)}")
+    module = kernel_module(backend, interpret=interpret)
+    return module.diff_flash_attention(q1, k1, q2, k2, v, lam, causal=causal,
+                                       segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
+                                       sm_scale=sm_scale, block_sizes=block_sizes,
+                                       interpret=interpret)
+
+
+def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
+                    segment_ids: jax.Array | None = None,
+                    kv_segment_ids: jax.Array | None = None, sm_scale: float | None = None,
+                    block_sizes: Any = None, interpret: Any = False,
+                    backend: str | None = None) -> jax.Array:
+    """Standard (MHA/GQA/MQA) flash attention through the same kernels, ``[B, T, Hq, Dv]``."""
+    ops._check_qkv(q, k, v, segment_ids, kv_segment_ids, "flash_attention")
+    module = kernel_module(backend, interpret=interpret)
+    return module.flash_attention(q, k, v, causal=causal, segment_ids=segment_ids,
+                                  kv_segment_ids=kv_segment_ids, sm_scale=sm_scale,
+                                  block_sizes=block_sizes, interpret=interpret)
+
+
+__all__ = ["KERNEL_BACKENDS", "attention_reference", "diff_attention_reference",
+           "diff_flash_attention", "flash_attention", "kernel_module"]

@@ -1,0 +1,702 @@
+"""Fused differential attention for GPUs: Pallas kernels on the Triton lowering.
+
+``diff_flash_attention`` computes, in one pass over the keys,
+
+    out = softmax(q1 k1^T s) v - lam * softmax(q2 k2^T s) v
+
+with each branch normalised by its own softmax denominator, and ``flash_attention`` is the
+standard single-branch kernel built from the same code (a static ``differential`` flag in the
+kernel bodies), so the two compare like for like. The semantics are those of
+:func:`diffjax.ops.differential_attention_xla` / :func:`diffjax.ops.dot_product_attention_xla`:
+layout ``[batch, seq, heads, dim]``, bottom-right aligned causal mask, segment ids, GQA by
+index arithmetic, fully masked query rows give a zero output and zero gradients.
+
+Design
+------
+Forward, grid ``(batch, q_heads, q_blocks)``: each program holds one query block of both
+branches and streams the key/value blocks of its kv group once (``h // (Hq // Hkv)`` in the
+index map; K/V are never repeated), keeping two online-softmax states (running max and sum)
+and two float32 accumulators. Causal programs stop at the last key block that any of their
+queries can see. The epilogue normalises each branch, subtracts in float32 with a float32
+lambda and writes ``out`` plus the residuals ``lse1``, ``lse2`` (float32 ``[B, Hq, T]``) and
+the normalised second-branch output ``O2`` (float32 ``[B, T, Hq, Dv]``).
+
+Backward (custom VJP), with ``dP = dO V^T`` shared by both branches because
+``dO2 = -lam dO``:
+
+* ``delta1 = rowsum(dO * O1)`` with ``O1 = out + lam * O2``, ``delta2 = rowsum(dO * O2)`` and
+  ``d(lam) = -delta2`` are cheap row reductions in plain ``jnp``.
+* ``dS1 = P1 (dP - delta1)``, ``dS2 = -lam P2 (dP - delta2)``, ``dV = (P1 - lam P2)^T dO``
+  (one P·dO product for both branches), ``dK_i = s dS_i^T Q_i``, ``dQ_i = s dS_i K_i``.
+* dK/dV kernel, grid ``(batch, kv_heads, kv_blocks)``: one program owns one key block of one
+  kv head and loops over the ``Hq // Hkv`` query heads of its GQA group and over the query
+  blocks (causal programs start at the first query block that sees the key block), so the
+  GQA reduction happens in registers: no per-query-head partials, no atomics.
+* dQ kernel, grid ``(batch, q_heads, q_blocks)``: like the forward pass.
+
+Shared keys: when ``k1 is k2`` (DIFF V2 passes the same key array twice) a kernel variant with
+a single K input loads each key block once, and the backward accumulates ``dK1 + dK2`` into
+one accumulator and returns it as the gradient of that one array.
+
+Shapes: sequence lengths are padded inside the wrapper to the block multiple (padded keys are
+masked, padded query rows sliced off); head dims are padded with zeros to a power of two
+(>= 16), as the Triton lowering needs power-of-two block shapes. The padding sits outside the
+custom VJP so autodiff slices the gradients back.
+
+The kernel bodies use only ``jnp`` ops on ref slices (``ref[pl.ds(...), ...]``) and
+``lax.dot_general`` with float32 accumulation, so a Mosaic GPU variant can reuse them.
+On CPU, pass ``interpret=True``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from diffjax import ops
+
+MASK_VALUE = ops.MASK_VALUE
+_MIN_BLOCK = 16  # Triton: every block dim a power of two, and dots need >= 16
+_SQ = getattr(pl, "squeezed", None)  # a squeezed block dimension (None on older jax)
+
+__all__ = ["BlockSizes", "diff_flash_attention", "flash_attention"]
+
+
+# ---------------------------------------------------------------------------- block sizes
+def _is_pow2(n: int) -> bool:
+    return n > 0 and (n & (n - 1)) == 0
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Tile sizes of the three kernels, and Triton launch parameters.
+
+    ``block_q``/``block_k``: query/key block of the forward kernel. ``block_q_dkv``/
+    ``block_k_dkv``: query block streamed / key block owned by the dK,dV kernel.
+    ``block_q_dq``/``block_k_dq``: query block owned / key block streamed by the dQ kernel.
+    Every block must be a power of two >= 16 (Triton's block shapes are powers of two, and its
+    dots need at least 16 rows); each is clamped to the (padded) sequence length, so small
+    inputs work with the defaults. The defaults keep the two branches' float32 accumulators
+    in registers at head dim 64/128 (V twice as wide in DIFF V1) on H100/H200.
+
+    ``num_warps``: None picks 4 for head dims <= 64, else 8. ``num_stages``: None picks 2.
+    """
+
+    block_q: int = 64
+    block_k: int = 64
+    block_q_dkv: int = 32
+    block_k_dkv: int = 64
+    block_q_dq: int = 64
+    block_k_dq: int = 32
+    num_warps: int | None = None
+    num_stages: int | None = None
+
+    def __post_init__(self):
+        for f in ("block_q", "block_k", "block_q_dkv", "block_k_dkv", "block_q_dq", "block_k_dq"):
+            b = getattr(self, f)
+            if isinstance(b, bool) or not isinstance(b, int) or b < _MIN_BLOCK or not _is_pow2(b):
+                raise ValueError(
+                    f"BlockSizes.{f} must be a power of two >= {_MIN_BLOCK} (16, 32, 64, 128, ...): "
+                    f"the Triton lowering needs power-of-two block shapes and dots of at least "
+                    f"16 rows; got {b!r}")
+        w = self.num_warps
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or not _is_pow2(w)
+                              or w > 32):
+            raise ValueError(f"BlockSizes.num_warps must be None or one of 1, 2, 4, 8, 16, 32; "
+                             f"got {w!r}")
+        s = self.num_stages
+        if s is not None and (isinstance(s, bool) or not isinstance(s, int) or s < 1):
+            raise ValueError(f"BlockSizes.num_stages must be None or an int >= 1; got {s!r}")
+
+
+# ---------------------------------------------------------------------------- static config
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    differential: bool
+    shared_k: bool
+    causal: bool
+    segmented: bool
+    q_len: int        # unpadded T
+    kv_len: int       # unpadded S
+    kv_padded: bool   # padded keys exist and must be masked
+    sm_scale: float
+    block_q: int
+    block_k: int
+    block_q_dkv: int
+    block_k_dkv: int
+    block_q_dq: int
+    block_k_dq: int
+    num_warps: int
+    num_stages: int
+    interpret: bool
+
+    @property
+    def offset(self) -> int:  # query i sees key j iff j <= i + offset (bottom-right aligned)
+        return self.kv_len - self.q_len
+
+    def params(self):
+        return plgpu.CompilerParams(num_warps=self.num_warps, num_stages=self.num_stages)
+
+
+def _spec(block_shape, index_map):
+    shape = tuple(_SQ if d is None else d for d in block_shape)
+    return pl.BlockSpec(block_shape=shape, index_map=index_map)
+
+
+# ---------------------------------------------------------------------------- kernel helpers
+def _dot(a, b):  # a @ b
+    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _dot_nt(a, b):  # a @ b.T
+    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _dot_tn(a, b):  # a.T @ b
+    return lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _mask(cfg: _Config, q_idx, k_idx, q_seg, k_seg):
+    """Boolean [bq, bk] (True = may attend) or None when nothing is masked."""
+    mask = None
+
+    def _and(m, x):
+        return x if m is None else jnp.logical_and(m, x)
+
+    if cfg.causal:
+        mask = _and(mask, k_idx[None, :] <= q_idx[:, None] + cfg.offset)
+    if cfg.kv_padded:
+        mask = _and(mask, jnp.broadcast_to((k_idx < cfg.kv_len)[None, :],
+                                           (q_idx.shape[0], k_idx.shape[0])))
+    if cfg.segmented:
+        mask = _and(mask, q_seg[:, None] == k_seg[None, :])
+    return mask
+
+
+def _ceil_div(x, n: int):
+    """ceil(max(x, 0) / n) for a traced int32 scalar."""
+    return lax.div(jnp.maximum(x, 0) + (n - 1), jnp.int32(n))
+
+
+def _kv_block_bound(cfg: _Config, q_block, block_q: int, block_k: int):
+    """Number of key blocks a query block must visit: causal programs skip the blocks that lie
+    entirely above the (bottom-right aligned) diagonal, every program skips padding blocks."""
+    static = pl.cdiv(cfg.kv_len, block_k)
+    if not cfg.causal:
+        return static
+    last_visible = (q_block + 1) * block_q + cfg.offset  # exclusive bound on visible keys
+    return jnp.minimum(_ceil_div(last_visible, block_k), static)
+
+
+def _q_block_start(cfg: _Config, k_block, block_k: int, block_q: int):
+    """First query block that sees any key of ``k_block`` (causal), else 0."""
+    if not cfg.causal:
+        return 0
+    first_q = k_block * block_k - cfg.offset  # query i sees key j iff i >= j - offset
+    return lax.div(jnp.maximum(first_q, 0), jnp.int32(block_q))
+
+
+class _Refs:
+    """Unpacks the kernel's positional refs by name, following the static config."""
+
+    def __init__(self, refs, names):
+        refs = list(refs)
+        assert len(refs) == len(names), (len(refs), names)
+        for n, r in zip(names, refs):
+            setattr(self, n, r)
+
+
+def _in_names(cfg: _Config, bwd: bool):
+    names = ["q1", "k1"]
+    if cfg.differential:
+        names += ["q2"] + ([] if cfg.shared_k else ["k2"])
+    names += ["v"]
+    if bwd:
+        names += ["do", "lse1", "delta1"]
+        if cfg.differential:
+            names += ["lse2", "delta2"]
+    if cfg.differential:
+        names += ["lam"]
+    if cfg.segmented:
+        names += ["qseg", "kseg"]
+    return names
+
+
+# ---------------------------------------------------------------------------- forward kernel
+def _fwd_kernel(*refs, cfg: _Config):
+    out_names = ["o", "lse1"] + (["lse2", "o2"] if cfg.differential else [])
+    r = _Refs(refs, _in_names(cfg, bwd=False) + out_names)
+    bq, bk = cfg.block_q, cfg.block_k
+    qi = pl.program_id(2)
+    q_idx = qi * bq + jnp.arange(bq, dtype=jnp.int32)
+    q_seg = r.qseg[...] if cfg.segmented else None
+    dv = r.v.shape[-1]
+
+    q1 = r.q1[...]
+    q2 = r.q2[...] if cfg.differential else None
+    n_branch = 2 if cfg.differential else 1
+
+    def update(s, mask, m, l, acc, v):
+        if mask is not None:
+            s = jnp.where(mask, s, MASK_VALUE)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        alpha = jnp.exp(m - m_new)
+        p = jnp.exp(s - m_new[:, None])
+        if mask is not None:  # masked keys weigh exactly 0, even in a row that sees none
+            p = jnp.where(mask, p, 0.0)
+        l = alpha * l + jnp.sum(p, axis=-1)
+        acc = alpha[:, None] * acc + _dot(p.astype(v.dtype), v)
+        return m_new, l, acc
+
+    def body(kj, carry):
+        start = kj * bk
+        ks = pl.ds(start, bk)
+        k_idx = start + jnp.arange(bk, dtype=jnp.int32)
+        mask = _mask(cfg, q_idx, k_idx, q_seg, r.kseg[ks] if cfg.segmented else None)
+        v = r.v[ks, :]
+        k1 = r.k1[ks, :]
+        s1 = _dot_nt(q1, k1) * cfg.sm_scale
+        new = [update(s1, mask, *carry[0], v)]
+        if cfg.differential:
+            k2 = k1 if cfg.shared_k else r.k2[ks, :]
+            s2 = _dot_nt(q2, k2) * cfg.sm_scale
+            new.append(update(s2, mask, *carry[1], v))
+        return tuple(new)
+
+    init = tuple((jnp.full((bq,), MASK_VALUE, jnp.float32), jnp.zeros((bq,), jnp.float32),
+                  jnp.zeros((bq, dv), jnp.float32)) for _ in range(n_branch))
+    hi = _kv_block_bound(cfg, qi, bq, bk)
+    states = lax.fori_loop(0, hi, body, init)
+
+    def finish(m, l, acc):
+        seen = l > 0.0  # a row that sees no key: zero output (not NaN, not a uniform mean)
+        l_safe = jnp.where(seen, l, 1.0)
+        return acc / l_safe[:, None], m + jnp.log(l_safe)
+
+    o1, lse1 = finish(*states[0])
+    r.lse1[...] = lse1
+    if cfg.differential:
+        o2, lse2 = finish(*states[1])
+        lam = r.lam[...]
+        r.o[...] = (o1 - lam[:, None] * o2).astype(r.o.dtype)
+        r.lse2[...] = lse2
+        r.o2[...] = o2
+    else:
+        r.o[...] = o1.astype(r.o.dtype)
+
+
+def _forward(cfg: _Config, q1, k1, q2, k2, v, lam, qseg, kseg):
+    b, t, hq, d = q1.shape
+    s, hkv = k1.shape[1], k1.shape[2]
+    dv = v.shape[-1]
+    rep = hq // hkv
+    bq = cfg.block_q
+
+    def q_map(bi, h, i):
+        return (bi, i, h, 0)
+
+    def kv_map(bi, h, i):
+        return (bi, 0, lax.div(h, rep), 0)
+
+    def row_map(bi, h, i):
+        return (bi, h, i)
+
+    q_spec = _spec((None, bq, None, d), q_map)
+    k_spec = _spec((None, s, None, d), kv_map)
+    v_spec = _spec((None, s, None, dv), kv_map)
+    row_spec = _spec((None, None, bq), row_map)
+
+    args, specs = [q1, k1], [q_spec, k_spec]
+    if cfg.differential:
+        args.append(q2)
+        specs.append(q_spec)
+        if not cfg.shared_k:
+            args.append(k2)
+            specs.append(k_spec)
+    args.append(v)
+    specs.append(v_spec)
+    if cfg.differential:
+        args.append(lam)
+        specs.append(row_spec)
+    if cfg.segmented:
+        args += [qseg, kseg]
+        specs += [_spec((None, bq), lambda bi, h, i: (bi, i)),
+                  _spec((None, s), lambda bi, h, i: (bi, 0))]
+
+    out_spec = _spec((None, bq, None, dv), q_map)
+    out_shape = [jax.ShapeDtypeStruct((b, t, hq, dv), q1.dtype),
+                 jax.ShapeDtypeStruct((b, hq, t), jnp.float32)]
+    out_specs = [out_spec, row_spec]
+    if cfg.differential:
+        out_shape += [jax.ShapeDtypeStruct((b, hq, t), jnp.float32),
+                      jax.ShapeDtypeStruct((b, t, hq, dv), jnp.float32)]
+        out_specs += [row_spec, out_spec]
+
+    outs = pl.pallas_call(
+        functools.partial(_fwd_kernel, cfg=cfg),
+        grid=(b, hq, t // bq),
+        in_specs=specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=cfg.params(),
+        interpret=cfg.interpret,
+        name="diff_flash_fwd" if cfg.differential else "flash_fwd",
+    )(*args)
+    if cfg.differential:
+        return tuple(outs)
+    out, lse1 = outs
+    return out, lse1, None, None
+
+
+# ---------------------------------------------------------------------------- backward kernels
+def _probs(cfg, q, k, lse, mask):
+    """P = exp(q k^T s - lse), exactly 0 on masked entries (and on rows that see no key)."""
+    p = jnp.exp(_dot_nt(q, k) * cfg.sm_scale - lse[:, None])
+    return p if mask is None else jnp.where(mask, p, 0.0)
+
+
+def _dkv_kernel(*refs, cfg: _Config, rep: int):
+    out_names = ["dk1"] + (["dk2"] if cfg.differential and not cfg.shared_k else []) + ["dv"]
+    r = _Refs(refs, _in_names(cfg, bwd=True) + out_names)
+    bq, bk = cfg.block_q_dkv, cfg.block_k_dkv
+    kj = pl.program_id(2)
+    k_idx = kj * bk + jnp.arange(bk, dtype=jnp.int32)
+    k_seg = r.kseg[...] if cfg.segmented else None
+    k1 = r.k1[...]
+    k2 = None
+    if cfg.differential:
+        k2 = k1 if cfg.shared_k else r.k2[...]
+    v = r.v[...]
+    separate_dk2 = cfg.differential and not cfg.shared_k
+
+    def q_body(qi, carry, h):
+        dk1, dk2, dv = carry
+        start = qi * bq
+        qs = pl.ds(start, bq)
+        q_idx = start + jnp.arange(bq, dtype=jnp.int32)
+        mask = _mask(cfg, q_idx, k_idx, r.qseg[qs] if cfg.segmented else None, k_seg)
+        q1 = r.q1[qs, h, :]
+        do = r.do[qs, h, :]
+        p1 = _probs(cfg, q1, k1, r.lse1[h, qs], mask)
+        dp = _dot_nt(do, v)  # dO V^T, shared by both branches (dO2 = -lam dO)
+        ds1 = p1 * (dp - r.delta1[h, qs][:, None])
+        dk1 = dk1 + _dot_tn(ds1.astype(q1.dtype), q1)
+        if cfg.differential:
+            lam = r.lam[h, qs][:, None]
+            q2 = r.q2[qs, h, :]
+            p2 = _probs(cfg, q2, k2, r.lse2[h, qs], mask)
+            ds2 = -lam * p2 * (dp - r.delta2[h, qs][:, None])
+            dk2_new = _dot_tn(ds2.astype(q2.dtype), q2)
+            if separate_dk2:
+                dk2 = dk2 + dk2_new
+            else:  # shared keys: dK = dK1 + dK2 in one accumulator
+                dk1 = dk1 + dk2_new
+            pc = p1 - lam * p2  # dV = P1^T dO1 + P2^T dO2 = (P1 - lam P2)^T dO
+        else:
+            pc = p1
+        dv = dv + _dot_tn(pc.astype(do.dtype), do)
+        return dk1, dk2, dv
+
+    lo = _q_block_start(cfg, kj, bk, bq)
+    hi = pl.cdiv(cfg.q_len, bq)  # query blocks made only of padding have dO = 0: skip them
+
+    def head_body(h, carry):  # the query heads of this kv head's GQA group
+        return lax.fori_loop(lo, hi, functools.partial(q_body, h=h), carry)
+
+    d, dvw = k1.shape[-1], v.shape[-1]
+    zeros_k = jnp.zeros((bk, d), jnp.float32)
+    init = (zeros_k, zeros_k if separate_dk2 else jnp.zeros((), jnp.float32),
+            jnp.zeros((bk, dvw), jnp.float32))
+    dk1, dk2, dv = lax.fori_loop(0, rep, head_body, init)
+    r.dk1[...] = (dk1 * cfg.sm_scale).astype(r.dk1.dtype)
+    if separate_dk2:
+        r.dk2[...] = (dk2 * cfg.sm_scale).astype(r.dk2.dtype)
+    r.dv[...] = dv.astype(r.dv.dtype)
+
+
+def _dq_kernel(*refs, cfg: _Config):
+    out_names = ["dq1"] + (["dq2"] if cfg.differential else [])
+    r = _Refs(refs, _in_names(cfg, bwd=True) + out_names)
+    bq, bk = cfg.block_q_dq, cfg.block_k_dq
+    qi = pl.program_id(2)
+    q_idx = qi * bq + jnp.arange(bq, dtype=jnp.int32)
+    q_seg = r.qseg[...] if cfg.segmented else None
+    q1, do = r.q1[...], r.do[...]
+    lse1, delta1 = r.lse1[...], r.delta1[...]
+    if cfg.differential:
+        q2, lse2, delta2 = r.q2[...], r.lse2[...], r.delta2[...]
+        lam = r.lam[...][:, None]
+
+    def body(kj, carry):
+        dq1, dq2 = carry
+        start = kj * bk
+        ks = pl.ds(start, bk)
+        k_idx = start + jnp.arange(bk, dtype=jnp.int32)
+        mask = _mask(cfg, q_idx, k_idx, q_seg, r.kseg[ks] if cfg.segmented else None)
+        k1 = r.k1[ks, :]
+        v = r.v[ks, :]
+        p1 = _probs(cfg, q1, k1, lse1, mask)
+        dp = _dot_nt(do, v)
+        ds1 = p1 * (dp - delta1[:, None])
+        dq1 = dq1 + _dot(ds1.astype(k1.dtype), k1)
+        if cfg.differential:
+            k2 = k1 if cfg.shared_k else r.k2[ks, :]
+            p2 = _probs(cfg, q2, k2, lse2, mask)
+            ds2 = -lam * p2 * (dp - delta2[:, None])
+            dq2 = dq2 + _dot(ds2.astype(k2.dtype), k2)
+        return dq1, dq2
+
+    d = q1.shape[-1]
+    init = (jnp.zeros((bq, d), jnp.float32),
+            jnp.zeros((bq, d) if cfg.differential else (), jnp.float32))
+    hi = _kv_block_bound(cfg, qi, bq, bk)
+    dq1, dq2 = lax.fori_loop(0, hi, body, init)
+    r.dq1[...] = (dq1 * cfg.sm_scale).astype(r.dq1.dtype)
+    if cfg.differential:
+        r.dq2[...] = (dq2 * cfg.sm_scale).astype(r.dq2.dtype)
+
+
+def _backward_kernels(cfg: _Config, q1, k1, q2, k2, v, lam, qseg, kseg, do, lse1, delta1,
+                      lse2, delta2):
+    b, t, hq, d = q1.shape
+    s, hkv = k1.shape[1], k1.shape[2]
+    dvw = v.shape[-1]
+    rep = hq // hkv
+    separate_k2 = cfg.differential and not cfg.shared_k
+
+    def collect(q_spec, k_spec, v_spec, do_spec, row_spec, qseg_spec, kseg_spec):
+        args, specs = [q1, k1], [q_spec, k_spec]
+        if cfg.differential:
+            args.append(q2)
+            specs.append(q_spec)
+            if separate_k2:
+                args.append(k2)
+                specs.append(k_spec)
+        args += [v, do, lse1, delta1]
+        specs += [v_spec, do_spec, row_spec, row_spec]
+        if cfg.differential:
+            args += [lse2, delta2, lam]
+            specs += [row_spec] * 3
+        if cfg.segmented:
+            args += [qseg, kseg]
+            specs += [qseg_spec, kseg_spec]
+        return args, specs
+
+    # dK, dV: grid (batch, kv head, key block); the program loops over its group's q heads.
+    bq, bk = cfg.block_q_dkv, cfg.block_k_dkv
+    group = lambda bi, g, j: (bi, 0, g, 0)  # noqa: E731  (the rep heads g*rep .. g*rep+rep-1)
+    kblk = lambda bi, g, j: (bi, j, g, 0)  # noqa: E731
+    args, specs = collect(
+        _spec((None, t, rep, d), group), _spec((None, bk, None, d), kblk),
+        _spec((None, bk, None, dvw), kblk), _spec((None, t, rep, dvw), group),
+        _spec((None, rep, t), lambda bi, g, j: (bi, g, 0)),
+        _spec((None, t), lambda bi, g, j: (bi, 0)), _spec((None, bk), lambda bi, g, j: (bi, j)))
+    out_shape = [jax.ShapeDtypeStruct(k1.shape, k1.dtype)]
+    out_specs = [_spec((None, bk, None, d), kblk)]
+    if separate_k2:
+        out_shape.append(jax.ShapeDtypeStruct(k2.shape, k2.dtype))
+        out_specs.append(_spec((None, bk, None, d), kblk))
+    out_shape.append(jax.ShapeDtypeStruct(v.shape, v.dtype))
+    out_specs.append(_spec((None, bk, None, dvw), kblk))
+    dkv = pl.pallas_call(
+        functools.partial(_dkv_kernel, cfg=cfg, rep=rep),
+        grid=(b, hkv, s // bk),
+        in_specs=specs, out_specs=out_specs, out_shape=out_shape,
+        compiler_params=cfg.params(), interpret=cfg.interpret,
+        name="diff_flash_bwd_dkv" if cfg.differential else "flash_bwd_dkv",
+    )(*args)
+    if separate_k2:
+        dk1, dk2, dv = dkv
+    else:
+        (dk1, dv), dk2 = dkv, None
+
+    # dQ: grid (batch, q head, query block), streaming the key blocks like the forward pass.
+    bq, bk = cfg.block_q_dq, cfg.block_k_dq
+    qblk = lambda bi, h, i: (bi, i, h, 0)  # noqa: E731
+    kvh = lambda bi, h, i: (bi, 0, lax.div(h, rep), 0)  # noqa: E731
+    args, specs = collect(
+        _spec((None, bq, None, d), qblk), _spec((None, s, None, d), kvh),
+        _spec((None, s, None, dvw), kvh), _spec((None, bq, None, dvw), qblk),
+        _spec((None, None, bq), lambda bi, h, i: (bi, h, i)),
+        _spec((None, bq), lambda bi, h, i: (bi, i)), _spec((None, s), lambda bi, h, i: (bi, 0)))
+    out_shape = [jax.ShapeDtypeStruct(q1.shape, q1.dtype)]
+    out_specs = [_spec((None, bq, None, d), qblk)]
+    if cfg.differential:
+        out_shape.append(jax.ShapeDtypeStruct(q2.shape, q2.dtype))
+        out_specs.append(_spec((None, bq, None, d), qblk))
+    dq = pl.pallas_call(
+        functools.partial(_dq_kernel, cfg=cfg),
+        grid=(b, hq, t // bq),
+        in_specs=specs, out_specs=out_specs, out_shape=out_shape,
+        compiler_params=cfg.params(), interpret=cfg.interpret,
+        name="diff_flash_bwd_dq" if cfg.differential else "flash_bwd_dq",
+    )(*args)
+    dq1, dq2 = (dq[0], dq[1]) if cfg.differential else (dq[0], None)
+    return dq1, dk1, dq2, dk2, dv
+
+
+# ---------------------------------------------------------------------------- custom VJP
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attention(cfg, q1, k1, q2, k2, v, lam, qseg, kseg):
+    """Padded inputs. ``k2`` is None for shared keys; ``q2``/``k2``/``lam`` None when standard.
+    ``lam`` is float32 ``[B, Hq, T]``."""
+    return _forward(cfg, q1, k1, q2, k2, v, lam, qseg, kseg)[0]
+
+
+def _attention_fwd(cfg, q1, k1, q2, k2, v, lam, qseg, kseg):
+    out, lse1, lse2, o2 = _forward(cfg, q1, k1, q2, k2, v, lam, qseg, kseg)
+    return out, (q1, k1, q2, k2, v, lam, qseg, kseg, out, lse1, lse2, o2)
+
+
+def _attention_bwd(cfg, res, g):
+    q1, k1, q2, k2, v, lam, qseg, kseg, out, lse1, lse2, o2 = res
+    g32 = g.astype(jnp.float32)
+    out32 = out.astype(jnp.float32)
+    to_rows = lambda x: jnp.transpose(x, (0, 2, 1))  # noqa: E731  [B,T,H] -> [B,H,T]
+    if cfg.differential:
+        lam_bth = jnp.transpose(lam, (0, 2, 1))[..., None]
+        o1 = out32 + lam_bth * o2  # the first branch's output, rebuilt in float32
+        delta1 = to_rows(jnp.sum(g32 * o1, axis=-1))
+        delta2 = to_rows(jnp.sum(g32 * o2, axis=-1))  # rowsum(dO * O2)
+        dlam = -delta2
+    else:
+        delta1 = to_rows(jnp.sum(g32 * out32, axis=-1))
+        delta2 = dlam = None
+    do = g.astype(q1.dtype)
+    dq1, dk1, dq2, dk2, dv = _backward_kernels(cfg, q1, k1, q2, k2, v, lam, qseg, kseg, do,
+                                               lse1, delta1, lse2, delta2)
+    return dq1, dk1, dq2, dk2, dv, dlam, None, None
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+# ---------------------------------------------------------------------------- wrappers
+def _pad_axis(x, axis: int, size: int, value=0):
+    if x is None or x.shape[axis] == size:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def _run(differential, q1, k1, q2, k2, v, lam, *, causal, segment_ids, kv_segment_ids,
+         sm_scale, block_sizes, interpret):
+    b, t, hq, d = q1.shape
+    s = k1.shape[1]
+    dv = v.shape[-1]
+    bs = BlockSizes() if block_sizes is None else block_sizes
+    if not isinstance(bs, BlockSizes):
+        raise TypeError(f"block_sizes must be a BlockSizes or None, got {type(bs).__name__}")
+    if sm_scale is None:
+        sm_scale = d ** -0.5
+    try:
+        sm_scale = float(sm_scale)
+    except (TypeError, jax.errors.ConcretizationTypeError) as e:
+        raise TypeError("sm_scale must be a static python number (it is compiled into the "
+                        "kernel)") from e
+
+    # Effective blocks: clamped to the sequence (rounded to a power of two >= 16).
+    t_cap, s_cap = max(_MIN_BLOCK, _next_pow2(t)), max(_MIN_BLOCK, _next_pow2(s))
+    bq, bk = min(bs.block_q, t_cap), min(bs.block_k, s_cap)
+    bq_dkv, bk_dkv = min(bs.block_q_dkv, t_cap), min(bs.block_k_dkv, s_cap)
+    bq_dq, bk_dq = min(bs.block_q_dq, t_cap), min(bs.block_k_dq, s_cap)
+    t_pad = _round_up(t, max(bq, bq_dkv, bq_dq))  # powers of two: the max is the lcm
+    s_pad = _round_up(s, max(bk, bk_dkv, bk_dq))
+    d_pad = max(_MIN_BLOCK, _next_pow2(d))
+    dv_pad = max(_MIN_BLOCK, _next_pow2(dv))
+
+    shared_k = differential and k1 is k2
+    # Triton dots need matching operand types: compute in the inputs' common type (a no-op for
+    # the usual single-dtype call); the output keeps q1's dtype, as in the reference.
+    out_dtype = q1.dtype
+    common = jnp.result_type(*(x for x in (q1, k1, q2, k2, v) if x is not None))
+    q1, k1, v = (x.astype(common) for x in (q1, k1, v))
+    if differential:
+        q2 = q2.astype(common)
+        k2 = k1 if shared_k else k2.astype(common)
+    segmented = segment_ids is not None
+    cfg = _Config(
+        differential=differential, shared_k=shared_k, causal=bool(causal), segmented=segmented,
+        q_len=t, kv_len=s, kv_padded=s_pad != s, sm_scale=sm_scale,
+        block_q=bq, block_k=bk, block_q_dkv=bq_dkv, block_k_dkv=bk_dkv,
+        block_q_dq=bq_dq, block_k_dq=bk_dq,
+        num_warps=bs.num_warps or (4 if max(d_pad, dv_pad) <= 64 else 8),
+        num_stages=bs.num_stages or 2, interpret=bool(interpret))
+
+    def pad_q(x):
+        return None if x is None else _pad_axis(_pad_axis(x, 3, d_pad), 1, t_pad)
+
+    def pad_k(x):
+        return None if x is None else _pad_axis(_pad_axis(x, 3, d_pad), 1, s_pad)
+
+    q1p, q2p, k1p = pad_q(q1), pad_q(q2), pad_k(k1)
+    k2p = None if (shared_k or not differential) else pad_k(k2)
+    vp = _pad_axis(_pad_axis(v, 3, dv_pad), 1, s_pad)
+    lam_rows = None
+    if differential:
+        lam_rows = jnp.broadcast_to(jnp.asarray(lam, jnp.float32), (b, t, hq))
+        lam_rows = _pad_axis(jnp.transpose(lam_rows, (0, 2, 1)), 2, t_pad)
+    qseg = kseg = None
+    if segmented:
+        qseg = jnp.asarray(segment_ids, jnp.int32)
+        kseg = qseg if kv_segment_ids is None else jnp.asarray(kv_segment_ids, jnp.int32)
+        qseg, kseg = _pad_axis(qseg, 1, t_pad), _pad_axis(kseg, 1, s_pad)
+
+    out = _attention(cfg, q1p, k1p, q2p, k2p, vp, lam_rows, qseg, kseg)
+    if out.shape != (b, t, hq, dv):
+        out = out[:, :t, :, :dv]
+    return out.astype(out_dtype)
+
+
+def diff_flash_attention(q1, k1, q2, k2, v, lam, *, causal=True, segment_ids=None,
+                         kv_segment_ids=None, sm_scale=None, block_sizes=None,
+                         interpret=False) -> jax.Array:
+    """Fused ``softmax(q1 k1^T s) v - lam * softmax(q2 k2^T s) v``, ``[B, T, Hq, Dv]`` in q1.dtype.
+
+    q1, q2 ``[B,T,Hq,D]``; k1, k2 ``[B,S,Hkv,D]``; v ``[B,S,Hkv,Dv]``; ``lam`` a scalar (V1) or
+    ``[B,T,Hq]`` (V2); query head ``h`` reads kv head ``h // (Hq // Hkv)``. Passing the same
+    array as ``k1`` and ``k2`` selects the shared-key kernels (each key block loaded once).
+    ``sm_scale`` (a python number) defaults to ``D ** -0.5``. Differentiable in q1, k1, q2, k2,
+    v and lam. ``interpret=True`` runs the kernels on CPU.
+    """
+    what = "diff_flash_attention"
+    ops._check_qkv(q1, k1, v, segment_ids, kv_segment_ids, what, "q1", "k1")
+    if q2.shape != q1.shape:
+        raise ValueError(f"{what}: q1 and q2 must have the same shape, got {q1.shape} and {q2.shape}")
+    if k2.shape != k1.shape:
+        raise ValueError(f"{what}: k1 and k2 must have the same shape, got {k1.shape} and {k2.shape}")
+    b, t, hq, _ = q1.shape
+    if jnp.shape(lam) not in ((), (b, t, hq)):
+        raise ValueError(f"{what}: lam must be a scalar or [batch, seq, heads] = [{b}, {t}, {hq}], "
+                         f"got shape {jnp.shape(lam)}")
+    return _run(True, q1, k1, q2, k2, v, lam, causal=causal, segment_ids=segment_ids,
+                kv_segment_ids=kv_segment_ids, sm_scale=sm_scale, block_sizes=block_sizes,
+                interpret=interpret)
+
+
+def flash_attention(q, k, v, *, causal=True, segment_ids=None, kv_segment_ids=None,
+                    sm_scale=None, block_sizes=None, interpret=False) -> jax.Array:
+    """Standard fused softmax attention ``softmax(q k^T s) v`` with the same kernels (one branch).
+
+    q ``[B,T,Hq,D]``, k ``[B,S,Hkv,D]``, v ``[B,S,Hkv,Dv]``; returns ``[B,T,Hq,Dv]`` in q.dtype.
+    """
+    ops._check_qkv(q, k, v, segment_ids, kv_segment_ids, "flash_attention")
+    return _run(False, q, k, None, None, v, None, causal=causal, segment_ids=segment_ids,
+                kv_segment_ids=kv_segment_ids, sm_scale=sm_scale, block_sizes=block_sizes,
+                interpret=interpret)

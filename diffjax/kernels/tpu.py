@@ -1,0 +1,875 @@
+"""Fused differential (and standard) flash attention for TPU, in Pallas (Mosaic).
+
+One kernel family serves both attention kinds; a static ``differential`` flag in every kernel
+body switches between
+
+- differential: ``out = softmax(q1 k1^T s) v - lam * softmax(q2 k2^T s) v`` (each branch with its
+  own online-softmax state and denominator, one pass over the keys, the value block loaded once
+  for both branches), and
+- standard: ``out = softmax(q k^T s) v`` (one branch, no lambda),
+
+so that a differential model and its standard twin are measured with the same machinery.
+
+Layout of the public API: ``[batch, seq, heads, dim]``. Internally the wrappers transpose to
+``[batch, heads, seq, dim]`` (the sequence on sublanes, the head dim on lanes), pad the sequences
+to a multiple of the block sizes (padded keys are masked in the kernels by an iota comparison
+against the true length; padded queries are sliced off) and undo both afterwards.
+
+Kernels (all ``pl.pallas_call`` with VMEM tiles):
+
+- forward, grid ``(batch, q_heads, q_blocks, k_blocks)``, the key axis ``"arbitrary"``; VMEM
+  scratch holds a running max ``m``, denominator ``l`` (lane-replicated ``[block_q, 128]``) and a
+  float32 accumulator ``[block_q, Dv]`` per branch; the last key block normalises each branch and
+  subtracts. Residuals for the backward pass: each branch's log-sum-exp (float32) and the
+  normalised second-branch output ``O2`` (float32).
+- dK/dV, grid ``(batch, kv_heads, k_blocks, group, q_blocks)``: a key block stays resident while
+  the kernel walks over the query heads of its GQA group (an ``"arbitrary"`` axis) and their query
+  blocks (``"arbitrary"``), accumulating dK1, dK2 (or their sum for a shared K) and dV in VMEM.
+  dK/dV therefore come out per kv head directly: no per-query-head partials, no repeated K/V.
+  It works on transposed tiles (keys on sublanes, queries on lanes) so the per-query statistics
+  (log-sum-exp, delta, lambda) are lane-laid row vectors that broadcast without relayout.
+- dQ, grid ``(batch, q_heads, q_blocks, k_blocks)``, the key axis ``"arbitrary"``, accumulating
+  dQ1 and dQ2 in VMEM.
+
+Backward maths with ``dO1 = dO`` and ``dO2 = -lam dO`` (rows): ``dP2 = -lam dP1`` with
+``dP1 = dO V^T``, so one ``dO V^T`` product serves both branches; ``delta1 = rowsum(dO O1)``,
+``rowsum(dO O2) = -dlam``; ``dS1 = P1 (dP1 - delta1)``, ``dS2 = -lam P2 (dP1 - rowsum(dO O2))``;
+``dV = (P1 - lam P2)^T dO`` (one product); ``dQi = s dSi Ki``, ``dKi = s dSi^T Qi``.
+
+Causal masking is bottom-right aligned (query ``i`` sees key ``j <= i + S - T``). Key blocks that
+no query of the current block may see (above the diagonal, or wholly padding) are skipped with
+``pl.when``, and the index maps clamp their block index to the last block that is used, so the
+pipeline issues no DMA for them (the same block index twice in a row is not fetched again).
+Blocks wholly below the diagonal run a mask-free body. A query row that sees no key outputs
+exactly 0 and gets zero gradients (log-sum-exp ``+inf`` there, so its probabilities are 0).
+
+When ``k1 is k2`` (DIFF V2 passes one key array twice) a shared-K variant loads each key block
+once and returns ``dK = dK1 + dK2`` for it.
+
+Everything accumulates in float32: logits and products use ``preferred_element_type=float32``;
+probabilities are cast to V's dtype before ``P V`` (like the XLA reference); the subtraction runs
+in float32 with a float32 lambda. float16 inputs run through the kernels in float32 (TPUs have no
+float16 matrix unit), the output is cast back to float16.
+
+Run on a CPU with ``interpret=True`` or ``interpret=pltpu.InterpretParams()``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from diffjax.ops import MASK_VALUE
+
+__all__ = ["BlockSizes", "diff_flash_attention", "flash_attention"]
+
+NUM_LANES = 128
+NUM_SUBLANES = 8
+_F32 = jnp.float32
+
+
+# ============================================================================ block sizes
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Tile sizes (in tokens) of the three kernels.
+
+    ``block_q``/``block_k``: forward query/key tiles; ``*_dkv``: the dK/dV kernel's; ``*_dq``: the
+    dQ kernel's. A size larger than the sequence is clamped to the power of two (at least 8) that
+    covers it, and the sequences are padded to the least common multiple of their blocks. On TPU
+    hardware every size must be a multiple of 128 (the key axis of a logits tile and the per-query
+    statistics are laid along the 128 lanes; 128 is also a multiple of the 8 sublanes), unless it
+    covers the whole padded sequence; interpret mode accepts any positive size. Checked at call
+    time; construction only checks that each size is a positive int.
+    """
+
+    block_q: int = 128
+    block_k: int = 512
+    block_q_dkv: int = 128
+    block_k_dkv: int = 512
+    block_q_dq: int = 128
+    block_k_dq: int = 512
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            val = getattr(self, f.name)
+            if isinstance(val, bool) or not isinstance(val, int):
+                raise ValueError(f"BlockSizes.{f.name} must be a positive int, got {val!r}")
+            if val < 1:
+                raise ValueError(f"BlockSizes.{f.name} must be a positive int, got {val}")
+
+    @property
+    def q_blocks(self) -> tuple[int, int, int]:
+        return (self.block_q, self.block_q_dkv, self.block_q_dq)
+
+    @property
+    def k_blocks(self) -> tuple[int, int, int]:
+        return (self.block_k, self.block_k_dkv, self.block_k_dq)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def _effective_blocks(length: int, blocks: tuple[int, ...], names: tuple[str, ...],
+                      hardware: bool) -> tuple[int, tuple[int, ...]]:
+    """Clamp ``blocks`` to the sequence and return ``(padded_length, clamped_blocks)``.
+
+    A block larger than the sequence is clamped to the power of two (at least 8) that covers it,
+    so clamped blocks of one kernel family stay compatible; the sequence is padded to the least
+    common multiple of the blocks.
+    """
+    cover = max(NUM_SUBLANES, _next_pow2(length))
+    eff = tuple(min(b, cover) for b in blocks)
+    padded = _round_up(length, math.lcm(*eff))
+    if hardware:
+        for name, b in zip(names, eff):
+            if b != padded and b % NUM_LANES:
+                raise ValueError(
+                    f"block size {name}={b} is not a multiple of {NUM_LANES}: on TPU hardware "
+                    f"blocks must be multiples of {NUM_LANES} (lane width; hence also of the "
+                    f"{NUM_SUBLANES} sublanes) unless one block covers the whole padded sequence "
+                    f"(here {padded}). Fix: use multiples of {NUM_LANES}, or pass interpret=True "
+                    "to run small blocks in interpret mode."
+                )
+    return padded, eff
+
+
+# ============================================================================ static config
+@dataclasses.dataclass(frozen=True)
+class _Cfg:
+    differential: bool
+    shared_k: bool
+    lam_mode: str | None  # "scalar" (SMEM), "row" ([B, Hq, 1, Tp]) or None (standard)
+    has_seg: bool
+    causal: bool
+    scale: float
+    t: int  # true query length
+    s: int  # true key length
+    tp: int  # padded lengths
+    sp: int
+    hq: int
+    hkv: int
+    dv: int
+    blocks: BlockSizes  # effective (clamped) sizes
+    compute_dtype: Any
+    interpret: Any
+
+    @property
+    def group(self) -> int:
+        return self.hq // self.hkv
+
+    @property
+    def offset(self) -> int:
+        return self.s - self.t
+
+
+# ============================================================================ kernel helpers
+def _dot_nt(a, b):
+    """``a @ b.T`` in float32 (contract the last dims)."""
+    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=_F32)
+
+
+def _dot_nn(a, b):
+    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=_F32)
+
+
+def _lanes(x, n: int):
+    """A lane-replicated ``[rows, 128]`` array as ``[rows, n]`` (tile or slice, no relayout)."""
+    if n == NUM_LANES:
+        return x
+    if n % NUM_LANES == 0:
+        return jnp.tile(x, (1, n // NUM_LANES))
+    if n < NUM_LANES:
+        return x[:, :n]
+    return jnp.broadcast_to(x[:, :1], (x.shape[0], n))
+
+
+def _col(row_ref):
+    """A ``[1, n]`` row block as an ``[n, 1]`` column."""
+    return jnp.expand_dims(row_ref[0], -1)
+
+
+def _and(a, b):
+    if a is True:
+        return b
+    if b is True:
+        return a
+    return jnp.logical_and(a, b)
+
+
+def _or(a, b):
+    if a is False:
+        return b
+    if b is False:
+        return a
+    return jnp.logical_or(a, b)
+
+
+def _block_conditions(cfg: _Cfg, qi, kj, bq: int, bk: int):
+    """``(run, masked)`` for query block ``qi`` against key block ``kj``.
+
+    ``run``: some (query, key) pair of the tile is visible (else the tile is skipped).
+    ``masked``: the tile straddles the causal diagonal or the end of the keys, so the causal /
+    padding mask must be applied. Both are Python bools when static.
+    """
+    run, masked = True, False
+    off = cfg.offset
+    if cfg.causal:
+        run = _and(run, kj * bk <= qi * bq + (bq - 1 + off))
+        masked = _or(masked, kj * bk + (bk - 1) > qi * bq + off)
+    if cfg.sp != cfg.s:
+        if pl.cdiv(cfg.s, bk) < cfg.sp // bk:  # wholly padded key blocks exist
+            run = _and(run, kj * bk < cfg.s)
+        masked = _or(masked, kj * bk + bk > cfg.s)
+    if pl.cdiv(cfg.t, bq) < cfg.tp // bq:  # wholly padded query blocks exist
+        run = _and(run, qi * bq < cfg.t)
+    return run, masked
+
+
+def _run_tile(run, masked, body):
+    """Call ``body(use_mask)`` under ``pl.when``; a mask-free body for interior tiles."""
+    if run is False:
+        return
+    if masked is True or masked is False:
+        if run is True:
+            body(masked)
+        else:
+            pl.when(run)(lambda: body(masked))
+        return
+    pl.when(_and(run, masked))(lambda: body(True))
+    pl.when(_and(run, jnp.logical_not(masked)))(lambda: body(False))
+
+
+def _tile_mask(cfg: _Cfg, q_start, k_start, nq: int, nk: int, *, transposed: bool,
+               use_mask: bool, seg):
+    """Boolean visibility of a tile, ``[nq, nk]`` (``[nk, nq]`` if transposed), or None.
+
+    ``seg``: ``(q_ids, k_ids)`` already shaped to broadcast against the tile, or None.
+    """
+    shape, qdim, kdim = ((nk, nq), 1, 0) if transposed else ((nq, nk), 0, 1)
+    mask = None
+    if use_mask:
+        kidx = lax.broadcasted_iota(jnp.int32, shape, kdim) + k_start
+        if cfg.causal:
+            qidx = lax.broadcasted_iota(jnp.int32, shape, qdim) + q_start
+            mask = kidx <= qidx + cfg.offset
+        if cfg.sp != cfg.s:
+            pad_ok = kidx < cfg.s
+            mask = pad_ok if mask is None else jnp.logical_and(mask, pad_ok)
+    if seg is not None:
+        same = seg[0] == seg[1]
+        mask = same if mask is None else jnp.logical_and(mask, same)
+    return mask
+
+
+def _lam_value(cfg: _Cfg, lam_ref, orient: str):
+    """Lambda as a scalar (SMEM) or per-query ``[bq, 1]`` column / ``[1, bq]`` row (float32)."""
+    if cfg.lam_mode == "scalar":
+        return lam_ref[0]
+    return _col(lam_ref) if orient == "col" else lam_ref[...]
+
+
+# ---------------------------------------------------------------------------- index maps
+def _last_kv_block(cfg: _Cfg, qi, bq: int, bk: int):
+    """Last key block any query of block ``qi`` may see (for clamping skipped tiles' DMAs)."""
+    last = (cfg.s - 1) // bk
+    if cfg.causal:
+        reach = jnp.maximum(qi * bq + (bq - 1 + cfg.offset), 0)
+        last = jnp.minimum(lax.div(reach, jnp.int32(bk)), last)
+    return last
+
+
+def _kv_index(cfg: _Cfg, qi, kj, bq: int, bk: int):
+    return jnp.minimum(kj, _last_kv_block(cfg, qi, bq, bk))
+
+
+def _q_index_dkv(cfg: _Cfg, kj, qi, bq: int, bk: int):
+    """Clamp query block ``qi`` into the range key block ``kj`` needs."""
+    last = (cfg.t - 1) // bq
+    if cfg.causal:
+        first = lax.div(jnp.maximum(kj * bk - cfg.offset, 0), jnp.int32(bq))
+        qi = jnp.maximum(qi, first)
+    return jnp.minimum(qi, last)
+
+
+# ============================================================================ forward kernel
+def _fwd_kernel(*refs, names, cfg: _Cfg, save_residuals: bool):
+    r = dict(zip(names, refs))
+    bq, bk = cfg.blocks.block_q, cfg.blocks.block_k
+    nbr = 2 if cfg.differential else 1
+    ms = [r[f"m{b + 1}"] for b in range(nbr)]
+    ls = [r[f"l{b + 1}"] for b in range(nbr)]
+    accs = [r[f"acc{b + 1}"] for b in range(nbr)]
+    qi, kj = pl.program_id(2), pl.program_id(3)
+
+    @pl.when(kj == 0)
+    def _init():
+        for b in range(nbr):
+            ms[b][...] = jnp.full(ms[b].shape, -jnp.inf, _F32)
+            ls[b][...] = jnp.zeros(ls[b].shape, _F32)
+            accs[b][...] = jnp.zeros(accs[b].shape, _F32)
+
+    def body(use_mask: bool):
+        seg = None
+        if cfg.has_seg:
+            seg = (_col(r["qseg"]), r["kvseg"][...])
+        mask = _tile_mask(cfg, qi * bq, kj * bk, bq, bk, transposed=False, use_mask=use_mask,
+                          seg=seg)
+        v = r["v"][...]
+        k1 = r["k1"][...]
+        pairs = [(r["q1"][...], k1)]
+        if cfg.differential:
+            pairs.append((r["q2"][...], k1 if cfg.shared_k else r["k2"][...]))
+        for b, (q, k) in enumerate(pairs):
+            s = _dot_nt(q, k) * cfg.scale
+            if mask is not None:
+                s = jnp.where(mask, s, MASK_VALUE)
+            m_prev, l_prev = ms[b][...], ls[b][...]
+            m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))  # [bq, 128]
+            p = jnp.exp(s - _lanes(m_next, bk))
+            if mask is not None:
+                p = jnp.where(mask, p, 0.0)  # a row with no visible key keeps l == 0
+            alpha = jnp.exp(m_prev - m_next)
+            ls[b][...] = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
+            ms[b][...] = m_next
+            accs[b][...] = (accs[b][...] * _lanes(alpha, cfg.dv)
+                            + _dot_nn(p.astype(v.dtype), v))
+
+    _run_tile(*_block_conditions(cfg, qi, kj, bq, bk), body)
+
+    @pl.when(kj == pl.num_programs(3) - 1)
+    def _finish():
+        outs, lses = [], []
+        for b in range(nbr):
+            l, m = ls[b][...], ms[b][...]
+            empty = l == 0.0
+            inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l))
+            outs.append(accs[b][...] * _lanes(inv, cfg.dv))
+            lses.append(jnp.where(empty, jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l))))
+        if cfg.differential:
+            out = outs[0] - _lam_value(cfg, r["lam"], "col") * outs[1]
+        else:
+            out = outs[0]
+        r["o"][...] = out.astype(r["o"].dtype)
+        if save_residuals:
+            r["lse1"][...] = lses[0]
+            if cfg.differential:
+                r["lse2"][...] = lses[1]
+                r["o2"][...] = outs[1]
+
+
+# ============================================================================ dK/dV kernel
+def _dkv_kernel(*refs, names, cfg: _Cfg):
+    r = dict(zip(names, refs))
+    bq, bk = cfg.blocks.block_q_dkv, cfg.blocks.block_k_dkv
+    kj, rep, qi = pl.program_id(2), pl.program_id(3), pl.program_id(4)
+    dk_accs = [r["dk1_acc"]] if (cfg.shared_k or not cfg.differential) else [
+        r["dk1_acc"], r["dk2_acc"]]
+
+    @pl.when(jnp.logical_and(rep == 0, qi == 0))
+    def _init():
+        for acc in (*dk_accs, r["dv_acc"]):
+            acc[...] = jnp.zeros(acc.shape, _F32)
+
+    def body(use_mask: bool):
+        seg = None
+        if cfg.has_seg:
+            seg = (r["qseg"][...], _col(r["kvseg"]))  # [1, bq] vs [bk, 1]
+        mask = _tile_mask(cfg, qi * bq, kj * bk, bq, bk, transposed=True, use_mask=use_mask,
+                          seg=seg)
+        v, do = r["v"][...], r["do"][...]
+        k1, q1 = r["k1"][...], r["q1"][...]
+        dp_t = _dot_nt(v, do)  # [bk, bq] = (dO V^T)^T
+
+        def probs(k, q, lse_ref):
+            p = jnp.exp(_dot_nt(k, q) * cfg.scale - lse_ref[...])  # lse: [1, bq] row
+            return p if mask is None else jnp.where(mask, p, 0.0)
+
+        p1 = probs(k1, q1, r["lse1"])
+        ds1 = p1 * (dp_t - r["delta1"][...])
+        if not cfg.differential:
+            r["dv_acc"][...] += _dot_nn(p1.astype(do.dtype), do)
+            r["dk1_acc"][...] += _dot_nn(ds1.astype(q1.dtype), q1)
+            return
+        q2 = r["q2"][...]
+        k2 = k1 if cfg.shared_k else r["k2"][...]
+        lam = _lam_value(cfg, r["lam"], "row")
+        p2 = probs(k2, q2, r["lse2"])
+        ds2 = (-lam) * p2 * (dp_t - r["d2"][...])
+        r["dv_acc"][...] += _dot_nn((p1 - lam * p2).astype(do.dtype), do)
+        dk1 = _dot_nn(ds1.astype(q1.dtype), q1)
+        dk2 = _dot_nn(ds2.astype(q2.dtype), q2)
+        if cfg.shared_k:
+            r["dk1_acc"][...] += dk1 + dk2
+        else:
+            r["dk1_acc"][...] += dk1
+            r["dk2_acc"][...] += dk2
+
+    _run_tile(*_block_conditions(cfg, qi, kj, bq, bk), body)
+
+    @pl.when(jnp.logical_and(rep == pl.num_programs(3) - 1, qi == pl.num_programs(4) - 1))
+    def _finish():
+        outs = ["dk1", "dk2"][:len(dk_accs)]
+        for name, acc in zip(outs, dk_accs):
+            r[name][...] = (acc[...] * cfg.scale).astype(r[name].dtype)
+        r["dv"][...] = r["dv_acc"][...].astype(r["dv"].dtype)
+
+
+# ============================================================================ dQ kernel
+def _dq_kernel(*refs, names, cfg: _Cfg):
+    r = dict(zip(names, refs))
+    bq, bk = cfg.blocks.block_q_dq, cfg.blocks.block_k_dq
+    qi, kj = pl.program_id(2), pl.program_id(3)
+    accs = [r["dq1_acc"], r["dq2_acc"]] if cfg.differential else [r["dq1_acc"]]
+
+    @pl.when(kj == 0)
+    def _init():
+        for acc in accs:
+            acc[...] = jnp.zeros(acc.shape, _F32)
+
+    def body(use_mask: bool):
+        seg = None
+        if cfg.has_seg:
+            seg = (_col(r["qseg"]), r["kvseg"][...])
+        mask = _tile_mask(cfg, qi * bq, kj * bk, bq, bk, transposed=False, use_mask=use_mask,
+                          seg=seg)
+        v, do = r["v"][...], r["do"][...]
+        k1, q1 = r["k1"][...], r["q1"][...]
+        dp = _dot_nt(do, v)  # [bq, bk]
+
+        def probs(q, k, lse_ref):
+            p = jnp.exp(_dot_nt(q, k) * cfg.scale - _col(lse_ref))
+            return p if mask is None else jnp.where(mask, p, 0.0)
+
+        ds1 = probs(q1, k1, r["lse1"]) * (dp - _col(r["delta1"]))
+        r["dq1_acc"][...] += _dot_nn(ds1.astype(k1.dtype), k1)
+        if cfg.differential:
+            k2 = k1 if cfg.shared_k else r["k2"][...]
+            lam = _lam_value(cfg, r["lam"], "col")
+            ds2 = (-lam) * probs(r["q2"][...], k2, r["lse2"]) * (dp - _col(r["d2"]))
+            r["dq2_acc"][...] += _dot_nn(ds2.astype(k2.dtype), k2)
+
+    _run_tile(*_block_conditions(cfg, qi, kj, bq, bk), body)
+
+    @pl.when(kj == pl.num_programs(3) - 1)
+    def _finish():
+        for name, acc in zip(("dq1", "dq2"), accs):
+            r[name][...] = (acc[...] * cfg.scale).astype(r[name].dtype)
+
+
+# ============================================================================ pallas calls
+_DEFAULT_SCOPED_VMEM = 16 * 2 ** 20  # the smallest default scoped VMEM limit (v5e)
+_MAX_VMEM_LIMIT = 48 * 2 ** 20  # below every current chip's physical VMEM per core
+
+
+def _tile_bytes(shape, itemsize: int) -> int:
+    """VMEM bytes of an array tile, its last two dims padded to (8, 128)."""
+    shape = (1, 1, *shape)
+    lead = math.prod(shape[:-2])
+    return lead * _round_up(shape[-2], NUM_SUBLANES) * _round_up(shape[-1], NUM_LANES) * itemsize
+
+
+def _vmem_estimate(specs, arrays, scratch, tile_shape, n_tiles: int) -> int:
+    """Rough VMEM need: double-buffered blocks, scratch, and ``n_tiles`` float32 tiles of
+    ``tile_shape`` for the logits / probabilities / their gradients."""
+    total = 0
+    for spec, x in zip(specs, arrays):
+        if spec.block_shape is None:  # whole array in SMEM
+            continue
+        shape = [b for b in spec.block_shape if b is not None]
+        total += 2 * _tile_bytes(shape, jnp.dtype(x.dtype).itemsize)
+    total += sum(_tile_bytes(sc.shape, jnp.dtype(sc.dtype).itemsize) for sc in scratch)
+    return total + n_tiles * _tile_bytes(tile_shape, 4)
+
+
+def _compiler_params(n_parallel: int, n_arbitrary: int, vmem_bytes: int):
+    """Grid semantics; raise the scoped VMEM limit when the tiles need more than the default."""
+    limit = None
+    if vmem_bytes > _DEFAULT_SCOPED_VMEM * 3 // 4:
+        limit = min(max(int(vmem_bytes * 1.5), _DEFAULT_SCOPED_VMEM), _MAX_VMEM_LIMIT)
+    return pltpu.CompilerParams(
+        dimension_semantics=("parallel",) * n_parallel + ("arbitrary",) * n_arbitrary,
+        vmem_limit_bytes=limit)
+
+
+def _kernel_name(cfg: _Cfg, what: str) -> str:
+    kind = "diff_flash" if cfg.differential else "flash"
+    return f"{kind}_{what}" + ("_shared_k" if cfg.shared_k else "")
+
+
+class _Operands:
+    """Kernel operands collected by name, in order, with their block specs."""
+
+    def __init__(self):
+        self.names, self.arrays, self.specs = [], [], []
+
+    def add(self, name, array, spec):
+        self.names.append(name)
+        self.arrays.append(array)
+        self.specs.append(spec)
+
+
+def _lam_spec(cfg: _Cfg, row_index_map):
+    if cfg.lam_mode == "scalar":
+        return pl.BlockSpec(memory_space=pltpu.SMEM)
+    return row_index_map
+
+
+def _fwd_call(cfg: _Cfg, q1, k1, q2, k2, v, lam, qseg, kvseg, *, save_residuals: bool):
+    """Internal layout ``[B, H, T, D]``; returns ``(out, lse1, lse2, o2)`` (Nones if unsaved)."""
+    b, hq, tp, d = q1.shape
+    bq, bk = cfg.blocks.block_q, cfg.blocks.block_k
+    dv, grp = cfg.dv, cfg.group
+    grid = (b, hq, tp // bq, cfg.sp // bk)
+
+    def q_map(bi, h, qi, kj):
+        return (bi, h, qi, 0)
+
+    def kv_map(bi, h, qi, kj):
+        return (bi, lax.div(h, jnp.int32(grp)), _kv_index(cfg, qi, kj, bq, bk), 0)
+
+    def row_map(bi, h, qi, kj):
+        return (bi, h, 0, qi)
+
+    q_spec = pl.BlockSpec((None, None, bq, d), q_map)
+    k_spec = pl.BlockSpec((None, None, bk, d), kv_map)
+    ins = _Operands()
+    ins.add("q1", q1, q_spec)
+    ins.add("k1", k1, k_spec)
+    if cfg.differential:
+        ins.add("q2", q2, q_spec)
+        if not cfg.shared_k:
+            ins.add("k2", k2, k_spec)
+    ins.add("v", v, pl.BlockSpec((None, None, bk, dv), kv_map))
+    if cfg.differential:
+        ins.add("lam", lam, _lam_spec(cfg, pl.BlockSpec((None, None, 1, bq), row_map)))
+    if cfg.has_seg:
+        ins.add("qseg", qseg, pl.BlockSpec((None, 1, bq), lambda bi, h, qi, kj: (bi, 0, qi)))
+        ins.add("kvseg", kvseg, pl.BlockSpec(
+            (None, 1, bk), lambda bi, h, qi, kj: (bi, 0, _kv_index(cfg, qi, kj, bq, bk))))
+
+    out_names = ["o"]
+    out_shape = [jax.ShapeDtypeStruct((b, hq, tp, dv), q1.dtype)]
+    out_specs = [pl.BlockSpec((None, None, bq, dv), q_map)]
+    if save_residuals:
+        lse_shape = jax.ShapeDtypeStruct((b, hq, tp, NUM_LANES), _F32)
+        lse_spec = pl.BlockSpec((None, None, bq, NUM_LANES), q_map)
+        out_names.append("lse1"), out_shape.append(lse_shape), out_specs.append(lse_spec)
+        if cfg.differential:
+            out_names += ["lse2", "o2"]
+            out_shape += [lse_shape, jax.ShapeDtypeStruct((b, hq, tp, dv), _F32)]
+            out_specs += [lse_spec, pl.BlockSpec((None, None, bq, dv), q_map)]
+
+    nbr = 2 if cfg.differential else 1
+    scratch_names = ["m1", "l1", "m2", "l2"][:2 * nbr] + ["acc1", "acc2"][:nbr]
+    scratch = ([pltpu.VMEM((bq, NUM_LANES), _F32)] * (2 * nbr)
+               + [pltpu.VMEM((bq, dv), _F32)] * nbr)
+
+    flops_per_pair = 2 * nbr * (d + dv)
+    pairs = b * hq * cfg.t * cfg.s * (0.5 if cfg.causal else 1.0)
+    cost = pl.CostEstimate(
+        flops=int(flops_per_pair * pairs), transcendentals=int(nbr * pairs),
+        bytes_accessed=int(sum(x.size * x.dtype.itemsize for x in ins.arrays)
+                           + sum(math.prod(s.shape) * s.dtype.itemsize for s in out_shape)))
+
+    kernel = functools.partial(_fwd_kernel, names=tuple(ins.names + out_names + scratch_names),
+                               cfg=cfg, save_residuals=save_residuals)
+    res = pl.pallas_call(
+        kernel, grid=grid, in_specs=ins.specs, out_specs=out_specs, out_shape=out_shape,
+        scratch_shapes=scratch, interpret=cfg.interpret, cost_estimate=cost,
+        compiler_params=_compiler_params(3, 1, _vmem_estimate(
+            ins.specs + out_specs, ins.arrays + out_shape, scratch, (bq, bk), 4 * nbr)),
+        name=_kernel_name(cfg, "fwd"),
+    )(*ins.arrays)
+    res = dict(zip(out_names, res))
+    # lse comes back lane-replicated; keep one lane as a [B, H, 1, Tp] row for the backward pass.
+    rows = {k: res[k][..., 0][:, :, None, :] for k in ("lse1", "lse2") if k in res}
+    return res["o"], rows.get("lse1"), rows.get("lse2"), res.get("o2")
+
+
+def _add_backward_operands(cfg: _Cfg, ins: _Operands, *, q1, k1, q2, k2, v, do, lam, qseg,
+                           kvseg, stats, q_spec, k_spec, v_spec, row_spec, qseg_spec,
+                           kvseg_spec):
+    """The operands shared by the dK/dV and dQ kernels, in one order."""
+    ins.add("q1", q1, q_spec)
+    ins.add("k1", k1, k_spec)
+    if cfg.differential:
+        ins.add("q2", q2, q_spec)
+        if not cfg.shared_k:
+            ins.add("k2", k2, k_spec)
+    ins.add("v", v, v_spec)
+    ins.add("do", do, pl.BlockSpec(q_spec.block_shape[:-1] + (cfg.dv,), q_spec.index_map))
+    for key in ("lse1", "lse2", "delta1", "d2"):
+        if key in stats:
+            ins.add(key, stats[key], row_spec)
+    if cfg.differential:
+        ins.add("lam", lam, _lam_spec(cfg, row_spec))
+    if cfg.has_seg:
+        ins.add("qseg", qseg, qseg_spec)
+        ins.add("kvseg", kvseg, kvseg_spec)
+
+
+def _dkv_call(cfg: _Cfg, q1, k1, q2, k2, v, lam, qseg, kvseg, do, stats):
+    b, hq, tp, d = q1.shape
+    bq, bk = cfg.blocks.block_q_dkv, cfg.blocks.block_k_dkv
+    dv, grp = cfg.dv, cfg.group
+    grid = (b, cfg.hkv, cfg.sp // bk, grp, tp // bq)
+
+    def q_map(bi, g, kj, rep, qi):
+        return (bi, g * grp + rep, _q_index_dkv(cfg, kj, qi, bq, bk), 0)
+
+    def kv_map(bi, g, kj, rep, qi):  # inputs: wholly padded key blocks reuse the last real one
+        return (bi, g, jnp.minimum(kj, (cfg.s - 1) // bk), 0)
+
+    def out_map(bi, g, kj, rep, qi):
+        return (bi, g, kj, 0)
+
+    def row_map(bi, g, kj, rep, qi):
+        return (bi, g * grp + rep, 0, _q_index_dkv(cfg, kj, qi, bq, bk))
+
+    ins = _Operands()
+    _add_backward_operands(
+        cfg, ins, q1=q1, k1=k1, q2=q2, k2=k2, v=v, do=do, lam=lam, qseg=qseg, kvseg=kvseg,
+        stats=stats, q_spec=pl.BlockSpec((None, None, bq, d), q_map),
+        k_spec=pl.BlockSpec((None, None, bk, d), kv_map),
+        v_spec=pl.BlockSpec((None, None, bk, dv), kv_map),
+        row_spec=pl.BlockSpec((None, None, 1, bq), row_map),
+        qseg_spec=pl.BlockSpec(
+            (None, 1, bq), lambda bi, g, kj, rep, qi: (bi, 0, _q_index_dkv(cfg, kj, qi, bq, bk))),
+        kvseg_spec=pl.BlockSpec(
+            (None, 1, bk), lambda bi, g, kj, rep, qi: (bi, 0, kv_map(bi, g, kj, rep, qi)[2])))
+
+    n_dk = 2 if (cfg.differential and not cfg.shared_k) else 1
+    out_names = ["dk1", "dk2"][:n_dk] + ["dv"]
+    out_shape = ([jax.ShapeDtypeStruct(k1.shape, k1.dtype)] * n_dk
+                 + [jax.ShapeDtypeStruct(v.shape, v.dtype)])
+    out_specs = ([pl.BlockSpec((None, None, bk, d), out_map)] * n_dk
+                 + [pl.BlockSpec((None, None, bk, dv), out_map)])
+    scratch_names = ["dk1_acc", "dk2_acc"][:n_dk] + ["dv_acc"]
+    scratch = [pltpu.VMEM((bk, d), _F32)] * n_dk + [pltpu.VMEM((bk, dv), _F32)]
+
+    kernel = functools.partial(_dkv_kernel, names=tuple(ins.names + out_names + scratch_names),
+                               cfg=cfg)
+    res = pl.pallas_call(
+        kernel, grid=grid, in_specs=ins.specs, out_specs=out_specs, out_shape=out_shape,
+        scratch_shapes=scratch, interpret=cfg.interpret,
+        compiler_params=_compiler_params(3, 2, _vmem_estimate(
+            ins.specs + out_specs, ins.arrays + out_shape, scratch, (bk, bq), 10)),
+        name=_kernel_name(cfg, "dkv"),
+    )(*ins.arrays)
+    return dict(zip(out_names, res))
+
+
+def _dq_call(cfg: _Cfg, q1, k1, q2, k2, v, lam, qseg, kvseg, do, stats):
+    b, hq, tp, d = q1.shape
+    bq, bk = cfg.blocks.block_q_dq, cfg.blocks.block_k_dq
+    dv, grp = cfg.dv, cfg.group
+    grid = (b, hq, tp // bq, cfg.sp // bk)
+
+    def q_map(bi, h, qi, kj):
+        return (bi, h, qi, 0)
+
+    def kv_map(bi, h, qi, kj):
+        return (bi, lax.div(h, jnp.int32(grp)), _kv_index(cfg, qi, kj, bq, bk), 0)
+
+    def row_map(bi, h, qi, kj):
+        return (bi, h, 0, qi)
+
+    q_spec = pl.BlockSpec((None, None, bq, d), q_map)
+    ins = _Operands()
+    _add_backward_operands(
+        cfg, ins, q1=q1, k1=k1, q2=q2, k2=k2, v=v, do=do, lam=lam, qseg=qseg, kvseg=kvseg,
+        stats=stats, q_spec=q_spec, k_spec=pl.BlockSpec((None, None, bk, d), kv_map),
+        v_spec=pl.BlockSpec((None, None, bk, dv), kv_map),
+        row_spec=pl.BlockSpec((None, None, 1, bq), row_map),
+        qseg_spec=pl.BlockSpec((None, 1, bq), lambda bi, h, qi, kj: (bi, 0, qi)),
+        kvseg_spec=pl.BlockSpec(
+            (None, 1, bk), lambda bi, h, qi, kj: (bi, 0, _kv_index(cfg, qi, kj, bq, bk))))
+
+    n_q = 2 if cfg.differential else 1
+    out_names = ["dq1", "dq2"][:n_q]
+    out_shape = [jax.ShapeDtypeStruct(q1.shape, q1.dtype)] * n_q
+    out_specs = [q_spec] * n_q
+    scratch_names = ["dq1_acc", "dq2_acc"][:n_q]
+    scratch = [pltpu.VMEM((bq, d), _F32)] * n_q
+
+    kernel = functools.partial(_dq_kernel, names=tuple(ins.names + out_names + scratch_names),
+                               cfg=cfg)
+    res = pl.pallas_call(
+        kernel, grid=grid, in_specs=ins.specs, out_specs=out_specs, out_shape=out_shape,
+        scratch_shapes=scratch, interpret=cfg.interpret,
+        compiler_params=_compiler_params(3, 1, _vmem_estimate(
+            ins.specs + out_specs, ins.arrays + out_shape, scratch, (bq, bk), 8)),
+        name=_kernel_name(cfg, "dq"),
+    )(*ins.arrays)
+    return dict(zip(out_names, res))
+
+
+# ============================================================================ custom VJP
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attention(cfg: _Cfg, q1, k1, q2, k2, v, lam, qseg, kvseg):
+    return _fwd_call(cfg, q1, k1, q2, k2, v, lam, qseg, kvseg, save_residuals=False)[0]
+
+
+def _attention_fwd(cfg: _Cfg, q1, k1, q2, k2, v, lam, qseg, kvseg):
+    out, lse1, lse2, o2 = _fwd_call(cfg, q1, k1, q2, k2, v, lam, qseg, kvseg,
+                                    save_residuals=True)
+    return out, (q1, k1, q2, k2, v, lam, qseg, kvseg, out, lse1, lse2, o2)
+
+
+def _attention_bwd(cfg: _Cfg, res, dout):
+    q1, k1, q2, k2, v, lam, qseg, kvseg, out, lse1, lse2, o2 = res
+    do32 = dout.astype(_F32)
+    # Padded query rows have dout == 0 (the output is sliced), so they contribute nothing.
+    delta_out = jnp.sum(do32 * out.astype(_F32), axis=-1)  # rowsum(dO * out), [B, H, Tp]
+    stats = {"lse1": lse1}
+    dlam = None
+    if cfg.differential:
+        d2 = jnp.sum(do32 * o2, axis=-1)  # rowsum(dO * O2) = -dlam per row
+        lam_rows = lam[0] if cfg.lam_mode == "scalar" else lam[:, :, 0, :]
+        # O1 = out + lam * O2, so rowsum(dO * O1) = rowsum(dO * out) + lam * rowsum(dO * O2).
+        delta1 = delta_out + lam_rows * d2
+        stats.update(lse2=lse2, delta1=delta1[:, :, None, :], d2=d2[:, :, None, :])
+        dlam = (-jnp.sum(d2)).reshape(1) if cfg.lam_mode == "scalar" else -d2[:, :, None, :]
+    else:
+        stats["delta1"] = delta_out[:, :, None, :]
+    do = dout.astype(cfg.compute_dtype)
+    dkv = _dkv_call(cfg, q1, k1, q2, k2, v, lam, qseg, kvseg, do, stats)
+    dq = _dq_call(cfg, q1, k1, q2, k2, v, lam, qseg, kvseg, do, stats)
+    return (dq["dq1"], dkv["dk1"], dq.get("dq2"), dkv.get("dk2"), dkv["dv"], dlam, None, None)
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+# ============================================================================ wrappers
+def _check_shapes(what, q1, k1, q2, k2, v, segment_ids, kv_segment_ids):
+    for name, x in (("q", q1), ("k", k1), ("v", v)):
+        if x.ndim != 4:
+            raise ValueError(f"{what}: {name} must be [batch, seq, heads, dim], got {x.shape}")
+    b, t, hq, d = q1.shape
+    _, s, hkv, _ = k1.shape
+    if k1.shape[0] != b or k1.shape[3] != d:
+        raise ValueError(f"{what}: k {k1.shape} does not match q {q1.shape} (batch, head dim)")
+    if v.shape[:3] != (b, s, hkv):
+        raise ValueError(f"{what}: v must be [{b}, {s}, {hkv}, dv], got {v.shape}")
+    if q2 is not None and q2.shape != q1.shape:
+        raise ValueError(f"{what}: q1 and q2 shapes differ: {q1.shape} vs {q2.shape}")
+    if k2 is not None and k2.shape != k1.shape:
+        raise ValueError(f"{what}: k1 and k2 shapes differ: {k1.shape} vs {k2.shape}")
+    if hq % hkv:
+        raise ValueError(f"{what}: {hkv} kv heads do not divide {hq} query heads")
+    if t < 1 or s < 1:
+        raise ValueError(f"{what}: empty sequence (q length {t}, kv length {s})")
+    if segment_ids is not None:
+        if segment_ids.shape != (b, t):
+            raise ValueError(f"{what}: segment_ids must be [{b}, {t}], got {segment_ids.shape}")
+        kv = segment_ids if kv_segment_ids is None else kv_segment_ids
+        if kv.shape != (b, s):
+            raise ValueError(f"{what}: key segment ids must be [{b}, {s}], got {kv.shape}"
+                             + ("; pass kv_segment_ids when the key length differs"
+                                if kv_segment_ids is None else ""))
+    elif kv_segment_ids is not None:
+        raise ValueError(f"{what}: kv_segment_ids given without segment_ids")
+
+
+def _to_internal(x, length):
+    """``[B, T, H, D]`` -> ``[B, H, length, D]`` (zero padded)."""
+    x = jnp.swapaxes(x, 1, 2)
+    return jnp.pad(x, ((0, 0), (0, 0), (0, length - x.shape[2]), (0, 0)))
+
+
+def _compute_dtype(*xs):
+    dt = jnp.result_type(*xs)
+    if dt == jnp.float16 or not jnp.issubdtype(dt, jnp.floating):
+        return jnp.dtype(_F32)
+    return jnp.dtype(dt)
+
+
+def _run(what, q1, k1, q2, k2, v, lam, *, differential, causal, segment_ids, kv_segment_ids,
+         sm_scale, block_sizes, interpret):
+    shared_k = differential and (k1 is k2)
+    _check_shapes(what, q1, k1, q2, k2, v, segment_ids, kv_segment_ids)
+    b, t, hq, d = q1.shape
+    s, hkv, dv = k1.shape[1], k1.shape[2], v.shape[3]
+    if block_sizes is None:
+        block_sizes = BlockSizes()
+    if not isinstance(block_sizes, BlockSizes):
+        raise ValueError(f"{what}: block_sizes must be a BlockSizes, got {type(block_sizes)}")
+    hardware = interpret is False or interpret is None
+    tp, (bq, bq_dkv, bq_dq) = _effective_blocks(
+        t, block_sizes.q_blocks, ("block_q", "block_q_dkv", "block_q_dq"), hardware)
+    sp, (bk, bk_dkv, bk_dq) = _effective_blocks(
+        s, block_sizes.k_blocks, ("block_k", "block_k_dkv", "block_k_dq"), hardware)
+    eff = BlockSizes(bq, bk, bq_dkv, bk_dkv, bq_dq, bk_dq)
+    scale = float(d ** -0.5 if sm_scale is None else sm_scale)
+
+    arrays = [q1, k1, v] + ([q2] if differential else []) + (
+        [k2] if differential and not shared_k else [])
+    cdt = _compute_dtype(*arrays)
+
+    lam_mode, lam_in = None, None
+    if differential:
+        lam_arr = jnp.asarray(lam, _F32)
+        if lam_arr.shape == ():
+            lam_mode, lam_in = "scalar", lam_arr.reshape(1)
+        elif lam_arr.shape == (b, t, hq):
+            lam_mode = "row"
+            lam_in = jnp.pad(jnp.swapaxes(lam_arr, 1, 2), ((0, 0), (0, 0), (0, tp - t)))[:, :, None, :]
+        else:
+            raise ValueError(f"{what}: lam must be a scalar or [batch, seq, heads] = "
+                             f"[{b}, {t}, {hq}], got shape {lam_arr.shape}")
+
+    qseg = kvseg = None
+    if segment_ids is not None:
+        kv = segment_ids if kv_segment_ids is None else kv_segment_ids
+        qseg = jnp.pad(segment_ids.astype(jnp.int32), ((0, 0), (0, tp - t)))[:, None, :]
+        kvseg = jnp.pad(kv.astype(jnp.int32), ((0, 0), (0, sp - s)))[:, None, :]
+
+    cfg = _Cfg(differential=differential, shared_k=shared_k, lam_mode=lam_mode,
+               has_seg=segment_ids is not None, causal=bool(causal), scale=scale, t=t, s=s,
+               tp=tp, sp=sp, hq=hq, hkv=hkv, dv=dv, blocks=eff, compute_dtype=cdt,
+               interpret=interpret)
+
+    def prep(x, length):
+        return None if x is None else _to_internal(x.astype(cdt), length)
+
+    out = _attention(cfg, prep(q1, tp), prep(k1, sp), prep(q2, tp),
+                     None if shared_k else prep(k2, sp), prep(v, sp), lam_in, qseg, kvseg)
+    return jnp.swapaxes(out[:, :, :t], 1, 2).astype(q1.dtype)
+
+
+def diff_flash_attention(q1, k1, q2, k2, v, lam, *, causal=True, segment_ids=None,
+                         kv_segment_ids=None, sm_scale=None, block_sizes=None,
+                         interpret=False) -> jax.Array:
+    """Fused ``softmax(q1 k1^T s) v - lam * softmax(q2 k2^T s) v``, ``[B, T, Hq, Dv]`` in q1's dtype.
+
+    q1, q2 ``[B, T, Hq, D]``; k1, k2 ``[B, S, Hkv, D]`` (pass the same array twice for a shared
+    key: it is then loaded once per tile); v ``[B, S, Hkv, Dv]``; ``lam`` a scalar or
+    ``[B, T, Hq]``. Query head ``h`` reads kv head ``h // (Hq // Hkv)``. ``s = sm_scale`` or
+    ``D ** -0.5``. Causal masking is bottom-right aligned. ``interpret``: False for TPU hardware,
+    True or a ``pltpu.InterpretParams`` to run in interpret mode (e.g. on CPU).
+    """
+    return _run("diff_flash_attention", q1, k1, q2, k2, v, lam, differential=True,
+                causal=causal, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
+                sm_scale=sm_scale, block_sizes=block_sizes, interpret=interpret)
+
+
+def flash_attention(q, k, v, *, causal=True, segment_ids=None, kv_segment_ids=None,
+                    sm_scale=None, block_sizes=None, interpret=False) -> jax.Array:
+    """Standard flash attention ``softmax(q k^T s) v`` with the same kernels (one branch)."""
+    return _run("flash_attention", q, k, None, None, v, None, differential=False,
+                causal=causal, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
+                sm_scale=sm_scale, block_sizes=block_sizes, interpret=interpret)

@@ -1,0 +1,406 @@
+"""The Pallas (Triton-lowering) attention kernels, run in interpret mode on CPU.
+
+Values and gradients (q1, k1, q2, k2, v, lam) against the plain-jnp references in
+:mod:`diffjax.ops` and their autodiff, over a hypothesis grid of shapes, masks, GQA layouts,
+lambda kinds and dtypes; plus the shared-key path, fully masked rows, float16, block-size
+validation and a check that the kernels lower through the real Triton path (no GPU needed).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from diffjax import ops
+from diffjax.kernels import gpu
+
+# Tolerances (atol, rtol): |kernel - reference| <= atol + rtol * max|reference|, per array.
+# The reference is always float32 (16-bit inputs are upcast), so for 16-bit inputs these cover
+# the kernels' rounding: probabilities and dS are rounded to 16 bits before the matmuls (as in
+# flash attention) and outputs/grads are stored in 16 bits. Measured worst cases (relative to
+# max|reference|): float32 ~1e-6, float16 ~1e-3, bfloat16 ~7e-3.
+# d(lam) for a scalar lambda is a sum over every output element and can cancel to far below
+# its terms, so its rtol multiplies the largest L1 norm of its terms, max sum |dO * O2|,
+# instead (measured worst cases: float32 1e-7, float16 7e-5, bfloat16 6e-4).
+F32_TOL = dict(value=(1e-5, 1e-5), grad=(1e-4, 1e-4), dlam=(1e-5, 1e-5))
+F16_TOL = dict(value=(2e-3, 5e-3), grad=(5e-3, 1e-2), dlam=(1e-3, 1e-3))
+BF16_TOL = dict(value=(1e-2, 2e-2), grad=(2e-2, 3e-2), dlam=(5e-3, 5e-3))
+
+SMALL = gpu.BlockSizes(16, 16, 16, 16, 16, 16)
+MIXED = gpu.BlockSizes(block_q=32, block_k=16, block_q_dkv=16, block_k_dkv=32,
+                       block_q_dq=32, block_k_dq=16)
+BLOCKS = {"small": SMALL, "mixed": MIXED, "default": gpu.BlockSizes()}
+
+
+@pytest.fixture(autouse=True)
+def _fast_compiles():
+    """XLA's optimisation passes dominate the cost of compiling interpret-mode kernels on CPU
+    (about 3x); the numerics under test do not depend on them."""
+    name = "jax_disable_most_optimizations"
+    try:
+        old = getattr(jax.config, name)
+    except AttributeError:  # option gone in this jax: run as is
+        yield
+        return
+    jax.config.update(name, True)
+    try:
+        yield
+    finally:
+        jax.config.update(name, old)
+
+
+# ---------------------------------------------------------------------------- helpers
+def _segments(rng, n, n_seg):
+    """Sorted segment ids in [0, n_seg) (packed-sequence style)."""
+    return np.sort(rng.integers(0, n_seg, size=n)).astype(np.int32)
+
+
+def _inputs(seed, b, t, s, hq, hkv, d, dv, dtype, lam_kind):
+    rng = np.random.default_rng(seed)
+
+    def rand(*shape):
+        return jnp.asarray(rng.standard_normal(shape, dtype=np.float32).astype(jnp.dtype(dtype)))
+
+    q1, q2 = rand(b, t, hq, d), rand(b, t, hq, d)
+    k1, k2 = rand(b, s, hkv, d), rand(b, s, hkv, d)
+    v = rand(b, s, hkv, dv)
+    if lam_kind == "scalar":
+        lam = jnp.asarray(rng.uniform(0.1, 0.9), jnp.float32)
+    else:
+        lam = jnp.asarray(rng.uniform(0.0, 1.0, size=(b, t, hq)), jnp.float32)
+    ct = jnp.asarray(rng.standard_normal((b, t, hq, dv), dtype=np.float32))
+    return (q1, k1, q2, k2, v, lam), ct, rng
+
+
+def _close(name, got, want, tol, scale=None):
+    """``scale``: what rtol multiplies (default max|want|)."""
+    atol, rtol = tol
+    got, want = np.asarray(got).astype(np.float32), np.asarray(want).astype(np.float32)
+    assert got.shape == want.shape, (name, got.shape, want.shape)
+    assert np.all(np.isfinite(got)), f"{name}: non-finite values"
+    err = float(np.max(np.abs(got - want))) if got.size else 0.0
+    if scale is None:
+        scale = float(np.max(np.abs(want))) if want.size else 0.0
+    bound = atol + rtol * scale
+    assert err <= bound, f"{name}: max abs error {err:.3g} > {bound:.3g}"
+
+
+def _tols(dtype):
+    return {jnp.dtype(jnp.float32): F32_TOL, jnp.dtype(jnp.float16): F16_TOL,
+            jnp.dtype(jnp.bfloat16): BF16_TOL}[jnp.dtype(dtype)]
+
+
+def _value_and_grads(f, args, ct, argnums):
+    """``f(*args)`` and the gradients of ``sum(f(*args) * ct)`` wrt ``args[argnums]``, in one
+    compiled program (interpret-mode kernels are costly to compile, so compile each once)."""
+
+    @jax.jit
+    def run(args, ct):
+        def g(*diff_args):
+            full = list(args)
+            for i, a in zip(argnums, diff_args):
+                full[i] = a
+            out = f(*full)
+            return out.astype(jnp.float32), out
+
+        _, vjp, out = jax.vjp(g, *(args[i] for i in argnums), has_aux=True)
+        return out, vjp(ct)
+
+    return run(tuple(args), ct)
+
+
+def _check_diff(args, ct, *, causal, seg, kv_seg, scale, block_sizes, shared=False):
+    """Kernel values and grads (q1, k1, q2, k2, v, lam) vs the float32 reference."""
+    dtype = args[0].dtype
+    tol = _tols(dtype)
+    kw = dict(causal=causal, segment_ids=seg, kv_segment_ids=kv_seg)
+
+    def kernel(q1, k1, q2, k2, v, lam):
+        return gpu.diff_flash_attention(q1, k1, q2, k1 if shared else k2, v, lam, sm_scale=scale,
+                                        block_sizes=block_sizes, interpret=True, **kw)
+
+    def reference(q1, k1, q2, k2, v, lam):
+        up = lambda x: x.astype(jnp.float32)  # noqa: E731
+        return ops.differential_attention_xla(up(q1), up(k1), up(q2), up(k1 if shared else k2),
+                                              up(v), lam, scale=scale, **kw)
+
+    argnums = (0, 1, 2, 4, 5) if shared else (0, 1, 2, 3, 4, 5)
+    out, grads = _value_and_grads(kernel, args, ct, argnums)
+    want_out, want = _value_and_grads(reference, args, ct, argnums)
+    assert out.dtype == dtype and out.shape == ct.shape
+    _close("out", out, want_out, tol["value"])
+    for i, g, w in zip(argnums, grads, want):
+        assert g.dtype == args[i].dtype and g.shape == args[i].shape
+        if i < 5:
+            _close(f"d{['q1', 'k1', 'q2', 'k2', 'v'][i]}", g, w, tol["grad"])
+    # d(lam) = -sum_d dO * O2: scale its tolerance by the L1 norm of those terms
+    up = lambda x: x.astype(jnp.float32)  # noqa: E731
+    o2 = jax.jit(functools.partial(ops.dot_product_attention_xla, scale=scale, **kw))(
+        up(args[2]), up(args[1] if shared else args[3]), up(args[4]))
+    l1 = np.sum(np.abs(np.asarray(ct) * np.asarray(o2)), axis=-1)
+    _close("dlam", grads[-1], want[-1], tol["dlam"],
+           scale=float(np.max(l1) if np.ndim(args[5]) else np.sum(l1)))
+    return out, grads
+
+
+def _check_standard(q, k, v, ct, *, causal, seg, kv_seg, block_sizes):
+    tol = _tols(q.dtype)
+    kw = dict(causal=causal, segment_ids=seg, kv_segment_ids=kv_seg)
+    scale = q.shape[-1] ** -0.5
+
+    def kernel(q, k, v):
+        return gpu.flash_attention(q, k, v, block_sizes=block_sizes, interpret=True, **kw)
+
+    def reference(q, k, v):
+        up = lambda x: x.astype(jnp.float32)  # noqa: E731
+        return ops.dot_product_attention_xla(up(q), up(k), up(v), scale=scale, **kw)
+
+    out, grads = _value_and_grads(kernel, (q, k, v), ct, (0, 1, 2))
+    want_out, want = _value_and_grads(reference, (q, k, v), ct, (0, 1, 2))
+    _close("out", out, want_out, tol["value"])
+    for name, g, w in zip(("dq", "dk", "dv"), grads, want):
+        _close(name, g, w, tol["grad"])
+    return out, grads
+
+
+# ---------------------------------------------------------------------------- grids
+# Hypothesis tries the simplest example (the first value of every sampled_from) first, so each
+# list starts with an interesting value: the first example is already a GQA, causal, segmented
+# case with a non-block-multiple length and a 2x wide V.
+HEADS = [(4, 2), (3, 1), (4, 1), (2, 2)]  # GQA, MQA with an odd group, MQA, MHA
+
+
+@st.composite
+def diff_cases(draw, lengths, heads, dims, dtypes=("float32", "bfloat16"), batches=(2, 1)):
+    segmented = draw(st.sampled_from((True, False)))
+    t = draw(st.sampled_from(lengths))
+    s = draw(st.sampled_from(lengths))
+    # segments with T != S need explicit key segment ids; test both spellings
+    kv_explicit = segmented and (s != t or draw(st.booleans()))
+    d = draw(st.sampled_from(dims))
+    return dict(
+        seed=draw(st.integers(0, 2**31 - 1)),
+        b=draw(st.sampled_from(batches)), t=t, s=s,
+        heads=draw(st.sampled_from(heads)), d=d, dv=d * draw(st.sampled_from((2, 1))),
+        causal=draw(st.sampled_from((True, False))), segmented=segmented,
+        kv_explicit=kv_explicit,
+        lam_kind=draw(st.sampled_from(("rows", "scalar"))),
+        dtype=draw(st.sampled_from(dtypes)),
+        blocks=draw(st.sampled_from(("mixed", "small", "default"))),
+        scale=draw(st.sampled_from((None, 0.3))),
+    )
+
+
+def _run_case(c):
+    hq, hkv = c["heads"]
+    dtype = jnp.dtype(c["dtype"])
+    args, ct, rng = _inputs(c["seed"], c["b"], c["t"], c["s"], hq, hkv, c["d"], c["dv"], dtype,
+                            c["lam_kind"])
+    seg = kv_seg = None
+    if c["segmented"]:
+        seg = jnp.asarray(np.stack([_segments(rng, c["t"], 3) for _ in range(c["b"])]))
+        if c["kv_explicit"]:
+            kv_seg = jnp.asarray(np.stack([_segments(rng, c["s"], 3) for _ in range(c["b"])]))
+    scale = c["d"] ** -0.5 if c["scale"] is None else c["scale"]
+    _check_diff(args, ct, causal=c["causal"], seg=seg, kv_seg=kv_seg, scale=scale,
+                block_sizes=BLOCKS[c["blocks"]])
+
+
+_FAST = settings(max_examples=4, deadline=None, derandomize=True, database=None,
+                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+# One test per dtype, so that pytest-xdist can spread the examples over its workers.
+@_FAST
+@given(diff_cases(lengths=(40, 23, 48, 16), heads=HEADS, dims=(32,), dtypes=("float32",)))
+def test_diff_grid_float32(case):
+    _run_case(case)
+
+
+@_FAST
+@given(diff_cases(lengths=(40, 23, 48, 16), heads=HEADS, dims=(32,), dtypes=("bfloat16",)))
+def test_diff_grid_bfloat16(case):
+    _run_case(case)
+
+
+@pytest.mark.slow
+@settings(max_examples=4, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(diff_cases(lengths=(57, 80, 17, 32), heads=[(3, 1), (4, 4)] + HEADS[:1] + HEADS[2:],
+                  dims=(64, 32)))
+def test_diff_grid_large(case):
+    _run_case(case)
+
+
+@_FAST
+@given(st.integers(0, 2**31 - 1), st.sampled_from([(37, 37), (48, 24), (24, 48), (16, 16)]),
+       st.sampled_from(HEADS), st.sampled_from((32, 64)), st.sampled_from((True, False)),
+       st.sampled_from((True, False)), st.sampled_from(("bfloat16", "float32")))
+def test_flash_attention_grid(seed, ts, heads, d, causal, segmented, dtype):
+    t, s = ts
+    hq, hkv = heads
+    (q, k, _, _, v, _), _, rng = _inputs(seed, 2, t, s, hq, hkv, d, d, jnp.dtype(dtype), "rows")
+    ct = jnp.asarray(rng.standard_normal((2, t, hq, d), dtype=np.float32))
+    seg = kv_seg = None
+    if segmented:
+        seg = jnp.asarray(np.stack([_segments(rng, t, 2) for _ in range(2)]))
+        kv_seg = None if s == t else jnp.asarray(np.stack([_segments(rng, s, 2) for _ in range(2)]))
+    _check_standard(q, k, v, ct, causal=causal, seg=seg, kv_seg=kv_seg, block_sizes=SMALL)
+
+
+# ---------------------------------------------------------------------------- targeted cases
+def test_shared_keys_match_a_copy():
+    args, ct, _ = _inputs(3, 2, 40, 40, 4, 2, 32, 64, jnp.float32, "rows")
+    q1, k1, q2, _, v, lam = args
+    k_copy = k1 + 0.0  # a different array with the same values
+    shared_out, shared_grads = _check_diff((q1, k1, q2, k1, v, lam), ct, causal=True, seg=None,
+                                           kv_seg=None, scale=32 ** -0.5, block_sizes=SMALL,
+                                           shared=True)
+
+    def copy(q1, k1, q2, k2, v, lam):
+        return gpu.diff_flash_attention(q1, k1, q2, k2, v, lam, block_sizes=SMALL, interpret=True)
+
+    copy_out, copy_grads = _value_and_grads(copy, (q1, k1, q2, k_copy, v, lam), ct, range(6))
+    np.testing.assert_allclose(shared_out, copy_out, atol=1e-6, rtol=1e-6)
+    dq1, dk, dq2, dv, dlam = shared_grads
+    cq1, ck1, cq2, ck2, cv, clam = copy_grads
+    for got, want in ((dq1, cq1), (dk, ck1 + ck2), (dq2, cq2), (dv, cv), (dlam, clam)):
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+def _pallas_calls(jaxpr):
+    """Every pallas_call equation in a (closed) jaxpr, searching sub-jaxprs too."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            found.append(eqn)
+        for p in eqn.params.values():
+            for sub in (p if isinstance(p, (tuple, list)) else (p,)):
+                if hasattr(sub, "eqns") or hasattr(getattr(sub, "jaxpr", None), "eqns"):
+                    found += _pallas_calls(sub)
+    return found
+
+
+def test_shared_keys_use_the_single_key_kernel():
+    args, ct, _ = _inputs(0, 1, 16, 16, 2, 1, 32, 32, jnp.float32, "rows")
+    q1, k1, q2, k2, v, lam = args
+
+    def kernel_inputs(shared):
+        def loss(q1, k1, q2, k2, v, lam):
+            o = gpu.diff_flash_attention(q1, k1, q2, k1 if shared else k2, v, lam, interpret=True)
+            return jnp.sum(o * ct)
+
+        calls = _pallas_calls(jax.make_jaxpr(jax.grad(loss, (0, 1, 2, 3, 4, 5)))(*args))
+        assert len(calls) == 3  # forward, dK/dV, dQ
+        return [len(c.invars) for c in calls], [len(c.outvars) for c in calls]
+
+    (in_copy, out_copy), (in_shared, out_shared) = kernel_inputs(False), kernel_inputs(True)
+    assert [a - b for a, b in zip(in_copy, in_shared)] == [1, 1, 1]  # one K input fewer
+    assert [a - b for a, b in zip(out_copy, out_shared)] == [0, 1, 0]  # dK1 + dK2 in one output
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_fully_masked_rows_are_zero_with_zero_grads(causal):
+    b, t, s, hq, hkv, d = 1, 32, 24, 2, 1, 32
+    args, ct, _ = _inputs(7, b, t, s, hq, hkv, d, 2 * d, jnp.float32, "rows")
+    seg = jnp.asarray(np.r_[np.zeros(20), np.full(12, 5)][None].astype(np.int32))
+    kv_seg = jnp.zeros((b, s), jnp.int32)  # segment 5 has no key: queries 20.. see nothing
+    out, grads = _check_diff(args, ct, causal=causal, seg=seg, kv_seg=kv_seg, scale=d ** -0.5,
+                             block_sizes=SMALL)
+    assert np.all(np.asarray(out)[:, 20:] == 0.0)
+    dq1, _, dq2, _, _, dlam = grads
+    for g in (dq1, dq2, dlam):
+        assert np.all(np.asarray(g)[:, 20:] == 0.0)
+    if causal:  # more queries than keys: the first T - S queries see no key either
+        assert np.all(np.asarray(out)[:, : t - s] == 0.0)
+        assert np.all(np.asarray(dq1)[:, : t - s] == 0.0)
+
+
+def test_flash_attention_fully_masked_rows():
+    args, ct, _ = _inputs(8, 1, 32, 32, 2, 2, 32, 32, jnp.float32, "rows")
+    q, k, _, _, v, _ = args
+    seg = jnp.asarray(np.r_[np.zeros(16), np.ones(16)][None].astype(np.int32))
+    kv_seg = jnp.zeros((1, 32), jnp.int32)
+    out, (dq, _, _) = _check_standard(q, k, v, ct, causal=True, seg=seg, kv_seg=kv_seg,
+                                      block_sizes=SMALL)
+    assert np.all(np.asarray(out)[:, 16:] == 0.0)
+    assert np.all(np.asarray(dq)[:, 16:] == 0.0)
+
+
+def test_float16_runs():
+    args, ct, _ = _inputs(5, 1, 24, 24, 2, 1, 32, 64, jnp.float16, "scalar")
+    _check_diff(args, ct, causal=True, seg=None, kv_seg=None, scale=32 ** -0.5,
+                block_sizes=SMALL)
+
+
+def test_causal_skipping_many_blocks():
+    """Five query blocks over three key blocks with T > S: the diagonal starts below the first
+    query block (S - T = -32), so the first two query blocks visit no key block at all, and the
+    dK/dV programs start at query block (16 j + 32) // 16."""
+    args, ct, _ = _inputs(11, 1, 80, 48, 2, 1, 32, 32, jnp.float32, "scalar")
+    out, _ = _check_diff(args, ct, causal=True, seg=None, kv_seg=None, scale=32 ** -0.5,
+                         block_sizes=SMALL)
+    assert np.all(np.asarray(out)[:, :32] == 0.0)
+
+
+def test_python_float_lambda_and_head_dim_128():
+    args, _, _ = _inputs(2, 1, 16, 16, 1, 1, 128, 128, jnp.float32, "scalar")
+    q1, k1, q2, k2, v, _ = args
+    out = gpu.diff_flash_attention(q1, k1, q2, k2, v, 0.5, interpret=True)
+    want = ops.differential_attention_xla(q1, k1, q2, k2, v, 0.5, scale=128 ** -0.5)
+    _close("out", out, want, F32_TOL["value"])
+
+
+@pytest.mark.parametrize("field,value", [("block_q", 48), ("block_k", 8), ("block_q_dkv", 0),
+                                         ("block_k_dq", 24), ("block_k_dkv", 64.0),
+                                         ("num_warps", 3), ("num_stages", 0)])
+def test_bad_block_sizes(field, value):
+    with pytest.raises(ValueError, match=field):
+        gpu.BlockSizes(**{field: value})
+
+
+def test_block_size_error_names_accepted_values():
+    with pytest.raises(ValueError, match="power of two >= 16"):
+        gpu.BlockSizes(block_q=100)
+
+
+def test_bad_shapes():
+    x = jnp.zeros((1, 16, 2, 32))
+    with pytest.raises(ValueError, match="lam"):
+        gpu.diff_flash_attention(x, x, x, x, x, jnp.zeros((3,)), interpret=True)
+    with pytest.raises(ValueError, match="kv heads"):
+        gpu.flash_attention(jnp.zeros((1, 16, 3, 32)), x, x, interpret=True)
+
+
+def test_lowers_through_triton():
+    """The forward and both backward kernels lower through the real Pallas Triton path (Triton
+    IR is built; compiling it to PTX needs a GPU). Catches non-power-of-two shapes and
+    unsupported ops that interpret mode accepts."""
+    q = jax.ShapeDtypeStruct((2, 100, 6, 64), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((2, 130, 2, 64), jnp.bfloat16)
+    v = jax.ShapeDtypeStruct((2, 130, 2, 128), jnp.bfloat16)
+    lam = jax.ShapeDtypeStruct((2, 100, 6), jnp.float32)
+    seg = jax.ShapeDtypeStruct((2, 100), jnp.int32)
+    kv_seg = jax.ShapeDtypeStruct((2, 130), jnp.int32)
+
+    def loss(q1, k1, q2, k2, v, lam, seg, kv_seg, shared):
+        o = gpu.diff_flash_attention(q1, k1, q2, k1 if shared else k2, v, lam, segment_ids=seg,
+                                     kv_segment_ids=kv_seg)
+        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(
+            gpu.flash_attention(q1, k1, v[..., :64], causal=False).astype(jnp.float32))
+
+    for shared in (False, True):
+        f = jax.jit(jax.grad(functools.partial(loss, shared=shared), (0, 1, 2, 3, 4, 5)))
+        try:
+            lowered = f.trace(q, k, q, k, v, lam, seg, kv_seg).lower(
+                lowering_platforms=("cuda",))
+        except (AttributeError, TypeError, NotImplementedError) as e:  # API moved / no Triton
+            pytest.skip(f"cannot lower for cuda on this jax: {e}")
+        assert lowered.as_text().count("triton") >= 6
