@@ -239,7 +239,7 @@ class MultiheadDiffAttnV2(_Projections):
         # (``lambda_proj_init``: torch's default Linear init, as the official code leaves it.)
         self.lambda_proj = self._linear(d_model, num_heads, jnp.float32, param_dtype,
                                         lambda_proj_init, rngs)
-        # Set True (e.g. on a model merged inside a train step) to sow each call's batch-mean
+        # Set True (e.g. on a model merged inside a train step) to keep each call's batch-mean
         # lambda as the nnx.Intermediate ``lambda_mean``; off by default (no side effects).
         self.record_lambda = False
 
@@ -276,8 +276,7 @@ class MultiheadDiffAttnV2(_Projections):
         b, t = x.shape[:2]
         lam = self.lambda_values(x)
         if self.record_lambda:  # the batch mean of lambda, for training metrics
-            self.sow(nnx.Intermediate, "lambda_mean", jnp.mean(lam),
-                     reduce_fn=lambda _, new: new, init_fn=lambda: jnp.zeros((), jnp.float32))
+            self.lambda_mean = nnx.Intermediate(jnp.mean(lam))
         o = ops.differential_attention(q[:, :, 0::2], k, q[:, :, 1::2], k, v, lam,
                                        causal=self.causal, segment_ids=segment_ids,
                                        scale=self.scaling, impl=self.attention_impl)

@@ -100,5 +100,5 @@ class TransformerLM(nnx.Module):
             return [block.attn.lambda_full() for block in self.layers]
         if self.config.attention == "diff_v2" and all(
                 hasattr(block.attn, "lambda_mean") for block in self.layers):
-            return [block.attn.lambda_mean.value for block in self.layers]
+            return [block.attn.lambda_mean[...] for block in self.layers]
         return None

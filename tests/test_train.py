@@ -311,3 +311,13 @@ def test_half_written_checkpoint_is_ignored(tmp_path):
     assert run_main(tmp_path, "train.steps=4", "compare=false") == 0
     assert [r["step"] for r in read_metrics(str(tmp_path / "run" / "diff" / "metrics.jsonl"))] \
         == [1, 2, 3, 4]
+
+
+def test_diff_v2_single_model_records_mean_lambda(tmp_path):
+    assert run_main(tmp_path, "model.attention=diff_v2", "model.num_layers=2", "compare=false",
+                    "train.steps=2") == 0
+    records = read_metrics(str(tmp_path / "run" / "diff" / "metrics.jsonl"))
+    assert all(len(r["lambda"]) == 2 and all(0.0 < x < 1.0 for x in r["lambda"])
+               for r in records)
+    assert not (tmp_path / "run" / "standard").exists()
+    assert "| | diff |" in (tmp_path / "run" / "report.md").read_text()
