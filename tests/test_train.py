@@ -321,3 +321,25 @@ def test_diff_v2_single_model_records_mean_lambda(tmp_path):
                for r in records)
     assert not (tmp_path / "run" / "standard").exists()
     assert "| | diff |" in (tmp_path / "run" / "report.md").read_text()
+
+
+def test_checkpointer_keeps_the_last_k_and_the_best(tmp_path):
+    from diffjax.train.checkpoint import Checkpointer
+
+    class It:  # a stand-in data iterator state
+        pass
+
+    ck = Checkpointer(str(tmp_path / "ck"), keep=1, async_save=False)
+    for step, val in zip(range(1, 6), [3.0, 1.0, 2.0, 4.0, 5.0]):
+        ck.save(step, {"w": jnp.full((2,), float(step))}, {"pos": step}, {"model": {}}, val)
+    ck.wait()
+    assert ck.all_steps() == [2, 5]  # the best (val 1.0) and the latest
+    assert ck.read_meta(5) == {"model": {}}
+    ck.close()
+
+
+def test_data_change_on_resume_is_reported(tmp_path, capsys):
+    assert run_main(tmp_path, "train.steps=2", "compare=false") == 0
+    assert run_main(tmp_path, "train.steps=3", "compare=false", "data.seed=5") == 0
+    out = capsys.readouterr().out
+    assert "data config differs from the checkpoint's (seed)" in out

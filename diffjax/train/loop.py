@@ -153,7 +153,13 @@ def train_model(exp: ExperimentConfig, model_cfg: ModelConfig, label: str, direc
                               f"--resume to start a new run, or point run.dir at the run to resume.")
     meta = {"model": model_cfg.to_dict(), "label": label, "data": dataclasses.asdict(exp.data)}
     if latest is not None:
-        check_same_model(ckpt.read_meta(latest)["model"], meta["model"], directory)
+        saved = ckpt.read_meta(latest)
+        check_same_model(saved["model"], meta["model"], directory)
+        changed = sorted(k for k in set(saved.get("data", {})) | set(meta["data"])
+                         if saved.get("data", {}).get(k) != meta["data"].get(k))
+        if changed:
+            log(f"[{label}] note: the data config differs from the checkpoint's ({', '.join(changed)}); "
+                f"the resumed run will not see the batches an uninterrupted run would have seen")
 
     # Data: the same batches in the same order for every model of the experiment.
     pcount, pindex = jax.process_count(), jax.process_index()
@@ -240,7 +246,8 @@ def train_model(exp: ExperimentConfig, model_cfg: ModelConfig, label: str, direc
         dt = now - timer["t"]
         timer["t"] = now
         loss = float(host["loss"])
-        record = {"step": step, "loss": loss, "lr": float(host["lr"]),
+        ppl = math.exp(min(loss, 50.0)) if math.isfinite(loss) else loss
+        record = {"step": step, "loss": loss, "ppl": ppl, "lr": float(host["lr"]),
                   "grad_norm": float(host["grad_norm"]), "tokens": step * tokens_per_step,
                   "step_time": dt, "tokens_per_s": tokens_per_step / dt if dt > 0 else None,
                   "timed": timed}
