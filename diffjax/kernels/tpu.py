@@ -67,6 +67,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from diffjax import ops
+
 from diffjax.ops import MASK_VALUE
 
 __all__ = ["BlockSizes", "diff_flash_attention", "flash_attention"]
@@ -527,12 +529,11 @@ def _lam_spec(cfg: _Cfg, row_index_map):
     return row_index_map
 
 
-def _fwd_call(cfg: _Cfg, q1, k1, q2, k2, v, lam, qseg, kvseg, *, save_residuals: bool):
-    """Internal layout ``[B, H, T, D]``; returns ``(out, lse1, lse2, o2)`` (Nones if unsaved)."""
-    b, hq, tp, d = q1.shape
-    bq, bk = cfg.blocks.block_q, cfg.blocks.block_k
-    dv, grp = cfg.dv, cfg.group
-    grid = (b, hq, tp // bq, cfg.sp // bk)
+def _q_major_specs(cfg: _Cfg, bq: int, bk: int, d: int, dv: int):
+    """Block specs of a grid ``(batch, q_head, q_block, k_block)`` (the forward and dQ kernels):
+    query tiles, key/value tiles of the head's kv group (skipped causal tiles clamped to one
+    already loaded, so no DMA is issued), per-query rows and the segment-id rows."""
+    grp = cfg.group
 
     def q_map(bi, h, qi, kj):
         return (bi, h, qi, 0)
@@ -543,22 +544,39 @@ def _fwd_call(cfg: _Cfg, q1, k1, q2, k2, v, lam, qseg, kvseg, *, save_residuals:
     def row_map(bi, h, qi, kj):
         return (bi, h, 0, qi)
 
-    q_spec = pl.BlockSpec((None, None, bq, d), q_map)
-    k_spec = pl.BlockSpec((None, None, bk, d), kv_map)
+    return dict(
+        q_map=q_map,
+        q=pl.BlockSpec((None, None, bq, d), q_map),
+        k=pl.BlockSpec((None, None, bk, d), kv_map),
+        v=pl.BlockSpec((None, None, bk, dv), kv_map),
+        row=pl.BlockSpec((None, None, 1, bq), row_map),
+        qseg=pl.BlockSpec((None, 1, bq), lambda bi, h, qi, kj: (bi, 0, qi)),
+        kvseg=pl.BlockSpec((None, 1, bk),
+                           lambda bi, h, qi, kj: (bi, 0, _kv_index(cfg, qi, kj, bq, bk))),
+    )
+
+
+def _fwd_call(cfg: _Cfg, q1, k1, q2, k2, v, lam, qseg, kvseg, *, save_residuals: bool):
+    """Internal layout ``[B, H, T, D]``; returns ``(out, lse1, lse2, o2)`` (Nones if unsaved)."""
+    b, hq, tp, d = q1.shape
+    bq, bk = cfg.blocks.block_q, cfg.blocks.block_k
+    dv = cfg.dv
+    grid = (b, hq, tp // bq, cfg.sp // bk)
+    sp = _q_major_specs(cfg, bq, bk, d, dv)
+    q_map = sp["q_map"]
     ins = _Operands()
-    ins.add("q1", q1, q_spec)
-    ins.add("k1", k1, k_spec)
+    ins.add("q1", q1, sp["q"])
+    ins.add("k1", k1, sp["k"])
     if cfg.differential:
-        ins.add("q2", q2, q_spec)
+        ins.add("q2", q2, sp["q"])
         if not cfg.shared_k:
-            ins.add("k2", k2, k_spec)
-    ins.add("v", v, pl.BlockSpec((None, None, bk, dv), kv_map))
+            ins.add("k2", k2, sp["k"])
+    ins.add("v", v, sp["v"])
     if cfg.differential:
-        ins.add("lam", lam, _lam_spec(cfg, pl.BlockSpec((None, None, 1, bq), row_map)))
+        ins.add("lam", lam, _lam_spec(cfg, sp["row"]))
     if cfg.has_seg:
-        ins.add("qseg", qseg, pl.BlockSpec((None, 1, bq), lambda bi, h, qi, kj: (bi, 0, qi)))
-        ins.add("kvseg", kvseg, pl.BlockSpec(
-            (None, 1, bk), lambda bi, h, qi, kj: (bi, 0, _kv_index(cfg, qi, kj, bq, bk))))
+        ins.add("qseg", qseg, sp["qseg"])
+        ins.add("kvseg", kvseg, sp["kvseg"])
 
     out_names = ["o"]
     out_shape = [jax.ShapeDtypeStruct((b, hq, tp, dv), q1.dtype)]
@@ -675,28 +693,15 @@ def _dkv_call(cfg: _Cfg, q1, k1, q2, k2, v, lam, qseg, kvseg, do, stats):
 def _dq_call(cfg: _Cfg, q1, k1, q2, k2, v, lam, qseg, kvseg, do, stats):
     b, hq, tp, d = q1.shape
     bq, bk = cfg.blocks.block_q_dq, cfg.blocks.block_k_dq
-    dv, grp = cfg.dv, cfg.group
+    dv = cfg.dv
     grid = (b, hq, tp // bq, cfg.sp // bk)
-
-    def q_map(bi, h, qi, kj):
-        return (bi, h, qi, 0)
-
-    def kv_map(bi, h, qi, kj):
-        return (bi, lax.div(h, jnp.int32(grp)), _kv_index(cfg, qi, kj, bq, bk), 0)
-
-    def row_map(bi, h, qi, kj):
-        return (bi, h, 0, qi)
-
-    q_spec = pl.BlockSpec((None, None, bq, d), q_map)
+    sp = _q_major_specs(cfg, bq, bk, d, dv)
+    q_spec = sp["q"]
     ins = _Operands()
     _add_backward_operands(
         cfg, ins, q1=q1, k1=k1, q2=q2, k2=k2, v=v, do=do, lam=lam, qseg=qseg, kvseg=kvseg,
-        stats=stats, q_spec=q_spec, k_spec=pl.BlockSpec((None, None, bk, d), kv_map),
-        v_spec=pl.BlockSpec((None, None, bk, dv), kv_map),
-        row_spec=pl.BlockSpec((None, None, 1, bq), row_map),
-        qseg_spec=pl.BlockSpec((None, 1, bq), lambda bi, h, qi, kj: (bi, 0, qi)),
-        kvseg_spec=pl.BlockSpec(
-            (None, 1, bk), lambda bi, h, qi, kj: (bi, 0, _kv_index(cfg, qi, kj, bq, bk))))
+        stats=stats, q_spec=q_spec, k_spec=sp["k"], v_spec=sp["v"], row_spec=sp["row"],
+        qseg_spec=sp["qseg"], kvseg_spec=sp["kvseg"])
 
     n_q = 2 if cfg.differential else 1
     out_names = ["dq1", "dq2"][:n_q]
@@ -756,33 +761,15 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 # ============================================================================ wrappers
 def _check_shapes(what, q1, k1, q2, k2, v, segment_ids, kv_segment_ids):
-    for name, x in (("q", q1), ("k", k1), ("v", v)):
-        if x.ndim != 4:
-            raise ValueError(f"{what}: {name} must be [batch, seq, heads, dim], got {x.shape}")
-    b, t, hq, d = q1.shape
-    _, s, hkv, _ = k1.shape
-    if k1.shape[0] != b or k1.shape[3] != d:
-        raise ValueError(f"{what}: k {k1.shape} does not match q {q1.shape} (batch, head dim)")
-    if v.shape[:3] != (b, s, hkv):
-        raise ValueError(f"{what}: v must be [{b}, {s}, {hkv}, dv], got {v.shape}")
+    """The checks of :mod:`diffjax.ops` (shared with every implementation) plus the pairs'."""
+    ops._check_qkv(q1, k1, v, segment_ids, kv_segment_ids, what)
     if q2 is not None and q2.shape != q1.shape:
         raise ValueError(f"{what}: q1 and q2 shapes differ: {q1.shape} vs {q2.shape}")
     if k2 is not None and k2.shape != k1.shape:
         raise ValueError(f"{what}: k1 and k2 shapes differ: {k1.shape} vs {k2.shape}")
-    if hq % hkv:
-        raise ValueError(f"{what}: {hkv} kv heads do not divide {hq} query heads")
-    if t < 1 or s < 1:
-        raise ValueError(f"{what}: empty sequence (q length {t}, kv length {s})")
-    if segment_ids is not None:
-        if segment_ids.shape != (b, t):
-            raise ValueError(f"{what}: segment_ids must be [{b}, {t}], got {segment_ids.shape}")
-        kv = segment_ids if kv_segment_ids is None else kv_segment_ids
-        if kv.shape != (b, s):
-            raise ValueError(f"{what}: key segment ids must be [{b}, {s}], got {kv.shape}"
-                             + ("; pass kv_segment_ids when the key length differs"
-                                if kv_segment_ids is None else ""))
-    elif kv_segment_ids is not None:
-        raise ValueError(f"{what}: kv_segment_ids given without segment_ids")
+    if q1.shape[1] < 1 or k1.shape[1] < 1:
+        raise ValueError(f"{what}: empty sequence (q length {q1.shape[1]}, kv length "
+                         f"{k1.shape[1]})")
 
 
 def _to_internal(x, length):
