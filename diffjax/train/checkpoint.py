@@ -93,6 +93,15 @@ class Checkpointer:
         self.manager.close()
 
 
+def committed_steps(directory: str) -> list[int]:
+    """The committed checkpoint steps in ``directory`` without opening a manager: Orbax commits
+    a step by renaming its temporary directory to the bare step number."""
+    if not os.path.isdir(directory):
+        return []
+    return sorted(int(n) for n in os.listdir(directory)
+                  if n.isdigit() and os.path.isdir(os.path.join(directory, n)))
+
+
 def _unreadable(directory: str, step: int, error: Exception) -> str:
     return (f"the checkpoint at step {step} in {directory} cannot be read "
             f"({type(error).__name__}: {str(error)[:300]}). Nothing was changed. Fix: move "

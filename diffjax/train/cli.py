@@ -16,7 +16,7 @@ import sys
 from diffjax import data as data_lib
 from diffjax.config import ConfigError
 
-from .checkpoint import CheckpointError
+from .checkpoint import CheckpointError, committed_steps
 from .config import apply_overrides, config_keys, load_config
 from .loop import TrainingDiverged, train_model
 from .report import results_table, write_report
@@ -66,10 +66,8 @@ def main(argv: list[str] | None = None) -> int:
         json.dump(exp.to_dict(), f, indent=1, default=str)
     print(f"run directory: {run_dir}")
     print(f"data: {description}")
-    if args.resume and not any(
-            os.path.isdir(os.path.join(run_dir, label, "checkpoints"))
-            and os.listdir(os.path.join(run_dir, label, "checkpoints"))
-            for label in exp.models):
+    if args.resume and not any(committed_steps(os.path.join(run_dir, label, "checkpoints"))
+                               for label in exp.models):
         _error(f"--resume was given but {run_dir} holds no checkpoint. Fix: drop --resume to "
                f"start a new run, or set run.dir to the run to resume.")
         return EXIT_CHECKPOINT

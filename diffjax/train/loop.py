@@ -14,6 +14,7 @@ import itertools
 import json
 import math
 import os
+import signal
 import time
 from typing import Any, Callable
 
@@ -35,6 +36,11 @@ from .optimizer import learning_rate_schedule, make_optimizer
 
 # optax >= 0.2.5 has optax.tree.norm; older versions optax.global_norm
 _tree_norm = getattr(getattr(optax, "tree", None), "norm", None) or optax.global_norm
+
+# Fault injection for the kill-and-resume tests: SIGKILL this process right after step N. At a
+# checkpoint step the kill lands while that step's asynchronous save may still be in flight;
+# at any other step it lands after the earlier saves have committed. Unset in normal use.
+_FAULT_KILL_AT_STEP = int(os.environ.get("DIFFJAX_FAULT_KILL_AT_STEP", "0") or 0)
 
 MODEL_INPUTS = ("inputs", "targets", "weights", "segment_ids", "positions")
 
@@ -285,6 +291,10 @@ def train_model(exp: ExperimentConfig, model_cfg: ModelConfig, label: str, direc
                     last_good = step
                 timer["t"] = time.perf_counter()  # eval/checkpoint time is not step time
                 pending = [(s, m, False) for s, m, _ in pending]
+            if step == _FAULT_KILL_AT_STEP:  # fault injection, see _FAULT_KILL_AT_STEP
+                if step % tcfg.checkpoint_every:
+                    ckpt.wait()  # earlier saves committed; the kill lands between checkpoints
+                os.kill(os.getpid(), signal.SIGKILL)
     finally:
         if bar is not None:
             bar.close()
