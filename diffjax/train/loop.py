@@ -69,8 +69,9 @@ class TrainResult:
     final_val_loss: float | None
     tokens_per_s: float
     step_time_s: float
-    peak_memory_bytes: int | None
+    peak_memory_bytes: int | None  # XLA's estimate for the compiled train step (per device)
     memory_source: str
+    device_peak_bytes: int | None = None  # the device's peak so far in this process (cumulative)
     lambdas: list[float] | None = None
     val_accuracy: float | None = None
     resumed_from: int | None = None
@@ -136,6 +137,8 @@ def memory_estimate(compiled) -> int | None:
 
 
 def device_peak_memory() -> int | None:
+    """The device allocator's peak in this process (GPU/TPU; None on CPU). It only grows, so it
+    covers everything the process ran before, the other model of a comparison included."""
     stats = jax.local_devices()[0].memory_stats() or {}
     return stats.get("peak_bytes_in_use")
 
@@ -326,8 +329,11 @@ def summarize(label: str, model_cfg: ModelConfig, directory: str, records: list[
         final_val_loss=evals[-1]["val_loss"] if evals else None,
         tokens_per_s=tokens_per_step / step_time if timed else float("nan"),
         step_time_s=step_time,
-        peak_memory_bytes=device_peak if device_peak else memory,
-        memory_source="device peak" if device_peak else "XLA estimate of the train step",
+        peak_memory_bytes=memory,
+        memory_source="XLA's estimate for the compiled train step (arguments + outputs + "
+                      "temporaries - donated), per device; the same measure on every backend, "
+                      "and not affected by the other model trained in the same process",
+        device_peak_bytes=device_peak,
         lambdas=last.get("lambda"),
         val_accuracy=evals[-1].get("val_answer_accuracy") if evals else None,
         resumed_from=resumed_from)

@@ -120,7 +120,9 @@ def write_report(run_dir: str, exp: ExperimentConfig, results: Sequence[TrainRes
         f"- final validation loss: over {t.eval_batches} fixed validation batches; final train "
         f"loss: mean of the last 5% of steps; tokens/s and step time: median over steps, "
         f"excluding the first step after a (re)start and evaluation/checkpoint time.",
-        f"- peak memory: {results[0].memory_source if results else ''}.",
+        f"- peak memory: {results[0].memory_source if results else ''}."
+        + ("".join(f" Device allocator peak after {r.label}: {_mib(r.device_peak_bytes)} "
+                   f"(cumulative over the process)." for r in results if r.device_peak_bytes)),
         f"- machine: {platform.node() or 'unknown'}, {jax.device_count()} x "
         f"{jax.devices()[0].device_kind} ({jax.default_backend()}), JAX {jax.__version__}.",
         "",
