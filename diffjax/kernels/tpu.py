@@ -529,6 +529,27 @@ def _lam_spec(cfg: _Cfg, row_index_map):
     return row_index_map
 
 
+def _call(cfg: _Cfg, body, what: str, *, grid, ins: "_Operands", outs, scratch,
+          n_arbitrary: int, tile, n_tiles: int, cost=None, **static):
+    """One ``pl.pallas_call``: ``outs`` is ``[(name, shape struct, block spec)]`` and ``scratch``
+    ``[(name, VMEM shape)]``; the kernel body gets every ref by name."""
+    out_names = [name for name, _, _ in outs]
+    out_shape = [shape for _, shape, _ in outs]
+    out_specs = [spec for _, _, spec in outs]
+    scratch_names = [name for name, _ in scratch]
+    scratch_shapes = [shape for _, shape in scratch]
+    kernel = functools.partial(body, names=tuple(ins.names + out_names + scratch_names), cfg=cfg,
+                               **static)
+    res = pl.pallas_call(
+        kernel, grid=grid, in_specs=ins.specs, out_specs=out_specs, out_shape=out_shape,
+        scratch_shapes=scratch_shapes, interpret=cfg.interpret, cost_estimate=cost,
+        compiler_params=_compiler_params(len(grid) - n_arbitrary, n_arbitrary, _vmem_estimate(
+            ins.specs + out_specs, ins.arrays + out_shape, scratch_shapes, tile, n_tiles)),
+        name=_kernel_name(cfg, what),
+    )(*ins.arrays)
+    return dict(zip(out_names, res))
+
+
 def _q_major_specs(cfg: _Cfg, bq: int, bk: int, d: int, dv: int):
     """Block specs of a grid ``(batch, q_head, q_block, k_block)`` (the forward and dQ kernels):
     query tiles, key/value tiles of the head's kv group (skipped causal tiles clamped to one
@@ -602,16 +623,10 @@ def _fwd_call(cfg: _Cfg, q1, k1, q2, k2, v, lam, qseg, kvseg, *, save_residuals:
         bytes_accessed=int(sum(x.size * x.dtype.itemsize for x in ins.arrays)
                            + sum(math.prod(s.shape) * s.dtype.itemsize for s in out_shape)))
 
-    kernel = functools.partial(_fwd_kernel, names=tuple(ins.names + out_names + scratch_names),
-                               cfg=cfg, save_residuals=save_residuals)
-    res = pl.pallas_call(
-        kernel, grid=grid, in_specs=ins.specs, out_specs=out_specs, out_shape=out_shape,
-        scratch_shapes=scratch, interpret=cfg.interpret, cost_estimate=cost,
-        compiler_params=_compiler_params(3, 1, _vmem_estimate(
-            ins.specs + out_specs, ins.arrays + out_shape, scratch, (bq, bk), 4 * nbr)),
-        name=_kernel_name(cfg, "fwd"),
-    )(*ins.arrays)
-    res = dict(zip(out_names, res))
+    res = _call(cfg, _fwd_kernel, "fwd", grid=grid, ins=ins,
+                outs=list(zip(out_names, out_shape, out_specs)),
+                scratch=list(zip(scratch_names, scratch)), n_arbitrary=1, tile=(bq, bk),
+                n_tiles=4 * nbr, cost=cost, save_residuals=save_residuals)
     # lse comes back lane-replicated; keep one lane as a [B, H, 1, Tp] row for the backward pass.
     rows = {k: res[k][..., 0][:, :, None, :] for k in ("lse1", "lse2") if k in res}
     return res["o"], rows.get("lse1"), rows.get("lse2"), res.get("o2")
@@ -678,16 +693,10 @@ def _dkv_call(cfg: _Cfg, q1, k1, q2, k2, v, lam, qseg, kvseg, do, stats):
     scratch_names = ["dk1_acc", "dk2_acc"][:n_dk] + ["dv_acc"]
     scratch = [pltpu.VMEM((bk, d), _F32)] * n_dk + [pltpu.VMEM((bk, dv), _F32)]
 
-    kernel = functools.partial(_dkv_kernel, names=tuple(ins.names + out_names + scratch_names),
-                               cfg=cfg)
-    res = pl.pallas_call(
-        kernel, grid=grid, in_specs=ins.specs, out_specs=out_specs, out_shape=out_shape,
-        scratch_shapes=scratch, interpret=cfg.interpret,
-        compiler_params=_compiler_params(3, 2, _vmem_estimate(
-            ins.specs + out_specs, ins.arrays + out_shape, scratch, (bk, bq), 10)),
-        name=_kernel_name(cfg, "dkv"),
-    )(*ins.arrays)
-    return dict(zip(out_names, res))
+    return _call(cfg, _dkv_kernel, "dkv", grid=grid, ins=ins,
+                 outs=list(zip(out_names, out_shape, out_specs)),
+                 scratch=list(zip(scratch_names, scratch)), n_arbitrary=2, tile=(bk, bq),
+                 n_tiles=10)
 
 
 def _dq_call(cfg: _Cfg, q1, k1, q2, k2, v, lam, qseg, kvseg, do, stats):
@@ -710,16 +719,10 @@ def _dq_call(cfg: _Cfg, q1, k1, q2, k2, v, lam, qseg, kvseg, do, stats):
     scratch_names = ["dq1_acc", "dq2_acc"][:n_q]
     scratch = [pltpu.VMEM((bq, d), _F32)] * n_q
 
-    kernel = functools.partial(_dq_kernel, names=tuple(ins.names + out_names + scratch_names),
-                               cfg=cfg)
-    res = pl.pallas_call(
-        kernel, grid=grid, in_specs=ins.specs, out_specs=out_specs, out_shape=out_shape,
-        scratch_shapes=scratch, interpret=cfg.interpret,
-        compiler_params=_compiler_params(3, 1, _vmem_estimate(
-            ins.specs + out_specs, ins.arrays + out_shape, scratch, (bq, bk), 8)),
-        name=_kernel_name(cfg, "dq"),
-    )(*ins.arrays)
-    return dict(zip(out_names, res))
+    return _call(cfg, _dq_kernel, "dq", grid=grid, ins=ins,
+                 outs=list(zip(out_names, out_shape, out_specs)),
+                 scratch=list(zip(scratch_names, scratch)), n_arbitrary=1, tile=(bq, bk),
+                 n_tiles=8)
 
 
 # ============================================================================ custom VJP
