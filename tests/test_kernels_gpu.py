@@ -404,3 +404,33 @@ def test_lowers_through_triton():
         except (AttributeError, TypeError, NotImplementedError) as e:  # API moved / no Triton
             pytest.skip(f"cannot lower for cuda on this jax: {e}")
         assert lowered.as_text().count("triton") >= 6
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_unmasked_key_blocks_are_exactly_the_fully_visible_ones(causal):
+    """The forward and dQ loops run their leading key blocks without a mask: that count must be
+    the number of leading blocks every row of the query block sees in full (brute force)."""
+    import numpy as onp
+
+    for t, s, bq, bk in [(80, 80, 16, 16), (48, 80, 16, 32), (80, 48, 32, 16), (40, 37, 16, 16),
+                         (64, 64, 32, 16), (20, 100, 16, 32)]:
+        kv_pad = -(-s // bk) * bk
+        cfg = gpu._Config(differential=True, shared_k=False, causal=causal, segmented=False,
+                          q_len=t, kv_len=s, kv_padded=kv_pad != s, sm_scale=1.0,
+                          block_q=bq, block_k=bk, block_q_dkv=bq, block_k_dkv=bk,
+                          block_q_dq=bq, block_k_dq=bk, num_warps=4, num_stages=2,
+                          interpret=True)
+        for qi in range(-(-t // bq)):
+            rows = onp.arange(qi * bq, (qi + 1) * bq)[:, None]
+            hi = int(gpu._kv_block_bound(cfg, qi, bq, bk))
+            want = 0
+            for j in range(hi):
+                keys = onp.arange(j * bk, (j + 1) * bk)[None, :]
+                visible = keys < s
+                if causal:
+                    visible = visible & (keys <= rows + (s - t))
+                if not visible.all():
+                    break
+                want += 1
+            got = int(gpu._unmasked_kv_blocks(cfg, qi, bq, bk, hi))
+            assert got == want, (t, s, bq, bk, qi, got, want)

@@ -199,6 +199,20 @@ def _kv_block_bound(cfg: _Config, q_block, block_q: int, block_k: int):
     return jnp.minimum(_ceil_div(last_visible, block_k), static)
 
 
+def _unmasked_kv_blocks(cfg: _Config, q_block, block_q: int, block_k: int, hi):
+    """How many leading key blocks (of the ``hi`` a query block visits) need no mask at all:
+    inside the real keys and, when causal, entirely at or below the block's first query row.
+    The key loop runs those without building a mask, and masks only the rest (the diagonal
+    band and the padding). Packed segments can mask anywhere: then every block is masked."""
+    if cfg.segmented:
+        return 0
+    full = cfg.kv_len // block_k
+    if cfg.causal:
+        last_full = q_block * block_q + cfg.offset + 1  # keys [0, last_full) seen by every row
+        full = jnp.minimum(lax.div(jnp.maximum(last_full, 0), jnp.int32(block_k)), full)
+    return jnp.minimum(full, hi)
+
+
 def _q_block_start(cfg: _Config, k_block, block_k: int, block_q: int):
     """First query block that sees any key of ``k_block`` (causal), else 0."""
     if not cfg.causal:
@@ -259,11 +273,12 @@ def _fwd_kernel(*refs, cfg: _Config):
         acc = alpha[:, None] * acc + _dot(p.astype(v.dtype), v)
         return m_new, l, acc
 
-    def body(kj, carry):
+    def body(kj, carry, masked):
         start = kj * bk
         ks = pl.ds(start, bk)
         k_idx = start + jnp.arange(bk, dtype=jnp.int32)
-        mask = _mask(cfg, q_idx, k_idx, q_seg, r.kseg[ks] if cfg.segmented else None)
+        mask = (_mask(cfg, q_idx, k_idx, q_seg, r.kseg[ks] if cfg.segmented else None)
+                if masked else None)
         v = r.v[ks, :]
         k1 = r.k1[ks, :]
         s1 = _dot_nt(q1, k1) * cfg.sm_scale
@@ -277,7 +292,9 @@ def _fwd_kernel(*refs, cfg: _Config):
     init = tuple((jnp.full((bq,), MASK_VALUE, jnp.float32), jnp.zeros((bq,), jnp.float32),
                   jnp.zeros((bq, dv), jnp.float32)) for _ in range(n_branch))
     hi = _kv_block_bound(cfg, qi, bq, bk)
-    states = lax.fori_loop(0, hi, body, init)
+    lo = _unmasked_kv_blocks(cfg, qi, bq, bk, hi)
+    states = lax.fori_loop(0, lo, functools.partial(body, masked=False), init)
+    states = lax.fori_loop(lo, hi, functools.partial(body, masked=True), states)
 
     def finish(m, l, acc):
         seen = l > 0.0  # a row that sees no key: zero output (not NaN, not a uniform mean)
@@ -438,12 +455,13 @@ def _dq_kernel(*refs, cfg: _Config):
         q2, lse2, delta2 = r.q2[...], r.lse2[...], r.delta2[...]
         lam = r.lam[...][:, None]
 
-    def body(kj, carry):
+    def body(kj, carry, masked):
         dq1, dq2 = carry
         start = kj * bk
         ks = pl.ds(start, bk)
         k_idx = start + jnp.arange(bk, dtype=jnp.int32)
-        mask = _mask(cfg, q_idx, k_idx, q_seg, r.kseg[ks] if cfg.segmented else None)
+        mask = (_mask(cfg, q_idx, k_idx, q_seg, r.kseg[ks] if cfg.segmented else None)
+                if masked else None)
         k1 = r.k1[ks, :]
         v = r.v[ks, :]
         p1 = _probs(cfg, q1, k1, lse1, mask)
@@ -461,7 +479,9 @@ def _dq_kernel(*refs, cfg: _Config):
     init = (jnp.zeros((bq, d), jnp.float32),
             jnp.zeros((bq, d) if cfg.differential else (), jnp.float32))
     hi = _kv_block_bound(cfg, qi, bq, bk)
-    dq1, dq2 = lax.fori_loop(0, hi, body, init)
+    lo = _unmasked_kv_blocks(cfg, qi, bq, bk, hi)
+    carry = lax.fori_loop(0, lo, functools.partial(body, masked=False), init)
+    dq1, dq2 = lax.fori_loop(lo, hi, functools.partial(body, masked=True), carry)
     r.dq1[...] = (dq1 * cfg.sm_scale).astype(r.dq1.dtype)
     if cfg.differential:
         r.dq2[...] = (dq2 * cfg.sm_scale).astype(r.dq2.dtype)
