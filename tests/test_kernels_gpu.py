@@ -434,3 +434,32 @@ def test_unmasked_key_blocks_are_exactly_the_fully_visible_ones(causal):
                 want += 1
             got = int(gpu._unmasked_kv_blocks(cfg, qi, bq, bk, hi))
             assert got == want, (t, s, bq, bk, qi, got, want)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_dkv_unmasked_query_blocks_are_exactly_the_fully_visible_ones(causal):
+    """The dK/dV loop drops the causal mask from the first query block whose every row sees the
+    whole key block (brute force over block layouts, T != S included)."""
+    import numpy as onp
+
+    for t, s, bq, bk in [(80, 80, 16, 16), (48, 80, 16, 32), (80, 48, 32, 16), (40, 37, 16, 16),
+                         (64, 64, 16, 32), (100, 20, 32, 16)]:
+        kv_pad = -(-s // bk) * bk
+        cfg = gpu._Config(differential=True, shared_k=False, causal=causal, segmented=False,
+                          q_len=t, kv_len=s, kv_padded=kv_pad != s, sm_scale=1.0,
+                          block_q=bq, block_k=bk, block_q_dkv=bq, block_k_dkv=bk,
+                          block_q_dq=bq, block_k_dq=bk, num_warps=4, num_stages=2,
+                          interpret=True)
+        hi = -(-t // bq)
+        for kj in range(kv_pad // bk):
+            lo = int(gpu._q_block_start(cfg, kj, bk, bq))
+            got = int(gpu._q_block_unmasked_start(cfg, kj, bk, bq, lo, hi))
+            keys = onp.arange(kj * bk, (kj + 1) * bk)[None, :]
+            want = hi
+            for qi in range(lo, hi):
+                rows = onp.arange(qi * bq, (qi + 1) * bq)[:, None]
+                if not causal or (keys <= rows + (s - t)).all():
+                    # causally fully visible from here on (monotonic in qi)
+                    want = qi
+                    break
+            assert got == want, (t, s, bq, bk, kj, got, want)

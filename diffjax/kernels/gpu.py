@@ -213,6 +213,18 @@ def _unmasked_kv_blocks(cfg: _Config, q_block, block_q: int, block_k: int, hi):
     return jnp.minimum(full, hi)
 
 
+def _q_block_unmasked_start(cfg: _Config, k_block, block_k: int, block_q: int, lo, hi):
+    """The first query block (in ``[lo, hi]``) from which every row sees every key of
+    ``k_block`` under the causal mask; the dK/dV loop needs no causal mask from there on.
+    Packed segments can mask anywhere: then every block is masked (returns ``hi``)."""
+    if cfg.segmented:
+        return hi
+    if not cfg.causal:
+        return lo
+    last_key = (k_block + 1) * block_k - 1  # row i sees it iff i >= last_key - offset
+    return jnp.clip(_ceil_div(last_key - cfg.offset, block_q), lo, hi)
+
+
 def _q_block_start(cfg: _Config, k_block, block_k: int, block_q: int):
     """First query block that sees any key of ``k_block`` (causal), else 0."""
     if not cfg.causal:
@@ -397,12 +409,17 @@ def _dkv_kernel(*refs, cfg: _Config, rep: int):
     v = r.v[...]
     separate_dk2 = cfg.differential and not cfg.shared_k
 
-    def q_body(qi, carry, h):
+    # Below the diagonal band only the key padding needs a mask (padded keys' rows are sliced
+    # off, but masking keeps them finite).
+    pad_mask = jnp.broadcast_to((k_idx < cfg.kv_len)[None, :], (bq, bk)) if cfg.kv_padded else None
+
+    def q_body(qi, carry, h, masked):
         dk1, dk2, dv = carry
         start = qi * bq
         qs = pl.ds(start, bq)
         q_idx = start + jnp.arange(bq, dtype=jnp.int32)
-        mask = _mask(cfg, q_idx, k_idx, r.qseg[qs] if cfg.segmented else None, k_seg)
+        mask = (_mask(cfg, q_idx, k_idx, r.qseg[qs] if cfg.segmented else None, k_seg)
+                if masked else pad_mask)
         q1 = r.q1[qs, h, :]
         do = r.do[qs, h, :]
         p1 = _probs(cfg, q1, k1, r.lse1[h, qs], mask)
@@ -428,8 +445,11 @@ def _dkv_kernel(*refs, cfg: _Config, rep: int):
     lo = _q_block_start(cfg, kj, bk, bq)
     hi = pl.cdiv(cfg.q_len, bq)  # query blocks made only of padding have dO = 0: skip them
 
+    mid = _q_block_unmasked_start(cfg, kj, bk, bq, lo, hi)
+
     def head_body(h, carry):  # the query heads of this kv head's GQA group
-        return lax.fori_loop(lo, hi, functools.partial(q_body, h=h), carry)
+        carry = lax.fori_loop(lo, mid, functools.partial(q_body, h=h, masked=True), carry)
+        return lax.fori_loop(mid, hi, functools.partial(q_body, h=h, masked=False), carry)
 
     d, dvw = k1.shape[-1], v.shape[-1]
     zeros_k = jnp.zeros((bk, d), jnp.float32)
