@@ -1,4 +1,4 @@
-"""The Pallas (Triton-lowering) attention kernels, run in interpret mode on CPU.
+"""The Pallas (Triton-lowering) attention kernels: interpreted on CPU, compiled on a GPU.
 
 Values and gradients (q1, k1, q2, k2, v, lam) against the plain-jnp references in
 :mod:`diffjax.ops` and their autodiff, over a hypothesis grid of shapes, masks, GQA layouts,
@@ -32,6 +32,11 @@ F32_TOL = dict(value=(1e-5, 1e-5), grad=(1e-4, 1e-4), dlam=(1e-5, 1e-5))
 F16_TOL = dict(value=(2e-3, 5e-3), grad=(5e-3, 1e-2), dlam=(1e-3, 1e-3))
 BF16_TOL = dict(value=(1e-2, 2e-2), grad=(2e-2, 3e-2), dlam=(5e-3, 5e-3))
 
+# On a GPU the same tests run the compiled kernels (and the float32 reference at full matmul
+# precision, not TF32); everywhere else the kernels are interpreted.
+ON_GPU = jax.default_backend() == "gpu"
+INTERPRET = not ON_GPU
+
 SMALL = gpu.BlockSizes(16, 16, 16, 16, 16, 16)
 MIXED = gpu.BlockSizes(block_q=32, block_k=16, block_q_dkv=16, block_k_dkv=32,
                        block_q_dq=32, block_k_dq=16)
@@ -41,7 +46,12 @@ BLOCKS = {"small": SMALL, "mixed": MIXED, "default": gpu.BlockSizes()}
 @pytest.fixture(autouse=True)
 def _fast_compiles():
     """XLA's optimisation passes dominate the cost of compiling interpret-mode kernels on CPU
-    (about 3x); the numerics under test do not depend on them."""
+    (about 3x); the numerics under test do not depend on them. On a GPU: full-precision float32
+    matmuls for the reference instead."""
+    if ON_GPU:
+        with jax.default_matmul_precision("highest"):
+            yield
+        return
     name = "jax_disable_most_optimizations"
     try:
         old = getattr(jax.config, name)
@@ -123,7 +133,7 @@ def _check_diff(args, ct, *, causal, seg, kv_seg, scale, block_sizes, shared=Fal
 
     def kernel(q1, k1, q2, k2, v, lam):
         return gpu.diff_flash_attention(q1, k1, q2, k1 if shared else k2, v, lam, sm_scale=scale,
-                                        block_sizes=block_sizes, interpret=True, **kw)
+                                        block_sizes=block_sizes, interpret=INTERPRET, **kw)
 
     def reference(q1, k1, q2, k2, v, lam):
         up = lambda x: x.astype(jnp.float32)  # noqa: E731
@@ -155,7 +165,7 @@ def _check_standard(q, k, v, ct, *, causal, seg, kv_seg, block_sizes):
     scale = q.shape[-1] ** -0.5
 
     def kernel(q, k, v):
-        return gpu.flash_attention(q, k, v, block_sizes=block_sizes, interpret=True, **kw)
+        return gpu.flash_attention(q, k, v, block_sizes=block_sizes, interpret=INTERPRET, **kw)
 
     def reference(q, k, v):
         up = lambda x: x.astype(jnp.float32)  # noqa: E731
@@ -264,7 +274,7 @@ def test_shared_keys_match_a_copy():
                                            shared=True)
 
     def copy(q1, k1, q2, k2, v, lam):
-        return gpu.diff_flash_attention(q1, k1, q2, k2, v, lam, block_sizes=SMALL, interpret=True)
+        return gpu.diff_flash_attention(q1, k1, q2, k2, v, lam, block_sizes=SMALL, interpret=INTERPRET)
 
     copy_out, copy_grads = _value_and_grads(copy, (q1, k1, q2, k_copy, v, lam), ct, range(6))
     np.testing.assert_allclose(shared_out, copy_out, atol=1e-6, rtol=1e-6)
@@ -294,7 +304,7 @@ def test_shared_keys_use_the_single_key_kernel():
 
     def kernel_inputs(shared):
         def loss(q1, k1, q2, k2, v, lam):
-            o = gpu.diff_flash_attention(q1, k1, q2, k1 if shared else k2, v, lam, interpret=True)
+            o = gpu.diff_flash_attention(q1, k1, q2, k1 if shared else k2, v, lam, interpret=INTERPRET)
             return jnp.sum(o * ct)
 
         calls = _pallas_calls(jax.make_jaxpr(jax.grad(loss, (0, 1, 2, 3, 4, 5)))(*args))
@@ -353,7 +363,7 @@ def test_causal_skipping_many_blocks():
 def test_python_float_lambda_and_head_dim_128():
     args, _, _ = _inputs(2, 1, 16, 16, 1, 1, 128, 128, jnp.float32, "scalar")
     q1, k1, q2, k2, v, _ = args
-    out = gpu.diff_flash_attention(q1, k1, q2, k2, v, 0.5, interpret=True)
+    out = gpu.diff_flash_attention(q1, k1, q2, k2, v, 0.5, interpret=INTERPRET)
     want = ops.differential_attention_xla(q1, k1, q2, k2, v, 0.5, scale=128 ** -0.5)
     _close("out", out, want, F32_TOL["value"])
 
@@ -374,9 +384,9 @@ def test_block_size_error_names_accepted_values():
 def test_bad_shapes():
     x = jnp.zeros((1, 16, 2, 32))
     with pytest.raises(ValueError, match="lam"):
-        gpu.diff_flash_attention(x, x, x, x, x, jnp.zeros((3,)), interpret=True)
+        gpu.diff_flash_attention(x, x, x, x, x, jnp.zeros((3,)), interpret=INTERPRET)
     with pytest.raises(ValueError, match="kv heads"):
-        gpu.flash_attention(jnp.zeros((1, 16, 3, 32)), x, x, interpret=True)
+        gpu.flash_attention(jnp.zeros((1, 16, 3, 32)), x, x, interpret=INTERPRET)
 
 
 def test_lowers_through_triton():
@@ -419,7 +429,7 @@ def test_unmasked_key_blocks_are_exactly_the_fully_visible_ones(causal):
                           q_len=t, kv_len=s, kv_padded=kv_pad != s, sm_scale=1.0,
                           block_q=bq, block_k=bk, block_q_dkv=bq, block_k_dkv=bk,
                           block_q_dq=bq, block_k_dq=bk, num_warps=4, num_stages=2,
-                          interpret=True)
+                          interpret=INTERPRET)
         for qi in range(-(-t // bq)):
             rows = onp.arange(qi * bq, (qi + 1) * bq)[:, None]
             hi = int(gpu._kv_block_bound(cfg, qi, bq, bk))
@@ -449,7 +459,7 @@ def test_dkv_unmasked_query_blocks_are_exactly_the_fully_visible_ones(causal):
                           q_len=t, kv_len=s, kv_padded=kv_pad != s, sm_scale=1.0,
                           block_q=bq, block_k=bk, block_q_dkv=bq, block_k_dkv=bk,
                           block_q_dq=bq, block_k_dq=bk, num_warps=4, num_stages=2,
-                          interpret=True)
+                          interpret=INTERPRET)
         hi = -(-t // bq)
         for kj in range(kv_pad // bk):
             lo = int(gpu._q_block_start(cfg, kj, bk, bq))
