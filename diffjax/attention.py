@@ -19,6 +19,12 @@ from . import ops
 from .config import lambda_init_fn
 from .layers import (Dtype, RMSNorm, apply_rotary, as_dtype, default_positions, rotary_angles,
                      torch_linear_init)
+from .sharding import constrain, param, param_init
+
+# Logical axis names (see diffjax.sharding): the fused head dimension of a projection is
+# "heads" (query side) or "kv_heads"; activations [B, T, heads, d] are constrained by head.
+_Q_ACT = ("act_batch", "act_seq", "act_heads", None)
+_KV_ACT = ("act_batch", "act_seq", "act_kv_heads", None)
 
 
 def _check_input(x: jax.Array, embed_dim: int, name: str) -> None:
@@ -55,9 +61,12 @@ class _Projections(nnx.Module):
         self.scaling = head_dim ** -0.5
         self.rope_theta, self.causal, self.attention_impl = rope_theta, causal, attention_impl
 
-    def _linear(self, n_in: int, n_out: int, dtype, param_dtype, kernel_init, rngs):
+    def _linear(self, n_in: int, n_out: int, dtype, param_dtype, kernel_init, rngs,
+                axes: tuple[str, str] = ("embed", "heads")):
+        """A bias-free linear whose kernel carries the logical ``axes`` (in, out)."""
         return nnx.Linear(n_in, n_out, use_bias=False, dtype=as_dtype(dtype),
-                          param_dtype=as_dtype(param_dtype), kernel_init=kernel_init, rngs=rngs)
+                          param_dtype=as_dtype(param_dtype),
+                          kernel_init=param_init(kernel_init, *axes), rngs=rngs)
 
 
 class MultiheadAttention(_Projections):
@@ -84,9 +93,9 @@ class MultiheadAttention(_Projections):
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         args = (dtype, param_dtype, kernel_init, rngs)
         self.q_proj = self._linear(embed_dim, h * d, *args)
-        self.k_proj = self._linear(embed_dim, hkv * d, *args)
-        self.v_proj = self._linear(embed_dim, hkv * d, *args)
-        self.out_proj = self._linear(h * d, embed_dim, *args)
+        self.k_proj = self._linear(embed_dim, hkv * d, *args, axes=("embed", "kv_heads"))
+        self.v_proj = self._linear(embed_dim, hkv * d, *args, axes=("embed", "kv_heads"))
+        self.out_proj = self._linear(h * d, embed_dim, *args, axes=("heads", "embed"))
 
     def _qkv(self, x, positions):
         """(q, k, v) after rotary, ``[B, T, heads, head_dim]``."""
@@ -96,7 +105,7 @@ class MultiheadAttention(_Projections):
         k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
         q, k = _rotate(q, k, x, positions, self.rope_theta)
-        return q, k, v
+        return constrain(q, *_Q_ACT), constrain(k, *_KV_ACT), constrain(v, *_KV_ACT)
 
     def attention_maps(self, x: jax.Array, positions: jax.Array | None = None,
                        segment_ids: jax.Array | None = None) -> dict[str, jax.Array]:
@@ -148,16 +157,18 @@ class MultiheadDiffAttn(_Projections):
         self.lambda_init = float(lambda_init_fn(depth) if lambda_init is None else lambda_init)
         args = (dtype, param_dtype, kernel_init, rngs)
         self.q_proj = self._linear(embed_dim, embed_dim, *args)
-        self.k_proj = self._linear(embed_dim, embed_dim // self.n_rep, *args)
-        self.v_proj = self._linear(embed_dim, embed_dim // self.n_rep, *args)
-        self.out_proj = self._linear(embed_dim, embed_dim, *args)
+        self.k_proj = self._linear(embed_dim, embed_dim // self.n_rep, *args,
+                                   axes=("embed", "kv_heads"))
+        self.v_proj = self._linear(embed_dim, embed_dim // self.n_rep, *args,
+                                   axes=("embed", "kv_heads"))
+        self.out_proj = self._linear(embed_dim, embed_dim, *args, axes=("heads", "embed"))
         init = nnx.initializers.normal(0.1)
         key = rngs.params()
         k1, k2, k3, k4 = jax.random.split(key, 4)
-        self.lambda_q1 = nnx.Param(init(k1, (head_dim,), jnp.float32))
-        self.lambda_k1 = nnx.Param(init(k2, (head_dim,), jnp.float32))
-        self.lambda_q2 = nnx.Param(init(k3, (head_dim,), jnp.float32))
-        self.lambda_k2 = nnx.Param(init(k4, (head_dim,), jnp.float32))
+        self.lambda_q1 = param(init(k1, (head_dim,), jnp.float32), "head_dim")
+        self.lambda_k1 = param(init(k2, (head_dim,), jnp.float32), "head_dim")
+        self.lambda_q2 = param(init(k3, (head_dim,), jnp.float32), "head_dim")
+        self.lambda_k2 = param(init(k4, (head_dim,), jnp.float32), "head_dim")
         self.subln = (RMSNorm(2 * head_dim, eps=norm_eps, param_dtype=param_dtype)
                       if norm else None)
 
@@ -171,11 +182,17 @@ class MultiheadDiffAttn(_Projections):
         _check_input(x, self.embed_dim, type(self).__name__)
         b, t, _ = x.shape
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        q = self.q_proj(x).reshape(b, t, 2 * h, d)
-        k = self.k_proj(x).reshape(b, t, 2 * hkv, d)
-        v = self.v_proj(x).reshape(b, t, hkv, 2 * d)
+        q = constrain(self.q_proj(x).reshape(b, t, 2 * h, d), *_Q_ACT)
+        k = constrain(self.k_proj(x).reshape(b, t, 2 * hkv, d), *_KV_ACT)
+        v = constrain(self.v_proj(x).reshape(b, t, hkv, 2 * d), *_KV_ACT)
         q, k = _rotate(q, k, x, positions, self.rope_theta)
-        return q[:, :, 0::2], k[:, :, 0::2], q[:, :, 1::2], k[:, :, 1::2], v
+        # pair-major views [.., h, 2, d]: raw heads 2i, 2i+1 form DIFF head i; slicing the pair
+        # axis (not a stride over the sharded head axis) keeps every pair on one device
+        q = q.reshape(b, t, h, 2, d)
+        k = k.reshape(b, t, hkv, 2, d)
+        q1, q2 = constrain(q[:, :, :, 0], *_Q_ACT), constrain(q[:, :, :, 1], *_Q_ACT)
+        k1, k2 = constrain(k[:, :, :, 0], *_KV_ACT), constrain(k[:, :, :, 1], *_KV_ACT)
+        return q1, k1, q2, k2, v
 
     def attention_maps(self, x: jax.Array, positions: jax.Array | None = None,
                        segment_ids: jax.Array | None = None) -> dict[str, jax.Array]:
@@ -232,9 +249,11 @@ class MultiheadDiffAttnV2(_Projections):
         num_kv_heads = self.num_kv_heads
         args = (dtype, param_dtype, kernel_init, rngs)
         self.q_proj = self._linear(d_model, self.num_q_heads * head_dim, *args)
-        self.k_proj = self._linear(d_model, num_kv_heads * head_dim, *args)
-        self.v_proj = self._linear(d_model, num_kv_heads * head_dim, *args)
-        self.o_proj = self._linear(num_heads * head_dim, d_model, *args)
+        self.k_proj = self._linear(d_model, num_kv_heads * head_dim, *args,
+                                   axes=("embed", "kv_heads"))
+        self.v_proj = self._linear(d_model, num_kv_heads * head_dim, *args,
+                                   axes=("embed", "kv_heads"))
+        self.o_proj = self._linear(num_heads * head_dim, d_model, *args, axes=("heads", "embed"))
         # lambda is computed in float32 whatever the activation dtype.
         # (``lambda_proj_init``: torch's default Linear init, as the official code leaves it.)
         self.lambda_proj = self._linear(d_model, num_heads, jnp.float32, param_dtype,
@@ -245,27 +264,36 @@ class MultiheadDiffAttnV2(_Projections):
 
     def lambda_values(self, x: jax.Array) -> jax.Array:
         """Per-token, per-head lambda ``sigmoid(lambda_proj(x))``, ``[batch, seq, h]`` float32."""
-        return jax.nn.sigmoid(self.lambda_proj(x.astype(jnp.float32)))
+        lam = jax.nn.sigmoid(self.lambda_proj(x.astype(jnp.float32)))
+        return constrain(lam, "act_batch", "act_seq", "act_heads")
 
     def _qkv(self, x, positions):
         """(q, k, v) after rotary: q ``[B, T, 2h, d]``, k and v ``[B, S, h_kv, d]``."""
         _check_input(x, self.d_model, type(self).__name__)
         b, t, _ = x.shape
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        q = self.q_proj(x).reshape(b, t, 2 * h, d)
-        k = self.k_proj(x).reshape(b, t, hkv, d)
-        v = self.v_proj(x).reshape(b, t, hkv, d)
+        q = constrain(self.q_proj(x).reshape(b, t, 2 * h, d), *_Q_ACT)
+        k = constrain(self.k_proj(x).reshape(b, t, hkv, d), *_KV_ACT)
+        v = constrain(self.v_proj(x).reshape(b, t, hkv, d), *_KV_ACT)
         q, k = _rotate(q, k, x, positions, self.rope_theta)
         return q, k, v
+
+    def _pairs(self, q):
+        """(q1, q2) ``[B, T, h, d]``: query heads 2i and 2i+1 of output head i (pair-major, so
+        a head-sharded q splits into whole pairs)."""
+        b, t = q.shape[:2]
+        q = q.reshape(b, t, self.num_heads, 2, self.head_dim)
+        return constrain(q[:, :, :, 0], *_Q_ACT), constrain(q[:, :, :, 1], *_Q_ACT)
 
     def attention_maps(self, x: jax.Array, positions: jax.Array | None = None,
                        segment_ids: jax.Array | None = None) -> dict[str, jax.Array]:
         """``a1``, ``a2`` ``[B, h, T, S]``, ``lam`` ``[B, T, h]`` and ``diff = a1 - lam * a2``
         (float32), for analysis. Materialises ``T x S`` maps."""
         q, k, _ = self._qkv(x, positions)
+        q1, q2 = self._pairs(q)
         kw = dict(causal=self.causal, segment_ids=segment_ids, scale=self.scaling)
-        a1 = ops.attention_weights(q[:, :, 0::2], k, **kw)
-        a2 = ops.attention_weights(q[:, :, 1::2], k, **kw)
+        a1 = ops.attention_weights(q1, k, **kw)
+        a2 = ops.attention_weights(q2, k, **kw)
         lam = self.lambda_values(x)
         return {"a1": a1, "a2": a2, "lam": lam,
                 "diff": a1 - jnp.transpose(lam, (0, 2, 1))[..., None] * a2}
@@ -277,7 +305,8 @@ class MultiheadDiffAttnV2(_Projections):
         lam = self.lambda_values(x)
         if self.record_lambda:  # the batch mean of lambda, for training metrics
             self.lambda_mean = nnx.Intermediate(jnp.mean(lam))
-        o = ops.differential_attention(q[:, :, 0::2], k, q[:, :, 1::2], k, v, lam,
+        q1, q2 = self._pairs(q)
+        o = ops.differential_attention(q1, k, q2, k, v, lam,
                                        causal=self.causal, segment_ids=segment_ids,
                                        scale=self.scaling, impl=self.attention_impl)
         return self.o_proj(o.reshape(b, t, self.num_heads * self.head_dim))

@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from .sharding import constrain, param, param_init
+
 Dtype = Any
 
 # torch.nn.Linear's default initialisation, U(-1/sqrt(fan_in), 1/sqrt(fan_in)): the official
@@ -47,7 +49,7 @@ class RMSNorm(nnx.Module):
         del rngs  # no random initialisation; accepted for a uniform constructor signature
         self.dim = dim
         self.eps = eps
-        self.scale = nnx.Param(jnp.ones((dim,), as_dtype(param_dtype)))
+        self.scale = param(jnp.ones((dim,), as_dtype(param_dtype)), "norm")
 
     def __call__(self, x: jax.Array) -> jax.Array:
         if x.shape[-1] != self.dim:
@@ -106,10 +108,13 @@ class SwiGLU(nnx.Module):
                  param_dtype: Dtype = jnp.float32, kernel_init=torch_linear_init,
                  rngs: nnx.Rngs):
         kw = dict(use_bias=False, dtype=as_dtype(dtype), param_dtype=as_dtype(param_dtype),
-                  kernel_init=kernel_init, rngs=rngs)
-        self.w1 = nnx.Linear(d_model, hidden_dim, **kw)  # gate
-        self.w3 = nnx.Linear(d_model, hidden_dim, **kw)  # up
-        self.w2 = nnx.Linear(hidden_dim, d_model, **kw)  # down
+                  rngs=rngs)
+        up = param_init(kernel_init, "embed", "mlp")
+        self.w1 = nnx.Linear(d_model, hidden_dim, kernel_init=up, **kw)  # gate
+        self.w3 = nnx.Linear(d_model, hidden_dim, kernel_init=up, **kw)  # up
+        self.w2 = nnx.Linear(hidden_dim, d_model, kernel_init=param_init(kernel_init, "mlp", "embed"),
+                             **kw)  # down
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.w2(jax.nn.silu(self.w1(x)) * self.w3(x))
+        h = constrain(jax.nn.silu(self.w1(x)) * self.w3(x), "act_batch", "act_seq", "act_mlp")
+        return self.w2(h)

@@ -9,6 +9,9 @@ from flax import nnx
 from .attention import MultiheadAttention, MultiheadDiffAttn, MultiheadDiffAttnV2
 from .config import ModelConfig
 from .layers import RMSNorm, SwiGLU, as_dtype
+from .sharding import constrain, param_init
+
+_ACT = ("act_batch", "act_seq", "act_embed")
 
 
 def make_attention(config: ModelConfig, depth: int, *, rngs: nnx.Rngs) -> nnx.Module:
@@ -41,8 +44,8 @@ class Block(nnx.Module):
                           rngs=rngs)
 
     def __call__(self, x, positions=None, segment_ids=None):
-        x = x + self.attn(self.attn_norm(x), positions, segment_ids)
-        return x + self.ffn(self.ffn_norm(x))
+        x = constrain(x + self.attn(self.attn_norm(x), positions, segment_ids), *_ACT)
+        return constrain(x + self.ffn(self.ffn_norm(x)), *_ACT)
 
 
 class TransformerLM(nnx.Module):
@@ -59,12 +62,13 @@ class TransformerLM(nnx.Module):
         dt, pdt = as_dtype(config.dtype), as_dtype(config.param_dtype)
         init = nnx.initializers.normal(config.init_std)
         self.embed = nnx.Embed(config.vocab_size, config.d_model, dtype=dt, param_dtype=pdt,
-                               embedding_init=init, rngs=rngs)
+                               embedding_init=param_init(init, "vocab", "embed"), rngs=rngs)
         self.layers = nnx.List([Block(config, i, rngs=rngs) for i in range(config.num_layers)])
         self.norm = RMSNorm(config.d_model, eps=config.norm_eps, param_dtype=pdt)
         self.lm_head = (None if config.tie_embeddings else
                         nnx.Linear(config.d_model, config.vocab_size, use_bias=False, dtype=dt,
-                                   param_dtype=pdt, kernel_init=init, rngs=rngs))
+                                   param_dtype=pdt, kernel_init=param_init(init, "embed", "vocab"),
+                                   rngs=rngs))
 
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
                  segment_ids: jax.Array | None = None) -> jax.Array:
@@ -79,12 +83,20 @@ class TransformerLM(nnx.Module):
         for name, arr in (("positions", positions), ("segment_ids", segment_ids)):
             if arr is not None and arr.shape != tokens.shape:
                 raise ValueError(f"{name} must have the shape of tokens {tokens.shape}, got {arr.shape}")
-        x = self.embed(tokens)
+        x = constrain(self._embed(tokens), *_ACT)
         for block in self.layers:
             x = block(x, positions, segment_ids)
         x = self.norm(x)
         logits = self.embed.attend(x) if self.lm_head is None else self.lm_head(x)
-        return logits.astype(jnp.float32)
+        return constrain(logits.astype(jnp.float32), "act_batch", "act_seq", "act_vocab")
+
+    def _embed(self, tokens: jax.Array) -> jax.Array:
+        """The embedding lookup. Under a mesh the table is gathered over its ``embed`` (fsdp)
+        shards first, FSDP-style, so the lookup's output (and, backward, the table's gradient)
+        is split by batch rows and not by width: GSPMD left alone would all-gather the
+        activations' gradient instead."""
+        table = self.embed.embedding[...].astype(self.embed.dtype or self.embed.param_dtype)
+        return jnp.take(constrain(table, "act_vocab", None), tokens, axis=0)
 
     def record_lambdas(self, on: bool = True) -> None:
         """DIFF V2: make each attention layer keep its last call's batch-mean lambda."""

@@ -23,6 +23,7 @@ from typing import Callable, Protocol
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 # A large finite negative logit for masked positions: keeps fully-masked rows NaN-free.
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
@@ -261,17 +262,73 @@ def _kernel_kwargs(scale):
     return dict(sm_scale=scale, interpret=jax.default_backend() == "cpu")
 
 
+def _per_shard(body, q, k, arrays: dict[str, jax.Array | None]) -> jax.Array:
+    """``body(**arrays)`` on each device's shard under the context mesh (``jax.set_mesh``), or
+    directly without one. A Pallas kernel is one opaque call that GSPMD cannot split, so under a
+    mesh it runs inside ``jax.shard_map``: batch rows over the batch axes, heads over ``tensor``
+    (kv heads and query heads alike, so every query head finds its kv group, and DIFF pairs,
+    which share a head index, stay together), sequence and head width whole.
+
+    ``arrays`` holds ``q``-like ``[B, T, Hq, .]`` (keys starting with ``q`` or ``o``),
+    ``k``/``v``-like ``[B, S, Hkv, .]``, ``lam`` (scalar or ``[B, T, Hq]``) and segment ids
+    ``[B, T]``; None entries are passed through."""
+    from . import sharding
+
+    mesh = sharding._context_mesh()
+    live = {n: a for n, a in arrays.items() if a is not None}
+    if mesh is None or mesh.size == 1:
+        return body(**arrays)
+    b, hkv = q.shape[0], k.shape[2]
+    batch = sharding.logical_to_spec(("act_batch",), (b,), mesh)
+    heads = sharding.logical_to_spec(("act_kv_heads",), (hkv,), mesh)
+    bax = batch[0] if len(batch) else None
+    hax = heads[0] if len(heads) else None
+
+    def spec(name, a):
+        if name == "lam" and a.ndim == 0:
+            return P()
+        if name == "lam":
+            return P(bax, None, hax)
+        if name.endswith("segment_ids"):
+            return P(bax, None)
+        return P(bax, None, hax, None)
+
+    names = list(live)
+    in_specs = tuple(spec(n, live[n]) for n in names)
+
+    def local(*xs):
+        kw = dict(arrays)
+        kw.update(zip(names, xs))
+        return body(**kw)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=P(bax, None, hax, None),
+                         check_vma=False)(*(live[n] for n in names))
+
+
 def pallas_standard(q, k, v, *, causal, segment_ids, kv_segment_ids, scale):
     from diffjax import kernels
-    return kernels.flash_attention(q, k, v, causal=causal, segment_ids=segment_ids,
-                                   kv_segment_ids=kv_segment_ids, **_kernel_kwargs(scale))
+
+    def body(q, k, v, segment_ids, kv_segment_ids):
+        return kernels.flash_attention(q, k, v, causal=causal, segment_ids=segment_ids,
+                                       kv_segment_ids=kv_segment_ids, **_kernel_kwargs(scale))
+
+    return _per_shard(body, q, k, dict(q=q, k=k, v=v, segment_ids=segment_ids,
+                                       kv_segment_ids=kv_segment_ids))
 
 
 def pallas_differential(q1, k1, q2, k2, v, lam, *, causal, segment_ids, kv_segment_ids, scale):
     from diffjax import kernels
-    return kernels.diff_flash_attention(q1, k1, q2, k2, v, lam, causal=causal,
-                                        segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
-                                        **_kernel_kwargs(scale))
+
+    shared = k1 is k2  # DIFF V2: one key for both maps (the kernel then loads it once)
+
+    def body(q1, k1, q2, v, lam, segment_ids, kv_segment_ids, k2=None):
+        return kernels.diff_flash_attention(q1, k1, q2, k1 if shared else k2, v, lam,
+                                            causal=causal, segment_ids=segment_ids,
+                                            kv_segment_ids=kv_segment_ids, **_kernel_kwargs(scale))
+
+    return _per_shard(body, q1, k1, dict(q1=q1, k1=k1, q2=q2, k2=None if shared else k2, v=v,
+                                         lam=lam, segment_ids=segment_ids,
+                                         kv_segment_ids=kv_segment_ids))
 
 
 register_attention_impl(AttentionImpl(

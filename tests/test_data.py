@@ -192,13 +192,16 @@ def test_process_sharding_disjoint_and_covering(text_dir, split):
     assert len(shards[0]) == len(shards[1]) > 0  # same number of batches on every process
     got = [rows(s, weighted_only=(split == "validation")) for s in shards]
     assert not set(got[0]) & set(got[1])
-    if split == "train":  # each process gets n // pc examples, batches drop the remainder
-        assert len(shards[0]) == (n // pc) // B == steps_per_epoch(cfg, split, batch_size=B,
-                                                                     process_count=pc)
+    if split == "train":  # whole global batches of pc * B; process p reads rows [pB, (p+1)B)
+        assert len(shards[0]) == n // (pc * B) == steps_per_epoch(cfg, split, batch_size=B,
+                                                                   process_count=pc)
         whole = rows(take(make_dataset(cfg, split, batch_size=1, num_epochs=1), n))
         assert set(got[0]) | set(got[1]) <= set(whole)
-        first = rows(take(make_dataset(cfg, split, batch_size=1, num_epochs=1), pc * 2))
-        assert got[0][:2] == first[0::2][:2] and got[1][:2] == first[1::2][:2]
+        # global batch j is the same examples in the same order as for one process
+        one = rows(take(make_dataset(cfg, split, batch_size=pc * B, num_epochs=1), 2))
+        for j in range(2):
+            assert got[0][j * B:(j + 1) * B] + got[1][j * B:(j + 1) * B] == \
+                one[j * pc * B:(j + 1) * pc * B]
     else:  # validation: every example exactly once, padded with zero-weight PAD rows
         assert sorted(got[0] + got[1]) == everything
         assert len(shards[0]) == steps_per_epoch(cfg, split, batch_size=B, process_count=pc)
@@ -602,4 +605,4 @@ def test_pipeline_argument_errors():
                                                  "validation", batch_size=2),
                  "DataConfig.val_fraction")
     assert_error(DataError, lambda: make_dataset(SMALL_STDLIB, "train", batch_size=10**7,
-                                                 num_epochs=1), "fewer than one batch")
+                                                 num_epochs=1), "fewer than one global batch")

@@ -1,21 +1,22 @@
 """The input pipeline: ``make_dataset`` (a grain dataset of numpy batches) and the checks and
 summaries around it.
 
-Train: ``source -> shuffle(seed) -> [process_index : n' : process_count] -> repeat(num_epochs)
--> batch(B, drop_remainder)``. The shuffle is global and reseeded every epoch (grain folds the
-epoch into the seed); each process reads only its stride of that permutation, and ``n'`` (``n``
-rounded down to a multiple of ``process_count``) gives every process the same number of
-examples, so no process runs out of batches first.
+Train: ``source -> shuffle(seed) -> repeat(num_epochs) -> rows of this process -> batch(B)``.
+The example stream is cut into *global* batches of ``G = process_count * B`` examples; process
+``p`` reads rows ``[p B, (p + 1) B)`` of each (and only those). The shuffle is global and
+reseeded every epoch (grain folds the epoch into the seed). So global batch ``j`` is the same
+examples in the same order whatever the number of processes, and the iterator's state (the
+number of batches read) means the same on every process and for any process count: a
+checkpoint written by 2 processes resumes on 1 or 4.
 
-Validation: ``source -> shuffle(fixed seed) -> pad -> [process_index :: process_count] ->
-batch(B)``: one fixed order (independent of ``seed``, so the first k batches are the same
-representative sample for every run), padded with zero-weight examples (all ``PAD``) to a
-multiple of ``process_count * B`` so every example is seen once, every batch has the same
-shape and every process gets the same number of batches.
+Validation: ``source -> shuffle(fixed seed) -> pad -> rows of this process -> batch(B)``: one
+fixed order (independent of ``seed``, so the first k batches are the same representative
+sample for every run), padded with zero-weight examples (all ``PAD``) to a multiple of ``G`` so
+every example is seen once, every batch has the same shape and every process gets the same
+number of batches.
 
-The iterator of the returned dataset has ``get_state()`` / ``set_state()`` (a small dict), and
-saves with Orbax as ``grain.checkpoint.CheckpointSave(iterator)`` inside ``ocp.args.Composite``
-(restore: ``grain.checkpoint.CheckpointRestore(fresh_iterator)``).
+The iterator of the returned dataset has ``get_state()`` / ``set_state()`` (a small dict,
+JSON-serialisable; the train loop saves it in every checkpoint).
 """
 
 from __future__ import annotations
@@ -76,6 +77,27 @@ def make_source(config: DataConfig, split: str, *, seed: int | None = None):
     return WindowSource(corpus.stream(split), config.seq_len)
 
 
+def _process_rows(ds, global_batch: int, batch: int, index: int):
+    """Rows ``[index * batch, (index + 1) * batch)`` of every ``global_batch`` elements of
+    ``ds`` (a grain ``MapDataset``), lazily: only those elements are ever read."""
+    import grain
+
+    class ProcessRows(grain.MapDataset):
+        def __len__(self) -> int:
+            return (len(self._parent) // global_batch) * batch
+
+        def __getitem__(self, i):
+            if isinstance(i, slice):
+                return self.slice(i)
+            j, r = divmod(int(i), batch)
+            return self._parent[j * global_batch + index * batch + r]
+
+        def __str__(self) -> str:
+            return f"ProcessRows(rows {index * batch}:{(index + 1) * batch} of {global_batch})"
+
+    return ProcessRows(ds)
+
+
 class _PadSource:
     """``n`` zero-weight examples shaped like ``template`` (inputs/targets all PAD)."""
 
@@ -108,8 +130,9 @@ def make_dataset(config: DataConfig, split: str, *, batch_size: int, seed: int |
       batch_size: examples per batch *on this process* (global batch / process_count).
       seed: train shuffle order and synthetic train examples (default ``config.seed``);
         validation does not depend on it.
-      process_index, process_count: this process's share, ``[process_index::process_count]``
-        (e.g. ``jax.process_index()``, ``jax.process_count()``).
+      process_index, process_count: this process's share: rows ``[process_index * B,
+        (process_index + 1) * B)`` of every global batch of ``process_count * B`` (the train
+        loop derives them from the mesh: ``diffjax.sharding.process_batch_share``).
       num_epochs: passes over the data; None = forever for train, 1 for validation.
       vocab_size: if given, :func:`check_data` runs first (token ids < vocab_size).
       read_options: ``grain.ReadOptions`` (default 2 threads, 8 batches prefetched).
@@ -151,16 +174,15 @@ def make_dataset(config: DataConfig, split: str, *, batch_size: int, seed: int |
     ds = grain.MapDataset.source(src)
     shuffle = config.shuffle and not config.is_synthetic  # synthetic examples are i.i.d. already
     if split == "train":
-        per_process = n // pc
-        if per_process == 0 or (num_epochs is not None and per_process * num_epochs < batch_size):
+        if n * (num_epochs or 1) < batch_size * pc:
             raise DataError(
-                f"make_dataset: the train split has {n} examples, {per_process} per process, "
-                f"fewer than one batch of {batch_size} in {num_epochs} epoch(s). Fix: use a "
-                f"smaller batch_size or seq_len, more epochs, or more data")
+                f"make_dataset: the train split has {n} examples, fewer than one global batch "
+                f"of {pc} x {batch_size} in {num_epochs or 1} epoch(s). Fix: use a smaller "
+                f"batch_size or seq_len, more epochs, or more data")
         if shuffle:
             ds = ds.shuffle(seed=train_seed)
-        ds = ds[pi:per_process * pc:pc]
         ds = ds.repeat(num_epochs)
+        ds = _process_rows(ds, pc * batch_size, batch_size, pi)
         ds = ds.batch(batch_size, drop_remainder=True)
     else:
         if shuffle:
@@ -170,7 +192,7 @@ def make_dataset(config: DataConfig, split: str, *, batch_size: int, seed: int |
         if padded > n:
             pad = grain.MapDataset.source(_PadSource(padded - n, src[0]))
             ds = grain.MapDataset.concatenate([ds, pad])
-        ds = ds[pi::pc]
+        ds = _process_rows(ds, chunk, batch_size, pi)
         if num_epochs is not None and num_epochs > 1:
             ds = ds.repeat(num_epochs)
         ds = ds.batch(batch_size, drop_remainder=True)
@@ -185,7 +207,7 @@ def steps_per_epoch(config: DataConfig, split: str, *, batch_size: int,
     """Batches per process in one pass of ``split`` (validation counts the padded last batch)."""
     n = num_examples(config, split)
     if split == "train":
-        return (n // process_count) // batch_size
+        return n // (process_count * batch_size)
     return math.ceil(n / (process_count * batch_size))
 
 

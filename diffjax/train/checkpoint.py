@@ -6,7 +6,13 @@ temporary directory that is ignored and cleaned up on the next start. The last
 ``keep_checkpoints`` and the best (lowest validation loss) are preserved.
 
 Each checkpoint holds ``state`` (step, params, optimizer state), ``data`` (the Grain iterator's
-state, one file per process) and ``meta`` (the model config, for the mismatch check on resume).
+state: the number of global batches read, the same on every process, so one JSON file serves
+any process count) and ``meta`` (the model config, for the mismatch check on resume).
+
+Sharded states save from every process (each writes its shards) and restore onto any mesh:
+:meth:`Checkpointer.restore` reads into the target's shardings (``abstract_like(tree,
+shardings)``), so a run saved with ``fsdp=8`` continues with ``data=2, tensor=4`` or on
+another number of processes.
 """
 
 from __future__ import annotations
@@ -15,7 +21,6 @@ import json
 import os
 from typing import Any
 
-import grain
 import jax
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as cm
@@ -25,17 +30,6 @@ from diffjax.config import ConfigError
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used: unreadable, or written by a different model config."""
-
-
-class _IteratorSnapshot:
-    """The data iterator's state captured when ``save`` is called (the async write happens
-    later, after the live iterator has moved on)."""
-
-    def __init__(self, state: Any):
-        self._state = json.dumps(state, indent=1).encode()
-
-    def get_state(self) -> bytes:
-        return self._state
 
 
 class Checkpointer:
@@ -52,7 +46,7 @@ class Checkpointer:
         self.manager = ocp.CheckpointManager(
             self.directory, options=options,
             item_handlers={"state": ocp.StandardCheckpointHandler(),
-                           "data": grain.checkpoint.CheckpointHandler(),
+                           "data": ocp.JsonCheckpointHandler(),
                            "meta": ocp.JsonCheckpointHandler()})
 
     def latest_step(self) -> int | None:
@@ -66,7 +60,7 @@ class Checkpointer:
         metrics = None if val_loss is None else {"val_loss": float(val_loss)}
         self.manager.save(step, metrics=metrics, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state),
-            data=grain.checkpoint.CheckpointSave(_IteratorSnapshot(data_state)),
+            data=ocp.args.JsonSave(json.loads(json.dumps(data_state))),  # a snapshot now
             meta=ocp.args.JsonSave(meta)))
 
     def read_meta(self, step: int) -> dict[str, Any]:
@@ -76,12 +70,13 @@ class Checkpointer:
             raise CheckpointError(_unreadable(self.directory, step, e)) from e
 
     def restore(self, step: int, abstract_state: Any, data_iterator: Any) -> Any:
-        """The state at ``step`` (placed like ``abstract_state``); sets ``data_iterator``'s
-        position in place."""
+        """The state at ``step``, placed like ``abstract_state`` (``ShapeDtypeStruct``s with
+        shardings: any mesh); sets ``data_iterator``'s position in place."""
         try:
             out = self.manager.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(abstract_state),
-                data=grain.checkpoint.CheckpointRestore(data_iterator)))
+                data=ocp.args.JsonRestore()))
+            data_iterator.set_state(out["data"])
         except Exception as e:  # noqa: BLE001
             raise CheckpointError(_unreadable(self.directory, step, e)) from e
         return out["state"]
@@ -122,11 +117,16 @@ def check_same_model(saved: dict[str, Any], current: dict[str, Any], directory: 
 
 def abstract_like(tree: Any, sharding: Any = None) -> Any:
     """Shape/dtype/sharding structs of ``tree`` (arrays or ``ShapeDtypeStruct``s), the restore
-    target; leaves without a sharding get ``sharding`` (default: the first local device)."""
-    default = sharding or jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    target. ``sharding``: a tree of shardings like ``tree`` (e.g.
+    :func:`diffjax.sharding.tree_shardings`: restore onto that mesh), or one sharding for every
+    leaf; leaves left without one get the first local device."""
+    default = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    if sharding is not None and not isinstance(sharding, jax.sharding.Sharding):
+        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                            tree, sharding)
 
     def one(x):
-        s = getattr(x, "sharding", None) or default
+        s = sharding or getattr(x, "sharding", None) or default
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
 
     return jax.tree.map(one, tree)

@@ -3,6 +3,10 @@
 Trains the configured DIFF model and (with ``compare=true``, the default) its standard twin
 one after the other on the same data, then writes ``report.md`` and ``loss.png`` in the run
 directory and prints the table. A run directory that holds checkpoints resumes from them.
+
+Several processes (hosts): start one per host with ``--coordinator_address HOST:PORT
+--num_processes N --process_id I``; on a TPU pod slice, under SLURM or Open MPI the flags may be
+left out (JAX finds the cluster). See docs/scaling.md.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from diffjax.config import ConfigError
 
 from .checkpoint import CheckpointError, committed_steps
 from .config import apply_overrides, config_keys, load_config
-from .loop import TrainingDiverged, train_model
+from .loop import TrainingDiverged, describe_mesh, train_model
 from .report import results_table, write_report
 
 EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_CHECKPOINT = 2, 3, 4
@@ -43,8 +47,64 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--resume", action="store_true",
                         help="resume the run in run.dir (an error if it holds no checkpoint); "
                              "without it, a run directory with checkpoints resumes anyway")
+    dist = parser.add_argument_group(
+        "multi-host", "one process per host, all with the same config; process 0 writes the "
+                      "report. Left out on TPU pods / SLURM / Open MPI, where JAX detects the "
+                      "cluster.")
+    dist.add_argument("--coordinator_address", metavar="HOST:PORT",
+                      help="address of process 0 (jax.distributed.initialize)")
+    dist.add_argument("--num_processes", type=int, metavar="N", help="number of processes")
+    dist.add_argument("--process_id", type=int, metavar="I", help="this process, 0 .. N-1")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     return parser
+
+
+# environment variables that mean "one of several processes of a cluster JAX can detect"
+_CLUSTER_ENV = {"SLURM_NTASKS": "SLURM", "OMPI_COMM_WORLD_SIZE": "Open MPI",
+                "TPU_WORKER_HOSTNAMES": "TPU pod", "JAX_COORDINATOR_ADDRESS": "JAX"}
+
+
+def _detected_cluster() -> str | None:
+    for var, name in _CLUSTER_ENV.items():
+        value = os.environ.get(var, "")
+        if var == "TPU_WORKER_HOSTNAMES":
+            if "," in value:
+                return name
+        elif var == "JAX_COORDINATOR_ADDRESS":
+            if value:
+                return name
+        elif value.isdigit() and int(value) > 1:
+            return name
+    return None
+
+
+def init_distributed(args: argparse.Namespace) -> str | None:
+    """Start JAX's multi-controller runtime when launched as several processes; returns how (or
+    None for a single process). Must run before anything touches a device."""
+    import jax
+
+    flags = (args.coordinator_address, args.num_processes, args.process_id)
+    if any(f is not None for f in flags):
+        if any(f is None for f in flags):
+            raise ConfigError("--coordinator_address, --num_processes and --process_id go "
+                              "together. Fix: give all three (the same address and count to "
+                              "every process, process ids 0 .. N-1), or none.")
+        n, i = args.num_processes, args.process_id
+        if n < 1 or not 0 <= i < n:
+            raise ConfigError(f"--process_id {i} is not in [0, --num_processes={n}). Fix: number "
+                              f"the processes 0 .. {max(n, 1) - 1}.")
+        if ":" not in args.coordinator_address:
+            raise ConfigError(f"--coordinator_address {args.coordinator_address!r} has no port. "
+                              f"Fix: give HOST:PORT, e.g. 10.0.0.1:1234.")
+        if n == 1:
+            return None
+        jax.distributed.initialize(args.coordinator_address, n, i)
+        return f"process {i} of {n} (coordinator {args.coordinator_address})"
+    cluster = _detected_cluster()
+    if cluster is not None:
+        jax.distributed.initialize()
+        return f"process {jax.process_index()} of {jax.process_count()} ({cluster} cluster)"
+    return None
 
 
 def _error(message: str) -> None:
@@ -56,16 +116,29 @@ def main(argv: list[str] | None = None) -> int:
     try:
         exp = apply_overrides(load_config(args.config), args.overrides)
         description = data_lib.check_data(exp.data, exp.model.vocab_size)
+        distributed = init_distributed(args)
+        import jax
+
+        from diffjax import sharding
+
+        mesh = sharding.make_mesh(exp.mesh)  # checks the sizes against the devices
+        for model_cfg in exp.models.values():
+            sharding.check_model_mesh(model_cfg, mesh, exp.train.batch_size)
     except (ConfigError, data_lib.DataError) as e:
         _error(str(e))
         return EXIT_BAD_INPUT
 
+    main_process = jax.process_index() == 0
     run_dir = exp.run.path
     os.makedirs(run_dir, exist_ok=True)
-    with open(os.path.join(run_dir, "config.json"), "w") as f:
-        json.dump(exp.to_dict(), f, indent=1, default=str)
+    if main_process:
+        with open(os.path.join(run_dir, "config.json"), "w") as f:
+            json.dump(exp.to_dict(), f, indent=1, default=str)
+    if distributed:
+        print(f"distributed: {distributed}")
     print(f"run directory: {run_dir}")
     print(f"data: {description}")
+    print(f"mesh: {describe_mesh(mesh)}")
     if args.resume and not any(committed_steps(os.path.join(run_dir, label, "checkpoints"))
                                for label in exp.models):
         _error(f"--resume was given but {run_dir} holds no checkpoint. Fix: drop --resume to "
@@ -77,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n== {label}: {model_cfg.attention}, {model_cfg.num_layers} layers, "
               f"d_model {model_cfg.d_model}, {model_cfg.num_heads} heads")
         try:
-            results.append(train_model(exp, model_cfg, label, os.path.join(run_dir, label)))
+            results.append(train_model(exp, model_cfg, label, os.path.join(run_dir, label),
+                                       mesh=mesh))
         except ConfigError as e:
             _error(str(e))
             return EXIT_BAD_INPUT
@@ -91,9 +165,7 @@ def main(argv: list[str] | None = None) -> int:
             _error(f"[{label}] {e}")
             return EXIT_DIVERGED
 
-    import jax
-
-    if jax.process_index() == 0:
+    if main_process:
         write_report(run_dir, exp, results, description)
         print("\n" + results_table(results))
         print(f"\nreport: {os.path.join(run_dir, 'report.md')}, plot: "

@@ -2,7 +2,8 @@
 
 An experiment is :class:`ExperimentConfig` = ``run`` (where it writes) + ``model``
 (:class:`diffjax.ModelConfig`) + ``data`` (:class:`diffjax.data.DataConfig`) + ``train``
-(:class:`TrainConfig`) + ``compare`` (also train the model's standard-attention twin).
+(:class:`TrainConfig`) + ``mesh`` (:class:`diffjax.sharding.MeshConfig`: the data / fsdp /
+tensor axis sizes) + ``compare`` (also train the model's standard-attention twin).
 
 A config file is a Python file with ``get_config() -> ExperimentConfig``. Any field can be
 overridden from the command line as ``section.field=value`` (``compare=false`` for the top-level
@@ -20,6 +21,7 @@ from typing import Any
 
 from diffjax.config import ConfigError, ModelConfig
 from diffjax.data import DataConfig
+from diffjax.sharding import MeshConfig
 
 SCHEDULES = ("linear", "cosine", "constant")
 
@@ -181,6 +183,7 @@ class ExperimentConfig:
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
     train: TrainConfig = TrainConfig()
+    mesh: MeshConfig = MeshConfig()
     compare: bool = True  # also train the standard-attention twin of `model`
 
     def __post_init__(self):
@@ -208,7 +211,8 @@ class ExperimentConfig:
         return dataclasses.asdict(self)
 
 
-SECTIONS = {"run": RunConfig, "model": ModelConfig, "data": DataConfig, "train": TrainConfig}
+SECTIONS = {"run": RunConfig, "model": ModelConfig, "data": DataConfig, "train": TrainConfig,
+            "mesh": MeshConfig}
 
 
 # ---------------------------------------------------------------------------- keys and overrides

@@ -2,9 +2,12 @@
 checkpoints, exact resume, divergence stop.
 
 The state is a plain pytree ``{"step", "params", "opt_state"}`` (the model's ``nnx.Param``
-state and Optax's state), so one jitted function updates it, Orbax saves it and, later, a mesh
-can shard it. Every step's loss reaches ``metrics.jsonl``; the host reads step ``n``'s metrics
-while step ``n + 1`` runs.
+state and Optax's state), so one jitted function updates it and Orbax saves it. It lives on a
+``("data", "fsdp", "tensor")`` mesh (``exp.mesh``; one device is the 1x1x1 mesh): every
+parameter and both Adam moments are placed by their logical axis names
+(:mod:`diffjax.sharding`), batches are global arrays assembled from each process's rows, and
+the step is compiled once with those shardings. Every step's loss reaches ``metrics.jsonl``
+(written by process 0); the host reads step ``n``'s metrics while step ``n + 1`` runs.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import optax
 from flax import nnx
 
 from diffjax import data as data_lib
+from diffjax import sharding
 from diffjax.config import ModelConfig
 from diffjax.model import TransformerLM
 from diffjax.params import count_params
@@ -75,6 +79,7 @@ class TrainResult:
     lambdas: list[float] | None = None
     val_accuracy: float | None = None
     resumed_from: int | None = None
+    mesh: str | None = None  # e.g. "data=1 fsdp=4 tensor=2 (8 devices, 2 processes)"
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -144,16 +149,42 @@ def device_peak_memory() -> int | None:
 
 
 # ---------------------------------------------------------------------------- the loop
-def _to_device(batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-    return {k: jnp.asarray(v) for k, v in batch.items() if k in MODEL_INPUTS}
+def describe_mesh(mesh) -> str:
+    sizes = " ".join(f"{n}={s}" for n, s in zip(mesh.axis_names, mesh.devices.shape))
+    return (f"{sizes} ({mesh.devices.size} device{'s' * (mesh.devices.size > 1)}, "
+            f"{jax.process_count()} process{'es' * (jax.process_count() > 1)})")
+
+
+class _MemoryWriter:
+    """The metrics sink of processes other than 0 (process 0 writes the files)."""
+
+    def __init__(self):
+        self.records: list[dict[str, Any]] = []
+
+    def write(self, record: dict[str, Any]) -> None:
+        self.records.append(dict(record))
+
+    def close(self) -> None:
+        pass
 
 
 def train_model(exp: ExperimentConfig, model_cfg: ModelConfig, label: str, directory: str, *,
-                require_checkpoint: bool = False, log: Callable[[str], None] = print
-                ) -> TrainResult:
-    """Train ``model_cfg`` on ``exp.data`` with ``exp.train`` in ``directory`` (resuming from its
-    latest checkpoint if it has one) and return the summary."""
+                require_checkpoint: bool = False, log: Callable[[str], None] = print,
+                mesh: jax.sharding.Mesh | None = None) -> TrainResult:
+    """Train ``model_cfg`` on ``exp.data`` with ``exp.train`` on ``mesh`` (default: built from
+    ``exp.mesh`` over every device of every process) in ``directory``, resuming from its latest
+    checkpoint if it has one (saved on any mesh), and return the summary. With several
+    processes every process calls it; only process 0 writes metrics and results."""
+    mesh = sharding.make_mesh(exp.mesh) if mesh is None else mesh
+    sharding.check_model_mesh(model_cfg, mesh, exp.train.batch_size)
+    with jax.set_mesh(mesh), nnx.logical_axis_rules(sharding.current_rules()):
+        return _train_model(exp, model_cfg, label, directory, require_checkpoint, log, mesh)
+
+
+def _train_model(exp: ExperimentConfig, model_cfg: ModelConfig, label: str, directory: str,
+                 require_checkpoint: bool, log: Callable[[str], None], mesh) -> TrainResult:
     tcfg = exp.train
+    main = jax.process_index() == 0
     os.makedirs(directory, exist_ok=True)
     ckpt = Checkpointer(os.path.join(directory, "checkpoints"), keep=tcfg.keep_checkpoints)
     latest = ckpt.latest_step()
@@ -170,18 +201,20 @@ def train_model(exp: ExperimentConfig, model_cfg: ModelConfig, label: str, direc
             log(f"[{label}] note: the data config differs from the checkpoint's ({', '.join(changed)}); "
                 f"the resumed run will not see the batches an uninterrupted run would have seen")
 
-    # Data: the same batches in the same order for every model of the experiment.
-    pcount, pindex = jax.process_count(), jax.process_index()
-    if tcfg.batch_size % pcount:
-        raise ValueError(f"train.batch_size={tcfg.batch_size} is not divisible by the {pcount} "
-                         f"processes. Fix: use a multiple of {pcount}.")
-    local_batch = tcfg.batch_size // pcount
+    # Data: the same global batches in the same order for every model of the experiment and
+    # every mesh; this process reads only the rows its devices hold.
+    share, shares = sharding.process_batch_share(mesh, tcfg.batch_size)
+    local_batch = tcfg.batch_size // shares
     train_iter = iter(data_lib.make_dataset(exp.data, "train", batch_size=local_batch,
-                                            process_index=pindex, process_count=pcount))
+                                            process_index=share, process_count=shares))
     val_batches = list(itertools.islice(
         iter(data_lib.make_dataset(exp.data, "validation", batch_size=local_batch,
-                                   process_index=pindex, process_count=pcount)),
+                                   process_index=share, process_count=shares)),
         tcfg.eval_batches))
+
+    def to_device(batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        return sharding.global_batch({k: v for k, v in batch.items() if k in MODEL_INPUTS},
+                                     mesh, tcfg.batch_size)
 
     # Model, optimizer, state: created in one jitted function (one compile, not one per
     # initializer), or only described (eval_shape) when a checkpoint will replace it.
@@ -196,15 +229,21 @@ def train_model(exp: ExperimentConfig, model_cfg: ModelConfig, label: str, direc
 
     graphdef, _, _ = nnx.split(nnx.eval_shape(lambda: TransformerLM(model_cfg, rngs=nnx.Rngs(0))),
                                nnx.Param, ...)
+    abstract, abstract_rest = jax.eval_shape(init_state)
+    # every parameter and both Adam moments by their logical axes; step and counts replicated
+    state_sh = sharding.tree_shardings(abstract, mesh)
+    rest_sh = sharding.tree_shardings(abstract_rest, mesh)
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     start = 0
     if latest is None:
-        state, rest = jax.jit(init_state)()
+        state, rest = jax.jit(init_state, out_shardings=(state_sh, rest_sh))()
     else:
-        abstract, rest = jax.eval_shape(init_state)
-        rest = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), rest)
-        state = ckpt.restore(latest, abstract_like(abstract), train_iter)
+        rest = jax.jit(lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), abstract_rest),
+                       out_shardings=rest_sh)()
+        state = ckpt.restore(latest, abstract_like(abstract, state_sh), train_iter)
         start = int(state["step"])
-        log(f"[{label}] resuming from the checkpoint at step {start} in {ckpt.directory}")
+        log(f"[{label}] resuming from the checkpoint at step {start} in {ckpt.directory} "
+            f"on the mesh {describe_mesh(mesh)}")
 
     n_params = count_params(model_cfg).total
     if not val_batches:
@@ -212,31 +251,37 @@ def train_model(exp: ExperimentConfig, model_cfg: ModelConfig, label: str, direc
             f"the validation split of {exp.data.source!r} data holds no batch of "
             f"{local_batch} x {exp.data.seq_len} tokens. Fix: add data, or lower "
             f"train.batch_size or data.seq_len, or raise data.val_fraction.")
-    first = _to_device(val_batches[0])  # shapes for compiling; no training batch is consumed
-    step_fn = jax.jit(make_train_step(graphdef, rest, tx, schedule), donate_argnums=0)
+    first = to_device(val_batches[0])  # shapes for compiling; no training batch is consumed
+    batch_sh = {k: v.sharding for k, v in first.items()}
+    step_fn = jax.jit(make_train_step(graphdef, rest, tx, schedule), donate_argnums=0,
+                      in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, replicated))
     compiled = step_fn.lower(state, first).compile()
     memory = memory_estimate(compiled)
-    eval_fn = jax.jit(make_eval_step(graphdef, rest))
+    eval_fn = jax.jit(make_eval_step(graphdef, rest), in_shardings=(state_sh["params"], batch_sh),
+                      out_shardings=(replicated, replicated, batch_sh["inputs"]))
 
-    writer = MetricsWriter(directory, resume_step=start, tensorboard=tcfg.tensorboard,
-                           log_every=tcfg.log_every)
+    writer = (MetricsWriter(directory, resume_step=start, tensorboard=tcfg.tensorboard,
+                            log_every=tcfg.log_every) if main else _MemoryWriter())
     tokens_per_step = tcfg.batch_size * exp.data.seq_len
 
     def evaluate(params) -> dict[str, float]:
         total = weight = 0.0
-        preds = []
+        correct = answered = 0
         for b in val_batches:
-            t, w, p = eval_fn(params, _to_device(b))
+            t, w, p = eval_fn(params, to_device(b))
             total, weight = total + float(t), weight + float(w)
-            preds.append(np.asarray(p))
+            if "answer_spans" in b:  # this process's rows; summed over processes below
+                ok, has = data_lib.answer_correct(sharding.local_rows(p), b)
+                correct, answered = correct + int((ok & has).sum()), answered + int(has.sum())
         out = {"val_loss": total / max(weight, 1.0)}
         out["val_ppl"] = math.exp(min(out["val_loss"], 50.0))
-        try:
-            acc = [data_lib.answer_accuracy(p, b) for p, b in zip(preds, val_batches)]
-            if acc and acc[0] is not None:
-                out["val_answer_accuracy"] = float(np.mean(acc))
-        except (KeyError, TypeError, ValueError):
-            pass
+        if "answer_spans" in val_batches[0]:
+            counts = np.array([correct, answered], np.int64)
+            if jax.process_count() > 1:
+                from jax.experimental import multihost_utils
+
+                counts = multihost_utils.process_allgather(counts).reshape(-1, 2).sum(0)
+            out["val_answer_accuracy"] = float(counts[0] / counts[1]) if counts[1] else 0.0
         return out
 
     last_good = latest
@@ -244,7 +289,7 @@ def train_model(exp: ExperimentConfig, model_cfg: ModelConfig, label: str, direc
     timer = {"t": time.perf_counter()}
 
     bar = None
-    if tcfg.progress and pindex == 0:
+    if tcfg.progress and main:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=tcfg.steps, initial=start, desc=label, unit="step", dynamic_ncols=True)
@@ -272,7 +317,7 @@ def train_model(exp: ExperimentConfig, model_cfg: ModelConfig, label: str, direc
 
     try:
         for step in range(start + 1, tcfg.steps + 1):
-            batch = _to_device(next(train_iter))
+            batch = to_device(next(train_iter))
             state, metrics = compiled(state, batch)
             # the first step after (re)start includes warm-up; it is not counted in throughput
             pending.append((step, metrics, step > start + 1))
@@ -305,10 +350,13 @@ def train_model(exp: ExperimentConfig, model_cfg: ModelConfig, label: str, direc
         ckpt.wait()
         ckpt.close()
 
-    records = read_metrics(os.path.join(directory, "metrics.jsonl"))
+    records = (read_metrics(os.path.join(directory, "metrics.jsonl")) if main
+               else writer.records)
     result = summarize(label, model_cfg, directory, records, n_params, memory, latest)
-    with open(os.path.join(directory, "result.json"), "w") as f:
-        json.dump(result.to_dict(), f, indent=1)
+    result.mesh = describe_mesh(mesh)
+    if main:
+        with open(os.path.join(directory, "result.json"), "w") as f:
+            json.dump(result.to_dict(), f, indent=1)
     return result
 
 

@@ -124,7 +124,9 @@ def write_report(run_dir: str, exp: ExperimentConfig, results: Sequence[TrainRes
         + ("".join(f" Device allocator peak after {r.label}: {_mib(r.device_peak_bytes)} "
                    f"(cumulative over the process)." for r in results if r.device_peak_bytes)),
         f"- machine: {platform.node() or 'unknown'}, {jax.device_count()} x "
-        f"{jax.devices()[0].device_kind} ({jax.default_backend()}), JAX {jax.__version__}.",
+        f"{jax.devices()[0].device_kind} ({jax.default_backend()}), JAX {jax.__version__}."
+        + (f"\n- mesh: {results[0].mesh}; parameters and optimizer state placed by the logical "
+           f"axis rules of diffjax.sharding." if results and results[0].mesh else ""),
         "",
     ]
     text = "\n".join(lines)

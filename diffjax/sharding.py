@@ -1,0 +1,345 @@
+"""Meshes, logical axis rules and the partition helpers built on them.
+
+Every parameter of the model carries *logical* axis names (``("embed", "heads")`` for a query
+projection, ``("mlp", "embed")`` for the FFN's down projection, ...), stored as Flax's
+``out_sharding`` metadata. A table of *rules* maps logical names to the axes of a
+``("data", "fsdp", "tensor")`` mesh; :data:`DEFAULT_RULES` is MaxText's layout:
+
+- batch over ``data`` and ``fsdp`` (data parallelism; FSDP is data parallelism whose
+  parameters and optimizer state are sharded too);
+- the model width (``embed``) of every weight over ``fsdp``;
+- attention heads, MLP hidden units and the vocabulary over ``tensor`` (Megatron-style
+  tensor parallelism).
+
+Nothing here changes the math: the same program runs on any mesh (XLA's GSPMD inserts the
+collectives), and on one device everything is a no-op.
+
+**DIFF pairs stay whole.** The head axis that ``tensor`` shards is the DIFF head (V1: the
+pair Q1/Q2 of raw heads ``2i, 2i+1``; V2: the query pair of output head ``i``), and the
+projections are laid out pair-major (``[..., h, 2, d]``), so a shard of ``h / tensor`` heads
+holds whole pairs, their kv groups (K1/K2, V1's ``2d``-wide V) and their lambdas.
+:func:`check_model_mesh` refuses a tensor size that does not divide the heads, before any
+compute.
+
+Use::
+
+    mesh = make_mesh(MeshConfig(fsdp=4, tensor=2))
+    with jax.set_mesh(mesh), nnx.logical_axis_rules(DEFAULT_RULES):
+        state = jax.jit(init, out_shardings=state_shardings(abstract_state, mesh))()
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+from .config import ConfigError
+
+MESH_AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")
+
+# logical name -> mesh axis (or axes, or None: replicated). Parameters use the plain names;
+# activations the ``act_`` ones.
+DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
+    ("batch", BATCH_AXES),
+    ("embed", "fsdp"),
+    ("vocab", "tensor"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("mlp", "tensor"),
+    ("norm", None),
+    ("head_dim", None),
+    ("act_batch", BATCH_AXES),
+    ("act_seq", None),
+    ("act_embed", None),
+    ("act_heads", "tensor"),
+    ("act_kv_heads", "tensor"),
+    ("act_mlp", "tensor"),
+    ("act_vocab", "tensor"),
+)
+
+
+# ---------------------------------------------------------------------------- the mesh config
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Mesh axis sizes. One of them may be ``-1``: it takes the devices the others leave.
+
+    ``data``: pure data parallelism (parameters replicated). ``fsdp``: data parallelism with
+    parameters and optimizer state sharded (ZeRO-3). ``tensor``: attention heads and MLP hidden
+    units split across devices (keep it within a host: it communicates every layer).
+    """
+
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
+
+    def __post_init__(self):
+        for name in MESH_AXES:
+            v = getattr(self, name)
+            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or (v < 1 and v != -1):
+                raise ConfigError(f"MeshConfig.{name}: must be a positive integer or -1 (fill), "
+                                  f"got {v!r}. Fix: set mesh.{name} to e.g. 1, 2, 8 or -1.")
+        fills = [n for n in MESH_AXES if getattr(self, n) == -1]
+        if len(fills) > 1:
+            raise ConfigError(f"MeshConfig: {' and '.join('mesh.' + n for n in fills)} are both -1; "
+                              f"at most one axis can take the remaining devices. Fix: give all but "
+                              f"one of them a size.")
+
+    def shape(self, num_devices: int) -> tuple[int, int, int]:
+        """``(data, fsdp, tensor)`` for ``num_devices`` devices (``-1`` resolved)."""
+        sizes = [getattr(self, n) for n in MESH_AXES]
+        fixed = math.prod(s for s in sizes if s != -1)
+        if -1 in sizes:
+            if num_devices % fixed:
+                raise ConfigError(
+                    f"MeshConfig: the fixed axes ({self._fmt()}) take {fixed} devices, which does "
+                    f"not divide the {num_devices} devices available. Fix: choose sizes whose "
+                    f"product divides {num_devices}.")
+            sizes[sizes.index(-1)] = num_devices // fixed
+        elif fixed != num_devices:
+            raise ConfigError(
+                f"MeshConfig: data x fsdp x tensor = {fixed} ({self._fmt()}), but {num_devices} "
+                f"devices are available. Fix: make the product {num_devices}, or set one axis to "
+                f"-1 to take the rest (e.g. mesh.data=-1).")
+        return tuple(sizes)  # type: ignore[return-value]
+
+    def _fmt(self) -> str:
+        return ", ".join(f"{n}={getattr(self, n)}" for n in MESH_AXES)
+
+
+def make_mesh(config: MeshConfig | None = None, devices: Sequence[Any] | None = None
+              ) -> jax.sharding.Mesh:
+    """A ``("data", "fsdp", "tensor")`` mesh with Auto axes (GSPMD style) over ``devices``
+    (default: every device of every process), in the order ``jax.make_mesh`` picks (it keeps
+    ``tensor`` within a host and ``data`` across hosts where the topology allows)."""
+    config = config or MeshConfig()
+    devices = list(jax.devices() if devices is None else devices)
+    shape = config.shape(len(devices))
+    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES),
+                         devices=devices)
+
+
+# ---------------------------------------------------------------------------- annotations
+def param_init(initializer, *names: str | None):
+    """``initializer`` whose parameter carries the logical axis ``names`` (one per dim).
+
+    Flax's eager sharding is turned off for these parameters: a model is built the same way with
+    or without a mesh, and the train loop places the state with ``jit(out_shardings=...)``."""
+    return nnx.with_partitioning(initializer, tuple(names), eager_sharding=False)
+
+
+def param(value: jax.Array, *names: str | None) -> nnx.Param:
+    """``nnx.Param(value)`` carrying the logical axis ``names``."""
+    return nnx.Param(value, out_sharding=tuple(names), eager_sharding=False)
+
+
+def logical_axes(variable: Any) -> tuple[str | None, ...] | None:
+    """The logical axis names of an ``nnx.Variable`` (None when it has none)."""
+    if not isinstance(variable, nnx.Variable):
+        return None
+    meta = variable.get_metadata()
+    for key in ("out_sharding", "sharding_names", "sharding"):  # flax's key, then older ones
+        if meta.get(key):
+            return tuple(meta[key])
+    return None
+
+
+# ---------------------------------------------------------------------------- rules -> specs
+def current_rules() -> tuple[tuple[str, Any], ...]:
+    """The rules of the innermost ``nnx.logical_axis_rules(...)`` block, else
+    :data:`DEFAULT_RULES`."""
+    from flax.core import spmd as core_spmd
+
+    return tuple(core_spmd.get_logical_axis_rules()) or DEFAULT_RULES
+
+
+def _mesh_sizes(mesh) -> dict[str, int]:
+    return dict(zip(mesh.axis_names, mesh.axis_sizes if hasattr(mesh, "axis_sizes")
+                    else mesh.devices.shape))
+
+
+def logical_to_spec(names: Sequence[str | None], shape: Sequence[int] | None, mesh,
+                    rules: Sequence[tuple[str, Any]] | None = None) -> PartitionSpec:
+    """The ``PartitionSpec`` of an array with logical axis ``names`` on ``mesh``.
+
+    Each name maps through ``rules`` (first match) to mesh axes. A mesh axis is used at most
+    once per array, axes the mesh lacks are ignored, and with ``shape`` given an axis is only used
+    while the product of the axes taken divides the dimension (the rest of that dimension is
+    replicated: the byte tokenizer's 259-entry vocabulary is replicated, not split unevenly)."""
+    rules = current_rules() if rules is None else rules
+    table: dict[str, Any] = {}
+    for name, target in rules:
+        table.setdefault(name, target)
+    sizes = _mesh_sizes(mesh)
+    used: set[str] = set()
+    spec = []
+    for i, name in enumerate(names):
+        target = table.get(name) if name is not None else None
+        if name is not None and name not in table:
+            raise ValueError(f"logical axis {name!r} has no rule. Fix: add ({name!r}, mesh axis or "
+                             f"None) to the logical axis rules (see diffjax.sharding.DEFAULT_RULES)")
+        axes = (target,) if isinstance(target, str) else tuple(target or ())
+        taken: list[str] = []
+        prod = 1
+        for ax in axes:
+            if ax not in sizes or ax in used:
+                continue
+            if shape is not None and shape[i] % (prod * sizes[ax]):
+                break
+            taken.append(ax)
+            prod *= sizes[ax]
+        used.update(taken)
+        spec.append(None if not taken else taken[0] if len(taken) == 1 else tuple(taken))
+    while spec and spec[-1] is None:
+        spec.pop()
+    return PartitionSpec(*spec)
+
+
+def _leaf_spec(x, mesh, rules) -> PartitionSpec:
+    names = logical_axes(x) if isinstance(x, nnx.Variable) else None
+    value = x.get_value() if isinstance(x, nnx.Variable) else x
+    shape = getattr(value, "shape", None)
+    if names is None or shape is None:
+        return PartitionSpec()
+    if len(names) != len(shape):
+        raise ValueError(f"a parameter of shape {tuple(shape)} is annotated with {len(names)} "
+                         f"logical axes {names}; give one name per dimension")
+    return logical_to_spec(names, shape, mesh, rules)
+
+
+def _is_var(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def _map_vars(fn, tree):
+    """``fn`` on every leaf, a ``nnx.Variable`` counted as one leaf and kept as a Variable
+    around the result (so the output has ``tree``'s structure, as ``jit`` and Orbax want)."""
+    def one(x):
+        out = fn(x)
+        return x.replace(out) if isinstance(x, nnx.Variable) else out
+
+    return jax.tree.map(one, tree, is_leaf=_is_var)
+
+
+def tree_specs(tree: Any, mesh, rules: Sequence[tuple[str, Any]] | None = None) -> Any:
+    """``PartitionSpec`` per leaf of ``tree`` (params, optimizer state, whole train state): a
+    ``nnx.Variable`` leaf by its logical names, anything else replicated. Optax's moments are
+    built with ``tree.map`` over the parameters, so they keep the parameters' annotations and
+    are sharded like them."""
+    return _map_vars(lambda x: _leaf_spec(x, mesh, rules), tree)
+
+
+def tree_shardings(tree: Any, mesh, rules: Sequence[tuple[str, Any]] | None = None) -> Any:
+    """``NamedSharding`` per leaf (see :func:`tree_specs`), with ``tree``'s structure: ``jit``
+    in/out shardings, and the target for restoring a checkpoint onto ``mesh``."""
+    return _map_vars(lambda x: NamedSharding(mesh, _leaf_spec(x, mesh, rules)), tree)
+
+
+# ---------------------------------------------------------------------------- activations
+def _context_mesh():
+    mesh = jax.sharding.get_abstract_mesh()
+    return None if mesh is None or mesh.empty else mesh
+
+
+def constrain(x: jax.Array, *names: str | None) -> jax.Array:
+    """``with_sharding_constraint`` by logical names under a mesh (``jax.set_mesh``); the
+    identity without one."""
+    mesh = _context_mesh()
+    if mesh is None or mesh.size == 1:
+        return x
+    return jax.lax.with_sharding_constraint(x, logical_to_spec(names, x.shape, mesh))
+
+
+# ---------------------------------------------------------------------------- batches
+def batch_sharding(mesh, ndim: int = 2, rules=None) -> NamedSharding:
+    """Batch arrays ``[B, T, ...]``: rows over the batch axes, the rest replicated."""
+    return NamedSharding(mesh, logical_to_spec(("batch",) + (None,) * (ndim - 1), None, mesh,
+                                               rules))
+
+
+def process_batch_share(mesh, global_batch: int, rules=None) -> tuple[int, int]:
+    """``(share index, number of shares)``: this process feeds rows ``[i * b, (i + 1) * b)`` of
+    every global batch, ``b = global_batch / shares``. Processes whose devices hold the same
+    rows (a ``tensor`` axis across hosts) get the same share."""
+    sharding = batch_sharding(mesh, 2, rules)
+    rows = sorted({(s[0].start or 0, global_batch if s[0].stop is None else s[0].stop)
+                   for s in sharding.addressable_devices_indices_map((global_batch, 1)).values()})
+    start, stop = rows[0][0], rows[-1][1]
+    if any(b[0] != a[1] for a, b in zip(rows, rows[1:])) or (stop - start) == 0 \
+            or global_batch % (stop - start):
+        raise ValueError(f"this process's devices hold rows {rows} of the batch, which are not "
+                         f"one contiguous block. Fix: order the mesh so each process's devices are "
+                         f"adjacent along the batch axes (jax.make_mesh does this)")
+    local = stop - start
+    return start // local, global_batch // local
+
+
+def global_batch(local: dict[str, np.ndarray], mesh, global_rows: int, rules=None
+                 ) -> dict[str, jax.Array]:
+    """Global arrays from this process's rows of the batch (every process calls it)."""
+    out = {}
+    for k, v in local.items():
+        v = np.asarray(v)
+        sharding = batch_sharding(mesh, v.ndim, rules)
+        out[k] = jax.make_array_from_process_local_data(sharding, v, (global_rows,) + v.shape[1:])
+    return out
+
+
+# ---------------------------------------------------------------------------- model checks
+def check_model_mesh(model_cfg, mesh, global_batch_size: int | None = None) -> None:
+    """Refuse, before any compute, a mesh the model cannot be split over: a ``tensor`` size
+    that does not divide the (DIFF) heads or kv heads (it would split a DIFF pair or a kv group),
+    or a batch the data axes cannot divide."""
+    sizes = _mesh_sizes(mesh)
+    t = sizes.get("tensor", 1)
+    if t > 1:
+        heads, kv = model_cfg.num_heads, model_cfg.kv_heads
+        what = "DIFF heads (pairs)" if model_cfg.is_diff else "heads"
+        for n, label in ((heads, f"model.num_heads={heads} {what}"),
+                         (kv, f"{kv} kv heads")):
+            if n % t:
+                raise ConfigError(
+                    f"mesh.tensor={t} does not divide the {label}: tensor parallelism shards "
+                    f"whole heads{' and never splits a DIFF pair' if model_cfg.is_diff else ''}. "
+                    f"Fix: use mesh.tensor in {sorted(d for d in range(1, n + 1) if n % d == 0 and heads % d == 0)} "
+                    f"and put the other devices on mesh.fsdp or mesh.data.")
+    if global_batch_size is not None:
+        dp = sizes.get("data", 1) * sizes.get("fsdp", 1)
+        if global_batch_size % dp:
+            raise ConfigError(
+                f"train.batch_size={global_batch_size} is not divisible by data x fsdp = {dp} "
+                f"(mesh {dict(sizes)}). Fix: use a batch size that is a multiple of {dp}, or "
+                f"move devices to mesh.tensor.")
+
+
+def bytes_per_device(tree: Any, mesh, rules=None) -> tuple[int, int]:
+    """``(bytes on one device, unsharded bytes)`` of ``tree`` (arrays or ``ShapeDtypeStruct``s)
+    placed by its annotations on ``mesh``; computed from shapes, nothing is allocated (shards
+    are even: :func:`logical_to_spec` only splits dimensions that divide)."""
+    shardings = jax.tree.leaves(tree_shardings(tree, mesh, rules))
+    per_device = total = 0
+    for x, sh in zip(jax.tree.leaves(tree), shardings):
+        size = np.dtype(x.dtype).itemsize
+        total += math.prod(x.shape) * size
+        per_device += math.prod(sh.shard_shape(tuple(x.shape))) * size
+    return per_device, total
+
+
+def local_rows(x: jax.Array) -> np.ndarray:
+    """This process's rows of a batch-sharded global array, in order (host numpy)."""
+    shards = {}
+    for s in x.addressable_shards:
+        shards.setdefault(s.index[0].start or 0, s)
+    return np.concatenate([np.asarray(shards[k].data) for k in sorted(shards)], axis=0)
+
+
+__all__ = ["BATCH_AXES", "DEFAULT_RULES", "MESH_AXES", "MeshConfig", "batch_sharding",
+           "bytes_per_device", "check_model_mesh", "constrain", "current_rules", "global_batch",
+           "local_rows", "logical_axes", "logical_to_spec", "make_mesh", "param", "param_init",
+           "process_batch_share", "tree_shardings", "tree_specs"]
