@@ -73,15 +73,20 @@ class MeshConfig:
     ``data``: pure data parallelism (parameters replicated). ``fsdp``: data parallelism with
     parameters and optimizer state sharded (ZeRO-3). ``tensor``: attention heads and MLP hidden
     units split across devices (keep it within a host: it communicates every layer).
+
+    ``data=None`` (the default) means ``-1`` (all devices data-parallel) unless ``fsdp`` or
+    ``tensor`` is ``-1``, then 1: ``MeshConfig(fsdp=-1)`` is pure FSDP.
     """
 
-    data: int = -1
+    data: int | None = None
     fsdp: int = 1
     tensor: int = 1
 
     def __post_init__(self):
         for name in MESH_AXES:
             v = getattr(self, name)
+            if name == "data" and v is None:
+                continue
             if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or (v < 1 and v != -1):
                 raise ConfigError(f"MeshConfig.{name}: must be a positive integer or -1 (fill), "
                                   f"got {v!r}. Fix: set mesh.{name} to e.g. 1, 2, 8 or -1.")
@@ -91,9 +96,17 @@ class MeshConfig:
                               f"at most one axis can take the remaining devices. Fix: give all but "
                               f"one of them a size.")
 
+    @property
+    def sizes(self) -> tuple[int, int, int]:
+        """``(data, fsdp, tensor)`` as given, ``data=None`` resolved (``-1`` stays)."""
+        data = self.data
+        if data is None:
+            data = 1 if -1 in (self.fsdp, self.tensor) else -1
+        return data, self.fsdp, self.tensor
+
     def shape(self, num_devices: int) -> tuple[int, int, int]:
         """``(data, fsdp, tensor)`` for ``num_devices`` devices (``-1`` resolved)."""
-        sizes = [getattr(self, n) for n in MESH_AXES]
+        sizes = list(self.sizes)
         fixed = math.prod(s for s in sizes if s != -1)
         if -1 in sizes:
             if num_devices % fixed:
@@ -110,7 +123,7 @@ class MeshConfig:
         return tuple(sizes)  # type: ignore[return-value]
 
     def _fmt(self) -> str:
-        return ", ".join(f"{n}={getattr(self, n)}" for n in MESH_AXES)
+        return ", ".join(f"{n}={v}" for n, v in zip(MESH_AXES, self.sizes))
 
 
 def make_mesh(config: MeshConfig | None = None, devices: Sequence[Any] | None = None
@@ -300,6 +313,7 @@ def check_model_mesh(model_cfg, mesh, global_batch_size: int | None = None) -> N
     t = sizes.get("tensor", 1)
     if t > 1:
         heads, kv = model_cfg.num_heads, model_cfg.kv_heads
+        ok = [d for d in range(1, kv + 1) if kv % d == 0 and heads % d == 0]
         what = "DIFF heads (pairs)" if model_cfg.is_diff else "heads"
         for n, label in ((heads, f"model.num_heads={heads} {what}"),
                          (kv, f"{kv} kv heads")):
@@ -307,7 +321,7 @@ def check_model_mesh(model_cfg, mesh, global_batch_size: int | None = None) -> N
                 raise ConfigError(
                     f"mesh.tensor={t} does not divide the {label}: tensor parallelism shards "
                     f"whole heads{' and never splits a DIFF pair' if model_cfg.is_diff else ''}. "
-                    f"Fix: use mesh.tensor in {sorted(d for d in range(1, n + 1) if n % d == 0 and heads % d == 0)} "
+                    f"Fix: use mesh.tensor in {ok} "
                     f"and put the other devices on mesh.fsdp or mesh.data.")
     if global_batch_size is not None:
         dp = sizes.get("data", 1) * sizes.get("fsdp", 1)

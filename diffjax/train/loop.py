@@ -148,6 +148,23 @@ def device_peak_memory() -> int | None:
     return stats.get("peak_bytes_in_use")
 
 
+def make_state_init(model_cfg: ModelConfig, tcfg, tx: optax.GradientTransformation | None = None
+                    ) -> Callable[[], tuple[dict[str, Any], Any]]:
+    """``init() -> (state, rest)``: the train state ``{"step", "params", "opt_state"}`` (every
+    leaf of params and of the Adam moments a ``nnx.Variable`` carrying its logical axes) and the
+    model's non-parameter state. ``jax.eval_shape(init)`` describes it without allocating;
+    ``jax.jit(init, out_shardings=...)`` creates it already sharded."""
+    tx = make_optimizer(tcfg) if tx is None else tx
+
+    def init_state():
+        model = TransformerLM(model_cfg, rngs=nnx.Rngs(tcfg.seed))
+        _, params, rest = nnx.split(model, nnx.Param, ...)
+        state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
+        return state, rest
+
+    return init_state
+
+
 # ---------------------------------------------------------------------------- the loop
 def describe_mesh(mesh) -> str:
     sizes = " ".join(f"{n}={s}" for n, s in zip(mesh.axis_names, mesh.devices.shape))
@@ -221,11 +238,7 @@ def _train_model(exp: ExperimentConfig, model_cfg: ModelConfig, label: str, dire
     tx = make_optimizer(tcfg)
     schedule = learning_rate_schedule(tcfg)
 
-    def init_state():
-        model = TransformerLM(model_cfg, rngs=nnx.Rngs(tcfg.seed))
-        _, params, rest = nnx.split(model, nnx.Param, ...)
-        state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
-        return state, rest
+    init_state = make_state_init(model_cfg, tcfg, tx)
 
     graphdef, _, _ = nnx.split(nnx.eval_shape(lambda: TransformerLM(model_cfg, rngs=nnx.Rngs(0))),
                                nnx.Param, ...)
