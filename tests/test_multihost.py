@@ -119,3 +119,62 @@ def test_saved_with_fsdp8_continues_with_data2_tensor4(tmp_path, capsys):
     assert sorted(a) == sorted(b) == [1, 2, 3, 4, 5, 6]
     np.testing.assert_allclose([b[s] for s in range(1, 7)], [a[s] for s in range(1, 7)],
                                rtol=LOSS_RTOL)
+
+
+# ---------------------------------------------------------------------------- launching
+def parse(*argv):
+    from diffjax.train.cli import build_parser
+
+    return build_parser().parse_args(list(argv))
+
+
+@pytest.fixture
+def fake_initialize(monkeypatch):
+    """Record jax.distributed.initialize calls instead of starting a runtime."""
+    calls = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda *a, **k: calls.append((a, k)))
+    for var in ("SLURM_STEP_NUM_TASKS", "OMPI_COMM_WORLD_SIZE", "TPU_WORKER_HOSTNAMES",
+                "JAX_COORDINATOR_ADDRESS"):
+        monkeypatch.delenv(var, raising=False)
+    return calls
+
+
+@pytest.mark.parametrize("argv, message", [
+    (("--num_processes", "2", "--process_id", "0"), "go together"),
+    (("--coordinator_address", "h:1", "--num_processes", "2", "--process_id", "2"), "is not in"),
+    (("--coordinator_address", "h", "--num_processes", "2", "--process_id", "0"), "no port"),
+])
+def test_bad_distributed_flags_are_refused_before_starting(fake_initialize, argv, message):
+    from diffjax.config import ConfigError
+    from diffjax.train.cli import init_distributed
+
+    with pytest.raises(ConfigError, match=message):
+        init_distributed(parse(*argv))
+    assert fake_initialize == []
+
+
+def test_distributed_start_from_flags_or_a_detected_cluster(fake_initialize, monkeypatch):
+    from diffjax.train.cli import init_distributed
+
+    assert init_distributed(parse()) is None  # a single process: nothing started
+    assert init_distributed(parse("--coordinator_address", "h:1", "--num_processes", "1",
+                                  "--process_id", "0")) is None
+    assert fake_initialize == []
+    how = init_distributed(parse("--coordinator_address", "10.0.0.1:1234", "--num_processes",
+                                 "4", "--process_id", "3"))
+    assert fake_initialize[-1][0] == ("10.0.0.1:1234", 4, 3) and "process 3 of 4" in how
+    monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "localhost")  # a single-host TPU VM
+    assert init_distributed(parse()) is None
+    for var, value, name in (("TPU_WORKER_HOSTNAMES", "w0,w1", "TPU pod"),
+                             ("SLURM_STEP_NUM_TASKS", "8", "SLURM")):
+        monkeypatch.setenv(var, value)
+        assert name in init_distributed(parse())
+        assert fake_initialize[-1] == ((), {})  # JAX reads the cluster itself
+        monkeypatch.delenv(var)
+
+
+def test_cli_reports_bad_distributed_flags(capsys):
+    from diffjax.train.cli import EXIT_BAD_INPUT
+
+    assert main(["--num_processes", "2"]) == EXIT_BAD_INPUT
+    assert "go together" in capsys.readouterr().err

@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # environment variables that mean "one of several processes of a cluster JAX can detect"
-_CLUSTER_ENV = {"SLURM_NTASKS": "SLURM", "OMPI_COMM_WORLD_SIZE": "Open MPI",
+_CLUSTER_ENV = {"SLURM_STEP_NUM_TASKS": "SLURM", "OMPI_COMM_WORLD_SIZE": "Open MPI",
                 "TPU_WORKER_HOSTNAMES": "TPU pod", "JAX_COORDINATOR_ADDRESS": "JAX"}
 
 
