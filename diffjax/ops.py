@@ -274,7 +274,7 @@ def _per_shard(body, q, k, arrays: dict[str, jax.Array | None]) -> jax.Array:
     ``[B, T]``; None entries are passed through."""
     from . import sharding
 
-    mesh = sharding._context_mesh()
+    mesh = sharding.context_mesh()
     live = {n: a for n, a in arrays.items() if a is not None}
     if mesh is None or mesh.size == 1:
         return body(**arrays)

@@ -255,7 +255,8 @@ def tree_shardings(tree: Any, mesh, rules: Sequence[tuple[str, Any]] | None = No
 
 
 # ---------------------------------------------------------------------------- activations
-def _context_mesh():
+def context_mesh():
+    """The mesh set with ``jax.set_mesh`` (abstract inside ``jit``), or None."""
     mesh = jax.sharding.get_abstract_mesh()
     return None if mesh is None or mesh.empty else mesh
 
@@ -263,7 +264,7 @@ def _context_mesh():
 def constrain(x: jax.Array, *names: str | None) -> jax.Array:
     """``with_sharding_constraint`` by logical names under a mesh (``jax.set_mesh``); the
     identity without one."""
-    mesh = _context_mesh()
+    mesh = context_mesh()
     if mesh is None or mesh.size == 1:
         return x
     return jax.lax.with_sharding_constraint(x, logical_to_spec(names, x.shape, mesh))
@@ -285,7 +286,7 @@ def process_batch_share(mesh, global_batch: int, rules=None) -> tuple[int, int]:
                    for s in sharding.addressable_devices_indices_map((global_batch, 1)).values()})
     start, stop = rows[0][0], rows[-1][1]
     if any(b[0] != a[1] for a, b in zip(rows, rows[1:])) or (stop - start) == 0 \
-            or global_batch % (stop - start):
+            or global_batch % (stop - start) or start % (stop - start):
         raise ValueError(f"this process's devices hold rows {rows} of the batch, which are not "
                          f"one contiguous block. Fix: order the mesh so each process's devices are "
                          f"adjacent along the batch axes (jax.make_mesh does this)")
@@ -354,6 +355,6 @@ def local_rows(x: jax.Array) -> np.ndarray:
 
 
 __all__ = ["BATCH_AXES", "DEFAULT_RULES", "MESH_AXES", "MeshConfig", "batch_sharding",
-           "bytes_per_device", "check_model_mesh", "constrain", "current_rules", "global_batch",
+           "bytes_per_device", "check_model_mesh", "constrain", "context_mesh", "current_rules", "global_batch",
            "local_rows", "logical_axes", "logical_to_spec", "make_mesh", "param", "param_init",
            "process_batch_share", "tree_shardings", "tree_specs"]
