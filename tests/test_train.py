@@ -330,3 +330,57 @@ def test_data_change_on_resume_is_reported(tmp_path, capsys):
     assert run_main(tmp_path, "train.steps=3", "compare=false", "data.seed=5") == 0
     out = capsys.readouterr().out
     assert "data config differs from the checkpoint's (seed)" in out
+
+
+def test_the_best_checkpoint_survives_a_resume(tmp_path):
+    """Orbax keeps metrics only in memory unless told to write them: a reopened manager then
+    saw no validation loss and deleted the best checkpoint at its next save."""
+    from diffjax.train.checkpoint import Checkpointer
+
+    ck = Checkpointer(str(tmp_path / "ck"), keep=1, async_save=False)
+    for step, val in [(1, 3.0), (2, 1.0), (3, 2.0)]:
+        ck.save(step, {"w": jnp.full((2,), float(step))}, {"pos": step}, {"model": {}}, val)
+    ck.close()
+    ck = Checkpointer(str(tmp_path / "ck"), keep=1, async_save=False)  # a resumed run
+    assert ck.best_step() == 2
+    for step, val in [(4, 5.0), (5, 6.0)]:
+        ck.save(step, {"w": jnp.full((2,), float(step))}, {"pos": step}, {"model": {}}, val)
+    assert ck.all_steps() == [2, 5]
+    assert ck.best_step() == 2
+    ck.close()
+
+
+def test_load_model_reads_the_saved_parameters(tmp_path):
+    from diffjax.train import Checkpointer, load_model
+    from diffjax.train.checkpoint import abstract_like
+
+    assert run_main(tmp_path, "train.steps=4", "train.checkpoint_every=2", "train.eval_every=2",
+                    "compare=false") == 0
+    run = tmp_path / "run" / "diff"
+    vals = {r["step"]: r["val_loss"] for r in read_metrics(str(run / "metrics.jsonl"))
+            if "val_loss" in r}
+    best = min(vals, key=vals.get)
+    ck = Checkpointer(str(run / "checkpoints"), async_save=False)
+    raw = ck.manager.restore(best)  # the whole state as Orbax saved it, no target
+    ck.close()
+    model = load_model(str(run))  # "best"
+    assert model.config == diffjax.ModelConfig(**json.loads(
+        (tmp_path / "run" / "config.json").read_text())["model"])
+    _, params = nnx.split(model, nnx.Param)
+
+    def flat(tree):  # path of plain names -> array (Orbax writes layer indices as strings)
+        return {tuple(str(getattr(k, "key", k)) for k in path if getattr(k, "key", k) != "value"):
+                np.asarray(v) for path, v in jax.tree_util.tree_leaves_with_path(tree)}
+
+    loaded, saved = flat(params.to_pure_dict()), flat(raw["state"]["params"])
+    assert loaded.keys() == saved.keys() and len(loaded) > 5
+    for k in loaded:
+        np.testing.assert_array_equal(loaded[k], saved[k])
+    latest = load_model(str(run / "checkpoints"), step="latest")
+    assert int(raw["state"]["step"]) == best and latest is not None
+    tokens = jnp.zeros((1, 8), jnp.int32)
+    assert model(tokens).shape == (1, 8, model.config.vocab_size)
+    with pytest.raises(diffjax.train.CheckpointError, match="no checkpoint at step 3"):
+        load_model(str(run), step=3)
+    with pytest.raises(diffjax.train.CheckpointError, match="holds no committed checkpoint"):
+        load_model(str(tmp_path))

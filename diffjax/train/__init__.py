@@ -4,7 +4,7 @@
 on the same data in the same order from the same seed and writes ``runs/<name>/``.
 """
 
-from .checkpoint import Checkpointer, CheckpointError
+from .checkpoint import Checkpointer, CheckpointError, load_model
 from .config import (ExperimentConfig, RunConfig, TrainConfig, apply_overrides, config_keys,
                      default_config, load_config)
 from .loop import TrainingDiverged, TrainResult, train_model
@@ -13,5 +13,6 @@ from .optimizer import decay_mask, learning_rate_schedule, make_optimizer
 __all__ = [
     "CheckpointError", "Checkpointer", "ExperimentConfig", "RunConfig", "TrainConfig",
     "TrainResult", "TrainingDiverged", "apply_overrides", "config_keys", "decay_mask",
-    "default_config", "learning_rate_schedule", "load_config", "make_optimizer", "train_model",
+    "default_config", "learning_rate_schedule", "load_config", "load_model", "make_optimizer",
+    "train_model",
 ]

@@ -25,7 +25,7 @@ import jax
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as cm
 
-from diffjax.config import ConfigError
+from diffjax.config import ConfigError, ModelConfig
 
 
 class CheckpointError(RuntimeError):
@@ -40,9 +40,12 @@ class Checkpointer:
             cm.BestN(get_metric_fn=lambda m: m["val_loss"], reverse=True, n=1,
                      keep_checkpoints_without_metrics=False),
         ])
+        # best_fn is what makes Orbax write each step's metrics to disk: without it they live
+        # only in this manager's memory, and after a resume BestN sees none and deletes the
+        # best checkpoint. (Preservation itself is decided by ``policy`` alone.)
         options = ocp.CheckpointManagerOptions(
-            preservation_policy=policy, enable_async_checkpointing=async_save,
-            cleanup_tmp_directories=True, create=True)
+            preservation_policy=policy, best_fn=lambda m: m["val_loss"], best_mode="min",
+            enable_async_checkpointing=async_save, cleanup_tmp_directories=True, create=True)
         self.manager = ocp.CheckpointManager(
             self.directory, options=options,
             item_handlers={"state": ocp.StandardCheckpointHandler(),
@@ -54,6 +57,10 @@ class Checkpointer:
 
     def all_steps(self) -> list[int]:
         return list(self.manager.all_steps())
+
+    def best_step(self) -> int | None:
+        """The step with the lowest recorded validation loss (the latest if none recorded)."""
+        return self.manager.best_step() if self.manager.best_step() is not None else self.latest_step()
 
     def save(self, step: int, state: Any, data_state: Any, meta: dict[str, Any],
              val_loss: float | None = None) -> None:
@@ -130,3 +137,67 @@ def abstract_like(tree: Any, sharding: Any = None) -> Any:
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
 
     return jax.tree.map(one, tree)
+
+
+def load_model(directory: str, step: int | str = "best", *, mesh: jax.sharding.Mesh | None = None):
+    """The :class:`diffjax.TransformerLM` saved in a training run's checkpoints.
+
+    ``directory``: a model's run folder (the one holding ``checkpoints/``) or the
+    ``checkpoints/`` folder itself. ``step``: ``"best"`` (lowest validation loss; the latest
+    when no loss was recorded), ``"latest"`` or a step number. Only the parameters are read
+    (not the optimizer state); the model config comes from the checkpoint. With ``mesh`` the
+    parameters are placed on it by their logical axes as they are read; otherwise on the first
+    local device. Raises :class:`CheckpointError` naming the problem and the fix.
+    """
+    from flax import nnx
+
+    from diffjax import sharding
+    from diffjax.model import TransformerLM
+
+    directory = os.path.abspath(directory)
+    ckpt_dir = directory if os.path.basename(directory) == "checkpoints" else os.path.join(
+        directory, "checkpoints")
+    steps = committed_steps(ckpt_dir)
+    if not steps:
+        raise CheckpointError(
+            f"{directory} holds no committed checkpoint (looked in {ckpt_dir}). Fix: pass the "
+            f"folder of one model of a run written by train.py (e.g. runs/default/diff), after "
+            f"at least one checkpoint was saved.")
+    ckpt = Checkpointer(ckpt_dir, async_save=False)
+    try:
+        if step == "best":
+            step = ckpt.best_step()
+        elif step == "latest":
+            step = ckpt.latest_step()
+        elif not isinstance(step, int) or step not in steps:
+            raise CheckpointError(f"no checkpoint at step {step!r} in {ckpt_dir}. Fix: use "
+                                  f"'best', 'latest' or one of {steps}.")
+        meta = ckpt.read_meta(step)
+    finally:
+        ckpt.close()
+    try:
+        config = ModelConfig(**meta["model"])
+    except (KeyError, TypeError, ConfigError) as e:
+        raise CheckpointError(
+            f"the checkpoint at step {step} in {ckpt_dir} holds no diffjax model config that "
+            f"this version can read ({type(e).__name__}: {e}). Fix: load it with the diffjax "
+            f"version that wrote it.") from e
+
+    abstract = nnx.eval_shape(lambda: TransformerLM(config, rngs=nnx.Rngs(0)))
+    graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
+    if mesh is None:
+        target = abstract_like(params, jax.sharding.SingleDeviceSharding(jax.local_devices()[0]))
+    else:
+        with jax.set_mesh(mesh), nnx.logical_axis_rules(sharding.current_rules()):
+            target = abstract_like(params, sharding.tree_shardings(params, mesh))
+    path = os.path.join(ckpt_dir, str(step), "state")
+    try:
+        with ocp.PyTreeCheckpointer() as reader:
+            item = {"params": target}
+            params = reader.restore(path, args=ocp.args.PyTreeRestore(
+                item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
+                partial_restore=True))["params"]
+    except Exception as e:  # noqa: BLE001 - any failure to read is a bad checkpoint
+        raise CheckpointError(_unreadable(ckpt_dir, step, e)) from e
+    rest = jax.tree.map(lambda x: jax.numpy.zeros(x.shape, x.dtype), rest)
+    return nnx.merge(graphdef, params, rest)
