@@ -372,7 +372,7 @@ def test_load_model_reads_the_saved_parameters(tmp_path):
         return {tuple(str(getattr(k, "key", k)) for k in path if getattr(k, "key", k) != "value"):
                 np.asarray(v) for path, v in jax.tree_util.tree_leaves_with_path(tree)}
 
-    loaded, saved = flat(params.to_pure_dict()), flat(raw["state"]["params"])
+    loaded, saved = flat(nnx.to_pure_dict(params)), flat(raw["state"]["params"])
     assert loaded.keys() == saved.keys() and len(loaded) > 5
     for k in loaded:
         np.testing.assert_array_equal(loaded[k], saved[k])
