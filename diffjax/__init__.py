@@ -1,8 +1,9 @@
 """diffjax: the Differential Transformer (DIFF V1 and V2) and its standard twin in JAX/Flax NNX."""
 
-from . import interop, ops
+from . import decode, interop, ops
 from .attention import MultiheadAttention, MultiheadDiffAttn, MultiheadDiffAttnV2
 from .config import ConfigError, ModelConfig, lambda_init_fn, twin
+from .decode import KVCache, generate
 from .interop import load_unilm_state_dict, unilm_state_dict
 from .layers import RMSNorm, SwiGLU, apply_rotary, rotary_angles
 from .model import Block, TransformerLM
@@ -12,9 +13,9 @@ from .params import ParamCount, compare_params, count_params
 __version__ = "0.1.0"
 
 __all__ = [
-    "Block", "ConfigError", "ModelConfig", "MultiheadAttention", "MultiheadDiffAttn",
+    "Block", "ConfigError", "KVCache", "ModelConfig", "MultiheadAttention", "MultiheadDiffAttn",
     "MultiheadDiffAttnV2", "ParamCount", "RMSNorm", "SwiGLU", "TransformerLM", "apply_rotary",
-    "compare_params", "count_params", "differential_attention", "dot_product_attention",
+    "compare_params", "count_params", "decode", "differential_attention", "dot_product_attention", "generate",
     "interop", "lambda_init_fn", "load_unilm_state_dict", "ops", "rotary_angles", "twin",
     "unilm_state_dict",
 ]

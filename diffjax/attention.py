@@ -40,6 +40,44 @@ def _rotate(q: jax.Array, k: jax.Array, x: jax.Array, positions: jax.Array | Non
     return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
 
+# ---------------------------------------------------------------------------- KV cache
+# Decoding (diffjax.decode) calls ``extend`` instead of ``__call__``: the layer's keys and values
+# go into a per-layer cache ``{name: [B, L, kv_heads, width]}`` at slot ``index``. Two cases:
+#
+# - T > 1 (prefill, into an empty cache at slot 0): attention over the new tokens themselves,
+#   causal, with ``segment_ids`` [B, T] (0 on left padding, 1 on the prompt) so that a prompt
+#   token never sees padding; the keys/values are then stored.
+# - T == 1 (one decoded token): its key/value is stored at ``index``, then the query attends to
+#   the whole cache with ``kv_segment_ids`` [B, L] (1 on the slots that hold this row's tokens,
+#   0 on padding and empty slots) against ``segment_ids`` [B, 1] of ones: the "kv lengths" mask,
+#   which the fused kernels take as segment ids.
+_CACHE_ACT = ("act_batch", None, "act_kv_heads", None)
+
+
+def _update_cache(cache: dict[str, jax.Array], new: dict[str, jax.Array], index
+                  ) -> tuple[dict[str, jax.Array], dict[str, jax.Array], dict]:
+    """``(arrays to attend to, the updated cache, the mask keywords of ops)``."""
+    if set(cache) != set(new):
+        raise ValueError(f"KV cache entries {sorted(cache)} do not match this layer's "
+                         f"{sorted(new)}: the cache was built for another attention kind")
+    t = next(iter(new.values())).shape[1]
+    updated = {n: constrain(jax.lax.dynamic_update_slice_in_dim(
+        cache[n], new[n].astype(cache[n].dtype), index, axis=1), *_CACHE_ACT) for n in cache}
+    if t == 1:
+        return updated, updated, dict(causal=False)
+    return {n: new[n].astype(cache[n].dtype) for n in new}, updated, dict(causal=True)
+
+
+def _check_extend(module, x, segment_ids, kv_segment_ids):
+    if not module.causal:
+        raise ValueError(f"{type(module).__name__}.extend: decoding with a KV cache needs a causal "
+                         f"layer (built with causal=False)")
+    if x.shape[1] == 1 and kv_segment_ids is None:
+        raise ValueError(f"{type(module).__name__}.extend: one decoded token needs kv_segment_ids "
+                         f"[batch, cache length] (which cache slots hold this row's tokens)")
+    return dict(segment_ids=segment_ids, kv_segment_ids=kv_segment_ids if x.shape[1] == 1 else None)
+
+
 class _Projections(nnx.Module):
     """Shared constructor pieces: head bookkeeping and its checks, bias-free linears."""
 
@@ -121,6 +159,23 @@ class MultiheadAttention(_Projections):
         o = ops.dot_product_attention(q, k, v, causal=self.causal, segment_ids=segment_ids,
                                       scale=self.scaling, impl=self.attention_impl)
         return self.out_proj(o.reshape(b, t, self.num_heads * self.head_dim))
+
+    def cache_layout(self) -> dict[str, tuple[int, int]]:
+        """The KV cache entries of this layer: name -> (kv heads, width) per token."""
+        return {"k": (self.num_kv_heads, self.head_dim), "v": (self.num_kv_heads, self.head_dim)}
+
+    def extend(self, x: jax.Array, positions: jax.Array, cache: dict[str, jax.Array], *,
+               index, segment_ids: jax.Array, kv_segment_ids: jax.Array | None = None
+               ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """Decoding: ``(output, updated cache)`` for ``x`` ``[B, T, D]`` written at slot ``index``
+        (see the KV cache notes above; :mod:`diffjax.decode` drives it)."""
+        mask = _check_extend(self, x, segment_ids, kv_segment_ids)
+        q, k, v = self._qkv(x, positions)
+        kv, cache, kw = _update_cache(cache, dict(k=k, v=v), index)
+        b, t = x.shape[:2]
+        o = ops.dot_product_attention(q, kv["k"], kv["v"], scale=self.scaling,
+                                      impl=self.attention_impl, **kw, **mask)
+        return self.out_proj(o.reshape(b, t, self.num_heads * self.head_dim)), cache
 
 
 class MultiheadDiffAttn(_Projections):
@@ -217,6 +272,28 @@ class MultiheadDiffAttn(_Projections):
             o = self.subln(o) * jnp.asarray(1.0 - self.lambda_init, o.dtype)
         return self.out_proj(o.reshape(b, t, h * 2 * d))
 
+    def cache_layout(self) -> dict[str, tuple[int, int]]:
+        """The KV cache entries of this layer: name -> (kv heads, width) per token. The raw key
+        heads K1 (2g) and K2 (2g+1) of each kv group, and its value, 2d wide."""
+        hkv, d = self.num_kv_heads, self.head_dim
+        return {"k1": (hkv, d), "k2": (hkv, d), "v": (hkv, 2 * d)}
+
+    def extend(self, x: jax.Array, positions: jax.Array, cache: dict[str, jax.Array], *,
+               index, segment_ids: jax.Array, kv_segment_ids: jax.Array | None = None
+               ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """Decoding: ``(output, updated cache)`` for ``x`` ``[B, T, D]`` written at slot ``index``
+        (see the KV cache notes above; :mod:`diffjax.decode` drives it)."""
+        mask = _check_extend(self, x, segment_ids, kv_segment_ids)
+        q1, k1, q2, k2, v = self._qkv(x, positions)
+        kv, cache, kw = _update_cache(cache, dict(k1=k1, k2=k2, v=v), index)
+        b, t = x.shape[:2]
+        h, d = self.num_heads, self.head_dim
+        o = ops.differential_attention(q1, kv["k1"], q2, kv["k2"], kv["v"], self.lambda_full(),
+                                       scale=self.scaling, impl=self.attention_impl, **kw, **mask)
+        if self.subln is not None:
+            o = self.subln(o) * jnp.asarray(1.0 - self.lambda_init, o.dtype)
+        return self.out_proj(o.reshape(b, t, h * 2 * d)), cache
+
 
 def differential_lambda(lq1: jax.Array, lk1: jax.Array, lq2: jax.Array, lk2: jax.Array,
                         lambda_init: float) -> jax.Array:
@@ -310,6 +387,25 @@ class MultiheadDiffAttnV2(_Projections):
                                        causal=self.causal, segment_ids=segment_ids,
                                        scale=self.scaling, impl=self.attention_impl)
         return self.o_proj(o.reshape(b, t, self.num_heads * self.head_dim))
+
+    def cache_layout(self) -> dict[str, tuple[int, int]]:
+        """The KV cache entries of this layer: name -> (kv heads, width) per token. One key and
+        one value per kv head, read once for both maps of every pair."""
+        return {"k": (self.num_kv_heads, self.head_dim), "v": (self.num_kv_heads, self.head_dim)}
+
+    def extend(self, x: jax.Array, positions: jax.Array, cache: dict[str, jax.Array], *,
+               index, segment_ids: jax.Array, kv_segment_ids: jax.Array | None = None
+               ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """Decoding: ``(output, updated cache)`` for ``x`` ``[B, T, D]`` written at slot ``index``
+        (see the KV cache notes above; :mod:`diffjax.decode` drives it)."""
+        mask = _check_extend(self, x, segment_ids, kv_segment_ids)
+        q, k, v = self._qkv(x, positions)
+        kv, cache, kw = _update_cache(cache, dict(k=k, v=v), index)
+        b, t = x.shape[:2]
+        q1, q2 = self._pairs(q)
+        o = ops.differential_attention(q1, kv["k"], q2, kv["k"], kv["v"], self.lambda_values(x),
+                                       scale=self.scaling, impl=self.attention_impl, **kw, **mask)
+        return self.o_proj(o.reshape(b, t, self.num_heads * self.head_dim)), cache
 
 
 __all__ = ["MultiheadAttention", "MultiheadDiffAttn", "MultiheadDiffAttnV2", "differential_lambda"]

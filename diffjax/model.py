@@ -47,6 +47,12 @@ class Block(nnx.Module):
         x = constrain(x + self.attn(self.attn_norm(x), positions, segment_ids), *_ACT)
         return constrain(x + self.ffn(self.ffn_norm(x)), *_ACT)
 
+    def extend(self, x, positions, cache, **step):
+        """Decoding with a KV cache: ``(x, updated layer cache)`` (see :mod:`diffjax.decode`)."""
+        a, cache = self.attn.extend(self.attn_norm(x), positions, cache, **step)
+        x = constrain(x + a, *_ACT)
+        return constrain(x + self.ffn(self.ffn_norm(x)), *_ACT), cache
+
 
 class TransformerLM(nnx.Module):
     """Decoder-only LM. ``model(tokens [B, T] int) -> logits [B, T, vocab]`` (float32).
@@ -86,6 +92,21 @@ class TransformerLM(nnx.Module):
         x = constrain(self._embed(tokens), *_ACT)
         for block in self.layers:
             x = block(x, positions, segment_ids)
+        return self._logits(x)
+
+    def extend(self, tokens: jax.Array, positions: jax.Array, caches, **step):
+        """Decoding: ``(logits [B, T, vocab], updated caches)`` for ``tokens`` ``[B, T]`` at
+        ``positions``, with one cache per layer. Use :func:`diffjax.decode.prefill`,
+        :func:`diffjax.decode.decode_step` or :func:`diffjax.generate`, which build the masks."""
+        x = constrain(self._embed(tokens), *_ACT)
+        new = []
+        for block, cache in zip(self.layers, caches, strict=True):
+            x, cache = block.extend(x, positions, cache, **step)
+            new.append(cache)
+        return self._logits(x), tuple(new)
+
+    def _logits(self, x: jax.Array) -> jax.Array:
+        """Final norm and output head, float32 logits."""
         x = self.norm(x)
         logits = self.embed.attend(x) if self.lm_head is None else self.lm_head(x)
         return constrain(logits.astype(jnp.float32), "act_batch", "act_seq", "act_vocab")

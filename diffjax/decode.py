@@ -1,0 +1,342 @@
+"""Generation with a KV cache: :func:`generate`, and the pieces it is built from.
+
+The cache holds, per layer, the keys and values each attention kind needs (``cache_layout()``
+of the layer): the twin its ``H_kv`` key and value heads of width d; DIFF V1 its raw key heads
+K1 = 2g and K2 = 2g+1 of every kv group g (width d) and the group's value, 2d wide; DIFF V2 one
+key and one value per kv head, which both query heads of a pair read (the cache is read once for
+both maps). :func:`cache_bytes_per_token` counts it; docs/generation.md gives the figures.
+
+**Batches of prompts of different lengths are left-padded.** Row ``b`` of a prompt ``[B, P]``
+holds its ``prompt_lengths[b]`` tokens at the right end; the padding before them is never
+attended to, and rotary positions count from each row's first real token (position 0), so a
+row gives the same tokens whatever the other rows are. Every row then writes its next token to
+the same cache slot, so one decode step serves the whole batch with a scalar slot index.
+
+**Compiled once.** Prompt lengths and cache lengths are rounded up to ``length_bucket``, so
+:func:`generate` compiles one prefill and one decode loop per (batch size, bucket, sampling
+mode), and reuses them for every prompt in the bucket and every token (the loop runs inside one
+compiled program; its trip count is a traced value). :data:`TRACE_COUNTS` counts the traces.
+
+**Sharding.** Under a mesh (``jax.set_mesh``) the cache is constrained like the activations:
+batch rows over ``data``/``fsdp``, kv heads over ``tensor``; a model loaded with
+``load_model(..., mesh=mesh)`` decodes sharded with the same results.
+
+**Kernels.** The attention goes through :mod:`diffjax.ops` with the layer's ``attention_impl``:
+on GPU/TPU the fused Pallas kernels (``"auto"`` picks them) take the prefill (causal, with the
+left padding as segment ids) and each decode step (one query against the whole cache, the
+filled slots marked by ``kv_segment_ids``); on CPU the XLA path.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, struct
+
+from .config import ModelConfig
+from .model import TransformerLM
+from .sharding import constrain
+
+# Number of times each compiled piece was traced (a trace precedes each compilation): what a
+# test or a user checks to see that decoding is not recompiled per token or per prompt.
+TRACE_COUNTS: collections.Counter = collections.Counter()
+
+_CACHE_ACT = ("act_batch", None, "act_kv_heads", None)
+
+
+@struct.dataclass
+class KVCache:
+    """The keys and values of every layer, for a left-padded batch.
+
+    ``layers``: one dict per layer, ``{name: [B, L, kv_heads, width]}`` (names and widths from
+    the layer's ``cache_layout()``). ``start`` ``[B]`` int32: the slot of each row's first real
+    token (the slots before it are padding). ``index`` int32 scalar: the next slot to write, the
+    same for every row. The token in slot ``s`` of row ``b`` has rotary position
+    ``s - start[b]``.
+    """
+
+    layers: tuple[dict[str, jax.Array], ...]
+    start: jax.Array
+    index: jax.Array
+
+    @property
+    def batch_size(self) -> int:
+        return self.start.shape[0]
+
+    @property
+    def max_length(self) -> int:
+        """L, the number of slots."""
+        return next(iter(self.layers[0].values())).shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.size * a.dtype.itemsize for layer in self.layers for a in layer.values())
+
+
+# ---------------------------------------------------------------------------- cache sizes
+def cache_layout(model_or_config) -> list[dict[str, tuple[int, int]]]:
+    """Per layer, the cache entries ``{name: (kv heads, width)}`` (one token, one row), as each
+    attention layer's ``cache_layout()`` says (for a config, read from one abstract layer)."""
+    if isinstance(model_or_config, TransformerLM):
+        return [block.attn.cache_layout() for block in model_or_config.layers]
+    if isinstance(model_or_config, ModelConfig):
+        from .model import make_attention
+
+        layer = nnx.eval_shape(lambda: make_attention(model_or_config, 0, rngs=nnx.Rngs(0)))
+        return [layer.cache_layout()] * model_or_config.num_layers  # the same at every depth
+    raise TypeError(f"expected a TransformerLM or a ModelConfig, got "
+                    f"{type(model_or_config).__name__}")
+
+
+def cache_bytes_per_token(model_or_config, dtype: Any = None) -> int:
+    """Bytes of KV cache one token of one sequence takes, all layers (``dtype``: default the
+    model's activation dtype, which the cache uses)."""
+    config = getattr(model_or_config, "config", model_or_config)
+    itemsize = jnp.dtype(dtype or config.dtype).itemsize
+    return sum(h * w for layer in cache_layout(model_or_config) for h, w in layer.values()) * itemsize
+
+
+def init_cache(model: TransformerLM, batch_size: int, max_length: int,
+               start: jax.Array | None = None) -> KVCache:
+    """An empty cache of ``max_length`` slots (zeros, in the model's activation dtype), sharded
+    under a mesh. ``start``: each row's first real slot (default 0)."""
+    dtype = jnp.dtype(model.config.dtype)
+    layers = tuple({n: constrain(jnp.zeros((batch_size, max_length, h, w), dtype), *_CACHE_ACT)
+                    for n, (h, w) in layer.items()} for layer in cache_layout(model))
+    start = jnp.zeros((batch_size,), jnp.int32) if start is None else jnp.asarray(start, jnp.int32)
+    return KVCache(layers=layers, start=start, index=jnp.zeros((), jnp.int32))
+
+
+# ---------------------------------------------------------------------------- prefill / step
+def prefill(model: TransformerLM, tokens: jax.Array, max_length: int,
+            start: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+    """Run the left-padded prompt ``tokens`` ``[B, P]`` (row ``b``'s prompt starts at slot
+    ``start[b]``, default 0) into a new cache of ``max_length`` slots. Returns the logits
+    ``[B, P, vocab]`` (float32; those at padded slots are meaningless) and the cache.
+
+    Traceable (call it inside ``jax.jit``/``nnx.jit``); :func:`generate` checks its arguments.
+    """
+    b, p = tokens.shape
+    start = jnp.zeros((b,), jnp.int32) if start is None else jnp.asarray(start, jnp.int32)
+    cache = init_cache(model, b, max_length, start)
+    slots = jnp.arange(p, dtype=jnp.int32)[None, :]
+    positions = jnp.maximum(slots - start[:, None], 0)
+    real = (slots >= start[:, None]).astype(jnp.int32)  # the segment ids: 0 pad, 1 prompt
+    logits, layers = model.extend(tokens, positions, cache.layers, index=0, segment_ids=real,
+                                  kv_segment_ids=_filled(start, max_length, p))
+    return logits, KVCache(layers=layers, start=start, index=jnp.asarray(p, jnp.int32))
+
+
+def _filled(start: jax.Array, max_length: int, end) -> jax.Array:
+    """``[B, L]`` int32: 1 on the slots ``start[b] <= s < end`` that hold row ``b``'s tokens."""
+    slots = jnp.arange(max_length, dtype=jnp.int32)[None, :]
+    return ((slots >= start[:, None]) & (slots < end)).astype(jnp.int32)
+
+
+def decode_step(model: TransformerLM, tokens: jax.Array, cache: KVCache
+                ) -> tuple[jax.Array, KVCache]:
+    """Append one token per row (``tokens`` ``[B]``) at slot ``cache.index``: returns the next
+    token's logits ``[B, vocab]`` (float32) and the cache advanced by one slot.
+
+    Traceable. The caller keeps ``cache.index < cache.max_length`` (:func:`generate` checks the
+    whole request before any compute); a full cache would overwrite its last slot.
+    """
+    index = cache.index
+    positions = (index - cache.start)[:, None]
+    ones = jnp.ones((tokens.shape[0], 1), jnp.int32)
+    logits, layers = model.extend(tokens[:, None], positions, cache.layers, index=index,
+                                  segment_ids=ones,
+                                  kv_segment_ids=_filled(cache.start, cache.max_length, index + 1))
+    return logits[:, 0], cache.replace(layers=layers, index=index + 1)
+
+
+# ---------------------------------------------------------------------------- sampling
+def sample_logits(logits: jax.Array, rng: jax.Array | None, *, temperature: Any = 0.0,
+                  top_k: int | None = None, greedy: bool | None = None) -> jax.Array:
+    """Next tokens ``[B]`` (int32) from logits ``[B, vocab]``: argmax when greedy
+    (``temperature == 0``), else a draw from ``softmax(logits / temperature)`` restricted to the
+    ``top_k`` largest logits when ``top_k`` is set. ``greedy`` overrides the test on
+    ``temperature`` (which may then be traced)."""
+    if greedy is None:
+        greedy = float(temperature) == 0.0
+    if greedy:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits.astype(jnp.float32) / jnp.asarray(temperature, jnp.float32)
+    if top_k is not None:
+        kth = jax.lax.top_k(logits, top_k)[0][..., -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    return jax.random.categorical(rng, logits, axis=-1).astype(jnp.int32)
+
+
+# ---------------------------------------------------------------------------- compiled pieces
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_length"))
+def _prefill_jit(graphdef, state, tokens, start, *, max_length):
+    TRACE_COUNTS["prefill"] += 1
+    model = nnx.merge(graphdef, state)
+    logits, cache = prefill(model, tokens, max_length, start)
+    return logits[:, -1], cache
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "num_slots", "greedy", "top_k"),
+                   donate_argnames=("cache",))
+def _decode_jit(graphdef, state, cache, logits, rng, num_new, temperature, *, num_slots, greedy,
+                top_k):
+    """``num_new`` (traced, <= ``num_slots``) tokens from the prefill's last ``logits``: the
+    first is sampled from them, each next one after a decode step. Returns ``[B, num_slots]``
+    (the first ``num_new`` columns are the tokens) and the cache."""
+    TRACE_COUNTS["decode"] += 1
+    model = nnx.merge(graphdef, state)
+
+    def sample(i, logits):
+        key = None if greedy else jax.random.fold_in(rng, i)
+        return sample_logits(logits, key, temperature=temperature, top_k=top_k, greedy=greedy)
+
+    first = sample(0, logits)
+    out = jnp.zeros((first.shape[0], num_slots), jnp.int32).at[:, 0].set(first)
+
+    def body(i, carry):
+        out, prev, cache = carry
+        logits, cache = decode_step(model, prev, cache)
+        token = sample(i, logits)
+        return out.at[:, i].set(token), token, cache
+
+    out, _, cache = jax.lax.fori_loop(1, num_new, body, (out, first, cache))
+    return out, cache
+
+
+# ---------------------------------------------------------------------------- generate
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def _as_key(rng):
+    if isinstance(rng, (int, np.integer)) and not isinstance(rng, bool):
+        return jax.random.key(int(rng))
+    if isinstance(rng, jax.Array) and (jnp.issubdtype(rng.dtype, jax.dtypes.prng_key)
+                                       or (rng.dtype == jnp.uint32 and rng.shape == (2,))):
+        return rng
+    raise TypeError(f"rng must be a jax.random.key (or an int seed), got {type(rng).__name__} "
+                    f"{getattr(rng, 'dtype', '')}")
+
+
+def generate(model: TransformerLM, prompt, max_new_tokens: int, *, temperature: float = 0.0,
+             top_k: int | None = None, rng=None, prompt_lengths=None,
+             length_bucket: int = 64) -> jax.Array:
+    """Continue ``prompt`` ``[B, P]`` (int tokens) by ``max_new_tokens`` tokens with a KV cache.
+
+    Returns ``[B, P + max_new_tokens]`` int32: the prompt as given, then the new tokens.
+    ``temperature`` 0 is greedy (argmax; ``top_k`` and ``rng`` are then unused); above 0 each
+    token is drawn from ``softmax(logits / temperature)``, over the ``top_k`` most likely tokens
+    when ``top_k`` is set, with ``rng`` (a ``jax.random.key`` or an int seed; required) — the
+    same ``rng`` gives the same tokens.
+
+    ``prompt_lengths`` ``[B]`` (default: all ``P``): rows of different lengths are **left
+    padded**: row ``b``'s prompt is its last ``prompt_lengths[b]`` tokens, the columns before are
+    ignored (any value), and its positions start at 0 on its first real token (see
+    :func:`pad_prompts`). A request whose longest prompt plus ``max_new_tokens`` exceeds
+    ``model.config.max_seq_len`` is refused before any compute.
+
+    Lengths are rounded up to ``length_bucket`` slots, so prompts within a bucket reuse the same
+    compiled prefill and decode loop. Under a mesh (``jax.set_mesh``), the batch and the cache
+    are sharded like the activations.
+    """
+    if not isinstance(model, TransformerLM):
+        raise TypeError(f"generate() takes a diffjax.TransformerLM, got {type(model).__name__}")
+    cfg = model.config
+    tokens = np.asarray(prompt)
+    if tokens.ndim != 2 or tokens.shape[1] < 1 or tokens.shape[0] < 1:
+        raise ValueError(f"generate(): prompt must be [batch, prompt length] with at least one "
+                         f"token per row, got shape {tokens.shape}. Fix: pass a 2-D int array "
+                         f"(one prompt: prompt[None, :]).")
+    if not np.issubdtype(tokens.dtype, np.integer):
+        raise ValueError(f"generate(): prompt must hold integer tokens, got dtype {tokens.dtype}")
+    b, p = tokens.shape
+    if not isinstance(max_new_tokens, (int, np.integer)) or isinstance(max_new_tokens, bool) \
+            or max_new_tokens < 0:
+        raise ValueError(f"generate(): max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    max_new_tokens = int(max_new_tokens)
+    if prompt_lengths is None:
+        lengths = np.full((b,), p, np.int64)
+    else:
+        lengths = np.asarray(prompt_lengths)
+        if lengths.shape != (b,) or not np.issubdtype(lengths.dtype, np.integer):
+            raise ValueError(f"generate(): prompt_lengths must be {b} ints (one per row), got "
+                             f"{lengths!r}")
+        lengths = lengths.astype(np.int64)
+    if lengths.min() < 1 or lengths.max() > p:
+        raise ValueError(f"generate(): prompt_lengths must be in [1, {p}] (each row has at least "
+                         f"one real token, at most the prompt's width), got {lengths.tolist()}")
+    longest = int(lengths.max())
+    real = np.arange(p)[None, :] >= (p - lengths)[:, None]
+    bad = real & ((tokens < 0) | (tokens >= cfg.vocab_size))
+    if bad.any():
+        r, c = map(int, np.argwhere(bad)[0])
+        raise ValueError(f"generate(): prompt token {int(tokens[r, c])} at row {r}, column {c} is "
+                         f"outside the vocabulary [0, {cfg.vocab_size})")
+    if longest + max_new_tokens > cfg.max_seq_len:
+        raise ValueError(
+            f"generate(): the longest prompt ({longest} tokens) plus max_new_tokens="
+            f"{max_new_tokens} is {longest + max_new_tokens} tokens, more than the model's "
+            f"max_seq_len={cfg.max_seq_len}. Fix: shorten the prompt or ask for at most "
+            f"{max(cfg.max_seq_len - longest, 0)} new tokens.")
+    temperature = float(temperature)
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"generate(): temperature must be a finite number >= 0 (0 is greedy), "
+                         f"got {temperature}")
+    greedy = temperature == 0.0
+    if top_k is not None and (not isinstance(top_k, (int, np.integer)) or isinstance(top_k, bool)
+                              or not 1 <= top_k <= cfg.vocab_size):
+        raise ValueError(f"generate(): top_k must be None or an int in [1, {cfg.vocab_size}], "
+                         f"got {top_k!r}")
+    if not isinstance(length_bucket, int) or length_bucket < 1:
+        raise ValueError(f"generate(): length_bucket must be an int >= 1, got {length_bucket!r}")
+    if greedy:
+        key = jax.random.key(0)  # unused
+    elif rng is None:
+        raise ValueError("generate(): sampling (temperature > 0) needs rng, e.g. "
+                         "rng=jax.random.key(0) (the same key gives the same tokens); "
+                         "temperature=0 is greedy and needs none")
+    else:
+        key = _as_key(rng)
+    if max_new_tokens == 0:
+        return jnp.asarray(tokens, jnp.int32)
+
+    # Left-pad to the bucket: drop the columns that are padding in every row, then pad again
+    # up to a bucket boundary (never past what max_seq_len allows).
+    slots_p = min(_round_up(longest, length_bucket), cfg.max_seq_len - max_new_tokens)
+    slots = min(_round_up(slots_p + max_new_tokens, length_bucket), cfg.max_seq_len)
+    padded = np.zeros((b, slots_p), np.int32)
+    padded[:, slots_p - longest:] = tokens[:, p - longest:]
+    start = (slots_p - lengths).astype(np.int32)
+
+    graphdef, state = nnx.split(model)
+    logits, cache = _prefill_jit(graphdef, state, jnp.asarray(padded), jnp.asarray(start),
+                                 max_length=slots)
+    new, _ = _decode_jit(graphdef, state, cache, logits, key, jnp.int32(max_new_tokens),
+                         jnp.float32(temperature), num_slots=slots - slots_p, greedy=greedy,
+                         top_k=None if greedy or top_k is None else int(top_k))
+    return jnp.concatenate([jnp.asarray(tokens, jnp.int32), new[:, :max_new_tokens]], axis=1)
+
+
+def pad_prompts(prompts, pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """``(tokens [B, P], lengths [B])`` from token sequences of different lengths, left padded
+    with ``pad_id`` to the longest, as :func:`generate` takes them (``prompt_lengths=lengths``).
+    """
+    prompts = [np.asarray(t).reshape(-1) for t in prompts]
+    if not prompts or any(t.size == 0 for t in prompts):
+        raise ValueError("pad_prompts(): give at least one prompt, each with at least one token")
+    width = max(t.size for t in prompts)
+    out = np.full((len(prompts), width), pad_id, np.int32)
+    for row, t in zip(out, prompts):
+        row[width - t.size:] = t
+    return out, np.array([t.size for t in prompts], np.int32)
+
+
+__all__ = ["KVCache", "TRACE_COUNTS", "cache_bytes_per_token", "cache_layout", "decode_step",
+           "generate", "init_cache", "pad_prompts", "prefill", "sample_logits"]

@@ -1,0 +1,178 @@
+"""Text from a trained checkpoint: ``python -m diffjax.sample RUN_DIR --prompt "def main("``.
+
+``RUN_DIR`` is a run folder written by ``train.py`` (its models are the folders under it that
+hold ``checkpoints/``: ``RUN_DIR/<label>/checkpoints`` or, for multi-seed runs,
+``RUN_DIR/<label>/seed_<s>/checkpoints``) or one model's folder. With several models the DIFF
+model (label ``diff``) of the first seed is used unless ``--model LABEL`` / ``--seed S`` say
+otherwise; the choice is printed (to stderr). The best checkpoint (lowest validation loss) is
+read unless ``--step`` says ``latest`` or a step number.
+
+Several ``--prompt`` run as one left-padded batch. Decoding is greedy unless ``--temperature``
+is above 0 (then ``--top_k`` and ``--sample_seed`` apply). Text goes through the byte tokenizer
+(vocabulary 259); :func:`sample` takes any tokenizer object with ``encode``/``decode``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+
+from .data.tokenizer import VOCAB_SIZE, ByteTokenizer
+
+_SEED = re.compile(r"seed_(\d+)$")
+
+
+class ModelChoiceError(ValueError):
+    """No model, or no model matching the requested label/seed, under a run folder."""
+
+
+def find_models(run_dir: str) -> list[tuple[str, str | None, int | None]]:
+    """The model folders under ``run_dir``: ``(path, label, seed)`` for each folder holding
+    ``checkpoints/`` (``run_dir`` itself: label and seed None), sorted by label then seed."""
+    run_dir = os.path.abspath(run_dir)
+    if os.path.basename(run_dir) == "checkpoints":
+        run_dir = os.path.dirname(run_dir)
+    if os.path.isdir(os.path.join(run_dir, "checkpoints")):
+        return [(run_dir, None, None)]
+    found = []
+    for root, dirs, _ in os.walk(run_dir):
+        depth = os.path.relpath(root, run_dir).count(os.sep) + (root != run_dir)
+        if "checkpoints" in dirs:
+            rel = os.path.relpath(root, run_dir).split(os.sep)
+            seed = next((int(m.group(1)) for part in rel if (m := _SEED.match(part))), None)
+            label = next((part for part in rel if not _SEED.match(part)), rel[0])
+            found.append((root, label, seed))
+            dirs[:] = []
+        elif depth >= 3:
+            dirs[:] = []
+        dirs.sort()
+    return sorted(found, key=lambda f: (f[1] or "", -1 if f[2] is None else f[2]))
+
+
+def choose_model(run_dir: str, label: str | None = None, seed: int | None = None
+                 ) -> tuple[str, str]:
+    """``(model folder, a sentence saying which and what else there is)``; the DIFF model of
+    the first seed by default."""
+    models = find_models(run_dir)
+    if not models:
+        raise ModelChoiceError(
+            f"no model under {run_dir}: no folder holding checkpoints/ (looked for "
+            f"RUN_DIR/<label>/checkpoints and RUN_DIR/<label>/seed_<s>/checkpoints). Fix: pass a "
+            f"run folder written by train.py, after it saved a checkpoint.")
+    if len(models) == 1 and models[0][1] is None:
+        if label is not None or seed is not None:
+            raise ModelChoiceError(f"{run_dir} is one model's folder; drop --model/--seed")
+        return models[0][0], f"model: {models[0][0]}"
+    labels = sorted({m[1] for m in models})
+    seeds = sorted({m[2] for m in models if m[2] is not None})
+    if label is None:
+        label = "diff" if "diff" in labels else labels[0]
+    picked = [m for m in models if m[1] == label and (seed is None or m[2] == seed)]
+    if not picked:
+        raise ModelChoiceError(
+            f"no model with label {label!r}{'' if seed is None else f' and seed {seed}'} under "
+            f"{run_dir}. Fix: use --model in {labels}" + (f" and --seed in {seeds}" if seeds
+                                                             else " (this run has no seed_* folders)"))
+    path = picked[0][0]
+    others = [os.path.relpath(m[0], run_dir) for m in models if m[0] != path]
+    note = f"model: {path}"
+    if others:
+        note += f" (also here: {', '.join(others)}; choose with --model LABEL / --seed S)"
+    return path, note
+
+
+def sample(model, prompts: Sequence[str], max_new_tokens: int, *, tokenizer: Any = None,
+           temperature: float = 0.0, top_k: int | None = None, rng=None) -> list[str]:
+    """The generated continuation (text after the prompt) of each prompt, stopped at the
+    tokenizer's ``eos_id`` when it has one. ``tokenizer``: anything with ``encode(str) -> ids``
+    and ``decode(ids) -> str`` (default the byte tokenizer)."""
+    from .decode import generate, pad_prompts
+
+    tokenizer = ByteTokenizer() if tokenizer is None else tokenizer
+    vocab = getattr(tokenizer, "vocab_size", None)
+    if vocab is not None and vocab > model.config.vocab_size:
+        raise ValueError(f"the tokenizer has {vocab} tokens but the model's vocabulary is "
+                         f"{model.config.vocab_size}. Fix: use the tokenizer the model was "
+                         f"trained with.")
+    encoded = [np.asarray(tokenizer.encode(p)) for p in prompts]
+    if any(e.size == 0 for e in encoded):
+        raise ValueError("every prompt needs at least one token; got an empty prompt. Fix: pass "
+                         "some text with --prompt.")
+    tokens, lengths = pad_prompts(encoded)
+    out = np.asarray(generate(model, tokens, max_new_tokens, temperature=temperature,
+                              top_k=top_k, rng=rng, prompt_lengths=lengths))
+    texts = []
+    eos = getattr(tokenizer, "eos_id", None)
+    for row in out[:, tokens.shape[1]:]:
+        if eos is not None and (hits := np.flatnonzero(row == eos)).size:
+            row = row[:hits[0]]
+        texts.append(tokenizer.decode(row))
+    return texts
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m diffjax.sample", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("run_dir", help="a run folder written by train.py, or one model's folder")
+    p.add_argument("--prompt", action="append", required=True,
+                   help="text to continue (repeat for a batch)")
+    p.add_argument("--max_new_tokens", "--max-new-tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
+    p.add_argument("--top_k", "--top-k", type=int, default=None)
+    p.add_argument("--sample_seed", "--sample-seed", type=int, default=0,
+                   help="the sampling seed (with --temperature > 0)")
+    p.add_argument("--model", default=None, help="the model's label (e.g. diff, standard)")
+    p.add_argument("--seed", type=int, default=None, help="the training seed (seed_<S> folder)")
+    p.add_argument("--step", default="best", help="best (default), latest, or a step number")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from .train.checkpoint import CheckpointError, load_model
+
+    step: Any = args.step
+    if step not in ("best", "latest"):
+        try:
+            step = int(step)
+        except ValueError:
+            print(f"error: --step must be best, latest or a step number, got {step!r}",
+                  file=sys.stderr)
+            return 2
+    try:
+        path, note = choose_model(args.run_dir, args.model, args.seed)
+        model = load_model(path, step)
+    except (ModelChoiceError, CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    cfg = model.config
+    print(f"{note}\n{cfg.attention}, {cfg.num_layers} layers, d_model {cfg.d_model}, "
+          f"checkpoint {args.step}", file=sys.stderr)
+    if cfg.vocab_size != VOCAB_SIZE:
+        print(f"error: this model's vocabulary has {cfg.vocab_size} tokens, the byte tokenizer "
+              f"{VOCAB_SIZE}: it was trained on other token ids. Fix: call "
+              f"diffjax.sample.sample(model, prompts, n, tokenizer=...) with its tokenizer.",
+              file=sys.stderr)
+        return 2
+    try:
+        texts = sample(model, args.prompt, args.max_new_tokens, temperature=args.temperature,
+                       top_k=args.top_k, rng=jax.random.key(args.sample_seed))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for i, (prompt, text) in enumerate(zip(args.prompt, texts)):
+        if i:
+            print("-" * 40)
+        print(prompt + text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
