@@ -6,7 +6,8 @@
 
 All are called as ``module(x, positions=None, segment_ids=None)`` with ``x`` ``[batch, seq,
 embed]`` and are causal unless built with ``causal=False``. The attention math itself is in
-:mod:`diffjax.ops` (one dispatch point, ``attention_impl``).
+:mod:`diffjax.ops` (one dispatch point, ``attention_impl``). For decoding, ``extend`` runs the
+same layer against a KV cache (``cache_layout()`` says what it holds; :mod:`diffjax.decode`).
 """
 
 from __future__ import annotations

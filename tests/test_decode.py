@@ -89,8 +89,9 @@ def test_cache_layout_is_what_each_kind_caches():
     assert decode.cache_layout(v1)[0] == {"k1": (2, 4), "k2": (2, 4), "v": (2, 8)}
     v2 = make_model("v2_gqa")  # 4 heads, 2 kv heads, d = 8
     assert decode.cache_layout(v2)[0] == {"k": (2, 8), "v": (2, 8)}
-    _, cache = _prefill(v1, jnp.zeros((2, 3), jnp.int32), 8, None)
+    cache = decode.init_cache(v1, 2, 8)
     assert cache.layers[0]["v"].shape == (2, 8, 2, 8) and len(cache.layers) == 2
+    assert decode.cache_layout(v1.config) == decode.cache_layout(v1)
     assert cache.nbytes == 2 * 8 * decode.cache_bytes_per_token(v1)
 
 
