@@ -3,8 +3,9 @@
 The cache holds, per layer, the keys and values each attention kind needs (``cache_layout()``
 of the layer): the twin its ``H_kv`` key and value heads of width d; DIFF V1 its raw key heads
 K1 = 2g and K2 = 2g+1 of every kv group g (width d) and the group's value, 2d wide; DIFF V2 one
-key and one value per kv head, which both query heads of a pair read (the cache is read once for
-both maps). :func:`cache_bytes_per_token` counts it; docs/generation.md gives the figures.
+key and one value per kv head, which both query heads of a pair read (the fused kernel loads each
+key tile once for both maps). :func:`cache_bytes_per_token` counts it; docs/generation.md gives
+the figures (a DIFF model's cache is exactly its twin's size).
 
 **Batches of prompts of different lengths are left-padded.** Row ``b`` of a prompt ``[B, P]``
 holds its ``prompt_lengths[b]`` tokens at the right end; the padding before them is never
