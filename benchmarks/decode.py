@@ -91,7 +91,8 @@ def bench_one(cfg, args) -> dict:
     def run_decode(prefilled):
         logits, cache = prefilled
         return decode._decode_jit(graphdef, state, cache, logits, jax.random.key(0),
-                                  jnp.int32(n), jnp.float32(0.0), num_slots=n, greedy=True,
+                                  jnp.int32(n), jnp.float32(0.0), jnp.int32(-1), num_slots=n,
+                                  greedy=True,
                                   top_k=None)[0]
 
     t_prefill = _median_time(run_prefill, args.iters)

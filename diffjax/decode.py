@@ -186,11 +186,13 @@ def _prefill_jit(graphdef, state, tokens, start, *, max_length):
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "num_slots", "greedy", "top_k"),
                    donate_argnames=("cache",))
-def _decode_jit(graphdef, state, cache, logits, rng, num_new, temperature, *, num_slots, greedy,
-                top_k):
-    """``num_new`` (traced, <= ``num_slots``) tokens from the prefill's last ``logits``: the
-    first is sampled from them, each next one after a decode step. Returns ``[B, num_slots]``
-    (the first ``num_new`` columns are the tokens) and the cache."""
+def _decode_jit(graphdef, state, cache, logits, rng, num_new, temperature, eos_id, *, num_slots,
+                greedy, top_k):
+    """Up to ``num_new`` (traced, <= ``num_slots``) tokens from the prefill's last ``logits``:
+    the first is sampled from them, each next one after a decode step. A row that has produced
+    ``eos_id`` (traced; -1 for none) gets ``eos_id`` from then on, and the loop ends early once
+    every row has. Returns ``[B, num_slots]`` (the first ``num_new`` columns are the tokens) and
+    the cache."""
     TRACE_COUNTS["decode"] += 1
     model = nnx.merge(graphdef, state)
 
@@ -199,15 +201,21 @@ def _decode_jit(graphdef, state, cache, logits, rng, num_new, temperature, *, nu
         return sample_logits(logits, key, temperature=temperature, top_k=top_k, greedy=greedy)
 
     first = sample(0, logits)
-    out = jnp.zeros((first.shape[0], num_slots), jnp.int32).at[:, 0].set(first)
+    fill = jnp.maximum(eos_id, 0)
+    out = jnp.full((first.shape[0], num_slots), fill, jnp.int32).at[:, 0].set(first)
 
-    def body(i, carry):
-        out, prev, cache = carry
+    def running(carry):
+        i, _, _, done, _ = carry
+        return (i < num_new) & ~jnp.all(done)
+
+    def body(carry):
+        i, out, prev, done, cache = carry
         logits, cache = decode_step(model, prev, cache)
-        token = sample(i, logits)
-        return out.at[:, i].set(token), token, cache
+        token = jnp.where(done, eos_id, sample(i, logits))
+        return i + 1, out.at[:, i].set(token), token, done | (token == eos_id), cache
 
-    out, _, cache = jax.lax.fori_loop(1, num_new, body, (out, first, cache))
+    carry = (jnp.int32(1), out, first, first == eos_id, cache)
+    _, out, _, _, cache = jax.lax.while_loop(running, body, carry)
     return out, cache
 
 
@@ -228,7 +236,7 @@ def _as_key(rng):
 
 def generate(model: TransformerLM, prompt, max_new_tokens: int, *, temperature: float = 0.0,
              top_k: int | None = None, rng=None, prompt_lengths=None,
-             length_bucket: int = 64) -> jax.Array:
+             eos_id: int | None = None, length_bucket: int = 64) -> jax.Array:
     """Continue ``prompt`` ``[B, P]`` (int tokens) by ``max_new_tokens`` tokens with a KV cache.
 
     Returns ``[B, P + max_new_tokens]`` int32: the prompt as given, then the new tokens.
@@ -236,6 +244,9 @@ def generate(model: TransformerLM, prompt, max_new_tokens: int, *, temperature: 
     token is drawn from ``softmax(logits / temperature)``, over the ``top_k`` most likely tokens
     when ``top_k`` is set, with ``rng`` (a ``jax.random.key`` or an int seed; required) — the
     same ``rng`` gives the same tokens.
+
+    ``eos_id``: once a row produces this token, the rest of its row is ``eos_id`` (and decoding
+    stops when every row has); None (default) generates all ``max_new_tokens``.
 
     ``prompt_lengths`` ``[B]`` (default: all ``P``): rows of different lengths are **left
     padded**: row ``b``'s prompt is its last ``prompt_lengths[b]`` tokens, the columns before are
@@ -295,6 +306,10 @@ def generate(model: TransformerLM, prompt, max_new_tokens: int, *, temperature: 
                               or not 1 <= top_k <= cfg.vocab_size):
         raise ValueError(f"generate(): top_k must be None or an int in [1, {cfg.vocab_size}], "
                          f"got {top_k!r}")
+    if eos_id is not None and (not isinstance(eos_id, (int, np.integer)) or isinstance(eos_id, bool)
+                               or not 0 <= eos_id < cfg.vocab_size):
+        raise ValueError(f"generate(): eos_id must be None or a token id in [0, {cfg.vocab_size}), "
+                         f"got {eos_id!r}")
     if not isinstance(length_bucket, int) or length_bucket < 1:
         raise ValueError(f"generate(): length_bucket must be an int >= 1, got {length_bucket!r}")
     if greedy:
@@ -320,7 +335,8 @@ def generate(model: TransformerLM, prompt, max_new_tokens: int, *, temperature: 
     logits, cache = _prefill_jit(graphdef, state, jnp.asarray(padded), jnp.asarray(start),
                                  max_length=slots)
     new, _ = _decode_jit(graphdef, state, cache, logits, key, jnp.int32(max_new_tokens),
-                         jnp.float32(temperature), num_slots=slots - slots_p, greedy=greedy,
+                         jnp.float32(temperature), jnp.int32(-1 if eos_id is None else eos_id),
+                         num_slots=slots - slots_p, greedy=greedy,
                          top_k=None if greedy or top_k is None else int(top_k))
     return jnp.concatenate([jnp.asarray(tokens, jnp.int32), new[:, :max_new_tokens]], axis=1)
 

@@ -105,10 +105,10 @@ def sample(model, prompts: Sequence[str], max_new_tokens: int, *, tokenizer: Any
         raise ValueError("every prompt needs at least one token; got an empty prompt. Fix: pass "
                          "some text with --prompt.")
     tokens, lengths = pad_prompts(encoded)
-    out = np.asarray(generate(model, tokens, max_new_tokens, temperature=temperature,
-                              top_k=top_k, rng=rng, prompt_lengths=lengths))
-    texts = []
     eos = getattr(tokenizer, "eos_id", None)
+    out = np.asarray(generate(model, tokens, max_new_tokens, temperature=temperature,
+                              top_k=top_k, rng=rng, prompt_lengths=lengths, eos_id=eos))
+    texts = []
     for row in out[:, tokens.shape[1]:]:
         if eos is not None and (hits := np.flatnonzero(row == eos)).size:
             row = row[:hits[0]]

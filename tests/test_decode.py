@@ -148,6 +148,21 @@ def test_sampling_contracts():
     assert diffjax.generate(model, prompt, 0).shape == prompt.shape
 
 
+def test_eos_id_ends_each_row():
+    """A row that produced eos_id continues with eos_id; the other rows as without it."""
+    model = make_model("v2", seed=1)
+    prompt = np.stack(rows(seed=4, lengths=(6, 6)))
+    greedy = np.asarray(diffjax.generate(model, prompt, 8))[:, 6:]
+    eos = int(greedy[0, 2])  # row 0's third new token
+    out = np.asarray(diffjax.generate(model, prompt, 8, eos_id=eos))[:, 6:]
+    for b in range(2):
+        hits = np.flatnonzero(greedy[b] == eos)
+        k = int(hits[0]) + 1 if hits.size else 8
+        assert out[b].tolist() == greedy[b, :k].tolist() + [eos] * (8 - k), f"row {b}"
+    with pytest.raises(ValueError, match="eos_id"):
+        diffjax.generate(model, prompt, 8, eos_id=VOCAB)
+
+
 def test_sample_logits_top_k_and_temperature():
     logits = jnp.asarray(np.random.default_rng(0).normal(size=(1, 20)) * 3, jnp.float32)
     keys = jax.random.split(jax.random.key(0), 2000)
