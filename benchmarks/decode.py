@@ -121,13 +121,13 @@ def bench_one(cfg, args) -> dict:
                 same=bool(np.array_equal(np.asarray(cached), naive_tokens)))
 
 
-HEADER = ("model", "h x d, kv", "params", "cache B/tok", "prefill tok/s", "decode tok/s", "naive tok/s",
-          "speedup", "same")
+HEADER = ("model", "h x d, kv", "params", "cache B/tok", "prefill tok/s", "decode tok/s",
+          "naive tok/s", "speedup", "same")
 
 
 def _cells(r) -> tuple[str, ...]:
-    return (r["model"], r["heads"], f"{r['params']:,}", f"{r['cache_bytes']:,}", f"{r['prefill']:,.0f}",
-            f"{r['decode']:,.0f}", f"{r['naive']:,.0f}", f"{r['decode'] / r['naive']:.1f}x",
+    return (r["model"], r["heads"], f"{r['params']:,}", f"{r['cache_bytes']:,}",
+            f"{r['prefill']:,.0f}", f"{r['decode']:,.0f}", f"{r['naive']:,.0f}", f"{r['decode'] / r['naive']:.1f}x",
             "yes" if r["same"] else "no")
 
 

@@ -100,7 +100,8 @@ def cache_bytes_per_token(model_or_config, dtype: Any = None) -> int:
     model's activation dtype, which the cache uses)."""
     config = getattr(model_or_config, "config", model_or_config)
     itemsize = jnp.dtype(dtype or config.dtype).itemsize
-    return sum(h * w for layer in cache_layout(model_or_config) for h, w in layer.values()) * itemsize
+    values = sum(h * w for layer in cache_layout(model_or_config) for h, w in layer.values())
+    return values * itemsize
 
 
 def init_cache(model: TransformerLM, batch_size: int, max_length: int,

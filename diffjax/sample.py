@@ -75,10 +75,10 @@ def choose_model(run_dir: str, label: str | None = None, seed: int | None = None
         label = "diff" if "diff" in labels else labels[0]
     picked = [m for m in models if m[1] == label and (seed is None or m[2] == seed)]
     if not picked:
+        seed_fix = f" and --seed in {seeds}" if seeds else " (this run has no seed_* folders)"
         raise ModelChoiceError(
             f"no model with label {label!r}{'' if seed is None else f' and seed {seed}'} under "
-            f"{run_dir}. Fix: use --model in {labels}" + (f" and --seed in {seeds}" if seeds
-                                                             else " (this run has no seed_* folders)"))
+            f"{run_dir}. Fix: use --model in {labels}{seed_fix}")
     path = picked[0][0]
     others = [os.path.relpath(m[0], run_dir) for m in models if m[0] != path]
     note = f"model: {path}"
@@ -117,7 +117,8 @@ def sample(model, prompts: Sequence[str], max_new_tokens: int, *, tokenizer: Any
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m diffjax.sample", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m diffjax.sample",
+                                description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("run_dir", help="a run folder written by train.py, or one model's folder")
