@@ -15,8 +15,8 @@ def main(argv: list[str] | None = None) -> int:
                     "RUN_DIR/eval.md, eval.json and eval_*.png.")
     parser.add_argument("run_dir", help="a directory written by train.py (e.g. runs/needle)")
     parser.add_argument("--quick", action="store_true",
-                        help="a small subset: one context length, few examples (about a "
-                             "minute on CPU for the default comparison)")
+                        help="a small subset: one context length, few examples (under a "
+                             "minute of CPU time for the default comparison)")
     args = parser.parse_args(argv)
     from diffjax.config import ConfigError
     from diffjax.train.checkpoint import CheckpointError
