@@ -48,13 +48,17 @@ def retrieval_heatmaps(grids: dict[str, tuple[list[int], list[float], np.ndarray
 
 def lines(series: dict[str, tuple[np.ndarray, np.ndarray]], *, xlabel: str, ylabel: str,
           title: str, path: str, logx: bool = False, logy: bool = False,
-          styles: dict[str, str] | None = None) -> str:
+          symlog_threshold: float | None = None, styles: dict[str, str] | None = None) -> str:
+    """Line plots; ``symlog_threshold``: a symmetric log y axis, linear within +/- it (shows
+    negative values, e.g. a differential map's signed weights)."""
     fig, (ax,) = _figure(6, 4)
     for label, (x, y) in series.items():
         ax.plot(x, y, (styles or {}).get(label, "-o"), ms=3, label=label)
     if logx:
         ax.set_xscale("log", base=2)
-    if logy:
+    if symlog_threshold is not None:
+        ax.set_yscale("symlog", linthresh=symlog_threshold)
+    elif logy:
         ax.set_yscale("log")
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)

@@ -559,11 +559,15 @@ def render(run_dir: str, cfg: dict, data: DataConfig, settings: EvalSettings,
         if pts:
             x = np.asarray([m["num_distractors"] for m in pts])
             series[f"{lab} measured: signal"] = (x, np.asarray([m["signal_share"] for m in pts]))
-    styles = {k: ("x" if "measured" in k else "-") for k in series}
-    plots.lines(series, xlabel="distractors N", ylabel="share of the row's attention",
+            series[f"{lab} measured: distractors"] = (
+                x, np.asarray([m["distractor_share"] for m in pts]))
+    styles = {k: ("x" if k.endswith("measured: signal") else "+" if "measured" in k else "-")
+              for k in series}
+    plots.lines(series, xlabel="distractors N (measured: distractor positions)",
+                ylabel="share of the row's absolute attention",
                 title=f"noise floor (margin {NOISE_MARGIN:g}, λ={NOISE_LAMBDA})",
-                path=os.path.join(run_dir, "eval_noise_floor.png"), logx=True, logy=True,
-                styles=styles)
+                path=os.path.join(run_dir, "eval_noise_floor.png"), logx=True,
+                symlog_threshold=1e-4, styles=styles)
     L += ["![noise floor](eval_noise_floor.png)", ""]
     if any(r.get("noise_measured") for r in results):
         rows = []
