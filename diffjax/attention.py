@@ -153,6 +153,15 @@ class MultiheadAttention(_Projections):
         return {"a": ops.attention_weights(q, k, causal=self.causal, segment_ids=segment_ids,
                                            scale=self.scaling)}
 
+    def attention_logits(self, x: jax.Array, positions: jax.Array | None = None,
+                         segment_ids: jax.Array | None = None) -> dict[str, jax.Array]:
+        """The pre-softmax logits ``logits`` ``[B, heads, T, S]`` (``q k^T / sqrt(d)``, float32)
+        and ``mask`` (``[B or 1, T, S]``, True = may attend, or None), for analysis."""
+        q, k, _ = self._qkv(x, positions)
+        logits, mask = ops.attention_logits(q, k, causal=self.causal, segment_ids=segment_ids,
+                                            scale=self.scaling)
+        return {"logits": logits, "mask": mask}
+
     def __call__(self, x: jax.Array, positions: jax.Array | None = None,
                  segment_ids: jax.Array | None = None) -> jax.Array:
         q, k, v = self._qkv(x, positions)
@@ -260,6 +269,16 @@ class MultiheadDiffAttn(_Projections):
         a2 = ops.attention_weights(q2, k2, **kw)
         lam = self.lambda_full()
         return {"a1": a1, "a2": a2, "lam": lam, "diff": a1 - lam * a2}
+
+    def attention_logits(self, x: jax.Array, positions: jax.Array | None = None,
+                         segment_ids: jax.Array | None = None) -> dict[str, jax.Array]:
+        """The pre-softmax logits of both maps, ``logits1``/``logits2`` ``[B, h, T, S]``
+        (``q_i k_i^T / sqrt(d)``, float32), and ``mask`` (``[B or 1, T, S]`` or None)."""
+        q1, k1, q2, k2, _ = self._qkv(x, positions)
+        kw = dict(causal=self.causal, segment_ids=segment_ids, scale=self.scaling)
+        l1, mask = ops.attention_logits(q1, k1, **kw)
+        l2, _ = ops.attention_logits(q2, k2, **kw)
+        return {"logits1": l1, "logits2": l2, "mask": mask}
 
     def __call__(self, x: jax.Array, positions: jax.Array | None = None,
                  segment_ids: jax.Array | None = None) -> jax.Array:
@@ -375,6 +394,17 @@ class MultiheadDiffAttnV2(_Projections):
         lam = self.lambda_values(x)
         return {"a1": a1, "a2": a2, "lam": lam,
                 "diff": a1 - jnp.transpose(lam, (0, 2, 1))[..., None] * a2}
+
+    def attention_logits(self, x: jax.Array, positions: jax.Array | None = None,
+                         segment_ids: jax.Array | None = None) -> dict[str, jax.Array]:
+        """The pre-softmax logits of both maps, ``logits1``/``logits2`` ``[B, h, T, S]``
+        (float32), and ``mask`` (``[B or 1, T, S]`` or None)."""
+        q, k, _ = self._qkv(x, positions)
+        q1, q2 = self._pairs(q)
+        kw = dict(causal=self.causal, segment_ids=segment_ids, scale=self.scaling)
+        l1, mask = ops.attention_logits(q1, k, **kw)
+        l2, _ = ops.attention_logits(q2, k, **kw)
+        return {"logits1": l1, "logits2": l2, "mask": mask}
 
     def __call__(self, x: jax.Array, positions: jax.Array | None = None,
                  segment_ids: jax.Array | None = None) -> jax.Array:

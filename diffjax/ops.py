@@ -126,6 +126,26 @@ def attention_weights(q: jax.Array, k: jax.Array, *, causal: bool = True,
     return probs.reshape(b, hkv * r, t, s)
 
 
+def attention_logits(q: jax.Array, k: jax.Array, *, causal: bool = True,
+                     segment_ids: jax.Array | None = None,
+                     kv_segment_ids: jax.Array | None = None,
+                     scale: float | None = None) -> tuple[jax.Array, jax.Array | None]:
+    """The pre-softmax logits ``q k^T * scale`` ``[B, Hq, T, S]`` (float32) and the boolean mask
+    ``[B or 1, T, S]`` (True = may attend; None when nothing is masked), for analysis (outliers,
+    quantization). Masked entries keep their raw value: read them through the mask. Query head
+    ``i`` reads kv head ``i // (Hq // Hkv)``. Materialises the whole ``T x S`` block."""
+    _check_qkv(q, k, k, segment_ids, kv_segment_ids, "attention_logits")
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    b, t, hq, d = q.shape
+    hkv = k.shape[2]
+    qg = q.reshape(b, t, hkv, hq // hkv, d)
+    logits = jnp.einsum("btgrd,bsgd->bgrts", qg, k, preferred_element_type=jnp.float32)
+    logits = (logits * jnp.float32(scale)).reshape(b, hq, t, k.shape[1])
+    mask = attention_mask(t, k.shape[1], causal=causal, segment_ids=segment_ids,
+                          kv_segment_ids=kv_segment_ids)
+    return logits, mask
+
+
 # ---------------------------------------------------------------------------- registry
 class StandardFn(Protocol):
     def __call__(self, q, k, v, *, causal, segment_ids, kv_segment_ids, scale) -> jax.Array: ...

@@ -1,0 +1,196 @@
+"""Attention allocation (the paper's Table 3) and the noise floor measured on a model's maps.
+
+Rows: the answer-producing positions of each query (input positions ``answer_spans[r, 0] ..
+answer_spans[r, 1] - 1``, whose outputs predict the answer digits). Columns (key positions) fall
+in five categories for query r:
+
+- ``answer``: the value digits of the needle that query r asks for (the answer span in the
+  context);
+- ``needle``: the rest of that needle's sentence (its key and template words);
+- ``other needles``: the other needles (distractors of the same form);
+- ``noise context``: the haystack text around the needles;
+- ``rest``: BOS and the query text itself.
+
+The map is the softmax map for standard attention and the differential map ``A1 - lambda A2``
+for DIFF (per head, lambda the layer's scalar for V1, per token for V2). Normalisation of a row
+(``normalize``): ``"abs"`` (default) divides by the row's absolute mass ``sum_j |w_ij|`` (1 for a
+softmax row; for a differential row the shares are then signed fractions of its absolute mass,
+and cancelled, near-zero weights give a near-zero share); ``"sum"`` divides by the row sum
+(``1 - lambda`` for V1; unstable when lambda is near 1); ``"none"`` keeps raw weights. Shares are
+averaged over rows, queries, examples, heads and layers. (The paper states its numbers are
+averaged over heads and layers; its normalisation of the differential map is given only as an
+image in microsoft/unilm issue 1654, so ``"abs"`` is our choice, stated in every report.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from diffjax.data.config import query_len
+
+from .probe import capture_layers, check_model
+from .retrieval import depth_bins, query_depths
+
+CATEGORIES = ("answer", "needle", "other needles", "noise context", "rest")
+NORMALIZATIONS = ("abs", "sum", "none")
+
+
+def position_categories(batch: dict, key_len: int, value_len: int) -> np.ndarray:
+    """``[B, R, T]`` int: the category (index into :data:`CATEGORIES`) of each key position for
+    each query of a needle batch."""
+    inputs = np.asarray(batch["inputs"])
+    b, t = inputs.shape
+    spans, values = np.asarray(batch["needle_spans"]), np.asarray(batch["needle_value_spans"])
+    asked = np.asarray(batch["query_needle"])
+    r = asked.shape[1]
+    hay_end = t + 1 - r * query_len(key_len, value_len)  # first query position
+    cats = np.full((b, r, t), CATEGORIES.index("rest"), np.int32)
+    cats[:, :, 1:hay_end] = CATEGORIES.index("noise context")
+    for i in range(b):
+        for j in range(r):
+            for n, (s, e) in enumerate(spans[i]):
+                cats[i, j, s:e] = CATEGORIES.index("needle" if n == asked[i, j] else "other needles")
+            vs, ve = values[i, asked[i, j]]
+            cats[i, j, vs:ve] = CATEGORIES.index("answer")
+    return cats
+
+
+def answer_rows(batch: dict) -> np.ndarray:
+    """``[B, R, V]`` int: the input positions that produce each query's answer tokens."""
+    spans = np.asarray(batch["answer_spans"])
+    width = int((spans[..., 1] - spans[..., 0]).max())
+    if np.any(spans[..., 1] - spans[..., 0] != width):
+        raise ValueError("answer_rows: answers of different lengths in one batch")
+    return spans[..., :1] + np.arange(width)
+
+
+def row_category_mass(w: jax.Array, rows: jax.Array, onehot: jax.Array):
+    """For maps ``w`` ``[B, H, T, S]``, rows ``[B, R, V]`` and category one-hots ``[B, R, S, C]``:
+    the raw weight per category ``[B, H, R, V, C]``, the absolute row mass and the row sum
+    ``[B, H, R, V]``. Pure; traceable."""
+    b = w.shape[0]
+    sel = w[jnp.arange(b)[:, None, None], :, rows]  # [B, R, V, H, S]
+    raw = jnp.einsum("brvhs,brsc->bhrvc", sel, onehot)
+    return (raw, jnp.transpose(jnp.abs(sel).sum(-1), (0, 3, 1, 2)),
+            jnp.transpose(sel.sum(-1), (0, 3, 1, 2)))
+
+
+def normalize_shares(raw, abs_mass, row_sum, normalize: str):
+    """``raw`` ``[..., C]`` divided as ``normalize`` says (see the module docstring)."""
+    if normalize not in NORMALIZATIONS:
+        raise ValueError(f"normalize must be one of {NORMALIZATIONS}, got {normalize!r}")
+    if normalize == "none":
+        return raw
+    den = abs_mass if normalize == "abs" else row_sum
+    den = np.where(np.abs(den) > 1e-12, den, np.nan)
+    return raw / den[..., None]
+
+
+@nnx.jit
+def _category_mass(model, tokens, rows, onehot):
+    _, attn_in, _ = capture_layers(model, tokens)
+    out = []
+    for block, h in zip(model.layers, attn_in):
+        maps = block.attn.attention_maps(h)
+        out.append(row_category_mass(maps["diff"] if "diff" in maps else maps["a"], rows, onehot))
+    return [jnp.stack(x) for x in zip(*out)]  # each [L, ...]
+
+
+def category_mass(model, batch: dict, *, key_len: int, value_len: int):
+    """Raw per-category weights ``[L, B, H, R, V, C]``, absolute row mass and row sum
+    ``[L, B, H, R, V]`` of ``model``'s maps (softmax, or the differential map for DIFF) on a
+    needle batch, for the answer-producing rows."""
+    check_model(model)
+    cats = position_categories(batch, key_len, value_len)
+    onehot = np.eye(len(CATEGORIES), dtype=np.float32)[cats]
+    raw, absm, tot = _category_mass(model, jnp.asarray(batch["inputs"], jnp.int32),
+                                    jnp.asarray(answer_rows(batch)), jnp.asarray(onehot))
+    return np.asarray(raw), np.asarray(absm), np.asarray(tot)
+
+
+@dataclasses.dataclass
+class Allocation:
+    """Mean share per (depth bin, category), averaged over layers, heads, rows, queries and
+    examples; ``count`` queries per bin; ``per_layer`` ``[L, C]`` over every depth."""
+
+    depths: list[float]
+    shares: np.ndarray  # [D, C]
+    count: np.ndarray  # [D]
+    per_layer: np.ndarray  # [L, C]
+    normalize: str
+    map_kind: str  # "softmax" or "differential"
+
+    def overall(self) -> np.ndarray:
+        w = self.count / max(self.count.sum(), 1)
+        return np.nansum(self.shares * w[:, None], 0)
+
+    def to_dict(self) -> dict:
+        return {"depths": self.depths, "categories": list(CATEGORIES),
+                "shares": self.shares.tolist(), "count": self.count.tolist(),
+                "per_layer": self.per_layer.tolist(), "normalize": self.normalize,
+                "map": self.map_kind}
+
+
+def attention_allocation(model, batch: dict, *, key_len: int, value_len: int,
+                         normalize: str = "abs", num_depth_bins: int = 5,
+                         batch_size: int = 8) -> Allocation:
+    """The share of attention the answer-producing positions put on each category
+    (:data:`CATEGORIES`), by depth of the asked needle (see the module docstring)."""
+    if normalize not in NORMALIZATIONS:
+        raise ValueError(f"normalize must be one of {NORMALIZATIONS}, got {normalize!r}")
+    n = len(batch["inputs"])
+    per_query = []  # [L, B, R, C] mean over heads and rows
+    for i in range(0, n, batch_size):
+        chunk = {k: v[i:i + batch_size] for k, v in batch.items()}
+        raw, absm, tot = category_mass(model, chunk, key_len=key_len, value_len=value_len)
+        shares = normalize_shares(raw, absm, tot, normalize)  # [L, B, H, R, V, C]
+        per_query.append(np.nanmean(shares, axis=(2, 4)))
+    per_query = np.concatenate(per_query, axis=1)  # [L, B, R, C]
+    bins = depth_bins(query_depths(batch), num_depth_bins)  # [B, R]
+    mean_lq = per_query.mean(0)  # [B, R, C] over layers
+    shares = np.full((num_depth_bins, len(CATEGORIES)), np.nan)
+    count = np.zeros(num_depth_bins, int)
+    for d in range(num_depth_bins):
+        sel = bins == d
+        count[d] = int(sel.sum())
+        if count[d]:
+            shares[d] = mean_lq[sel].mean(0)
+    centres = list(np.linspace(0, 1, num_depth_bins)) if num_depth_bins > 1 else [0.5]
+    kind = "differential" if model.config.is_diff else "softmax"
+    return Allocation([float(c) for c in centres], shares, count,
+                      per_query.mean(axis=(1, 2)), normalize, kind)
+
+
+def _num_distractors(batch, key_len, value_len) -> float:
+    cats = position_categories(batch, key_len, value_len)
+    dis = (cats == CATEGORIES.index("other needles")) | (cats == CATEGORIES.index("noise context"))
+    return float(dis.sum(-1).mean())
+
+
+def measured_noise_floor(model, batch: dict, *, key_len: int, value_len: int,
+                         batch_size: int = 8) -> dict[str, float]:
+    """The noise floor on the model's own maps: per answer-producing row, the weight on the
+    answer span (signal) and the total weight on the needles' distractors and the haystack
+    (``other needles`` + ``noise context``), raw (a differential row sums to ``1 - lambda``)
+    and as a share of the row's absolute mass; averaged over rows, heads, layers and examples.
+    ``snr``: mean signal / |mean distractors|."""
+    n = len(batch["inputs"])
+    raws, norms = [], []
+    a, o, nc = (CATEGORIES.index(c) for c in ("answer", "other needles", "noise context"))
+    for i in range(0, n, batch_size):
+        chunk = {k: v[i:i + batch_size] for k, v in batch.items()}
+        raw, absm, tot = category_mass(model, chunk, key_len=key_len, value_len=value_len)
+        raws.append(raw.reshape(-1, raw.shape[-1]))
+        norms.append(normalize_shares(raw, absm, tot, "abs").reshape(-1, raw.shape[-1]))
+    raw, norm = np.concatenate(raws), np.concatenate(norms)
+    out = {"signal": float(raw[:, a].mean()), "distractors": float((raw[:, o] + raw[:, nc]).mean()),
+           "signal_share": float(np.nanmean(norm[:, a])),
+           "distractor_share": float(np.nanmean(norm[:, o] + norm[:, nc])),
+           "num_distractors": _num_distractors(batch, key_len, value_len)}
+    out["snr"] = out["signal"] / abs(out["distractors"]) if out["distractors"] else float("inf")
+    return out

@@ -1,0 +1,90 @@
+r"""The noise floor: how much weight one signal key keeps among ``N`` distractors.
+
+The seeds' argument (common-mode rejection): softmax never gives a key zero weight, so ``N``
+irrelevant keys each get ``O(1/N)`` and together ``O(1)``; the mass they take grows with the
+context and dilutes the signal. A differential map ``A1 - lambda * A2`` subtracts a second map
+that spreads the same background mass over the same keys, so the shared (common-mode) part
+cancels and the signal, which only ``A1`` singles out, stays.
+
+Closed form (:func:`noise_floor_closed_form`). One signal key whose logit exceeds every
+distractor's by ``m`` (all distractors equal: pure common mode). A softmax map gives
+
+    signal      s(m, N) = e^m / (e^m + N) = sigmoid(m - ln N)
+    distractors D(m, N) = N   / (e^m + N) = sigmoid(ln N - m)        (s + D = 1)
+
+A differential map with ``A1`` of margin ``m1`` and ``A2`` of margin ``m2`` (default 0: the
+second map does not single out the signal) gives
+
+    signal      s1 - lambda * s2
+    distractors D1 - lambda * D2 = sigmoid(ln N - m1) - lambda * sigmoid(ln N - m2)
+
+(rows sum to ``1 - lambda``). For ``N >> e^m1`` the distractor total tends to ``1 - lambda``
+while the signal tends to ``(e^m1 - lambda e^m2) / N``, so the signal-to-distractor ratio is
+``(e^m1 - lambda e^m2) / ((1 - lambda) N)`` against softmax's ``e^m / N``: the subtraction
+multiplies it by about ``1 / (1 - lambda)`` (5x for lambda = 0.8). The floor still grows with N
+for a fixed lambda; what moves is the context length at which the distractors outweigh the
+signal, from ``N = e^m`` (softmax) to about ``N = e^m (1 + lambda) / (1 - lambda)`` (m2 = 0).
+Cancellation is exact only for ``lambda = D1 / D2``.
+
+:func:`noise_floor_streamed` drops the "equal distractors" assumption: distractor logits are
+random (``N(0, sigma^2)`` in ``A1``, correlated ``rho`` with those of ``A2``), one row of
+``N`` weights at a time (no ``N x N`` matrix). With ``sigma = 0`` it equals the closed form;
+with ``rho < 1`` part of the noise is not common mode and does not cancel.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from scipy.special import expit, logsumexp
+
+DEFAULT_NS = tuple(2**k for k in range(10, 19))  # 1K .. 256K
+
+
+def _check(num_distractors, lam):
+    n = np.asarray(num_distractors, np.float64)
+    if np.any(n < 1):
+        raise ValueError(f"noise floor: num_distractors must be >= 1, got {num_distractors}")
+    if not np.isfinite(lam):
+        raise ValueError(f"noise floor: lambda must be finite, got {lam}")
+    return n
+
+
+def noise_floor_closed_form(num_distractors, margin: float, lam: float = 0.8,
+                            margin2: float = 0.0) -> dict[str, np.ndarray]:
+    """Signal weight and total distractor weight of a softmax map and of a differential map
+    (see the module docstring), for each ``N`` in ``num_distractors`` (float64 arrays).
+
+    Returns ``softmax_signal``, ``softmax_distractors``, ``diff_signal``, ``diff_distractors``
+    (raw, rows of the differential map sum to ``1 - lam``) and the ratios
+    ``softmax_snr = s / D`` and ``diff_snr = s / |D|``."""
+    n = _check(num_distractors, lam)
+    log_n = np.log(n)
+    s1, d1 = expit(margin - log_n), expit(log_n - margin)
+    s2, d2 = expit(margin2 - log_n), expit(log_n - margin2)
+    ds, dd = s1 - lam * s2, d1 - lam * d2
+    return {"num_distractors": n, "softmax_signal": s1, "softmax_distractors": d1,
+            "diff_signal": ds, "diff_distractors": dd,
+            "softmax_snr": s1 / d1, "diff_snr": ds / np.abs(dd)}
+
+
+def noise_floor_streamed(num_distractors: int, margin: float, lam: float = 0.8,
+                         margin2: float = 0.0, sigma: float = 0.0, rho: float = 1.0,
+                         seed: int = 0) -> dict[str, float]:
+    """One query row with random distractor logits: ``z1 ~ N(0, sigma^2)`` for ``A1``, ``z2 =
+    rho z1 + sqrt(1 - rho^2) N(0, sigma^2)`` for ``A2``; signal logits ``margin`` and
+    ``margin2``. Returns the signal weight, the signed total and the absolute total
+    (``sum |w|``) of the distractor weights, for softmax (``A1``) and the differential map."""
+    n = int(_check(num_distractors, lam))
+    if not -1.0 <= rho <= 1.0:
+        raise ValueError(f"noise_floor_streamed: rho must be in [-1, 1], got {rho}")
+    rng = np.random.default_rng(seed)
+    z1 = sigma * rng.standard_normal(n)
+    z2 = rho * z1 + np.sqrt(max(1.0 - rho * rho, 0.0)) * sigma * rng.standard_normal(n)
+    lz1 = logsumexp(np.append(z1, margin))
+    lz2 = logsumexp(np.append(z2, margin2))
+    w1, w2 = np.exp(z1 - lz1), np.exp(z2 - lz2)
+    s1, s2 = float(np.exp(margin - lz1)), float(np.exp(margin2 - lz2))
+    wd = w1 - lam * w2
+    return {"softmax_signal": s1, "softmax_distractors": float(w1.sum()),
+            "diff_signal": s1 - lam * s2, "diff_distractors": float(wd.sum()),
+            "diff_distractors_abs": float(np.abs(wd).sum())}

@@ -1,0 +1,424 @@
+"""The analyses of diffjax.evaluate: each metric on hand-built inputs with a known answer, the
+quantized forward (tolerances, and no leak into later jitted calls), the closed-form noise
+floor against a brute-force softmax, the seed statistics on hand-made numbers, run discovery
+in both layouts, and ``python -m diffjax.evaluate`` on tiny trained runs."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import diffjax
+from diffjax.config import ConfigError
+from diffjax.data.config import needle_len, query_len
+from diffjax.evaluate import (CATEGORIES, absmax_quantize, discover_models,
+                              eval_paired_t_interval, evaluate_run, losses_and_predictions,
+                              mean_std, needle_task, noise_floor_closed_form,
+                              noise_floor_streamed, position_categories, query_correct,
+                              task_examples, top_magnitudes, validation_loss,
+                              with_quantized_logits)
+from diffjax.evaluate import allocation as alloc_lib
+from diffjax.evaluate.positions import loss_by_position
+from diffjax.evaluate.retrieval import depth_bins
+from diffjax.evaluate.run import EvalSettings
+
+
+# ---------------------------------------------------------------------------- allocation
+def _needle_batch(n=2, r=1, seq_len=160, num=4):
+    return task_examples(needle_task(None, seq_len=seq_len, num_needles=n, num_queries=r,
+                                     num_examples=num))
+
+
+def test_position_categories_mark_the_needles_answer_and_haystack():
+    batch = _needle_batch(n=3, r=2, seq_len=256)
+    cats = position_categories(batch, 5, 6)
+    b, r, t = cats.shape
+    assert (b, r, t) == (4, 2, 256)
+    ans = CATEGORIES.index("answer")
+    for i in range(b):
+        for j in range(r):
+            s, e = batch["answer_spans"][i, j]
+            # the answer span in the context holds exactly the digits the query must produce
+            np.testing.assert_array_equal(batch["inputs"][i][cats[i, j] == ans],
+                                          batch["targets"][i, s:e])
+            assert cats[i, j, 0] == CATEGORIES.index("rest")  # BOS
+            q0 = t + 1 - r * query_len(5, 6)
+            assert np.all(cats[i, j, q0:] == CATEGORIES.index("rest"))  # the queries
+            counts = np.bincount(cats[i, j], minlength=len(CATEGORIES))
+            assert counts[ans] == 6
+            assert counts[CATEGORIES.index("needle")] == needle_len(5, 6) - 6
+            assert counts[CATEGORIES.index("other needles")] == 2 * needle_len(5, 6)
+
+
+def _onehot(batch):
+    return np.eye(len(CATEGORIES), dtype=np.float32)[position_categories(batch, 5, 6)]
+
+
+def test_all_attention_on_the_answer_span_gives_share_one():
+    batch = _needle_batch()
+    rows = alloc_lib.answer_rows(batch)
+    cats = position_categories(batch, 5, 6)
+    b, t = batch["inputs"].shape
+    w = np.zeros((b, 2, t, t), np.float32)
+    for i in range(b):
+        ans = np.flatnonzero(cats[i, 0] == CATEGORIES.index("answer"))
+        for row in rows[i, 0]:
+            w[i, :, row, ans] = 1.0 / len(ans)
+    raw, absm, tot = map(np.asarray, alloc_lib.row_category_mass(
+        jnp.asarray(w), jnp.asarray(rows), jnp.asarray(_onehot(batch))))
+    shares = alloc_lib.normalize_shares(raw, absm, tot, "abs")
+    np.testing.assert_allclose(shares[..., CATEGORIES.index("answer")], 1.0, rtol=1e-6)
+    np.testing.assert_allclose(shares.sum(-1), 1.0, rtol=1e-6)
+
+
+def test_differential_map_common_mode_noise_cancels():
+    """A1: half on the answer, half spread over the haystack; A2: the same spread over the
+    haystack only; lambda = 0.5 cancels the haystack exactly: answer share 1, noise 0, under
+    both normalisations; the raw row sums to 1 - lambda."""
+    batch = _needle_batch()
+    rows = alloc_lib.answer_rows(batch)
+    cats = position_categories(batch, 5, 6)
+    b, t = batch["inputs"].shape
+    a1 = np.zeros((b, 1, t, t), np.float32)
+    a2 = np.zeros_like(a1)
+    for i in range(b):
+        ans = np.flatnonzero(cats[i, 0] == CATEGORIES.index("answer"))
+        hay = np.flatnonzero(cats[i, 0] == CATEGORIES.index("noise context"))
+        for row in rows[i, 0]:
+            a1[i, 0, row, ans] = 0.5 / len(ans)
+            a1[i, 0, row, hay] = 0.5 / len(hay)
+            a2[i, 0, row, hay] = 1.0 / len(hay)
+    diff = a1 - 0.5 * a2
+    raw, absm, tot = map(np.asarray, alloc_lib.row_category_mass(
+        jnp.asarray(diff), jnp.asarray(rows), jnp.asarray(_onehot(batch))))
+    np.testing.assert_allclose(tot, 0.5, rtol=1e-5)
+    for norm in ("abs", "sum"):
+        sh = alloc_lib.normalize_shares(raw, absm, tot, norm)
+        np.testing.assert_allclose(sh[..., CATEGORIES.index("answer")], 1.0, rtol=1e-5)
+        np.testing.assert_allclose(sh[..., CATEGORIES.index("noise context")], 0.0, atol=1e-6)
+    raw_a1 = np.asarray(alloc_lib.row_category_mass(
+        jnp.asarray(a1), jnp.asarray(rows), jnp.asarray(_onehot(batch)))[0])
+    np.testing.assert_allclose(raw_a1[..., CATEGORIES.index("noise context")], 0.5, rtol=1e-5)
+    with pytest.raises(ValueError, match="normalize must be one of"):
+        alloc_lib.normalize_shares(raw, absm, tot, "softmax")
+
+
+def test_attention_allocation_on_a_model_matches_its_own_maps():
+    """The model-level function against attention_maps read directly (one layer, numpy)."""
+    cfg = diffjax.ModelConfig(vocab_size=259, d_model=32, num_layers=1, num_heads=1,
+                              attention="diff_v1", max_seq_len=160)
+    model = diffjax.TransformerLM(cfg, rngs=nnx.Rngs(1))
+    batch = _needle_batch()
+    a = alloc_lib.attention_allocation(model, batch, key_len=5, value_len=6, batch_size=4)
+    x = model.layers[0].attn_norm(model.embed(jnp.asarray(batch["inputs"])))
+    diff = np.asarray(model.layers[0].attn.attention_maps(x)["diff"])  # [B, H, T, S]
+    cats = position_categories(batch, 5, 6)
+    rows = alloc_lib.answer_rows(batch)
+    expect = []
+    for i in range(len(diff)):
+        for row in rows[i, 0]:
+            w = diff[i, 0, row]
+            expect.append(w[cats[i, 0] == 0].sum() / np.abs(w).sum())
+    np.testing.assert_allclose(a.overall()[0], np.mean(expect), rtol=1e-4)
+    assert a.map_kind == "differential" and a.count.sum() == len(diff)
+
+
+# ---------------------------------------------------------------------------- outliers
+def test_top_magnitudes_of_a_known_tensor():
+    rng = np.random.default_rng(0)
+    values = rng.permutation(np.arange(1, 201, dtype=np.float32)) * rng.choice([-1, 1], 200)
+    got = top_magnitudes(values.reshape(4, 50))
+    assert got == {"top-1": 200.0, "top-2": 199.0, "top-3": 198.0, "top-10": 191.0,
+                   "top-100": 101.0, "median": 100.5}
+    masked = top_magnitudes(np.array([[5.0, -9.0], [1.0, 3.0]]), mask=[[True, False],
+                                                                       [True, True]])
+    assert masked["top-1"] == 5.0 and masked["median"] == 3.0 and math.isnan(masked["top-10"])
+
+
+def test_activation_outliers_read_the_logits_the_model_uses():
+    """The attention-logit statistics equal those of q.k/sqrt(d) recomputed in numpy from the
+    layer's projections (standard attention, one layer, causal entries only)."""
+    cfg = diffjax.ModelConfig(vocab_size=259, d_model=32, num_layers=1, num_heads=2,
+                              attention="standard", max_seq_len=32, init_std=0.2)
+    model = diffjax.TransformerLM(cfg, rngs=nnx.Rngs(0))
+    tokens = np.random.default_rng(0).integers(0, 259, (2, 16))
+    from diffjax.evaluate import activation_outliers
+
+    got = activation_outliers(model, tokens, batch_size=2)
+    attn = model.layers[0].attn
+    x = model.layers[0].attn_norm(model.embed(jnp.asarray(tokens)))
+    q = np.asarray(attn.q_proj(x)).reshape(2, 16, 2, 16)
+    k = np.asarray(attn.k_proj(x)).reshape(2, 16, 2, 16)
+    cos, sin = diffjax.rotary_angles(jnp.arange(16)[None], 16, cfg.rope_theta)
+    q, k = (np.asarray(diffjax.apply_rotary(jnp.asarray(a), cos, sin)) for a in (q, k))
+    logits = np.einsum("bthd,bshd->bhts", q, k) / 4.0
+    causal = np.tril(np.ones((16, 16), bool))
+    ref = top_magnitudes(logits, mask=np.broadcast_to(causal, logits.shape))
+    for key, value in ref.items():
+        np.testing.assert_allclose(got["attention logits"][key], value, rtol=1e-4)
+    hidden = np.asarray(model.layers[0](model.embed(jnp.asarray(tokens))))
+    np.testing.assert_allclose(got["hidden states"]["top-1"], np.abs(hidden).max(), rtol=1e-5)
+
+
+@pytest.mark.parametrize("attention", ["standard", "diff_v1", "diff_v2"])
+def test_attention_logits_are_the_maps_before_the_softmax(attention):
+    """``attention_logits`` (added beside ``attention_maps``): the masked softmax of each logit
+    block is the module's own map, in the module's head pairing (GQA: 2 kv groups)."""
+    cfg = diffjax.ModelConfig(vocab_size=259, d_model=64, num_layers=1, num_heads=4,
+                              num_kv_heads=2, attention=attention, max_seq_len=16,
+                              init_std=0.2)
+    attn = diffjax.TransformerLM(cfg, rngs=nnx.Rngs(0)).layers[0].attn
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 8, 64)), jnp.float32)
+    logits, maps = attn.attention_logits(x), attn.attention_maps(x)
+    mask = np.asarray(logits["mask"])[:, None]
+    pairs = [("logits", "a")] if attention == "standard" else [("logits1", "a1"), ("logits2", "a2")]
+    for lk, mk in pairs:
+        z = np.where(mask, np.asarray(logits[lk]), -np.inf)
+        p = np.exp(z - z.max(-1, keepdims=True))
+        np.testing.assert_allclose(p / p.sum(-1, keepdims=True), np.asarray(maps[mk]),
+                                   rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------- quantization
+def test_absmax_quantize_matches_numpy_and_respects_the_mask():
+    x = np.random.default_rng(0).normal(size=(2, 3, 8, 8)).astype(np.float32) * 4
+    mask = np.tril(np.ones((8, 8), bool))[None, None]
+    x_masked_big = np.where(mask, x, 1e4)  # a huge masked entry must not set the scale
+    for bits in (4, 6, 8, 16):
+        got = np.asarray(absmax_quantize(x_masked_big, bits, mask=mask))
+        absmax = np.abs(np.where(mask, x, 0)).max(axis=(-2, -1), keepdims=True)
+        step = absmax / (2 ** (bits - 1) - 1)
+        np.testing.assert_allclose(got[np.broadcast_to(mask, x.shape)],
+                                   (np.round(x / step) * step)[np.broadcast_to(mask, x.shape)],
+                                   rtol=1e-6, atol=1e-6)
+        within = np.abs(got - x) <= step / 2 + 1e-6  # round to nearest: half a step at most
+        assert np.all(within[np.broadcast_to(mask, x.shape)])
+    with pytest.raises(ValueError, match="bits must be an integer"):
+        absmax_quantize(x, 1)
+
+
+def test_quantized_logits_change_the_loss_as_stated_and_do_not_leak():
+    """16-bit logits change the loss by < 1e-4 nats; 4-bit by more than 1e-3 (on a model whose
+    logits are O(1)); the original model, called again after the quantized copies through the
+    same jitted function, gives its original numbers (the implementation is a static attribute
+    of the copy, so no jit cache entry is shared)."""
+    cfg = diffjax.ModelConfig(vocab_size=259, d_model=32, num_layers=1, num_heads=1,
+                              attention="diff_v1", max_seq_len=64, init_std=0.5)
+    model = diffjax.TransformerLM(cfg, rngs=nnx.Rngs(0))
+    tokens = np.random.default_rng(0).integers(0, 259, (4, 33))
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
+             "weights": np.ones((4, 32), np.float32)}
+    base = validation_loss(losses_and_predictions(model, batch, 4)[0], batch["weights"])[0]
+    loss = {}
+    for bits in (16, 4):
+        q = with_quantized_logits(model, bits)
+        loss[bits] = validation_loss(losses_and_predictions(q, batch, 4)[0], batch["weights"])[0]
+    assert abs(loss[16] - base) < 1e-4, (loss, base)
+    assert abs(loss[4] - base) > 1e-3, (loss, base)
+    again = validation_loss(losses_and_predictions(model, batch, 4)[0], batch["weights"])[0]
+    assert again == base
+    assert model.layers[0].attn.attention_impl == "auto"
+
+
+def test_quantized_standard_attention_against_numpy():
+    """The standard path of the quantized implementation (GQA, causal) against numpy: quantize
+    the visible logits per example and head, softmax, times v."""
+    from diffjax import ops
+    from diffjax.evaluate.quantize import register_quantized_impl
+
+    name = register_quantized_impl(4)
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.normal(size=(2, 6, h, 8)).astype(np.float32) * 2 for h in (4, 2, 2))
+    got = np.asarray(ops.dot_product_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
+                                               impl=name))
+    kr, vr = np.repeat(k, 2, axis=2), np.repeat(v, 2, axis=2)  # query head i reads kv head i//2
+    logits = np.einsum("bthd,bshd->bhts", q, kr) / np.sqrt(8)
+    mask = np.tril(np.ones((6, 6), bool))
+    step = np.abs(np.where(mask, logits, 0)).max(axis=(-2, -1), keepdims=True) / 7
+    z = np.where(mask, np.round(logits / step) * step, -np.inf)
+    p = np.exp(z - z.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    np.testing.assert_allclose(got, np.einsum("bhts,bshd->bthd", p, vr), rtol=1e-4, atol=1e-5)
+    assert name not in {ops.resolve_impl("auto").name}  # never picked automatically
+
+
+# ---------------------------------------------------------------------------- noise floor
+def _softmax(z):
+    e = np.exp(z - z.max())
+    return e / e.sum()
+
+
+@pytest.mark.parametrize("n", [1, 7, 100, 3000])
+def test_closed_form_noise_floor_matches_a_brute_force_softmax(n):
+    m, m2, lam = 3.0, 0.5, 0.7
+    a1 = _softmax(np.concatenate([[m], np.zeros(n)]))
+    a2 = _softmax(np.concatenate([[m2], np.zeros(n)]))
+    d = a1 - lam * a2
+    got = noise_floor_closed_form([n], m, lam, m2)
+    np.testing.assert_allclose(got["softmax_signal"][0], a1[0], rtol=1e-12)
+    np.testing.assert_allclose(got["softmax_distractors"][0], a1[1:].sum(), rtol=1e-12)
+    np.testing.assert_allclose(got["diff_signal"][0], d[0], rtol=1e-12)
+    np.testing.assert_allclose(got["diff_distractors"][0], d[1:].sum(), rtol=1e-10)
+    streamed = noise_floor_streamed(n, m, lam, m2, sigma=0.0)
+    np.testing.assert_allclose(streamed["diff_distractors"], d[1:].sum(), rtol=1e-10)
+    np.testing.assert_allclose(streamed["diff_distractors_abs"], np.abs(d[1:]).sum(), rtol=1e-10)
+
+
+def test_noise_floor_gain_tends_to_one_over_one_minus_lambda():
+    got = noise_floor_closed_form([2**18], 5.0, 0.8)
+    gain = got["diff_snr"][0] / got["softmax_snr"][0]
+    assert abs(gain - (math.exp(5) - 0.8) / (math.exp(5) * 0.2)) / gain < 0.01
+    # random logits that are only partly common mode (rho < 1) cancel less
+    full = noise_floor_streamed(4096, 5.0, 0.8, sigma=1.0, rho=1.0)
+    part = noise_floor_streamed(4096, 5.0, 0.8, sigma=1.0, rho=0.5)
+    assert part["diff_distractors_abs"] > full["diff_distractors_abs"]
+    with pytest.raises(ValueError, match="num_distractors must be >= 1"):
+        noise_floor_closed_form([0], 1.0)
+
+
+# ---------------------------------------------------------------------------- retrieval, loss
+def test_query_correct_and_depth_bins():
+    batch = {"targets": np.array([[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6]]),
+             "answer_spans": np.array([[[1, 3], [4, 6]], [[1, 3], [4, 6]]])}
+    preds = np.array([[0, 2, 3, 0, 5, 6], [0, 2, 9, 0, 5, 6]])
+    np.testing.assert_array_equal(query_correct(preds, batch), [[True, True], [False, True]])
+    np.testing.assert_array_equal(depth_bins(np.array([0.0, 0.1, 0.13, 0.5, 0.9, 1.0]), 5),
+                                  [0, 0, 1, 2, 4, 4])
+
+
+def test_loss_by_position_and_validation_loss():
+    losses = np.array([[1.0, 2.0, 3.0, 4.0], [3.0, 4.0, 5.0, 6.0]])
+    weights = np.array([[1, 1, 0, 1], [1, 1, 0, 1]], float)
+    ends, by = loss_by_position(losses, weights, 2)
+    np.testing.assert_array_equal(ends, [2, 4])
+    np.testing.assert_allclose(by, [2.5, 5.0])
+    loss, ppl = validation_loss(losses, weights)
+    assert loss == pytest.approx(20 / 6) and ppl == pytest.approx(math.exp(20 / 6))
+
+
+# ---------------------------------------------------------------------------- seeds
+def test_mean_std_and_paired_t_interval_on_hand_made_numbers():
+    assert mean_std([1.0, 2.0, 3.0]) == (2.0, 1.0)
+    m, s = mean_std([4.0])
+    assert m == 4.0 and math.isnan(s)
+    # differences 1, 2, 3: mean 2, std 1, t_{0.975, 2} = 4.302653
+    iv = eval_paired_t_interval([1.0, 2.0, 3.0], [0.0, 0.0, 0.0])
+    half = 4.302653 / math.sqrt(3)
+    assert iv.mean == 2.0 and iv.std == 1.0 and iv.n == 3
+    assert iv.low == pytest.approx(2 - half, abs=1e-5) and iv.high == pytest.approx(2 + half, abs=1e-5)
+    assert iv.excludes_zero is False and "includes zero" in iv.describe()
+    tight = eval_paired_t_interval([3.1, 3.0, 3.2, 3.1], [3.0, 2.9, 3.0, 3.0])
+    assert tight.excludes_zero is True and tight.low > 0 and "excludes zero" in tight.describe()
+    one = eval_paired_t_interval([1.0], [0.5])
+    assert one.low is None and "no interval" in one.describe()
+    with pytest.raises(ValueError, match="one value per seed"):
+        eval_paired_t_interval([1.0, 2.0], [1.0])
+
+
+# ---------------------------------------------------------------------------- runs
+def _fake_model(path):
+    os.makedirs(os.path.join(path, "checkpoints", "3"))
+
+
+def test_discover_models_in_both_layouts(tmp_path):
+    old = tmp_path / "old"
+    _fake_model(old / "diff")
+    _fake_model(old / "standard")
+    os.makedirs(old / "empty" / "checkpoints")  # no committed step: not a model
+    got = discover_models(str(old), default_seed=7)
+    assert [(e.label, e.seed) for e in got] == [("diff", 7), ("standard", 7)]
+    new = tmp_path / "new"
+    for label in ("standard", "diff"):
+        for seed in (1, 0):
+            _fake_model(new / label / f"seed_{seed}")
+    got = discover_models(str(new))
+    assert [(e.label, e.seed) for e in got] == [("diff", 0), ("diff", 1), ("standard", 0),
+                                                 ("standard", 1)]
+    single = tmp_path / "only"
+    _fake_model(single)
+    assert [(e.label, e.seed) for e in discover_models(str(single))] == [("only", 0)]
+
+
+# A tiny needle run: seconds per model.
+TINY_NEEDLE = ["model.d_model=32", "model.num_layers=1", "model.num_heads=1",
+               "model.max_seq_len=96", "data.source=needle", "data.seq_len=80",
+               "data.num_needles=1", "data.num_queries=1", "data.key_len=2", "data.value_len=2",
+               "data.num_val_examples=16", "train.batch_size=8", "train.eval_batches=1",
+               "train.warmup_steps=1", "train.steps=2", "train.eval_every=2",
+               "train.checkpoint_every=2", "train.progress=false", "train.tensorboard=false"]
+
+
+@pytest.fixture(scope="module")
+def tiny_runs(tmp_path_factory):
+    from diffjax.train.cli import main
+
+    root = tmp_path_factory.mktemp("evalruns")
+    assert main([f"run.dir={root / 's0'}", "compare=false", *TINY_NEEDLE]) == 0
+    # The per-seed layout RUN/<label>/seed_<n>/checkpoints, built from copies of that one model
+    # (to keep this file fast): the aggregation and the paired-difference rendering are what is
+    # tested with it; the interval's numbers are tested on hand-made values above, and the
+    # standard-attention paths of each analysis in the unit tests.
+    multi = root / "multi"
+    os.makedirs(multi)
+    shutil.copy(root / "s0" / "config.json", multi / "config.json")
+    for seed in (0, 1):
+        for label in ("diff", "standard"):
+            shutil.copytree(root / "s0" / "diff", multi / label / f"seed_{seed}")
+    return root
+
+
+def test_evaluate_command_on_a_tiny_run(tiny_runs, capsys):
+    import matplotlib
+
+    from diffjax.evaluate.__main__ import main
+
+    backend = matplotlib.get_backend()
+    run = tiny_runs / "s0"
+    assert main([str(run), "--quick"]) == 0
+    assert matplotlib.get_backend() == backend  # the caller's backend is left alone
+    text = (run / "eval.md").read_text()
+    for heading in ("Multi-needle retrieval", "Attention allocation", "Activation outliers",
+                    "Quantization", "noise floor", "Loss by position", "paper DIFF (3B, 4K)",
+                    "33,"):  # the parameter count of the scale line
+        assert heading in text, heading
+    assert "no interval can be given" not in text  # one model, no twin: no paired difference
+    for png in ("eval_retrieval_N1_R1.png", "eval_allocation.png", "eval_quantization.png",
+                "eval_noise_floor.png", "eval_loss_by_position.png"):
+        assert (run / png).stat().st_size > 1000, png
+    data = json.loads((run / "eval.json").read_text())
+    assert [m["label"] for m in data["models"]] == ["diff"]  # a run without a twin
+    assert [q["bits"] for q in data["models"][0]["quantization"]] == [None, 16, 8, 6, 4]
+    assert main([str(tiny_runs / "nothing-here")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_evaluate_run_aggregates_seeds(tiny_runs):
+    settings = dataclasses_replace(EvalSettings.for_run(True), bits=(4,), retrieval_examples=8,
+                                   val_examples=8)
+    text = evaluate_run(str(tiny_runs / "multi"), settings=settings, log=lambda *_: None)
+    assert "seeds [0, 1]" in text and " ± " in text
+    assert "n=2 seeds, 95% t-interval" in text  # the paired DIFF - twin difference
+    data = json.loads((tiny_runs / "multi" / "eval.json").read_text())
+    assert sorted((m["label"], m["seed"]) for m in data["models"]) == [
+        ("diff", 0), ("diff", 1), ("standard", 0), ("standard", 1)]
+
+
+def test_evaluate_run_bad_input(tmp_path):
+    with pytest.raises(ConfigError, match="no config.json"):
+        evaluate_run(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps({"data": {"source": "stdlib"}}))
+    with pytest.raises(ConfigError, match="holds no model with a committed checkpoint"):
+        evaluate_run(str(tmp_path))
+
+
+def dataclasses_replace(obj, **kw):
+    import dataclasses
+
+    return dataclasses.replace(obj, **kw)
