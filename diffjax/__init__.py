@@ -1,8 +1,9 @@
 """diffjax: the Differential Transformer (DIFF V1 and V2) and its standard twin in JAX/Flax NNX."""
 
-from . import interop, ops
+from . import hf, interop, ops
 from .attention import MultiheadAttention, MultiheadDiffAttn, MultiheadDiffAttnV2
 from .config import ConfigError, ModelConfig, lambda_init_fn, twin
+from .hf import PretrainedError, from_pretrained, save_pretrained
 from .interop import load_unilm_state_dict, unilm_state_dict
 from .layers import RMSNorm, SwiGLU, apply_rotary, rotary_angles
 from .model import Block, TransformerLM
@@ -13,8 +14,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Block", "ConfigError", "ModelConfig", "MultiheadAttention", "MultiheadDiffAttn",
-    "MultiheadDiffAttnV2", "ParamCount", "RMSNorm", "SwiGLU", "TransformerLM", "apply_rotary",
-    "compare_params", "count_params", "differential_attention", "dot_product_attention",
-    "interop", "lambda_init_fn", "load_unilm_state_dict", "ops", "rotary_angles", "twin",
+    "MultiheadDiffAttnV2", "ParamCount", "PretrainedError", "RMSNorm", "SwiGLU", "TransformerLM",
+    "apply_rotary", "compare_params", "count_params", "differential_attention",
+    "dot_product_attention", "from_pretrained", "hf", "interop", "lambda_init_fn",
+    "load_unilm_state_dict", "ops", "rotary_angles", "save_pretrained", "twin",
     "unilm_state_dict",
 ]
