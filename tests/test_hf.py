@@ -415,3 +415,24 @@ def test_export_copies_tokenizer_files(tmp_path):
     with pytest.raises(diffjax.PretrainedError, match=r"holds none of tokenizer\.json"):
         diffjax.save_pretrained(_tiny(attention="standard"), str(tmp_path / "y"),
                                 tokenizer_from=str(tmp_path))
+
+
+# ---------------------------------------------------------------------------- train.py
+def test_train_py_starts_from_a_checkpoint(tmp_path):
+    """``train.init_from``: the model config and the parameters come from the checkpoint (with a
+    learning rate of 1e-9 the trained model still gives transformers' logits)."""
+    from diffjax.train.checkpoint import load_model
+    from diffjax.train.cli import main
+
+    ref_model = hf_model("diffllama", heads=4, kv_heads=2, hidden=32, layers=1, vocab=259)
+    ref_model.save_pretrained(tmp_path / "hf")
+    args = [f"run.dir={tmp_path / 'run'}", f"train.init_from={tmp_path / 'hf'}",
+            "data.seq_len=16", "data.max_files=12", "train.batch_size=8", "train.eval_batches=1",
+            "train.steps=2", "train.lr=1e-9", "train.warmup_steps=0", "train.eval_every=2",
+            "train.checkpoint_every=2", "train.progress=false", "train.tensorboard=false"]
+    assert main(args) == 2  # compare=true would train the twin from random weights
+    assert main(args + ["compare=false"]) == 0
+    model = load_model(str(tmp_path / "run" / "diff"), "latest")
+    assert model.config == hf.config_from_pretrained(str(tmp_path / "hf"))
+    toks = tokens(vocab=259)
+    assert_logits_close(jax_logits(model, toks), torch_logits(ref_model, toks))
