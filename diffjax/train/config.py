@@ -291,13 +291,20 @@ def load_config(path: str | None) -> ExperimentConfig:
 
 def resolve_init_from(config: ExperimentConfig) -> ExperimentConfig:
     """With ``train.init_from``: the experiment with the checkpoint's model config (keeping
-    ``model.dtype``, ``param_dtype`` and ``attention_impl``); otherwise ``config`` unchanged."""
+    ``model.dtype``, ``param_dtype`` and ``attention_impl``) and, for text data with no
+    ``data.tokenizer`` set, the checkpoint's ``tokenizer.json`` when it has one (``data.tokenizer=
+    byte`` keeps bytes); otherwise ``config`` unchanged."""
     if config.train.init_from is None:
         return config
     from diffjax import hf
 
     keep = {k: getattr(config.model, k) for k in ("dtype", "param_dtype", "attention_impl")}
-    return dataclasses.replace(config, model=hf.config_from_pretrained(config.train.init_from, **keep))
+    data = config.data
+    if (data.tokenizer is None and data.source in ("stdlib", "text")
+            and os.path.isfile(os.path.join(config.train.init_from, "tokenizer.json"))):
+        data = data.replace(tokenizer=config.train.init_from)  # the checkpoint's own ids
+    return dataclasses.replace(config, data=data,
+                               model=hf.config_from_pretrained(config.train.init_from, **keep))
 
 
 def default_config() -> ExperimentConfig:
