@@ -97,8 +97,8 @@ def _rope_fields(hf: dict[str, Any], where: str) -> dict[str, Any]:
     params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     if not isinstance(params, dict):
         _fail(where, f"rope settings {params!r} are not a JSON object", "fix config.json")
-    if "layer_types" in hf and set(params) and all(isinstance(v, dict) for v in params.values()):
-        _fail(where, "per-layer rotary settings", "diffjax reads one rotary setting for all layers")
+    if any(isinstance(v, dict) for v in params.values()):
+        _fail(where, "per-layer-type rotary settings", "use a checkpoint with one rotary setting")
     theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
     kind = params.get("rope_type", params.get("type", "default"))
     partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
