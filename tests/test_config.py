@@ -339,3 +339,16 @@ def test_rope_scaling_spec():
                        ).rope_scaling_spec
     assert (spec.kind, spec.factor, spec.low_freq_factor, spec.high_freq_factor,
             spec.original_max_len) == ("llama3", 8.0, 1.0, 4.0, 4096)
+
+
+def test_a_checkpoint_from_before_the_new_fields_still_resumes():
+    """A model config saved before a field existed matches today's config with that field at its
+    default (and not with another value)."""
+    from diffjax.train.checkpoint import check_same_model
+
+    current = ModelConfig().to_dict()
+    old = {k: v for k, v in current.items() if not k.startswith("rope_") or k == "rope_theta"}
+    old.pop("diff_norm_eps")
+    check_same_model(old, current, "run")
+    with pytest.raises(ConfigError, match=r"diff_norm_eps: checkpoint has 1e-05, config has 1e-06"):
+        check_same_model(old, ModelConfig(diff_norm_eps=1e-6).to_dict(), "run")
