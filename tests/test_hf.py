@@ -3,9 +3,10 @@
 Tiny random ``DiffLlamaForCausalLM`` / ``LlamaForCausalLM`` models (float32, eager attention)
 are written with ``save_pretrained`` and read with ``diffjax.from_pretrained``; diffjax models
 trained for a few steps are written with ``diffjax.save_pretrained`` and read by
-``transformers.AutoModelForCausalLM``. Tolerance: float32, max |logit difference| <= 1e-5 x the
-largest |logit| (logits of magnitude ~5; measured <= 2.5e-6 x).
-"""
+``transformers.AutoModelForCausalLM``. Tolerance: float32, max |logit difference| <= 2e-5 x the
+largest |logit| (logits of magnitude 7-10; measured <= 6.2e-6 x, i.e. <= 5.8e-5 absolute). A
+wrong head or channel permutation, a dropped weight or a missing rope scaling moves the logits
+by O(1)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from diffjax.sharding import MeshConfig, make_mesh
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-REL_TOL = 1e-5
+REL_TOL = 2e-5
 VOCAB = 61
 LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
           "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
