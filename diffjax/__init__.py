@@ -1,9 +1,10 @@
 """diffjax: the Differential Transformer (DIFF V1 and V2) and its standard twin in JAX/Flax NNX."""
 
-from . import decode, interop, ops
+from . import decode, hf, interop, ops
 from .attention import MultiheadAttention, MultiheadDiffAttn, MultiheadDiffAttnV2
 from .config import ConfigError, ModelConfig, lambda_init_fn, twin
 from .decode import KVCache, generate
+from .hf import PretrainedError, from_pretrained, save_pretrained
 from .interop import load_unilm_state_dict, unilm_state_dict
 from .layers import RMSNorm, SwiGLU, apply_rotary, rotary_angles
 from .model import Block, TransformerLM
@@ -14,8 +15,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Block", "ConfigError", "KVCache", "ModelConfig", "MultiheadAttention", "MultiheadDiffAttn",
-    "MultiheadDiffAttnV2", "ParamCount", "RMSNorm", "SwiGLU", "TransformerLM", "apply_rotary",
-    "compare_params", "count_params", "decode", "differential_attention", "dot_product_attention", "generate",
-    "interop", "lambda_init_fn", "load_unilm_state_dict", "ops", "rotary_angles", "twin",
+    "MultiheadDiffAttnV2", "ParamCount", "PretrainedError", "RMSNorm", "SwiGLU", "TransformerLM",
+    "apply_rotary", "compare_params", "count_params", "decode", "differential_attention",
+    "dot_product_attention", "from_pretrained", "generate", "hf", "interop", "lambda_init_fn",
+    "load_unilm_state_dict", "ops", "rotary_angles", "save_pretrained", "twin",
     "unilm_state_dict",
 ]

@@ -18,8 +18,8 @@ from flax import nnx
 
 from . import ops
 from .config import lambda_init_fn
-from .layers import (Dtype, RMSNorm, apply_rotary, as_dtype, default_positions, rotary_angles,
-                     torch_linear_init)
+from .layers import (Dtype, RMSNorm, RopeScaling, apply_rotary, as_dtype, default_positions,
+                     rotary_angles, torch_linear_init)
 from .sharding import constrain, param, param_init
 
 # Logical axis names (see diffjax.sharding): the fused head dimension of a projection is
@@ -34,10 +34,10 @@ def _check_input(x: jax.Array, embed_dim: int, name: str) -> None:
 
 
 def _rotate(q: jax.Array, k: jax.Array, x: jax.Array, positions: jax.Array | None,
-            theta: float) -> tuple[jax.Array, jax.Array]:
+            theta: float, scaling: RopeScaling | None = None) -> tuple[jax.Array, jax.Array]:
     """Interleaved rotary on every raw q and k head (rotary dim = head dim)."""
     positions = default_positions(x, positions)
-    cos, sin = rotary_angles(positions, q.shape[-1], theta)
+    cos, sin = rotary_angles(positions, q.shape[-1], theta, scaling)
     return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
 
@@ -84,7 +84,7 @@ class _Projections(nnx.Module):
 
     def _init_heads(self, embed_dim: int, num_heads: int, num_kv_heads: int | None,
                     head_dim: int, *, rope_theta: float, causal: bool, attention_impl: str,
-                    kv_note: str = "") -> None:
+                    rope_scaling: RopeScaling | None = None, kv_note: str = "") -> None:
         """Check and store the head layout; ``num_kv_heads=None`` means MHA."""
         name = type(self).__name__
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
@@ -99,6 +99,7 @@ class _Projections(nnx.Module):
         self.n_rep = num_heads // num_kv_heads
         self.scaling = head_dim ** -0.5
         self.rope_theta, self.causal, self.attention_impl = rope_theta, causal, attention_impl
+        self.rope_scaling = rope_scaling
 
     def _linear(self, n_in: int, n_out: int, dtype, param_dtype, kernel_init, rngs,
                 axes: tuple[str, str] = ("embed", "heads")):
@@ -117,7 +118,8 @@ class MultiheadAttention(_Projections):
     """
 
     def __init__(self, embed_dim: int, depth: int, num_heads: int, num_kv_heads: int | None = None,
-                 *, head_dim: int | None = None, rope_theta: float = 10000.0, causal: bool = True,
+                 *, head_dim: int | None = None, rope_theta: float = 10000.0,
+                 rope_scaling: RopeScaling | None = None, causal: bool = True,
                  attention_impl: str = "auto", dtype: Dtype = jnp.float32,
                  param_dtype: Dtype = jnp.float32, kernel_init=torch_linear_init,
                  rngs: nnx.Rngs):
@@ -127,7 +129,7 @@ class MultiheadAttention(_Projections):
                                  f"num_heads={num_heads}; pass head_dim explicitly")
             head_dim = embed_dim // num_heads
         self._init_heads(embed_dim, num_heads, num_kv_heads, head_dim, rope_theta=rope_theta,
-                         causal=causal, attention_impl=attention_impl)
+                         rope_scaling=rope_scaling, causal=causal, attention_impl=attention_impl)
         self.depth = depth
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         args = (dtype, param_dtype, kernel_init, rngs)
@@ -143,7 +145,7 @@ class MultiheadAttention(_Projections):
         q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
         k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
-        q, k = _rotate(q, k, x, positions, self.rope_theta)
+        q, k = _rotate(q, k, x, positions, self.rope_theta, self.rope_scaling)
         return constrain(q, *_Q_ACT), constrain(k, *_KV_ACT), constrain(v, *_KV_ACT)
 
     def attention_maps(self, x: jax.Array, positions: jax.Array | None = None,
@@ -208,7 +210,8 @@ class MultiheadDiffAttn(_Projections):
 
     def __init__(self, embed_dim: int, depth: int, num_heads: int, num_kv_heads: int | None = None,
                  *, lambda_init: float | None = None, norm: bool = True, norm_eps: float = 1e-5,
-                 rope_theta: float = 10000.0, causal: bool = True, attention_impl: str = "auto",
+                 rope_theta: float = 10000.0, rope_scaling: RopeScaling | None = None,
+                 causal: bool = True, attention_impl: str = "auto",
                  dtype: Dtype = jnp.float32, param_dtype: Dtype = jnp.float32,
                  kernel_init=torch_linear_init, rngs: nnx.Rngs):
         if embed_dim % (2 * num_heads):
@@ -217,7 +220,7 @@ class MultiheadDiffAttn(_Projections):
                              f"half the baseline's)")
         head_dim = embed_dim // num_heads // 2
         self._init_heads(embed_dim, num_heads, num_kv_heads, head_dim, rope_theta=rope_theta,
-                         causal=causal, attention_impl=attention_impl)
+                         rope_scaling=rope_scaling, causal=causal, attention_impl=attention_impl)
         self.depth = depth
         self.lambda_init = float(lambda_init_fn(depth) if lambda_init is None else lambda_init)
         args = (dtype, param_dtype, kernel_init, rngs)
@@ -250,7 +253,7 @@ class MultiheadDiffAttn(_Projections):
         q = constrain(self.q_proj(x).reshape(b, t, 2 * h, d), *_Q_ACT)
         k = constrain(self.k_proj(x).reshape(b, t, 2 * hkv, d), *_KV_ACT)
         v = constrain(self.v_proj(x).reshape(b, t, hkv, 2 * d), *_KV_ACT)
-        q, k = _rotate(q, k, x, positions, self.rope_theta)
+        q, k = _rotate(q, k, x, positions, self.rope_theta, self.rope_scaling)
         # pair-major views [.., h, 2, d]: raw heads 2i, 2i+1 form DIFF head i; slicing the pair
         # axis (not a stride over the sharded head axis) keeps every pair on one device
         q = q.reshape(b, t, h, 2, d)
@@ -334,12 +337,13 @@ class MultiheadDiffAttnV2(_Projections):
     """
 
     def __init__(self, d_model: int, num_heads: int, num_kv_heads: int | None, head_dim: int,
-                 *, rope_theta: float = 10000.0, causal: bool = True, attention_impl: str = "auto",
+                 *, rope_theta: float = 10000.0, rope_scaling: RopeScaling | None = None,
+                 causal: bool = True, attention_impl: str = "auto",
                  dtype: Dtype = jnp.float32, param_dtype: Dtype = jnp.float32,
                  kernel_init=torch_linear_init, lambda_proj_init=torch_linear_init,
                  rngs: nnx.Rngs):
         self._init_heads(d_model, num_heads, num_kv_heads, head_dim, rope_theta=rope_theta,
-                         causal=causal, attention_impl=attention_impl,
+                         rope_scaling=rope_scaling, causal=causal, attention_impl=attention_impl,
                          kv_note=", or the query pairs (2i, 2i+1) straddle kv groups")
         self.d_model = d_model
         self.num_q_heads = 2 * num_heads
@@ -372,7 +376,7 @@ class MultiheadDiffAttnV2(_Projections):
         q = constrain(self.q_proj(x).reshape(b, t, 2 * h, d), *_Q_ACT)
         k = constrain(self.k_proj(x).reshape(b, t, hkv, d), *_KV_ACT)
         v = constrain(self.v_proj(x).reshape(b, t, hkv, d), *_KV_ACT)
-        q, k = _rotate(q, k, x, positions, self.rope_theta)
+        q, k = _rotate(q, k, x, positions, self.rope_theta, self.rope_scaling)
         return q, k, v
 
     def _pairs(self, q):

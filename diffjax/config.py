@@ -56,12 +56,20 @@ class ModelConfig:
     ffn_dim: int | None = None  # None: 8/3 * d_model rounded up to ffn_multiple_of
     ffn_multiple_of: int = 64
     rope_theta: float = 10000.0
+    # Rotary frequency scaling (Hugging Face's rope_type): "none", "linear" (every frequency
+    # / rope_factor) or "llama3" (Llama 3.1's, with the three fields after rope_factor).
+    rope_scaling: str = "none"
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_len: int = 8192
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     init_std: float = 0.02
     # DIFF V1 ablations (the paper's Table 6). None: lambda_init(depth) = 0.8 - 0.6 exp(-0.3 depth).
     lambda_init: float | None = None
     diff_norm: bool = True  # V1's per-head RMSNorm (subln)
+    diff_norm_eps: float = 1e-5  # its eps: 1e-5 in the official code; DiffLlama uses norm_eps
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -123,6 +131,9 @@ class ModelConfig:
             self._fail("rope_theta", f"must be > 0, got {self.rope_theta}", "use e.g. 10000.0")
         if not self.norm_eps > 0:
             self._fail("norm_eps", f"must be > 0, got {self.norm_eps}", "use e.g. 1e-5")
+        if not self.diff_norm_eps > 0:
+            self._fail("diff_norm_eps", f"must be > 0, got {self.diff_norm_eps}", "use e.g. 1e-5")
+        self._check_rope_scaling()
         if not self.init_std > 0:
             self._fail("init_std", f"must be > 0, got {self.init_std}", "use e.g. 0.02")
         if self.lambda_init is not None and self.attention != "diff_v1":
@@ -170,7 +181,40 @@ class ModelConfig:
                        f"got {self.resolved_head_dim}",
                        "choose d_model/num_heads (or head_dim) so that the head width is even")
 
+    def _check_rope_scaling(self) -> None:
+        from .layers import ROPE_SCALINGS
+
+        if self.rope_scaling not in ROPE_SCALINGS:
+            self._fail("rope_scaling", f"unknown rotary scaling {self.rope_scaling!r}",
+                       f"use one of {', '.join(map(repr, ROPE_SCALINGS))}")
+        if self.rope_scaling == "none":
+            if self.rope_factor != 1.0:
+                self._fail("rope_factor", f"is {self.rope_factor} but rope_scaling='none'",
+                           "set rope_scaling='linear' or 'llama3', or leave rope_factor=1.0")
+            return
+        if not self.rope_factor > 0:
+            self._fail("rope_factor", f"must be > 0, got {self.rope_factor}", "use e.g. 8.0")
+        if self.rope_scaling == "llama3":
+            lo, hi = self.rope_low_freq_factor, self.rope_high_freq_factor
+            if not 0 < lo < hi:
+                self._fail("rope_high_freq_factor",
+                           f"llama3 scaling needs 0 < rope_low_freq_factor < rope_high_freq_factor, "
+                           f"got {lo} and {hi}", "use Llama 3.1's 1.0 and 4.0")
+            if self.rope_original_max_len < 1:
+                self._fail("rope_original_max_len", f"must be >= 1, got {self.rope_original_max_len}",
+                           "use the pre-training context length, e.g. 8192")
+
     # ------------------------------------------------------------------ derived values
+    @property
+    def rope_scaling_spec(self):
+        """The :class:`diffjax.layers.RopeScaling` of this config, or None."""
+        from .layers import RopeScaling
+
+        if self.rope_scaling == "none":
+            return None
+        return RopeScaling(self.rope_scaling, self.rope_factor, self.rope_low_freq_factor,
+                           self.rope_high_freq_factor, self.rope_original_max_len)
+
     @property
     def kv_heads(self) -> int:
         """The number of key/value heads (``num_kv_heads`` or ``num_heads``)."""

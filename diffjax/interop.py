@@ -3,6 +3,7 @@
 A state dict maps the official parameter names to arrays in torch layout (``nn.Linear.weight``
 is ``[out, in]``). :func:`load_unilm_state_dict` writes them into the matching diffjax module so
 that the same weights give the same outputs; :func:`unilm_state_dict` goes the other way.
+Whole models in Hugging Face's DiffLlama / Llama format: :mod:`diffjax.hf`.
 
 =====================  =====================================================================
 module                 official names

@@ -1,4 +1,5 @@
-"""Building blocks: RMSNorm, rotary position embedding (interleaved pairs), SwiGLU.
+"""Building blocks: RMSNorm, rotary position embedding (interleaved pairs, optional linear or
+Llama 3 frequency scaling), SwiGLU.
 
 The math is in small pure functions (``rms_norm``, ``rotary_angles``, ``apply_rotary``);
 the NNX modules only hold parameters and call them.
@@ -6,6 +7,8 @@ the NNX modules only hold parameters and call them.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -58,15 +61,59 @@ class RMSNorm(nnx.Module):
 
 
 # ---------------------------------------------------------------------------- rotary
-def rotary_angles(positions: jax.Array, dim: int, theta: float = 10000.0
-                  ) -> tuple[jax.Array, jax.Array]:
-    """cos and sin of ``positions * theta^(-2j/dim)``, j < dim/2: shape ``positions.shape + (dim/2,)``.
+ROPE_SCALINGS = ("none", "linear", "llama3")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """A rescaling of the rotary frequencies (Hugging Face's ``rope_type``).
+
+    - ``"linear"``: every frequency divided by ``factor`` (position interpolation).
+    - ``"llama3"``: Llama 3.1's: wavelengths longer than ``original_max_len / low_freq_factor``
+      divided by ``factor``, shorter than ``original_max_len / high_freq_factor`` kept, a smooth
+      blend between.
+    """
+
+    kind: str
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_len: int = 8192
+
+    def __post_init__(self):
+        if self.kind not in ROPE_SCALINGS[1:]:
+            raise ValueError(f"RopeScaling.kind: unknown {self.kind!r}; use 'linear' or 'llama3'")
+
+
+def scale_inv_freq(inv_freq: jax.Array, scaling: RopeScaling | None) -> jax.Array:
+    """``inv_freq`` (float32) rescaled by ``scaling`` (None: unchanged), as transformers'
+    ``_compute_linear_scaling_rope_parameters`` / ``_compute_llama3_parameters``."""
+    if scaling is None:
+        return inv_freq
+    factor = jnp.float32(scaling.factor)
+    if scaling.kind == "linear":
+        return inv_freq / factor
+    low, high = scaling.low_freq_factor, scaling.high_freq_factor
+    old_len = scaling.original_max_len
+    wavelen = 2 * math.pi / inv_freq
+    scaled = jnp.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
+    return jnp.where(medium, smoothed, scaled).astype(jnp.float32)
+
+
+def rotary_angles(positions: jax.Array, dim: int, theta: float = 10000.0,
+                  scaling: RopeScaling | None = None) -> tuple[jax.Array, jax.Array]:
+    """cos and sin of ``positions * theta^(-2j/dim)``, j < dim/2: shape ``positions.shape + (dim/2,)``
+    (the frequencies rescaled by ``scaling`` when given).
 
     float32 throughout (positions up to 2^24 are exact).
     """
     if dim % 2:
         raise ValueError(f"rotary dim must be even, got {dim}")
     inv_freq = 1.0 / (theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
+    inv_freq = scale_inv_freq(inv_freq, scaling)
     angles = positions.astype(jnp.float32)[..., None] * inv_freq
     return jnp.cos(angles), jnp.sin(angles)
 

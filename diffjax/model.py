@@ -16,7 +16,8 @@ _ACT = ("act_batch", "act_seq", "act_embed")
 
 def make_attention(config: ModelConfig, depth: int, *, rngs: nnx.Rngs) -> nnx.Module:
     """The attention layer of block ``depth`` for ``config.attention``."""
-    common = dict(rope_theta=config.rope_theta, attention_impl=config.attention_impl,
+    common = dict(rope_theta=config.rope_theta, rope_scaling=config.rope_scaling_spec,
+                  attention_impl=config.attention_impl,
                   dtype=as_dtype(config.dtype), param_dtype=as_dtype(config.param_dtype),
                   kernel_init=nnx.initializers.normal(config.init_std), rngs=rngs)
     if config.attention == "standard":
@@ -24,7 +25,8 @@ def make_attention(config: ModelConfig, depth: int, *, rngs: nnx.Rngs) -> nnx.Mo
                                   head_dim=config.resolved_head_dim, **common)
     if config.attention == "diff_v1":
         return MultiheadDiffAttn(config.d_model, depth, config.num_heads, config.kv_heads,
-                                 lambda_init=config.lambda_init, norm=config.diff_norm, **common)
+                                 lambda_init=config.lambda_init, norm=config.diff_norm,
+                                 norm_eps=config.diff_norm_eps, **common)
     if config.attention == "diff_v2":
         return MultiheadDiffAttnV2(config.d_model, config.num_heads, config.kv_heads,
                                    config.resolved_head_dim, **common)

@@ -96,6 +96,15 @@ def test_default_config_is_valid():
     (dict(attention="diff_v2", lambda_init=0.5), "lambda_init", None),
     (dict(attention="standard", diff_norm=False), "diff_norm", None),
     (dict(attention="diff_v2", diff_norm=False), "diff_norm", None),
+    # rotary scaling and the per-head norm's eps
+    (dict(rope_scaling="yarn"), "rope_scaling", "'none', 'linear', 'llama3'"),
+    (dict(rope_factor=8.0), "rope_factor", "rope_scaling='none'"),
+    (dict(rope_scaling="linear", rope_factor=0.0), "rope_factor", "> 0"),
+    (dict(rope_scaling="llama3", rope_factor=8.0, rope_low_freq_factor=4.0,
+          rope_high_freq_factor=1.0), "rope_high_freq_factor", "0 < rope_low_freq_factor"),
+    (dict(rope_scaling="llama3", rope_factor=8.0, rope_original_max_len=0),
+     "rope_original_max_len", None),
+    (dict(diff_norm_eps=0.0), "diff_norm_eps", None),
 ])
 def test_rejected(kwargs, field, contains):
     assert_config_error(field, contains=contains, **kwargs)
@@ -322,3 +331,24 @@ def test_numpy_scalars_are_accepted_and_become_python_numbers():
     assert type(cfg.rope_theta) is float and cfg.rope_theta == 500000.0
     with pytest.raises(diffjax.ConfigError, match="ModelConfig.d_model"):
         diffjax.ModelConfig(d_model=np.float64(128.0))
+
+
+def test_rope_scaling_spec():
+    assert ModelConfig().rope_scaling_spec is None
+    spec = ModelConfig(rope_scaling="llama3", rope_factor=8.0, rope_original_max_len=4096
+                       ).rope_scaling_spec
+    assert (spec.kind, spec.factor, spec.low_freq_factor, spec.high_freq_factor,
+            spec.original_max_len) == ("llama3", 8.0, 1.0, 4.0, 4096)
+
+
+def test_a_checkpoint_from_before_the_new_fields_still_resumes():
+    """A model config saved before a field existed matches today's config with that field at its
+    default (and not with another value)."""
+    from diffjax.train.checkpoint import check_same_model
+
+    current = ModelConfig().to_dict()
+    old = {k: v for k, v in current.items() if not k.startswith("rope_") or k == "rope_theta"}
+    old.pop("diff_norm_eps")
+    check_same_model(old, current, "run")
+    with pytest.raises(ConfigError, match=r"diff_norm_eps: checkpoint has 1e-05, config has 1e-06"):
+        check_same_model(old, ModelConfig(diff_norm_eps=1e-6).to_dict(), "run")

@@ -16,10 +16,11 @@ from .pipeline import (DataSummary, check_data, describe, make_dataset, make_sou
 from .sources import (TokenStream, WindowSource, is_validation_file, load_corpus,
                       stdlib_files, stdlib_root)
 from .synthetic import MQARSource, NeedleSource, answer_accuracy, answer_correct
-from .tokenizer import BOS, EOS, PAD, VOCAB_SIZE, ByteTokenizer
+from .tokenizer import BOS, EOS, PAD, VOCAB_SIZE, ByteTokenizer, HFTokenizer, load_tokenizer
 
 __all__ = [
     "BOS", "EOS", "PAD", "SOURCES", "TOKEN_DTYPES", "VOCAB_SIZE", "ByteTokenizer", "DataConfig",
+    "HFTokenizer", "load_tokenizer",
     "DataError", "DataSummary", "MQARSource", "NeedleSource", "TokenStream", "WindowSource",
     "answer_accuracy", "answer_correct", "check_data", "describe", "is_validation_file",
     "load_corpus", "make_dataset", "make_source", "num_examples", "num_tokens", "stdlib_files",

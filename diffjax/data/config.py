@@ -82,6 +82,9 @@ class DataConfig:
     # mqar: num_pairs (key, value) byte pairs, then num_queries keys; the loss counts the values.
     num_pairs: int = 16
     num_val_examples: int = 1024  # validation set size of the synthetic tasks
+    # stdlib/text: None or "byte" for the byte tokenizer; else a Hugging Face tokenizer.json or a
+    # directory holding one (a checkpoint's), read with the `tokenizers` package (local only).
+    tokenizer: str | None = None
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -148,6 +151,12 @@ class DataConfig:
         if self.source in ("stdlib", "mqar") and self.path is not None:
             _fail("path", f"source={self.source!r} does not read files, but path={self.path!r}",
                   "leave path=None, or use source='text' (or 'tokens') to read these files")
+        if self.tokenizer not in (None, "byte") and self.source not in ("stdlib", "text"):
+            _fail("tokenizer", f"source={self.source!r} does not tokenize text (its ids are "
+                  f"{'read from files' if self.source == 'tokens' else 'byte-level by construction'})",
+                  "leave data.tokenizer unset, or use source='stdlib' or 'text'")
+        if self.tokenizer is not None and not self.tokenizer.strip():
+            _fail("tokenizer", "is an empty string", "give a tokenizer.json path, or 'byte'")
         if self.seq_len < 8:
             _fail("seq_len", f"must be >= 8, got {self.seq_len}", "use e.g. seq_len=256")
         if not 0.0 <= self.val_fraction < 1.0:
@@ -219,6 +228,12 @@ class DataConfig:
         """The shortest ``seq_len`` that holds BOS, the needles and the queries (no haystack)."""
         return (self.num_needles * needle_len(self.key_len, self.value_len)
                 + self.num_queries * query_len(self.key_len, self.value_len))
+
+    @property
+    def uses_byte_tokenizer(self) -> bool:
+        """Whether token ids are bytes (+ BOS/EOS/PAD): every source but ``tokens`` and a text
+        source with a ``tokenizer``."""
+        return self.source != "tokens" and self.tokenizer in (None, "byte")
 
     @property
     def is_synthetic(self) -> bool:

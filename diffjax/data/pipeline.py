@@ -262,7 +262,15 @@ def check_data(config: DataConfig, vocab_size: int = VOCAB_SIZE) -> DataSummary:
     ``vocab_size``, each split holds at least one example. Raises :class:`DataError` (a
     ``ConfigError``) naming the path or field and the fix."""
     _check_config(config)
-    if config.source != "tokens" and vocab_size < VOCAB_SIZE:
+    if not config.uses_byte_tokenizer and config.source != "tokens":
+        from .tokenizer import HFTokenizer
+
+        tok = HFTokenizer(config.tokenizer)
+        if tok.vocab_size > vocab_size:
+            raise DataError(f"DataConfig.tokenizer: {tok.path!r} has {tok.vocab_size:,} ids but the "
+                            f"model's vocab_size is {vocab_size:,}. Fix: set model.vocab_size >= "
+                            f"{tok.vocab_size} (or use the tokenizer of this model's checkpoint)")
+    elif config.source != "tokens" and vocab_size < VOCAB_SIZE:
         raise DataError(f"DataConfig.source: {config.source!r} uses the byte tokenizer (ids up "
                         f"to {VOCAB_SIZE - 1}) but the model's vocab_size is {vocab_size}. Fix: "
                         f"set model.vocab_size={VOCAB_SIZE}")

@@ -250,9 +250,26 @@ def _stream_split(stream: np.ndarray, val_fraction: float) -> tuple[np.ndarray, 
     return stream[:cut], stream[cut:]
 
 
+def _encode_documents(datas: Sequence[bytes], tokenizer: str) -> np.ndarray:
+    """``[bos] ids(d0) [eos] [bos] ids(d1) [eos] ...`` with a Hugging Face tokenizer (its BOS/EOS
+    where it has them), uint32 (uint16 when every id fits)."""
+    from .tokenizer import HFTokenizer
+
+    tok = HFTokenizer(tokenizer)
+    pieces = []
+    for ids in tok.encode_batch([d.decode("utf-8", errors="replace") for d in datas]):
+        if tok.bos_id is not None:
+            pieces.append(np.array([tok.bos_id], np.int64))
+        pieces.append(ids.astype(np.int64))
+        if tok.eos_id is not None:
+            pieces.append(np.array([tok.eos_id], np.int64))
+    out = np.concatenate(pieces) if pieces else np.zeros((0,), np.int64)
+    return out.astype(np.uint16 if tok.vocab_size <= 2 ** 16 else np.uint32)
+
+
 @functools.lru_cache(maxsize=8)
 def _load_text(kind: str, path: str | None, files: tuple[tuple[str, str, int, int], ...],
-               val_fraction: float) -> Corpus:
+               val_fraction: float, tokenizer: tuple[str, int, int] | None = None) -> Corpus:
     """Read, tokenize and split. ``files`` = ((key, full path, size, mtime_ns), ...) so that a
     changed file is a cache miss."""
     t0 = time.perf_counter()
@@ -271,13 +288,15 @@ def _load_text(kind: str, path: str | None, files: tuple[tuple[str, str, int, in
             f"DataConfig.path: the {len(files)} file(s) of {where!r} hold no text (all are empty, "
             f"or binary: they contain NUL bytes). Fix: point data.path at UTF-8 text files; for "
             f"pre-tokenized .npy/.bin files use data.source='tokens'")
+    concat = (_concat_documents if tokenizer is None
+              else functools.partial(_encode_documents, tokenizer=tokenizer[0]))
     if val_fraction > 0 and (not train or not val):
         # Too few files for a split by file (e.g. a single file): split the stream instead.
-        stream = _concat_documents(train + val)
+        stream = concat(train + val)
         train_arr, val_arr = _stream_split(stream, val_fraction)
         split_by, n_train, n_val = "stream", len(train) + len(val), len(train) + len(val)
     else:
-        train_arr, val_arr = _concat_documents(train), _concat_documents(val)
+        train_arr, val_arr = concat(train), concat(val)
         split_by, n_train, n_val = "file", len(train), len(val)
     for arr in (train_arr, val_arr):
         arr.setflags(write=False)
@@ -316,7 +335,15 @@ def load_text_corpus(config: DataConfig) -> Corpus:
     """The stdlib corpus (``path is None``) or the text files of ``config.path``, tokenized
     and split (cached per process)."""
     kind = "stdlib" if config.path is None else "text"
-    return _load_text(kind, config.path, _stat_key(text_files(config)), config.val_fraction)
+    tokenizer = None
+    if config.tokenizer not in (None, "byte"):
+        from .tokenizer import HFTokenizer
+
+        file = os.path.abspath(HFTokenizer(config.tokenizer).path)
+        st = os.stat(file)  # a changed tokenizer file is a cache miss
+        tokenizer = (file, st.st_size, st.st_mtime_ns)
+    return _load_text(kind, config.path, _stat_key(text_files(config)), config.val_fraction,
+                      tokenizer)
 
 
 # ============================================================================ token files

@@ -56,3 +56,95 @@ class ByteTokenizer:
 
     def __repr__(self) -> str:
         return "ByteTokenizer(vocab_size=259, BOS=256, EOS=257, PAD=258)"
+
+
+TOKENIZER_JSON = "tokenizer.json"
+
+
+class HFTokenizer:
+    """A Hugging Face ``tokenizer.json`` (e.g. a checkpoint's) through the ``tokenizers`` package.
+
+    ``path``: the file, or a directory holding it (a checkpoint directory). Local files only:
+    nothing is downloaded. ``bos_id`` / ``eos_id`` / ``pad_id`` come from the directory's
+    ``tokenizer_config.json`` (``bos_token``, ...) when it names them, else None.
+    """
+
+    def __init__(self, path: str):
+        import json
+        import os
+
+        from .config import DataError
+
+        path = os.fspath(path)
+        file = os.path.join(path, TOKENIZER_JSON) if os.path.isdir(path) else path
+        if not os.path.isfile(file):
+            raise DataError(f"DataConfig.tokenizer: {file!r} does not exist. Fix: pass a "
+                            f"tokenizer.json file or a directory holding one (a local Hugging Face "
+                            f"checkpoint; nothing is downloaded), or 'byte'")
+        try:
+            from tokenizers import Tokenizer
+        except ImportError as e:  # pragma: no cover - a dependency of diffjax
+            raise DataError(f"DataConfig.tokenizer: reading {file!r} needs the 'tokenizers' "
+                            f"package ({e}). Fix: pip install tokenizers") from None
+        try:
+            self._tok = Tokenizer.from_file(file)
+        except Exception as e:  # noqa: BLE001 - the tokenizers error types are not public
+            raise DataError(f"DataConfig.tokenizer: {file!r} is not a tokenizer.json ({e}). Fix: "
+                            f"pass the tokenizer.json of a Hugging Face checkpoint") from None
+        self.path = file
+        special: dict = {}
+        cfg_file = os.path.join(os.path.dirname(file), "tokenizer_config.json")
+        if os.path.isfile(cfg_file):
+            with open(cfg_file) as f:
+                special = json.load(f)
+
+        def token_id(key: str) -> int | None:
+            tok = special.get(key)
+            if isinstance(tok, dict):  # {"content": "<s>", ...}
+                tok = tok.get("content")
+            return None if tok is None else self._tok.token_to_id(tok)
+
+        self.bos_id, self.eos_id, self.pad_id = (token_id("bos_token"), token_id("eos_token"),
+                                                 token_id("pad_token"))
+
+    @property
+    def vocab_size(self) -> int:
+        """Ids run from 0 to ``vocab_size - 1`` (added tokens included)."""
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str | bytes, *, add_bos: bool = False, add_eos: bool = False
+               ) -> np.ndarray:
+        """``text`` as int32 ids (no special tokens of the tokenizer's template), optionally
+        framed by ``bos_id`` / ``eos_id`` when the tokenizer has them."""
+        if isinstance(text, (bytes, bytearray, memoryview)):
+            text = bytes(text).decode("utf-8", errors="replace")
+        if not isinstance(text, str):
+            raise TypeError(f"HFTokenizer.encode takes str or bytes, got {type(text).__name__}")
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        if add_bos and self.bos_id is not None:
+            ids = [self.bos_id] + ids
+        if add_eos and self.eos_id is not None:
+            ids = ids + [self.eos_id]
+        return np.asarray(ids, np.int32)
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        """Each text's ids (int32), encoded in parallel."""
+        return [np.asarray(e.ids, np.int32)
+                for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids) -> str:
+        """The text of ``ids`` (any integer array-like, flattened), special tokens skipped."""
+        arr = np.asarray(ids).reshape(-1).astype(np.int64)
+        return self._tok.decode(arr.tolist(), skip_special_tokens=True)
+
+    def __repr__(self) -> str:
+        return (f"HFTokenizer({self.path!r}, vocab_size={self.vocab_size}, bos_id={self.bos_id}, "
+                f"eos_id={self.eos_id})")
+
+
+def load_tokenizer(spec: str | None) -> ByteTokenizer | HFTokenizer:
+    """``None`` or ``"byte"``: the byte tokenizer; otherwise :class:`HFTokenizer` of ``spec``
+    (a ``tokenizer.json`` or a directory holding one)."""
+    if spec is None or spec == "byte":
+        return ByteTokenizer()
+    return HFTokenizer(spec)

@@ -17,6 +17,7 @@ another number of processes.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import Any
@@ -112,7 +113,10 @@ def _unreadable(directory: str, step: int, error: Exception) -> str:
 
 
 def check_same_model(saved: dict[str, Any], current: dict[str, Any], directory: str) -> None:
-    """Stop when a checkpoint was written by a different model config."""
+    """Stop when a checkpoint was written by a different model config. A field the checkpoint
+    does not record (written before the field existed) counts as its default."""
+    defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
+    saved = {**{k: v for k, v in defaults.items() if k in current}, **saved}
     diffs = [f"{k}: checkpoint has {saved.get(k)!r}, config has {current.get(k)!r}"
              for k in sorted(set(saved) | set(current)) if saved.get(k) != current.get(k)]
     if diffs:

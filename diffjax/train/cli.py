@@ -21,7 +21,7 @@ from diffjax import data as data_lib
 from diffjax.config import ConfigError
 
 from .checkpoint import CheckpointError, committed_steps
-from .config import apply_overrides, config_keys, load_config
+from .config import apply_overrides, config_keys, load_config, resolve_init_from
 from .loop import TrainingDiverged, describe_mesh, train_model
 from .report import results_table, write_report
 
@@ -114,7 +114,7 @@ def _error(message: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        exp = apply_overrides(load_config(args.config), args.overrides)
+        exp = resolve_init_from(apply_overrides(load_config(args.config), args.overrides))
         description = data_lib.check_data(exp.data, exp.model.vocab_size)
         distributed = init_distributed(args)
         import jax

@@ -131,6 +131,10 @@ class TrainConfig:
     keep_checkpoints: int = 3  # the last K; the best (lowest validation loss) is kept too
     log_every: int = 1  # metrics.jsonl gets every step; TensorBoard every log_every steps
     seed: int = 0  # parameter init (the DIFF model and its twin get the same seed)
+    # A Hugging Face checkpoint directory (model_type diffllama or llama) to start from: the
+    # model config comes from its config.json (model.dtype, param_dtype and attention_impl are
+    # kept), the parameters from its weights. A run that holds a checkpoint resumes from that.
+    init_from: str | None = None
     progress: bool = True  # progress bar
     tensorboard: bool = True
 
@@ -192,6 +196,10 @@ class ExperimentConfig:
             _fail("ExperimentConfig", "compare",
                   f"compare=true trains a DIFF model and its standard twin, but model.attention is "
                   f"{self.model.attention!r}", "set model.attention=diff_v1 or diff_v2, or compare=false")
+        if self.train.init_from is not None and self.compare:
+            _fail("ExperimentConfig", "compare",
+                  f"train.init_from={self.train.init_from!r} starts one model from a checkpoint, "
+                  f"and its twin would start from random weights", "set compare=false")
         if self.data.seq_len > self.model.max_seq_len:
             _fail("ExperimentConfig", "data.seq_len",
                   f"{self.data.seq_len} is longer than the model takes (model.max_seq_len="
@@ -279,6 +287,24 @@ def load_config(path: str | None) -> ExperimentConfig:
         raise ConfigError(f"{path}: get_config() returned {type(config).__name__}. Fix: return "
                           f"a diffjax.train.ExperimentConfig.")
     return config
+
+
+def resolve_init_from(config: ExperimentConfig) -> ExperimentConfig:
+    """With ``train.init_from``: the experiment with the checkpoint's model config (keeping
+    ``model.dtype``, ``param_dtype`` and ``attention_impl``) and, for text data with no
+    ``data.tokenizer`` set, the checkpoint's ``tokenizer.json`` when it has one (``data.tokenizer=
+    byte`` keeps bytes); otherwise ``config`` unchanged."""
+    if config.train.init_from is None:
+        return config
+    from diffjax import hf
+
+    keep = {k: getattr(config.model, k) for k in ("dtype", "param_dtype", "attention_impl")}
+    data = config.data
+    if (data.tokenizer is None and data.source in ("stdlib", "text")
+            and os.path.isfile(os.path.join(config.train.init_from, "tokenizer.json"))):
+        data = data.replace(tokenizer=config.train.init_from)  # the checkpoint's own ids
+    return dataclasses.replace(config, data=data,
+                               model=hf.config_from_pretrained(config.train.init_from, **keep))
 
 
 def default_config() -> ExperimentConfig:

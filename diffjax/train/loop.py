@@ -29,7 +29,7 @@ from flax import nnx
 
 from diffjax import data as data_lib
 from diffjax import sharding
-from diffjax.config import ModelConfig
+from diffjax.config import ConfigError, ModelConfig
 from diffjax.model import TransformerLM
 from diffjax.params import count_params
 
@@ -165,6 +165,29 @@ def make_state_init(model_cfg: ModelConfig, tcfg, tx: optax.GradientTransformati
     return init_state
 
 
+def pretrained_state(path: str, model_cfg: ModelConfig, tx: optax.GradientTransformation,
+                     state_sh: Any, rest_sh: Any, mesh) -> tuple[dict[str, Any], Any]:
+    """The train state at step 0 with the parameters of the Hugging Face checkpoint ``path``
+    (``train.init_from``), read onto ``mesh`` as :func:`make_state_init`'s would be placed."""
+    from diffjax import hf
+
+    keep = {k: getattr(model_cfg, k) for k in hf.OVERRIDABLE}
+    model = hf.from_pretrained(path, mesh=mesh, **keep)
+    if model.config != model_cfg:
+        diffs = [f"{k}: checkpoint {v!r}, config {getattr(model_cfg, k)!r}"
+                 for k, v in model.config.to_dict().items() if getattr(model_cfg, k) != v]
+        raise ConfigError(f"train.init_from={path!r}: the model config differs from the "
+                          f"checkpoint's ({'; '.join(diffs)}). Fix: take the model config from "
+                          f"the checkpoint (diffjax.train.config.resolve_init_from; train.py "
+                          f"does).")
+    _, params, rest = nnx.split(model, nnx.Param, ...)
+    params = jax.device_put(params, state_sh["params"])
+    rest = jax.device_put(rest, rest_sh)
+    opt_state = jax.jit(tx.init, out_shardings=state_sh["opt_state"])(params)
+    step = jax.device_put(jnp.zeros((), jnp.int32), state_sh["step"])
+    return {"step": step, "params": params, "opt_state": opt_state}, rest
+
+
 # ---------------------------------------------------------------------------- the loop
 def describe_mesh(mesh) -> str:
     sizes = " ".join(f"{n}={s}" for n, s in zip(mesh.axis_names, mesh.devices.shape))
@@ -248,7 +271,10 @@ def _train_model(exp: ExperimentConfig, model_cfg: ModelConfig, label: str, dire
     rest_sh = sharding.tree_shardings(abstract_rest, mesh)
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     start = 0
-    if latest is None:
+    if latest is None and tcfg.init_from is not None:
+        state, rest = pretrained_state(tcfg.init_from, model_cfg, tx, state_sh, rest_sh, mesh)
+        log(f"[{label}] parameters from the Hugging Face checkpoint {tcfg.init_from}")
+    elif latest is None:
         state, rest = jax.jit(init_state, out_shardings=(state_sh, rest_sh))()
     else:
         rest = jax.jit(lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), abstract_rest),
