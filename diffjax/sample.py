@@ -7,14 +7,21 @@ model (label ``diff``) of the first seed is used unless ``--model LABEL`` / ``--
 otherwise; the choice is printed (to stderr). The best checkpoint (lowest validation loss) is
 read unless ``--step`` says ``latest`` or a step number.
 
+``RUN_DIR`` may also be a Hugging Face checkpoint directory (``config.json`` with a
+``model_type`` and ``*.safetensors``, read by :func:`diffjax.from_pretrained`).
+
 Several ``--prompt`` run as one left-padded batch. Decoding is greedy unless ``--temperature``
-is above 0 (then ``--top_k`` and ``--sample_seed`` apply). Text goes through the byte tokenizer
-(vocabulary 259); :func:`sample` takes any tokenizer object with ``encode``/``decode``.
+is above 0 (then ``--top_k`` and ``--sample_seed`` apply). The tokenizer is ``--tokenizer``
+(``byte`` or a ``tokenizer.json`` / a directory holding one) or else found: a Hugging Face
+directory's own ``tokenizer.json``, or the run's ``data.tokenizer`` (its ``config.json``), or
+the byte tokenizer (vocabulary 259). :func:`sample` takes any tokenizer object with
+``encode``/``decode``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import sys
@@ -23,7 +30,7 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
-from .data.tokenizer import VOCAB_SIZE, ByteTokenizer
+from .data.tokenizer import ByteTokenizer, load_tokenizer
 
 _SEED = re.compile(r"seed_(\d+)$")
 
@@ -132,11 +139,46 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="the model's label (e.g. diff, standard)")
     p.add_argument("--seed", type=int, default=None, help="the training seed (seed_<S> folder)")
     p.add_argument("--step", default="best", help="best (default), latest, or a step number")
+    p.add_argument("--tokenizer", default=None,
+                   help="byte, or a tokenizer.json (or a directory holding one); default: found "
+                        "beside the checkpoint or in the run's config, else byte")
     return p
+
+
+def is_hf_checkpoint(path: str) -> bool:
+    """Whether ``path`` is a Hugging Face checkpoint directory (``config.json`` naming a
+    ``model_type``), as opposed to a train.py run folder (whose ``config.json`` has none)."""
+    file = os.path.join(path, "config.json")
+    if not os.path.isfile(file):
+        return False
+    try:
+        with open(file) as f:
+            return "model_type" in json.load(f)
+    except (OSError, ValueError):
+        return False
+
+
+def find_tokenizer(run_dir: str, model_dir: str) -> str | None:
+    """The tokenizer a model was trained with: a ``tokenizer.json`` beside a Hugging Face
+    checkpoint, else the run's ``data.tokenizer`` (``RUN_DIR/config.json``), else None (bytes)."""
+    for folder in (model_dir, run_dir):
+        if is_hf_checkpoint(folder) and os.path.isfile(os.path.join(folder, "tokenizer.json")):
+            return folder
+    for folder in (run_dir, os.path.dirname(model_dir), os.path.dirname(os.path.dirname(model_dir))):
+        file = os.path.join(folder, "config.json")
+        if os.path.isfile(file) and not is_hf_checkpoint(folder):
+            try:
+                with open(file) as f:
+                    return json.load(f).get("data", {}).get("tokenizer")
+            except (OSError, ValueError):
+                return None
+    return None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    from .config import ConfigError
+    from .data.config import DataError
     from .train.checkpoint import CheckpointError, load_model
 
     step: Any = args.step
@@ -148,22 +190,30 @@ def main(argv: Sequence[str] | None = None) -> int:
                   file=sys.stderr)
             return 2
     try:
-        path, note = choose_model(args.run_dir, args.model, args.seed)
-        model = load_model(path, step)
-    except (ModelChoiceError, CheckpointError) as e:
+        if is_hf_checkpoint(args.run_dir):
+            from .hf import from_pretrained
+
+            path, note = os.path.abspath(args.run_dir), f"Hugging Face checkpoint: {args.run_dir}"
+            model = from_pretrained(path)
+        else:
+            path, note = choose_model(args.run_dir, args.model, args.seed)
+            model = load_model(path, step)
+        tokenizer = load_tokenizer(args.tokenizer if args.tokenizer is not None
+                                   else find_tokenizer(os.path.abspath(args.run_dir), path))
+    except (ModelChoiceError, CheckpointError, ConfigError, DataError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     cfg = model.config
     print(f"{note}\n{cfg.attention}, {cfg.num_layers} layers, d_model {cfg.d_model}, "
-          f"checkpoint {args.step}", file=sys.stderr)
-    if cfg.vocab_size != VOCAB_SIZE:
-        print(f"error: this model's vocabulary has {cfg.vocab_size} tokens, the byte tokenizer "
-              f"{VOCAB_SIZE}: it was trained on other token ids. Fix: call "
-              f"diffjax.sample.sample(model, prompts, n, tokenizer=...) with its tokenizer.",
-              file=sys.stderr)
+          f"checkpoint {args.step}, tokenizer {type(tokenizer).__name__}", file=sys.stderr)
+    if tokenizer.vocab_size > cfg.vocab_size:
+        print(f"error: this model's vocabulary has {cfg.vocab_size} tokens, the tokenizer "
+              f"{tokenizer.vocab_size}: it was trained on other token ids. Fix: pass the "
+              f"tokenizer it was trained with (--tokenizer).", file=sys.stderr)
         return 2
     try:
-        texts = sample(model, args.prompt, args.max_new_tokens, temperature=args.temperature,
+        texts = sample(model, args.prompt, args.max_new_tokens, tokenizer=tokenizer,
+                       temperature=args.temperature,
                        top_k=args.top_k, rng=jax.random.key(args.sample_seed))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -105,3 +105,31 @@ def test_init_from_uses_the_checkpoints_tokenizer(tmp_path, tok_dir):
     kept = resolve_init_from(apply_overrides(default_config(), [
         f"train.init_from={ckpt}", "compare=false", "data.tokenizer=byte"]))
     assert kept.data.tokenizer == "byte"
+
+
+def test_sample_reads_a_hugging_face_directory_with_its_tokenizer(tmp_path, tok_dir, capsys):
+    """`python -m diffjax.sample HF_DIR` loads the checkpoint and its own tokenizer.json, and
+    prints the prompt followed by the greedy continuation that generate() gives."""
+    from flax import nnx
+
+    import diffjax
+    from diffjax import sample
+
+    cfg = diffjax.ModelConfig(vocab_size=300, d_model=32, num_layers=1, num_heads=2,
+                              max_seq_len=64, norm_eps=1e-5)
+    model = diffjax.TransformerLM(cfg, rngs=nnx.Rngs(3))
+    out = tmp_path / "hf"
+    diffjax.save_pretrained(model, str(out), tokenizer_from=str(tok_dir))
+    assert sample.is_hf_checkpoint(str(out)) and not sample.is_hf_checkpoint(str(tok_dir))
+    assert sample.main([str(out), "--prompt", "def add", "--max_new_tokens", "6"]) == 0
+    captured = capsys.readouterr()
+    assert "HFTokenizer" in captured.err and "Hugging Face checkpoint" in captured.err
+    tok = HFTokenizer(str(tok_dir))
+    ids = np.asarray(tok.encode("def add"))[None]
+    expect = np.asarray(diffjax.generate(diffjax.from_pretrained(str(out)), ids, 6,
+                                         eos_id=tok.eos_id))[0, ids.shape[1]:]
+    if (hits := np.flatnonzero(expect == tok.eos_id)).size:
+        expect = expect[:hits[0]]
+    assert captured.out.strip("\n") == ("def add" + tok.decode(expect)).strip("\n")
+    assert sample.main([str(out), "--prompt", "x", "--tokenizer", str(tmp_path / "nope")]) == 2
+    assert "does not exist" in capsys.readouterr().err
