@@ -131,6 +131,12 @@ class TrainConfig:
     keep_checkpoints: int = 3  # the last K; the best (lowest validation loss) is kept too
     log_every: int = 1  # metrics.jsonl gets every step; TensorBoard every log_every steps
     seed: int = 0  # parameter init (the DIFF model and its twin get the same seed)
+    # train each model from init seeds seed .. seed + num_seeds - 1 (paired: seed s of DIFF and
+    # of its twin start from the same seed; every run sees the same batches, set by data.seed)
+    num_seeds: int = 1
+    # after training, alternate the two models' compiled steps for this many rounds to measure
+    # their throughput side by side (0: skip)
+    throughput_rounds: int = 5
     progress: bool = True  # progress bar
     tensorboard: bool = True
 
@@ -138,7 +144,7 @@ class TrainConfig:
         _check_types(self)
         c = "TrainConfig"
         for name in ("steps", "batch_size", "eval_every", "eval_batches", "checkpoint_every",
-                     "keep_checkpoints", "log_every"):
+                     "keep_checkpoints", "log_every", "num_seeds"):
             if getattr(self, name) < 1:
                 _fail(c, name, f"must be >= 1, got {getattr(self, name)}", f"set train.{name} to a positive integer")
         if self.warmup_steps < 0:
@@ -157,6 +163,9 @@ class TrainConfig:
                 _fail(c, name, f"must be >= 0, got {getattr(self, name)}", f"set train.{name} to 0 or more")
         if self.seed < 0:
             _fail(c, "seed", f"must be >= 0, got {self.seed}", "use a non-negative seed")
+        if self.throughput_rounds < 0:
+            _fail(c, "throughput_rounds", f"must be >= 0, got {self.throughput_rounds}",
+                  "set train.throughput_rounds=0 to skip the side-by-side timing, or more")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,8 +216,24 @@ class ExperimentConfig:
             return {"diff": self.model, "standard": twin(self.model)}
         return {"diff" if self.model.is_diff else "standard": self.model}
 
+    @property
+    def seeds(self) -> list[int]:
+        """The init seeds: ``train.seed .. train.seed + train.num_seeds - 1``."""
+        return list(range(self.train.seed, self.train.seed + self.train.num_seeds))
+
+    def with_seed(self, seed: int) -> "ExperimentConfig":
+        """This experiment with init seed ``seed`` (the data order is unchanged)."""
+        return dataclasses.replace(self, train=dataclasses.replace(self.train, seed=seed,
+                                                                   num_seeds=1))
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def model_directory(run_dir: str, label: str, seed: int) -> str:
+    """Where one model of one seed writes: ``RUN_DIR/<label>/seed_<seed>/`` (metrics.jsonl, tb/,
+    checkpoints/, result.json)."""
+    return os.path.join(run_dir, label, f"seed_{seed}")
 
 
 SECTIONS = {"run": RunConfig, "model": ModelConfig, "data": DataConfig, "train": TrainConfig,
