@@ -71,7 +71,7 @@ def finish(*procs, timeout=420) -> list[str]:
 
 
 def losses(run_dir) -> dict[int, float]:
-    with open(os.path.join(run_dir, "diff", "metrics.jsonl")) as f:
+    with open(os.path.join(run_dir, "diff", "seed_0", "metrics.jsonl")) as f:
         return {r["step"]: r["loss"] for r in map(json.loads, f)}
 
 
