@@ -159,7 +159,8 @@ def test_comparison_smoke(tmp_path, capsys):
         assert any(f.startswith("events") for f in os.listdir(run / label / "seed_0" / "tb"))
     assert "lambda" in read_metrics(str(run / "diff" / "seed_0" / "metrics.jsonl"))[0]
     report = (run / "report.md").read_text()
-    assert "| | diff (diff_v1) | standard (standard) | DIFF − twin [95% CI] |" in report
+    assert "| | diff (diff_v1) | standard (standard) | DIFF − twin [95% CI] |" \
+        in report
     assert "final validation loss" in report and "no confidence interval can be given from one seed" in report
     assert (run / "loss.png").stat().st_size > 10_000
     assert "| parameters |" in out
@@ -249,7 +250,8 @@ def test_checkpoint_of_another_model_config_is_refused(tmp_path, capsys):
     assert run_main(tmp_path, "train.steps=4", "compare=false", "model.d_model=64") == 2
     err = capsys.readouterr().err
     assert "different model config" in err and "d_model: checkpoint has 32, config has 64" in err
-    assert sorted(os.listdir(tmp_path / "run" / "diff" / "seed_0" / "checkpoints")) == saved  # nothing lost
+    # nothing lost
+    assert sorted(os.listdir(tmp_path / "run" / "diff" / "seed_0" / "checkpoints")) == saved
 
 
 def test_resume_flag_without_checkpoint_is_an_error(tmp_path, capsys):
@@ -297,8 +299,8 @@ def test_half_written_checkpoint_is_ignored(tmp_path):
 
     assert committed_steps(str(ck)) == [2]
     assert run_main(tmp_path, "train.steps=4", "compare=false") == 0
-    assert [r["step"] for r in read_metrics(str(tmp_path / "run" / "diff" / "seed_0" / "metrics.jsonl"))] \
-        == [1, 2, 3, 4]
+    records = read_metrics(str(tmp_path / "run" / "diff" / "seed_0" / "metrics.jsonl"))
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
 
 
 def test_diff_v2_single_model_records_mean_lambda(tmp_path):

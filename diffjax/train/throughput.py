@@ -65,7 +65,8 @@ class SideBySide:
                 "spread": self.spread}
 
 
-def _compiled_step(exp: ExperimentConfig, model_cfg: ModelConfig, mesh, batch) -> tuple[Callable, dict]:
+def _compiled_step(exp: ExperimentConfig, model_cfg: ModelConfig, mesh,
+                   batch) -> tuple[Callable, dict]:
     """The model's train step compiled as the loop compiles it, and a fresh train state."""
     tcfg = exp.train
     tx, schedule = make_optimizer(tcfg), learning_rate_schedule(tcfg)
