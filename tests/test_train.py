@@ -165,7 +165,8 @@ def test_comparison_smoke(tmp_path, capsys):
     assert (run / "loss.png").stat().st_size > 10_000
     assert "| parameters |" in out
     # same data, same order, same init seed: the two models saw the same tokens
-    d, s = (read_metrics(str(run / x / "seed_0" / "metrics.jsonl")) for x in ("diff", "standard"))
+    d, s = (read_metrics(str(run / x / "seed_0" / "metrics.jsonl"))
+            for x in ("diff", "standard"))
     assert [r["tokens"] for r in d] == [r["tokens"] for r in s]
 
 
