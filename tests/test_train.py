@@ -464,10 +464,12 @@ def test_a_run_in_the_old_layout_is_not_silently_restarted(tmp_path, capsys):
     for item in os.listdir(run / "diff" / "seed_0"):  # the layout before multi-seed runs
         os.rename(run / "diff" / "seed_0" / item, run / "diff" / item)
     os.rmdir(run / "diff" / "seed_0")
+    config = (run / "config.json").read_text()
     assert run_main(tmp_path, "train.steps=4", "compare=false") == 4
     err = capsys.readouterr().err
     assert "layout before multi-seed runs" in err and "seed_0" in err and "Fix:" in err
     assert not (run / "diff" / "seed_0").exists()
+    assert (run / "config.json").read_text() == config  # nothing saved is changed
 
 
 def test_report_leaves_the_matplotlib_backend_alone(tmp_path):

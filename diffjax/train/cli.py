@@ -134,9 +134,6 @@ def main(argv: list[str] | None = None) -> int:
     main_process = jax.process_index() == 0
     run_dir = exp.run.path
     os.makedirs(run_dir, exist_ok=True)
-    if main_process:
-        with open(os.path.join(run_dir, "config.json"), "w") as f:
-            json.dump(exp.to_dict(), f, indent=1, default=str)
     if distributed:
         print(f"distributed: {distributed}")
     print(f"run directory: {run_dir}")
@@ -159,6 +156,9 @@ def main(argv: list[str] | None = None) -> int:
                f"start a new run, or set run.dir to the run to resume.")
         return EXIT_CHECKPOINT
 
+    if main_process:  # after the checks: a refused run leaves the old config.json as it was
+        with open(os.path.join(run_dir, "config.json"), "w") as f:
+            json.dump(exp.to_dict(), f, indent=1, default=str)
     try:
         results = train_seeds(exp, run_dir, mesh)
     except (ConfigError, data_lib.DataError) as e:  # DataError is a ConfigError
