@@ -254,8 +254,11 @@ def write_report(run_dir: str, exp: ExperimentConfig, results: Sequence[TrainRes
         f"{t.weight_decay}, clip {t.grad_clip}); init seeds {', '.join(map(str, exp.seeds))} "
         f"(DIFF and its twin share each); runs in `<label>/seed_<seed>/`.",
         f"- final validation loss: over {t.eval_batches} fixed validation batches; final train "
-        f"loss: mean of the last 5% of steps; answer accuracy: an example counts when all its "
-        f"answers are predicted exactly, a query when its answer is; tokens/s and step time "
+        f"loss: mean of the last 5% of steps; "
+        + ("answer accuracy: an example counts when all its answers are predicted exactly, a "
+           "query when its answer is; " if any(r.val_accuracy is not None for r in results)
+           else "")
+        + f"tokens/s and step time "
         f"during training: median over steps, excluding the first step after a (re)start and "
         f"evaluation/checkpoint time.",
         f"- peak memory: {results[0].memory_source if results else ''}."
