@@ -147,7 +147,7 @@ def test_weight_decay_skips_norms_lambdas_and_vectors():
 # ---------------------------------------------------------------------------- command line
 def test_comparison_smoke(tmp_path, capsys):
     assert run_main(tmp_path, "train.steps=4", "train.eval_every=2",
-                    "train.checkpoint_every=2") == 0
+                    "train.checkpoint_every=2", "train.num_seeds=1") == 0
     out = capsys.readouterr().out
     run = tmp_path / "run"
     for label in ("diff", "standard"):
