@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from diffjax.config import ConfigError
 from diffjax.data import (BOS, EOS, PAD, ByteTokenizer, DataConfig, DataError, answer_accuracy,
                           answer_correct, check_data, describe, is_validation_file, load_corpus,
+                          query_correct,
                           make_dataset, make_source, num_examples, num_tokens, stdlib_files,
                           stdlib_root, steps_per_epoch)
 from diffjax.data.config import needle_len, query_len
@@ -440,6 +441,51 @@ def test_mqar_layout_and_determinism():
     assert "MQAR" in describe(cfg)
 
 
+def test_mqar_key_and_value_vocabulary():
+    """mqar_num_keys / mqar_num_values narrow the vocabularies; at their defaults (128 each)
+    the stream is the one the generator wrote before they existed (the same draws)."""
+    cfg = DataConfig(source="mqar", seq_len=64, num_pairs=8, num_queries=3, mqar_num_keys=10,
+                     mqar_num_values=4)
+    src = make_source(cfg, "train")
+    for i in range(20):
+        w = np.concatenate([src[i]["inputs"], src[i]["targets"][-1:]])
+        keys, values = w[1:17:2], w[2:17:2]
+        assert len(set(keys.tolist())) == 8 and keys.max() < 10
+        assert values.min() >= 128 and values.max() < 132
+    default = DataConfig(source="mqar", seq_len=64, num_pairs=8, num_queries=3)
+    for i in range(3):  # the original draws: keys from 128, values from 128..255
+        rng = np.random.default_rng([0, 0, i])
+        keys = rng.choice(128, size=8, replace=False)
+        values = rng.integers(128, 256, size=8)
+        ex = make_source(default, "train")[i]
+        assert ex["inputs"][1:17:2].tolist() == keys.tolist()
+        assert ex["inputs"][2:17:2].tolist() == values.tolist()
+
+
+def test_query_correct_scores_each_answer_span():
+    cfg = DataConfig(source="mqar", seq_len=32, num_pairs=4, num_queries=2)
+    b = next(iter(make_dataset(cfg, "validation", batch_size=4)))
+    ok, has = query_correct(b["targets"], b)
+    assert ok.shape == has.shape == (4, 2) and ok.all() and has.all()
+    wrong = b["targets"].copy()
+    s = b["answer_spans"][1, 0, 0]
+    wrong[1, s] = (wrong[1, s] + 1) % 259  # example 1, query 0 wrong
+    ok, has = query_correct(np.eye(259, dtype=np.float32)[wrong], b)  # logits work too
+    assert ok.tolist() == [[True, True], [False, True], [True, True], [True, True]]
+    padded = dict(b, weights=b["weights"] * np.array([[1], [0], [1], [1]], np.float32))
+    ok, has = query_correct(wrong, padded)
+    assert has.tolist() == [[True, True], [False, False], [True, True], [True, True]]
+    assert not ok[1].any()  # padding is neither right nor counted
+    needle = next(iter(make_dataset(NEEDLE, "validation", batch_size=2)))
+    wrong = needle["targets"].copy()
+    s, e = needle["answer_spans"][0, 1]
+    wrong[0, e - 1] = ord("x")  # the last digit of a multi-digit answer
+    ok, _ = query_correct(wrong, needle)
+    assert ok[0].tolist() == [True, False] and ok[1].all()
+    with pytest.raises(ValueError, match="do not match"):
+        query_correct(wrong[:, :5], needle)
+
+
 # ============================================================================ answer_accuracy
 def test_answer_accuracy_numpy_and_jax():
     cfg = DataConfig(source="mqar", seq_len=32, num_pairs=4, num_queries=2)
@@ -508,6 +554,10 @@ def assert_error(exc_type, fn, *contains):
     (dict(source="mqar", num_pairs=200, seq_len=1024), "num_pairs", "128"),
     (dict(source="mqar", num_pairs=4, num_queries=5), "num_queries", "<= 4"),
     (dict(source="mqar", num_pairs=16, seq_len=32), "seq_len", "needs >= 36"),
+    (dict(source="mqar", num_pairs=16, seq_len=64, mqar_num_keys=8), "num_pairs",
+     "mqar_num_keys=8"),
+    (dict(source="mqar", mqar_num_keys=129, seq_len=64), "mqar_num_keys", "[1, 128]"),
+    (dict(source="mqar", mqar_num_values=0, seq_len=64), "mqar_num_values", "[1, 128]"),
     (dict(source="needle", value_len=1, num_needles=10, num_queries=1, seq_len=1024),
      "value_len", "distinct"),
 ])

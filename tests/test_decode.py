@@ -272,7 +272,8 @@ def test_fused_kernels_decode_like_xla(kind):
 # ---------------------------------------------------------------------------- the sample command
 TINY_RUN = ["model.d_model=32", "model.num_layers=1", "model.num_heads=1", "model.max_seq_len=32",
             "data.seq_len=16", "data.max_files=12", "train.batch_size=8", "train.eval_batches=2",
-            "train.warmup_steps=2", "train.progress=false", "train.steps=4", "compare=false"]
+            "train.warmup_steps=2", "train.progress=false", "train.steps=4", "compare=false",
+            "train.num_seeds=1", "train.quick_eval=false"]
 
 
 @pytest.fixture(scope="module")

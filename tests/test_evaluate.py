@@ -352,7 +352,8 @@ TINY_NEEDLE = ["model.d_model=32", "model.num_layers=1", "model.num_heads=1",
                "data.num_needles=1", "data.num_queries=1", "data.key_len=2", "data.value_len=2",
                "data.num_val_examples=16", "train.batch_size=8", "train.eval_batches=1",
                "train.warmup_steps=1", "train.steps=2", "train.eval_every=2",
-               "train.checkpoint_every=2", "train.progress=false", "train.tensorboard=false"]
+               "train.checkpoint_every=2", "train.progress=false", "train.tensorboard=false",
+               "train.num_seeds=1", "train.quick_eval=false"]
 
 
 @pytest.fixture(scope="module")
@@ -360,7 +361,9 @@ def tiny_runs(tmp_path_factory):
     from diffjax.train.cli import main
 
     root = tmp_path_factory.mktemp("evalruns")
-    assert main([f"run.dir={root / 's0'}", "compare=false", *TINY_NEEDLE]) == 0
+    # train.py ends with the quick evaluation when train.quick_eval is on (the default run's)
+    assert main([f"run.dir={root / 's0'}", "compare=false", *TINY_NEEDLE,
+                 "train.quick_eval=true"]) == 0
     # The per-seed layout RUN/<label>/seed_<n>/checkpoints, built from copies of that one model
     # (to keep this file fast): the aggregation and the paired-difference rendering are what is
     # tested with it; the interval's numbers are tested on hand-made values above, and the
@@ -370,7 +373,7 @@ def tiny_runs(tmp_path_factory):
     shutil.copy(root / "s0" / "config.json", multi / "config.json")
     for seed in (0, 1):
         for label in ("diff", "standard"):
-            shutil.copytree(root / "s0" / "diff", multi / label / f"seed_{seed}")
+            shutil.copytree(root / "s0" / "diff" / "seed_0", multi / label / f"seed_{seed}")
     return root
 
 
@@ -381,6 +384,8 @@ def test_evaluate_command_on_a_tiny_run(tiny_runs, capsys):
 
     backend = matplotlib.get_backend()
     run = tiny_runs / "s0"
+    report = (run / "report.md").read_text()  # train.py appended the quick evaluation
+    assert "## Quick evaluation" in report and "Activation outliers" in report
     assert main([str(run), "--quick"]) == 0
     assert matplotlib.get_backend() == backend  # the caller's backend is left alone
     text = (run / "eval.md").read_text()

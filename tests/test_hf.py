@@ -430,10 +430,11 @@ def test_train_py_starts_from_a_checkpoint(tmp_path):
     args = [f"run.dir={tmp_path / 'run'}", f"train.init_from={tmp_path / 'hf'}",
             "data.seq_len=16", "data.max_files=12", "train.batch_size=8", "train.eval_batches=1",
             "train.steps=2", "train.lr=1e-9", "train.warmup_steps=0", "train.eval_every=2",
-            "train.checkpoint_every=2", "train.progress=false", "train.tensorboard=false"]
+            "train.checkpoint_every=2", "train.progress=false", "train.tensorboard=false",
+            "train.num_seeds=1", "train.quick_eval=false"]
     assert main(args) == 2  # compare=true would train the twin from random weights
     assert main(args + ["compare=false"]) == 0
-    model = load_model(str(tmp_path / "run" / "diff"), "latest")
+    model = load_model(str(tmp_path / "run" / "diff" / "seed_0"), "latest")
     assert model.config == hf.config_from_pretrained(str(tmp_path / "hf"))
     toks = tokens(vocab=259)
     assert_logits_close(jax_logits(model, toks), torch_logits(ref_model, toks))

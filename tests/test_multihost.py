@@ -31,6 +31,7 @@ TINY = ["model.d_model=64", "model.num_layers=1", "model.num_heads=4", "model.ma
         "data.seq_len=16", "data.max_files=12", "train.batch_size=8", "train.eval_batches=2",
         "train.warmup_steps=2", "train.eval_every=2", "train.checkpoint_every=2",
         "train.progress=false", "train.tensorboard=false", "compare=false",
+        "train.num_seeds=1", "train.quick_eval=false",
         # a constant lr after warmup: a run of 4 steps continued to 6 then follows the same
         # schedule as a run of 6 (a decaying schedule depends on train.steps)
         "train.schedule=constant"]
@@ -71,7 +72,7 @@ def finish(*procs, timeout=420) -> list[str]:
 
 
 def losses(run_dir) -> dict[int, float]:
-    with open(os.path.join(run_dir, "diff", "metrics.jsonl")) as f:
+    with open(os.path.join(run_dir, "diff", "seed_0", "metrics.jsonl")) as f:
         return {r["step"]: r["loss"] for r in map(json.loads, f)}
 
 

@@ -29,7 +29,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # A tiny experiment: seconds per model on CPU.
 TINY = ["model.d_model=32", "model.num_layers=1", "model.num_heads=1", "model.max_seq_len=32",
         "data.seq_len=16", "data.max_files=12", "train.batch_size=8", "train.eval_batches=2",
-        "train.warmup_steps=2", "train.progress=false"]
+        "train.warmup_steps=2", "train.progress=false", "train.num_seeds=1",
+        "train.quick_eval=false"]
 
 
 def run_main(tmp_path, *extra, name="run"):
@@ -147,32 +148,35 @@ def test_weight_decay_skips_norms_lambdas_and_vectors():
 # ---------------------------------------------------------------------------- command line
 def test_comparison_smoke(tmp_path, capsys):
     assert run_main(tmp_path, "train.steps=4", "train.eval_every=2",
-                    "train.checkpoint_every=2") == 0
+                    "train.checkpoint_every=2", "train.num_seeds=1") == 0
     out = capsys.readouterr().out
     run = tmp_path / "run"
     for label in ("diff", "standard"):
-        records = read_metrics(str(run / label / "metrics.jsonl"))
+        records = read_metrics(str(run / label / "seed_0" / "metrics.jsonl"))
         assert [r["step"] for r in records] == [1, 2, 3, 4]
         assert all(np.isfinite(r["loss"]) and r["loss"] > 0 for r in records)
         assert "val_loss" in records[1] and "val_loss" in records[3]
-        assert (run / label / "checkpoints" / "4").is_dir()
-        assert any(f.startswith("events") for f in os.listdir(run / label / "tb"))
-    assert "lambda" in read_metrics(str(run / "diff" / "metrics.jsonl"))[0]
+        assert (run / label / "seed_0" / "checkpoints" / "4").is_dir()
+        assert any(f.startswith("events") for f in os.listdir(run / label / "seed_0" / "tb"))
+    assert "lambda" in read_metrics(str(run / "diff" / "seed_0" / "metrics.jsonl"))[0]
     report = (run / "report.md").read_text()
-    assert "| | diff | standard |" in report and "final validation loss" in report
+    assert "| | diff (diff_v1) | standard (standard) | DIFF − twin [95% CI] |" \
+        in report
+    assert "final validation loss" in report and "no confidence interval can be given from one seed" in report
     assert (run / "loss.png").stat().st_size > 10_000
     assert "| parameters |" in out
     # same data, same order, same init seed: the two models saw the same tokens
-    d, s = (read_metrics(str(run / x / "metrics.jsonl")) for x in ("diff", "standard"))
+    d, s = (read_metrics(str(run / x / "seed_0" / "metrics.jsonl"))
+            for x in ("diff", "standard"))
     assert [r["tokens"] for r in d] == [r["tokens"] for r in s]
 
 
 def test_finished_run_is_not_retrained(tmp_path, capsys):
     assert run_main(tmp_path, "train.steps=2", "compare=false") == 0
-    before = (tmp_path / "run" / "diff" / "metrics.jsonl").read_text()
+    before = (tmp_path / "run" / "diff" / "seed_0" / "metrics.jsonl").read_text()
     assert run_main(tmp_path, "train.steps=2", "compare=false") == 0
     assert "resuming from the checkpoint at step 2" in capsys.readouterr().out
-    assert (tmp_path / "run" / "diff" / "metrics.jsonl").read_text() == before
+    assert (tmp_path / "run" / "diff" / "seed_0" / "metrics.jsonl").read_text() == before
 
 
 def test_resume_from_an_earlier_checkpoint_equals_uninterrupted(tmp_path, capsys):
@@ -182,7 +186,7 @@ def test_resume_from_an_earlier_checkpoint_equals_uninterrupted(tmp_path, capsys
 
     common = ("compare=false", "train.steps=8", "train.eval_every=3", "train.checkpoint_every=3")
     assert run_main(tmp_path, *common) == 0
-    run = tmp_path / "run" / "diff"
+    run = tmp_path / "run" / "diff" / "seed_0"
     first = losses(run)
     assert sorted(os.listdir(run / "checkpoints")) == ["3", "6", "8"]
     for step in ("6", "8"):
@@ -207,12 +211,12 @@ def test_killed_and_resumed_run_equals_uninterrupted_bit_for_bit(tmp_path, kill_
     out = subprocess.run(args + [f"run.dir={killed}"], capture_output=True, text=True,
                          env={**env, "DIFFJAX_FAULT_KILL_AT_STEP": str(kill_at)})
     assert out.returncode == -signal.SIGKILL, out.stderr
-    assert len(losses(killed / "diff")) < 10  # it really was interrupted
+    assert len(losses(killed / "diff" / "seed_0")) < 10  # it really was interrupted
     out = subprocess.run(args + [f"run.dir={killed}", "--resume"], env=env, capture_output=True,
                          text=True)
     assert out.returncode == 0, out.stderr
     assert "resuming from the checkpoint at step" in out.stdout
-    a, b = losses(straight / "diff"), losses(killed / "diff")
+    a, b = losses(straight / "diff" / "seed_0"), losses(killed / "diff" / "seed_0")
     assert len(a) == len(b) == 10
     assert a == b  # bit for bit (JSON floats round-trip exactly)
 
@@ -233,7 +237,7 @@ def test_bad_input_stops_before_training(tmp_path, capsys, extra, message):
     err = capsys.readouterr().err
     assert re.search(message, err), err
     assert err.startswith("error: ") and "Fix:" in err
-    assert not (tmp_path / "run" / "diff" / "metrics.jsonl").exists()
+    assert not (tmp_path / "run" / "diff" / "seed_0" / "metrics.jsonl").exists()
 
 
 def test_empty_text_data_is_a_clear_error(tmp_path, capsys):
@@ -244,11 +248,12 @@ def test_empty_text_data_is_a_clear_error(tmp_path, capsys):
 
 def test_checkpoint_of_another_model_config_is_refused(tmp_path, capsys):
     assert run_main(tmp_path, "train.steps=2", "compare=false") == 0
-    saved = sorted(os.listdir(tmp_path / "run" / "diff" / "checkpoints"))
+    saved = sorted(os.listdir(tmp_path / "run" / "diff" / "seed_0" / "checkpoints"))
     assert run_main(tmp_path, "train.steps=4", "compare=false", "model.d_model=64") == 2
     err = capsys.readouterr().err
     assert "different model config" in err and "d_model: checkpoint has 32, config has 64" in err
-    assert sorted(os.listdir(tmp_path / "run" / "diff" / "checkpoints")) == saved  # nothing lost
+    # nothing lost
+    assert sorted(os.listdir(tmp_path / "run" / "diff" / "seed_0" / "checkpoints")) == saved
 
 
 def test_resume_flag_without_checkpoint_is_an_error(tmp_path, capsys):
@@ -265,7 +270,7 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, capsys):
     assert code == 3, err
     assert "the training loss is nan at step" in err or "the training loss is inf at step" in err
     step = int(err.split(" at step ")[1].split(";")[0])
-    ckpts = sorted(int(x) for x in os.listdir(tmp_path / "run" / "diff" / "checkpoints")
+    ckpts = sorted(int(x) for x in os.listdir(tmp_path / "run" / "diff" / "seed_0" / "checkpoints")
                    if x.isdigit())
     assert ckpts and max(ckpts) == step - 1
     assert f"last good checkpoint (step {step - 1})" in err
@@ -273,7 +278,7 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, capsys):
 
 def test_corrupt_checkpoint_is_a_clear_error_and_nothing_is_deleted(tmp_path, capsys):
     assert run_main(tmp_path, "train.steps=2", "compare=false") == 0
-    ckdir = tmp_path / "run" / "diff" / "checkpoints" / "2" / "state"
+    ckdir = tmp_path / "run" / "diff" / "seed_0" / "checkpoints" / "2" / "state"
     for root, _, files in os.walk(ckdir):
         for f in files:
             p = os.path.join(root, f)
@@ -289,25 +294,25 @@ def test_corrupt_checkpoint_is_a_clear_error_and_nothing_is_deleted(tmp_path, ca
 def test_half_written_checkpoint_is_ignored(tmp_path):
     """A temporary (uncommitted) checkpoint directory, as a kill mid-save leaves, is not loaded."""
     assert run_main(tmp_path, "train.steps=2", "compare=false") == 0
-    ck = tmp_path / "run" / "diff" / "checkpoints"
+    ck = tmp_path / "run" / "diff" / "seed_0" / "checkpoints"
     (ck / "3.orbax-checkpoint-tmp-123").mkdir()
     (ck / "3.orbax-checkpoint-tmp-123" / "junk").write_text("half")
     from diffjax.train.checkpoint import committed_steps
 
     assert committed_steps(str(ck)) == [2]
     assert run_main(tmp_path, "train.steps=4", "compare=false") == 0
-    assert [r["step"] for r in read_metrics(str(tmp_path / "run" / "diff" / "metrics.jsonl"))] \
-        == [1, 2, 3, 4]
+    records = read_metrics(str(tmp_path / "run" / "diff" / "seed_0" / "metrics.jsonl"))
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
 
 
 def test_diff_v2_single_model_records_mean_lambda(tmp_path):
     assert run_main(tmp_path, "model.attention=diff_v2", "model.num_layers=2", "compare=false",
                     "train.steps=2") == 0
-    records = read_metrics(str(tmp_path / "run" / "diff" / "metrics.jsonl"))
+    records = read_metrics(str(tmp_path / "run" / "diff" / "seed_0" / "metrics.jsonl"))
     assert all(len(r["lambda"]) == 2 and all(0.0 < x < 1.0 for x in r["lambda"])
                for r in records)
     assert not (tmp_path / "run" / "standard").exists()
-    assert "| | diff |" in (tmp_path / "run" / "report.md").read_text()
+    assert "| | diff (diff_v2) |" in (tmp_path / "run" / "report.md").read_text()
 
 
 def test_checkpointer_keeps_the_last_k_and_the_best(tmp_path):
@@ -352,11 +357,10 @@ def test_the_best_checkpoint_survives_a_resume(tmp_path):
 
 def test_load_model_reads_the_saved_parameters(tmp_path):
     from diffjax.train import Checkpointer, load_model
-    from diffjax.train.checkpoint import abstract_like
 
     assert run_main(tmp_path, "train.steps=4", "train.checkpoint_every=2", "train.eval_every=2",
                     "compare=false") == 0
-    run = tmp_path / "run" / "diff"
+    run = tmp_path / "run" / "diff" / "seed_0"
     vals = {r["step"]: r["val_loss"] for r in read_metrics(str(run / "metrics.jsonl"))
             if "val_loss" in r}
     best = min(vals, key=vals.get)
@@ -384,3 +388,100 @@ def test_load_model_reads_the_saved_parameters(tmp_path):
         load_model(str(run), step=3)
     with pytest.raises(diffjax.train.CheckpointError, match="holds no committed checkpoint"):
         load_model(str(tmp_path))
+
+
+# ---------------------------------------------------------------------------- seeds and report
+def test_paired_t_interval_on_hand_made_numbers():
+    from diffjax.train.stats import describe_difference, mean_std, paired_difference, t_interval
+
+    mean, half = t_interval([1.0, 2.0, 3.0])
+    assert mean == 2.0 and half == pytest.approx(4.302652729911275 * 1.0 / np.sqrt(3), rel=1e-9)
+    d = paired_difference([3.0, 4.0, 6.0], [2.0, 2.0, 3.0])  # differences 1, 2, 3
+    assert (d.mean, d.n) == (2.0, 3) and d.half_width == pytest.approx(half)
+    assert (d.low, d.high) == (pytest.approx(2 - half), pytest.approx(2 + half))
+    assert not d.excludes_zero and "includes zero" in describe_difference(d, "Loss")  # 2 +/- 2.48
+    up = paired_difference([2.0, 3.0, 4.0], [0.0, 0.0, 0.0])  # 3 +/- 2.48
+    assert up.excludes_zero and "excludes zero" in describe_difference(up, "Loss")
+    assert "DIFF is higher" in describe_difference(up, "Loss")
+    down = paired_difference([0.0, 0.0, 0.0], [2.0, 3.0, 4.0])
+    assert down.excludes_zero and "DIFF is lower" in describe_difference(down, "Loss")
+    wide = paired_difference([1.0, -1.0], [0.0, 0.0])  # mean 0, t_{0.975, 1} = 12.706
+    assert wide.low == pytest.approx(-12.706204736, rel=1e-6) and not wide.excludes_zero
+    one = paired_difference([2.5], [2.0])
+    assert one.mean == 0.5 and one.low is None and one.excludes_zero is None
+    assert "no confidence interval can be given from one seed" in describe_difference(one, "Loss")
+    assert mean_std([1.0, 2.0, 3.0, None, float("nan")]) == (2.0, 1.0, 3)
+    assert mean_std([4.0]) == (4.0, None, 1)
+    assert paired_difference([1.0, None, 3.0], [0.0, 1.0, 1.0]).n == 2  # incomplete pairs dropped
+    with pytest.raises(ValueError, match="pair them by seed"):
+        paired_difference([1.0], [1.0, 2.0])
+
+
+def test_side_by_side_summary():
+    from diffjax.train.throughput import SideBySide
+
+    s = SideBySide(("diff", "standard"), {"diff": [90.0, 80.0, 100.0], "standard": [100.0] * 3},
+                   [0.9, 0.8, 1.0], 3, 4, 128)
+    assert s.median_ratio == pytest.approx(0.9) and s.spread == (0.8, 1.0)
+    assert "0.90x standard's" in s.describe() and "0.80 .. 1.00" in s.describe()
+
+
+def test_seeds_are_paired_and_resumed(tmp_path, capsys):
+    """num_seeds=2: one folder per model and seed; seed 1 of the multi-seed run equals a run
+    with train.seed=1 alone (so the seeds share the data order and differ only in init); the
+    report gives an interval; a resume continues only the unfinished seed."""
+    import shutil
+
+    common = ("train.steps=4", "train.eval_every=2", "train.checkpoint_every=2",
+              "train.tensorboard=false", "train.throughput_rounds=1")
+    assert run_main(tmp_path, *common, "train.num_seeds=2") == 0
+    run = tmp_path / "run"
+    for label in ("diff", "standard"):
+        for seed in (0, 1):
+            assert json.loads((run / label / f"seed_{seed}" / "result.json").read_text())[
+                "seed"] == seed
+    assert losses(run / "diff" / "seed_0") != losses(run / "diff" / "seed_1")
+    assert run_main(tmp_path, *common, "train.seed=1", "compare=false", name="alone") == 0
+    assert losses(tmp_path / "alone" / "diff" / "seed_1") == losses(run / "diff" / "seed_1")
+    report = (run / "report.md").read_text()
+    assert "95% t-interval" in report and "over 2 paired seeds" in report
+    assert "| seeds | 0, 1 | 0, 1 |" in report and "Per seed:" in report
+    assert "measured side by side" in report and "1 rounds of 4 steps" in report
+
+    first = {(m, s): losses(run / m / f"seed_{s}") for m in ("diff", "standard") for s in (0, 1)}
+    shutil.rmtree(run / "standard" / "seed_1" / "checkpoints" / "4")
+    capsys.readouterr()
+    assert main(["--resume", f"run.dir={run}", *TINY, *common, "train.num_seeds=2"]) == 0
+    out = capsys.readouterr().out
+    assert "resuming from the checkpoint at step 2" in out
+    assert {(m, s): losses(run / m / f"seed_{s}") for m in ("diff", "standard")
+            for s in (0, 1)} == first
+
+
+def test_a_run_in_the_old_layout_is_not_silently_restarted(tmp_path, capsys):
+    assert run_main(tmp_path, "train.steps=2", "compare=false", "train.tensorboard=false") == 0
+    run = tmp_path / "run"
+    for item in os.listdir(run / "diff" / "seed_0"):  # the layout before multi-seed runs
+        os.rename(run / "diff" / "seed_0" / item, run / "diff" / item)
+    os.rmdir(run / "diff" / "seed_0")
+    config = (run / "config.json").read_text()
+    assert run_main(tmp_path, "train.steps=4", "compare=false") == 4
+    err = capsys.readouterr().err
+    assert "layout before multi-seed runs" in err and "seed_0" in err and "Fix:" in err
+    assert not (run / "diff" / "seed_0").exists()
+    assert (run / "config.json").read_text() == config  # nothing saved is changed
+
+
+def test_report_leaves_the_matplotlib_backend_alone(tmp_path):
+    """Library code must not call matplotlib.use: a notebook's inline backend would be lost."""
+    import matplotlib
+
+    before = matplotlib.get_backend()
+    matplotlib.use("pdf")  # stands in for a notebook's backend
+    try:
+        assert run_main(tmp_path, "train.steps=2", "compare=false",
+                        "train.tensorboard=false") == 0
+        assert matplotlib.get_backend() == "pdf"
+        assert (tmp_path / "run" / "loss.png").read_bytes()[:4] == b"\x89PNG"
+    finally:
+        matplotlib.use(before)

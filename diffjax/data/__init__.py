@@ -15,7 +15,8 @@ from .pipeline import (DataSummary, check_data, describe, make_dataset, make_sou
                        num_examples, num_tokens, steps_per_epoch)
 from .sources import (TokenStream, WindowSource, is_validation_file, load_corpus,
                       stdlib_files, stdlib_root)
-from .synthetic import MQARSource, NeedleSource, answer_accuracy, answer_correct
+from .synthetic import (MQARSource, NeedleSource, answer_accuracy, answer_correct,
+                        query_correct)
 from .tokenizer import BOS, EOS, PAD, VOCAB_SIZE, ByteTokenizer, HFTokenizer, load_tokenizer
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "HFTokenizer", "load_tokenizer",
     "DataError", "DataSummary", "MQARSource", "NeedleSource", "TokenStream", "WindowSource",
     "answer_accuracy", "answer_correct", "check_data", "describe", "is_validation_file",
-    "load_corpus", "make_dataset", "make_source", "num_examples", "num_tokens", "stdlib_files",
+    "load_corpus", "make_dataset", "make_source", "num_examples", "num_tokens", "query_correct",
+    "stdlib_files",
     "stdlib_root", "steps_per_epoch",
 ]

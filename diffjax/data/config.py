@@ -81,6 +81,10 @@ class DataConfig:
     value_len: int = 6  # needle values: decimal digits
     # mqar: num_pairs (key, value) byte pairs, then num_queries keys; the loss counts the values.
     num_pairs: int = 16
+    # mqar: keys are drawn from byte ids 0..mqar_num_keys-1, values from 128..127+mqar_num_values
+    # (a smaller vocabulary is learned in fewer steps; the defaults use all 128 of each)
+    mqar_num_keys: int = MQAR_MAX_PAIRS
+    mqar_num_values: int = MQAR_MAX_PAIRS
     num_val_examples: int = 1024  # validation set size of the synthetic tasks
     # stdlib/text: None or "byte" for the byte tokenizer; else a Hugging Face tokenizer.json or a
     # directory holding one (a checkpoint's), read with the `tokenizers` package (local only).
@@ -211,9 +215,13 @@ class DataConfig:
 
     def _check_mqar(self) -> None:
         p, r = self.num_pairs, self.num_queries
-        if p > MQAR_MAX_PAIRS:
-            _fail("num_pairs", f"{p} pairs, but the byte vocabulary has {MQAR_MAX_PAIRS} keys",
-                  f"use num_pairs <= {MQAR_MAX_PAIRS}")
+        for name in ("mqar_num_keys", "mqar_num_values"):
+            if not 1 <= getattr(self, name) <= MQAR_MAX_PAIRS:
+                _fail(name, f"must be in [1, {MQAR_MAX_PAIRS}], got {getattr(self, name)}",
+                      f"use 1..{MQAR_MAX_PAIRS} (keys are byte ids 0..127, values 128..255)")
+        if p > self.mqar_num_keys:
+            _fail("num_pairs", f"{p} pairs, but mqar_num_keys={self.mqar_num_keys} distinct keys",
+                  f"use num_pairs <= {self.mqar_num_keys} (or more keys, at most {MQAR_MAX_PAIRS})")
         if r > p:
             _fail("num_queries", f"{r} queries but only num_pairs={p} pairs",
                   f"set num_queries <= {p}")

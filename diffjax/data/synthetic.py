@@ -190,7 +190,8 @@ class MQARSource:
 
         BOS k1 v1 k2 v2 ... kP vP | PAD ... PAD | kq1 vq1 ... kqR vqR
 
-    keys are distinct byte ids in 0..127, values byte ids in 128..255 (they may repeat); the R
+    keys are distinct byte ids in 0..mqar_num_keys-1 (default 127), values byte ids in
+    128..127+mqar_num_values (default 255; they may repeat); the R
     queried pairs are distinct and sit at the end, so the recall distance grows with
     ``seq_len``. Only the queried values carry weight."""
 
@@ -204,8 +205,8 @@ class MQARSource:
         c = self.config
         P, R, T = c.num_pairs, c.num_queries, c.seq_len
         rng = _rng(self.seed, self.split, index)
-        keys = rng.choice(MQAR_MAX_PAIRS, size=P, replace=False).astype(np.int32)
-        values = rng.integers(128, 256, size=P).astype(np.int32)
+        keys = rng.choice(c.mqar_num_keys, size=P, replace=False).astype(np.int32)
+        values = rng.integers(128, 128 + c.mqar_num_values, size=P).astype(np.int32)
         asked = rng.choice(P, size=R, replace=False)
         w = np.full((T + 1,), PAD, np.int32)
         w[0] = BOS
@@ -258,6 +259,29 @@ def answer_correct(preds_or_logits, batch: dict[str, Any]):
     counts = xp.asarray(weights) > 0
     ok = (preds == xp.asarray(targets)) | ~counts
     return xp.all(ok, axis=-1), xp.any(counts, axis=-1)
+
+
+def query_correct(preds_or_logits, batch: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+    """Per query: ``(correct, has_answer)``, two [B, R] bool numpy arrays. Query r of an example
+    is correct when every token of its answer span (``answer_spans[:, r]``) is predicted
+    exactly; ``has_answer`` is False for validation padding (no weight in the span). Chance is
+    one over the number of possible answers (MQAR: 1/128; needle: 1/(9 * 10**(value_len - 1)))."""
+    preds = np.asarray(preds_or_logits)
+    if preds.ndim == 3:
+        preds = preds.argmax(-1)
+    targets, weights = np.asarray(batch["targets"]), np.asarray(batch["weights"])
+    spans = np.asarray(batch["answer_spans"])
+    if preds.shape != targets.shape:
+        raise ValueError(f"query_correct: predictions of shape {preds.shape} (after argmax) do "
+                         f"not match targets {targets.shape}")
+    B, R = spans.shape[:2]
+    correct, has = np.zeros((B, R), bool), np.zeros((B, R), bool)
+    for b in range(B):
+        for r in range(R):
+            s, e = spans[b, r]
+            correct[b, r] = bool(np.all(preds[b, s:e] == targets[b, s:e]))
+            has[b, r] = bool(np.any(weights[b, s:e] > 0))
+    return correct & has, has
 
 
 def answer_accuracy(preds_or_logits, batch: dict[str, Any]):

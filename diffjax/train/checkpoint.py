@@ -165,8 +165,8 @@ def load_model(directory: str, step: int | str = "best", *, mesh: jax.sharding.M
     if not steps:
         raise CheckpointError(
             f"{directory} holds no committed checkpoint (looked in {ckpt_dir}). Fix: pass the "
-            f"folder of one model of a run written by train.py (e.g. runs/default/diff), after "
-            f"at least one checkpoint was saved.")
+            f"folder of one model and seed of a run written by train.py (e.g. "
+            f"runs/default/diff/seed_0), after at least one checkpoint was saved.")
     ckpt = Checkpointer(ckpt_dir, async_save=False)
     try:
         if step == "best":

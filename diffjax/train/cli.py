@@ -1,8 +1,10 @@
 """``python train.py [--config configs/NAME.py] [--resume] [dotted.key=value ...]``.
 
 Trains the configured DIFF model and (with ``compare=true``, the default) its standard twin
-one after the other on the same data, then writes ``report.md`` and ``loss.png`` in the run
-directory and prints the table. A run directory that holds checkpoints resumes from them.
+one after the other on the same data, from each init seed of ``train.seed ..
+train.seed + train.num_seeds - 1`` (``RUN_DIR/<label>/seed_<seed>/``), times the two side by
+side, then writes ``report.md`` and ``loss.png`` in the run directory and prints the table. A
+run directory that holds checkpoints resumes every unfinished model and seed from them.
 
 Several processes (hosts): start one per host with ``--coordinator_address HOST:PORT
 --num_processes N --process_id I``; on a TPU pod slice, under SLURM or Open MPI the flags may be
@@ -21,9 +23,11 @@ from diffjax import data as data_lib
 from diffjax.config import ConfigError
 
 from .checkpoint import CheckpointError, committed_steps
-from .config import apply_overrides, config_keys, load_config, resolve_init_from
-from .loop import TrainingDiverged, describe_mesh, train_model
+from .config import (apply_overrides, config_keys, load_config, model_directory,
+                     resolve_init_from)
+from .loop import TrainingDiverged, TrainResult, describe_mesh, train_model
 from .report import results_table, write_report
+from .throughput import side_by_side_throughput
 
 EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_CHECKPOINT = 2, 3, 4
 
@@ -131,43 +135,86 @@ def main(argv: list[str] | None = None) -> int:
     main_process = jax.process_index() == 0
     run_dir = exp.run.path
     os.makedirs(run_dir, exist_ok=True)
-    if main_process:
-        with open(os.path.join(run_dir, "config.json"), "w") as f:
-            json.dump(exp.to_dict(), f, indent=1, default=str)
     if distributed:
         print(f"distributed: {distributed}")
     print(f"run directory: {run_dir}")
     print(f"data: {description}")
     print(f"mesh: {describe_mesh(mesh)}")
-    if args.resume and not any(committed_steps(os.path.join(run_dir, label, "checkpoints"))
-                               for label in exp.models):
+    dirs = {(label, seed): model_directory(run_dir, label, seed)
+            for seed in exp.seeds for label in exp.models}
+    old_layout = [label for label in exp.models
+                  if committed_steps(os.path.join(run_dir, label, "checkpoints"))]
+    if old_layout:
+        _error(f"{run_dir} holds checkpoints in the layout before multi-seed runs "
+               f"({', '.join(os.path.join(run_dir, x, 'checkpoints') for x in old_layout)}). "
+               f"Fix: move each {os.path.join(run_dir, '<label>')}/{{metrics.jsonl,tb,checkpoints,"
+               f"result.json}} into {os.path.join(run_dir, '<label>', f'seed_{exp.train.seed}')}/ "
+               f"to resume it, or set run.dir to a new directory.")
+        return EXIT_CHECKPOINT
+    if args.resume and not any(committed_steps(os.path.join(d, "checkpoints"))
+                               for d in dirs.values()):
         _error(f"--resume was given but {run_dir} holds no checkpoint. Fix: drop --resume to "
                f"start a new run, or set run.dir to the run to resume.")
         return EXIT_CHECKPOINT
 
-    results = []
-    for label, model_cfg in exp.models.items():
-        print(f"\n== {label}: {model_cfg.attention}, {model_cfg.num_layers} layers, "
-              f"d_model {model_cfg.d_model}, {model_cfg.num_heads} heads")
-        try:
-            results.append(train_model(exp, model_cfg, label, os.path.join(run_dir, label),
-                                       mesh=mesh))
-        except ConfigError as e:
-            _error(str(e))
-            return EXIT_BAD_INPUT
-        except data_lib.DataError as e:
-            _error(str(e))
-            return EXIT_BAD_INPUT
-        except CheckpointError as e:
-            _error(str(e))
-            return EXIT_CHECKPOINT
-        except TrainingDiverged as e:
-            _error(f"[{label}] {e}")
-            return EXIT_DIVERGED
+    if main_process:  # after the checks: a refused run leaves the old config.json as it was
+        with open(os.path.join(run_dir, "config.json"), "w") as f:
+            json.dump(exp.to_dict(), f, indent=1, default=str)
+    try:
+        results = train_seeds(exp, run_dir, mesh)
+    except (ConfigError, data_lib.DataError) as e:  # DataError is a ConfigError
+        _error(str(e))
+        return EXIT_BAD_INPUT
+    except CheckpointError as e:
+        _error(str(e))
+        return EXIT_CHECKPOINT
+    except TrainingDiverged as e:
+        _error(str(e))
+        return EXIT_DIVERGED
 
+    side = None
+    if exp.compare and exp.train.throughput_rounds:
+        print(f"\nthroughput side by side: {exp.train.throughput_rounds} rounds, the two "
+              f"compiled steps alternated on the same batches")
+        side = side_by_side_throughput(exp, exp.models, mesh, rounds=exp.train.throughput_rounds)
     if main_process:
-        write_report(run_dir, exp, results, description)
+        write_report(run_dir, exp, results, description, throughput=side)
         print("\n" + results_table(results))
+        if side is not None:
+            print(side.describe())
         print(f"\nreport: {os.path.join(run_dir, 'report.md')}, plot: "
               f"{os.path.join(run_dir, 'loss.png')}")
+        if exp.train.quick_eval:
+            quick_evaluation(run_dir)
     return 0
+
+
+def quick_evaluation(run_dir: str) -> None:
+    """``python -m diffjax.evaluate RUN_DIR --quick``, its text appended to ``report.md``."""
+    from diffjax.evaluate import evaluate_run
+
+    print("\nquick evaluation (python -m diffjax.evaluate --quick; the full set: without --quick)")
+    text = evaluate_run(run_dir, quick=True, log=print)
+    body = text.split("\n", 1)[1] if text.startswith("# ") else text  # its own title dropped
+    with open(os.path.join(run_dir, "report.md"), "a") as f:
+        f.write("\n## Quick evaluation (`python -m diffjax.evaluate --quick`)\n\n"
+                "Also in eval.md, with its plots (eval_*.png).\n" + body)
+    print(f"evaluation: {os.path.join(run_dir, 'eval.md')}")
+
+
+def train_seeds(exp, run_dir: str, mesh) -> list[TrainResult]:
+    """Train every model of ``exp`` (DIFF and, with compare, its twin) from every init seed of
+    ``exp.seeds``, seed by seed, each in ``RUN_DIR/<label>/seed_<seed>/`` (resuming what a
+    checkpoint there holds); every run sees the same batches in the same order."""
+    results = []
+    for seed in exp.seeds:
+        for label, model_cfg in exp.models.items():
+            print(f"\n== {label} (seed {seed}): {model_cfg.attention}, {model_cfg.num_layers} "
+                  f"layers, d_model {model_cfg.d_model}, {model_cfg.num_heads} heads")
+            try:
+                results.append(train_model(exp.with_seed(seed), model_cfg, label,
+                                           model_directory(run_dir, label, seed), mesh=mesh))
+            except TrainingDiverged as e:
+                e.args = (f"[{label}, seed {seed}] {e}",)
+                raise
+    return results

@@ -131,10 +131,20 @@ class TrainConfig:
     keep_checkpoints: int = 3  # the last K; the best (lowest validation loss) is kept too
     log_every: int = 1  # metrics.jsonl gets every step; TensorBoard every log_every steps
     seed: int = 0  # parameter init (the DIFF model and its twin get the same seed)
+    # train each model from init seeds seed .. seed + num_seeds - 1 (paired: seed s of DIFF and
+    # of its twin start from the same seed; every run sees the same batches, set by data.seed)
+    num_seeds: int = 1
+    # after training, alternate the two models' compiled steps for this many rounds to measure
+    # their throughput side by side (0: skip)
+    throughput_rounds: int = 5
     # A Hugging Face checkpoint directory (model_type diffllama or llama) to start from: the
     # model config comes from its config.json (model.dtype, param_dtype and attention_impl are
     # kept), the parameters from its weights. A run that holds a checkpoint resumes from that.
     init_from: str | None = None
+    # after training and the report: the quick subset of `python -m diffjax.evaluate` on the
+    # run's best checkpoints, written to eval.md and appended to report.md (the default
+    # comparison turns it on)
+    quick_eval: bool = False
     progress: bool = True  # progress bar
     tensorboard: bool = True
 
@@ -142,7 +152,7 @@ class TrainConfig:
         _check_types(self)
         c = "TrainConfig"
         for name in ("steps", "batch_size", "eval_every", "eval_batches", "checkpoint_every",
-                     "keep_checkpoints", "log_every"):
+                     "keep_checkpoints", "log_every", "num_seeds"):
             if getattr(self, name) < 1:
                 _fail(c, name, f"must be >= 1, got {getattr(self, name)}", f"set train.{name} to a positive integer")
         if self.warmup_steps < 0:
@@ -161,6 +171,9 @@ class TrainConfig:
                 _fail(c, name, f"must be >= 0, got {getattr(self, name)}", f"set train.{name} to 0 or more")
         if self.seed < 0:
             _fail(c, "seed", f"must be >= 0, got {self.seed}", "use a non-negative seed")
+        if self.throughput_rounds < 0:
+            _fail(c, "throughput_rounds", f"must be >= 0, got {self.throughput_rounds}",
+                  "set train.throughput_rounds=0 to skip the side-by-side timing, or more")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,6 +213,11 @@ class ExperimentConfig:
             _fail("ExperimentConfig", "compare",
                   f"train.init_from={self.train.init_from!r} starts one model from a checkpoint, "
                   f"and its twin would start from random weights", "set compare=false")
+        if self.train.init_from is not None and self.train.num_seeds > 1:
+            _fail("ExperimentConfig", "train.num_seeds",
+                  f"train.init_from={self.train.init_from!r} starts every seed from the same "
+                  f"checkpoint weights, so {self.train.num_seeds} seeds would train one model "
+                  f"{self.train.num_seeds} times", "set train.num_seeds=1")
         if self.data.seq_len > self.model.max_seq_len:
             _fail("ExperimentConfig", "data.seq_len",
                   f"{self.data.seq_len} is longer than the model takes (model.max_seq_len="
@@ -215,8 +233,24 @@ class ExperimentConfig:
             return {"diff": self.model, "standard": twin(self.model)}
         return {"diff" if self.model.is_diff else "standard": self.model}
 
+    @property
+    def seeds(self) -> list[int]:
+        """The init seeds: ``train.seed .. train.seed + train.num_seeds - 1``."""
+        return list(range(self.train.seed, self.train.seed + self.train.num_seeds))
+
+    def with_seed(self, seed: int) -> "ExperimentConfig":
+        """This experiment with init seed ``seed`` (the data order is unchanged)."""
+        return dataclasses.replace(self, train=dataclasses.replace(self.train, seed=seed,
+                                                                   num_seeds=1))
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def model_directory(run_dir: str, label: str, seed: int) -> str:
+    """Where one model of one seed writes: ``RUN_DIR/<label>/seed_<seed>/`` (metrics.jsonl, tb/,
+    checkpoints/, result.json)."""
+    return os.path.join(run_dir, label, f"seed_{seed}")
 
 
 SECTIONS = {"run": RunConfig, "model": ModelConfig, "data": DataConfig, "train": TrainConfig,
@@ -309,14 +343,16 @@ def resolve_init_from(config: ExperimentConfig) -> ExperimentConfig:
 
 def default_config() -> ExperimentConfig:
     """The default comparison: a small DIFF V1 model and its twin on the built-in corpus (the
-    standard library's sources), sized to finish in about five minutes on 2 CPU cores."""
+    standard library's sources), from two paired init seeds (so the report can give an
+    interval on the difference), sized to finish in about five minutes on 2 CPU cores."""
     return ExperimentConfig(
         run=RunConfig(name="default"),
         model=ModelConfig(vocab_size=259, d_model=128, num_layers=4, num_heads=2,
                           attention="diff_v1", max_seq_len=256),
         data=DataConfig(source="stdlib", seq_len=128),
-        train=TrainConfig(steps=300, batch_size=16, lr=2e-3, warmup_steps=30,
+        train=TrainConfig(steps=200, batch_size=16, lr=2e-3, warmup_steps=20,
                           schedule="cosine", min_lr_ratio=0.1, b2=0.95, weight_decay=0.1,
-                          eval_every=50, eval_batches=8, checkpoint_every=100),
+                          eval_every=50, eval_batches=8, checkpoint_every=100, num_seeds=2,
+                          quick_eval=True),
         compare=True,
     )

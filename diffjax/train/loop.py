@@ -80,6 +80,8 @@ class TrainResult:
     val_accuracy: float | None = None
     resumed_from: int | None = None
     mesh: str | None = None  # e.g. "data=1 fsdp=4 tensor=2 (8 devices, 2 processes)"
+    seed: int = 0  # the init seed (train.seed)
+    val_query_accuracy: float | None = None  # the share of queries answered exactly
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -305,22 +307,26 @@ def _train_model(exp: ExperimentConfig, model_cfg: ModelConfig, label: str, dire
 
     def evaluate(params) -> dict[str, float]:
         total = weight = 0.0
-        correct = answered = 0
+        correct = answered = q_correct = q_answered = 0
         for b in val_batches:
             t, w, p = eval_fn(params, to_device(b))
             total, weight = total + float(t), weight + float(w)
             if "answer_spans" in b:  # this process's rows; summed over processes below
                 ok, has = data_lib.answer_correct(sharding.local_rows(p), b)
                 correct, answered = correct + int((ok & has).sum()), answered + int(has.sum())
+                ok, has = data_lib.query_correct(sharding.local_rows(p), b)
+                q_correct, q_answered = q_correct + int(ok.sum()), q_answered + int(has.sum())
         out = {"val_loss": total / max(weight, 1.0)}
         out["val_ppl"] = math.exp(min(out["val_loss"], 50.0))
         if "answer_spans" in val_batches[0]:
-            counts = np.array([correct, answered], np.int64)
+            counts = np.array([correct, answered, q_correct, q_answered], np.int64)
             if jax.process_count() > 1:
                 from jax.experimental import multihost_utils
 
-                counts = multihost_utils.process_allgather(counts).reshape(-1, 2).sum(0)
+                counts = multihost_utils.process_allgather(counts).reshape(-1, 4).sum(0)
+            # an example counts when all its answers are right; a query when its answer is
             out["val_answer_accuracy"] = float(counts[0] / counts[1]) if counts[1] else 0.0
+            out["val_query_accuracy"] = float(counts[2] / counts[3]) if counts[3] else 0.0
         return out
 
     last_good = latest
@@ -393,6 +399,7 @@ def _train_model(exp: ExperimentConfig, model_cfg: ModelConfig, label: str, dire
                else writer.records)
     result = summarize(label, model_cfg, directory, records, n_params, memory, latest)
     result.mesh = describe_mesh(mesh)
+    result.seed = tcfg.seed
     if main:
         with open(os.path.join(directory, "result.json"), "w") as f:
             json.dump(result.to_dict(), f, indent=1)
@@ -423,4 +430,5 @@ def summarize(label: str, model_cfg: ModelConfig, directory: str, records: list[
         device_peak_bytes=device_peak,
         lambdas=last.get("lambda"),
         val_accuracy=evals[-1].get("val_answer_accuracy") if evals else None,
+        val_query_accuracy=evals[-1].get("val_query_accuracy") if evals else None,
         resumed_from=resumed_from)

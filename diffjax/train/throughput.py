@@ -1,0 +1,125 @@
+"""Side-by-side throughput of two models: their compiled train steps alternated on the same
+batches, so whatever else the machine does at the time lands on both.
+
+Measured one after the other (each model's median step time during its own training), a
+background job that runs while one model trains and not while the other does moves the ratio
+by any amount. Here each round times ``steps`` steps of model A then ``steps`` steps of model B
+(the order flips every round), on the same global batches; the ratio of the round's tokens/s is
+one sample, and the report gives the median over rounds and their spread (min .. max).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from typing import Callable
+
+import jax
+import numpy as np
+from flax import nnx
+
+from diffjax import data as data_lib
+from diffjax import sharding
+from diffjax.config import ModelConfig
+from diffjax.model import TransformerLM
+
+from .config import ExperimentConfig
+from .loop import MODEL_INPUTS, make_state_init, make_train_step
+from .optimizer import learning_rate_schedule, make_optimizer
+
+
+@dataclasses.dataclass
+class SideBySide:
+    """Tokens/s of each model per round and the ratio ``a / b`` per round."""
+
+    labels: tuple[str, str]
+    tokens_per_s: dict[str, list[float]]
+    ratios: list[float]
+    rounds: int
+    steps_per_round: int
+    tokens_per_step: int
+
+    @property
+    def median_ratio(self) -> float:
+        return float(np.median(self.ratios))
+
+    @property
+    def spread(self) -> tuple[float, float]:
+        return float(np.min(self.ratios)), float(np.max(self.ratios))
+
+    def median_tokens_per_s(self, label: str) -> float:
+        return float(np.median(self.tokens_per_s[label]))
+
+    def describe(self) -> str:
+        a, b = self.labels
+        lo, hi = self.spread
+        return (f"{a} throughput is {self.median_ratio:.2f}x {b}'s (median over {self.rounds} "
+                f"rounds of {self.steps_per_round} steps each, the two compiled train steps "
+                f"alternated on the same batches; per-round ratios {lo:.2f} .. {hi:.2f}; "
+                f"{a} {self.median_tokens_per_s(a):,.0f} tokens/s, {b} "
+                f"{self.median_tokens_per_s(b):,.0f} tokens/s)")
+
+    def to_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "median_ratio": self.median_ratio,
+                "spread": self.spread}
+
+
+def _compiled_step(exp: ExperimentConfig, model_cfg: ModelConfig, mesh,
+                   batch) -> tuple[Callable, dict]:
+    """The model's train step compiled as the loop compiles it, and a fresh train state."""
+    tcfg = exp.train
+    tx, schedule = make_optimizer(tcfg), learning_rate_schedule(tcfg)
+    init_state = make_state_init(model_cfg, tcfg, tx)
+    graphdef, _, _ = nnx.split(nnx.eval_shape(lambda: TransformerLM(model_cfg, rngs=nnx.Rngs(0))),
+                               nnx.Param, ...)
+    abstract, abstract_rest = jax.eval_shape(init_state)
+    state_sh = sharding.tree_shardings(abstract, mesh)
+    rest_sh = sharding.tree_shardings(abstract_rest, mesh)
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    state, rest = jax.jit(init_state, out_shardings=(state_sh, rest_sh))()
+    batch_sh = {k: v.sharding for k, v in batch.items()}
+    step = jax.jit(make_train_step(graphdef, rest, tx, schedule), donate_argnums=0,
+                   in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, replicated))
+    return step.lower(state, batch).compile(), state
+
+
+def side_by_side_throughput(exp: ExperimentConfig, models: dict[str, ModelConfig], mesh=None, *,
+                            rounds: int = 5, steps: int = 4) -> SideBySide:
+    """Alternate the compiled train steps of the two ``models`` (``{label: config}``, the first
+    is the numerator) for ``rounds`` rounds of ``steps`` steps each on the same ``steps`` batches
+    of ``exp.data``'s training stream; one warm-up step each first. The states are fresh
+    initialisations (a step's time does not depend on the parameter values)."""
+    if len(models) != 2:
+        raise ValueError(f"side_by_side_throughput compares two models, got {list(models)}")
+    if rounds < 1 or steps < 1:
+        raise ValueError(f"rounds and steps must be >= 1, got {rounds} and {steps}")
+    mesh = sharding.make_mesh(exp.mesh) if mesh is None else mesh
+    tcfg = exp.train
+    with jax.set_mesh(mesh), nnx.logical_axis_rules(sharding.current_rules()):
+        share, shares = sharding.process_batch_share(mesh, tcfg.batch_size)
+        it = iter(data_lib.make_dataset(exp.data, "train", batch_size=tcfg.batch_size // shares,
+                                        process_index=share, process_count=shares))
+        batches = [sharding.global_batch({k: v for k, v in b.items() if k in MODEL_INPUTS},
+                                         mesh, tcfg.batch_size)
+                   for b in itertools.islice(it, steps)]
+        compiled = {}
+        for label, cfg in models.items():
+            fn, state = _compiled_step(exp, cfg, mesh, batches[0])
+            state, m = fn(state, batches[0])  # warm-up
+            jax.block_until_ready(m)
+            compiled[label] = [fn, state]
+        labels = tuple(models)
+        tokens = tcfg.batch_size * exp.data.seq_len
+        tps: dict[str, list[float]] = {label: [] for label in labels}
+        for r in range(rounds):
+            for label in (labels if r % 2 == 0 else labels[::-1]):
+                fn, state = compiled[label]
+                t0 = time.perf_counter()
+                for b in batches:
+                    state, m = fn(state, b)
+                jax.block_until_ready((state, m))
+                tps[label].append(tokens * len(batches) / (time.perf_counter() - t0))
+                compiled[label][1] = state
+    ratios = [x / y for x, y in zip(tps[labels[0]], tps[labels[1]])]
+    return SideBySide(labels, tps, ratios, rounds, len(batches), tokens)
