@@ -18,9 +18,8 @@ from flax import nnx
 import diffjax
 from diffjax.config import ConfigError
 from diffjax.data.config import needle_len, query_len
-from diffjax.evaluate import (CATEGORIES, absmax_quantize, discover_models,
-                              eval_paired_t_interval, evaluate_run, losses_and_predictions,
-                              mean_std, needle_task, noise_floor_closed_form,
+from diffjax.evaluate import (CATEGORIES, absmax_quantize, discover_models, evaluate_run,
+                              losses_and_predictions, needle_task, noise_floor_closed_form,
                               noise_floor_streamed, position_categories, query_correct,
                               task_examples, top_magnitudes, validation_loss,
                               with_quantized_logits)
@@ -304,22 +303,29 @@ def test_loss_by_position_and_validation_loss():
 
 
 # ---------------------------------------------------------------------------- seeds
-def test_mean_std_and_paired_t_interval_on_hand_made_numbers():
-    assert mean_std([1.0, 2.0, 3.0]) == (2.0, 1.0)
-    m, s = mean_std([4.0])
-    assert m == 4.0 and math.isnan(s)
+def test_seed_statistics_of_the_evaluation_tables_on_hand_made_numbers():
+    """The evaluation report uses diffjax.train.stats (shared with the training report)."""
+    from diffjax.evaluate.stats import fmt_mean_std
+    from diffjax.train.stats import describe_difference, mean_std, paired_difference
+
+    assert mean_std([1.0, 2.0, 3.0]) == (2.0, 1.0, 3)
+    m, s, n = mean_std([4.0])
+    assert m == 4.0 and s is None and n == 1
+    assert fmt_mean_std([1.0, 2.0, 3.0], "{:.1f}") == "2.0 ± 1.0"
+    assert fmt_mean_std([4.0, None, float("nan")]) == "4.000" and fmt_mean_std([]) == "n/a"
     # differences 1, 2, 3: mean 2, std 1, t_{0.975, 2} = 4.302653
-    iv = eval_paired_t_interval([1.0, 2.0, 3.0], [0.0, 0.0, 0.0])
+    iv = paired_difference([1.0, 2.0, 3.0], [0.0, 0.0, 0.0])
     half = 4.302653 / math.sqrt(3)
-    assert iv.mean == 2.0 and iv.std == 1.0 and iv.n == 3
+    assert iv.mean == 2.0 and iv.n == 3
     assert iv.low == pytest.approx(2 - half, abs=1e-5) and iv.high == pytest.approx(2 + half, abs=1e-5)
-    assert iv.excludes_zero is False and "includes zero" in iv.describe()
-    tight = eval_paired_t_interval([3.1, 3.0, 3.2, 3.1], [3.0, 2.9, 3.0, 3.0])
-    assert tight.excludes_zero is True and tight.low > 0 and "excludes zero" in tight.describe()
-    one = eval_paired_t_interval([1.0], [0.5])
-    assert one.low is None and "no interval" in one.describe()
-    with pytest.raises(ValueError, match="one value per seed"):
-        eval_paired_t_interval([1.0, 2.0], [1.0])
+    assert iv.excludes_zero is False and "includes zero" in describe_difference(iv, "loss")
+    tight = paired_difference([3.1, 3.0, 3.2, 3.1], [3.0, 2.9, 3.0, 3.0])
+    assert tight.excludes_zero is True and tight.low > 0
+    assert "excludes zero" in describe_difference(tight, "loss")
+    one = paired_difference([1.0], [0.5])
+    assert one.low is None and "no confidence interval can be given" in describe_difference(one, "x")
+    with pytest.raises(ValueError, match="pair them by seed"):
+        paired_difference([1.0, 2.0], [1.0])
 
 
 # ---------------------------------------------------------------------------- runs
@@ -393,7 +399,7 @@ def test_evaluate_command_on_a_tiny_run(tiny_runs, capsys):
                     "Quantization", "noise floor", "Loss by position", "paper DIFF (3B, 4K)",
                     "33,"):  # the parameter count of the scale line
         assert heading in text, heading
-    assert "no interval can be given" not in text  # one model, no twin: no paired difference
+    assert "interval can be given" not in text  # one model, no twin: no paired difference
     for png in ("eval_retrieval_N1_R1.png", "eval_allocation.png", "eval_quantization.png",
                 "eval_noise_floor.png", "eval_loss_by_position.png"):
         assert (run / png).stat().st_size > 1000, png
@@ -409,7 +415,7 @@ def test_evaluate_run_aggregates_seeds(tiny_runs):
                                    val_examples=8)
     text = evaluate_run(str(tiny_runs / "multi"), settings=settings, log=lambda *_: None)
     assert "seeds [0, 1]" in text and " ± " in text
-    assert "n=2 seeds, 95% t-interval" in text  # the paired DIFF - twin difference
+    assert "95% t-interval [" in text and "over 2 paired seeds" in text  # DIFF - twin
     data = json.loads((tiny_runs / "multi" / "eval.json").read_text())
     assert sorted((m["label"], m["seed"]) for m in data["models"]) == [
         ("diff", 0), ("diff", 1), ("standard", 0), ("standard", 1)]

@@ -19,7 +19,6 @@ from .quantize import absmax_quantize, quantization_sweep, with_quantized_logits
 from .retrieval import (RetrievalGrid, multi_needle_retrieval, needle_task, query_correct,
                         query_depths, task_examples)
 from .run import EvalSettings, ModelEntry, discover_models, evaluate_model, evaluate_run
-from .stats import PairedInterval, eval_paired_t_interval, mean_std
 
 __all__ = [
     "Allocation", "CATEGORIES", "EvalSettings", "ModelEntry", "PairedInterval",

@@ -26,7 +26,9 @@ from . import plots
 from . import positions as pos
 from . import quantize as quant
 from . import retrieval as ret
-from .stats import eval_paired_t_interval, fmt_mean_std
+from diffjax.train.stats import describe_difference, paired_difference
+
+from .stats import fmt_mean_std
 
 # The paper's numbers (shared/reference/diff-transformer.md), as (Transformer, DIFF).
 PAPER_SCALE = "the paper's 3B-size models at 4K context"
@@ -329,8 +331,8 @@ def _paired_line(groups, getter, what: str, unit: str = "") -> str | None:
     seeds = sorted(s for s in a if s in b and a[s] is not None and b[s] is not None)
     if not seeds:
         return None
-    iv = eval_paired_t_interval([a[s] for s in seeds], [b[s] for s in seeds])
-    return f"- {what}, DIFF − twin: {iv.describe(unit)}."
+    d = paired_difference([a[s] for s in seeds], [b[s] for s in seeds])
+    return f"- {describe_difference(d, what + (f' ({unit})' if unit else ''))}"
 
 
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
