@@ -293,11 +293,11 @@ def test_sample_prints_text_from_a_trained_run(tiny_run, capsys):
     assert sample.main([str(tiny_run), "--prompt", "def main(", "--prompt", "x",
                         "--max_new_tokens", "12"]) == 0
     captured = capsys.readouterr()
-    assert f"model: {tiny_run / 'diff'}" in captured.err and "diff_v1" in captured.err
+    assert f"model: {tiny_run / 'diff' / 'seed_0'}" in captured.err and "diff_v1" in captured.err
     first, second = captured.out.split("-" * 40 + "\n")
     assert first.startswith("def main(") and second.startswith("x")
     # the text is the greedy continuation of the best checkpoint, through the byte tokenizer
-    model = load_model(str(tiny_run / "diff"))
+    model = load_model(str(tiny_run / "diff" / "seed_0"))
     expected = sample.sample(model, ["def main("], 12)[0]
     assert first == "def main(" + expected + "\n"
     # sampled, by label, from the latest checkpoint
