@@ -344,7 +344,8 @@ def resolve_init_from(config: ExperimentConfig) -> ExperimentConfig:
 def default_config() -> ExperimentConfig:
     """The default comparison: a small DIFF V1 model and its twin on the built-in corpus (the
     standard library's sources), from two paired init seeds (so the report can give an
-    interval on the difference), sized to finish in about five minutes on 2 CPU cores."""
+    interval on the difference), sized to finish in about seven minutes on 2 CPU cores (an
+    estimate), quick evaluation included."""
     return ExperimentConfig(
         run=RunConfig(name="default"),
         model=ModelConfig(vocab_size=259, d_model=128, num_layers=4, num_heads=2,
