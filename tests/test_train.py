@@ -30,7 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["model.d_model=32", "model.num_layers=1", "model.num_heads=1", "model.max_seq_len=32",
         "data.seq_len=16", "data.max_files=12", "train.batch_size=8", "train.eval_batches=2",
         "train.warmup_steps=2", "train.progress=false", "train.num_seeds=1",
-        "train.quick_eval=false"]
+        "train.quick_eval=false", "train.throughput_rounds=0"]
 
 
 def run_main(tmp_path, *extra, name="run"):
