@@ -9,7 +9,7 @@ estimate (arguments + outputs + temporaries of the compiled function) for:
 
   fused      diffjax.kernels.diff_flash_attention: both softmax maps in one pass (V1 layout:
              h heads, q/k width d, v width 2d)
-  xla        diffjax.kernels.diff_attention_reference (the XLA path), the plain reference (materialises T x S)
+  xla        diffjax.kernels.reference.differential_attention (the XLA path), the plain reference (materialises T x S)
   two-call   the official code's strategy: two standard attention calls (jax.nn.
              dot_product_attention, cuDNN where available; four calls when the backend cannot
              take a v twice as wide as q/k) and the subtraction
@@ -96,7 +96,7 @@ def variants(backend: str, interpret: bool, causal: bool):
     if on_accel or interpret:
         out["fused"] = ("diff", functools.partial(kernels.diff_flash_attention, causal=causal,
                                                   interpret=interpret and not on_accel))
-    out["xla"] = ("diff", functools.partial(kernels.diff_attention_reference, causal=causal))
+    out["xla"] = ("diff", functools.partial(kernels.reference.differential_attention, causal=causal))
     out["two-call"] = ("diff", functools.partial(two_call, causal=causal, impl=stock))
     if on_accel or interpret:
         out["twin fused"] = ("std", functools.partial(kernels.flash_attention, causal=causal,

@@ -93,13 +93,16 @@ class _Projections(nnx.Module):
                              f"num_heads={num_heads}{kv_note}")
         if head_dim % 2:
             raise ValueError(f"{name}: head width {head_dim} must be even for rotary")
-        ops.resolve_impl(attention_impl)  # an unknown implementation fails here, at construction
+        ops.check_impl(attention_impl)  # an unknown implementation fails here, at construction
         self.embed_dim = embed_dim
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.n_rep = num_heads // num_kv_heads
         self.scaling = head_dim ** -0.5
         self.rope_theta, self.causal, self.attention_impl = rope_theta, causal, attention_impl
         self.rope_scaling = rope_scaling
+        # Simulated absmax quantization of the logits (XLA path; the quantization analysis sets
+        # it on a copy of the model: diffjax.evaluate.quantize.with_quantized_logits).
+        self.logit_bits: int | None = None
 
     def _linear(self, n_in: int, n_out: int, dtype, param_dtype, kernel_init, rngs,
                 axes: tuple[str, str] = ("embed", "heads")):
@@ -169,7 +172,8 @@ class MultiheadAttention(_Projections):
         q, k, v = self._qkv(x, positions)
         b, t = x.shape[:2]
         o = ops.dot_product_attention(q, k, v, causal=self.causal, segment_ids=segment_ids,
-                                      scale=self.scaling, impl=self.attention_impl)
+                                      scale=self.scaling, impl=self.attention_impl,
+                                      logit_bits=self.logit_bits)
         return self.out_proj(o.reshape(b, t, self.num_heads * self.head_dim))
 
     def cache_layout(self) -> dict[str, tuple[int, int]]:
@@ -186,7 +190,8 @@ class MultiheadAttention(_Projections):
         kv, cache, kw = _update_cache(cache, dict(k=k, v=v), index)
         b, t = x.shape[:2]
         o = ops.dot_product_attention(q, kv["k"], kv["v"], scale=self.scaling,
-                                      impl=self.attention_impl, **kw, **mask)
+                                      impl=self.attention_impl,
+                                      logit_bits=self.logit_bits, **kw, **mask)
         return self.out_proj(o.reshape(b, t, self.num_heads * self.head_dim)), cache
 
 
@@ -290,7 +295,8 @@ class MultiheadDiffAttn(_Projections):
         h, d = self.num_heads, self.head_dim
         o = ops.differential_attention(q1, k1, q2, k2, v, self.lambda_full(), causal=self.causal,
                                        segment_ids=segment_ids, scale=self.scaling,
-                                       impl=self.attention_impl)
+                                       impl=self.attention_impl,
+                                       logit_bits=self.logit_bits)
         if self.subln is not None:
             o = self.subln(o) * jnp.asarray(1.0 - self.lambda_init, o.dtype)
         return self.out_proj(o.reshape(b, t, h * 2 * d))
@@ -312,7 +318,8 @@ class MultiheadDiffAttn(_Projections):
         b, t = x.shape[:2]
         h, d = self.num_heads, self.head_dim
         o = ops.differential_attention(q1, kv["k1"], q2, kv["k2"], kv["v"], self.lambda_full(),
-                                       scale=self.scaling, impl=self.attention_impl, **kw, **mask)
+                                       scale=self.scaling, impl=self.attention_impl,
+                                       logit_bits=self.logit_bits, **kw, **mask)
         if self.subln is not None:
             o = self.subln(o) * jnp.asarray(1.0 - self.lambda_init, o.dtype)
         return self.out_proj(o.reshape(b, t, h * 2 * d)), cache
@@ -420,7 +427,8 @@ class MultiheadDiffAttnV2(_Projections):
         q1, q2 = self._pairs(q)
         o = ops.differential_attention(q1, k, q2, k, v, lam,
                                        causal=self.causal, segment_ids=segment_ids,
-                                       scale=self.scaling, impl=self.attention_impl)
+                                       scale=self.scaling, impl=self.attention_impl,
+                                       logit_bits=self.logit_bits)
         return self.o_proj(o.reshape(b, t, self.num_heads * self.head_dim))
 
     def cache_layout(self) -> dict[str, tuple[int, int]]:
@@ -439,7 +447,8 @@ class MultiheadDiffAttnV2(_Projections):
         b, t = x.shape[:2]
         q1, q2 = self._pairs(q)
         o = ops.differential_attention(q1, kv["k"], q2, kv["k"], kv["v"], self.lambda_values(x),
-                                       scale=self.scaling, impl=self.attention_impl, **kw, **mask)
+                                       scale=self.scaling, impl=self.attention_impl,
+                                       logit_bits=self.logit_bits, **kw, **mask)
         return self.o_proj(o.reshape(b, t, self.num_heads * self.head_dim)), cache
 
 

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from diffjax import ops
+from diffjax.kernels import reference
 from diffjax.kernels import gpu
 
 # Tolerances (atol, rtol): |kernel - reference| <= atol + rtol * max|reference|, per array.
@@ -137,7 +137,7 @@ def _check_diff(args, ct, *, causal, seg, kv_seg, scale, block_sizes, shared=Fal
 
     def reference(q1, k1, q2, k2, v, lam):
         up = lambda x: x.astype(jnp.float32)  # noqa: E731
-        return ops.differential_attention_xla(up(q1), up(k1), up(q2), up(k1 if shared else k2),
+        return reference.differential_attention(up(q1), up(k1), up(q2), up(k1 if shared else k2),
                                               up(v), lam, scale=scale, **kw)
 
     argnums = (0, 1, 2, 4, 5) if shared else (0, 1, 2, 3, 4, 5)
@@ -151,7 +151,7 @@ def _check_diff(args, ct, *, causal, seg, kv_seg, scale, block_sizes, shared=Fal
             _close(f"d{['q1', 'k1', 'q2', 'k2', 'v'][i]}", g, w, tol["grad"])
     # d(lam) = -sum_d dO * O2: scale its tolerance by the L1 norm of those terms
     up = lambda x: x.astype(jnp.float32)  # noqa: E731
-    o2 = jax.jit(functools.partial(ops.dot_product_attention_xla, scale=scale, **kw))(
+    o2 = jax.jit(functools.partial(reference.dot_product_attention, scale=scale, **kw))(
         up(args[2]), up(args[1] if shared else args[3]), up(args[4]))
     l1 = np.sum(np.abs(np.asarray(ct) * np.asarray(o2)), axis=-1)
     _close("dlam", grads[-1], want[-1], tol["dlam"],
@@ -169,7 +169,7 @@ def _check_standard(q, k, v, ct, *, causal, seg, kv_seg, block_sizes):
 
     def reference(q, k, v):
         up = lambda x: x.astype(jnp.float32)  # noqa: E731
-        return ops.dot_product_attention_xla(up(q), up(k), up(v), scale=scale, **kw)
+        return reference.dot_product_attention(up(q), up(k), up(v), scale=scale, **kw)
 
     out, grads = _value_and_grads(kernel, (q, k, v), ct, (0, 1, 2))
     want_out, want = _value_and_grads(reference, (q, k, v), ct, (0, 1, 2))
@@ -364,7 +364,7 @@ def test_python_float_lambda_and_head_dim_128():
     args, _, _ = _inputs(2, 1, 16, 16, 1, 1, 128, 128, jnp.float32, "scalar")
     q1, k1, q2, k2, v, _ = args
     out = gpu.diff_flash_attention(q1, k1, q2, k2, v, 0.5, interpret=INTERPRET)
-    want = ops.differential_attention_xla(q1, k1, q2, k2, v, 0.5, scale=128 ** -0.5)
+    want = reference.differential_attention(q1, k1, q2, k2, v, 0.5, scale=128 ** -0.5)
     _close("out", out, want, F32_TOL["value"])
 
 

@@ -1,8 +1,8 @@
 """The TPU Pallas kernels (``diffjax/kernels/tpu.py``) in interpret mode on the CPU.
 
 Values and gradients (q1, k1, q2, k2, v and lambda, through ``jax.vjp`` with a random cotangent)
-are checked against the plain-JAX references ``ops.differential_attention_xla`` and
-``ops.dot_product_attention_xla`` and their autodiff. Shapes are small and blocks tiny (8-32) so
+are checked against the plain-JAX references ``reference.differential_attention`` and
+``reference.dot_product_attention`` and their autodiff. Shapes are small and blocks tiny (8-32) so
 every case has several query and key blocks, partial blocks and wholly padded blocks.
 
 Interpret mode compiles a loop over the grid with XLA; to keep the file fast every case is one
@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jax.experimental.pallas import tpu as pltpu
 
-from diffjax import ops
+from diffjax.kernels import reference
 from diffjax.kernels import tpu
 
 # Error of a kernel result relative to the largest magnitude of the reference result
@@ -125,7 +125,7 @@ def check_differential(case, *, causal, block_sizes, interpret=True, sm_scale=No
                                         **_masks(case))
 
     def reference(*a):
-        return ops.differential_attention_xla(
+        return reference.differential_attention(
             *a, causal=causal, scale=d ** -0.5 if sm_scale is None else sm_scale, **_masks(case))
 
     out, grads = _value_and_grads(kernel, args, case["ct"])
@@ -148,7 +148,7 @@ def check_standard(case, *, causal, block_sizes, interpret=True):
                                    interpret=interpret, **_masks(case))
 
     def reference(*a):
-        return ops.dot_product_attention_xla(*a, causal=causal, scale=d ** -0.5, **_masks(case))
+        return reference.dot_product_attention(*a, causal=causal, scale=d ** -0.5, **_masks(case))
 
     out, grads = _value_and_grads(kernel, args, case["ct"])
     ref_out, ref_grads = _value_and_grads(reference, tuple(map(_f32, args)), _f32(case["ct"]))

@@ -7,109 +7,39 @@ scale is the largest magnitude over the ``T x S`` block (masked entries left out
 usual. A large outlier sets a coarse step for every other logit of its head, which is how
 outliers hurt low-bit attention.
 
-The quantized forward is an attention implementation registered with
-:func:`diffjax.ops.register_attention_impl` under ``"absmax<bits>"``; :func:`with_quantized_logits`
-returns a copy of a model whose attention layers use it. The implementation name is a static
-attribute of the modules, so a jitted function traced for the quantized copy is a different
-cache entry from the original model's: nothing leaks into later calls.
+The quantized forward is the reference math with ``logit_bits`` set
+(:func:`diffjax.kernels.reference.absmax_quantize` on the logits); :func:`with_quantized_logits`
+returns a copy of a model whose attention layers use it. ``logit_bits`` is a static attribute
+of the modules, so a jitted function traced for the quantized copy is a different cache entry
+from the original model's: nothing leaks into later calls.
 """
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
 from flax import nnx
 
-from diffjax import ops
+from diffjax.kernels.reference import absmax_quantize, check_logit_bits
+
+__all__ = ["PAPER_BITS", "absmax_quantize", "quantization_sweep", "with_quantized_logits"]
 
 PAPER_BITS = (16, 8, 6, 4)
-
-
-def absmax_quantize(x: jax.Array, bits: int, *, mask: jax.Array | None = None,
-                    axis=(-2, -1)) -> jax.Array:
-    """``x`` rounded to a symmetric ``bits``-bit grid whose step is ``absmax / (2^(bits-1)-1)``,
-    the absmax taken over ``axis`` among the entries where ``mask`` is True (all if None).
-    A block whose absmax is 0 is returned unchanged. Float32 in the arithmetic."""
-    _check_bits(bits)
-    x = jnp.asarray(x, jnp.float32)
-    mag = jnp.abs(x) if mask is None else jnp.where(mask, jnp.abs(x), 0.0)
-    absmax = jnp.max(mag, axis=axis, keepdims=True)
-    levels = float(2 ** (bits - 1) - 1)
-    scale = jnp.where(absmax > 0, absmax / levels, 1.0)
-    return jnp.clip(jnp.round(x / scale), -levels, levels) * scale
-
-
-def _check_bits(bits) -> None:
-    if not isinstance(bits, int) or isinstance(bits, bool) or not 2 <= bits <= 24:
-        raise ValueError(f"absmax quantization: bits must be an integer in [2, 24], got "
-                         f"{bits!r}. Fix: use e.g. 16, 8, 6 or 4")
-
-
-def _probs(q, k, bits, causal, segment_ids, kv_segment_ids, scale):
-    logits, mask = ops.attention_logits(q, k, causal=causal, segment_ids=segment_ids,
-                                        kv_segment_ids=kv_segment_ids, scale=scale)
-    full = None if mask is None else mask[:, None]
-    logits = absmax_quantize(logits, bits, mask=full)
-    if full is None:
-        return jax.nn.softmax(logits, axis=-1)
-    probs = jax.nn.softmax(jnp.where(full, logits, ops.MASK_VALUE), axis=-1)
-    return jnp.where(full, probs, 0.0)  # a query that sees no key gets zero weights
-
-
-def _attend(probs, v):
-    """``probs`` ``[B, Hq, T, S]`` times v ``[B, S, Hkv, Dv]`` -> ``[B, T, Hq, Dv]`` float32."""
-    b, hq, t, s = probs.shape
-    hkv = v.shape[2]
-    p = probs.reshape(b, hkv, hq // hkv, t, s).astype(v.dtype)
-    out = jnp.einsum("bgrts,bsgd->btgrd", p, v, preferred_element_type=jnp.float32)
-    return out.reshape(b, t, hq, v.shape[-1])
-
-
-def _impl(bits: int) -> ops.AttentionImpl:
-    def standard(q, k, v, *, causal, segment_ids, kv_segment_ids, scale):
-        p = _probs(q, k, bits, causal, segment_ids, kv_segment_ids, scale)
-        return _attend(p, v).astype(q.dtype)
-
-    def differential(q1, k1, q2, k2, v, lam, *, causal, segment_ids, kv_segment_ids, scale):
-        o1 = _attend(_probs(q1, k1, bits, causal, segment_ids, kv_segment_ids, scale), v)
-        o2 = _attend(_probs(q2, k2, bits, causal, segment_ids, kv_segment_ids, scale), v)
-        lam = jnp.asarray(lam, jnp.float32)
-        if lam.ndim:
-            lam = lam[..., None]
-        return (o1 - lam * o2).astype(q1.dtype)
-
-    # backends=(): never chosen by impl="auto"
-    return ops.AttentionImpl(impl_name(bits), standard, differential, backends=(), priority=-1)
-
-
-def impl_name(bits: int) -> str:
-    """The registered attention implementation that quantizes logits to ``bits``."""
-    return f"absmax{int(bits)}"
-
-
-def register_quantized_impl(bits: int) -> str:
-    """Register (once) the ``bits``-bit quantized-logits implementation; returns its name."""
-    name = impl_name(bits)
-    _check_bits(bits)
-    if name not in ops.available_impls():
-        ops.register_attention_impl(_impl(int(bits)))
-    return name
 
 
 def with_quantized_logits(model: nnx.Module, bits: int | None) -> nnx.Module:
     """A copy of ``model`` (sharing its parameter arrays) whose attention layers quantize their
     logits to ``bits`` (None: an unchanged copy using the plain XLA path). ``model`` itself is
     not modified."""
-    name = "xla" if bits is None else register_quantized_impl(bits)
+    check_logit_bits(bits)
     copy = nnx.merge(*nnx.split(model))
     found = 0
     for _, module in nnx.iter_graph(copy):
-        if isinstance(module, nnx.Module) and hasattr(module, "attention_impl"):
-            module.attention_impl = name
+        if isinstance(module, nnx.Module) and hasattr(module, "logit_bits"):
+            module.attention_impl = "xla"
+            module.logit_bits = None if bits is None else int(bits)
             found += 1
     if not found:
         raise ValueError(f"with_quantized_logits: {type(model).__name__} has no diffjax "
-                         f"attention layer (no module with an attention_impl attribute)")
+                         f"attention layer (no module with a logit_bits attribute)")
     return copy
 
 

@@ -7,7 +7,7 @@
 with each branch normalised by its own softmax denominator, and ``flash_attention`` is the
 standard single-branch kernel built from the same code (a static ``differential`` flag in the
 kernel bodies), so the two compare like for like. The semantics are those of
-:func:`diffjax.ops.differential_attention_xla` / :func:`diffjax.ops.dot_product_attention_xla`:
+:func:`diffjax.kernels.reference.differential_attention` / ``dot_product_attention``:
 layout ``[batch, seq, heads, dim]``, bottom-right aligned causal mask, segment ids, GQA by
 index arithmetic, fully masked query rows give a zero output and zero gradients.
 
@@ -60,9 +60,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from diffjax import ops
+from .reference import MASK_VALUE, check_differential, check_qkv
 
-MASK_VALUE = ops.MASK_VALUE
 _MIN_BLOCK = 16  # Triton: every block dim a power of two, and dots need >= 16
 _SQ = getattr(pl, "squeezed", None)  # a squeezed block dimension (None on older jax)
 
@@ -715,16 +714,8 @@ def diff_flash_attention(q1, k1, q2, k2, v, lam, *, causal=True, segment_ids=Non
     ``sm_scale`` (a python number) defaults to ``D ** -0.5``. Differentiable in q1, k1, q2, k2,
     v and lam. ``interpret=True`` runs the kernels on CPU.
     """
-    what = "diff_flash_attention"
-    ops._check_qkv(q1, k1, v, segment_ids, kv_segment_ids, what, "q1", "k1")
-    if q2.shape != q1.shape:
-        raise ValueError(f"{what}: q1 and q2 must have the same shape, got {q1.shape} and {q2.shape}")
-    if k2.shape != k1.shape:
-        raise ValueError(f"{what}: k1 and k2 must have the same shape, got {k1.shape} and {k2.shape}")
-    b, t, hq, _ = q1.shape
-    if jnp.shape(lam) not in ((), (b, t, hq)):
-        raise ValueError(f"{what}: lam must be a scalar or [batch, seq, heads] = [{b}, {t}, {hq}], "
-                         f"got shape {jnp.shape(lam)}")
+    check_differential(q1, k1, q2, k2, v, lam, segment_ids, kv_segment_ids,
+                       what="diff_flash_attention")
     return _run(True, q1, k1, q2, k2, v, lam, causal=causal, segment_ids=segment_ids,
                 kv_segment_ids=kv_segment_ids, sm_scale=sm_scale, block_sizes=block_sizes,
                 interpret=interpret)
@@ -736,7 +727,7 @@ def flash_attention(q, k, v, *, causal=True, segment_ids=None, kv_segment_ids=No
 
     q ``[B,T,Hq,D]``, k ``[B,S,Hkv,D]``, v ``[B,S,Hkv,Dv]``; returns ``[B,T,Hq,Dv]`` in q.dtype.
     """
-    ops._check_qkv(q, k, v, segment_ids, kv_segment_ids, "flash_attention")
+    check_qkv(q, k, v, segment_ids, kv_segment_ids, what="flash_attention")
     return _run(False, q, k, None, None, v, None, causal=causal, segment_ids=segment_ids,
                 kv_segment_ids=kv_segment_ids, sm_scale=sm_scale, block_sizes=block_sizes,
                 interpret=interpret)

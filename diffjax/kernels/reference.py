@@ -1,29 +1,213 @@
-"""The plain ``jax.numpy`` reference the Pallas kernels are tested against.
+"""The plain ``jax.numpy`` attention math: what every other implementation must compute.
 
-Same signature as the kernels (``sm_scale``, ``segment_ids``, ``kv_segment_ids``); the math is
-:func:`diffjax.ops.differential_attention_xla` / :func:`diffjax.ops.dot_product_attention_xla`
-(float32 softmax, probabilities cast to v's dtype, float32 accumulation, ``o1 - lam * o2`` in
-float32, zero output for a query that sees no key). It materialises the ``[T, S]`` maps: use it
-for checking, not for long sequences.
+This module imports only jax and numpy. :mod:`diffjax.ops` runs it as the ``"xla"``
+implementation, and the Pallas kernels (:mod:`.gpu`, :mod:`.tpu`) share its constants and input
+checks and are tested against it.
+
+Layout everywhere: ``[batch, seq, heads, dim]``. GQA is index arithmetic: query head ``i``
+reads kv head ``i // (Hq // Hkv)``; K/V are never repeated in memory.
+
+- :func:`dot_product_attention`: ``softmax(q k^T s) v``.
+- :func:`differential_attention`: ``softmax(q1 k1^T s) v - lam * softmax(q2 k2^T s) v``, each
+  branch normalised by its own softmax denominator.
+
+Numerics (the kernels match them): logits and softmax in float32, probabilities cast to v's
+dtype before the value product (as flash attention and the official code do), float32
+accumulation, ``o1 - lam * o2`` in float32 with a float32 lambda, and a zero output for a query
+that sees no key at all. The ``[T, S]`` maps are materialised: the kernels exist for long
+sequences.
+
+``logit_bits`` simulates absmax quantization of the logits (the paper's Fig. 8): see
+:func:`absmax_quantize`.
 """
 
 from __future__ import annotations
 
-from diffjax import ops
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# A large finite negative logit for masked positions: keeps fully-masked rows NaN-free.
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 
 
-def diff_attention_reference(q1, k1, q2, k2, v, lam, *, causal=True, segment_ids=None,
-                             kv_segment_ids=None, sm_scale=None):
-    """``softmax(q1 k1^T s) v - lam * softmax(q2 k2^T s) v``, ``[B, T, Hq, Dv]``."""
-    scale = q1.shape[-1] ** -0.5 if sm_scale is None else sm_scale
-    return ops.differential_attention_xla(q1, k1, q2, k2, v, lam, causal=causal,
-                                          segment_ids=segment_ids,
-                                          kv_segment_ids=kv_segment_ids, scale=scale)
+# ---------------------------------------------------------------------------- input checks
+def check_qkv(q, k, v, segment_ids=None, kv_segment_ids=None, *, what: str, qname: str = "q",
+              kname: str = "k") -> None:
+    """Raise a ValueError naming the problem when q ``[B,T,Hq,D]``, k ``[B,S,Hkv,D]``, v
+    ``[B,S,Hkv,Dv]`` and the segment ids ``[B,T]`` / ``[B,S]`` do not fit together."""
+    for name, x in ((qname, q), (kname, k), ("v", v)):
+        if x.ndim != 4:
+            raise ValueError(f"{what}: {name} must be [batch, seq, heads, dim], got shape {x.shape}")
+    b, t, hq, d = q.shape
+    bk, s, hkv, dk = k.shape
+    if bk != b or v.shape[0] != b:
+        raise ValueError(f"{what}: batch sizes differ: {qname} {q.shape}, {kname} {k.shape}, "
+                         f"v {v.shape}")
+    if dk != d:
+        raise ValueError(f"{what}: {qname} and {kname} head dims differ: {d} vs {dk}")
+    if v.shape[1] != s or v.shape[2] != hkv:
+        raise ValueError(f"{what}: v must be [batch, {s}, {hkv}, dv] like {kname}, got {v.shape}")
+    if hq % hkv:
+        raise ValueError(f"{what}: {hkv} kv heads do not divide {hq} query heads")
+    if segment_ids is not None:
+        if segment_ids.shape != (b, t):
+            raise ValueError(f"{what}: segment_ids must be [batch, seq] = [{b}, {t}], got "
+                             f"{segment_ids.shape}")
+        kv_seg = segment_ids if kv_segment_ids is None else kv_segment_ids
+        if kv_seg.shape != (b, s):
+            raise ValueError(
+                f"{what}: key segment ids must be [batch, kv_seq] = [{b}, {s}], got {kv_seg.shape}"
+                + ("; pass kv_segment_ids when the key length differs"
+                   if kv_segment_ids is None else ""))
+    elif kv_segment_ids is not None:
+        raise ValueError(f"{what}: kv_segment_ids given without segment_ids")
 
 
-def attention_reference(q, k, v, *, causal=True, segment_ids=None, kv_segment_ids=None,
-                        sm_scale=None):
-    """``softmax(q k^T s) v``, ``[B, T, Hq, Dv]``."""
-    scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
-    return ops.dot_product_attention_xla(q, k, v, causal=causal, segment_ids=segment_ids,
-                                         kv_segment_ids=kv_segment_ids, scale=scale)
+def check_differential(q1, k1, q2, k2, v, lam, segment_ids=None, kv_segment_ids=None, *,
+                       what: str) -> None:
+    """:func:`check_qkv` for both branches, plus lambda: a scalar (V1) or ``[B, T, Hq]`` (V2)."""
+    check_qkv(q1, k1, v, segment_ids, kv_segment_ids, what=what, qname="q1", kname="k1")
+    if q2.shape != q1.shape:
+        raise ValueError(f"{what}: q1 and q2 must have the same shape, got {q1.shape} and "
+                         f"{q2.shape}")
+    if k2.shape != k1.shape:
+        raise ValueError(f"{what}: k1 and k2 must have the same shape, got {k1.shape} and "
+                         f"{k2.shape}")
+    b, t, hq, _ = q1.shape
+    if jnp.shape(lam) not in ((), (b, t, hq)):
+        raise ValueError(f"{what}: lam must be a scalar or [batch, seq, heads] = [{b}, {t}, {hq}], "
+                         f"got shape {jnp.shape(lam)}")
+
+
+def check_logit_bits(bits) -> None:
+    if bits is not None and (not isinstance(bits, int) or isinstance(bits, bool)
+                             or not 2 <= bits <= 24):
+        raise ValueError(f"absmax quantization: bits must be an integer in [2, 24], got "
+                         f"{bits!r}. Fix: use e.g. 16, 8, 6 or 4 (or None for no quantization)")
+
+
+# ---------------------------------------------------------------------------- masks
+def attention_mask(q_len: int, kv_len: int, *, causal: bool = True,
+                   segment_ids: jax.Array | None = None,
+                   kv_segment_ids: jax.Array | None = None) -> jax.Array | None:
+    """Boolean ``[batch or 1, q_len, kv_len]`` mask (True = may attend), or None for no mask.
+
+    Causal masking aligns the last query with the last key (query ``i`` sees keys
+    ``j <= i + kv_len - q_len``), as the official code's ``triu(..., 1 + offset)`` does.
+    Segment ids stop attention across packed-sequence boundaries.
+    """
+    mask = None
+    if causal:
+        offset = kv_len - q_len
+        q_idx = jnp.arange(q_len)[:, None]
+        k_idx = jnp.arange(kv_len)[None, :]
+        mask = (k_idx <= q_idx + offset)[None]
+    if segment_ids is not None:
+        kv_seg = segment_ids if kv_segment_ids is None else kv_segment_ids
+        seg = segment_ids[:, :, None] == kv_seg[:, None, :]
+        mask = seg if mask is None else jnp.logical_and(mask, seg)
+    return mask
+
+
+# ---------------------------------------------------------------------------- quantization
+def absmax_quantize(x: jax.Array, bits: int, *, mask: jax.Array | None = None,
+                    axis=(-2, -1)) -> jax.Array:
+    """``x`` rounded to a symmetric ``bits``-bit grid whose step is ``absmax / (2^(bits-1)-1)``,
+    the absmax taken over ``axis`` among the entries where ``mask`` is True (all if None).
+    A block whose absmax is 0 is returned unchanged. Float32 in the arithmetic."""
+    check_logit_bits(bits)
+    x = jnp.asarray(x, jnp.float32)
+    mag = jnp.abs(x) if mask is None else jnp.where(mask, jnp.abs(x), 0.0)
+    absmax = jnp.max(mag, axis=axis, keepdims=True)
+    levels = float(2 ** (bits - 1) - 1)
+    step = jnp.where(absmax > 0, absmax / levels, 1.0)
+    return jnp.clip(jnp.round(x / step), -levels, levels) * step
+
+
+# ---------------------------------------------------------------------------- the maps
+def _grouped_logits(q: jax.Array, k: jax.Array, scale: float) -> jax.Array:
+    """``q k^T * scale`` as ``[B, Hkv, R, T, S]`` float32, for q ``[B,T,Hq,D]``, k ``[B,S,Hkv,D]``."""
+    b, t, hq, d = q.shape
+    hkv = k.shape[2]
+    qg = q.reshape(b, t, hkv, hq // hkv, d)
+    logits = jnp.einsum("btgrd,bsgd->bgrts", qg, k, preferred_element_type=jnp.float32)
+    return logits * jnp.float32(scale)
+
+
+def _grouped_probs(q: jax.Array, k: jax.Array, mask: jax.Array | None, scale: float,
+                   logit_bits: int | None = None) -> jax.Array:
+    """Softmax probabilities ``[B, Hkv, R, T, S]`` in float32."""
+    logits = _grouped_logits(q, k, scale)
+    mask = None if mask is None else mask[:, None, None, :, :]
+    if logit_bits is not None:
+        logits = absmax_quantize(logits, logit_bits, mask=mask)
+    if mask is None:
+        return jax.nn.softmax(logits, axis=-1)
+    probs = jax.nn.softmax(jnp.where(mask, logits, MASK_VALUE), axis=-1)
+    # A query that sees no key at all gets zero weights (and a zero output), as flash attention
+    # gives, rather than a uniform average over keys it may not see.
+    return jnp.where(mask, probs, 0.0)
+
+
+def _attend(probs: jax.Array, v: jax.Array) -> jax.Array:
+    """``probs`` ``[B,Hkv,R,T,S]`` times v ``[B,S,Hkv,Dv]`` -> ``[B,T,Hkv*R,Dv]`` in float32."""
+    b, hkv, r, t, _ = probs.shape
+    out = jnp.einsum("bgrts,bsgd->btgrd", probs.astype(v.dtype), v,
+                     preferred_element_type=jnp.float32)
+    return out.reshape(b, t, hkv * r, v.shape[-1])
+
+
+def _default_scale(q: jax.Array, scale: float | None) -> float:
+    return q.shape[-1] ** -0.5 if scale is None else scale
+
+
+def attention_logits(q: jax.Array, k: jax.Array, *, causal: bool = True,
+                     segment_ids: jax.Array | None = None,
+                     kv_segment_ids: jax.Array | None = None,
+                     scale: float | None = None) -> tuple[jax.Array, jax.Array | None]:
+    """The pre-softmax logits ``q k^T * scale`` ``[B, Hq, T, S]`` (float32) and the boolean mask
+    ``[B or 1, T, S]`` (True = may attend; None when nothing is masked). Masked entries keep
+    their raw value: read them through the mask."""
+    b, t, hq, _ = q.shape
+    logits = _grouped_logits(q, k, _default_scale(q, scale)).reshape(b, hq, t, k.shape[1])
+    mask = attention_mask(t, k.shape[1], causal=causal, segment_ids=segment_ids,
+                          kv_segment_ids=kv_segment_ids)
+    return logits, mask
+
+
+def attention_weights(q: jax.Array, k: jax.Array, *, causal: bool = True,
+                      segment_ids: jax.Array | None = None,
+                      kv_segment_ids: jax.Array | None = None,
+                      scale: float | None = None) -> jax.Array:
+    """The softmax attention map ``[B, Hq, T, S]`` (float32)."""
+    mask = attention_mask(q.shape[1], k.shape[1], causal=causal, segment_ids=segment_ids,
+                          kv_segment_ids=kv_segment_ids)
+    probs = _grouped_probs(q, k, mask, _default_scale(q, scale))
+    b, hkv, r, t, s = probs.shape
+    return probs.reshape(b, hkv * r, t, s)
+
+
+def dot_product_attention(q, k, v, *, causal=True, segment_ids=None, kv_segment_ids=None,
+                          scale=None, logit_bits=None):
+    """``softmax(q k^T s) v``: ``[B, T, Hq, Dv]`` in ``q.dtype``. ``scale`` defaults to
+    ``D ** -0.5``."""
+    mask = attention_mask(q.shape[1], k.shape[1], causal=causal, segment_ids=segment_ids,
+                          kv_segment_ids=kv_segment_ids)
+    out = _attend(_grouped_probs(q, k, mask, _default_scale(q, scale), logit_bits), v)
+    return out.astype(q.dtype)
+
+
+def differential_attention(q1, k1, q2, k2, v, lam, *, causal=True, segment_ids=None,
+                           kv_segment_ids=None, scale=None, logit_bits=None):
+    """``softmax(q1 k1^T s) v - lam * softmax(q2 k2^T s) v``: ``[B, T, Hq, Dv]`` in
+    ``q1.dtype``. ``lam`` a scalar (V1) or ``[B, T, Hq]`` (V2)."""
+    scale = _default_scale(q1, scale)
+    mask = attention_mask(q1.shape[1], k1.shape[1], causal=causal, segment_ids=segment_ids,
+                          kv_segment_ids=kv_segment_ids)
+    o1 = _attend(_grouped_probs(q1, k1, mask, scale, logit_bits), v)
+    o2 = _attend(_grouped_probs(q2, k2, mask, scale, logit_bits), v)
+    lam = jnp.asarray(lam, jnp.float32)
+    if lam.ndim:  # [B, T, Hq] per-token, per-head lambda (V2)
+        lam = lam[..., None]
+    return (o1 - lam * o2).astype(q1.dtype)

@@ -67,9 +67,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from diffjax import ops
-
-from diffjax.ops import MASK_VALUE
+from .reference import MASK_VALUE, check_qkv
 
 __all__ = ["BlockSizes", "diff_flash_attention", "flash_attention"]
 
@@ -764,8 +762,8 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 # ============================================================================ wrappers
 def _check_shapes(what, q1, k1, q2, k2, v, segment_ids, kv_segment_ids):
-    """The checks of :mod:`diffjax.ops` (shared with every implementation) plus the pairs'."""
-    ops._check_qkv(q1, k1, v, segment_ids, kv_segment_ids, what)
+    """The checks of :mod:`.reference` (shared with every implementation) plus the pairs'."""
+    check_qkv(q1, k1, v, segment_ids, kv_segment_ids, what=what)
     if q2 is not None and q2.shape != q1.shape:
         raise ValueError(f"{what}: q1 and q2 shapes differ: {q1.shape} vs {q2.shape}")
     if k2 is not None and k2.shape != k1.shape:
