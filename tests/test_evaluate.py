@@ -19,7 +19,8 @@ import diffjax
 from diffjax.config import ConfigError
 from diffjax.data.config import needle_len, query_len
 from diffjax.evaluate import (CATEGORIES, absmax_quantize, discover_models, evaluate_run,
-                              losses_and_predictions, needle_task, noise_floor_closed_form,
+                              layer_attention_maps, losses_and_predictions, needle_task,
+                              noise_floor_closed_form,
                               noise_floor_streamed, position_categories, query_correct,
                               task_examples, top_magnitudes, validation_loss,
                               with_quantized_logits)
@@ -431,3 +432,23 @@ def dataclasses_replace(obj, **kw):
     import dataclasses
 
     return dataclasses.replace(obj, **kw)
+
+
+@pytest.mark.parametrize("attention", ["diff_v1", "diff_v2"])
+def test_layer_attention_maps_are_the_maps_of_the_blocks_own_input(attention):
+    """Block l's maps inside the model against the model run block by block by hand."""
+    cfg = diffjax.ModelConfig(vocab_size=259, d_model=32, num_layers=2, num_heads=2,
+                              attention=attention, max_seq_len=16)
+    model = diffjax.TransformerLM(cfg, rngs=nnx.Rngs(3))
+    tokens = np.random.default_rng(0).integers(0, 259, (2, 12))
+    x = model.embed(jnp.asarray(tokens))
+    x = model.layers[0](x)
+    expect = model.layers[1].attn.attention_maps(model.layers[1].attn_norm(x))
+    got = layer_attention_maps(model, tokens, layer=-1)
+    assert set(got) == set(expect)
+    for k in expect:
+        np.testing.assert_allclose(got[k], np.asarray(expect[k]), rtol=1e-5, atol=1e-6)
+    assert not np.allclose(got["a1"], np.asarray(model.layers[0].attn.attention_maps(
+        model.layers[0].attn_norm(model.embed(jnp.asarray(tokens))))["a1"]))  # not layer 0's
+    with pytest.raises(ValueError, match="layer must be an int in"):
+        layer_attention_maps(model, tokens, layer=2)

@@ -5,7 +5,8 @@ RUN_DIR [--quick]`` for a whole run (see docs/evaluation.md).
   :func:`activation_outliers` (Table 5), :func:`quantization_sweep` /
   :func:`with_quantized_logits` (Fig. 8), :func:`noise_floor_closed_form` /
   :func:`noise_floor_streamed` / :func:`measured_noise_floor` (the noise floor),
-  :func:`loss_by_position` / :func:`validation_loss`;
+  :func:`loss_by_position` / :func:`validation_loss`, :func:`layer_attention_maps` (one block's
+  maps inside a model, for plots);
 - :func:`evaluate_run`: every analysis on every model of a run, into ``eval.md``.
 """
 
@@ -14,7 +15,7 @@ from .allocation import (CATEGORIES, Allocation, attention_allocation, category_
 from .noise_floor import noise_floor_closed_form, noise_floor_streamed
 from .outliers import activation_outliers, top_magnitudes
 from .positions import corpus_for_positions, loss_by_position, validation_examples, validation_loss
-from .probe import losses_and_predictions
+from .probe import layer_attention_maps, losses_and_predictions
 from .quantize import absmax_quantize, quantization_sweep, with_quantized_logits
 from .retrieval import (RetrievalGrid, multi_needle_retrieval, needle_task, query_correct,
                         query_depths, task_examples)
@@ -25,6 +26,7 @@ __all__ = [
     "RetrievalGrid", "absmax_quantize", "activation_outliers", "attention_allocation",
     "category_mass", "corpus_for_positions", "discover_models", "eval_paired_t_interval",
     "evaluate_model", "evaluate_run", "loss_by_position", "losses_and_predictions", "mean_std",
+    "layer_attention_maps",
     "measured_noise_floor", "multi_needle_retrieval", "needle_task", "noise_floor_closed_form",
     "noise_floor_streamed", "position_categories", "quantization_sweep", "query_correct",
     "query_depths", "task_examples", "top_magnitudes", "validation_examples", "validation_loss",

@@ -45,6 +45,28 @@ def capture_layers(model, tokens: jax.Array) -> tuple[jax.Array, list[jax.Array]
     return logits, attn_in, outs
 
 
+@nnx.jit(static_argnames="layer")
+def _layer_maps(model, tokens, layer):
+    _, attn_in, _ = capture_layers(model, tokens)
+    return model.layers[layer].attn.attention_maps(attn_in[layer])
+
+
+def layer_attention_maps(model, tokens, layer: int = -1) -> dict[str, np.ndarray]:
+    """The attention maps of block ``layer`` (negative: from the last) of ``model`` on
+    ``tokens`` ``[B, T]``, as numpy: what that layer's ``attention_maps`` gives on the input it
+    sees inside the model. Standard attention: ``a`` ``[B, heads, T, T]``; DIFF: ``a1``, ``a2``,
+    ``lam`` (V1 a scalar, V2 ``[B, T, h]``) and ``diff = a1 - lam * a2``. Materialises ``T x T``
+    maps: for inspection and plots."""
+    check_model(model)
+    tokens = check_tokens(model, tokens)
+    n = len(model.layers)
+    if not isinstance(layer, (int, np.integer)) or not -n <= layer < n:
+        raise ValueError(f"layer_attention_maps: layer must be an int in [{-n}, {n - 1}] for a "
+                         f"model of {n} layers, got {layer!r}")
+    maps = _layer_maps(model, tokens.astype(jnp.int32), int(layer) % n)
+    return {k: np.asarray(v) for k, v in maps.items()}
+
+
 @nnx.jit
 def _losses_and_predictions(model, inputs, targets):
     logits = model(inputs)
