@@ -400,7 +400,7 @@ def test_evaluate_command_on_a_tiny_run(tiny_runs, capsys):
         assert heading in text, heading
     assert "interval can be given" not in text  # one model, no twin: no paired difference
     for png in ("eval_retrieval_N1_R1.png", "eval_allocation.png", "eval_quantization.png",
-                "eval_noise_floor.png", "eval_loss_by_position.png"):
+                "eval_noise_floor.png", "eval_loss_by_position.png", "eval_outliers.png"):
         assert (run / png).stat().st_size > 1000, png
     data = json.loads((run / "eval.json").read_text())
     assert [m["label"] for m in data["models"]] == ["diff"]  # a run without a twin

@@ -234,6 +234,35 @@ class MQARSource:
                 f"{c.num_queries} queries, seq_len {c.seq_len})")
 
 
+# ============================================================================ chance levels
+def query_chance(config: DataConfig) -> dict[str, float]:
+    """What a query's exact-answer accuracy is without retrieval, for ``val_query_accuracy``:
+
+    - ``"uniform"``: a random answer of the right form (needle: one of the
+      ``9 * 10**(value_len - 1)`` values; MQAR: one of the ``mqar_num_values`` values).
+    - ``"no_retrieval"``: the best guess that reads the context but not the key-value link: a
+      value copied from a random needle (pair) not asked by an earlier query of the example
+      (earlier answers are in the input). Needle values are distinct, so query r is right with
+      probability ``1 / (N - r)``; MQAR values are drawn with replacement from M values, so a
+      wrong pair still carries the right value with probability ``1 / M``:
+      ``1 / (P - r) + (1 - 1 / (P - r)) / M``. Averaged over the R queries. A model must beat
+      this to show retrieval (when every needle or pair is queried, the last query is right by
+      elimination alone: ``N = R`` gives it probability 1).
+    """
+    if config.source == "needle":
+        n, r = config.num_needles, config.num_queries
+        uniform = 1.0 / (9 * 10 ** (config.value_len - 1))
+        guess = float(np.mean([1.0 / (n - i) for i in range(r)]))
+    elif config.source == "mqar":
+        p, r, m = config.num_pairs, config.num_queries, config.mqar_num_values
+        uniform = 1.0 / m
+        guess = float(np.mean([1.0 / (p - i) + (1.0 - 1.0 / (p - i)) / m for i in range(r)]))
+    else:
+        raise ValueError(f"query_chance: data.source={config.source!r} has no queries; it is "
+                         f"defined for 'needle' and 'mqar'")
+    return {"uniform": uniform, "no_retrieval": max(guess, uniform)}
+
+
 # ============================================================================ scoring
 def _is_numpy(*arrays) -> bool:
     return all(isinstance(a, (np.ndarray, np.generic)) for a in arrays)

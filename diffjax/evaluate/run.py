@@ -501,6 +501,14 @@ def render(run_dir: str, cfg: dict, data: DataConfig, settings: EvalSettings,
     line = _paired_line(groups, lambda r: _get(r, "outliers", "attention logits", "top-1"),
                         "top-1 attention logit")
     L += [line, ""] if line else []
+    ks = np.array(outl.KS, float)
+    series = {f"{lab}: {kind}": (ks, np.array([np.mean([_get(r, "outliers", kind, f"top-{k}")
+                                                        for r in groups[lab]]) for k in outl.KS]))
+              for kind in ("attention logits", "hidden states") for lab in labels}
+    plots.lines(series, xlabel="k (top-k magnitude)", ylabel="magnitude", logx=True, logy=True,
+                title="activation outliers (mean over seeds)",
+                path=os.path.join(run_dir, "eval_outliers.png"))
+    L += ["![activation outliers](eval_outliers.png)", ""]
 
     # 4. quantization
     L += ["## 4. Quantization of the attention logits (paper Fig. 8)", ""]

@@ -1,0 +1,76 @@
+"""The retrieval configs (configs/needle.py, configs/mqar.py) load, validate and describe a task
+that needs retrieval; ``query_chance`` gives the chance levels their docs quote, checked against
+a brute-force guesser on generated examples."""
+
+import os
+
+import numpy as np
+import pytest
+
+from diffjax.data import DataConfig, make_dataset, make_source
+from diffjax.data.synthetic import query_chance
+from diffjax.train.config import ExperimentConfig, apply_overrides, load_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _load(name: str) -> ExperimentConfig:
+    return load_config(os.path.join(ROOT, "configs", f"{name}.py"))
+
+
+@pytest.mark.parametrize("name", ["needle", "mqar"])
+def test_retrieval_config_loads_and_needs_retrieval(name):
+    cfg = _load(name)
+    assert isinstance(cfg, ExperimentConfig) and cfg.compare and cfg.model.is_diff
+    assert cfg.data.source == name and cfg.data.seq_len <= cfg.model.max_seq_len
+    d = cfg.data
+    # distractors, and no query answerable by elimination alone: fewer queries than needles/pairs
+    items = d.num_needles if name == "needle" else d.num_pairs
+    assert items >= 3 and d.num_queries < items
+    chance = query_chance(d)
+    assert 0 < chance["uniform"] < chance["no_retrieval"] < 0.5
+    batch = next(iter(make_dataset(d, "train", batch_size=cfg.train.batch_size)))
+    assert batch["inputs"].shape == (cfg.train.batch_size, d.seq_len)
+    assert batch["answer_spans"].shape == (cfg.train.batch_size, d.num_queries, 2)
+    # the overrides a notebook uses for a quick run keep the config valid
+    quick = apply_overrides(cfg, ["train.steps=20", "train.eval_every=10", "train.num_seeds=1"])
+    assert quick.data == d and quick.train.steps == 20
+
+
+def _brute_force_no_retrieval(config: DataConfig, n: int) -> float:
+    """Expected accuracy of the guesser that copies the value of a random needle (pair) not
+    asked by an earlier query of the example: exact per example, averaged over ``n``."""
+    src = make_source(config, "validation")
+    hits = []
+    for i in range(n):
+        ex = src[i]
+        w = np.concatenate([ex["inputs"], ex["targets"][-1:]])
+        if config.source == "needle":
+            spans, asked = ex["needle_value_spans"], ex["query_needle"]
+        else:
+            spans, asked = ex["pair_spans"] + np.array([1, 0]), ex["query_pair"]
+        values = [w[s:e].tobytes() for s, e in spans]
+        for r, q in enumerate(asked):
+            left = [j for j in range(len(values)) if j not in asked[:r]]
+            hits.append(np.mean([values[j] == values[q] for j in left]))
+    return float(np.mean(hits))
+
+
+def test_query_chance_matches_a_brute_force_guesser():
+    needle = DataConfig(source="needle", seq_len=200, num_needles=4, num_queries=2, key_len=1,
+                        value_len=1, num_val_examples=32)
+    c = query_chance(needle)
+    assert c["uniform"] == pytest.approx(1 / 9)
+    assert c["no_retrieval"] == pytest.approx((1 / 4 + 1 / 3) / 2)
+    assert _brute_force_no_retrieval(needle, 32) == pytest.approx(c["no_retrieval"])  # exact
+    mqar = DataConfig(source="mqar", seq_len=24, num_pairs=8, num_queries=4, mqar_num_keys=16,
+                      mqar_num_values=4, num_val_examples=400)
+    c = query_chance(mqar)
+    assert c["uniform"] == 0.25
+    assert _brute_force_no_retrieval(mqar, 400) == pytest.approx(c["no_retrieval"], abs=0.01)
+    # every pair queried: the last answer follows by elimination (probability 1)
+    c = query_chance(mqar.replace(num_queries=8, seq_len=32))
+    assert c["no_retrieval"] == pytest.approx(np.mean(
+        [1 / (8 - r) + (1 - 1 / (8 - r)) / 4 for r in range(8)]))
+    with pytest.raises(ValueError, match="no queries"):
+        query_chance(DataConfig())
