@@ -101,7 +101,7 @@ class DataConfig:
         if self.source in ("text", "tokens") and self.path is None:
             what = "text files" if self.source == "text" else ".npy/.bin token files"
             _fail("path", f"source={self.source!r} reads {what} from `path`, which is None",
-                  f"set data.path to a file, directory or glob (comma-separated for several)")
+                  "set data.path to a file, directory or glob (comma-separated for several)")
         if self.source in ("stdlib", "mqar") and self.path is not None:
             _fail("path", f"source={self.source!r} does not read files, but path={self.path!r}",
                   "leave path=None, or use source='text' (or 'tokens') to read these files")
