@@ -158,7 +158,7 @@ def logical_axes(variable: Any) -> tuple[str | None, ...] | None:
     if not isinstance(variable, nnx.Variable):
         return None
     meta = variable.get_metadata()
-    for key in ("out_sharding", "sharding_names", "sharding"):  # flax's key, then older ones
+    for key in ("out_sharding", "sharding_names"):  # flax 0.12.8's name, 0.12.2's name
         if meta.get(key):
             return tuple(meta[key])
     return None
@@ -193,8 +193,10 @@ def logical_to_spec(names: Sequence[str | None], shape: Sequence[int] | None, me
             raise ValueError(f"logical axis {name!r} has no rule. Fix: add ({name!r}, mesh axis or "
                              f"None) to the logical axis rules (see diffjax.sharding.DEFAULT_RULES)")
     sizes = _mesh_sizes(mesh)
+    # a name repeated in one array is mapped at its first place only (flax refuses repeats)
+    unique = tuple(n if n not in names[:i] else None for i, n in enumerate(names))
     spec = []
-    for i, target in enumerate(flax_spmd.logical_to_mesh_axes(tuple(names), rules)):
+    for i, target in enumerate(flax_spmd.logical_to_mesh_axes(unique, rules)):
         kept: list[str] = []
         for ax in (target,) if isinstance(target, str) else tuple(target or ()):
             if ax not in sizes or (shape is not None
