@@ -100,13 +100,10 @@ def abstract_states(exp) -> dict[str, Any]:
 
 
 def _path_name(path) -> str:
-    keys = []
-    for k in path:
-        for attr in ("key", "name", "idx"):
-            if hasattr(k, attr):
-                keys.append(str(getattr(k, attr)))
-                break
-    return re.sub(r"(^|\.)\d+(\.|$)", r"\1*\2", ".".join(keys))
+    import jax
+
+    name = jax.tree_util.keystr(path, simple=True, separator=".")
+    return re.sub(r"(^|\.)\d+(\.|$)", r"\1*\2", name)
 
 
 def not_fully_sharded(params, mesh) -> list[dict[str, Any]]:
@@ -161,7 +158,7 @@ def report(config_path: str = DEFAULT_CONFIG, devices: int = 8) -> list[dict[str
     note = None
     from diffjax import sharding
     from diffjax.config import ConfigError
-    from diffjax.params import count_params
+    from diffjax.param_count import count_params
     from diffjax.train.config import load_config
 
     if not os.path.isfile(config_path) and os.path.isfile(os.path.join(ROOT, config_path)):

@@ -9,7 +9,7 @@ from .interop import load_unilm_state_dict, unilm_state_dict
 from .layers import RMSNorm, SwiGLU, apply_rotary, rotary_angles
 from .model import Block, TransformerLM
 from .ops import differential_attention, dot_product_attention
-from .params import ParamCount, compare_params, count_params
+from .param_count import ParamCount, compare_params, count_params
 
 __version__ = "0.1.0"
 

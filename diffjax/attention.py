@@ -293,7 +293,9 @@ class MultiheadDiffAttn(_Projections):
         q1, k1, q2, k2, v = self._qkv(x, positions)
         b, t = x.shape[:2]
         h, d = self.num_heads, self.head_dim
-        o = ops.differential_attention(q1, k1, q2, k2, v, self.lambda_full(), causal=self.causal,
+        lam = self.lambda_full()
+        _sow_lambda(self, lam)
+        o = ops.differential_attention(q1, k1, q2, k2, v, lam, causal=self.causal,
                                        segment_ids=segment_ids, scale=self.scaling,
                                        impl=self.attention_impl,
                                        logit_bits=self.logit_bits)
@@ -323,6 +325,16 @@ class MultiheadDiffAttn(_Projections):
         if self.subln is not None:
             o = self.subln(o) * jnp.asarray(1.0 - self.lambda_init, o.dtype)
         return self.out_proj(o.reshape(b, t, h * 2 * d)), cache
+
+
+def _sow_lambda(layer: nnx.Module, lam: jax.Array) -> None:
+    """Sow the mean of a DIFF layer's lambda in this call (V1: its scalar; V2: over batch,
+    tokens and heads) as the ``nnx.Intermediate`` ``"lambda"`` when the call runs under
+    ``nnx.capture(..., nnx.Intermediate)`` (:func:`diffjax.model.sown_lambdas` reads it).
+    Elsewhere nothing is kept: flax 0.12 would store it on the layer, with a deprecation
+    warning, and so change the model's state."""
+    if hasattr(layer, "__captures__"):  # set by nnx.capture for the duration of the call
+        layer.sow(nnx.Intermediate, "lambda", jnp.mean(lam))
 
 
 def differential_lambda(lq1: jax.Array, lk1: jax.Array, lq2: jax.Array, lk2: jax.Array,
@@ -366,9 +378,6 @@ class MultiheadDiffAttnV2(_Projections):
         # (``lambda_proj_init``: torch's default Linear init, as the official code leaves it.)
         self.lambda_proj = self._linear(d_model, num_heads, jnp.float32, param_dtype,
                                         lambda_proj_init, rngs)
-        # Set True (e.g. on a model merged inside a train step) to keep each call's batch-mean
-        # lambda as the nnx.Intermediate ``lambda_mean``; off by default (no side effects).
-        self.record_lambda = False
 
     def lambda_values(self, x: jax.Array) -> jax.Array:
         """Per-token, per-head lambda ``sigmoid(lambda_proj(x))``, ``[batch, seq, h]`` float32."""
@@ -422,8 +431,7 @@ class MultiheadDiffAttnV2(_Projections):
         q, k, v = self._qkv(x, positions)
         b, t = x.shape[:2]
         lam = self.lambda_values(x)
-        if self.record_lambda:  # the batch mean of lambda, for training metrics
-            self.lambda_mean = nnx.Intermediate(jnp.mean(lam))
+        _sow_lambda(self, lam)
         q1, q2 = self._pairs(q)
         o = ops.differential_attention(q1, k, q2, k, v, lam,
                                        causal=self.causal, segment_ids=segment_ids,

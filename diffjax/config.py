@@ -16,8 +16,11 @@ Head conventions (the paper's and the official code's):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import numbers
-from typing import Any
+import types
+import typing
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -28,6 +31,100 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 class ConfigError(ValueError):
     """An inconsistent configuration. The message names the field and the fix."""
+
+
+def fail(section: str, field: str, problem: str, fix: str) -> NoReturn:
+    """Raise ``ConfigError("<section>.<field>: <problem>. Fix: <fix>.")``."""
+    raise ConfigError(f"{section}.{field}: {problem}. Fix: {fix}.")
+
+
+# ------------------------------------------------------------------ typed fields
+# Every config dataclass (ModelConfig, DataConfig, TrainConfig, RunConfig, MeshConfig,
+# ExperimentConfig) declares its fields with these types, optionally ``| None``: int, float,
+# bool, str, tuple[float, ...], or another config dataclass. check_fields() checks them at
+# construction; parse_value() reads them from the command line.
+_NONE_WORDS = ("none", "null")
+_TRUE_WORDS, _FALSE_WORDS = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+
+
+@functools.cache
+def field_types(cls: type) -> dict[str, Any]:
+    """``{field: type}`` of a config dataclass, its string annotations resolved."""
+    return typing.get_type_hints(cls)
+
+
+def _is_number(value: Any, kind: type) -> bool:
+    return isinstance(value, kind) and not isinstance(value, (bool, np.bool_))
+
+
+def convert(tp: Any, value: Any, *, text: bool = False) -> Any:
+    """``value`` as type ``tp`` (numpy scalars become Python ones, an int given for a float a
+    float, a list or comma-separated string for a tuple a tuple). With ``text``, strings from
+    the command line are parsed too (``"3"``, ``"true"``, ``"none"``). Raises ValueError."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        options = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None or (text and isinstance(value, str) and value.lower() in _NONE_WORDS):
+            if len(options) < len(typing.get_args(tp)):
+                return None
+            raise ValueError("may not be None")
+        errors = []
+        for option in options:
+            try:
+                return convert(option, value, text=text)
+            except ValueError as e:
+                errors.append(str(e))
+        raise ValueError("; ".join(errors))
+    if value is None:
+        raise ValueError("may not be None")
+    if typing.get_origin(tp) is tuple:
+        inner = typing.get_args(tp)[0]
+        if isinstance(value, str):
+            value = [v.strip() for v in value.strip("()[] ").split(",") if v.strip()]
+        if isinstance(value, np.ndarray):
+            value = value.tolist()
+        if isinstance(value, (list, tuple)):
+            return tuple(convert(inner, v, text=True) for v in value)
+        raise ValueError(f"expected a comma-separated list, got {value!r}")
+    if tp is bool:
+        if isinstance(value, (bool, np.bool_)):
+            return bool(value)
+        if text and isinstance(value, str) and value.lower() in _TRUE_WORDS + _FALSE_WORDS:
+            return value.lower() in _TRUE_WORDS
+        raise ValueError(f"expected true or false, got {value!r}")
+    if tp in (int, float):
+        if _is_number(value, numbers.Integral if tp is int else numbers.Real):
+            return tp(value)
+        if text and isinstance(value, str):
+            try:
+                return tp(value.replace("_", "") if tp is int else value)
+            except ValueError:
+                pass
+        raise ValueError(f"expected {'an integer' if tp is int else 'a number'}, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ValueError(f"expected a string, got {value!r}")
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        raise ValueError(f"expected a {tp.__name__}, got {value!r}")
+    raise TypeError(f"unsupported config field type {tp!r}")  # a new field's type: add it above
+
+
+def check_fields(config: Any) -> None:
+    """Check every field of the frozen config dataclass ``config`` against its annotation and
+    store the converted value (see :func:`convert`); a wrong type raises ConfigError
+    ``"<Class>.<field>: expected <type>, got <type> <value>. Fix: ..."``."""
+    cls = type(config)
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        try:
+            new = convert(field_types(cls)[f.name], value)
+        except ValueError:
+            fail(cls.__name__, f.name, f"expected {f.type}, got {type(value).__name__} {value!r}",
+                 f"pass a value of type {f.type}")
+        if new is not value:
+            object.__setattr__(config, f.name, new)
 
 
 def _divisors(n: int) -> list[int]:
@@ -72,41 +169,12 @@ class ModelConfig:
     diff_norm_eps: float = 1e-5  # its eps: 1e-5 in the official code; DiffLlama uses norm_eps
 
     def __post_init__(self) -> None:
-        self._check_types()
+        check_fields(self)
         self._check_values()
 
     # ------------------------------------------------------------------ validation
-    def _fail(self, field: str, problem: str, fix: str) -> None:
-        raise ConfigError(f"ModelConfig.{field}: {problem}. Fix: {fix}.")
-
-    def _check_types(self) -> None:
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            expected = f.type
-            if expected in ("int", "int | None"):
-                ok = (value is None and "None" in expected) or (
-                    isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
-                )
-                if ok and value is not None:  # numpy integers become plain ints
-                    object.__setattr__(self, f.name, int(value))
-            elif expected in ("float", "float | None"):
-                ok = (value is None and "None" in expected) or (
-                    isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
-                )
-                if ok and value is not None:
-                    object.__setattr__(self, f.name, float(value))
-            elif expected == "bool":
-                ok = isinstance(value, bool)
-            elif expected == "str":
-                ok = isinstance(value, str)
-            else:  # pragma: no cover - every field has one of the types above
-                ok = True
-            if not ok:
-                self._fail(
-                    f.name,
-                    f"expected {expected}, got {type(value).__name__} {value!r}",
-                    f"pass a value of type {expected}",
-                )
+    def _fail(self, field: str, problem: str, fix: str) -> NoReturn:
+        fail("ModelConfig", field, problem, fix)
 
     def _check_values(self) -> None:
         for name in ("vocab_size", "d_model", "num_layers", "num_heads", "max_seq_len",

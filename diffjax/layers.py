@@ -47,9 +47,7 @@ def rms_norm(x: jax.Array, weight: jax.Array | None, eps: float) -> jax.Array:
 class RMSNorm(nnx.Module):
     """Root-mean-square norm over the last axis with a learnable weight (init 1)."""
 
-    def __init__(self, dim: int, *, eps: float = 1e-5, param_dtype: Dtype = jnp.float32,
-                 rngs: nnx.Rngs | None = None):
-        del rngs  # no random initialisation; accepted for a uniform constructor signature
+    def __init__(self, dim: int, *, eps: float = 1e-5, param_dtype: Dtype = jnp.float32):
         self.dim = dim
         self.eps = eps
         self.scale = param(jnp.ones((dim,), as_dtype(param_dtype)), "norm")

@@ -121,19 +121,22 @@ class TransformerLM(nnx.Module):
         table = self.embed.embedding[...].astype(self.embed.dtype or self.embed.param_dtype)
         return jnp.take(constrain(table, "act_vocab", None), tokens, axis=0)
 
-    def record_lambdas(self, on: bool = True) -> None:
-        """DIFF V2: make each attention layer keep its last call's batch-mean lambda."""
-        for block in self.layers:
-            if hasattr(block.attn, "record_lambda"):
-                block.attn.record_lambda = on
-
     def lambdas(self) -> list[jax.Array] | None:
-        """Each layer's lambda (float32 scalars): DIFF V1's learned scalar; for DIFF V2 (lambda
-        per token and head) the mean over the last call's batch when ``record_lambdas()`` was set
-        before that call (None otherwise); None for standard attention."""
+        """DIFF V1: each layer's learned lambda (float32 scalars, from the parameters); None for
+        the other kinds (DIFF V2's lambda depends on the input: see :func:`sown_lambdas`)."""
         if self.config.attention == "diff_v1":
             return [block.attn.lambda_full() for block in self.layers]
-        if self.config.attention == "diff_v2" and all(
-                hasattr(block.attn, "lambda_mean") for block in self.layers):
-            return [block.attn.lambda_mean[...] for block in self.layers]
         return None
+
+
+def sown_lambdas(intermediates: nnx.State) -> list[jax.Array]:
+    """Each layer's lambda in a call of a :class:`TransformerLM` under ``nnx.capture(...,
+    nnx.Intermediate)``: DIFF V1's scalar, DIFF V2's mean over the batch, tokens and heads
+    (float32 scalars, the first call's); ``[]`` for standard attention. ::
+
+        logits, intermediates = nnx.capture(model, nnx.Intermediate)(tokens)
+        lambdas = sown_lambdas(intermediates)
+    """
+    layers = nnx.to_pure_dict(intermediates).get("layers", {})
+    return [layers[i]["attn"]["lambda"][0] for i in sorted(layers)
+            if "lambda" in layers[i].get("attn", {})]

@@ -37,6 +37,7 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 from flax import nnx
+from flax.linen import spmd as flax_spmd
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from .config import ConfigError
@@ -157,7 +158,7 @@ def logical_axes(variable: Any) -> tuple[str | None, ...] | None:
     if not isinstance(variable, nnx.Variable):
         return None
     meta = variable.get_metadata()
-    for key in ("out_sharding", "sharding_names", "sharding"):  # flax's key, then older ones
+    for key in ("out_sharding", "sharding_names"):  # flax 0.12.8's name, 0.12.2's name
         if meta.get(key):
             return tuple(meta[key])
     return None
@@ -173,42 +174,36 @@ def current_rules() -> tuple[tuple[str, Any], ...]:
 
 
 def _mesh_sizes(mesh) -> dict[str, int]:
-    return dict(zip(mesh.axis_names, mesh.axis_sizes if hasattr(mesh, "axis_sizes")
-                    else mesh.devices.shape))
+    return dict(zip(mesh.axis_names, mesh.axis_sizes))
 
 
 def logical_to_spec(names: Sequence[str | None], shape: Sequence[int] | None, mesh,
                     rules: Sequence[tuple[str, Any]] | None = None) -> PartitionSpec:
     """The ``PartitionSpec`` of an array with logical axis ``names`` on ``mesh``.
 
-    Each name maps through ``rules`` (first match) to mesh axes. A mesh axis is used at most
-    once per array, axes the mesh lacks are ignored, and with ``shape`` given an axis is only used
-    while the product of the axes taken divides the dimension (the rest of that dimension is
-    replicated: the byte tokenizer's 259-entry vocabulary is replicated, not split unevenly)."""
-    rules = current_rules() if rules is None else rules
-    table: dict[str, Any] = {}
-    for name, target in rules:
-        table.setdefault(name, target)
-    sizes = _mesh_sizes(mesh)
-    used: set[str] = set()
-    spec = []
-    for i, name in enumerate(names):
-        target = table.get(name) if name is not None else None
-        if name is not None and name not in table:
+    Flax's ``logical_to_mesh_axes`` maps the names through ``rules`` (in order; a mesh axis is
+    used at most once per array); then the axes the mesh lacks are dropped and, with ``shape``
+    given, an axis is only kept while the product of the axes kept divides the dimension (the
+    rest of that dimension is replicated: the byte tokenizer's 259-entry vocabulary is
+    replicated, not split unevenly)."""
+    rules = tuple(current_rules() if rules is None else rules)
+    known = {name for name, _ in rules}
+    for name in names:
+        if name is not None and name not in known:
             raise ValueError(f"logical axis {name!r} has no rule. Fix: add ({name!r}, mesh axis or "
                              f"None) to the logical axis rules (see diffjax.sharding.DEFAULT_RULES)")
-        axes = (target,) if isinstance(target, str) else tuple(target or ())
-        taken: list[str] = []
-        prod = 1
-        for ax in axes:
-            if ax not in sizes or ax in used:
-                continue
-            if shape is not None and shape[i] % (prod * sizes[ax]):
+    sizes = _mesh_sizes(mesh)
+    # a name repeated in one array is mapped at its first place only (flax refuses repeats)
+    unique = tuple(n if n not in names[:i] else None for i, n in enumerate(names))
+    spec = []
+    for i, target in enumerate(flax_spmd.logical_to_mesh_axes(unique, rules)):
+        kept: list[str] = []
+        for ax in (target,) if isinstance(target, str) else tuple(target or ()):
+            if ax not in sizes or (shape is not None
+                                   and shape[i] % (math.prod(sizes[a] for a in kept) * sizes[ax])):
                 break
-            taken.append(ax)
-            prod *= sizes[ax]
-        used.update(taken)
-        spec.append(None if not taken else taken[0] if len(taken) == 1 else tuple(taken))
+            kept.append(ax)
+        spec.append(None if not kept else kept[0] if len(kept) == 1 else tuple(kept))
     while spec and spec[-1] is None:
         spec.pop()
     return PartitionSpec(*spec)

@@ -352,3 +352,33 @@ def test_a_checkpoint_from_before_the_new_fields_still_resumes():
     check_same_model(old, current, "run")
     with pytest.raises(ConfigError, match=r"diff_norm_eps: checkpoint has 1e-05, config has 1e-06"):
         check_same_model(old, ModelConfig(diff_norm_eps=1e-6).to_dict(), "run")
+
+
+# ----------------------------------------------------------------------------- one field checker
+def test_every_config_dataclass_checks_its_fields_by_annotation():
+    import numpy as np
+
+    from diffjax.config import convert
+    from diffjax.data import DataConfig
+    from diffjax.train import ExperimentConfig, RunConfig, TrainConfig
+
+    train = TrainConfig(lr=1, steps=np.int64(7), tensorboard=np.bool_(False))
+    assert type(train.lr) is float and type(train.steps) is int and train.tensorboard is False
+    for make, field, got in [(lambda: TrainConfig(steps="3"), "TrainConfig.steps", "str '3'"),
+                             (lambda: TrainConfig(lr=None), "TrainConfig.lr", "NoneType"),
+                             (lambda: RunConfig(dir=3), "RunConfig.dir", "int 3"),
+                             (lambda: DataConfig(seq_len=8.0), "DataConfig.seq_len", "float"),
+                             (lambda: ExperimentConfig(model={}), "ExperimentConfig.model",
+                              "dict {}")]:
+        with pytest.raises(ConfigError) as info:
+            make()
+        msg = str(info.value)
+        assert msg.startswith(f"{field}: expected ") and got in msg and "Fix: pass a value" in msg
+    # the command line's strings, by the same annotations
+    assert convert(int | None, "none", text=True) is None
+    assert convert(int, "1_000", text=True) == 1000 and convert(bool, "yes", text=True) is True
+    assert convert(tuple[float, ...], "0, 0.5", text=True) == (0.0, 0.5)
+    with pytest.raises(ValueError, match="expected an integer"):
+        convert(int, "1.5", text=True)
+    with pytest.raises(ValueError, match="expected an integer"):
+        convert(int, "3")  # not from the command line: a string is not an int

@@ -11,33 +11,8 @@ from flax import nnx
 
 from diffjax import RMSNorm, SwiGLU, apply_rotary, rotary_angles
 from diffjax.layers import rms_norm
-
-
-# ----------------------------------------------------------------------------- numpy references
-def np_rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-    x = x.astype(np.float64)
-    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
-
-
-def np_rotary(x: np.ndarray, positions: np.ndarray, theta: float = 10000.0) -> np.ndarray:
-    """Interleaved (GPT-J) rotary, written out pair by pair.
-
-    x: [B, T, H, d]; positions: [B, T]. Pair j = (x[2j], x[2j+1]) turns by pos * theta^(-2j/d).
-    """
-    x = x.astype(np.float64)
-    b, t, h, d = x.shape
-    out = np.empty_like(x)
-    for j in range(d // 2):
-        ang = positions.astype(np.float64) * theta ** (-2.0 * j / d)  # [B, T]
-        c, s = np.cos(ang)[:, :, None], np.sin(ang)[:, :, None]
-        a, bb = x[..., 2 * j], x[..., 2 * j + 1]
-        out[..., 2 * j] = a * c - bb * s
-        out[..., 2 * j + 1] = a * s + bb * c
-    return out
-
-
-def np_silu(x):
-    return x / (1.0 + np.exp(-x))
+from oracle import np_rmsnorm as np_rms_norm
+from oracle import np_rotary, np_silu
 
 
 # Jitted wrappers: one XLA compile per shape instead of one per eager primitive.

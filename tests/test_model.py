@@ -4,6 +4,7 @@ input checks, DIFF V1 lambdas, and a short overfitting run."""
 from __future__ import annotations
 
 import functools
+import warnings
 
 import chex
 import jax
@@ -372,15 +373,20 @@ def test_v1_lambdas_move_during_training():
 
 
 def test_v2_records_batch_mean_lambda_only_when_asked():
+    from diffjax.model import sown_lambdas
+
     cfg = diffjax.ModelConfig(attention="diff_v2", d_model=32, num_heads=2, num_layers=2,
                               vocab_size=64)
     model = diffjax.TransformerLM(cfg, rngs=nnx.Rngs(0))
     tokens = jnp.arange(16, dtype=jnp.int32).reshape(2, 8)
-    model(tokens)
-    assert model.lambdas() is None  # no side effects by default
-    model.record_lambdas()
-    model(tokens)
-    got = np.asarray(model.lambdas())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # flax warns when a layer sows outside nnx.capture
+        model(tokens)
+    assert model.lambdas() is None and not nnx.state(model, nnx.Intermediate)  # no side effects
+    logits, sown = nnx.capture(model, nnx.Intermediate)(tokens)
+    np.testing.assert_array_equal(logits, model(tokens))
+    got = np.asarray(sown_lambdas(sown))
+    assert not nnx.state(model, nnx.Intermediate)
     # independent: the mean of each layer's sigmoid(lambda_proj(normed input)), layer by layer
     x = model.embed(tokens)
     want = []
@@ -389,3 +395,16 @@ def test_v2_records_batch_mean_lambda_only_when_asked():
         want.append(float(jnp.mean(block.attn.lambda_values(h))))
         x = block(x)
     np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["diff_v1", "standard"])
+def test_sown_lambdas_are_v1_scalars_and_nothing_for_standard(name):
+    from diffjax.model import sown_lambdas
+
+    model = built_model(name)
+    _, sown = nnx.capture(model, nnx.Intermediate)(jnp.zeros((2, 8), jnp.int32))
+    want = model.lambdas() or []
+    got = sown_lambdas(sown)
+    assert len(got) == len(want) == (LAYERS if name == "diff_v1" else 0)
+    for g, w in zip(got, want):
+        assert float(g) == float(w)

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -25,7 +26,7 @@ from diffjax import ModelConfig, TransformerLM, ops, sharding
 from diffjax.config import ConfigError
 from diffjax.sharding import DEFAULT_RULES, MeshConfig, make_mesh
 from diffjax.train import TrainConfig
-from diffjax.train.loop import make_state_init, make_train_step
+from diffjax.train.loop import make_state_init, train_step
 from diffjax.train.optimizer import learning_rate_schedule, make_optimizer
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs JAX_NUM_CPU_DEVICES=8")
@@ -249,7 +250,8 @@ def one_step(model_cfg, mesh, batch, tcfg, tx=None):
     graphdef = nnx.graphdef(nnx.eval_shape(lambda: TransformerLM(model_cfg, rngs=nnx.Rngs(0))))
     with jax.set_mesh(mesh), nnx.logical_axis_rules(DEFAULT_RULES):
         gb = sharding.global_batch(batch, mesh, batch["inputs"].shape[0])
-        step = jax.jit(make_train_step(graphdef, rest, tx, schedule),
+        step = jax.jit(functools.partial(train_step, graphdef=graphdef, rest=rest, tx=tx,
+                                         schedule=schedule),
                        in_shardings=(shardings, {k: v.sharding for k, v in gb.items()}),
                        out_shardings=(shardings, NamedSharding(mesh, P())))
         new, metrics = step(state, gb)

@@ -47,7 +47,7 @@ def test_every_key_is_listed_in_help(capsys):
         main(["--help"])
     assert e.value.code == 0
     out = capsys.readouterr().out
-    for key, _, value in config_keys(default_config()):
+    for key, _, _ in config_keys(default_config()):
         assert key in out, key
     for key in ("run.dir", "data.path", "data.seq_len", "train.steps", "train.batch_size",
                 "train.checkpoint_every", "train.eval_every", "model.attention",
@@ -197,19 +197,39 @@ def test_resume_from_an_earlier_checkpoint_equals_uninterrupted(tmp_path, capsys
     assert losses(run) == first
 
 
+# train.py whose process SIGKILLs itself right after step KILL_AT (argv[1]): at a checkpoint
+# step the kill lands while that step's asynchronous save may still be in flight; at any other
+# step it lands after the earlier saves have committed.
+KILLED_TRAIN_PY = """
+import os, signal, sys
+from diffjax.train.cli import main
+
+kill_at, checkpoint_every = int(sys.argv[1]), int(sys.argv[2])
+
+def kill(step, checkpointer):
+    if step == kill_at:
+        if step % checkpoint_every:
+            checkpointer.wait()  # earlier saves committed; the kill lands between checkpoints
+        os.kill(os.getpid(), signal.SIGKILL)
+
+sys.exit(main(sys.argv[3:], after_step=kill))
+"""
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kill_at", [6, 8])
 def test_killed_and_resumed_run_equals_uninterrupted_bit_for_bit(tmp_path, kill_at):
     """SIGKILL a run right after step 6 (the step-4 checkpoint committed) or right after step 8
     (its checkpoint save issued, maybe not committed), rerun it with --resume: the losses of all
     10 steps equal those of an uninterrupted run exactly."""
-    args = [sys.executable, os.path.join(ROOT, "train.py"), *TINY, "compare=false",
-            "train.steps=10", "train.eval_every=4", "train.checkpoint_every=4"]
+    config = [*TINY, "compare=false", "train.steps=10", "train.eval_every=4",
+              "train.checkpoint_every=4"]
+    args = [sys.executable, os.path.join(ROOT, "train.py"), *config]
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     subprocess.run(args + [f"run.dir={straight}"], check=True, env=env, capture_output=True)
-    out = subprocess.run(args + [f"run.dir={killed}"], capture_output=True, text=True,
-                         env={**env, "DIFFJAX_FAULT_KILL_AT_STEP": str(kill_at)})
+    out = subprocess.run([sys.executable, "-c", KILLED_TRAIN_PY, str(kill_at), "4", *config,
+                          f"run.dir={killed}"], capture_output=True, text=True, env=env, cwd=ROOT)
     assert out.returncode == -signal.SIGKILL, out.stderr
     assert len(losses(killed / "diff" / "seed_0")) < 10  # it really was interrupted
     out = subprocess.run(args + [f"run.dir={killed}", "--resume"], env=env, capture_output=True,

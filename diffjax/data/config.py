@@ -10,12 +10,9 @@ one ``except ConfigError`` catches both before training starts.
 from __future__ import annotations
 
 import dataclasses
-import numbers
-from typing import Any
+from typing import Any, NoReturn
 
-import numpy as np
-
-from diffjax.config import ConfigError
+from diffjax.config import ConfigError, check_fields, fail
 
 SOURCES = ("stdlib", "text", "tokens", "needle", "mqar")
 TOKEN_DTYPES = ("uint16", "uint32", "int32")
@@ -43,8 +40,8 @@ def query_len(key_len: int, value_len: int) -> int:
     return len(QUERY_TEMPLATE.format(key="k" * key_len, value="0" * value_len).encode())
 
 
-def _fail(field: str, problem: str, fix: str):
-    raise ConfigError(f"DataConfig.{field}: {problem}. Fix: {fix}.")
+def _fail(field: str, problem: str, fix: str) -> NoReturn:
+    fail("DataConfig", field, problem, fix)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,57 +88,10 @@ class DataConfig:
     tokenizer: str | None = None
 
     def __post_init__(self) -> None:
-        self._check_types()
+        check_fields(self)
         self._check_values()
 
     # ------------------------------------------------------------------ validation
-    def _check_types(self) -> None:
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            expected = str(f.type)
-            optional = expected.endswith("| None")
-            base = expected.split("|")[0].strip()
-            if value is None:
-                ok = optional
-            elif base == "int":
-                ok = isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
-                if ok:
-                    object.__setattr__(self, f.name, int(value))
-            elif base == "float":
-                ok = isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
-                if ok:
-                    object.__setattr__(self, f.name, float(value))
-            elif base == "bool":
-                ok = isinstance(value, (bool, np.bool_))
-                if ok:
-                    object.__setattr__(self, f.name, bool(value))
-            elif base == "str":
-                ok = isinstance(value, str)
-            elif base.startswith("tuple["):
-                ok = self._coerce_floats(f.name, value)
-            else:  # pragma: no cover - every field has one of the types above
-                ok = True
-            if not ok:
-                _fail(f.name, f"expected {expected}, got {type(value).__name__} {value!r}",
-                      f"pass a value of type {expected}")
-
-    def _coerce_floats(self, name: str, value: Any) -> bool:
-        """Accept a tuple/list of numbers or a comma-separated string; store a tuple of floats."""
-        if isinstance(value, str):
-            parts = [p.strip() for p in value.strip("()[] ").split(",") if p.strip()]
-            try:
-                value = [float(p) for p in parts]
-            except ValueError:
-                return False
-        if isinstance(value, np.ndarray):
-            value = value.tolist()
-        if not isinstance(value, (list, tuple)):
-            return False
-        if not all(isinstance(v, numbers.Real) and not isinstance(v, (bool, np.bool_)) for v in value):
-            return False
-        object.__setattr__(self, name, tuple(float(v) for v in value))
-        return True
-
     def _check_values(self) -> None:
         if self.source not in SOURCES:
             _fail("source", f"unknown source {self.source!r}",
@@ -151,7 +101,7 @@ class DataConfig:
         if self.source in ("text", "tokens") and self.path is None:
             what = "text files" if self.source == "text" else ".npy/.bin token files"
             _fail("path", f"source={self.source!r} reads {what} from `path`, which is None",
-                  f"set data.path to a file, directory or glob (comma-separated for several)")
+                  "set data.path to a file, directory or glob (comma-separated for several)")
         if self.source in ("stdlib", "mqar") and self.path is not None:
             _fail("path", f"source={self.source!r} does not read files, but path={self.path!r}",
                   "leave path=None, or use source='text' (or 'tokens') to read these files")

@@ -240,7 +240,7 @@ def _lp(model, batch, bs):
 
 # ---------------------------------------------------------------------------- the run
 def _scale(entry: ModelEntry, model, cfg: dict[str, Any]) -> dict[str, Any]:
-    from diffjax.params import count_params
+    from diffjax.param_count import count_params
     from diffjax.train.checkpoint import Checkpointer
 
     ckpt = Checkpointer(os.path.join(entry.path, "checkpoints"), async_save=False)

@@ -14,7 +14,6 @@ left out (JAX finds the cluster). See docs/scaling.md.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -25,7 +24,7 @@ from diffjax.config import ConfigError
 from .checkpoint import CheckpointError, committed_steps
 from .config import (apply_overrides, config_keys, load_config, model_directory,
                      resolve_init_from)
-from .loop import TrainingDiverged, TrainResult, describe_mesh, train_model
+from .loop import AfterStep, TrainingDiverged, TrainResult, describe_mesh, train_model
 from .report import results_table, write_report
 from .throughput import side_by_side_throughput
 
@@ -115,7 +114,9 @@ def _error(message: str) -> None:
     print(f"error: {message}", file=sys.stderr)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, after_step: AfterStep | None = None) -> int:
+    """``train.py``'s command line; returns the exit code. ``after_step``: see
+    :func:`diffjax.train.loop.train_model` (every model and seed gets it)."""
     args = build_parser().parse_args(argv)
     try:
         exp = resolve_init_from(apply_overrides(load_config(args.config), args.overrides))
@@ -161,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(os.path.join(run_dir, "config.json"), "w") as f:
             json.dump(exp.to_dict(), f, indent=1, default=str)
     try:
-        results = train_seeds(exp, run_dir, mesh)
+        results = train_seeds(exp, run_dir, mesh, after_step=after_step)
     except (ConfigError, data_lib.DataError) as e:  # DataError is a ConfigError
         _error(str(e))
         return EXIT_BAD_INPUT
@@ -202,7 +203,8 @@ def quick_evaluation(run_dir: str) -> None:
     print(f"evaluation: {os.path.join(run_dir, 'eval.md')}")
 
 
-def train_seeds(exp, run_dir: str, mesh) -> list[TrainResult]:
+def train_seeds(exp, run_dir: str, mesh, *, after_step: AfterStep | None = None
+                ) -> list[TrainResult]:
     """Train every model of ``exp`` (DIFF and, with compare, its twin) from every init seed of
     ``exp.seeds``, seed by seed, each in ``RUN_DIR/<label>/seed_<seed>/`` (resuming what a
     checkpoint there holds); every run sees the same batches in the same order."""
@@ -213,7 +215,8 @@ def train_seeds(exp, run_dir: str, mesh) -> list[TrainResult]:
                   f"layers, d_model {model_cfg.d_model}, {model_cfg.num_heads} heads")
             try:
                 results.append(train_model(exp.with_seed(seed), model_cfg, label,
-                                           model_directory(run_dir, label, seed), mesh=mesh))
+                                           model_directory(run_dir, label, seed), mesh=mesh,
+                                           after_step=after_step))
             except TrainingDiverged as e:
                 e.args = (f"[{label}, seed {seed}] {e}",)
                 raise

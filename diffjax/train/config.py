@@ -19,93 +19,11 @@ import importlib.util
 import os
 from typing import Any
 
-from diffjax.config import ConfigError, ModelConfig
+from diffjax.config import ConfigError, ModelConfig, check_fields, convert, fail, field_types
 from diffjax.data import DataConfig
 from diffjax.sharding import MeshConfig
 
 SCHEDULES = ("linear", "cosine", "constant")
-
-
-def _fail(cls: str, field: str, problem: str, fix: str):
-    raise ConfigError(f"{cls}.{field}: {problem}. Fix: {fix}.")
-
-
-# ---------------------------------------------------------------------------- typing helpers
-def _check_types(obj) -> None:
-    """Type checks for the train/run sections (the model and data sections check their own)."""
-    for f in dataclasses.fields(obj):
-        value = getattr(obj, f.name)
-        if type(obj).__name__ == "ExperimentConfig" and f.name in SECTIONS:
-            if not isinstance(value, SECTIONS[f.name]):
-                _fail(type(obj).__name__, f.name, f"must be a {SECTIONS[f.name].__name__}, got {type(value).__name__}",
-                      f"build it with diffjax.train.{SECTIONS[f.name].__name__}(...)")
-            continue
-        try:
-            parse_value(f.type, value)
-        except ValueError as e:
-            _fail(type(obj).__name__, f.name, str(e), f"give a {f.type}")
-
-
-def _coerce(base: str, value: Any):
-    """Parse ``value`` (a string from the command line, or a Python value) as type ``base``."""
-    import numbers
-
-    if base == "bool":
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on"):
-            return True
-        if isinstance(value, str) and value.lower() in ("false", "0", "no", "off"):
-            return False
-        raise ValueError(f"expected true or false, got {value!r}")
-    if base == "int":
-        if isinstance(value, numbers.Integral) and not isinstance(value, bool):
-            return int(value)
-        if isinstance(value, str):
-            try:
-                return int(value.replace("_", ""))
-            except ValueError:
-                pass
-        raise ValueError(f"expected an integer, got {value!r}")
-    if base == "float":
-        if isinstance(value, numbers.Real) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise ValueError(f"expected a number, got {value!r}")
-    if base == "str":
-        if isinstance(value, str):
-            return value
-        raise ValueError(f"expected a string, got {value!r}")
-    if base.startswith("tuple["):
-        inner = base[len("tuple["):-1].split(",")[0].strip()
-        if isinstance(value, str):
-            value = [v for v in value.strip("()[] ").split(",") if v.strip()]
-        if isinstance(value, (list, tuple)):
-            return tuple(_coerce(inner, v.strip() if isinstance(v, str) else v) for v in value)
-        raise ValueError(f"expected a comma-separated list, got {value!r}")
-    raise ValueError(f"unsupported field type {base}")
-
-
-def parse_value(type_str: str, value: Any):
-    """Parse ``value`` as the annotated type ``type_str`` (e.g. ``"int | None"``)."""
-    parts = [p.strip() for p in str(type_str).split("|")]
-    optional = "None" in parts
-    parts = [p for p in parts if p != "None"]
-    if value is None or (optional and isinstance(value, str) and value.lower() in ("none", "null")):
-        if optional:
-            return None
-        raise ValueError("may not be None")
-    errors = []
-    for base in parts:
-        try:
-            return _coerce(base, value)
-        except ValueError as e:
-            errors.append(str(e))
-    raise ValueError("; ".join(errors))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,30 +67,30 @@ class TrainConfig:
     tensorboard: bool = True
 
     def __post_init__(self):
-        _check_types(self)
+        check_fields(self)
         c = "TrainConfig"
         for name in ("steps", "batch_size", "eval_every", "eval_batches", "checkpoint_every",
                      "keep_checkpoints", "log_every", "num_seeds"):
             if getattr(self, name) < 1:
-                _fail(c, name, f"must be >= 1, got {getattr(self, name)}", f"set train.{name} to a positive integer")
+                fail(c, name, f"must be >= 1, got {getattr(self, name)}", f"set train.{name} to a positive integer")
         if self.warmup_steps < 0:
-            _fail(c, "warmup_steps", f"must be >= 0, got {self.warmup_steps}", "set train.warmup_steps=0 or more")
+            fail(c, "warmup_steps", f"must be >= 0, got {self.warmup_steps}", "set train.warmup_steps=0 or more")
         if not self.lr > 0:
-            _fail(c, "lr", f"must be > 0, got {self.lr}", "set train.lr to a positive learning rate, e.g. 1e-3")
+            fail(c, "lr", f"must be > 0, got {self.lr}", "set train.lr to a positive learning rate, e.g. 1e-3")
         if self.schedule not in SCHEDULES:
-            _fail(c, "schedule", f"unknown schedule {self.schedule!r}", f"use one of {', '.join(map(repr, SCHEDULES))}")
+            fail(c, "schedule", f"unknown schedule {self.schedule!r}", f"use one of {', '.join(map(repr, SCHEDULES))}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
-            _fail(c, "min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}", "set train.min_lr_ratio between 0 and 1")
+            fail(c, "min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}", "set train.min_lr_ratio between 0 and 1")
         for name in ("b1", "b2"):
             if not 0.0 <= getattr(self, name) < 1.0:
-                _fail(c, name, f"must be in [0, 1), got {getattr(self, name)}", f"set train.{name} to e.g. 0.9")
+                fail(c, name, f"must be in [0, 1), got {getattr(self, name)}", f"set train.{name} to e.g. 0.9")
         for name in ("eps", "weight_decay", "grad_clip"):
             if getattr(self, name) < 0:
-                _fail(c, name, f"must be >= 0, got {getattr(self, name)}", f"set train.{name} to 0 or more")
+                fail(c, name, f"must be >= 0, got {getattr(self, name)}", f"set train.{name} to 0 or more")
         if self.seed < 0:
-            _fail(c, "seed", f"must be >= 0, got {self.seed}", "use a non-negative seed")
+            fail(c, "seed", f"must be >= 0, got {self.seed}", "use a non-negative seed")
         if self.throughput_rounds < 0:
-            _fail(c, "throughput_rounds", f"must be >= 0, got {self.throughput_rounds}",
+            fail(c, "throughput_rounds", f"must be >= 0, got {self.throughput_rounds}",
                   "set train.throughput_rounds=0 to skip the side-by-side timing, or more")
 
 
@@ -184,9 +102,9 @@ class RunConfig:
     dir: str | None = None
 
     def __post_init__(self):
-        _check_types(self)
+        check_fields(self)
         if not self.name or os.sep in self.name:
-            _fail("RunConfig", "name", f"must be a plain non-empty name, got {self.name!r}",
+            fail("RunConfig", "name", f"must be a plain non-empty name, got {self.name!r}",
                   "use a name like 'diff-vs-twin' (set run.dir for a path)")
 
     @property
@@ -204,22 +122,22 @@ class ExperimentConfig:
     compare: bool = True  # also train the standard-attention twin of `model`
 
     def __post_init__(self):
-        _check_types(self)
+        check_fields(self)
         if self.compare and not self.model.is_diff:
-            _fail("ExperimentConfig", "compare",
+            fail("ExperimentConfig", "compare",
                   f"compare=true trains a DIFF model and its standard twin, but model.attention is "
                   f"{self.model.attention!r}", "set model.attention=diff_v1 or diff_v2, or compare=false")
         if self.train.init_from is not None and self.compare:
-            _fail("ExperimentConfig", "compare",
+            fail("ExperimentConfig", "compare",
                   f"train.init_from={self.train.init_from!r} starts one model from a checkpoint, "
                   f"and its twin would start from random weights", "set compare=false")
         if self.train.init_from is not None and self.train.num_seeds > 1:
-            _fail("ExperimentConfig", "train.num_seeds",
+            fail("ExperimentConfig", "train.num_seeds",
                   f"train.init_from={self.train.init_from!r} starts every seed from the same "
                   f"checkpoint weights, so {self.train.num_seeds} seeds would train one model "
                   f"{self.train.num_seeds} times", "set train.num_seeds=1")
         if self.data.seq_len > self.model.max_seq_len:
-            _fail("ExperimentConfig", "data.seq_len",
+            fail("ExperimentConfig", "data.seq_len",
                   f"{self.data.seq_len} is longer than the model takes (model.max_seq_len="
                   f"{self.model.max_seq_len})",
                   f"set data.seq_len <= {self.model.max_seq_len} or model.max_seq_len >= {self.data.seq_len}")
@@ -273,6 +191,7 @@ def config_keys(config: ExperimentConfig | None = None) -> list[tuple[str, str, 
 def apply_overrides(config: ExperimentConfig, overrides: list[str]) -> ExperimentConfig:
     """Apply ``["section.field=value", ...]``; validation runs once all are applied."""
     known = {k: t for k, t, _ in config_keys(config)}
+    sections = {**SECTIONS, "compare": ExperimentConfig}
     changes: dict[str, dict[str, Any]] = {}
     top: dict[str, Any] = {}
     for item in overrides:
@@ -286,17 +205,17 @@ def apply_overrides(config: ExperimentConfig, overrides: list[str]) -> Experimen
             hint = f"did you mean {', '.join(close)}? " if close else ""
             raise ConfigError(f"unknown config key {key!r}. Fix: {hint}run train.py --help for "
                               f"the list of keys.")
+        section, _, name = key.rpartition(".")
         try:
-            value = parse_value(known[key], raw)
+            value = convert(field_types(sections[section or key])[name], raw, text=True)
         except ValueError as e:
             raise ConfigError(f"{key}: bad value {raw!r}: {e}. Fix: give a {known[key]}.") from None
-        if "." in key:
-            section, name = key.split(".", 1)
+        if section:
             changes.setdefault(section, {})[name] = value
         else:
             top[key] = value
-    sections = {s: dataclasses.replace(getattr(config, s), **c) for s, c in changes.items()}
-    return dataclasses.replace(config, **sections, **top)
+    replaced = {s: dataclasses.replace(getattr(config, s), **c) for s, c in changes.items()}
+    return dataclasses.replace(config, **replaced, **top)
 
 
 def load_config(path: str | None) -> ExperimentConfig:

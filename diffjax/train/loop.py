@@ -13,13 +13,13 @@ the step is compiled once with those shardings. Every step's loss reaches ``metr
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import json
 import math
 import os
-import signal
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -30,21 +30,13 @@ from flax import nnx
 from diffjax import data as data_lib
 from diffjax import sharding
 from diffjax.config import ConfigError, ModelConfig
-from diffjax.model import TransformerLM
-from diffjax.params import count_params
+from diffjax.model import TransformerLM, sown_lambdas
+from diffjax.param_count import count_params
 
 from .checkpoint import Checkpointer, CheckpointError, abstract_like, check_same_model
 from .config import ExperimentConfig
-from .metrics import MetricsWriter, read_metrics
+from .metrics import MetricsCollector, MetricsWriter, read_metrics
 from .optimizer import learning_rate_schedule, make_optimizer
-
-# optax >= 0.2.5 has optax.tree.norm; older versions optax.global_norm
-_tree_norm = getattr(getattr(optax, "tree", None), "norm", None) or optax.global_norm
-
-# Fault injection for the kill-and-resume tests: SIGKILL this process right after step N. At a
-# checkpoint step the kill lands while that step's asynchronous save may still be in flight;
-# at any other step it lands after the earlier saves have committed. Unset in normal use.
-_FAULT_KILL_AT_STEP = int(os.environ.get("DIFFJAX_FAULT_KILL_AT_STEP", "0") or 0)
 
 MODEL_INPUTS = ("inputs", "targets", "weights", "segment_ids", "positions")
 
@@ -87,67 +79,68 @@ class TrainResult:
         return dataclasses.asdict(self)
 
 
-# ---------------------------------------------------------------------------- pure functions
+# ---------------------------------------------------------------------------- the steps
 def weighted_cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array):
     """Sum of per-token cross-entropy times weight, and the sum of weights."""
     ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
     return jnp.sum(ce * weights), jnp.sum(weights)
 
 
-def _model_kwargs(batch):
-    return {k: batch[k] for k in ("segment_ids", "positions") if k in batch}
+def _call(model, batch) -> jax.Array:
+    return model(batch["inputs"], **{k: batch[k] for k in ("segment_ids", "positions")
+                                     if k in batch})
 
 
-def make_train_step(graphdef, rest, tx: optax.GradientTransformation, schedule) -> Callable:
-    """``step(state, batch) -> (state, metrics)``; jit it with ``donate_argnums=0``."""
-
-    def loss_fn(params, batch):
-        model = nnx.merge(graphdef, params, rest)
-        model.record_lambdas()
-        logits = model(batch["inputs"], **_model_kwargs(batch))
-        total, weight = weighted_cross_entropy(logits, batch["targets"], batch["weights"])
-        lambdas = model.lambdas()
-        aux = {"lambda": jnp.stack(lambdas) if lambdas else jnp.zeros((0,), jnp.float32)}
-        return total / jnp.maximum(weight, 1.0), aux
-
-    def step(state, batch):
-        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"], batch)
-        updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
-        params = optax.apply_updates(state["params"], updates)
-        metrics = {"loss": loss, "grad_norm": _tree_norm(grads),
-                   "lr": schedule(state["step"]), **aux}
-        return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
-
-    return step
+def loss_fn(params, batch, graphdef, rest) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The batch's mean weighted cross-entropy, and each layer's lambda as ``aux["lambda"]``
+    (:func:`diffjax.model.sown_lambdas`; empty for standard attention)."""
+    model = nnx.merge(graphdef, params, rest)
+    logits, sown = nnx.capture(_call, nnx.Intermediate)(model, batch)
+    total, weight = weighted_cross_entropy(logits, batch["targets"], batch["weights"])
+    lambdas = sown_lambdas(sown)
+    aux = {"lambda": jnp.stack(lambdas) if lambdas else jnp.zeros((0,), jnp.float32)}
+    return total / jnp.maximum(weight, 1.0), aux
 
 
-def make_eval_step(graphdef, rest) -> Callable:
-    """``eval(params, batch) -> (loss sum, weight sum, argmax predictions)``."""
-
-    def evaluate(params, batch):
-        model = nnx.merge(graphdef, params, rest)
-        logits = model(batch["inputs"], **_model_kwargs(batch))
-        total, weight = weighted_cross_entropy(logits, batch["targets"], batch["weights"])
-        return total, weight, jnp.argmax(logits, axis=-1)
-
-    return evaluate
-
-
-def memory_estimate(compiled) -> int | None:
-    """XLA's estimate of the compiled step's memory: arguments + outputs + temporaries - aliased."""
-    try:
-        m = compiled.memory_analysis()
-        return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-                   - m.alias_size_in_bytes)
-    except Exception:  # noqa: BLE001 - not every backend reports it
-        return None
+def train_step(state, batch, *, graphdef, rest, tx: optax.GradientTransformation, schedule):
+    """One optimizer step: ``(new state, metrics)``; the state is donated by the jit."""
+    (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"], batch,
+                                                                  graphdef, rest)
+    updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+    params = optax.apply_updates(state["params"], updates)
+    metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
+               "lr": schedule(state["step"]), **aux}
+    return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
 
 
-def device_peak_memory() -> int | None:
-    """The device allocator's peak in this process (GPU/TPU; None on CPU). It only grows, so it
-    covers everything the process ran before, the other model of a comparison included."""
-    stats = jax.local_devices()[0].memory_stats() or {}
-    return stats.get("peak_bytes_in_use")
+def eval_step(params, batch, *, graphdef, rest):
+    """``(loss sum, weight sum, argmax predictions)`` of one validation batch."""
+    logits = _call(nnx.merge(graphdef, params, rest), batch)
+    total, weight = weighted_cross_entropy(logits, batch["targets"], batch["weights"])
+    return total, weight, jnp.argmax(logits, axis=-1)
+
+
+# ---------------------------------------------------------------------------- setup
+@dataclasses.dataclass(frozen=True)
+class ModelSetup:
+    """One model's optimizer and the shapes and placements of its train state, before the state
+    exists: ``init() -> (state, rest)`` creates it, ``abstract``/``abstract_rest`` describe it
+    (``jax.eval_shape``), ``state_sh``/``rest_sh`` place it on ``mesh`` by logical axes."""
+
+    graphdef: Any
+    tx: optax.GradientTransformation
+    schedule: optax.Schedule
+    init: Callable[[], tuple[dict[str, Any], Any]]
+    abstract: Any
+    abstract_rest: Any
+    state_sh: Any
+    rest_sh: Any
+    mesh: jax.sharding.Mesh
+
+    def fresh_state(self) -> tuple[dict[str, Any], Any]:
+        """A new state, created sharded in one jitted function (one compile, not one per
+        initializer)."""
+        return jax.jit(self.init, out_shardings=(self.state_sh, self.rest_sh))()
 
 
 def make_state_init(model_cfg: ModelConfig, tcfg, tx: optax.GradientTransformation | None = None
@@ -167,14 +160,41 @@ def make_state_init(model_cfg: ModelConfig, tcfg, tx: optax.GradientTransformati
     return init_state
 
 
-def pretrained_state(path: str, model_cfg: ModelConfig, tx: optax.GradientTransformation,
-                     state_sh: Any, rest_sh: Any, mesh) -> tuple[dict[str, Any], Any]:
+def model_setup(model_cfg: ModelConfig, tcfg, mesh) -> ModelSetup:
+    """The :class:`ModelSetup` of ``model_cfg`` trained with ``tcfg`` on ``mesh``: every
+    parameter and both Adam moments placed by their logical axes, step and counts replicated."""
+    tx = make_optimizer(tcfg)
+    init = make_state_init(model_cfg, tcfg, tx)
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: TransformerLM(model_cfg, rngs=nnx.Rngs(0))))
+    abstract, abstract_rest = jax.eval_shape(init)
+    return ModelSetup(graphdef, tx, learning_rate_schedule(tcfg), init, abstract, abstract_rest,
+                      sharding.tree_shardings(abstract, mesh),
+                      sharding.tree_shardings(abstract_rest, mesh), mesh)
+
+
+def compile_steps(setup: ModelSetup, state, rest, batch) -> tuple[Any, Callable]:
+    """The one place the steps are jitted: the train step compiled for ``state`` (donated) and
+    batches shaped and placed like ``batch``, and the eval step (compiled at its first call)."""
+    replicated = jax.sharding.NamedSharding(setup.mesh, jax.sharding.PartitionSpec())
+    batch_sh = {k: v.sharding for k, v in batch.items()}
+    model = dict(graphdef=setup.graphdef, rest=rest)
+    train = jax.jit(functools.partial(train_step, tx=setup.tx, schedule=setup.schedule, **model),
+                    donate_argnums=0, in_shardings=(setup.state_sh, batch_sh),
+                    out_shardings=(setup.state_sh, replicated))
+    evaluate_fn = jax.jit(functools.partial(eval_step, **model),
+                          in_shardings=(setup.state_sh["params"], batch_sh),
+                          out_shardings=(replicated, replicated, batch_sh["inputs"]))
+    return train.lower(state, batch).compile(), evaluate_fn
+
+
+def pretrained_state(path: str, model_cfg: ModelConfig, setup: ModelSetup
+                     ) -> tuple[dict[str, Any], Any]:
     """The train state at step 0 with the parameters of the Hugging Face checkpoint ``path``
-    (``train.init_from``), read onto ``mesh`` as :func:`make_state_init`'s would be placed."""
+    (``train.init_from``), read onto the mesh as :meth:`ModelSetup.fresh_state`'s would be."""
     from diffjax import hf
 
     keep = {k: getattr(model_cfg, k) for k in hf.OVERRIDABLE}
-    model = hf.from_pretrained(path, mesh=mesh, **keep)
+    model = hf.from_pretrained(path, mesh=setup.mesh, **keep)
     if model.config != model_cfg:
         diffs = [f"{k}: checkpoint {v!r}, config {getattr(model_cfg, k)!r}"
                  for k, v in model.config.to_dict().items() if getattr(model_cfg, k) != v]
@@ -183,52 +203,33 @@ def pretrained_state(path: str, model_cfg: ModelConfig, tx: optax.GradientTransf
                           f"the checkpoint (diffjax.train.config.resolve_init_from; train.py "
                           f"does).")
     _, params, rest = nnx.split(model, nnx.Param, ...)
-    params = jax.device_put(params, state_sh["params"])
-    rest = jax.device_put(rest, rest_sh)
-    opt_state = jax.jit(tx.init, out_shardings=state_sh["opt_state"])(params)
-    step = jax.device_put(jnp.zeros((), jnp.int32), state_sh["step"])
+    params = jax.device_put(params, setup.state_sh["params"])
+    rest = jax.device_put(rest, setup.rest_sh)
+    opt_state = jax.jit(setup.tx.init, out_shardings=setup.state_sh["opt_state"])(params)
+    step = jax.device_put(jnp.zeros((), jnp.int32), setup.state_sh["step"])
     return {"step": step, "params": params, "opt_state": opt_state}, rest
 
 
-# ---------------------------------------------------------------------------- the loop
-def describe_mesh(mesh) -> str:
-    sizes = " ".join(f"{n}={s}" for n, s in zip(mesh.axis_names, mesh.devices.shape))
-    return (f"{sizes} ({mesh.devices.size} device{'s' * (mesh.devices.size > 1)}, "
-            f"{jax.process_count()} process{'es' * (jax.process_count() > 1)})")
+def model_inputs(batch: dict[str, np.ndarray], mesh, global_rows: int) -> dict[str, jax.Array]:
+    """The global arrays a step reads (:data:`MODEL_INPUTS`) from this process's batch rows."""
+    return sharding.global_batch({k: v for k, v in batch.items() if k in MODEL_INPUTS}, mesh,
+                                 global_rows)
 
 
-class _MemoryWriter:
-    """The metrics sink of processes other than 0 (process 0 writes the files)."""
-
-    def __init__(self):
-        self.records: list[dict[str, Any]] = []
-
-    def write(self, record: dict[str, Any]) -> None:
-        self.records.append(dict(record))
-
-    def close(self) -> None:
-        pass
+def process_stream(exp: ExperimentConfig, split: str, mesh) -> Iterator[dict[str, np.ndarray]]:
+    """This process's rows of every global batch of ``split``: the same global batches in the
+    same order for every model of the experiment and every mesh."""
+    share, shares = sharding.process_batch_share(mesh, exp.train.batch_size)
+    return iter(data_lib.make_dataset(exp.data, split, batch_size=exp.train.batch_size // shares,
+                                      process_index=share, process_count=shares))
 
 
-def train_model(exp: ExperimentConfig, model_cfg: ModelConfig, label: str, directory: str, *,
-                require_checkpoint: bool = False, log: Callable[[str], None] = print,
-                mesh: jax.sharding.Mesh | None = None) -> TrainResult:
-    """Train ``model_cfg`` on ``exp.data`` with ``exp.train`` on ``mesh`` (default: built from
-    ``exp.mesh`` over every device of every process) in ``directory``, resuming from its latest
-    checkpoint if it has one (saved on any mesh), and return the summary. With several
-    processes every process calls it; only process 0 writes metrics and results."""
-    mesh = sharding.make_mesh(exp.mesh) if mesh is None else mesh
-    sharding.check_model_mesh(model_cfg, mesh, exp.train.batch_size)
-    with jax.set_mesh(mesh), nnx.logical_axis_rules(sharding.current_rules()):
-        return _train_model(exp, model_cfg, label, directory, require_checkpoint, log, mesh)
-
-
-def _train_model(exp: ExperimentConfig, model_cfg: ModelConfig, label: str, directory: str,
-                 require_checkpoint: bool, log: Callable[[str], None], mesh) -> TrainResult:
-    tcfg = exp.train
-    main = jax.process_index() == 0
+def _open_run(exp: ExperimentConfig, model_cfg: ModelConfig, label: str, directory: str,
+              require_checkpoint: bool, log) -> tuple[Checkpointer, int | None, dict[str, Any]]:
+    """The run's checkpointer, its latest step (None: a new run) and the metadata each
+    checkpoint records; refuses a checkpoint of another model, notes a changed data config."""
     os.makedirs(directory, exist_ok=True)
-    ckpt = Checkpointer(os.path.join(directory, "checkpoints"), keep=tcfg.keep_checkpoints)
+    ckpt = Checkpointer(os.path.join(directory, "checkpoints"), keep=exp.train.keep_checkpoints)
     latest = ckpt.latest_step()
     if require_checkpoint and latest is None:
         raise CheckpointError(f"--resume was given but {directory} holds no checkpoint. Fix: drop "
@@ -242,164 +243,223 @@ def _train_model(exp: ExperimentConfig, model_cfg: ModelConfig, label: str, dire
         if changed:
             log(f"[{label}] note: the data config differs from the checkpoint's ({', '.join(changed)}); "
                 f"the resumed run will not see the batches an uninterrupted run would have seen")
+    return ckpt, latest, meta
 
-    # Data: the same global batches in the same order for every model of the experiment and
-    # every mesh; this process reads only the rows its devices hold.
-    share, shares = sharding.process_batch_share(mesh, tcfg.batch_size)
-    local_batch = tcfg.batch_size // shares
-    train_iter = iter(data_lib.make_dataset(exp.data, "train", batch_size=local_batch,
-                                            process_index=share, process_count=shares))
-    val_batches = list(itertools.islice(
-        iter(data_lib.make_dataset(exp.data, "validation", batch_size=local_batch,
-                                   process_index=share, process_count=shares)),
-        tcfg.eval_batches))
 
-    def to_device(batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-        return sharding.global_batch({k: v for k, v in batch.items() if k in MODEL_INPUTS},
-                                     mesh, tcfg.batch_size)
-
-    # Model, optimizer, state: created in one jitted function (one compile, not one per
-    # initializer), or only described (eval_shape) when a checkpoint will replace it.
-    tx = make_optimizer(tcfg)
-    schedule = learning_rate_schedule(tcfg)
-
-    init_state = make_state_init(model_cfg, tcfg, tx)
-
-    graphdef, _, _ = nnx.split(nnx.eval_shape(lambda: TransformerLM(model_cfg, rngs=nnx.Rngs(0))),
-                               nnx.Param, ...)
-    abstract, abstract_rest = jax.eval_shape(init_state)
-    # every parameter and both Adam moments by their logical axes; step and counts replicated
-    state_sh = sharding.tree_shardings(abstract, mesh)
-    rest_sh = sharding.tree_shardings(abstract_rest, mesh)
-    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    start = 0
-    if latest is None and tcfg.init_from is not None:
-        state, rest = pretrained_state(tcfg.init_from, model_cfg, tx, state_sh, rest_sh, mesh)
+def initial_state(setup: ModelSetup, model_cfg: ModelConfig, tcfg, ckpt: Checkpointer,
+                  latest: int | None, train_iter, log, label: str):
+    """``(state, rest)`` to start from: the latest checkpoint's (which also moves ``train_iter``
+    to where it was), ``train.init_from``'s parameters, or a fresh initialisation."""
+    if latest is not None:
+        rest = jax.jit(lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype),
+                                            setup.abstract_rest), out_shardings=setup.rest_sh)()
+        state = ckpt.restore(latest, abstract_like(setup.abstract, setup.state_sh), train_iter)
+        log(f"[{label}] resuming from the checkpoint at step {int(state['step'])} in "
+            f"{ckpt.directory} on the mesh {describe_mesh(setup.mesh)}")
+        return state, rest
+    if tcfg.init_from is not None:
         log(f"[{label}] parameters from the Hugging Face checkpoint {tcfg.init_from}")
-    elif latest is None:
-        state, rest = jax.jit(init_state, out_shardings=(state_sh, rest_sh))()
-    else:
-        rest = jax.jit(lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), abstract_rest),
-                       out_shardings=rest_sh)()
-        state = ckpt.restore(latest, abstract_like(abstract, state_sh), train_iter)
-        start = int(state["step"])
-        log(f"[{label}] resuming from the checkpoint at step {start} in {ckpt.directory} "
-            f"on the mesh {describe_mesh(mesh)}")
+        return pretrained_state(tcfg.init_from, model_cfg, setup)
+    return setup.fresh_state()
 
-    n_params = count_params(model_cfg).total
+
+# ---------------------------------------------------------------------------- evaluation
+def evaluate(eval_fn: Callable, params, batches: list[dict[str, np.ndarray]], mesh,
+             global_rows: int) -> dict[str, float]:
+    """Validation loss and perplexity over ``batches`` (this process's rows); with answer spans
+    (the retrieval tasks), the share of examples whose answers are all right and of queries."""
+    total = weight = 0.0
+    counts = np.zeros(4, np.int64)  # examples right, examples, queries right, queries
+    for b in batches:
+        t, w, p = eval_fn(params, model_inputs(b, mesh, global_rows))
+        total, weight = total + float(t), weight + float(w)
+        if "answer_spans" in b:  # this process's rows; summed over processes below
+            ok, has = data_lib.answer_correct(sharding.local_rows(p), b)
+            q_ok, q_has = data_lib.query_correct(sharding.local_rows(p), b)
+            counts += [int((ok & has).sum()), int(has.sum()), int(q_ok.sum()), int(q_has.sum())]
+    out = {"val_loss": total / max(weight, 1.0)}
+    out["val_ppl"] = math.exp(min(out["val_loss"], 50.0))
+    if "answer_spans" in batches[0]:
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            counts = multihost_utils.process_allgather(counts).reshape(-1, 4).sum(0)
+        # an example counts when all its answers are right; a query when its answer is
+        out["val_answer_accuracy"] = float(counts[0] / counts[1]) if counts[1] else 0.0
+        out["val_query_accuracy"] = float(counts[2] / counts[3]) if counts[3] else 0.0
+    return out
+
+
+# ---------------------------------------------------------------------------- recording
+def step_record(step: int, host: dict[str, np.ndarray], step_time: float, tokens_per_step: int,
+                timed: bool) -> dict[str, Any]:
+    """The ``metrics.jsonl`` record of one step from its metrics on the host."""
+    loss = float(host["loss"])
+    record = {"step": step, "loss": loss,
+              "ppl": math.exp(min(loss, 50.0)) if math.isfinite(loss) else loss,
+              "lr": float(host["lr"]), "grad_norm": float(host["grad_norm"]),
+              "tokens": step * tokens_per_step, "step_time": step_time,
+              "tokens_per_s": tokens_per_step / step_time if step_time > 0 else None,
+              "timed": timed}
+    if host["lambda"].size:
+        record["lambda"] = [float(x) for x in host["lambda"]]
+    return record
+
+
+class _Recorder:
+    """Reads each step's metrics back one step late (the host waits for step ``n`` while step
+    ``n + 1`` runs), times the steps, writes the records and draws the progress bar. A
+    non-finite loss is written, then raises :class:`TrainingDiverged` naming ``last_good``."""
+
+    def __init__(self, writer, tokens_per_step: int, bar, last_good: int | None, ckpt_dir: str):
+        self.writer, self.tokens_per_step, self.bar = writer, tokens_per_step, bar
+        self.last_good, self.ckpt_dir = last_good, ckpt_dir
+        self.queued: tuple[int, Any, bool] | None = None
+        self.restart_clock()
+
+    def restart_clock(self) -> None:
+        """The time until now (evaluation, checkpointing) is not step time."""
+        self.clock = time.perf_counter()
+
+    def push(self, step: int, metrics: Any, timed: bool) -> None:
+        """Queue this step's metrics; write the previous step's record."""
+        previous, self.queued = self.queued, (step, metrics, timed)
+        if previous is not None:
+            self.writer.write(self._read(*previous))
+
+    def pop(self) -> dict[str, Any]:
+        """The queued step's record, not written yet (an evaluation adds to it)."""
+        (step, metrics, timed), self.queued = self.queued, None
+        return self._read(step, metrics, timed)
+
+    def write_evaluated(self, record: dict[str, Any]) -> None:
+        self.writer.write(record)
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{record['loss']:.3f}", val=f"{record['val_loss']:.3f}",
+                                 tok_s=f"{record['tokens_per_s']:.0f}")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        self.writer.close()
+
+    def _read(self, step: int, metrics: Any, timed: bool) -> dict[str, Any]:
+        host = jax.device_get(metrics)
+        now = time.perf_counter()
+        record = step_record(step, host, now - self.clock, self.tokens_per_step, timed)
+        self.clock = now
+        if not math.isfinite(record["loss"]):
+            self.writer.write(record)
+            raise TrainingDiverged(step, record["loss"], self.last_good, self.ckpt_dir)
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{record['loss']:.3f}",
+                                 tok_s=f"{record['tokens_per_s']:.0f}")
+        return record
+
+
+def _progress_bar(total: int, start: int, label: str):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=start, desc=label, unit="step", dynamic_ncols=True)
+
+
+def memory_estimate(compiled) -> int | None:
+    """XLA's estimate of the compiled step's memory: arguments + outputs + temporaries - aliased."""
+    try:
+        m = compiled.memory_analysis()
+        return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+                   - m.alias_size_in_bytes)
+    except Exception:  # noqa: BLE001 - not every backend reports it
+        return None
+
+
+def device_peak_memory() -> int | None:
+    """The device allocator's peak in this process (GPU/TPU; None on CPU). It only grows, so it
+    covers everything the process ran before, the other model of a comparison included."""
+    stats = jax.local_devices()[0].memory_stats() or {}
+    return stats.get("peak_bytes_in_use")
+
+
+def describe_mesh(mesh) -> str:
+    sizes = " ".join(f"{n}={s}" for n, s in zip(mesh.axis_names, mesh.devices.shape))
+    return (f"{sizes} ({mesh.devices.size} device{'s' * (mesh.devices.size > 1)}, "
+            f"{jax.process_count()} process{'es' * (jax.process_count() > 1)})")
+
+
+# ---------------------------------------------------------------------------- the loop
+AfterStep = Callable[[int, Checkpointer], None]
+
+
+def train_model(exp: ExperimentConfig, model_cfg: ModelConfig, label: str, directory: str, *,
+                require_checkpoint: bool = False, log: Callable[[str], None] = print,
+                mesh: jax.sharding.Mesh | None = None,
+                after_step: AfterStep | None = None) -> TrainResult:
+    """Train ``model_cfg`` on ``exp.data`` with ``exp.train`` on ``mesh`` (default: built from
+    ``exp.mesh`` over every device of every process) in ``directory``, resuming from its latest
+    checkpoint if it has one (saved on any mesh), and return the summary. With several
+    processes every process calls it; only process 0 writes metrics and results.
+
+    ``after_step(step, checkpointer)`` runs after each step's bookkeeping (its evaluation and
+    checkpoint save issued, the save maybe still in flight); the resume tests kill the process
+    from it."""
+    mesh = sharding.make_mesh(exp.mesh) if mesh is None else mesh
+    sharding.check_model_mesh(model_cfg, mesh, exp.train.batch_size)
+    with jax.set_mesh(mesh), nnx.logical_axis_rules(sharding.current_rules()):
+        return _train_model(exp, model_cfg, label, directory, require_checkpoint, log, mesh,
+                            after_step)
+
+
+def _train_model(exp: ExperimentConfig, model_cfg: ModelConfig, label: str, directory: str,
+                 require_checkpoint: bool, log: Callable[[str], None], mesh,
+                 after_step: AfterStep | None) -> TrainResult:
+    tcfg, main = exp.train, jax.process_index() == 0
+    ckpt, latest, meta = _open_run(exp, model_cfg, label, directory, require_checkpoint, log)
+    train_iter = process_stream(exp, "train", mesh)
+    val_batches = list(itertools.islice(process_stream(exp, "validation", mesh),
+                                        tcfg.eval_batches))
     if not val_batches:
+        local_batch = tcfg.batch_size // sharding.process_batch_share(mesh, tcfg.batch_size)[1]
         raise data_lib.DataError(
             f"the validation split of {exp.data.source!r} data holds no batch of "
             f"{local_batch} x {exp.data.seq_len} tokens. Fix: add data, or lower "
             f"train.batch_size or data.seq_len, or raise data.val_fraction.")
-    first = to_device(val_batches[0])  # shapes for compiling; no training batch is consumed
-    batch_sh = {k: v.sharding for k, v in first.items()}
-    step_fn = jax.jit(make_train_step(graphdef, rest, tx, schedule), donate_argnums=0,
-                      in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, replicated))
-    compiled = step_fn.lower(state, first).compile()
-    memory = memory_estimate(compiled)
-    eval_fn = jax.jit(make_eval_step(graphdef, rest), in_shardings=(state_sh["params"], batch_sh),
-                      out_shardings=(replicated, replicated, batch_sh["inputs"]))
-
+    setup = model_setup(model_cfg, tcfg, mesh)
+    state, rest = initial_state(setup, model_cfg, tcfg, ckpt, latest, train_iter, log, label)
+    start = int(state["step"])
+    # compiled for a validation batch's shapes: no training batch is consumed
+    train_fn, eval_fn = compile_steps(setup, state, rest,
+                                      model_inputs(val_batches[0], mesh, tcfg.batch_size))
     writer = (MetricsWriter(directory, resume_step=start, tensorboard=tcfg.tensorboard,
-                            log_every=tcfg.log_every) if main else _MemoryWriter())
-    tokens_per_step = tcfg.batch_size * exp.data.seq_len
-
-    def evaluate(params) -> dict[str, float]:
-        total = weight = 0.0
-        correct = answered = q_correct = q_answered = 0
-        for b in val_batches:
-            t, w, p = eval_fn(params, to_device(b))
-            total, weight = total + float(t), weight + float(w)
-            if "answer_spans" in b:  # this process's rows; summed over processes below
-                ok, has = data_lib.answer_correct(sharding.local_rows(p), b)
-                correct, answered = correct + int((ok & has).sum()), answered + int(has.sum())
-                ok, has = data_lib.query_correct(sharding.local_rows(p), b)
-                q_correct, q_answered = q_correct + int(ok.sum()), q_answered + int(has.sum())
-        out = {"val_loss": total / max(weight, 1.0)}
-        out["val_ppl"] = math.exp(min(out["val_loss"], 50.0))
-        if "answer_spans" in val_batches[0]:
-            counts = np.array([correct, answered, q_correct, q_answered], np.int64)
-            if jax.process_count() > 1:
-                from jax.experimental import multihost_utils
-
-                counts = multihost_utils.process_allgather(counts).reshape(-1, 4).sum(0)
-            # an example counts when all its answers are right; a query when its answer is
-            out["val_answer_accuracy"] = float(counts[0] / counts[1]) if counts[1] else 0.0
-            out["val_query_accuracy"] = float(counts[2] / counts[3]) if counts[3] else 0.0
-        return out
-
-    last_good = latest
-    pending: list[tuple[int, Any]] = []
-    timer = {"t": time.perf_counter()}
-
-    bar = None
-    if tcfg.progress and main:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=tcfg.steps, initial=start, desc=label, unit="step", dynamic_ncols=True)
-
-    def process(step: int, metrics: Any, timed: bool) -> dict[str, Any]:
-        host = jax.device_get(metrics)
-        now = time.perf_counter()
-        dt = now - timer["t"]
-        timer["t"] = now
-        loss = float(host["loss"])
-        ppl = math.exp(min(loss, 50.0)) if math.isfinite(loss) else loss
-        record = {"step": step, "loss": loss, "ppl": ppl, "lr": float(host["lr"]),
-                  "grad_norm": float(host["grad_norm"]), "tokens": step * tokens_per_step,
-                  "step_time": dt, "tokens_per_s": tokens_per_step / dt if dt > 0 else None,
-                  "timed": timed}
-        if host["lambda"].size:
-            record["lambda"] = [float(x) for x in host["lambda"]]
-        if not math.isfinite(loss):
-            writer.write(record)
-            raise TrainingDiverged(step, loss, last_good, ckpt.directory)
-        if bar is not None:
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
-        return record
-
+                            log_every=tcfg.log_every) if main else MetricsCollector())
+    bar = _progress_bar(tcfg.steps, start, label) if tcfg.progress and main else None
+    recorder = _Recorder(writer, tcfg.batch_size * exp.data.seq_len, bar, latest, ckpt.directory)
     try:
         for step in range(start + 1, tcfg.steps + 1):
-            batch = to_device(next(train_iter))
-            state, metrics = compiled(state, batch)
-            # the first step after (re)start includes warm-up; it is not counted in throughput
-            pending.append((step, metrics, step > start + 1))
-            boundary = (step % tcfg.eval_every == 0 or step % tcfg.checkpoint_every == 0
-                        or step == tcfg.steps)
-            while len(pending) > (0 if boundary else 1):
-                s, m, timed = pending.pop(0)
-                rec = process(s, m, timed)
-                if pending or not boundary:
-                    writer.write(rec)
-            if boundary:
-                rec.update(evaluate(state["params"]))
-                writer.write(rec)
-                if bar is not None:
-                    bar.set_postfix(loss=f"{rec['loss']:.3f}", val=f"{rec['val_loss']:.3f}",
-                                    tok_s=f"{rec['tokens_per_s']:.0f}")
-                if step % tcfg.checkpoint_every == 0 or step == tcfg.steps:
-                    ckpt.save(step, state, train_iter.get_state(), meta, rec["val_loss"])
-                    last_good = step
-                timer["t"] = time.perf_counter()  # eval/checkpoint time is not step time
-                pending = [(s, m, False) for s, m, _ in pending]
-            if step == _FAULT_KILL_AT_STEP:  # fault injection, see _FAULT_KILL_AT_STEP
-                if step % tcfg.checkpoint_every:
-                    ckpt.wait()  # earlier saves committed; the kill lands between checkpoints
-                os.kill(os.getpid(), signal.SIGKILL)
+            state, metrics = train_fn(state, model_inputs(next(train_iter), mesh, tcfg.batch_size))
+            # the first step after a (re)start includes warm-up: not counted in throughput
+            recorder.push(step, metrics, timed=step > start + 1)
+            save = step % tcfg.checkpoint_every == 0 or step == tcfg.steps
+            if save or step % tcfg.eval_every == 0:
+                record = recorder.pop()
+                record.update(evaluate(eval_fn, state["params"], val_batches, mesh,
+                                       tcfg.batch_size))
+                recorder.write_evaluated(record)
+                if save:
+                    ckpt.save(step, state, train_iter.get_state(), meta, record["val_loss"])
+                    recorder.last_good = step
+                recorder.restart_clock()
+            if after_step is not None:
+                after_step(step, ckpt)
     finally:
-        if bar is not None:
-            bar.close()
-        writer.close()
+        recorder.close()
         ckpt.wait()
         ckpt.close()
 
-    records = (read_metrics(os.path.join(directory, "metrics.jsonl")) if main
-               else writer.records)
-    result = summarize(label, model_cfg, directory, records, n_params, memory, latest)
-    result.mesh = describe_mesh(mesh)
-    result.seed = tcfg.seed
+    records = read_metrics(os.path.join(directory, "metrics.jsonl")) if main else writer.records
+    result = summarize(label, model_cfg, directory, records, count_params(model_cfg).total,
+                       memory_estimate(train_fn), latest)
+    result.mesh, result.seed = describe_mesh(mesh), tcfg.seed
     if main:
         with open(os.path.join(directory, "result.json"), "w") as f:
             json.dump(result.to_dict(), f, indent=1)

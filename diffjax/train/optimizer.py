@@ -1,8 +1,8 @@
 """AdamW with warmup and decay, global-norm clipping, and a weight-decay mask.
 
-Weight decay applies to matrices only: not to norm scales, DIFF lambda parameters (V1's
-``lambda_q1 ... lambda_k2``; V2's ``lambda_proj`` is a matrix but is the lambda's own
-parameterisation, so it is excluded too) or biases.
+Weight decay applies to matrices only (rank >= 2: not norm scales, biases or V1's lambda
+vectors ``lambda_q1 ... lambda_k2``) and not to DIFF V2's ``lambda_proj``, a matrix that is the
+lambda's own parameterisation.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import optax
 
 from .config import TrainConfig
 
-NO_DECAY_NAMES = ("lambda", "norm", "subln", "scale", "bias")
+NO_DECAY_NAMES = ("lambda",)  # matrices that get no weight decay, by path name
 
 
 def learning_rate_schedule(cfg: TrainConfig) -> optax.Schedule:
@@ -32,21 +32,11 @@ def learning_rate_schedule(cfg: TrainConfig) -> optax.Schedule:
     return optax.join_schedules([optax.linear_schedule(0.0, cfg.lr, warmup), decay], [warmup])
 
 
-def _path_names(path) -> list[str]:
-    names = []
-    for k in path:
-        for attr in ("key", "name", "idx"):
-            if hasattr(k, attr):
-                names.append(str(getattr(k, attr)))
-                break
-    return names
-
-
 def decay_mask(params):
-    """True for the parameters that get weight decay (matrices that are not lambda/norm)."""
+    """True for the parameters that get weight decay: matrices whose path names no lambda."""
     def keep(path, x):
-        names = "/".join(_path_names(path)).lower()
-        return x.ndim >= 2 and not any(n in names for n in NO_DECAY_NAMES)
+        name = jax.tree_util.keystr(path, simple=True, separator="/").lower()
+        return x.ndim >= 2 and not any(n in name for n in NO_DECAY_NAMES)
     return jax.tree_util.tree_map_with_path(keep, params)
 
 

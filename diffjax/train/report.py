@@ -258,9 +258,9 @@ def write_report(run_dir: str, exp: ExperimentConfig, results: Sequence[TrainRes
         + ("answer accuracy: an example counts when all its answers are predicted exactly, a "
            "query when its answer is; " if any(r.val_accuracy is not None for r in results)
            else "")
-        + f"tokens/s and step time "
-        f"during training: median over steps, excluding the first step after a (re)start and "
-        f"evaluation/checkpoint time.",
+        + "tokens/s and step time "
+        "during training: median over steps, excluding the first step after a (re)start and "
+        "evaluation/checkpoint time.",
         f"- peak memory: {results[0].memory_source if results else ''}."
         + ("".join(f" Device allocator peak after {r.label} seed {r.seed}: "
                    f"{_mib(r.device_peak_bytes)} (cumulative over the process)."

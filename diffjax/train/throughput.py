@@ -13,20 +13,16 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from typing import Callable
 
 import jax
 import numpy as np
 from flax import nnx
 
-from diffjax import data as data_lib
 from diffjax import sharding
 from diffjax.config import ModelConfig
-from diffjax.model import TransformerLM
 
 from .config import ExperimentConfig
-from .loop import MODEL_INPUTS, make_state_init, make_train_step
-from .optimizer import learning_rate_schedule, make_optimizer
+from .loop import compile_steps, model_inputs, model_setup, process_stream
 
 
 @dataclasses.dataclass
@@ -65,25 +61,6 @@ class SideBySide:
                 "spread": self.spread}
 
 
-def _compiled_step(exp: ExperimentConfig, model_cfg: ModelConfig, mesh,
-                   batch) -> tuple[Callable, dict]:
-    """The model's train step compiled as the loop compiles it, and a fresh train state."""
-    tcfg = exp.train
-    tx, schedule = make_optimizer(tcfg), learning_rate_schedule(tcfg)
-    init_state = make_state_init(model_cfg, tcfg, tx)
-    graphdef, _, _ = nnx.split(nnx.eval_shape(lambda: TransformerLM(model_cfg, rngs=nnx.Rngs(0))),
-                               nnx.Param, ...)
-    abstract, abstract_rest = jax.eval_shape(init_state)
-    state_sh = sharding.tree_shardings(abstract, mesh)
-    rest_sh = sharding.tree_shardings(abstract_rest, mesh)
-    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    state, rest = jax.jit(init_state, out_shardings=(state_sh, rest_sh))()
-    batch_sh = {k: v.sharding for k, v in batch.items()}
-    step = jax.jit(make_train_step(graphdef, rest, tx, schedule), donate_argnums=0,
-                   in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, replicated))
-    return step.lower(state, batch).compile(), state
-
-
 def side_by_side_throughput(exp: ExperimentConfig, models: dict[str, ModelConfig], mesh=None, *,
                             rounds: int = 5, steps: int = 4) -> SideBySide:
     """Alternate the compiled train steps of the two ``models`` (``{label: config}``, the first
@@ -97,15 +74,14 @@ def side_by_side_throughput(exp: ExperimentConfig, models: dict[str, ModelConfig
     mesh = sharding.make_mesh(exp.mesh) if mesh is None else mesh
     tcfg = exp.train
     with jax.set_mesh(mesh), nnx.logical_axis_rules(sharding.current_rules()):
-        share, shares = sharding.process_batch_share(mesh, tcfg.batch_size)
-        it = iter(data_lib.make_dataset(exp.data, "train", batch_size=tcfg.batch_size // shares,
-                                        process_index=share, process_count=shares))
-        batches = [sharding.global_batch({k: v for k, v in b.items() if k in MODEL_INPUTS},
-                                         mesh, tcfg.batch_size)
-                   for b in itertools.islice(it, steps)]
+        batches = [model_inputs(b, mesh, tcfg.batch_size)
+                   for b in itertools.islice(process_stream(exp, "train", mesh), steps)]
         compiled = {}
         for label, cfg in models.items():
-            fn, state = _compiled_step(exp, cfg, mesh, batches[0])
+            # the train step compiled as the loop compiles it, on a fresh state
+            setup = model_setup(cfg, tcfg, mesh)
+            state, rest = setup.fresh_state()
+            fn, _ = compile_steps(setup, state, rest, batches[0])
             state, m = fn(state, batches[0])  # warm-up
             jax.block_until_ready(m)
             compiled[label] = [fn, state]

@@ -16,7 +16,7 @@ PARTS = ("embedding", "attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.out_pro
 
 
 def _part(path: tuple) -> str:
-    keys = [str(getattr(p, "key", getattr(p, "name", p))) for p in path]
+    keys = jax.tree_util.keystr(path, simple=True, separator="/").split("/")
     if keys[0] == "embed":
         return "embedding"
     if keys[0] == "lm_head":
