@@ -62,6 +62,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from .reference import MASK_VALUE, check_differential, check_qkv
 
+LOG2E = math.log2(math.e)  # exp(x) = exp2(x * LOG2E): the scale folds it in, one multiply
 _MIN_BLOCK = 16  # Triton: every block dim a power of two, and dots need >= 16
 _SQ = getattr(pl, "squeezed", None)  # a squeezed block dimension (None on older jax)
 
@@ -139,6 +140,7 @@ class _Config:
     num_warps: int
     num_stages: int
     interpret: bool
+    o2_dtype: object = jnp.float32  # the saved second-branch output (a backward residual)
 
     @property
     def offset(self) -> int:  # query i sees key j iff j <= i + offset (bottom-right aligned)
@@ -224,6 +226,17 @@ def _q_block_unmasked_start(cfg: _Config, k_block, block_k: int, block_q: int, l
     return jnp.clip(_ceil_div(last_key - cfg.offset, block_q), lo, hi)
 
 
+def _q_block_index(cfg: _Config, i, n_q: int):
+    """The query block of grid step ``i`` on a (query block, batch, head) grid: causal grids
+    run the blocks in reverse, so the blocks with the most keys start first and the light ones
+    fill the tail. Used by the index maps and, through :func:`_q_block_id`, the kernels."""
+    return n_q - 1 - i if cfg.causal else i
+
+
+def _q_block_id(cfg: _Config, block_q: int):
+    return _q_block_index(cfg, pl.program_id(0), pl.num_programs(0))
+
+
 def _q_block_start(cfg: _Config, k_block, block_k: int, block_q: int):
     """First query block that sees any key of ``k_block`` (causal), else 0."""
     if not cfg.causal:
@@ -232,52 +245,27 @@ def _q_block_start(cfg: _Config, k_block, block_k: int, block_q: int):
     return lax.div(jnp.maximum(first_q, 0), jnp.int32(block_q))
 
 
-class _Refs:
-    """Unpacks the kernel's positional refs by name, following the static config."""
-
-    def __init__(self, refs, names):
-        refs = list(refs)
-        assert len(refs) == len(names), (len(refs), names)
-        for n, r in zip(names, refs):
-            setattr(self, n, r)
-
-
-def _in_names(cfg: _Config, bwd: bool):
-    names = ["q1", "k1"]
-    if cfg.differential:
-        names += ["q2"] + ([] if cfg.shared_k else ["k2"])
-    names += ["v"]
-    if bwd:
-        names += ["do", "lse1", "delta1"]
-        if cfg.differential:
-            names += ["lse2", "delta2"]
-    if cfg.differential:
-        names += ["lam"]
-    if cfg.segmented:
-        names += ["qseg", "kseg"]
-    return names
-
-
 # ---------------------------------------------------------------------------- forward kernel
-def _fwd_kernel(*refs, cfg: _Config):
-    out_names = ["o", "lse1"] + (["lse2", "o2"] if cfg.differential else [])
-    r = _Refs(refs, _in_names(cfg, bwd=False) + out_names)
+def _fwd_kernel(q1_ref, k1_ref, q2_ref, k2_ref, v_ref, lam_ref, qseg_ref, kseg_ref,
+                o_ref, lse1_ref, lse2_ref, o2_ref, *, cfg: _Config):
+    """One query block of one head. Operands a configuration does not use are None: q2, k2,
+    lam, lse2, o2 for the standard kernel, k2 for shared keys, the segment ids when unpacked."""
     bq, bk = cfg.block_q, cfg.block_k
-    qi = pl.program_id(2)
+    qi = _q_block_id(cfg, cfg.block_q)
     q_idx = qi * bq + jnp.arange(bq, dtype=jnp.int32)
-    q_seg = r.qseg[...] if cfg.segmented else None
-    dv = r.v.shape[-1]
+    q_seg = None if qseg_ref is None else qseg_ref[...]
+    dv = v_ref.shape[-1]
+    scale = cfg.sm_scale * LOG2E  # logits in base 2: exp2(s * scale) = exp(s * sm_scale)
 
-    q1 = r.q1[...]
-    q2 = r.q2[...] if cfg.differential else None
-    n_branch = 2 if cfg.differential else 1
+    q1 = q1_ref[...]
+    q2 = None if q2_ref is None else q2_ref[...]
 
     def update(s, mask, m, l, acc, v):
         if mask is not None:
             s = jnp.where(mask, s, MASK_VALUE)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-        alpha = jnp.exp(m - m_new)
-        p = jnp.exp(s - m_new[:, None])
+        alpha = jnp.exp2(m - m_new)
+        p = jnp.exp2(s - m_new[:, None])
         if mask is not None:  # masked keys weigh exactly 0, even in a row that sees none
             p = jnp.where(mask, p, 0.0)
         l = alpha * l + jnp.sum(p, axis=-1)
@@ -288,20 +276,18 @@ def _fwd_kernel(*refs, cfg: _Config):
         start = kj * bk
         ks = pl.ds(start, bk)
         k_idx = start + jnp.arange(bk, dtype=jnp.int32)
-        mask = (_mask(cfg, q_idx, k_idx, q_seg, r.kseg[ks] if cfg.segmented else None)
+        mask = (_mask(cfg, q_idx, k_idx, q_seg, None if kseg_ref is None else kseg_ref[ks])
                 if masked else None)
-        v = r.v[ks, :]
-        k1 = r.k1[ks, :]
-        s1 = _dot_nt(q1, k1) * cfg.sm_scale
-        new = [update(s1, mask, *carry[0], v)]
-        if cfg.differential:
-            k2 = k1 if cfg.shared_k else r.k2[ks, :]
-            s2 = _dot_nt(q2, k2) * cfg.sm_scale
-            new.append(update(s2, mask, *carry[1], v))
+        v = v_ref[ks, :]
+        k1 = k1_ref[ks, :]
+        new = [update(_dot_nt(q1, k1) * scale, mask, *carry[0], v)]
+        if q2 is not None:
+            k2 = k1 if k2_ref is None else k2_ref[ks, :]
+            new.append(update(_dot_nt(q2, k2) * scale, mask, *carry[1], v))
         return tuple(new)
 
     init = tuple((jnp.full((bq,), MASK_VALUE, jnp.float32), jnp.zeros((bq,), jnp.float32),
-                  jnp.zeros((bq, dv), jnp.float32)) for _ in range(n_branch))
+                  jnp.zeros((bq, dv), jnp.float32)) for _ in range(1 + (q2 is not None)))
     hi = _kv_block_bound(cfg, qi, bq, bk)
     lo = _unmasked_kv_blocks(cfg, qi, bq, bk, hi)
     states = lax.fori_loop(0, lo, functools.partial(body, masked=False), init)
@@ -310,18 +296,15 @@ def _fwd_kernel(*refs, cfg: _Config):
     def finish(m, l, acc):
         seen = l > 0.0  # a row that sees no key: zero output (not NaN, not a uniform mean)
         l_safe = jnp.where(seen, l, 1.0)
-        return acc / l_safe[:, None], m + jnp.log(l_safe)
+        return acc / l_safe[:, None], m + jnp.log2(l_safe)  # lse in base 2
 
-    o1, lse1 = finish(*states[0])
-    r.lse1[...] = lse1
-    if cfg.differential:
-        o2, lse2 = finish(*states[1])
-        lam = r.lam[...]
-        r.o[...] = (o1 - lam[:, None] * o2).astype(r.o.dtype)
-        r.lse2[...] = lse2
-        r.o2[...] = o2
-    else:
-        r.o[...] = o1.astype(r.o.dtype)
+    o1, lse1_ref[...] = finish(*states[0])
+    if q2 is None:
+        o_ref[...] = o1.astype(o_ref.dtype)
+        return
+    o2, lse2_ref[...] = finish(*states[1])
+    o_ref[...] = (o1 - lam_ref[...][:, None] * o2).astype(o_ref.dtype)
+    o2_ref[...] = o2.astype(o2_ref.dtype)
 
 
 def _forward(cfg: _Config, q1, k1, q2, k2, v, lam, qseg, kseg):
@@ -330,83 +313,72 @@ def _forward(cfg: _Config, q1, k1, q2, k2, v, lam, qseg, kseg):
     dv = v.shape[-1]
     rep = hq // hkv
     bq = cfg.block_q
+    n_q = t // bq
 
-    def q_map(bi, h, i):
-        return (bi, i, h, 0)
+    # Grid (query block, batch, head): neighbouring programs share K/V in L2, and with the
+    # blocks reversed in _q_block_id the heaviest causal blocks launch first.
+    def q_map(i, bi, h):
+        return (bi, _q_block_index(cfg, i, n_q), h, 0)
 
-    def kv_map(bi, h, i):
+    def kv_map(i, bi, h):
         return (bi, 0, lax.div(h, rep), 0)
 
-    def row_map(bi, h, i):
-        return (bi, h, i)
+    def row_map(i, bi, h):
+        return (bi, h, _q_block_index(cfg, i, n_q))
 
     q_spec = _spec((None, bq, None, d), q_map)
     k_spec = _spec((None, s, None, d), kv_map)
-    v_spec = _spec((None, s, None, dv), kv_map)
     row_spec = _spec((None, None, bq), row_map)
+    diff = cfg.differential
+    seg = cfg.segmented
 
-    args, specs = [q1, k1], [q_spec, k_spec]
-    if cfg.differential:
-        args.append(q2)
-        specs.append(q_spec)
-        if not cfg.shared_k:
-            args.append(k2)
-            specs.append(k_spec)
-    args.append(v)
-    specs.append(v_spec)
-    if cfg.differential:
-        args.append(lam)
-        specs.append(row_spec)
-    if cfg.segmented:
-        args += [qseg, kseg]
-        specs += [_spec((None, bq), lambda bi, h, i: (bi, i)),
-                  _spec((None, s), lambda bi, h, i: (bi, 0))]
+    def opt(cond, x):
+        return x if cond else None
 
+    in_specs = [q_spec, k_spec, opt(diff, q_spec), opt(k2 is not None, k_spec),
+                _spec((None, s, None, dv), kv_map), opt(diff, row_spec),
+                opt(seg, _spec((None, bq), lambda i, bi, h: (bi, _q_block_index(cfg, i, n_q)))),
+                opt(seg, _spec((None, s), lambda i, bi, h: (bi, 0)))]
     out_spec = _spec((None, bq, None, dv), q_map)
-    out_shape = [jax.ShapeDtypeStruct((b, t, hq, dv), q1.dtype),
-                 jax.ShapeDtypeStruct((b, hq, t), jnp.float32)]
-    out_specs = [out_spec, row_spec]
-    if cfg.differential:
-        out_shape += [jax.ShapeDtypeStruct((b, hq, t), jnp.float32),
-                      jax.ShapeDtypeStruct((b, t, hq, dv), jnp.float32)]
-        out_specs += [row_spec, out_spec]
-
-    outs = pl.pallas_call(
+    rows = jax.ShapeDtypeStruct((b, hq, t), jnp.float32)
+    out_shape = [jax.ShapeDtypeStruct((b, t, hq, dv), q1.dtype), rows, opt(diff, rows),
+                 opt(diff, jax.ShapeDtypeStruct((b, t, hq, dv), cfg.o2_dtype))]
+    out_specs = [out_spec, row_spec, opt(diff, row_spec), opt(diff, out_spec)]
+    out, lse1, lse2, o2 = pl.pallas_call(
         functools.partial(_fwd_kernel, cfg=cfg),
-        grid=(b, hq, t // bq),
-        in_specs=specs,
+        grid=(n_q, b, hq),
+        in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=cfg.params(),
         interpret=cfg.interpret,
-        name="diff_flash_fwd" if cfg.differential else "flash_fwd",
-    )(*args)
-    if cfg.differential:
-        return tuple(outs)
-    out, lse1 = outs
-    return out, lse1, None, None
+        name="diff_flash_fwd" if diff else "flash_fwd",
+    )(q1, k1, q2, k2, v, lam, qseg, kseg)
+    return out, lse1, lse2, o2
 
 
 # ---------------------------------------------------------------------------- backward kernels
 def _probs(cfg, q, k, lse, mask):
-    """P = exp(q k^T s - lse), exactly 0 on masked entries (and on rows that see no key)."""
-    p = jnp.exp(_dot_nt(q, k) * cfg.sm_scale - lse[:, None])
+    """P = exp(q k^T s - lse) (in base 2, as the forward), exactly 0 on masked entries (and on
+    rows that see no key)."""
+    p = jnp.exp2(_dot_nt(q, k) * (cfg.sm_scale * LOG2E) - lse[:, None])
     return p if mask is None else jnp.where(mask, p, 0.0)
 
 
-def _dkv_kernel(*refs, cfg: _Config, rep: int):
-    out_names = ["dk1"] + (["dk2"] if cfg.differential and not cfg.shared_k else []) + ["dv"]
-    r = _Refs(refs, _in_names(cfg, bwd=True) + out_names)
+def _dkv_kernel(q1_ref, k1_ref, q2_ref, k2_ref, v_ref, lam_ref, qseg_ref, kseg_ref, do_ref,
+                lse1_ref, delta1_ref, lse2_ref, delta2_ref, dk1_ref, dk2_ref, dv_ref, *,
+                cfg: _Config, rep: int):
+    """dK (dK1, dK2, or their sum for shared keys) and dV of one key block of one kv head,
+    looping over the query heads of its GQA group and their query blocks. The q/dO/row refs
+    hold the whole sequence of the group's ``rep`` heads."""
     bq, bk = cfg.block_q_dkv, cfg.block_k_dkv
-    kj = pl.program_id(2)
+    kj = pl.program_id(0)  # heaviest causal blocks (the first keys) first
     k_idx = kj * bk + jnp.arange(bk, dtype=jnp.int32)
-    k_seg = r.kseg[...] if cfg.segmented else None
-    k1 = r.k1[...]
-    k2 = None
-    if cfg.differential:
-        k2 = k1 if cfg.shared_k else r.k2[...]
-    v = r.v[...]
-    separate_dk2 = cfg.differential and not cfg.shared_k
+    k_seg = None if kseg_ref is None else kseg_ref[...]
+    k1 = k1_ref[...]
+    k2 = k1 if k2_ref is None else k2_ref[...]
+    v = v_ref[...]
+    differential = q2_ref is not None
 
     # Below the diagonal band only the key padding needs a mask (padded keys' rows are sliced
     # off, but masking keeps them finite).
@@ -417,21 +389,21 @@ def _dkv_kernel(*refs, cfg: _Config, rep: int):
         start = qi * bq
         qs = pl.ds(start, bq)
         q_idx = start + jnp.arange(bq, dtype=jnp.int32)
-        mask = (_mask(cfg, q_idx, k_idx, r.qseg[qs] if cfg.segmented else None, k_seg)
+        mask = (_mask(cfg, q_idx, k_idx, None if qseg_ref is None else qseg_ref[qs], k_seg)
                 if masked else pad_mask)
-        q1 = r.q1[qs, h, :]
-        do = r.do[qs, h, :]
-        p1 = _probs(cfg, q1, k1, r.lse1[h, qs], mask)
+        q1 = q1_ref[qs, h, :]
+        do = do_ref[qs, h, :]
+        p1 = _probs(cfg, q1, k1, lse1_ref[h, qs], mask)
         dp = _dot_nt(do, v)  # dO V^T, shared by both branches (dO2 = -lam dO)
-        ds1 = p1 * (dp - r.delta1[h, qs][:, None])
+        ds1 = p1 * (dp - delta1_ref[h, qs][:, None])
         dk1 = dk1 + _dot_tn(ds1.astype(q1.dtype), q1)
-        if cfg.differential:
-            lam = r.lam[h, qs][:, None]
-            q2 = r.q2[qs, h, :]
-            p2 = _probs(cfg, q2, k2, r.lse2[h, qs], mask)
-            ds2 = -lam * p2 * (dp - r.delta2[h, qs][:, None])
+        if differential:
+            lam = lam_ref[h, qs][:, None]
+            q2 = q2_ref[qs, h, :]
+            p2 = _probs(cfg, q2, k2, lse2_ref[h, qs], mask)
+            ds2 = -lam * p2 * (dp - delta2_ref[h, qs][:, None])
             dk2_new = _dot_tn(ds2.astype(q2.dtype), q2)
-            if separate_dk2:
+            if dk2_ref is not None:
                 dk2 = dk2 + dk2_new
             else:  # shared keys: dK = dK1 + dK2 in one accumulator
                 dk1 = dk1 + dk2_new
@@ -452,43 +424,44 @@ def _dkv_kernel(*refs, cfg: _Config, rep: int):
 
     d, dvw = k1.shape[-1], v.shape[-1]
     zeros_k = jnp.zeros((bk, d), jnp.float32)
-    init = (zeros_k, zeros_k if separate_dk2 else jnp.zeros((), jnp.float32),
+    init = (zeros_k, zeros_k if dk2_ref is not None else jnp.zeros((), jnp.float32),
             jnp.zeros((bk, dvw), jnp.float32))
     dk1, dk2, dv = lax.fori_loop(0, rep, head_body, init)
-    r.dk1[...] = (dk1 * cfg.sm_scale).astype(r.dk1.dtype)
-    if separate_dk2:
-        r.dk2[...] = (dk2 * cfg.sm_scale).astype(r.dk2.dtype)
-    r.dv[...] = dv.astype(r.dv.dtype)
+    dk1_ref[...] = (dk1 * cfg.sm_scale).astype(dk1_ref.dtype)
+    if dk2_ref is not None:
+        dk2_ref[...] = (dk2 * cfg.sm_scale).astype(dk2_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _dq_kernel(*refs, cfg: _Config):
-    out_names = ["dq1"] + (["dq2"] if cfg.differential else [])
-    r = _Refs(refs, _in_names(cfg, bwd=True) + out_names)
+def _dq_kernel(q1_ref, k1_ref, q2_ref, k2_ref, v_ref, lam_ref, qseg_ref, kseg_ref, do_ref,
+               lse1_ref, delta1_ref, lse2_ref, delta2_ref, dq1_ref, dq2_ref, *, cfg: _Config):
+    """dQ1 (and dQ2) of one query block of one head, streaming its kv head's keys."""
     bq, bk = cfg.block_q_dq, cfg.block_k_dq
-    qi = pl.program_id(2)
+    qi = _q_block_id(cfg, bq)
     q_idx = qi * bq + jnp.arange(bq, dtype=jnp.int32)
-    q_seg = r.qseg[...] if cfg.segmented else None
-    q1, do = r.q1[...], r.do[...]
-    lse1, delta1 = r.lse1[...], r.delta1[...]
-    if cfg.differential:
-        q2, lse2, delta2 = r.q2[...], r.lse2[...], r.delta2[...]
-        lam = r.lam[...][:, None]
+    q_seg = None if qseg_ref is None else qseg_ref[...]
+    q1, do = q1_ref[...], do_ref[...]
+    lse1, delta1 = lse1_ref[...], delta1_ref[...]
+    differential = q2_ref is not None
+    if differential:
+        q2, lse2, delta2 = q2_ref[...], lse2_ref[...], delta2_ref[...]
+        lam = lam_ref[...][:, None]
 
     def body(kj, carry, masked):
         dq1, dq2 = carry
         start = kj * bk
         ks = pl.ds(start, bk)
         k_idx = start + jnp.arange(bk, dtype=jnp.int32)
-        mask = (_mask(cfg, q_idx, k_idx, q_seg, r.kseg[ks] if cfg.segmented else None)
+        mask = (_mask(cfg, q_idx, k_idx, q_seg, None if kseg_ref is None else kseg_ref[ks])
                 if masked else None)
-        k1 = r.k1[ks, :]
-        v = r.v[ks, :]
+        k1 = k1_ref[ks, :]
+        v = v_ref[ks, :]
         p1 = _probs(cfg, q1, k1, lse1, mask)
         dp = _dot_nt(do, v)
         ds1 = p1 * (dp - delta1[:, None])
         dq1 = dq1 + _dot(ds1.astype(k1.dtype), k1)
-        if cfg.differential:
-            k2 = k1 if cfg.shared_k else r.k2[ks, :]
+        if differential:
+            k2 = k1 if k2_ref is None else k2_ref[ks, :]
             p2 = _probs(cfg, q2, k2, lse2, mask)
             ds2 = -lam * p2 * (dp - delta2[:, None])
             dq2 = dq2 + _dot(ds2.astype(k2.dtype), k2)
@@ -496,14 +469,14 @@ def _dq_kernel(*refs, cfg: _Config):
 
     d = q1.shape[-1]
     init = (jnp.zeros((bq, d), jnp.float32),
-            jnp.zeros((bq, d) if cfg.differential else (), jnp.float32))
+            jnp.zeros((bq, d) if differential else (), jnp.float32))
     hi = _kv_block_bound(cfg, qi, bq, bk)
     lo = _unmasked_kv_blocks(cfg, qi, bq, bk, hi)
     carry = lax.fori_loop(0, lo, functools.partial(body, masked=False), init)
     dq1, dq2 = lax.fori_loop(lo, hi, functools.partial(body, masked=True), carry)
-    r.dq1[...] = (dq1 * cfg.sm_scale).astype(r.dq1.dtype)
-    if cfg.differential:
-        r.dq2[...] = (dq2 * cfg.sm_scale).astype(r.dq2.dtype)
+    dq1_ref[...] = (dq1 * cfg.sm_scale).astype(dq1_ref.dtype)
+    if differential:
+        dq2_ref[...] = (dq2 * cfg.sm_scale).astype(dq2_ref.dtype)
 
 
 def _backward_kernels(cfg: _Config, q1, k1, q2, k2, v, lam, qseg, kseg, do, lse1, delta1,
@@ -512,76 +485,62 @@ def _backward_kernels(cfg: _Config, q1, k1, q2, k2, v, lam, qseg, kseg, do, lse1
     s, hkv = k1.shape[1], k1.shape[2]
     dvw = v.shape[-1]
     rep = hq // hkv
-    separate_k2 = cfg.differential and not cfg.shared_k
+    diff, seg, sep_k2 = cfg.differential, cfg.segmented, k2 is not None
+    operands = (q1, k1, q2, k2, v, lam, qseg, kseg, do, lse1, delta1, lse2, delta2)
 
-    def collect(q_spec, k_spec, v_spec, do_spec, row_spec, qseg_spec, kseg_spec):
-        args, specs = [q1, k1], [q_spec, k_spec]
-        if cfg.differential:
-            args.append(q2)
-            specs.append(q_spec)
-            if separate_k2:
-                args.append(k2)
-                specs.append(k_spec)
-        args += [v, do, lse1, delta1]
-        specs += [v_spec, do_spec, row_spec, row_spec]
-        if cfg.differential:
-            args += [lse2, delta2, lam]
-            specs += [row_spec] * 3
-        if cfg.segmented:
-            args += [qseg, kseg]
-            specs += [qseg_spec, kseg_spec]
-        return args, specs
+    def opt(cond, x):
+        return x if cond else None
 
-    # dK, dV: grid (batch, kv head, key block); the program loops over its group's q heads.
+    def in_specs(q_spec, k_spec, v_spec, do_spec, row_spec, qseg_spec, kseg_spec):
+        """In the kernels' operand order; None where the configuration has no such operand."""
+        return [q_spec, k_spec, opt(diff, q_spec), opt(sep_k2, k_spec), v_spec,
+                opt(diff, row_spec), opt(seg, qseg_spec), opt(seg, kseg_spec), do_spec,
+                row_spec, row_spec, opt(diff, row_spec), opt(diff, row_spec)]
+
+    # dK, dV: grid (key block, batch, kv head); the program loops over its group's q heads.
     bq, bk = cfg.block_q_dkv, cfg.block_k_dkv
-    group = lambda bi, g, j: (bi, 0, g, 0)  # noqa: E731  (the rep heads g*rep .. g*rep+rep-1)
-    kblk = lambda bi, g, j: (bi, j, g, 0)  # noqa: E731
-    args, specs = collect(
+    group = lambda j, bi, g: (bi, 0, g, 0)  # noqa: E731  (the rep heads g*rep .. g*rep+rep-1)
+    kblk = lambda j, bi, g: (bi, j, g, 0)  # noqa: E731
+    specs = in_specs(
         _spec((None, t, rep, d), group), _spec((None, bk, None, d), kblk),
         _spec((None, bk, None, dvw), kblk), _spec((None, t, rep, dvw), group),
-        _spec((None, rep, t), lambda bi, g, j: (bi, g, 0)),
-        _spec((None, t), lambda bi, g, j: (bi, 0)), _spec((None, bk), lambda bi, g, j: (bi, j)))
-    out_shape = [jax.ShapeDtypeStruct(k1.shape, k1.dtype)]
-    out_specs = [_spec((None, bk, None, d), kblk)]
-    if separate_k2:
-        out_shape.append(jax.ShapeDtypeStruct(k2.shape, k2.dtype))
-        out_specs.append(_spec((None, bk, None, d), kblk))
-    out_shape.append(jax.ShapeDtypeStruct(v.shape, v.dtype))
-    out_specs.append(_spec((None, bk, None, dvw), kblk))
-    dkv = pl.pallas_call(
+        _spec((None, rep, t), lambda j, bi, g: (bi, g, 0)),
+        _spec((None, t), lambda j, bi, g: (bi, 0)), _spec((None, bk), lambda j, bi, g: (bi, j)))
+    k_out = _spec((None, bk, None, d), kblk)
+    dk1, dk2, dv = pl.pallas_call(
         functools.partial(_dkv_kernel, cfg=cfg, rep=rep),
-        grid=(b, hkv, s // bk),
-        in_specs=specs, out_specs=out_specs, out_shape=out_shape,
+        grid=(s // bk, b, hkv),
+        in_specs=specs,
+        out_specs=[k_out, opt(sep_k2, k_out), _spec((None, bk, None, dvw), kblk)],
+        out_shape=[jax.ShapeDtypeStruct(k1.shape, k1.dtype),
+                   opt(sep_k2, jax.ShapeDtypeStruct(k1.shape, k1.dtype)),
+                   jax.ShapeDtypeStruct(v.shape, v.dtype)],
         compiler_params=cfg.params(), interpret=cfg.interpret,
-        name="diff_flash_bwd_dkv" if cfg.differential else "flash_bwd_dkv",
-    )(*args)
-    if separate_k2:
-        dk1, dk2, dv = dkv
-    else:
-        (dk1, dv), dk2 = dkv, None
+        name="diff_flash_bwd_dkv" if diff else "flash_bwd_dkv",
+    )(*operands)
 
-    # dQ: grid (batch, q head, query block), streaming the key blocks like the forward pass.
+    # dQ: grid (query block, batch, q head), streaming the key blocks like the forward pass.
     bq, bk = cfg.block_q_dq, cfg.block_k_dq
-    qblk = lambda bi, h, i: (bi, i, h, 0)  # noqa: E731
-    kvh = lambda bi, h, i: (bi, 0, lax.div(h, rep), 0)  # noqa: E731
-    args, specs = collect(
+    n_q = t // bq
+    qb = lambda i: _q_block_index(cfg, i, n_q)  # noqa: E731
+    qblk = lambda i, bi, h: (bi, qb(i), h, 0)  # noqa: E731
+    kvh = lambda i, bi, h: (bi, 0, lax.div(h, rep), 0)  # noqa: E731
+    specs = in_specs(
         _spec((None, bq, None, d), qblk), _spec((None, s, None, d), kvh),
         _spec((None, s, None, dvw), kvh), _spec((None, bq, None, dvw), qblk),
-        _spec((None, None, bq), lambda bi, h, i: (bi, h, i)),
-        _spec((None, bq), lambda bi, h, i: (bi, i)), _spec((None, s), lambda bi, h, i: (bi, 0)))
-    out_shape = [jax.ShapeDtypeStruct(q1.shape, q1.dtype)]
-    out_specs = [_spec((None, bq, None, d), qblk)]
-    if cfg.differential:
-        out_shape.append(jax.ShapeDtypeStruct(q2.shape, q2.dtype))
-        out_specs.append(_spec((None, bq, None, d), qblk))
-    dq = pl.pallas_call(
+        _spec((None, None, bq), lambda i, bi, h: (bi, h, qb(i))),
+        _spec((None, bq), lambda i, bi, h: (bi, qb(i))), _spec((None, s), lambda i, bi, h: (bi, 0)))
+    q_out = _spec((None, bq, None, d), qblk)
+    dq1, dq2 = pl.pallas_call(
         functools.partial(_dq_kernel, cfg=cfg),
-        grid=(b, hq, t // bq),
-        in_specs=specs, out_specs=out_specs, out_shape=out_shape,
+        grid=(t // bq, b, hq),
+        in_specs=specs,
+        out_specs=[q_out, opt(diff, q_out)],
+        out_shape=[jax.ShapeDtypeStruct(q1.shape, q1.dtype),
+                   opt(diff, jax.ShapeDtypeStruct(q1.shape, q1.dtype))],
         compiler_params=cfg.params(), interpret=cfg.interpret,
-        name="diff_flash_bwd_dq" if cfg.differential else "flash_bwd_dq",
-    )(*args)
-    dq1, dq2 = (dq[0], dq[1]) if cfg.differential else (dq[0], None)
+        name="diff_flash_bwd_dq" if diff else "flash_bwd_dq",
+    )(*operands)
     return dq1, dk1, dq2, dk2, dv
 
 
