@@ -26,6 +26,7 @@ import argparse
 import dataclasses
 import glob
 import json
+import math
 import os
 import re
 import shutil
@@ -209,15 +210,18 @@ def _gpu_child(target_key: str, cases: list[str], seq: int, heads: int, blocks, 
     tgt = GPU_TARGETS[target_key]
     topo = topologies.get_topology_desc(platform="cuda", target_config=tgt.proto(),
                                         topology="1x1x1")
-    kw = {} if warps is None else {"num_warps": warps}
-    bs = gpu.BlockSizes(*blocks, **kw) if blocks else (gpu.BlockSizes(**kw) if kw else None)
     ptxas = _ptxas()
-    eff = bs or gpu.BlockSizes()
-    tiles = {"fwd": (eff.block_q, eff.block_k), "dkv": (eff.block_q_dkv, eff.block_k_dkv),
-             "dq": (eff.block_q_dq, eff.block_k_dq)}
     rows = []
     for name in cases:
         case = CASES[name]
+        # The blocks a user gets on this target (or the given ones), with --warps applied.
+        bs = gpu.BlockSizes(*blocks) if blocks else gpu.default_block_sizes(
+            case.d, case.dv, differential=case.kind != "std",
+            compute_capability=(tgt.major, tgt.minor))
+        if warps is not None:
+            bs = dataclasses.replace(bs, num_warps=warps)
+        tiles = {"fwd": (bs.block_q, bs.block_k), "dkv": (bs.block_q_dkv, bs.block_k_dkv),
+                 "dq": (bs.block_q_dq, bs.block_k_dq)}
         before = set(glob.glob(os.path.join(dump, "*")))
         t0 = time.time()
         err = _compile(gpu, topo.devices[0], "cuda", case, seq, heads, bs)
@@ -234,8 +238,9 @@ def _gpu_child(target_key: str, cases: list[str], seq: int, heads: int, blocks, 
             k = m.group(1)
             tm = re.search(rf"\] {k} grid: (\[[^\]]*\]) threads: \[([^\]]*)\]\s+"
                            rf"shared_memory: (\d+)", thunks)
-            threads = tm and eval("*".join(tm.group(2).split(",")))  # [x, y, z] -> x*y*z
+            threads = tm and math.prod(int(x) for x in tm.group(2).split(","))  # [x, y, z]
             row = dict(base, kernel=k, role=_kernel_role(k), grid=tm and tm.group(1),
+                       blocks="x".join(map(str, tiles[_kernel_role(k)])),
                        threads=threads, smem=tm and int(tm.group(3)))
             row.update(_ptx_stats(ptx, tgt.arch, ptxas, threads))
             # Each kernel runs its tile loop in two copies (masked and mask-free); every
@@ -329,7 +334,8 @@ def _fmt_row(r: dict) -> str:
         return (f"| {r['target']} | {r['case']} | {r['kernel']} | ok | | | "
                 f"{'default' if lim is None else f'{lim // 1024} KiB'} | | | |")
     ideal = case.macs_per_pair()[r["role"]]
-    return (f"| {r['target']} | {r['case']} | {r['kernel']} | ok | {r.get('regs')} | "
+    return (f"| {r['target']} | {r['case']} | {r['kernel']} {r.get('blocks', '')} | ok | "
+            f"{r.get('regs')} | "
             f"{r.get('spill')} | {r['smem'] // 1024 if r.get('smem') is not None else '?'} KiB | "
             f"{r.get('threads')} | {r['wgmma']} wgmma / {r['mma_sync']} mma.sync | "
             f"{r['macs_per_pair']:.0f} (one pass {ideal}) |")

@@ -66,7 +66,7 @@ LOG2E = math.log2(math.e)  # exp(x) = exp2(x * LOG2E): the scale folds it in, on
 _MIN_BLOCK = 16  # Triton: every block dim a power of two, and dots need >= 16
 _SQ = getattr(pl, "squeezed", None)  # a squeezed block dimension (None on older jax)
 
-__all__ = ["BlockSizes", "diff_flash_attention", "flash_attention"]
+__all__ = ["BlockSizes", "default_block_sizes", "diff_flash_attention", "flash_attention"]
 
 
 # ---------------------------------------------------------------------------- block sizes
@@ -90,11 +90,13 @@ class BlockSizes:
     inputs work with the defaults. The defaults keep the two branches' float32 accumulators
     in registers at head dim 64/128 (V twice as wide in DIFF V1) on H100/H200.
 
-    ``num_warps``: None picks 4 for head dims <= 64, else 8. ``num_stages``: None picks 2.
+    ``num_warps`` (all three kernels): None picks per kernel with :func:`_default_warps`.
+    ``num_stages``: None picks 2. ``block_sizes=None`` in the wrappers means
+    :func:`default_block_sizes` for the current GPU.
     """
 
     block_q: int = 64
-    block_k: int = 64
+    block_k: int = 32
     block_q_dkv: int = 32
     block_k_dkv: int = 64
     block_q_dq: int = 64
@@ -120,6 +122,56 @@ class BlockSizes:
             raise ValueError(f"BlockSizes.num_stages must be None or an int >= 1; got {s!r}")
 
 
+# Opt-in shared memory per block by compute capability (CUDA programming guide, table of
+# technical specifications): what a kernel's pipelined tiles must fit in.
+SHARED_MEMORY_BYTES = {(8, 0): 166912, (8, 6): 101376, (8, 7): 166912, (8, 9): 101376,
+                       (9, 0): 232448, (10, 0): 232448, (12, 0): 101376}
+
+
+def _device_capability() -> tuple[int, int]:
+    """The current GPU's compute capability; (9, 0) when there is none (interpret mode, or a
+    deviceless compile, which passes its target to :func:`default_block_sizes` itself)."""
+    try:
+        dev = jax.devices()[0]
+        major, minor = str(getattr(dev, "compute_capability", "9.0")).split(".")[:2]
+        return int(major), int(minor)
+    except (RuntimeError, ValueError):
+        return 9, 0
+
+
+def default_block_sizes(head_dim: int, v_head_dim: int | None = None, *,
+                        differential: bool = True,
+                        compute_capability: tuple[int, int] | None = None) -> BlockSizes:
+    """The block sizes the wrappers use when given none, for a target (default: this GPU).
+
+    Chosen with ``benchmarks/compile_kernels.py`` so that every kernel compiles without register
+    spills and within the target's shared memory (docs/kernels.md has the table): 64-query
+    forward and dQ tiles streaming 32 keys, a 64-key dK/dV tile streaming 32 queries; on GPUs
+    with 99 KiB of shared memory per block (sm_86/sm_89/sm_120) the streamed dK/dV and dQ tiles
+    are halved at the widest heads. ``head_dim``/``v_head_dim``: q/k and v widths.
+    """
+    cc = compute_capability or _device_capability()
+    smem = SHARED_MEMORY_BYTES.get(tuple(cc), 101376)
+    dv = head_dim if v_head_dim is None else v_head_dim
+    width = (2 if differential else 1) * _next_pow2(head_dim) + _next_pow2(dv)
+    if smem < 128 * 1024 and width > 256:
+        return BlockSizes(block_q=64, block_k=32, block_q_dkv=16, block_k_dkv=64,
+                          block_q_dq=64, block_k_dq=16)
+    return BlockSizes()
+
+
+def _default_warps(separate_k2: bool, n_branch: int, d: int, dv: int) -> dict[str, int]:
+    """Warps per kernel: 4 (one warpgroup, so a 64-row tile's dots are issued once) where the
+    float32 accumulators fit its registers, else 8 (two warpgroups; Triton then issues the
+    64-row score tile in both, see docs/kernels.md). Calibrated on the compile check's
+    registers and spills for sm_90."""
+    fwd_acc = n_branch * dv  # float32 accumulator columns per query row
+    dq_cols = n_branch * d + dv // 2 + (d if separate_k2 else 0) // 2
+    return {"num_warps": 4 if fwd_acc <= 256 and n_branch * d + dv <= 384 else 8,
+            "num_warps_dq": 4 if dq_cols <= 320 else 8,
+            "num_warps_dkv": 8}
+
+
 # ---------------------------------------------------------------------------- static config
 @dataclasses.dataclass(frozen=True)
 class _Config:
@@ -137,17 +189,20 @@ class _Config:
     block_k_dkv: int
     block_q_dq: int
     block_k_dq: int
-    num_warps: int
+    num_warps: int  # forward
     num_stages: int
     interpret: bool
     o2_dtype: object = jnp.float32  # the saved second-branch output (a backward residual)
+    num_warps_dkv: int = 8
+    num_warps_dq: int = 8
 
     @property
     def offset(self) -> int:  # query i sees key j iff j <= i + offset (bottom-right aligned)
         return self.kv_len - self.q_len
 
-    def params(self):
-        return plgpu.CompilerParams(num_warps=self.num_warps, num_stages=self.num_stages)
+    def params(self, kernel: str = "fwd"):
+        warps = {"fwd": self.num_warps, "dkv": self.num_warps_dkv, "dq": self.num_warps_dq}
+        return plgpu.CompilerParams(num_warps=warps[kernel], num_stages=self.num_stages)
 
 
 def _spec(block_shape, index_map):
@@ -515,7 +570,7 @@ def _backward_kernels(cfg: _Config, q1, k1, q2, k2, v, lam, qseg, kseg, do, lse1
         out_shape=[jax.ShapeDtypeStruct(k1.shape, k1.dtype),
                    opt(sep_k2, jax.ShapeDtypeStruct(k1.shape, k1.dtype)),
                    jax.ShapeDtypeStruct(v.shape, v.dtype)],
-        compiler_params=cfg.params(), interpret=cfg.interpret,
+        compiler_params=cfg.params("dkv"), interpret=cfg.interpret,
         name="diff_flash_bwd_dkv" if diff else "flash_bwd_dkv",
     )(*operands)
 
@@ -538,7 +593,7 @@ def _backward_kernels(cfg: _Config, q1, k1, q2, k2, v, lam, qseg, kseg, do, lse1
         out_specs=[q_out, opt(diff, q_out)],
         out_shape=[jax.ShapeDtypeStruct(q1.shape, q1.dtype),
                    opt(diff, jax.ShapeDtypeStruct(q1.shape, q1.dtype))],
-        compiler_params=cfg.params(), interpret=cfg.interpret,
+        compiler_params=cfg.params("dq"), interpret=cfg.interpret,
         name="diff_flash_bwd_dq" if diff else "flash_bwd_dq",
     )(*operands)
     return dq1, dk1, dq2, dk2, dv
@@ -598,7 +653,8 @@ def _run(differential, q1, k1, q2, k2, v, lam, *, causal, segment_ids, kv_segmen
     b, t, hq, d = q1.shape
     s = k1.shape[1]
     dv = v.shape[-1]
-    bs = BlockSizes() if block_sizes is None else block_sizes
+    bs = (default_block_sizes(d, dv, differential=differential) if block_sizes is None
+          else block_sizes)
     if not isinstance(bs, BlockSizes):
         raise TypeError(f"block_sizes must be a BlockSizes or None, got {type(bs).__name__}")
     if sm_scale is None:
@@ -634,8 +690,9 @@ def _run(differential, q1, k1, q2, k2, v, lam, *, causal, segment_ids, kv_segmen
         q_len=t, kv_len=s, kv_padded=s_pad != s, sm_scale=sm_scale,
         block_q=bq, block_k=bk, block_q_dkv=bq_dkv, block_k_dkv=bk_dkv,
         block_q_dq=bq_dq, block_k_dq=bk_dq,
-        num_warps=bs.num_warps or (4 if max(d_pad, dv_pad) <= 64 else 8),
-        num_stages=bs.num_stages or 2, interpret=bool(interpret))
+        num_stages=bs.num_stages or 2, interpret=bool(interpret),
+        **{f: bs.num_warps or w for f, w in _default_warps(
+            differential and not shared_k, 2 if differential else 1, d_pad, dv_pad).items()})
 
     def pad_q(x):
         return None if x is None else _pad_axis(_pad_axis(x, 3, d_pad), 1, t_pad)
