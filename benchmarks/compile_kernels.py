@@ -346,6 +346,9 @@ HEADER = ("| target | case | kernel | compiles | regs | spill B | smem / VMEM | 
 
 
 def table(rows: list[dict]) -> str:
+    order = {"fwd": 0, "dkv": 1, "dq": 2}
+    rows = sorted(rows, key=lambda r: (TARGETS.index(r["target"]), list(CASES).index(r["case"]),
+                                       order.get(r.get("role"), -1)))
     return "\n".join([HEADER] + [_fmt_row(r) for r in rows])
 
 

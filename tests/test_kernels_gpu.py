@@ -8,6 +8,7 @@ validation and a check that the kernels lower through the real Triton path (no G
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -379,6 +380,41 @@ def test_bad_block_sizes(field, value):
 def test_block_size_error_names_accepted_values():
     with pytest.raises(ValueError, match="power of two >= 16"):
         gpu.BlockSizes(block_q=100)
+
+
+# Shared memory XLA reported for these kernels on sm_90 (benchmarks/compile_kernels.py, bf16):
+# (kernel, block_q, block_k, d, dv, n_branch, n_keys) -> bytes.
+MEASURED_SMEM = [("fwd", 64, 64, 64, 128, 2, 2, 81920), ("fwd", 64, 64, 128, 256, 2, 2, 163840),
+                 ("fwd", 64, 64, 128, 128, 2, 1, 98304), ("fwd", 64, 64, 128, 128, 1, 1, 81920),
+                 ("fwd", 64, 32, 128, 256, 2, 2, 98304), ("dq", 64, 32, 64, 128, 2, 2, 65536),
+                 ("dq", 64, 32, 128, 256, 2, 2, 131072), ("dq", 64, 32, 128, 128, 2, 1, 81920),
+                 ("dq", 64, 32, 128, 128, 1, 1, 65536)]
+
+
+@pytest.mark.parametrize("kernel,bq,bk,d,dv,n_branch,n_keys,want", MEASURED_SMEM)
+def test_shared_memory_model_matches_the_compiler(kernel, bq, bk, d, dv, n_branch, n_keys, want):
+    assert gpu.shared_memory_bytes(kernel, bq, bk, d, dv, n_branch=n_branch,
+                                   n_keys=n_keys) == want
+
+
+def test_blocks_too_big_for_shared_memory_are_refused_with_a_size_that_fits():
+    big = gpu.BlockSizes(block_q=128, block_k=128)
+    with pytest.raises(ValueError, match=r"327680 bytes.*232448.*Fix: use block_k=64"):
+        gpu._check_fits(big, 128, 256, 2, 2, 2, (9, 0))
+    gpu._check_fits(dataclasses.replace(big, block_k=64), 128, 256, 2, 2, 2, (9, 0))  # fits
+
+
+def test_default_blocks_per_target():
+    """Defaults fit the target's shared memory (the compile check verifies the rest)."""
+    for cc in [(9, 0), (8, 0), (8, 9)]:
+        for d, dv, diff in [(64, 128, True), (128, 256, True), (128, 128, True),
+                            (128, 128, False)]:
+            bs = gpu.default_block_sizes(d, dv, differential=diff, compute_capability=cc)
+            n = 2 if diff else 1
+            for kernel, bq, bk in [("fwd", bs.block_q, bs.block_k),
+                                   ("dq", bs.block_q_dq, bs.block_k_dq)]:
+                assert gpu.shared_memory_bytes(kernel, bq, bk, d, dv, n_branch=n,
+                                               n_keys=n) <= gpu.SHARED_MEMORY_BYTES[cc]
 
 
 def test_bad_shapes():

@@ -66,7 +66,7 @@ LOG2E = math.log2(math.e)  # exp(x) = exp2(x * LOG2E): the scale folds it in, on
 _MIN_BLOCK = 16  # Triton: every block dim a power of two, and dots need >= 16
 _SQ = getattr(pl, "squeezed", None)  # a squeezed block dimension (None on older jax)
 
-__all__ = ["BlockSizes", "default_block_sizes", "diff_flash_attention", "flash_attention"]
+__all__ = ["BlockSizes", "default_block_sizes", "shared_memory_bytes", "diff_flash_attention", "flash_attention"]
 
 
 # ---------------------------------------------------------------------------- block sizes
@@ -158,6 +158,49 @@ def default_block_sizes(head_dim: int, v_head_dim: int | None = None, *,
         return BlockSizes(block_q=64, block_k=32, block_q_dkv=16, block_k_dkv=64,
                           block_q_dq=64, block_k_dq=16)
     return BlockSizes()
+
+
+def shared_memory_bytes(kernel: str, block_q: int, block_k: int, head_dim: int,
+                        v_head_dim: int, *, n_branch: int = 2, n_keys: int = 2,
+                        itemsize: int = 2, num_stages: int = 2) -> int:
+    """Shared memory Triton gives the forward or dQ kernel on sm_90: the streamed key/value
+    tiles once per pipeline stage plus the resident query-side tiles. Matches what XLA reports
+    for every case of ``benchmarks/compile_kernels.py`` (docs/kernels.md); ``n_keys`` is 1 for
+    shared keys or the standard kernel. Head dims are the padded (power-of-two) ones."""
+    streamed = num_stages * block_k * (n_keys * head_dim + v_head_dim) * itemsize
+    if kernel == "fwd":
+        return streamed + block_q * n_branch * head_dim * itemsize
+    if kernel == "dq":
+        return streamed + block_q * (n_branch * head_dim + v_head_dim) * itemsize
+    raise ValueError(f"no shared-memory model for kernel {kernel!r} (have 'fwd' and 'dq')")
+
+
+def _check_fits(bs: BlockSizes, d: int, dv: int, n_branch: int, n_keys: int, itemsize: int,
+                cc: tuple[int, int]):
+    """Refuse given block sizes whose forward or dQ tiles exceed the GPU's shared memory
+    (before compiling; sm_90 and newer, where :func:`shared_memory_bytes` is exact)."""
+    limit = SHARED_MEMORY_BYTES.get(tuple(cc))
+    if limit is None or cc[0] < 9:
+        return
+    stages = bs.num_stages or 2
+    for kernel, (fq, fk) in (("fwd", ("block_q", "block_k")), ("dq", ("block_q_dq", "block_k_dq"))):
+        bq, bk = getattr(bs, fq), getattr(bs, fk)
+
+        def need(k):
+            return shared_memory_bytes(kernel, bq, k, d, dv, n_branch=n_branch, n_keys=n_keys,
+                                       itemsize=itemsize, num_stages=stages)
+
+        if need(bk) > limit:
+            fit = bk
+            while fit > _MIN_BLOCK and need(fit) > limit:
+                fit //= 2
+            hint = (f"{fk}={fit}" if need(fit) <= limit else
+                    f"a smaller {fq} (or num_stages=1)")
+            raise ValueError(
+                f"BlockSizes({fq}={bq}, {fk}={bk}) needs {need(bk)} bytes of shared memory in "
+                f"the {kernel} kernel at head dims {d}/{dv}, more than this GPU's {limit} "
+                f"(compute capability {cc[0]}.{cc[1]}). Fix: use {hint}, or block_sizes=None "
+                f"for the defaults of this GPU.")
 
 
 def _default_warps(separate_k2: bool, n_branch: int, d: int, dv: int) -> dict[str, int]:
@@ -657,6 +700,11 @@ def _run(differential, q1, k1, q2, k2, v, lam, *, causal, segment_ids, kv_segmen
           else block_sizes)
     if not isinstance(bs, BlockSizes):
         raise TypeError(f"block_sizes must be a BlockSizes or None, got {type(bs).__name__}")
+    if block_sizes is not None and not interpret and jax.default_backend() == "gpu":
+        n_keys = 2 if differential and k2 is not k1 else 1
+        _check_fits(bs, max(_MIN_BLOCK, _next_pow2(d)), max(_MIN_BLOCK, _next_pow2(dv)),
+                    2 if differential else 1, n_keys, jnp.dtype(q1.dtype).itemsize,
+                    _device_capability())
     if sm_scale is None:
         sm_scale = d ** -0.5
     try:
