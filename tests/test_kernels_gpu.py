@@ -462,7 +462,7 @@ def test_unmasked_key_blocks_are_exactly_the_fully_visible_ones(causal):
                          (64, 64, 32, 16), (20, 100, 16, 32)]:
         kv_pad = -(-s // bk) * bk
         cfg = gpu._Config(differential=True, shared_k=False, causal=causal, segmented=False,
-                          q_len=t, kv_len=s, kv_padded=kv_pad != s, sm_scale=1.0,
+                          q_len=t, kv_len=s, kv_padded=kv_pad != s, scale=1.0,
                           block_q=bq, block_k=bk, block_q_dkv=bq, block_k_dkv=bk,
                           block_q_dq=bq, block_k_dq=bk, num_warps=4, num_stages=2,
                           interpret=INTERPRET)
@@ -492,7 +492,7 @@ def test_dkv_unmasked_query_blocks_are_exactly_the_fully_visible_ones(causal):
                          (64, 64, 16, 32), (100, 20, 32, 16)]:
         kv_pad = -(-s // bk) * bk
         cfg = gpu._Config(differential=True, shared_k=False, causal=causal, segmented=False,
-                          q_len=t, kv_len=s, kv_padded=kv_pad != s, sm_scale=1.0,
+                          q_len=t, kv_len=s, kv_padded=kv_pad != s, scale=1.0,
                           block_q=bq, block_k=bk, block_q_dkv=bq, block_k_dkv=bk,
                           block_q_dq=bq, block_k_dq=bk, num_warps=4, num_stages=2,
                           interpret=INTERPRET)

@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -60,9 +59,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from ._common import LOG2E, dot_nn as _dot_nn, dot_nt as _dot_nt, dot_tn as _dot_tn
+from ._common import next_pow2 as _next_pow2, round_up as _round_up
 from .reference import MASK_VALUE, check_differential, check_qkv
 
-LOG2E = math.log2(math.e)  # exp(x) = exp2(x * LOG2E): the scale folds it in, one multiply
 _MIN_BLOCK = 16  # Triton: every block dim a power of two, and dots need >= 16
 _SQ = getattr(pl, "squeezed", None)  # a squeezed block dimension (None on older jax)
 
@@ -72,10 +72,6 @@ __all__ = ["BlockSizes", "default_block_sizes", "shared_memory_bytes", "diff_fla
 # ---------------------------------------------------------------------------- block sizes
 def _is_pow2(n: int) -> bool:
     return n > 0 and (n & (n - 1)) == 0
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,7 +221,7 @@ class _Config:
     q_len: int        # unpadded T
     kv_len: int       # unpadded S
     kv_padded: bool   # padded keys exist and must be masked
-    sm_scale: float
+    scale: float  # the softmax scale (sm_scale of the public functions)
     block_q: int
     block_k: int
     block_q_dkv: int
@@ -254,18 +250,6 @@ def _spec(block_shape, index_map):
 
 
 # ---------------------------------------------------------------------------- kernel helpers
-def _dot(a, b):  # a @ b
-    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-
-
-def _dot_nt(a, b):  # a @ b.T
-    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-
-
-def _dot_tn(a, b):  # a.T @ b
-    return lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-
-
 def _mask(cfg: _Config, q_idx, k_idx, q_seg, k_seg):
     """Boolean [bq, bk] (True = may attend) or None when nothing is masked."""
     mask = None
@@ -353,7 +337,7 @@ def _fwd_kernel(q1_ref, k1_ref, q2_ref, k2_ref, v_ref, lam_ref, qseg_ref, kseg_r
     q_idx = qi * bq + jnp.arange(bq, dtype=jnp.int32)
     q_seg = None if qseg_ref is None else qseg_ref[...]
     dv = v_ref.shape[-1]
-    scale = cfg.sm_scale * LOG2E  # logits in base 2: exp2(s * scale) = exp(s * sm_scale)
+    scale = cfg.scale * LOG2E  # logits in base 2: exp2(x * LOG2E) = exp(x)
 
     q1 = q1_ref[...]
     q2 = None if q2_ref is None else q2_ref[...]
@@ -367,7 +351,7 @@ def _fwd_kernel(q1_ref, k1_ref, q2_ref, k2_ref, v_ref, lam_ref, qseg_ref, kseg_r
         if mask is not None:  # masked keys weigh exactly 0, even in a row that sees none
             p = jnp.where(mask, p, 0.0)
         l = alpha * l + jnp.sum(p, axis=-1)
-        acc = alpha[:, None] * acc + _dot(p.astype(v.dtype), v)
+        acc = alpha[:, None] * acc + _dot_nn(p.astype(v.dtype), v)
         return m_new, l, acc
 
     def body(kj, carry, masked):
@@ -459,7 +443,7 @@ def _forward(cfg: _Config, q1, k1, q2, k2, v, lam, qseg, kseg):
 def _probs(cfg, q, k, lse, mask):
     """P = exp(q k^T s - lse) (in base 2, as the forward), exactly 0 on masked entries (and on
     rows that see no key)."""
-    p = jnp.exp2(_dot_nt(q, k) * (cfg.sm_scale * LOG2E) - lse[:, None])
+    p = jnp.exp2(_dot_nt(q, k) * (cfg.scale * LOG2E) - lse[:, None])
     return p if mask is None else jnp.where(mask, p, 0.0)
 
 
@@ -525,9 +509,9 @@ def _dkv_kernel(q1_ref, k1_ref, q2_ref, k2_ref, v_ref, lam_ref, qseg_ref, kseg_r
     init = (zeros_k, zeros_k if dk2_ref is not None else jnp.zeros((), jnp.float32),
             jnp.zeros((bk, dvw), jnp.float32))
     dk1, dk2, dv = lax.fori_loop(0, rep, head_body, init)
-    dk1_ref[...] = (dk1 * cfg.sm_scale).astype(dk1_ref.dtype)
+    dk1_ref[...] = (dk1 * cfg.scale).astype(dk1_ref.dtype)
     if dk2_ref is not None:
-        dk2_ref[...] = (dk2 * cfg.sm_scale).astype(dk2_ref.dtype)
+        dk2_ref[...] = (dk2 * cfg.scale).astype(dk2_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
@@ -557,12 +541,12 @@ def _dq_kernel(q1_ref, k1_ref, q2_ref, k2_ref, v_ref, lam_ref, qseg_ref, kseg_re
         p1 = _probs(cfg, q1, k1, lse1, mask)
         dp = _dot_nt(do, v)
         ds1 = p1 * (dp - delta1[:, None])
-        dq1 = dq1 + _dot(ds1.astype(k1.dtype), k1)
+        dq1 = dq1 + _dot_nn(ds1.astype(k1.dtype), k1)
         if differential:
             k2 = k1 if k2_ref is None else k2_ref[ks, :]
             p2 = _probs(cfg, q2, k2, lse2, mask)
             ds2 = -lam * p2 * (dp - delta2[:, None])
-            dq2 = dq2 + _dot(ds2.astype(k2.dtype), k2)
+            dq2 = dq2 + _dot_nn(ds2.astype(k2.dtype), k2)
         return dq1, dq2
 
     d = q1.shape[-1]
@@ -572,9 +556,9 @@ def _dq_kernel(q1_ref, k1_ref, q2_ref, k2_ref, v_ref, lam_ref, qseg_ref, kseg_re
     lo = _unmasked_kv_blocks(cfg, qi, bq, bk, hi)
     carry = lax.fori_loop(0, lo, functools.partial(body, masked=False), init)
     dq1, dq2 = lax.fori_loop(lo, hi, functools.partial(body, masked=True), carry)
-    dq1_ref[...] = (dq1 * cfg.sm_scale).astype(dq1_ref.dtype)
+    dq1_ref[...] = (dq1 * cfg.scale).astype(dq1_ref.dtype)
     if differential:
-        dq2_ref[...] = (dq2 * cfg.sm_scale).astype(dq2_ref.dtype)
+        dq2_ref[...] = (dq2 * cfg.scale).astype(dq2_ref.dtype)
 
 
 def _backward_kernels(cfg: _Config, q1, k1, q2, k2, v, lam, qseg, kseg, do, lse1, delta1,
@@ -687,10 +671,6 @@ def _pad_axis(x, axis: int, size: int, value=0):
     return jnp.pad(x, widths, constant_values=value)
 
 
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
-
-
 def _run(differential, q1, k1, q2, k2, v, lam, *, causal, segment_ids, kv_segment_ids,
          sm_scale, block_sizes, interpret):
     b, t, hq, d = q1.shape
@@ -735,7 +715,7 @@ def _run(differential, q1, k1, q2, k2, v, lam, *, causal, segment_ids, kv_segmen
     segmented = segment_ids is not None
     cfg = _Config(
         differential=differential, shared_k=shared_k, causal=bool(causal), segmented=segmented,
-        q_len=t, kv_len=s, kv_padded=s_pad != s, sm_scale=sm_scale,
+        q_len=t, kv_len=s, kv_padded=s_pad != s, scale=sm_scale,
         block_q=bq, block_k=bk, block_q_dkv=bq_dkv, block_k_dkv=bk_dkv,
         block_q_dq=bq_dq, block_k_dq=bk_dq,
         num_stages=bs.num_stages or 2, interpret=bool(interpret),
