@@ -86,7 +86,7 @@ GPU_TARGETS = {
     "l4": GpuTarget("NVIDIA L4", "sm_89", 8, 9, 101376, 102400, 58, 128, 1536,
                     300_000_000_000, 50331648, 2.04, 24152899584),
 }
-TPU_TARGETS = {"v5e": "v5e:1x1", "v6e": "v6e:1x1", "v5p": "v5p:2x2x1"}
+TPU_TARGETS = {"v5e": "v5e:2x2", "v6e": "v6e:2x2", "v5p": "v5p:2x2x1"}  # one host; chip 0 used
 TARGETS = tuple(GPU_TARGETS) + tuple(TPU_TARGETS)
 
 
@@ -219,7 +219,8 @@ def _gpu_child(target_key: str, cases: list[str], seq: int, heads: int, blocks, 
             case.d, case.dv, differential=case.kind != "std",
             compute_capability=(tgt.major, tgt.minor))
         if warps is not None:
-            bs = dataclasses.replace(bs, num_warps=warps)
+            bs = dataclasses.replace(bs, num_warps=warps, num_warps_dkv=warps,
+                                     num_warps_dq=warps)
         tiles = {"fwd": (bs.block_q, bs.block_k), "dkv": (bs.block_q_dkv, bs.block_k_dkv),
                  "dq": (bs.block_q_dq, bs.block_k_dq)}
         before = set(glob.glob(os.path.join(dump, "*")))
@@ -260,14 +261,20 @@ def _tpu_child(target_key: str, cases: list[str], seq: int, heads: int, blocks):
 
     topo = topologies.get_topology_desc(TPU_TARGETS[target_key], platform="tpu")
     bs = tpu.BlockSizes(*blocks) if blocks else None
-    vmem = {}
-    real = tpu.pl.pallas_call
+    vmem, estimate = {}, []
+    real, real_params = tpu.pl.pallas_call, tpu._compiler_params
 
-    def spy(kernel, *a, **kw):  # record each kernel's scoped-VMEM request
+    def params_spy(n_parallel, n_arbitrary, vmem_bytes):  # the kernel's own VMEM estimate
+        estimate.append(vmem_bytes)
+        return real_params(n_parallel, n_arbitrary, vmem_bytes)
+
+    def spy(kernel, *a, **kw):  # record each kernel's VMEM estimate and scoped-VMEM request
         cp = kw.get("compiler_params")
-        vmem[kw.get("name")] = getattr(cp, "vmem_limit_bytes", None)
+        vmem[kw.get("name")] = (estimate[-1] if estimate else None,
+                                getattr(cp, "vmem_limit_bytes", None))
         return real(kernel, *a, **kw)
 
+    tpu._compiler_params = params_spy
     rows = []
     tpu.pl.pallas_call = spy
     try:
@@ -279,10 +286,11 @@ def _tpu_child(target_key: str, cases: list[str], seq: int, heads: int, blocks):
             if err:
                 rows.append(dict(base, kernel="(all)", error=err))
                 continue
-            for k, limit in vmem.items():
-                rows.append(dict(base, kernel=k, role=_kernel_role(k), vmem_limit=limit))
+            for k, (est, limit) in vmem.items():
+                rows.append(dict(base, kernel=k, role=_kernel_role(k), vmem_estimate=est,
+                                 vmem_limit=limit))
     finally:
-        tpu.pl.pallas_call = real
+        tpu.pl.pallas_call, tpu._compiler_params = real, real_params
     return rows
 
 
@@ -330,9 +338,10 @@ def _fmt_row(r: dict) -> str:
     if r.get("error"):
         return f"| {r['target']} | {r['case']} | {r['kernel']} | FAILS: {r['error']} |||||| "
     if r["target"] in TPU_TARGETS:
-        lim = r.get("vmem_limit")
+        lim, est = r.get("vmem_limit"), r.get("vmem_estimate")
         return (f"| {r['target']} | {r['case']} | {r['kernel']} | ok | | | "
-                f"{'default' if lim is None else f'{lim // 1024} KiB'} | | | |")
+                f"{'?' if est is None else est // 1024} KiB est. (scoped limit "
+                f"{'default' if lim is None else f'{lim // 1024} KiB'}) | | | |")
     ideal = case.macs_per_pair()[r["role"]]
     return (f"| {r['target']} | {r['case']} | {r['kernel']} {r.get('blocks', '')} | ok | "
             f"{r.get('regs')} | "

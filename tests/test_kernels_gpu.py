@@ -509,3 +509,20 @@ def test_dkv_unmasked_query_blocks_are_exactly_the_fully_visible_ones(causal):
                     want = qi
                     break
             assert got == want, (t, s, bq, bk, kj, got, want)
+
+
+def test_bfloat16_o2_residual_costs_little_in_dlam():
+    """The O2 residual saved in bfloat16 (half its memory): d(lam) stays within the bfloat16
+    tolerance of the float32 reference (docs/kernels.md gives the measured cost)."""
+    args, ct, _ = _inputs(3, 1, 48, 48, 2, 2, 16, 32, jnp.bfloat16, "scalar")
+    up = [x.astype(jnp.float32) for x in args[:5]]
+
+    def dlam(f):
+        return jax.grad(lambda lam: jnp.sum(f(lam).astype(jnp.float32) * ct))(args[5])
+
+    got = dlam(lambda lam: gpu.diff_flash_attention(*args[:5], lam, block_sizes=SMALL,
+                                                    interpret=INTERPRET, o2_dtype=jnp.bfloat16))
+    want = dlam(lambda lam: reference.differential_attention(*up, lam, causal=True))
+    o2 = reference.dot_product_attention(up[2], up[3], up[4], causal=True)
+    atol, rtol = BF16_TOL["dlam"]  # rtol times the L1 norm of d(lam)'s terms, as in _check_diff
+    assert abs(float(got) - float(want)) <= atol + rtol * float(jnp.sum(jnp.abs(ct * o2)))

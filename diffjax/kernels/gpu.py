@@ -13,13 +13,16 @@ index arithmetic, fully masked query rows give a zero output and zero gradients.
 
 Design
 ------
-Forward, grid ``(batch, q_heads, q_blocks)``: each program holds one query block of both
+Forward, grid ``(q_blocks, batch, q_heads)`` (programs that run together share K/V in L2;
+causal grids run the query blocks in reverse, heaviest first): each program holds one query
+block of both
 branches and streams the key/value blocks of its kv group once (``h // (Hq // Hkv)`` in the
 index map; K/V are never repeated), keeping two online-softmax states (running max and sum)
 and two float32 accumulators. Causal programs stop at the last key block that any of their
 queries can see. The epilogue normalises each branch, subtracts in float32 with a float32
-lambda and writes ``out`` plus the residuals ``lse1``, ``lse2`` (float32 ``[B, Hq, T]``) and
-the normalised second-branch output ``O2`` (float32 ``[B, T, Hq, Dv]``).
+lambda and writes ``out`` plus the residuals ``lse1``, ``lse2`` (float32 ``[B, Hq, T]``, in
+base 2: the logits are scaled by ``sm_scale * log2(e)`` and exponentiated with ``exp2``) and
+the normalised second-branch output ``O2`` (``[B, T, Hq, Dv]``, float32 unless ``o2_dtype``).
 
 Backward (custom VJP), with ``dP = dO V^T`` shared by both branches because
 ``dO2 = -lam dO``:
@@ -28,11 +31,16 @@ Backward (custom VJP), with ``dP = dO V^T`` shared by both branches because
   ``d(lam) = -delta2`` are cheap row reductions in plain ``jnp``.
 * ``dS1 = P1 (dP - delta1)``, ``dS2 = -lam P2 (dP - delta2)``, ``dV = (P1 - lam P2)^T dO``
   (one P·dO product for both branches), ``dK_i = s dS_i^T Q_i``, ``dQ_i = s dS_i K_i``.
-* dK/dV kernel, grid ``(batch, kv_heads, kv_blocks)``: one program owns one key block of one
+* dK/dV kernel, grid ``(kv_blocks, batch, kv_heads)``: one program owns one key block of one
   kv head and loops over the ``Hq // Hkv`` query heads of its GQA group and over the query
   blocks (causal programs start at the first query block that sees the key block), so the
   GQA reduction happens in registers: no per-query-head partials, no atomics.
-* dQ kernel, grid ``(batch, q_heads, q_blocks)``: like the forward pass.
+* dQ kernel, grid ``(q_blocks, batch, q_heads)``: like the forward pass.
+
+Each kernel takes its operands as named refs; those a configuration lacks (the second branch
+of the standard kernel, ``k2`` when keys are shared, segment ids) are passed as None.
+Block sizes and warps per kernel and GPU: :func:`default_block_sizes` (chosen with
+``benchmarks/compile_kernels.py``; docs/kernels.md).
 
 Shared keys: when ``k1 is k2`` (DIFF V2 passes the same key array twice) a kernel variant with
 a single K input loads each key block once, and the backward accumulates ``dK1 + dK2`` into
@@ -86,9 +94,10 @@ class BlockSizes:
     inputs work with the defaults. The defaults keep the two branches' float32 accumulators
     in registers at head dim 64/128 (V twice as wide in DIFF V1) on H100/H200.
 
-    ``num_warps`` (all three kernels): None picks per kernel with :func:`_default_warps`.
-    ``num_stages``: None picks 2. ``block_sizes=None`` in the wrappers means
-    :func:`default_block_sizes` for the current GPU.
+    ``num_warps``: the forward kernel's warps, and the backward kernels' unless
+    ``num_warps_dkv``/``num_warps_dq`` say otherwise; None picks per kernel and GPU
+    (:func:`default_block_sizes`). ``num_stages``: None picks 2. ``block_sizes=None`` in the
+    wrappers means :func:`default_block_sizes` for the current GPU.
     """
 
     block_q: int = 64
@@ -99,6 +108,8 @@ class BlockSizes:
     block_k_dq: int = 32
     num_warps: int | None = None
     num_stages: int | None = None
+    num_warps_dkv: int | None = None
+    num_warps_dq: int | None = None
 
     def __post_init__(self):
         for f in ("block_q", "block_k", "block_q_dkv", "block_k_dkv", "block_q_dq", "block_k_dq"):
@@ -108,11 +119,12 @@ class BlockSizes:
                     f"BlockSizes.{f} must be a power of two >= {_MIN_BLOCK} (16, 32, 64, 128, ...): "
                     f"the Triton lowering needs power-of-two block shapes and dots of at least "
                     f"16 rows; got {b!r}")
-        w = self.num_warps
-        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or not _is_pow2(w)
-                              or w > 32):
-            raise ValueError(f"BlockSizes.num_warps must be None or one of 1, 2, 4, 8, 16, 32; "
-                             f"got {w!r}")
+        for f in ("num_warps", "num_warps_dkv", "num_warps_dq"):
+            w = getattr(self, f)
+            if w is not None and (isinstance(w, bool) or not isinstance(w, int) or not _is_pow2(w)
+                                  or w > 32):
+                raise ValueError(f"BlockSizes.{f} must be None or one of 1, 2, 4, 8, 16, 32; "
+                                 f"got {w!r}")
         s = self.num_stages
         if s is not None and (isinstance(s, bool) or not isinstance(s, int) or s < 1):
             raise ValueError(f"BlockSizes.num_stages must be None or an int >= 1; got {s!r}")
@@ -146,14 +158,19 @@ def default_block_sizes(head_dim: int, v_head_dim: int | None = None, *,
     with 99 KiB of shared memory per block (sm_86/sm_89/sm_120) the streamed dK/dV and dQ tiles
     are halved at the widest heads. ``head_dim``/``v_head_dim``: q/k and v widths.
     """
-    cc = compute_capability or _device_capability()
-    smem = SHARED_MEMORY_BYTES.get(tuple(cc), 101376)
+    cc = tuple(compute_capability or _device_capability())
+    smem = SHARED_MEMORY_BYTES.get(cc, 101376)
     dv = head_dim if v_head_dim is None else v_head_dim
-    width = (2 if differential else 1) * _next_pow2(head_dim) + _next_pow2(dv)
+    d_pad, dv_pad = max(_MIN_BLOCK, _next_pow2(head_dim)), max(_MIN_BLOCK, _next_pow2(dv))
+    n_branch = 2 if differential else 1
+    width = n_branch * d_pad + dv_pad
+    bs = BlockSizes()
+    if cc[0] < 9 and n_branch * dv_pad > 256:  # mma.sync keeps more live: halve the q tile
+        bs = dataclasses.replace(bs, block_q=32)
     if smem < 128 * 1024 and width > 256:
-        return BlockSizes(block_q=64, block_k=32, block_q_dkv=16, block_k_dkv=64,
-                          block_q_dq=64, block_k_dq=16)
-    return BlockSizes()
+        bs = dataclasses.replace(bs, block_q_dkv=16, block_q_dq=32, block_k_dq=32)
+    warps = _default_warps(n_branch, d_pad, dv_pad, cc)
+    return dataclasses.replace(bs, **warps)
 
 
 def shared_memory_bytes(kernel: str, block_q: int, block_k: int, head_dim: int,
@@ -199,15 +216,17 @@ def _check_fits(bs: BlockSizes, d: int, dv: int, n_branch: int, n_keys: int, ite
                 f"for the defaults of this GPU.")
 
 
-def _default_warps(separate_k2: bool, n_branch: int, d: int, dv: int) -> dict[str, int]:
-    """Warps per kernel: 4 (one warpgroup, so a 64-row tile's dots are issued once) where the
-    float32 accumulators fit its registers, else 8 (two warpgroups; Triton then issues the
-    64-row score tile in both, see docs/kernels.md). Calibrated on the compile check's
-    registers and spills for sm_90."""
-    fwd_acc = n_branch * dv  # float32 accumulator columns per query row
-    dq_cols = n_branch * d + dv // 2 + (d if separate_k2 else 0) // 2
-    return {"num_warps": 4 if fwd_acc <= 256 and n_branch * d + dv <= 384 else 8,
-            "num_warps_dq": 4 if dq_cols <= 320 else 8,
+def _default_warps(n_branch: int, d: int, dv: int, cc: tuple[int, int]) -> dict[str, int]:
+    """Warps per kernel. On sm_90: 4 (one warpgroup, so a 64-row tile's dots are issued once)
+    where the float32 accumulators fit its registers, else 8 (two warpgroups; Triton then
+    issues the 64-row score tile in both, see docs/kernels.md). Before sm_90 (mma.sync, no
+    duplication at 8 warps): 8 for the forward, 4 for dQ only at the narrowest widths.
+    Calibrated on the compile check's registers and spills."""
+    dq_cols = n_branch * d + dv // 2
+    if cc[0] < 9:
+        return {"num_warps": 8, "num_warps_dq": 4 if dq_cols <= 192 else 8, "num_warps_dkv": 8}
+    return {"num_warps": 4 if n_branch * dv <= 256 and n_branch * d + dv <= 384 else 8,
+            "num_warps_dq": 4 if dq_cols <= 320 and n_branch * dv <= 256 else 8,
             "num_warps_dkv": 8}
 
 
@@ -672,7 +691,7 @@ def _pad_axis(x, axis: int, size: int, value=0):
 
 
 def _run(differential, q1, k1, q2, k2, v, lam, *, causal, segment_ids, kv_segment_ids,
-         sm_scale, block_sizes, interpret):
+         sm_scale, block_sizes, interpret, o2_dtype=jnp.float32):
     b, t, hq, d = q1.shape
     s = k1.shape[1]
     dv = v.shape[-1]
@@ -704,6 +723,9 @@ def _run(differential, q1, k1, q2, k2, v, lam, *, causal, segment_ids, kv_segmen
     dv_pad = max(_MIN_BLOCK, _next_pow2(dv))
 
     shared_k = differential and k1 is k2
+    warps = _default_warps(2 if differential else 1, d_pad, dv_pad, _device_capability())
+    for f in warps:  # given warps win; num_warps also sets the backward's unless they are given
+        warps[f] = getattr(bs, f) or bs.num_warps or warps[f]
     # Triton dots need matching operand types: compute in the inputs' common type (a no-op for
     # the usual single-dtype call); the output keeps q1's dtype, as in the reference.
     out_dtype = q1.dtype
@@ -718,9 +740,9 @@ def _run(differential, q1, k1, q2, k2, v, lam, *, causal, segment_ids, kv_segmen
         q_len=t, kv_len=s, kv_padded=s_pad != s, scale=sm_scale,
         block_q=bq, block_k=bk, block_q_dkv=bq_dkv, block_k_dkv=bk_dkv,
         block_q_dq=bq_dq, block_k_dq=bk_dq,
-        num_stages=bs.num_stages or 2, interpret=bool(interpret),
-        **{f: bs.num_warps or w for f, w in _default_warps(
-            differential and not shared_k, 2 if differential else 1, d_pad, dv_pad).items()})
+        num_stages=bs.num_stages or 2, interpret=bool(interpret), o2_dtype=jnp.dtype(o2_dtype),
+        num_warps=warps["num_warps"], num_warps_dkv=warps["num_warps_dkv"],
+        num_warps_dq=warps["num_warps_dq"])
 
     def pad_q(x):
         return None if x is None else _pad_axis(_pad_axis(x, 3, d_pad), 1, t_pad)
@@ -749,20 +771,22 @@ def _run(differential, q1, k1, q2, k2, v, lam, *, causal, segment_ids, kv_segmen
 
 def diff_flash_attention(q1, k1, q2, k2, v, lam, *, causal=True, segment_ids=None,
                          kv_segment_ids=None, sm_scale=None, block_sizes=None,
-                         interpret=False) -> jax.Array:
+                         interpret=False, o2_dtype=jnp.float32) -> jax.Array:
     """Fused ``softmax(q1 k1^T s) v - lam * softmax(q2 k2^T s) v``, ``[B, T, Hq, Dv]`` in q1.dtype.
 
     q1, q2 ``[B,T,Hq,D]``; k1, k2 ``[B,S,Hkv,D]``; v ``[B,S,Hkv,Dv]``; ``lam`` a scalar (V1) or
     ``[B,T,Hq]`` (V2); query head ``h`` reads kv head ``h // (Hq // Hkv)``. Passing the same
     array as ``k1`` and ``k2`` selects the shared-key kernels (each key block loaded once).
     ``sm_scale`` (a python number) defaults to ``D ** -0.5``. Differentiable in q1, k1, q2, k2,
-    v and lam. ``interpret=True`` runs the kernels on CPU.
+    v and lam. ``interpret=True`` runs the kernels on CPU. ``o2_dtype``: the dtype of the saved
+    second-branch output (a backward residual, ``B*T*Hq*Dv`` elements per layer); bfloat16
+    halves it, at the cost in d(lam) stated in docs/kernels.md.
     """
     check_differential(q1, k1, q2, k2, v, lam, segment_ids, kv_segment_ids,
                        what="diff_flash_attention")
     return _run(True, q1, k1, q2, k2, v, lam, causal=causal, segment_ids=segment_ids,
                 kv_segment_ids=kv_segment_ids, sm_scale=sm_scale, block_sizes=block_sizes,
-                interpret=interpret)
+                interpret=interpret, o2_dtype=o2_dtype)
 
 
 def flash_attention(q, k, v, *, causal=True, segment_ids=None, kv_segment_ids=None,
