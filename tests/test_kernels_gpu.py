@@ -136,14 +136,14 @@ def _check_diff(args, ct, *, causal, seg, kv_seg, scale, block_sizes, shared=Fal
         return gpu.diff_flash_attention(q1, k1, q2, k1 if shared else k2, v, lam, sm_scale=scale,
                                         block_sizes=block_sizes, interpret=INTERPRET, **kw)
 
-    def reference(q1, k1, q2, k2, v, lam):
+    def expected(q1, k1, q2, k2, v, lam):
         up = lambda x: x.astype(jnp.float32)  # noqa: E731
         return reference.differential_attention(up(q1), up(k1), up(q2), up(k1 if shared else k2),
                                               up(v), lam, scale=scale, **kw)
 
     argnums = (0, 1, 2, 4, 5) if shared else (0, 1, 2, 3, 4, 5)
     out, grads = _value_and_grads(kernel, args, ct, argnums)
-    want_out, want = _value_and_grads(reference, args, ct, argnums)
+    want_out, want = _value_and_grads(expected, args, ct, argnums)
     assert out.dtype == dtype and out.shape == ct.shape
     _close("out", out, want_out, tol["value"])
     for i, g, w in zip(argnums, grads, want):
@@ -168,12 +168,12 @@ def _check_standard(q, k, v, ct, *, causal, seg, kv_seg, block_sizes):
     def kernel(q, k, v):
         return gpu.flash_attention(q, k, v, block_sizes=block_sizes, interpret=INTERPRET, **kw)
 
-    def reference(q, k, v):
+    def expected(q, k, v):
         up = lambda x: x.astype(jnp.float32)  # noqa: E731
         return reference.dot_product_attention(up(q), up(k), up(v), scale=scale, **kw)
 
     out, grads = _value_and_grads(kernel, (q, k, v), ct, (0, 1, 2))
-    want_out, want = _value_and_grads(reference, (q, k, v), ct, (0, 1, 2))
+    want_out, want = _value_and_grads(expected, (q, k, v), ct, (0, 1, 2))
     _close("out", out, want_out, tol["value"])
     for name, g, w in zip(("dq", "dk", "dv"), grads, want):
         _close(name, g, w, tol["grad"])
@@ -404,9 +404,10 @@ def test_blocks_too_big_for_shared_memory_are_refused_with_a_size_that_fits():
     gpu._check_fits(dataclasses.replace(big, block_k=64), 128, 256, 2, 2, 2, (9, 0))  # fits
 
 
-def test_default_blocks_per_target():
-    """Defaults fit the target's shared memory (the compile check verifies the rest)."""
-    for cc in [(9, 0), (8, 0), (8, 9)]:
+def test_default_blocks_fit_hopper_shared_memory():
+    """sm_90 defaults fit its shared memory by the exact model (the compile check verifies
+    every target, where the model is an over-estimate before sm_90)."""
+    for cc in [(9, 0)]:
         for d, dv, diff in [(64, 128, True), (128, 256, True), (128, 128, True),
                             (128, 128, False)]:
             bs = gpu.default_block_sizes(d, dv, differential=diff, compute_capability=cc)

@@ -154,9 +154,10 @@ def default_block_sizes(head_dim: int, v_head_dim: int | None = None, *,
 
     Chosen with ``benchmarks/compile_kernels.py`` so that every kernel compiles without register
     spills and within the target's shared memory (docs/kernels.md has the table): 64-query
-    forward and dQ tiles streaming 32 keys, a 64-key dK/dV tile streaming 32 queries; on GPUs
-    with 99 KiB of shared memory per block (sm_86/sm_89/sm_120) the streamed dK/dV and dQ tiles
-    are halved at the widest heads. ``head_dim``/``v_head_dim``: q/k and v widths.
+    forward and dQ tiles streaming 32 keys, a 64-key dK/dV tile streaming 32 queries on sm_90;
+    before sm_90 the forward streams 64 keys (32 queries at the wider heads); on GPUs with 99 KiB
+    of shared memory per block (sm_86/sm_89/sm_120) the dK/dV and dQ tiles are smaller at the
+    wider heads. ``head_dim``/``v_head_dim``: q/k and v widths.
     """
     cc = tuple(compute_capability or _device_capability())
     smem = SHARED_MEMORY_BYTES.get(cc, 101376)
@@ -165,8 +166,9 @@ def default_block_sizes(head_dim: int, v_head_dim: int | None = None, *,
     n_branch = 2 if differential else 1
     width = n_branch * d_pad + dv_pad
     bs = BlockSizes()
-    if cc[0] < 9 and n_branch * dv_pad > 256:  # mma.sync keeps more live: halve the q tile
-        bs = dataclasses.replace(bs, block_q=32)
+    if cc[0] < 9:  # mma.sync: 64 keys per step (32 duplicates the score tile at 8 warps), and
+        # at the wider heads a 32-query tile (64 spills or, on 99 KiB GPUs, does not fit)
+        bs = dataclasses.replace(bs, block_k=64, block_q=32 if width > 256 else 64)
     if smem < 128 * 1024 and width > 256:
         bs = dataclasses.replace(bs, block_q_dkv=16, block_q_dq=32, block_k_dq=32)
     warps = _default_warps(n_branch, d_pad, dv_pad, cc)
