@@ -68,8 +68,8 @@ def diff_flash_attention(q1: jax.Array, k1: jax.Array, q2: jax.Array, k2: jax.Ar
     ``block_sizes``: the chosen kernel's ``BlockSizes``.
     """
     # The kernel modules' public functions check the shapes (once); this only adds the
-    # model's rule for V's width.
-    dqk, dv = q1.shape[-1], v.shape[-1]
+    # model's rule for V's width (against k1's: q/k mismatches are the modules' to name).
+    dqk, dv = k1.shape[-1], v.shape[-1]
     if dv not in (dqk, 2 * dqk):
         raise ValueError(f"diff_flash_attention: v's head dim must equal q/k's ({dqk}) or be "
                          f"twice it ({2 * dqk}), got {dv}")
