@@ -167,12 +167,13 @@ def _ptxas() -> str | None:
     return shutil.which("ptxas")
 
 
-_MMA = re.compile(r"(wgmma\.mma_async\S*\.m(\d+)n(\d+)k(\d+)|mma\.sync\.aligned\.m(\d+)n(\d+)k(\d+))")
+_MMA = re.compile(r"(wgmma\.mma_async\S*\.m(\d+)n(\d+)k(\d+)"
+                  r"|mma\.sync\.aligned\.m(\d+)n(\d+)k(\d+))")
 
 
 def _ptx_stats(ptx: str, arch: str, ptxas: str | None, threads: int | None) -> dict:
-    """Registers/spills (ptxas) and MMA multiply-adds issued per loop iteration of the kernel:
-    every instruction in the PTX runs on every warp (mma.sync) or warpgroup (wgmma)."""
+    """Registers/spills (ptxas) and the MMA multiply-adds the kernel's PTX issues (once per
+    tile-loop iteration): every instruction runs on every warp (mma.sync) or warpgroup (wgmma)."""
     src = open(ptx).read()
     out: dict = {}
     if ptxas:
@@ -195,9 +196,6 @@ def _ptx_stats(ptx: str, arch: str, ptxas: str | None, threads: int | None) -> d
             macs += int(m.group(5)) * int(m.group(6)) * int(m.group(7)) * warps
     out.update(wgmma=wg, mma_sync=sync, macs=macs)
     return out
-
-
-_BLOCKS = re.compile(r"(\w+)_bq(\d+)_bk(\d+)")
 
 
 def _gpu_child(target_key: str, cases: list[str], seq: int, heads: int, blocks, warps, dump: str):
@@ -351,7 +349,7 @@ def _fmt_row(r: dict) -> str:
 
 
 HEADER = ("| target | case | kernel | compiles | regs | spill B | smem / VMEM | threads | "
-          "MMA instructions | MACs issued per visible pair |\n|---|---|---|---|---|---|---|---|---|---|")
+          "MMA instructions | MACs issued per visible pair |\n" + "|---" * 10 + "|")
 
 
 def table(rows: list[dict]) -> str:
