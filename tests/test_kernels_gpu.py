@@ -8,6 +8,7 @@ validation and a check that the kernels lower through the real Triton path (no G
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -135,14 +136,14 @@ def _check_diff(args, ct, *, causal, seg, kv_seg, scale, block_sizes, shared=Fal
         return gpu.diff_flash_attention(q1, k1, q2, k1 if shared else k2, v, lam, sm_scale=scale,
                                         block_sizes=block_sizes, interpret=INTERPRET, **kw)
 
-    def reference(q1, k1, q2, k2, v, lam):
+    def expected(q1, k1, q2, k2, v, lam):
         up = lambda x: x.astype(jnp.float32)  # noqa: E731
         return reference.differential_attention(up(q1), up(k1), up(q2), up(k1 if shared else k2),
                                               up(v), lam, scale=scale, **kw)
 
     argnums = (0, 1, 2, 4, 5) if shared else (0, 1, 2, 3, 4, 5)
     out, grads = _value_and_grads(kernel, args, ct, argnums)
-    want_out, want = _value_and_grads(reference, args, ct, argnums)
+    want_out, want = _value_and_grads(expected, args, ct, argnums)
     assert out.dtype == dtype and out.shape == ct.shape
     _close("out", out, want_out, tol["value"])
     for i, g, w in zip(argnums, grads, want):
@@ -167,12 +168,12 @@ def _check_standard(q, k, v, ct, *, causal, seg, kv_seg, block_sizes):
     def kernel(q, k, v):
         return gpu.flash_attention(q, k, v, block_sizes=block_sizes, interpret=INTERPRET, **kw)
 
-    def reference(q, k, v):
+    def expected(q, k, v):
         up = lambda x: x.astype(jnp.float32)  # noqa: E731
         return reference.dot_product_attention(up(q), up(k), up(v), scale=scale, **kw)
 
     out, grads = _value_and_grads(kernel, (q, k, v), ct, (0, 1, 2))
-    want_out, want = _value_and_grads(reference, (q, k, v), ct, (0, 1, 2))
+    want_out, want = _value_and_grads(expected, (q, k, v), ct, (0, 1, 2))
     _close("out", out, want_out, tol["value"])
     for name, g, w in zip(("dq", "dk", "dv"), grads, want):
         _close(name, g, w, tol["grad"])
@@ -381,6 +382,42 @@ def test_block_size_error_names_accepted_values():
         gpu.BlockSizes(block_q=100)
 
 
+# Shared memory XLA reported for these kernels on sm_90 (benchmarks/compile_kernels.py, bf16):
+# (kernel, block_q, block_k, d, dv, n_branch, n_keys) -> bytes.
+MEASURED_SMEM = [("fwd", 64, 64, 64, 128, 2, 2, 81920), ("fwd", 64, 64, 128, 256, 2, 2, 163840),
+                 ("fwd", 64, 64, 128, 128, 2, 1, 98304), ("fwd", 64, 64, 128, 128, 1, 1, 81920),
+                 ("fwd", 64, 32, 128, 256, 2, 2, 98304), ("dq", 64, 32, 64, 128, 2, 2, 65536),
+                 ("dq", 64, 32, 128, 256, 2, 2, 131072), ("dq", 64, 32, 128, 128, 2, 1, 81920),
+                 ("dq", 64, 32, 128, 128, 1, 1, 65536)]
+
+
+@pytest.mark.parametrize("kernel,bq,bk,d,dv,n_branch,n_keys,want", MEASURED_SMEM)
+def test_shared_memory_model_matches_the_compiler(kernel, bq, bk, d, dv, n_branch, n_keys, want):
+    assert gpu.shared_memory_bytes(kernel, bq, bk, d, dv, n_branch=n_branch,
+                                   n_keys=n_keys) == want
+
+
+def test_blocks_too_big_for_shared_memory_are_refused_with_a_size_that_fits():
+    big = gpu.BlockSizes(block_q=128, block_k=128)
+    with pytest.raises(ValueError, match=r"327680 bytes.*232448.*Fix: use block_k=64"):
+        gpu._check_fits(big, 128, 256, 2, 2, 2, (9, 0))
+    gpu._check_fits(dataclasses.replace(big, block_k=64), 128, 256, 2, 2, 2, (9, 0))  # fits
+
+
+def test_default_blocks_fit_hopper_shared_memory():
+    """sm_90 defaults fit its shared memory by the exact model (the compile check verifies
+    every target, where the model is an over-estimate before sm_90)."""
+    for cc in [(9, 0)]:
+        for d, dv, diff in [(64, 128, True), (128, 256, True), (128, 128, True),
+                            (128, 128, False)]:
+            bs = gpu.default_block_sizes(d, dv, differential=diff, compute_capability=cc)
+            n = 2 if diff else 1
+            for kernel, bq, bk in [("fwd", bs.block_q, bs.block_k),
+                                   ("dq", bs.block_q_dq, bs.block_k_dq)]:
+                assert gpu.shared_memory_bytes(kernel, bq, bk, d, dv, n_branch=n,
+                                               n_keys=n) <= gpu.SHARED_MEMORY_BYTES[cc]
+
+
 def test_bad_shapes():
     x = jnp.zeros((1, 16, 2, 32))
     with pytest.raises(ValueError, match="lam"):
@@ -426,7 +463,7 @@ def test_unmasked_key_blocks_are_exactly_the_fully_visible_ones(causal):
                          (64, 64, 32, 16), (20, 100, 16, 32)]:
         kv_pad = -(-s // bk) * bk
         cfg = gpu._Config(differential=True, shared_k=False, causal=causal, segmented=False,
-                          q_len=t, kv_len=s, kv_padded=kv_pad != s, sm_scale=1.0,
+                          q_len=t, kv_len=s, kv_padded=kv_pad != s, scale=1.0,
                           block_q=bq, block_k=bk, block_q_dkv=bq, block_k_dkv=bk,
                           block_q_dq=bq, block_k_dq=bk, num_warps=4, num_stages=2,
                           interpret=INTERPRET)
@@ -456,7 +493,7 @@ def test_dkv_unmasked_query_blocks_are_exactly_the_fully_visible_ones(causal):
                          (64, 64, 16, 32), (100, 20, 32, 16)]:
         kv_pad = -(-s // bk) * bk
         cfg = gpu._Config(differential=True, shared_k=False, causal=causal, segmented=False,
-                          q_len=t, kv_len=s, kv_padded=kv_pad != s, sm_scale=1.0,
+                          q_len=t, kv_len=s, kv_padded=kv_pad != s, scale=1.0,
                           block_q=bq, block_k=bk, block_q_dkv=bq, block_k_dkv=bk,
                           block_q_dq=bq, block_k_dq=bk, num_warps=4, num_stages=2,
                           interpret=INTERPRET)
@@ -473,3 +510,20 @@ def test_dkv_unmasked_query_blocks_are_exactly_the_fully_visible_ones(causal):
                     want = qi
                     break
             assert got == want, (t, s, bq, bk, kj, got, want)
+
+
+def test_bfloat16_o2_residual_costs_little_in_dlam():
+    """The O2 residual saved in bfloat16 (half its memory): d(lam) stays within the bfloat16
+    tolerance of the float32 reference (docs/kernels.md gives the measured cost)."""
+    args, ct, _ = _inputs(3, 1, 48, 48, 2, 2, 16, 32, jnp.bfloat16, "scalar")
+    up = [x.astype(jnp.float32) for x in args[:5]]
+
+    def dlam(f):
+        return jax.grad(lambda lam: jnp.sum(f(lam).astype(jnp.float32) * ct))(args[5])
+
+    got = dlam(lambda lam: gpu.diff_flash_attention(*args[:5], lam, block_sizes=SMALL,
+                                                    interpret=INTERPRET, o2_dtype=jnp.bfloat16))
+    want = dlam(lambda lam: reference.differential_attention(*up, lam, causal=True))
+    o2 = reference.dot_product_attention(up[2], up[3], up[4], causal=True)
+    atol, rtol = BF16_TOL["dlam"]  # rtol times the L1 norm of d(lam)'s terms, as in _check_diff
+    assert abs(float(got) - float(want)) <= atol + rtol * float(jnp.sum(jnp.abs(ct * o2)))

@@ -124,12 +124,12 @@ def check_differential(case, *, causal, block_sizes, interpret=True, sm_scale=No
                                         block_sizes=block_sizes, interpret=interpret,
                                         **_masks(case))
 
-    def reference(*a):
+    def expected(*a):
         return reference.differential_attention(
             *a, causal=causal, scale=d ** -0.5 if sm_scale is None else sm_scale, **_masks(case))
 
     out, grads = _value_and_grads(kernel, args, case["ct"])
-    ref_out, ref_grads = _value_and_grads(reference, tuple(map(_f32, args)), _f32(case["ct"]))
+    ref_out, ref_grads = _value_and_grads(expected, tuple(map(_f32, args)), _f32(case["ct"]))
     assert out.dtype == case["q1"].dtype and out.shape == ref_out.shape
     _assert_close(out, ref_out, TOL[dtype], "output")
     for name, g, rg, a in zip(names, grads, ref_grads, args):
@@ -147,11 +147,11 @@ def check_standard(case, *, causal, block_sizes, interpret=True):
         return tpu.flash_attention(*a, causal=causal, block_sizes=block_sizes,
                                    interpret=interpret, **_masks(case))
 
-    def reference(*a):
+    def expected(*a):
         return reference.dot_product_attention(*a, causal=causal, scale=d ** -0.5, **_masks(case))
 
     out, grads = _value_and_grads(kernel, args, case["ct"])
-    ref_out, ref_grads = _value_and_grads(reference, tuple(map(_f32, args)), _f32(case["ct"]))
+    ref_out, ref_grads = _value_and_grads(expected, tuple(map(_f32, args)), _f32(case["ct"]))
     _assert_close(out, ref_out, TOL[dtype], "output")
     for name, g, rg in zip(("q", "k", "v"), grads, ref_grads):
         _assert_close(g, rg, GRAD_TOL[dtype], f"d{name}")

@@ -13,13 +13,16 @@ index arithmetic, fully masked query rows give a zero output and zero gradients.
 
 Design
 ------
-Forward, grid ``(batch, q_heads, q_blocks)``: each program holds one query block of both
+Forward, grid ``(q_blocks, batch, q_heads)`` (programs that run together share K/V in L2;
+causal grids run the query blocks in reverse, heaviest first): each program holds one query
+block of both
 branches and streams the key/value blocks of its kv group once (``h // (Hq // Hkv)`` in the
 index map; K/V are never repeated), keeping two online-softmax states (running max and sum)
 and two float32 accumulators. Causal programs stop at the last key block that any of their
 queries can see. The epilogue normalises each branch, subtracts in float32 with a float32
-lambda and writes ``out`` plus the residuals ``lse1``, ``lse2`` (float32 ``[B, Hq, T]``) and
-the normalised second-branch output ``O2`` (float32 ``[B, T, Hq, Dv]``).
+lambda and writes ``out`` plus the residuals ``lse1``, ``lse2`` (float32 ``[B, Hq, T]``, in
+base 2: the logits are scaled by ``sm_scale * log2(e)`` and exponentiated with ``exp2``) and
+the normalised second-branch output ``O2`` (``[B, T, Hq, Dv]``, float32 unless ``o2_dtype``).
 
 Backward (custom VJP), with ``dP = dO V^T`` shared by both branches because
 ``dO2 = -lam dO``:
@@ -28,11 +31,16 @@ Backward (custom VJP), with ``dP = dO V^T`` shared by both branches because
   ``d(lam) = -delta2`` are cheap row reductions in plain ``jnp``.
 * ``dS1 = P1 (dP - delta1)``, ``dS2 = -lam P2 (dP - delta2)``, ``dV = (P1 - lam P2)^T dO``
   (one P·dO product for both branches), ``dK_i = s dS_i^T Q_i``, ``dQ_i = s dS_i K_i``.
-* dK/dV kernel, grid ``(batch, kv_heads, kv_blocks)``: one program owns one key block of one
+* dK/dV kernel, grid ``(kv_blocks, batch, kv_heads)``: one program owns one key block of one
   kv head and loops over the ``Hq // Hkv`` query heads of its GQA group and over the query
   blocks (causal programs start at the first query block that sees the key block), so the
   GQA reduction happens in registers: no per-query-head partials, no atomics.
-* dQ kernel, grid ``(batch, q_heads, q_blocks)``: like the forward pass.
+* dQ kernel, grid ``(q_blocks, batch, q_heads)``: like the forward pass.
+
+Each kernel takes its operands as named refs; those a configuration lacks (the second branch
+of the standard kernel, ``k2`` when keys are shared, segment ids) are passed as None.
+Block sizes and warps per kernel and GPU: :func:`default_block_sizes` (chosen with
+``benchmarks/compile_kernels.py``; docs/kernels.md).
 
 Shared keys: when ``k1 is k2`` (DIFF V2 passes the same key array twice) a kernel variant with
 a single K input loads each key block once, and the backward accumulates ``dK1 + dK2`` into
@@ -52,7 +60,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -60,21 +67,19 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from ._common import LOG2E, dot_nn as _dot_nn, dot_nt as _dot_nt, dot_tn as _dot_tn
+from ._common import next_pow2 as _next_pow2, round_up as _round_up
 from .reference import MASK_VALUE, check_differential, check_qkv
 
 _MIN_BLOCK = 16  # Triton: every block dim a power of two, and dots need >= 16
 _SQ = getattr(pl, "squeezed", None)  # a squeezed block dimension (None on older jax)
 
-__all__ = ["BlockSizes", "diff_flash_attention", "flash_attention"]
+__all__ = ["BlockSizes", "default_block_sizes", "shared_memory_bytes", "diff_flash_attention", "flash_attention"]
 
 
 # ---------------------------------------------------------------------------- block sizes
 def _is_pow2(n: int) -> bool:
     return n > 0 and (n & (n - 1)) == 0
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,17 +94,22 @@ class BlockSizes:
     inputs work with the defaults. The defaults keep the two branches' float32 accumulators
     in registers at head dim 64/128 (V twice as wide in DIFF V1) on H100/H200.
 
-    ``num_warps``: None picks 4 for head dims <= 64, else 8. ``num_stages``: None picks 2.
+    ``num_warps``: the forward kernel's warps, and the backward kernels' unless
+    ``num_warps_dkv``/``num_warps_dq`` say otherwise; None picks per kernel and GPU
+    (:func:`default_block_sizes`). ``num_stages``: None picks 2. ``block_sizes=None`` in the
+    wrappers means :func:`default_block_sizes` for the current GPU.
     """
 
     block_q: int = 64
-    block_k: int = 64
+    block_k: int = 32
     block_q_dkv: int = 32
     block_k_dkv: int = 64
     block_q_dq: int = 64
     block_k_dq: int = 32
     num_warps: int | None = None
     num_stages: int | None = None
+    num_warps_dkv: int | None = None
+    num_warps_dq: int | None = None
 
     def __post_init__(self):
         for f in ("block_q", "block_k", "block_q_dkv", "block_k_dkv", "block_q_dq", "block_k_dq"):
@@ -109,14 +119,117 @@ class BlockSizes:
                     f"BlockSizes.{f} must be a power of two >= {_MIN_BLOCK} (16, 32, 64, 128, ...): "
                     f"the Triton lowering needs power-of-two block shapes and dots of at least "
                     f"16 rows; got {b!r}")
-        w = self.num_warps
-        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or not _is_pow2(w)
-                              or w > 32):
-            raise ValueError(f"BlockSizes.num_warps must be None or one of 1, 2, 4, 8, 16, 32; "
-                             f"got {w!r}")
+        for f in ("num_warps", "num_warps_dkv", "num_warps_dq"):
+            w = getattr(self, f)
+            if w is not None and (isinstance(w, bool) or not isinstance(w, int) or not _is_pow2(w)
+                                  or w > 32):
+                raise ValueError(f"BlockSizes.{f} must be None or one of 1, 2, 4, 8, 16, 32; "
+                                 f"got {w!r}")
         s = self.num_stages
         if s is not None and (isinstance(s, bool) or not isinstance(s, int) or s < 1):
             raise ValueError(f"BlockSizes.num_stages must be None or an int >= 1; got {s!r}")
+
+
+# Opt-in shared memory per block by compute capability (CUDA programming guide, table of
+# technical specifications): what a kernel's pipelined tiles must fit in.
+SHARED_MEMORY_BYTES = {(8, 0): 166912, (8, 6): 101376, (8, 7): 166912, (8, 9): 101376,
+                       (9, 0): 232448, (10, 0): 232448, (12, 0): 101376}
+
+
+def _device_capability() -> tuple[int, int]:
+    """The current GPU's compute capability; (9, 0) when there is none (interpret mode, or a
+    deviceless compile, which passes its target to :func:`default_block_sizes` itself)."""
+    try:
+        dev = jax.devices()[0]
+        major, minor = str(getattr(dev, "compute_capability", "9.0")).split(".")[:2]
+        return int(major), int(minor)
+    except (RuntimeError, ValueError):
+        return 9, 0
+
+
+def default_block_sizes(head_dim: int, v_head_dim: int | None = None, *,
+                        differential: bool = True,
+                        compute_capability: tuple[int, int] | None = None) -> BlockSizes:
+    """The block sizes the wrappers use when given none, for a target (default: this GPU).
+
+    Chosen with ``benchmarks/compile_kernels.py`` so that every kernel compiles without register
+    spills and within the target's shared memory (docs/kernels.md has the table): 64-query
+    forward and dQ tiles streaming 32 keys, a 64-key dK/dV tile streaming 32 queries on sm_90;
+    before sm_90 the forward streams 64 keys (32 queries at the wider heads); on GPUs with 99 KiB
+    of shared memory per block (sm_86/sm_89/sm_120) the dK/dV and dQ tiles are smaller at the
+    wider heads. ``head_dim``/``v_head_dim``: q/k and v widths.
+    """
+    cc = tuple(compute_capability or _device_capability())
+    smem = SHARED_MEMORY_BYTES.get(cc, 101376)
+    dv = head_dim if v_head_dim is None else v_head_dim
+    d_pad, dv_pad = max(_MIN_BLOCK, _next_pow2(head_dim)), max(_MIN_BLOCK, _next_pow2(dv))
+    n_branch = 2 if differential else 1
+    width = n_branch * d_pad + dv_pad
+    bs = BlockSizes()
+    if cc[0] < 9:  # mma.sync: 64 keys per step (32 duplicates the score tile at 8 warps), and
+        # at the wider heads a 32-query tile (64 spills or, on 99 KiB GPUs, does not fit)
+        bs = dataclasses.replace(bs, block_k=64, block_q=32 if width > 256 else 64)
+    if smem < 128 * 1024 and width > 256:
+        bs = dataclasses.replace(bs, block_q_dkv=16, block_q_dq=32, block_k_dq=32)
+    warps = _default_warps(n_branch, d_pad, dv_pad, cc)
+    return dataclasses.replace(bs, **warps)
+
+
+def shared_memory_bytes(kernel: str, block_q: int, block_k: int, head_dim: int,
+                        v_head_dim: int, *, n_branch: int = 2, n_keys: int = 2,
+                        itemsize: int = 2, num_stages: int = 2) -> int:
+    """Shared memory Triton gives the forward or dQ kernel on sm_90: the streamed key/value
+    tiles once per pipeline stage plus the resident query-side tiles. Matches what XLA reports
+    for every case of ``benchmarks/compile_kernels.py`` (docs/kernels.md); ``n_keys`` is 1 for
+    shared keys or the standard kernel. Head dims are the padded (power-of-two) ones."""
+    streamed = num_stages * block_k * (n_keys * head_dim + v_head_dim) * itemsize
+    if kernel == "fwd":
+        return streamed + block_q * n_branch * head_dim * itemsize
+    if kernel == "dq":
+        return streamed + block_q * (n_branch * head_dim + v_head_dim) * itemsize
+    raise ValueError(f"no shared-memory model for kernel {kernel!r} (have 'fwd' and 'dq')")
+
+
+def _check_fits(bs: BlockSizes, d: int, dv: int, n_branch: int, n_keys: int, itemsize: int,
+                cc: tuple[int, int]):
+    """Refuse given block sizes whose forward or dQ tiles exceed the GPU's shared memory
+    (before compiling; sm_90 and newer, where :func:`shared_memory_bytes` is exact)."""
+    limit = SHARED_MEMORY_BYTES.get(tuple(cc))
+    if limit is None or cc[0] < 9:
+        return
+    stages = bs.num_stages or 2
+    for kernel, (fq, fk) in (("fwd", ("block_q", "block_k")), ("dq", ("block_q_dq", "block_k_dq"))):
+        bq, bk = getattr(bs, fq), getattr(bs, fk)
+
+        def need(k):
+            return shared_memory_bytes(kernel, bq, k, d, dv, n_branch=n_branch, n_keys=n_keys,
+                                       itemsize=itemsize, num_stages=stages)
+
+        if need(bk) > limit:
+            fit = bk
+            while fit > _MIN_BLOCK and need(fit) > limit:
+                fit //= 2
+            hint = (f"{fk}={fit}" if need(fit) <= limit else
+                    f"a smaller {fq} (or num_stages=1)")
+            raise ValueError(
+                f"BlockSizes({fq}={bq}, {fk}={bk}) needs {need(bk)} bytes of shared memory in "
+                f"the {kernel} kernel at head dims {d}/{dv}, more than this GPU's {limit} "
+                f"(compute capability {cc[0]}.{cc[1]}). Fix: use {hint}, or block_sizes=None "
+                f"for the defaults of this GPU.")
+
+
+def _default_warps(n_branch: int, d: int, dv: int, cc: tuple[int, int]) -> dict[str, int]:
+    """Warps per kernel. On sm_90: 4 (one warpgroup, so a 64-row tile's dots are issued once)
+    where the float32 accumulators fit its registers, else 8 (two warpgroups; Triton then
+    issues the 64-row score tile in both, see docs/kernels.md). Before sm_90 (mma.sync, no
+    duplication at 8 warps): 8 for the forward, 4 for dQ only at the narrowest widths.
+    Calibrated on the compile check's registers and spills."""
+    dq_cols = n_branch * d + dv // 2
+    if cc[0] < 9:
+        return {"num_warps": 8, "num_warps_dq": 4 if dq_cols <= 192 else 8, "num_warps_dkv": 8}
+    return {"num_warps": 4 if n_branch * dv <= 256 and n_branch * d + dv <= 384 else 8,
+            "num_warps_dq": 4 if dq_cols <= 320 and n_branch * dv <= 256 else 8,
+            "num_warps_dkv": 8}
 
 
 # ---------------------------------------------------------------------------- static config
@@ -129,23 +242,27 @@ class _Config:
     q_len: int        # unpadded T
     kv_len: int       # unpadded S
     kv_padded: bool   # padded keys exist and must be masked
-    sm_scale: float
+    scale: float  # the softmax scale (sm_scale of the public functions)
     block_q: int
     block_k: int
     block_q_dkv: int
     block_k_dkv: int
     block_q_dq: int
     block_k_dq: int
-    num_warps: int
+    num_warps: int  # forward
     num_stages: int
     interpret: bool
+    o2_dtype: object = jnp.float32  # the saved second-branch output (a backward residual)
+    num_warps_dkv: int = 8
+    num_warps_dq: int = 8
 
     @property
     def offset(self) -> int:  # query i sees key j iff j <= i + offset (bottom-right aligned)
         return self.kv_len - self.q_len
 
-    def params(self):
-        return plgpu.CompilerParams(num_warps=self.num_warps, num_stages=self.num_stages)
+    def params(self, kernel: str = "fwd"):
+        warps = {"fwd": self.num_warps, "dkv": self.num_warps_dkv, "dq": self.num_warps_dq}
+        return plgpu.CompilerParams(num_warps=warps[kernel], num_stages=self.num_stages)
 
 
 def _spec(block_shape, index_map):
@@ -154,18 +271,6 @@ def _spec(block_shape, index_map):
 
 
 # ---------------------------------------------------------------------------- kernel helpers
-def _dot(a, b):  # a @ b
-    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-
-
-def _dot_nt(a, b):  # a @ b.T
-    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-
-
-def _dot_tn(a, b):  # a.T @ b
-    return lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-
-
 def _mask(cfg: _Config, q_idx, k_idx, q_seg, k_seg):
     """Boolean [bq, bk] (True = may attend) or None when nothing is masked."""
     mask = None
@@ -224,6 +329,17 @@ def _q_block_unmasked_start(cfg: _Config, k_block, block_k: int, block_q: int, l
     return jnp.clip(_ceil_div(last_key - cfg.offset, block_q), lo, hi)
 
 
+def _q_block_index(cfg: _Config, i, n_q: int):
+    """The query block of grid step ``i`` on a (query block, batch, head) grid: causal grids
+    run the blocks in reverse, so the blocks with the most keys start first and the light ones
+    fill the tail. Used by the index maps and, through :func:`_q_block_id`, the kernels."""
+    return n_q - 1 - i if cfg.causal else i
+
+
+def _q_block_id(cfg: _Config, block_q: int):
+    return _q_block_index(cfg, pl.program_id(0), pl.num_programs(0))
+
+
 def _q_block_start(cfg: _Config, k_block, block_k: int, block_q: int):
     """First query block that sees any key of ``k_block`` (causal), else 0."""
     if not cfg.causal:
@@ -232,76 +348,49 @@ def _q_block_start(cfg: _Config, k_block, block_k: int, block_q: int):
     return lax.div(jnp.maximum(first_q, 0), jnp.int32(block_q))
 
 
-class _Refs:
-    """Unpacks the kernel's positional refs by name, following the static config."""
-
-    def __init__(self, refs, names):
-        refs = list(refs)
-        assert len(refs) == len(names), (len(refs), names)
-        for n, r in zip(names, refs):
-            setattr(self, n, r)
-
-
-def _in_names(cfg: _Config, bwd: bool):
-    names = ["q1", "k1"]
-    if cfg.differential:
-        names += ["q2"] + ([] if cfg.shared_k else ["k2"])
-    names += ["v"]
-    if bwd:
-        names += ["do", "lse1", "delta1"]
-        if cfg.differential:
-            names += ["lse2", "delta2"]
-    if cfg.differential:
-        names += ["lam"]
-    if cfg.segmented:
-        names += ["qseg", "kseg"]
-    return names
-
-
 # ---------------------------------------------------------------------------- forward kernel
-def _fwd_kernel(*refs, cfg: _Config):
-    out_names = ["o", "lse1"] + (["lse2", "o2"] if cfg.differential else [])
-    r = _Refs(refs, _in_names(cfg, bwd=False) + out_names)
+def _fwd_kernel(q1_ref, k1_ref, q2_ref, k2_ref, v_ref, lam_ref, qseg_ref, kseg_ref,
+                o_ref, lse1_ref, lse2_ref, o2_ref, *, cfg: _Config):
+    """One query block of one head. Operands a configuration does not use are None: q2, k2,
+    lam, lse2, o2 for the standard kernel, k2 for shared keys, the segment ids when unpacked."""
     bq, bk = cfg.block_q, cfg.block_k
-    qi = pl.program_id(2)
+    qi = _q_block_id(cfg, cfg.block_q)
     q_idx = qi * bq + jnp.arange(bq, dtype=jnp.int32)
-    q_seg = r.qseg[...] if cfg.segmented else None
-    dv = r.v.shape[-1]
+    q_seg = None if qseg_ref is None else qseg_ref[...]
+    dv = v_ref.shape[-1]
+    scale = cfg.scale * LOG2E  # logits in base 2: exp2(x * LOG2E) = exp(x)
 
-    q1 = r.q1[...]
-    q2 = r.q2[...] if cfg.differential else None
-    n_branch = 2 if cfg.differential else 1
+    q1 = q1_ref[...]
+    q2 = None if q2_ref is None else q2_ref[...]
 
     def update(s, mask, m, l, acc, v):
         if mask is not None:
             s = jnp.where(mask, s, MASK_VALUE)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-        alpha = jnp.exp(m - m_new)
-        p = jnp.exp(s - m_new[:, None])
+        alpha = jnp.exp2(m - m_new)
+        p = jnp.exp2(s - m_new[:, None])
         if mask is not None:  # masked keys weigh exactly 0, even in a row that sees none
             p = jnp.where(mask, p, 0.0)
         l = alpha * l + jnp.sum(p, axis=-1)
-        acc = alpha[:, None] * acc + _dot(p.astype(v.dtype), v)
+        acc = alpha[:, None] * acc + _dot_nn(p.astype(v.dtype), v)
         return m_new, l, acc
 
     def body(kj, carry, masked):
         start = kj * bk
         ks = pl.ds(start, bk)
         k_idx = start + jnp.arange(bk, dtype=jnp.int32)
-        mask = (_mask(cfg, q_idx, k_idx, q_seg, r.kseg[ks] if cfg.segmented else None)
+        mask = (_mask(cfg, q_idx, k_idx, q_seg, None if kseg_ref is None else kseg_ref[ks])
                 if masked else None)
-        v = r.v[ks, :]
-        k1 = r.k1[ks, :]
-        s1 = _dot_nt(q1, k1) * cfg.sm_scale
-        new = [update(s1, mask, *carry[0], v)]
-        if cfg.differential:
-            k2 = k1 if cfg.shared_k else r.k2[ks, :]
-            s2 = _dot_nt(q2, k2) * cfg.sm_scale
-            new.append(update(s2, mask, *carry[1], v))
+        v = v_ref[ks, :]
+        k1 = k1_ref[ks, :]
+        new = [update(_dot_nt(q1, k1) * scale, mask, *carry[0], v)]
+        if q2 is not None:
+            k2 = k1 if k2_ref is None else k2_ref[ks, :]
+            new.append(update(_dot_nt(q2, k2) * scale, mask, *carry[1], v))
         return tuple(new)
 
     init = tuple((jnp.full((bq,), MASK_VALUE, jnp.float32), jnp.zeros((bq,), jnp.float32),
-                  jnp.zeros((bq, dv), jnp.float32)) for _ in range(n_branch))
+                  jnp.zeros((bq, dv), jnp.float32)) for _ in range(1 + (q2 is not None)))
     hi = _kv_block_bound(cfg, qi, bq, bk)
     lo = _unmasked_kv_blocks(cfg, qi, bq, bk, hi)
     states = lax.fori_loop(0, lo, functools.partial(body, masked=False), init)
@@ -310,18 +399,15 @@ def _fwd_kernel(*refs, cfg: _Config):
     def finish(m, l, acc):
         seen = l > 0.0  # a row that sees no key: zero output (not NaN, not a uniform mean)
         l_safe = jnp.where(seen, l, 1.0)
-        return acc / l_safe[:, None], m + jnp.log(l_safe)
+        return acc / l_safe[:, None], m + jnp.log2(l_safe)  # lse in base 2
 
-    o1, lse1 = finish(*states[0])
-    r.lse1[...] = lse1
-    if cfg.differential:
-        o2, lse2 = finish(*states[1])
-        lam = r.lam[...]
-        r.o[...] = (o1 - lam[:, None] * o2).astype(r.o.dtype)
-        r.lse2[...] = lse2
-        r.o2[...] = o2
-    else:
-        r.o[...] = o1.astype(r.o.dtype)
+    o1, lse1_ref[...] = finish(*states[0])
+    if q2 is None:
+        o_ref[...] = o1.astype(o_ref.dtype)
+        return
+    o2, lse2_ref[...] = finish(*states[1])
+    o_ref[...] = (o1 - lam_ref[...][:, None] * o2).astype(o_ref.dtype)
+    o2_ref[...] = o2.astype(o2_ref.dtype)
 
 
 def _forward(cfg: _Config, q1, k1, q2, k2, v, lam, qseg, kseg):
@@ -330,83 +416,72 @@ def _forward(cfg: _Config, q1, k1, q2, k2, v, lam, qseg, kseg):
     dv = v.shape[-1]
     rep = hq // hkv
     bq = cfg.block_q
+    n_q = t // bq
 
-    def q_map(bi, h, i):
-        return (bi, i, h, 0)
+    # Grid (query block, batch, head): neighbouring programs share K/V in L2, and with the
+    # blocks reversed in _q_block_id the heaviest causal blocks launch first.
+    def q_map(i, bi, h):
+        return (bi, _q_block_index(cfg, i, n_q), h, 0)
 
-    def kv_map(bi, h, i):
+    def kv_map(i, bi, h):
         return (bi, 0, lax.div(h, rep), 0)
 
-    def row_map(bi, h, i):
-        return (bi, h, i)
+    def row_map(i, bi, h):
+        return (bi, h, _q_block_index(cfg, i, n_q))
 
     q_spec = _spec((None, bq, None, d), q_map)
     k_spec = _spec((None, s, None, d), kv_map)
-    v_spec = _spec((None, s, None, dv), kv_map)
     row_spec = _spec((None, None, bq), row_map)
+    diff = cfg.differential
+    seg = cfg.segmented
 
-    args, specs = [q1, k1], [q_spec, k_spec]
-    if cfg.differential:
-        args.append(q2)
-        specs.append(q_spec)
-        if not cfg.shared_k:
-            args.append(k2)
-            specs.append(k_spec)
-    args.append(v)
-    specs.append(v_spec)
-    if cfg.differential:
-        args.append(lam)
-        specs.append(row_spec)
-    if cfg.segmented:
-        args += [qseg, kseg]
-        specs += [_spec((None, bq), lambda bi, h, i: (bi, i)),
-                  _spec((None, s), lambda bi, h, i: (bi, 0))]
+    def opt(cond, x):
+        return x if cond else None
 
+    in_specs = [q_spec, k_spec, opt(diff, q_spec), opt(k2 is not None, k_spec),
+                _spec((None, s, None, dv), kv_map), opt(diff, row_spec),
+                opt(seg, _spec((None, bq), lambda i, bi, h: (bi, _q_block_index(cfg, i, n_q)))),
+                opt(seg, _spec((None, s), lambda i, bi, h: (bi, 0)))]
     out_spec = _spec((None, bq, None, dv), q_map)
-    out_shape = [jax.ShapeDtypeStruct((b, t, hq, dv), q1.dtype),
-                 jax.ShapeDtypeStruct((b, hq, t), jnp.float32)]
-    out_specs = [out_spec, row_spec]
-    if cfg.differential:
-        out_shape += [jax.ShapeDtypeStruct((b, hq, t), jnp.float32),
-                      jax.ShapeDtypeStruct((b, t, hq, dv), jnp.float32)]
-        out_specs += [row_spec, out_spec]
-
-    outs = pl.pallas_call(
+    rows = jax.ShapeDtypeStruct((b, hq, t), jnp.float32)
+    out_shape = [jax.ShapeDtypeStruct((b, t, hq, dv), q1.dtype), rows, opt(diff, rows),
+                 opt(diff, jax.ShapeDtypeStruct((b, t, hq, dv), cfg.o2_dtype))]
+    out_specs = [out_spec, row_spec, opt(diff, row_spec), opt(diff, out_spec)]
+    out, lse1, lse2, o2 = pl.pallas_call(
         functools.partial(_fwd_kernel, cfg=cfg),
-        grid=(b, hq, t // bq),
-        in_specs=specs,
+        grid=(n_q, b, hq),
+        in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=cfg.params(),
         interpret=cfg.interpret,
-        name="diff_flash_fwd" if cfg.differential else "flash_fwd",
-    )(*args)
-    if cfg.differential:
-        return tuple(outs)
-    out, lse1 = outs
-    return out, lse1, None, None
+        name="diff_flash_fwd" if diff else "flash_fwd",
+    )(q1, k1, q2, k2, v, lam, qseg, kseg)
+    return out, lse1, lse2, o2
 
 
 # ---------------------------------------------------------------------------- backward kernels
 def _probs(cfg, q, k, lse, mask):
-    """P = exp(q k^T s - lse), exactly 0 on masked entries (and on rows that see no key)."""
-    p = jnp.exp(_dot_nt(q, k) * cfg.sm_scale - lse[:, None])
+    """P = exp(q k^T s - lse) (in base 2, as the forward), exactly 0 on masked entries (and on
+    rows that see no key)."""
+    p = jnp.exp2(_dot_nt(q, k) * (cfg.scale * LOG2E) - lse[:, None])
     return p if mask is None else jnp.where(mask, p, 0.0)
 
 
-def _dkv_kernel(*refs, cfg: _Config, rep: int):
-    out_names = ["dk1"] + (["dk2"] if cfg.differential and not cfg.shared_k else []) + ["dv"]
-    r = _Refs(refs, _in_names(cfg, bwd=True) + out_names)
+def _dkv_kernel(q1_ref, k1_ref, q2_ref, k2_ref, v_ref, lam_ref, qseg_ref, kseg_ref, do_ref,
+                lse1_ref, delta1_ref, lse2_ref, delta2_ref, dk1_ref, dk2_ref, dv_ref, *,
+                cfg: _Config, rep: int):
+    """dK (dK1, dK2, or their sum for shared keys) and dV of one key block of one kv head,
+    looping over the query heads of its GQA group and their query blocks. The q/dO/row refs
+    hold the whole sequence of the group's ``rep`` heads."""
     bq, bk = cfg.block_q_dkv, cfg.block_k_dkv
-    kj = pl.program_id(2)
+    kj = pl.program_id(0)  # heaviest causal blocks (the first keys) first
     k_idx = kj * bk + jnp.arange(bk, dtype=jnp.int32)
-    k_seg = r.kseg[...] if cfg.segmented else None
-    k1 = r.k1[...]
-    k2 = None
-    if cfg.differential:
-        k2 = k1 if cfg.shared_k else r.k2[...]
-    v = r.v[...]
-    separate_dk2 = cfg.differential and not cfg.shared_k
+    k_seg = None if kseg_ref is None else kseg_ref[...]
+    k1 = k1_ref[...]
+    k2 = k1 if k2_ref is None else k2_ref[...]
+    v = v_ref[...]
+    differential = q2_ref is not None
 
     # Below the diagonal band only the key padding needs a mask (padded keys' rows are sliced
     # off, but masking keeps them finite).
@@ -417,21 +492,21 @@ def _dkv_kernel(*refs, cfg: _Config, rep: int):
         start = qi * bq
         qs = pl.ds(start, bq)
         q_idx = start + jnp.arange(bq, dtype=jnp.int32)
-        mask = (_mask(cfg, q_idx, k_idx, r.qseg[qs] if cfg.segmented else None, k_seg)
+        mask = (_mask(cfg, q_idx, k_idx, None if qseg_ref is None else qseg_ref[qs], k_seg)
                 if masked else pad_mask)
-        q1 = r.q1[qs, h, :]
-        do = r.do[qs, h, :]
-        p1 = _probs(cfg, q1, k1, r.lse1[h, qs], mask)
+        q1 = q1_ref[qs, h, :]
+        do = do_ref[qs, h, :]
+        p1 = _probs(cfg, q1, k1, lse1_ref[h, qs], mask)
         dp = _dot_nt(do, v)  # dO V^T, shared by both branches (dO2 = -lam dO)
-        ds1 = p1 * (dp - r.delta1[h, qs][:, None])
+        ds1 = p1 * (dp - delta1_ref[h, qs][:, None])
         dk1 = dk1 + _dot_tn(ds1.astype(q1.dtype), q1)
-        if cfg.differential:
-            lam = r.lam[h, qs][:, None]
-            q2 = r.q2[qs, h, :]
-            p2 = _probs(cfg, q2, k2, r.lse2[h, qs], mask)
-            ds2 = -lam * p2 * (dp - r.delta2[h, qs][:, None])
+        if differential:
+            lam = lam_ref[h, qs][:, None]
+            q2 = q2_ref[qs, h, :]
+            p2 = _probs(cfg, q2, k2, lse2_ref[h, qs], mask)
+            ds2 = -lam * p2 * (dp - delta2_ref[h, qs][:, None])
             dk2_new = _dot_tn(ds2.astype(q2.dtype), q2)
-            if separate_dk2:
+            if dk2_ref is not None:
                 dk2 = dk2 + dk2_new
             else:  # shared keys: dK = dK1 + dK2 in one accumulator
                 dk1 = dk1 + dk2_new
@@ -452,58 +527,59 @@ def _dkv_kernel(*refs, cfg: _Config, rep: int):
 
     d, dvw = k1.shape[-1], v.shape[-1]
     zeros_k = jnp.zeros((bk, d), jnp.float32)
-    init = (zeros_k, zeros_k if separate_dk2 else jnp.zeros((), jnp.float32),
+    init = (zeros_k, zeros_k if dk2_ref is not None else jnp.zeros((), jnp.float32),
             jnp.zeros((bk, dvw), jnp.float32))
     dk1, dk2, dv = lax.fori_loop(0, rep, head_body, init)
-    r.dk1[...] = (dk1 * cfg.sm_scale).astype(r.dk1.dtype)
-    if separate_dk2:
-        r.dk2[...] = (dk2 * cfg.sm_scale).astype(r.dk2.dtype)
-    r.dv[...] = dv.astype(r.dv.dtype)
+    dk1_ref[...] = (dk1 * cfg.scale).astype(dk1_ref.dtype)
+    if dk2_ref is not None:
+        dk2_ref[...] = (dk2 * cfg.scale).astype(dk2_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _dq_kernel(*refs, cfg: _Config):
-    out_names = ["dq1"] + (["dq2"] if cfg.differential else [])
-    r = _Refs(refs, _in_names(cfg, bwd=True) + out_names)
+def _dq_kernel(q1_ref, k1_ref, q2_ref, k2_ref, v_ref, lam_ref, qseg_ref, kseg_ref, do_ref,
+               lse1_ref, delta1_ref, lse2_ref, delta2_ref, dq1_ref, dq2_ref, *, cfg: _Config):
+    """dQ1 (and dQ2) of one query block of one head, streaming its kv head's keys."""
     bq, bk = cfg.block_q_dq, cfg.block_k_dq
-    qi = pl.program_id(2)
+    qi = _q_block_id(cfg, bq)
     q_idx = qi * bq + jnp.arange(bq, dtype=jnp.int32)
-    q_seg = r.qseg[...] if cfg.segmented else None
-    q1, do = r.q1[...], r.do[...]
-    lse1, delta1 = r.lse1[...], r.delta1[...]
-    if cfg.differential:
-        q2, lse2, delta2 = r.q2[...], r.lse2[...], r.delta2[...]
-        lam = r.lam[...][:, None]
+    q_seg = None if qseg_ref is None else qseg_ref[...]
+    q1, do = q1_ref[...], do_ref[...]
+    lse1, delta1 = lse1_ref[...], delta1_ref[...]
+    differential = q2_ref is not None
+    if differential:
+        q2, lse2, delta2 = q2_ref[...], lse2_ref[...], delta2_ref[...]
+        lam = lam_ref[...][:, None]
 
     def body(kj, carry, masked):
         dq1, dq2 = carry
         start = kj * bk
         ks = pl.ds(start, bk)
         k_idx = start + jnp.arange(bk, dtype=jnp.int32)
-        mask = (_mask(cfg, q_idx, k_idx, q_seg, r.kseg[ks] if cfg.segmented else None)
+        mask = (_mask(cfg, q_idx, k_idx, q_seg, None if kseg_ref is None else kseg_ref[ks])
                 if masked else None)
-        k1 = r.k1[ks, :]
-        v = r.v[ks, :]
+        k1 = k1_ref[ks, :]
+        v = v_ref[ks, :]
         p1 = _probs(cfg, q1, k1, lse1, mask)
         dp = _dot_nt(do, v)
         ds1 = p1 * (dp - delta1[:, None])
-        dq1 = dq1 + _dot(ds1.astype(k1.dtype), k1)
-        if cfg.differential:
-            k2 = k1 if cfg.shared_k else r.k2[ks, :]
+        dq1 = dq1 + _dot_nn(ds1.astype(k1.dtype), k1)
+        if differential:
+            k2 = k1 if k2_ref is None else k2_ref[ks, :]
             p2 = _probs(cfg, q2, k2, lse2, mask)
             ds2 = -lam * p2 * (dp - delta2[:, None])
-            dq2 = dq2 + _dot(ds2.astype(k2.dtype), k2)
+            dq2 = dq2 + _dot_nn(ds2.astype(k2.dtype), k2)
         return dq1, dq2
 
     d = q1.shape[-1]
     init = (jnp.zeros((bq, d), jnp.float32),
-            jnp.zeros((bq, d) if cfg.differential else (), jnp.float32))
+            jnp.zeros((bq, d) if differential else (), jnp.float32))
     hi = _kv_block_bound(cfg, qi, bq, bk)
     lo = _unmasked_kv_blocks(cfg, qi, bq, bk, hi)
     carry = lax.fori_loop(0, lo, functools.partial(body, masked=False), init)
     dq1, dq2 = lax.fori_loop(lo, hi, functools.partial(body, masked=True), carry)
-    r.dq1[...] = (dq1 * cfg.sm_scale).astype(r.dq1.dtype)
-    if cfg.differential:
-        r.dq2[...] = (dq2 * cfg.sm_scale).astype(r.dq2.dtype)
+    dq1_ref[...] = (dq1 * cfg.scale).astype(dq1_ref.dtype)
+    if differential:
+        dq2_ref[...] = (dq2 * cfg.scale).astype(dq2_ref.dtype)
 
 
 def _backward_kernels(cfg: _Config, q1, k1, q2, k2, v, lam, qseg, kseg, do, lse1, delta1,
@@ -512,76 +588,62 @@ def _backward_kernels(cfg: _Config, q1, k1, q2, k2, v, lam, qseg, kseg, do, lse1
     s, hkv = k1.shape[1], k1.shape[2]
     dvw = v.shape[-1]
     rep = hq // hkv
-    separate_k2 = cfg.differential and not cfg.shared_k
+    diff, seg, sep_k2 = cfg.differential, cfg.segmented, k2 is not None
+    operands = (q1, k1, q2, k2, v, lam, qseg, kseg, do, lse1, delta1, lse2, delta2)
 
-    def collect(q_spec, k_spec, v_spec, do_spec, row_spec, qseg_spec, kseg_spec):
-        args, specs = [q1, k1], [q_spec, k_spec]
-        if cfg.differential:
-            args.append(q2)
-            specs.append(q_spec)
-            if separate_k2:
-                args.append(k2)
-                specs.append(k_spec)
-        args += [v, do, lse1, delta1]
-        specs += [v_spec, do_spec, row_spec, row_spec]
-        if cfg.differential:
-            args += [lse2, delta2, lam]
-            specs += [row_spec] * 3
-        if cfg.segmented:
-            args += [qseg, kseg]
-            specs += [qseg_spec, kseg_spec]
-        return args, specs
+    def opt(cond, x):
+        return x if cond else None
 
-    # dK, dV: grid (batch, kv head, key block); the program loops over its group's q heads.
+    def in_specs(q_spec, k_spec, v_spec, do_spec, row_spec, qseg_spec, kseg_spec):
+        """In the kernels' operand order; None where the configuration has no such operand."""
+        return [q_spec, k_spec, opt(diff, q_spec), opt(sep_k2, k_spec), v_spec,
+                opt(diff, row_spec), opt(seg, qseg_spec), opt(seg, kseg_spec), do_spec,
+                row_spec, row_spec, opt(diff, row_spec), opt(diff, row_spec)]
+
+    # dK, dV: grid (key block, batch, kv head); the program loops over its group's q heads.
     bq, bk = cfg.block_q_dkv, cfg.block_k_dkv
-    group = lambda bi, g, j: (bi, 0, g, 0)  # noqa: E731  (the rep heads g*rep .. g*rep+rep-1)
-    kblk = lambda bi, g, j: (bi, j, g, 0)  # noqa: E731
-    args, specs = collect(
+    group = lambda j, bi, g: (bi, 0, g, 0)  # noqa: E731  (the rep heads g*rep .. g*rep+rep-1)
+    kblk = lambda j, bi, g: (bi, j, g, 0)  # noqa: E731
+    specs = in_specs(
         _spec((None, t, rep, d), group), _spec((None, bk, None, d), kblk),
         _spec((None, bk, None, dvw), kblk), _spec((None, t, rep, dvw), group),
-        _spec((None, rep, t), lambda bi, g, j: (bi, g, 0)),
-        _spec((None, t), lambda bi, g, j: (bi, 0)), _spec((None, bk), lambda bi, g, j: (bi, j)))
-    out_shape = [jax.ShapeDtypeStruct(k1.shape, k1.dtype)]
-    out_specs = [_spec((None, bk, None, d), kblk)]
-    if separate_k2:
-        out_shape.append(jax.ShapeDtypeStruct(k2.shape, k2.dtype))
-        out_specs.append(_spec((None, bk, None, d), kblk))
-    out_shape.append(jax.ShapeDtypeStruct(v.shape, v.dtype))
-    out_specs.append(_spec((None, bk, None, dvw), kblk))
-    dkv = pl.pallas_call(
+        _spec((None, rep, t), lambda j, bi, g: (bi, g, 0)),
+        _spec((None, t), lambda j, bi, g: (bi, 0)), _spec((None, bk), lambda j, bi, g: (bi, j)))
+    k_out = _spec((None, bk, None, d), kblk)
+    dk1, dk2, dv = pl.pallas_call(
         functools.partial(_dkv_kernel, cfg=cfg, rep=rep),
-        grid=(b, hkv, s // bk),
-        in_specs=specs, out_specs=out_specs, out_shape=out_shape,
-        compiler_params=cfg.params(), interpret=cfg.interpret,
-        name="diff_flash_bwd_dkv" if cfg.differential else "flash_bwd_dkv",
-    )(*args)
-    if separate_k2:
-        dk1, dk2, dv = dkv
-    else:
-        (dk1, dv), dk2 = dkv, None
+        grid=(s // bk, b, hkv),
+        in_specs=specs,
+        out_specs=[k_out, opt(sep_k2, k_out), _spec((None, bk, None, dvw), kblk)],
+        out_shape=[jax.ShapeDtypeStruct(k1.shape, k1.dtype),
+                   opt(sep_k2, jax.ShapeDtypeStruct(k1.shape, k1.dtype)),
+                   jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        compiler_params=cfg.params("dkv"), interpret=cfg.interpret,
+        name="diff_flash_bwd_dkv" if diff else "flash_bwd_dkv",
+    )(*operands)
 
-    # dQ: grid (batch, q head, query block), streaming the key blocks like the forward pass.
+    # dQ: grid (query block, batch, q head), streaming the key blocks like the forward pass.
     bq, bk = cfg.block_q_dq, cfg.block_k_dq
-    qblk = lambda bi, h, i: (bi, i, h, 0)  # noqa: E731
-    kvh = lambda bi, h, i: (bi, 0, lax.div(h, rep), 0)  # noqa: E731
-    args, specs = collect(
+    n_q = t // bq
+    qb = lambda i: _q_block_index(cfg, i, n_q)  # noqa: E731
+    qblk = lambda i, bi, h: (bi, qb(i), h, 0)  # noqa: E731
+    kvh = lambda i, bi, h: (bi, 0, lax.div(h, rep), 0)  # noqa: E731
+    specs = in_specs(
         _spec((None, bq, None, d), qblk), _spec((None, s, None, d), kvh),
         _spec((None, s, None, dvw), kvh), _spec((None, bq, None, dvw), qblk),
-        _spec((None, None, bq), lambda bi, h, i: (bi, h, i)),
-        _spec((None, bq), lambda bi, h, i: (bi, i)), _spec((None, s), lambda bi, h, i: (bi, 0)))
-    out_shape = [jax.ShapeDtypeStruct(q1.shape, q1.dtype)]
-    out_specs = [_spec((None, bq, None, d), qblk)]
-    if cfg.differential:
-        out_shape.append(jax.ShapeDtypeStruct(q2.shape, q2.dtype))
-        out_specs.append(_spec((None, bq, None, d), qblk))
-    dq = pl.pallas_call(
+        _spec((None, None, bq), lambda i, bi, h: (bi, h, qb(i))),
+        _spec((None, bq), lambda i, bi, h: (bi, qb(i))), _spec((None, s), lambda i, bi, h: (bi, 0)))
+    q_out = _spec((None, bq, None, d), qblk)
+    dq1, dq2 = pl.pallas_call(
         functools.partial(_dq_kernel, cfg=cfg),
-        grid=(b, hq, t // bq),
-        in_specs=specs, out_specs=out_specs, out_shape=out_shape,
-        compiler_params=cfg.params(), interpret=cfg.interpret,
-        name="diff_flash_bwd_dq" if cfg.differential else "flash_bwd_dq",
-    )(*args)
-    dq1, dq2 = (dq[0], dq[1]) if cfg.differential else (dq[0], None)
+        grid=(t // bq, b, hq),
+        in_specs=specs,
+        out_specs=[q_out, opt(diff, q_out)],
+        out_shape=[jax.ShapeDtypeStruct(q1.shape, q1.dtype),
+                   opt(diff, jax.ShapeDtypeStruct(q1.shape, q1.dtype))],
+        compiler_params=cfg.params("dq"), interpret=cfg.interpret,
+        name="diff_flash_bwd_dq" if diff else "flash_bwd_dq",
+    )(*operands)
     return dq1, dk1, dq2, dk2, dv
 
 
@@ -630,18 +692,20 @@ def _pad_axis(x, axis: int, size: int, value=0):
     return jnp.pad(x, widths, constant_values=value)
 
 
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
-
-
 def _run(differential, q1, k1, q2, k2, v, lam, *, causal, segment_ids, kv_segment_ids,
-         sm_scale, block_sizes, interpret):
+         sm_scale, block_sizes, interpret, o2_dtype=jnp.float32):
     b, t, hq, d = q1.shape
     s = k1.shape[1]
     dv = v.shape[-1]
-    bs = BlockSizes() if block_sizes is None else block_sizes
+    bs = (default_block_sizes(d, dv, differential=differential) if block_sizes is None
+          else block_sizes)
     if not isinstance(bs, BlockSizes):
         raise TypeError(f"block_sizes must be a BlockSizes or None, got {type(bs).__name__}")
+    if block_sizes is not None and not interpret and jax.default_backend() == "gpu":
+        n_keys = 2 if differential and k2 is not k1 else 1
+        _check_fits(bs, max(_MIN_BLOCK, _next_pow2(d)), max(_MIN_BLOCK, _next_pow2(dv)),
+                    2 if differential else 1, n_keys, jnp.dtype(q1.dtype).itemsize,
+                    _device_capability())
     if sm_scale is None:
         sm_scale = d ** -0.5
     try:
@@ -661,6 +725,9 @@ def _run(differential, q1, k1, q2, k2, v, lam, *, causal, segment_ids, kv_segmen
     dv_pad = max(_MIN_BLOCK, _next_pow2(dv))
 
     shared_k = differential and k1 is k2
+    warps = _default_warps(2 if differential else 1, d_pad, dv_pad, _device_capability())
+    for f in warps:  # given warps win; num_warps also sets the backward's unless they are given
+        warps[f] = getattr(bs, f) or bs.num_warps or warps[f]
     # Triton dots need matching operand types: compute in the inputs' common type (a no-op for
     # the usual single-dtype call); the output keeps q1's dtype, as in the reference.
     out_dtype = q1.dtype
@@ -672,11 +739,12 @@ def _run(differential, q1, k1, q2, k2, v, lam, *, causal, segment_ids, kv_segmen
     segmented = segment_ids is not None
     cfg = _Config(
         differential=differential, shared_k=shared_k, causal=bool(causal), segmented=segmented,
-        q_len=t, kv_len=s, kv_padded=s_pad != s, sm_scale=sm_scale,
+        q_len=t, kv_len=s, kv_padded=s_pad != s, scale=sm_scale,
         block_q=bq, block_k=bk, block_q_dkv=bq_dkv, block_k_dkv=bk_dkv,
         block_q_dq=bq_dq, block_k_dq=bk_dq,
-        num_warps=bs.num_warps or (4 if max(d_pad, dv_pad) <= 64 else 8),
-        num_stages=bs.num_stages or 2, interpret=bool(interpret))
+        num_stages=bs.num_stages or 2, interpret=bool(interpret), o2_dtype=jnp.dtype(o2_dtype),
+        num_warps=warps["num_warps"], num_warps_dkv=warps["num_warps_dkv"],
+        num_warps_dq=warps["num_warps_dq"])
 
     def pad_q(x):
         return None if x is None else _pad_axis(_pad_axis(x, 3, d_pad), 1, t_pad)
@@ -705,20 +773,22 @@ def _run(differential, q1, k1, q2, k2, v, lam, *, causal, segment_ids, kv_segmen
 
 def diff_flash_attention(q1, k1, q2, k2, v, lam, *, causal=True, segment_ids=None,
                          kv_segment_ids=None, sm_scale=None, block_sizes=None,
-                         interpret=False) -> jax.Array:
+                         interpret=False, o2_dtype=jnp.float32) -> jax.Array:
     """Fused ``softmax(q1 k1^T s) v - lam * softmax(q2 k2^T s) v``, ``[B, T, Hq, Dv]`` in q1.dtype.
 
     q1, q2 ``[B,T,Hq,D]``; k1, k2 ``[B,S,Hkv,D]``; v ``[B,S,Hkv,Dv]``; ``lam`` a scalar (V1) or
     ``[B,T,Hq]`` (V2); query head ``h`` reads kv head ``h // (Hq // Hkv)``. Passing the same
     array as ``k1`` and ``k2`` selects the shared-key kernels (each key block loaded once).
     ``sm_scale`` (a python number) defaults to ``D ** -0.5``. Differentiable in q1, k1, q2, k2,
-    v and lam. ``interpret=True`` runs the kernels on CPU.
+    v and lam. ``interpret=True`` runs the kernels on CPU. ``o2_dtype``: the dtype of the saved
+    second-branch output (a backward residual, ``B*T*Hq*Dv`` elements per layer); bfloat16
+    halves it, at the cost in d(lam) stated in docs/kernels.md.
     """
     check_differential(q1, k1, q2, k2, v, lam, segment_ids, kv_segment_ids,
                        what="diff_flash_attention")
     return _run(True, q1, k1, q2, k2, v, lam, causal=causal, segment_ids=segment_ids,
                 kv_segment_ids=kv_segment_ids, sm_scale=sm_scale, block_sizes=block_sizes,
-                interpret=interpret)
+                interpret=interpret, o2_dtype=o2_dtype)
 
 
 def flash_attention(q, k, v, *, causal=True, segment_ids=None, kv_segment_ids=None,

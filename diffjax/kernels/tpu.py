@@ -67,6 +67,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from ._common import dot_nn as _dot_nn, dot_nt as _dot_nt
+from ._common import next_pow2 as _next_pow2, round_up as _round_up
 from .reference import MASK_VALUE, check_qkv
 
 __all__ = ["BlockSizes", "diff_flash_attention", "flash_attention"]
@@ -114,14 +116,6 @@ class BlockSizes:
         return (self.block_k, self.block_k_dkv, self.block_k_dq)
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
-
-
 def _effective_blocks(length: int, blocks: tuple[int, ...], names: tuple[str, ...],
                       hardware: bool) -> tuple[int, tuple[int, ...]]:
     """Clamp ``blocks`` to the sequence and return ``(padded_length, clamped_blocks)``.
@@ -155,8 +149,8 @@ class _Cfg:
     has_seg: bool
     causal: bool
     scale: float
-    t: int  # true query length
-    s: int  # true key length
+    q_len: int  # true query length
+    kv_len: int  # true key length
     tp: int  # padded lengths
     sp: int
     hq: int
@@ -172,19 +166,10 @@ class _Cfg:
 
     @property
     def offset(self) -> int:
-        return self.s - self.t
+        return self.kv_len - self.q_len
 
 
 # ============================================================================ kernel helpers
-def _dot_nt(a, b):
-    """``a @ b.T`` in float32 (contract the last dims)."""
-    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=_F32)
-
-
-def _dot_nn(a, b):
-    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=_F32)
-
-
 def _lanes(x, n: int):
     """A lane-replicated ``[rows, 128]`` array as ``[rows, n]`` (tile or slice, no relayout)."""
     if n == NUM_LANES:
@@ -229,12 +214,12 @@ def _block_conditions(cfg: _Cfg, qi, kj, bq: int, bk: int):
     if cfg.causal:
         run = _and(run, kj * bk <= qi * bq + (bq - 1 + off))
         masked = _or(masked, kj * bk + (bk - 1) > qi * bq + off)
-    if cfg.sp != cfg.s:
-        if pl.cdiv(cfg.s, bk) < cfg.sp // bk:  # wholly padded key blocks exist
-            run = _and(run, kj * bk < cfg.s)
-        masked = _or(masked, kj * bk + bk > cfg.s)
-    if pl.cdiv(cfg.t, bq) < cfg.tp // bq:  # wholly padded query blocks exist
-        run = _and(run, qi * bq < cfg.t)
+    if cfg.sp != cfg.kv_len:
+        if pl.cdiv(cfg.kv_len, bk) < cfg.sp // bk:  # wholly padded key blocks exist
+            run = _and(run, kj * bk < cfg.kv_len)
+        masked = _or(masked, kj * bk + bk > cfg.kv_len)
+    if pl.cdiv(cfg.q_len, bq) < cfg.tp // bq:  # wholly padded query blocks exist
+        run = _and(run, qi * bq < cfg.q_len)
     return run, masked
 
 
@@ -265,8 +250,8 @@ def _tile_mask(cfg: _Cfg, q_start, k_start, nq: int, nk: int, *, transposed: boo
         if cfg.causal:
             qidx = lax.broadcasted_iota(jnp.int32, shape, qdim) + q_start
             mask = kidx <= qidx + cfg.offset
-        if cfg.sp != cfg.s:
-            pad_ok = kidx < cfg.s
+        if cfg.sp != cfg.kv_len:
+            pad_ok = kidx < cfg.kv_len
             mask = pad_ok if mask is None else jnp.logical_and(mask, pad_ok)
     if seg is not None:
         same = seg[0] == seg[1]
@@ -284,7 +269,7 @@ def _lam_value(cfg: _Cfg, lam_ref, orient: str):
 # ---------------------------------------------------------------------------- index maps
 def _last_kv_block(cfg: _Cfg, qi, bq: int, bk: int):
     """Last key block any query of block ``qi`` may see (for clamping skipped tiles' DMAs)."""
-    last = (cfg.s - 1) // bk
+    last = (cfg.kv_len - 1) // bk
     if cfg.causal:
         reach = jnp.maximum(qi * bq + (bq - 1 + cfg.offset), 0)
         last = jnp.minimum(lax.div(reach, jnp.int32(bk)), last)
@@ -297,7 +282,7 @@ def _kv_index(cfg: _Cfg, qi, kj, bq: int, bk: int):
 
 def _q_index_dkv(cfg: _Cfg, kj, qi, bq: int, bk: int):
     """Clamp query block ``qi`` into the range key block ``kj`` needs."""
-    last = (cfg.t - 1) // bq
+    last = (cfg.q_len - 1) // bq
     if cfg.causal:
         first = lax.div(jnp.maximum(kj * bk - cfg.offset, 0), jnp.int32(bq))
         qi = jnp.maximum(qi, first)
@@ -324,7 +309,7 @@ def _fwd_kernel(*refs, names, cfg: _Cfg, save_residuals: bool):
     def body(use_mask: bool):
         seg = None
         if cfg.has_seg:
-            seg = (_col(r["qseg"]), r["kvseg"][...])
+            seg = (_col(r["qseg"]), r["kseg"][...])
         mask = _tile_mask(cfg, qi * bq, kj * bk, bq, bk, transposed=False, use_mask=use_mask,
                           seg=seg)
         v = r["v"][...]
@@ -386,7 +371,7 @@ def _dkv_kernel(*refs, names, cfg: _Cfg):
     def body(use_mask: bool):
         seg = None
         if cfg.has_seg:
-            seg = (r["qseg"][...], _col(r["kvseg"]))  # [1, bq] vs [bk, 1]
+            seg = (r["qseg"][...], _col(r["kseg"]))  # [1, bq] vs [bk, 1]
         mask = _tile_mask(cfg, qi * bq, kj * bk, bq, bk, transposed=True, use_mask=use_mask,
                           seg=seg)
         v, do = r["v"][...], r["do"][...]
@@ -442,7 +427,7 @@ def _dq_kernel(*refs, names, cfg: _Cfg):
     def body(use_mask: bool):
         seg = None
         if cfg.has_seg:
-            seg = (_col(r["qseg"]), r["kvseg"][...])
+            seg = (_col(r["qseg"]), r["kseg"][...])
         mask = _tile_mask(cfg, qi * bq, kj * bk, bq, bk, transposed=False, use_mask=use_mask,
                           seg=seg)
         v, do = r["v"][...], r["do"][...]
@@ -570,12 +555,12 @@ def _q_major_specs(cfg: _Cfg, bq: int, bk: int, d: int, dv: int):
         v=pl.BlockSpec((None, None, bk, dv), kv_map),
         row=pl.BlockSpec((None, None, 1, bq), row_map),
         qseg=pl.BlockSpec((None, 1, bq), lambda bi, h, qi, kj: (bi, 0, qi)),
-        kvseg=pl.BlockSpec((None, 1, bk),
+        kseg=pl.BlockSpec((None, 1, bk),
                            lambda bi, h, qi, kj: (bi, 0, _kv_index(cfg, qi, kj, bq, bk))),
     )
 
 
-def _fwd_call(cfg: _Cfg, q1, k1, q2, k2, v, lam, qseg, kvseg, *, save_residuals: bool):
+def _fwd_call(cfg: _Cfg, q1, k1, q2, k2, v, lam, qseg, kseg, *, save_residuals: bool):
     """Internal layout ``[B, H, T, D]``; returns ``(out, lse1, lse2, o2)`` (Nones if unsaved)."""
     b, hq, tp, d = q1.shape
     bq, bk = cfg.blocks.block_q, cfg.blocks.block_k
@@ -595,7 +580,7 @@ def _fwd_call(cfg: _Cfg, q1, k1, q2, k2, v, lam, qseg, kvseg, *, save_residuals:
         ins.add("lam", lam, _lam_spec(cfg, sp["row"]))
     if cfg.has_seg:
         ins.add("qseg", qseg, sp["qseg"])
-        ins.add("kvseg", kvseg, sp["kvseg"])
+        ins.add("kseg", kseg, sp["kseg"])
 
     out_names = ["o"]
     out_shape = [jax.ShapeDtypeStruct((b, hq, tp, dv), q1.dtype)]
@@ -615,7 +600,7 @@ def _fwd_call(cfg: _Cfg, q1, k1, q2, k2, v, lam, qseg, kvseg, *, save_residuals:
                + [pltpu.VMEM((bq, dv), _F32)] * nbr)
 
     flops_per_pair = 2 * nbr * (d + dv)
-    pairs = b * hq * cfg.t * cfg.s * (0.5 if cfg.causal else 1.0)
+    pairs = b * hq * cfg.q_len * cfg.kv_len * (0.5 if cfg.causal else 1.0)
     cost = pl.CostEstimate(
         flops=int(flops_per_pair * pairs), transcendentals=int(nbr * pairs),
         bytes_accessed=int(sum(x.size * x.dtype.itemsize for x in ins.arrays)
@@ -631,8 +616,8 @@ def _fwd_call(cfg: _Cfg, q1, k1, q2, k2, v, lam, qseg, kvseg, *, save_residuals:
 
 
 def _add_backward_operands(cfg: _Cfg, ins: _Operands, *, q1, k1, q2, k2, v, do, lam, qseg,
-                           kvseg, stats, q_spec, k_spec, v_spec, row_spec, qseg_spec,
-                           kvseg_spec):
+                           kseg, stats, q_spec, k_spec, v_spec, row_spec, qseg_spec,
+                           kseg_spec):
     """The operands shared by the dK/dV and dQ kernels, in one order."""
     ins.add("q1", q1, q_spec)
     ins.add("k1", k1, k_spec)
@@ -649,10 +634,10 @@ def _add_backward_operands(cfg: _Cfg, ins: _Operands, *, q1, k1, q2, k2, v, do, 
         ins.add("lam", lam, _lam_spec(cfg, row_spec))
     if cfg.has_seg:
         ins.add("qseg", qseg, qseg_spec)
-        ins.add("kvseg", kvseg, kvseg_spec)
+        ins.add("kseg", kseg, kseg_spec)
 
 
-def _dkv_call(cfg: _Cfg, q1, k1, q2, k2, v, lam, qseg, kvseg, do, stats):
+def _dkv_call(cfg: _Cfg, q1, k1, q2, k2, v, lam, qseg, kseg, do, stats):
     b, hq, tp, d = q1.shape
     bq, bk = cfg.blocks.block_q_dkv, cfg.blocks.block_k_dkv
     dv, grp = cfg.dv, cfg.group
@@ -662,7 +647,7 @@ def _dkv_call(cfg: _Cfg, q1, k1, q2, k2, v, lam, qseg, kvseg, do, stats):
         return (bi, g * grp + rep, _q_index_dkv(cfg, kj, qi, bq, bk), 0)
 
     def kv_map(bi, g, kj, rep, qi):  # inputs: wholly padded key blocks reuse the last real one
-        return (bi, g, jnp.minimum(kj, (cfg.s - 1) // bk), 0)
+        return (bi, g, jnp.minimum(kj, (cfg.kv_len - 1) // bk), 0)
 
     def out_map(bi, g, kj, rep, qi):
         return (bi, g, kj, 0)
@@ -672,14 +657,14 @@ def _dkv_call(cfg: _Cfg, q1, k1, q2, k2, v, lam, qseg, kvseg, do, stats):
 
     ins = _Operands()
     _add_backward_operands(
-        cfg, ins, q1=q1, k1=k1, q2=q2, k2=k2, v=v, do=do, lam=lam, qseg=qseg, kvseg=kvseg,
+        cfg, ins, q1=q1, k1=k1, q2=q2, k2=k2, v=v, do=do, lam=lam, qseg=qseg, kseg=kseg,
         stats=stats, q_spec=pl.BlockSpec((None, None, bq, d), q_map),
         k_spec=pl.BlockSpec((None, None, bk, d), kv_map),
         v_spec=pl.BlockSpec((None, None, bk, dv), kv_map),
         row_spec=pl.BlockSpec((None, None, 1, bq), row_map),
         qseg_spec=pl.BlockSpec(
             (None, 1, bq), lambda bi, g, kj, rep, qi: (bi, 0, _q_index_dkv(cfg, kj, qi, bq, bk))),
-        kvseg_spec=pl.BlockSpec(
+        kseg_spec=pl.BlockSpec(
             (None, 1, bk), lambda bi, g, kj, rep, qi: (bi, 0, kv_map(bi, g, kj, rep, qi)[2])))
 
     n_dk = 2 if (cfg.differential and not cfg.shared_k) else 1
@@ -697,7 +682,7 @@ def _dkv_call(cfg: _Cfg, q1, k1, q2, k2, v, lam, qseg, kvseg, do, stats):
                  n_tiles=10)
 
 
-def _dq_call(cfg: _Cfg, q1, k1, q2, k2, v, lam, qseg, kvseg, do, stats):
+def _dq_call(cfg: _Cfg, q1, k1, q2, k2, v, lam, qseg, kseg, do, stats):
     b, hq, tp, d = q1.shape
     bq, bk = cfg.blocks.block_q_dq, cfg.blocks.block_k_dq
     dv = cfg.dv
@@ -706,9 +691,9 @@ def _dq_call(cfg: _Cfg, q1, k1, q2, k2, v, lam, qseg, kvseg, do, stats):
     q_spec = sp["q"]
     ins = _Operands()
     _add_backward_operands(
-        cfg, ins, q1=q1, k1=k1, q2=q2, k2=k2, v=v, do=do, lam=lam, qseg=qseg, kvseg=kvseg,
+        cfg, ins, q1=q1, k1=k1, q2=q2, k2=k2, v=v, do=do, lam=lam, qseg=qseg, kseg=kseg,
         stats=stats, q_spec=q_spec, k_spec=sp["k"], v_spec=sp["v"], row_spec=sp["row"],
-        qseg_spec=sp["qseg"], kvseg_spec=sp["kvseg"])
+        qseg_spec=sp["qseg"], kseg_spec=sp["kseg"])
 
     n_q = 2 if cfg.differential else 1
     out_names = ["dq1", "dq2"][:n_q]
@@ -725,18 +710,18 @@ def _dq_call(cfg: _Cfg, q1, k1, q2, k2, v, lam, qseg, kvseg, do, stats):
 
 # ============================================================================ custom VJP
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(cfg: _Cfg, q1, k1, q2, k2, v, lam, qseg, kvseg):
-    return _fwd_call(cfg, q1, k1, q2, k2, v, lam, qseg, kvseg, save_residuals=False)[0]
+def _attention(cfg: _Cfg, q1, k1, q2, k2, v, lam, qseg, kseg):
+    return _fwd_call(cfg, q1, k1, q2, k2, v, lam, qseg, kseg, save_residuals=False)[0]
 
 
-def _attention_fwd(cfg: _Cfg, q1, k1, q2, k2, v, lam, qseg, kvseg):
-    out, lse1, lse2, o2 = _fwd_call(cfg, q1, k1, q2, k2, v, lam, qseg, kvseg,
+def _attention_fwd(cfg: _Cfg, q1, k1, q2, k2, v, lam, qseg, kseg):
+    out, lse1, lse2, o2 = _fwd_call(cfg, q1, k1, q2, k2, v, lam, qseg, kseg,
                                     save_residuals=True)
-    return out, (q1, k1, q2, k2, v, lam, qseg, kvseg, out, lse1, lse2, o2)
+    return out, (q1, k1, q2, k2, v, lam, qseg, kseg, out, lse1, lse2, o2)
 
 
 def _attention_bwd(cfg: _Cfg, res, dout):
-    q1, k1, q2, k2, v, lam, qseg, kvseg, out, lse1, lse2, o2 = res
+    q1, k1, q2, k2, v, lam, qseg, kseg, out, lse1, lse2, o2 = res
     do32 = dout.astype(_F32)
     # Padded query rows have dout == 0 (the output is sliced), so they contribute nothing.
     delta_out = jnp.sum(do32 * out.astype(_F32), axis=-1)  # rowsum(dO * out), [B, H, Tp]
@@ -752,8 +737,8 @@ def _attention_bwd(cfg: _Cfg, res, dout):
     else:
         stats["delta1"] = delta_out[:, :, None, :]
     do = dout.astype(cfg.compute_dtype)
-    dkv = _dkv_call(cfg, q1, k1, q2, k2, v, lam, qseg, kvseg, do, stats)
-    dq = _dq_call(cfg, q1, k1, q2, k2, v, lam, qseg, kvseg, do, stats)
+    dkv = _dkv_call(cfg, q1, k1, q2, k2, v, lam, qseg, kseg, do, stats)
+    dq = _dq_call(cfg, q1, k1, q2, k2, v, lam, qseg, kseg, do, stats)
     return (dq["dq1"], dkv["dk1"], dq.get("dq2"), dkv.get("dk2"), dkv["dv"], dlam, None, None)
 
 
@@ -820,14 +805,14 @@ def _run(what, q1, k1, q2, k2, v, lam, *, differential, causal, segment_ids, kv_
             raise ValueError(f"{what}: lam must be a scalar or [batch, seq, heads] = "
                              f"[{b}, {t}, {hq}], got shape {lam_arr.shape}")
 
-    qseg = kvseg = None
+    qseg = kseg = None
     if segment_ids is not None:
         kv = segment_ids if kv_segment_ids is None else kv_segment_ids
         qseg = jnp.pad(segment_ids.astype(jnp.int32), ((0, 0), (0, tp - t)))[:, None, :]
-        kvseg = jnp.pad(kv.astype(jnp.int32), ((0, 0), (0, sp - s)))[:, None, :]
+        kseg = jnp.pad(kv.astype(jnp.int32), ((0, 0), (0, sp - s)))[:, None, :]
 
     cfg = _Cfg(differential=differential, shared_k=shared_k, lam_mode=lam_mode,
-               has_seg=segment_ids is not None, causal=bool(causal), scale=scale, t=t, s=s,
+               has_seg=segment_ids is not None, causal=bool(causal), scale=scale, q_len=t, kv_len=s,
                tp=tp, sp=sp, hq=hq, hkv=hkv, dv=dv, blocks=eff, compute_dtype=cdt,
                interpret=interpret)
 
@@ -835,7 +820,7 @@ def _run(what, q1, k1, q2, k2, v, lam, *, differential, causal, segment_ids, kv_
         return None if x is None else _to_internal(x.astype(cdt), length)
 
     out = _attention(cfg, prep(q1, tp), prep(k1, sp), prep(q2, tp),
-                     None if shared_k else prep(k2, sp), prep(v, sp), lam_in, qseg, kvseg)
+                     None if shared_k else prep(k2, sp), prep(v, sp), lam_in, qseg, kseg)
     return jnp.swapaxes(out[:, :, :t], 1, 2).astype(q1.dtype)
 
 
