@@ -33,7 +33,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from diffjax import kernels
 

@@ -16,11 +16,9 @@ from __future__ import annotations
 
 import argparse
 import glob
-import json
 import os
 import sys
 
-import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -35,7 +35,7 @@ import contextlib
 import json
 import os
 import shutil
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from .config import (MQAR_MAX_PAIRS, NEEDLE_TEMPLATE, QUERY_TEMPLATE, DataConfig, needle_len,
+from .config import (NEEDLE_TEMPLATE, QUERY_TEMPLATE, DataConfig, needle_len,
                      query_len)
 from .sources import TokenStream
 from .tokenizer import BOS, PAD
