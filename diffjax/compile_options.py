@@ -25,11 +25,12 @@ YNN_FUSION_OPTION = "xla_cpu_experimental_ynn_fusion_type"
 
 @functools.cache
 def _cpu_knows(option: str, value: str) -> bool:
-    """Whether this jax's XLA:CPU accepts compiler option ``option`` (compiles a tiny probe once:
-    an unknown option is an INVALID_ARGUMENT error at compile time, on every jax version)."""
+    """Whether this jax's XLA accepts compiler option ``option`` (compiles a tiny probe once: an
+    unknown option is an INVALID_ARGUMENT error at compile time, on every jax version; the
+    options are one list shared by all backends, so the probe runs on the default one)."""
     try:
-        jax.jit(lambda x: x + 1, compiler_options={option: value},
-                backend="cpu").lower(jax.ShapeDtypeStruct((), "float32")).compile()
+        jax.jit(lambda x: x + 1, compiler_options={option: value}).lower(
+            jax.ShapeDtypeStruct((), "float32")).compile()
     except jax.errors.JaxRuntimeError as e:
         if "No such compile option" in str(e):
             return False
@@ -50,4 +51,29 @@ def cpu_compile_options(backend: str | None = None) -> dict[str, str]:
     return {YNN_FUSION_OPTION: ""}
 
 
-__all__ = ["YNN_FUSION_OPTION", "cpu_compile_options"]
+class lazy_jit:  # noqa: N801 - used as a decorator, like jax.jit
+    """``jax.jit(fun, compiler_options=cpu_compile_options(), **jit_kwargs)``, built at the first
+    call (or ``.lower``/``.trace``), for module-level decorators: choosing the options at import
+    would start the jax backend at ``import diffjax`` (too early for ``jax.distributed``).
+    Use as ``@functools.partial(lazy_jit, static_argnames=...)``."""
+
+    def __init__(self, fun, **jit_kwargs):
+        functools.update_wrapper(self, fun)
+        self._fun, self._kwargs, self._jitted = fun, jit_kwargs, None
+
+    def _get(self):
+        if self._jitted is None:
+            self._jitted = jax.jit(self._fun, compiler_options=cpu_compile_options(),
+                                   **self._kwargs)
+        return self._jitted
+
+    def __call__(self, *args, **kwargs):
+        return self._get()(*args, **kwargs)
+
+    def __getattr__(self, name):  # lower, trace, eval_shape, clear_cache, ...
+        if name.startswith("__") or name in ("_fun", "_kwargs", "_jitted"):
+            raise AttributeError(name)
+        return getattr(self._get(), name)
+
+
+__all__ = ["YNN_FUSION_OPTION", "cpu_compile_options", "lazy_jit"]

@@ -29,6 +29,7 @@ from flax import nnx
 
 from diffjax import data as data_lib
 from diffjax import sharding
+from diffjax.compile_options import cpu_compile_options
 from diffjax.config import ConfigError, ModelConfig
 from diffjax.model import TransformerLM
 from diffjax.params import count_params
@@ -295,10 +296,12 @@ def _train_model(exp: ExperimentConfig, model_cfg: ModelConfig, label: str, dire
     first = to_device(val_batches[0])  # shapes for compiling; no training batch is consumed
     batch_sh = {k: v.sharding for k, v in first.items()}
     step_fn = jax.jit(make_train_step(graphdef, rest, tx, schedule), donate_argnums=0,
+                      compiler_options=cpu_compile_options(),
                       in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, replicated))
     compiled = step_fn.lower(state, first).compile()
     memory = memory_estimate(compiled)
-    eval_fn = jax.jit(make_eval_step(graphdef, rest), in_shardings=(state_sh["params"], batch_sh),
+    eval_fn = jax.jit(make_eval_step(graphdef, rest), compiler_options=cpu_compile_options(),
+                      in_shardings=(state_sh["params"], batch_sh),
                       out_shardings=(replicated, replicated, batch_sh["inputs"]))
 
     writer = (MetricsWriter(directory, resume_step=start, tensorboard=tcfg.tensorboard,

@@ -21,6 +21,7 @@ from flax import nnx
 
 from diffjax import data as data_lib
 from diffjax import sharding
+from diffjax.compile_options import cpu_compile_options
 from diffjax.config import ModelConfig
 from diffjax.model import TransformerLM
 
@@ -80,6 +81,7 @@ def _compiled_step(exp: ExperimentConfig, model_cfg: ModelConfig, mesh,
     state, rest = jax.jit(init_state, out_shardings=(state_sh, rest_sh))()
     batch_sh = {k: v.sharding for k, v in batch.items()}
     step = jax.jit(make_train_step(graphdef, rest, tx, schedule), donate_argnums=0,
+                   compiler_options=cpu_compile_options(),
                    in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, replicated))
     return step.lower(state, batch).compile(), state
 
