@@ -3,6 +3,11 @@
     python benchmarks/step_time.py                        # D=256, 4 layers, 4 DIFF heads, T=256, B=8
     python benchmarks/step_time.py --rounds 16 --markdown out.md
     python benchmarks/step_time.py --no-torch --components step
+    taskset -c 0 python benchmarks/step_time.py      # one core for both frameworks
+
+On a machine shared with other jobs, pin it to one core: torch's OpenMP threads wait for each
+other at every op and stall badly when the cores are oversubscribed (XLA's pool less so), which
+measures the load, not the code.
 
 Every model is built from diffjax's public modules (``TransformerLM``, ``MultiheadDiffAttn``, ...,
 ``attention_impl="xla"``, float32) and trained by a step written as a user would write one:
@@ -40,7 +45,6 @@ import numpy as np
 import optax
 from flax import nnx
 
-import diffjax
 from diffjax import ModelConfig, TransformerLM, twin
 
 try:
@@ -374,7 +378,8 @@ def main(argv=None) -> int:
     names = list(cands)
     lines = [
         f"Step time, {datetime.date.today().isoformat()}, {platform.machine()} "
-        f"{os.cpu_count()} CPUs ({platform.processor() or platform.platform()}), jax "
+        f"{os.cpu_count()} CPUs ({len(os.sched_getaffinity(0))} usable here; "
+        f"{platform.processor() or platform.platform()}), jax "
         f"{jax.__version__} ({jax.default_backend()}), {torch_line}; "
         f"compiler_options={options}",
         f"Shape: d_model={args.d_model}, {args.layers} layers, {args.heads} DIFF heads, "

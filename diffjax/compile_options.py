@@ -51,7 +51,7 @@ def cpu_compile_options(backend: str | None = None) -> dict[str, str]:
     return {YNN_FUSION_OPTION: ""}
 
 
-class lazy_jit:  # noqa: N801 - used as a decorator, like jax.jit
+class lazy_jit:  # lower case: a decorator, like jax.jit
     """``jax.jit(fun, compiler_options=cpu_compile_options(), **jit_kwargs)``, built at the first
     call (or ``.lower``/``.trace``), for module-level decorators: choosing the options at import
     would start the jax backend at ``import diffjax`` (too early for ``jax.distributed``).

@@ -248,7 +248,7 @@ def differential_attention(q1, k1, q2, k2, v, lam, *, causal=True, segment_ids=N
     ``[T, S] x [S, Dv]`` product instead of two. The map ``A1 - lam A2`` is formed in float32
     and cast to v's dtype, then accumulated in float32 (the same in float32 to rounding; in
     bfloat16 it rounds the differential map once instead of each map)."""
-    b, t, hq, _ = q1.shape
+    _, t, hq, _ = q1.shape
     hkv = k1.shape[2]
     scale = _default_scale(q1, scale)
     mask = attention_mask(t, k1.shape[1], causal=causal, segment_ids=segment_ids,
