@@ -32,12 +32,14 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import math
 import os
 import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -136,14 +138,12 @@ def _flops(fn, fargs) -> float | None:
 
 
 # ---------------------------------------------------------------------------- PyTorch model
-def _torch_candidates(cfg: ModelConfig, args) -> dict[str, tuple] | None:
+def _torch_candidates(cfg: ModelConfig, args) -> dict[str, Callable]:
     """The same shapes in PyTorch (``diff_v1`` as multihead_diffattn.py, or ``standard``)."""
-    try:
-        import torch
-        import torch.nn.functional as F
-        from torch import nn
-    except ImportError:
-        return None
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
     torch.manual_seed(0)
     d_model, vocab, eps = cfg.d_model, cfg.vocab_size, cfg.norm_eps
 
@@ -341,29 +341,30 @@ def main(argv=None) -> int:
     options = cpu_compile_options()
     configs = _configs(args)
     cands: dict[str, dict] = {}
+
+    def wanted(name):
+        return not args.models or name in args.models
+
     for name, cfg in configs.items():
-        cands[name] = {c: _Runner(*v) for c, v in _jax_candidates(cfg, args, options).items()}
-    if options:  # the whole step with XLA:CPU's YNNPACK fusions left on, for comparison
+        if wanted(name):
+            cands[name] = {c: _Runner(*v) for c, v in _jax_candidates(cfg, args, options).items()}
+    if options and wanted("DIFF V1 (YNNPACK on)"):  # the step with YNNPACK's fusions, to compare
         on = _jax_candidates(configs["DIFF V1"], args, {})
         cands["DIFF V1 (YNNPACK on)"] = {"step": _Runner(*on["step"])}
-    flops = {n: _flops(cands[n]["step"].fn, cands[n]["step"].args) for n in ("DIFF V2", "twin V2")}
-    if not args.no_torch:
-        import_ok = True
+    if not args.no_torch and importlib.util.find_spec("torch") is not None:
+        import torch
+
         for name, key in (("torch DIFF V1", "DIFF V1"), ("torch twin V1", "twin V1")):
-            tc = _torch_candidates(configs[key], args)
-            if tc is None:
-                import_ok = False
-                break
-            cands[name] = {c: _Runner(fn, jax_fn=False) for c, fn in tc.items()}
-        if import_ok:
-            import torch
-            torch_line = (f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-        else:
-            torch_line = "torch not installed: no PyTorch rows"
+            if wanted(name):
+                tc = _torch_candidates(configs[key], args)
+                cands[name] = {c: _Runner(fn, jax_fn=False) for c, fn in tc.items()}
+        torch_line = f"torch {torch.__version__}, {torch.get_num_threads()} threads"
+    elif not args.no_torch:
+        torch_line = "torch not installed: no PyTorch rows"
     else:
         torch_line = "PyTorch rows skipped (--no-torch)"
-    if args.models:
-        cands = {n: c for n, c in cands.items() if n in args.models}
+    flops = {n: _flops(cands[n]["step"].fn, cands[n]["step"].args)
+             for n in ("DIFF V2", "twin V2") if n in cands}
 
     load0 = os.getloadavg()
     t_start = time.time()
@@ -401,7 +402,7 @@ def main(argv=None) -> int:
     for a, b in pairs:
         if a in st and b in st:
             lines.append(f"- step {a} / {b}: {_ratio(st, a, b)}")
-    if all(flops.values()) and "DIFF V2" in st:
+    if len(flops) == 2 and all(flops.values()) and "DIFF V2" in st:
         lines.append(f"- DIFF V2 / twin V2 FLOP ratio (XLA cost analysis of the step): "
                      f"{flops['DIFF V2'] / flops['twin V2']:.2f}")
     text = "\n".join(lines)

@@ -144,3 +144,27 @@ def test_bfloat16_one_value_product_stays_near_the_two_product_form():
     want = (np.einsum("bhts,bshd->bthd", _np_probs(up[0], up[1], mask, 8 ** -0.5), vr)
             - 0.6 * np.einsum("bhts,bshd->bthd", _np_probs(up[2], up[3], mask, 8 ** -0.5), vr))
     np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
+
+
+# ---------------------------------------------------------------------------- the benchmark
+def test_step_time_benchmark_runs_on_cpu(capsys, tmp_path):
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parent.parent / "benchmarks" / "step_time.py"
+    spec = importlib.util.spec_from_file_location("step_time", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    md = tmp_path / "table.md"
+    assert bench.main(["--batch", "1", "--seq", "8", "--d-model", "16", "--layers", "1",
+                       "--heads", "1", "--rounds", "1", "--steps", "1", "--components", "step",
+                       "norm", "--models", "DIFF V1", "twin V1", "torch DIFF V1",
+                       "--markdown", str(md)]) == 0
+    table = md.read_text()
+    assert "| step |" in table and "| norm |" in table
+    assert "step DIFF V1 / twin V1:" in table
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return
+    assert "step DIFF V1 / torch DIFF V1:" in table
