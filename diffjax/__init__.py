@@ -2,6 +2,7 @@
 
 from . import decode, hf, interop, ops
 from .attention import MultiheadAttention, MultiheadDiffAttn, MultiheadDiffAttnV2
+from .compile_options import cpu_compile_options
 from .config import ConfigError, ModelConfig, lambda_init_fn, twin
 from .decode import KVCache, generate
 from .hf import PretrainedError, from_pretrained, save_pretrained
@@ -16,8 +17,8 @@ __version__ = "0.1.0"
 __all__ = [
     "Block", "ConfigError", "KVCache", "ModelConfig", "MultiheadAttention", "MultiheadDiffAttn",
     "MultiheadDiffAttnV2", "ParamCount", "PretrainedError", "RMSNorm", "SwiGLU", "TransformerLM",
-    "apply_rotary", "compare_params", "count_params", "decode", "differential_attention",
-    "dot_product_attention", "from_pretrained", "generate", "hf", "interop", "lambda_init_fn",
+    "apply_rotary", "compare_params", "count_params", "cpu_compile_options", "decode",
+    "differential_attention", "dot_product_attention", "from_pretrained", "generate", "hf", "interop", "lambda_init_fn",
     "load_unilm_state_dict", "ops", "rotary_angles", "save_pretrained", "twin",
     "unilm_state_dict",
 ]

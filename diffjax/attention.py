@@ -18,8 +18,8 @@ from flax import nnx
 
 from . import ops
 from .config import lambda_init_fn
-from .layers import (Dtype, RMSNorm, RopeScaling, apply_rotary, as_dtype, default_positions,
-                     rotary_angles, torch_linear_init)
+from .layers import (Dtype, Linear, RMSNorm, RopeScaling, apply_rotary, as_dtype,
+                     default_positions, rotary_angles, torch_linear_init)
 from .sharding import constrain, param, param_init
 
 # Logical axis names (see diffjax.sharding): the fused head dimension of a projection is
@@ -107,7 +107,7 @@ class _Projections(nnx.Module):
     def _linear(self, n_in: int, n_out: int, dtype, param_dtype, kernel_init, rngs,
                 axes: tuple[str, str] = ("embed", "heads")):
         """A bias-free linear whose kernel carries the logical ``axes`` (in, out)."""
-        return nnx.Linear(n_in, n_out, use_bias=False, dtype=as_dtype(dtype),
+        return Linear(n_in, n_out, use_bias=False, dtype=as_dtype(dtype),
                           param_dtype=as_dtype(param_dtype),
                           kernel_init=param_init(kernel_init, *axes), rngs=rngs)
 

@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
+from .compile_options import lazy_jit
 from .config import ModelConfig
 from .model import TransformerLM
 from .sharding import constrain
@@ -177,7 +178,7 @@ def sample_logits(logits: jax.Array, rng: jax.Array | None, *, temperature: Any 
 
 
 # ---------------------------------------------------------------------------- compiled pieces
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_length"))
+@functools.partial(lazy_jit, static_argnames=("graphdef", "max_length"))
 def _prefill_jit(graphdef, state, tokens, start, *, max_length):
     TRACE_COUNTS["prefill"] += 1
     model = nnx.merge(graphdef, state)
@@ -185,7 +186,7 @@ def _prefill_jit(graphdef, state, tokens, start, *, max_length):
     return logits[:, -1], cache
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "num_slots", "greedy", "top_k"),
+@functools.partial(lazy_jit, static_argnames=("graphdef", "num_slots", "greedy", "top_k"),
                    donate_argnames=("cache",))
 def _decode_jit(graphdef, state, cache, logits, rng, num_new, temperature, eos_id, *, num_slots,
                 greedy, top_k):

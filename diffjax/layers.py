@@ -29,6 +29,24 @@ def as_dtype(dtype: Dtype) -> jnp.dtype:
     return jnp.dtype(dtype)
 
 
+# ---------------------------------------------------------------------------- Linear
+class Linear(nnx.Linear):
+    """``nnx.Linear`` (same parameters, same result) applied to a 2-D ``[N, in]`` view of its
+    input: ``x [..., in]`` is flattened to ``[prod(...), in]``, multiplied, and reshaped back.
+
+    The reshapes are free (bitcasts), and GPU/TPU compilers flatten a dot's free dimensions this
+    way themselves; XLA:CPU does not, and with a 3-D input turns each weight gradient
+    ``x^T dy`` into a transposed copy: the 2-D view makes the SwiGLU FFN's forward and backward
+    about a third faster on CPU (``benchmarks/step_time.py``).
+    """
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        if x.ndim <= 2:
+            return super().__call__(x)
+        y = super().__call__(x.reshape(-1, x.shape[-1]))
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
 # ---------------------------------------------------------------------------- RMSNorm
 def rms_norm(x: jax.Array, weight: jax.Array | None, eps: float) -> jax.Array:
     """``x / sqrt(mean(x^2) + eps)`` in float32, cast back to ``x.dtype``, then ``* weight``.
@@ -155,9 +173,9 @@ class SwiGLU(nnx.Module):
         kw = dict(use_bias=False, dtype=as_dtype(dtype), param_dtype=as_dtype(param_dtype),
                   rngs=rngs)
         up = param_init(kernel_init, "embed", "mlp")
-        self.w1 = nnx.Linear(d_model, hidden_dim, kernel_init=up, **kw)  # gate
-        self.w3 = nnx.Linear(d_model, hidden_dim, kernel_init=up, **kw)  # up
-        self.w2 = nnx.Linear(hidden_dim, d_model, kernel_init=param_init(kernel_init, "mlp", "embed"),
+        self.w1 = Linear(d_model, hidden_dim, kernel_init=up, **kw)  # gate
+        self.w3 = Linear(d_model, hidden_dim, kernel_init=up, **kw)  # up
+        self.w2 = Linear(hidden_dim, d_model, kernel_init=param_init(kernel_init, "mlp", "embed"),
                              **kw)  # down
 
     def __call__(self, x: jax.Array) -> jax.Array:

@@ -8,7 +8,7 @@ from flax import nnx
 
 from .attention import MultiheadAttention, MultiheadDiffAttn, MultiheadDiffAttnV2
 from .config import ModelConfig
-from .layers import RMSNorm, SwiGLU, as_dtype
+from .layers import Linear, RMSNorm, SwiGLU, as_dtype
 from .sharding import constrain, param_init
 
 _ACT = ("act_batch", "act_seq", "act_embed")
@@ -74,9 +74,9 @@ class TransformerLM(nnx.Module):
         self.layers = nnx.List([Block(config, i, rngs=rngs) for i in range(config.num_layers)])
         self.norm = RMSNorm(config.d_model, eps=config.norm_eps, param_dtype=pdt)
         self.lm_head = (None if config.tie_embeddings else
-                        nnx.Linear(config.d_model, config.vocab_size, use_bias=False, dtype=dt,
-                                   param_dtype=pdt, kernel_init=param_init(init, "embed", "vocab"),
-                                   rngs=rngs))
+                        Linear(config.d_model, config.vocab_size, use_bias=False, dtype=dt,
+                               param_dtype=pdt, kernel_init=param_init(init, "embed", "vocab"),
+                               rngs=rngs))
 
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
                  segment_ids: jax.Array | None = None) -> jax.Array:

@@ -13,8 +13,9 @@ reads kv head ``i // (Hq // Hkv)``; K/V are never repeated in memory.
 
 Numerics (the kernels match them): logits and softmax in float32, probabilities cast to v's
 dtype before the value product (as flash attention and the official code do), float32
-accumulation, ``o1 - lam * o2`` in float32 with a float32 lambda, and a zero output for a query
-that sees no key at all. The ``[T, S]`` maps are materialised: the kernels exist for long
+accumulation, a float32 lambda, and a zero output for a query that sees no key at all. The
+differential form takes one value product on the float32 map ``A1 - lam * A2`` (cast to v's
+dtype), the kernels two (``o1 - lam * o2`` in float32): equal in float32 to rounding. The ``[T, S]`` maps are materialised: the kernels exist for long
 sequences.
 
 ``logit_bits`` simulates absmax quantization of the logits (the paper's Fig. 8): see
@@ -126,36 +127,74 @@ def absmax_quantize(x: jax.Array, bits: int, *, mask: jax.Array | None = None,
 
 
 # ---------------------------------------------------------------------------- the maps
-def _grouped_logits(q: jax.Array, k: jax.Array, scale: float) -> jax.Array:
-    """``q k^T * scale`` as ``[B, Hkv, R, T, S]`` float32, for q ``[B,T,Hq,D]``, k ``[B,S,Hkv,D]``."""
+# Inside, the maps are laid out [B, Hkv, R*T, S]: the R = Hq / Hkv query heads of a kv group
+# stacked along the query axis, so both products are 4-D batched matmuls over (B, Hkv) whose
+# outputs need no transpose (5-D GQA einsums, "btgrd,bsgd->bgrts", make XLA:CPU transpose
+# every map). Query head i = g * R + r, so [B, Hkv, R*T, S] is a free view of [B, Hq, T, S].
+def _group_queries(q: jax.Array, hkv: int) -> jax.Array:
+    """``[B, T, Hq, D]`` -> ``[B, Hkv, R*T, D]`` (row ``r*T + t`` is query head ``g*R + r``)."""
     b, t, hq, d = q.shape
+    r = hq // hkv
+    return q.reshape(b, t, hkv, r, d).transpose(0, 2, 3, 1, 4).reshape(b, hkv, r * t, d)
+
+
+def _ungroup_queries(x: jax.Array, t: int) -> jax.Array:
+    """``[B, Hkv, R*T, D]`` -> ``[B, T, Hkv*R, D]`` (the inverse of :func:`_group_queries`)."""
+    b, hkv, rt, d = x.shape
+    r = rt // t
+    return x.reshape(b, hkv, r, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, hkv * r, d)
+
+
+def _group_rows(x: jax.Array, hkv: int) -> jax.Array:
+    """A per-(query, head) value ``[B, T, Hq]`` -> ``[B, Hkv, R*T, 1]``, aligned with the maps."""
+    b, t, hq = x.shape
+    return x.reshape(b, t, hkv, hq // hkv).transpose(0, 2, 3, 1).reshape(b, hkv, -1)[..., None]
+
+
+def _group_mask(mask: jax.Array | None, r: int) -> jax.Array | None:
+    """The ``[B or 1, T, S]`` mask as ``[B or 1, 1, R*T, S]`` (the same rows for every head)."""
+    if mask is None:
+        return None
+    mb, t, s = mask.shape
+    if r == 1:
+        return mask[:, None]
+    return jnp.broadcast_to(mask[:, None, None], (mb, 1, r, t, s)).reshape(mb, 1, r * t, s)
+
+
+def _grouped_logits(q: jax.Array, k: jax.Array, scale: float) -> jax.Array:
+    """``q k^T * scale`` as ``[B, Hkv, R*T, S]`` float32, for q ``[B,T,Hq,D]``, k ``[B,S,Hkv,D]``."""
     hkv = k.shape[2]
-    qg = q.reshape(b, t, hkv, hq // hkv, d)
-    logits = jnp.einsum("btgrd,bsgd->bgrts", qg, k, preferred_element_type=jnp.float32)
+    logits = jnp.einsum("bgqd,bgsd->bgqs", _group_queries(q, hkv), k.transpose(0, 2, 1, 3),
+                        preferred_element_type=jnp.float32)
     return logits * jnp.float32(scale)
 
 
 def _grouped_probs(q: jax.Array, k: jax.Array, mask: jax.Array | None, scale: float,
-                   logit_bits: int | None = None) -> jax.Array:
-    """Softmax probabilities ``[B, Hkv, R, T, S]`` in float32."""
+                   logit_bits: int | None = None, *, zero_masked: bool = True) -> jax.Array:
+    """Softmax probabilities ``[B, Hkv, R*T, S]`` in float32. ``zero_masked=False`` leaves the
+    masked entries of a row with no visible key uniform (the caller zeroes them)."""
+    b, t, hq, _ = q.shape
+    hkv, s = k.shape[2], k.shape[1]
+    r = hq // hkv
     logits = _grouped_logits(q, k, scale)
-    mask = None if mask is None else mask[:, None, None, :, :]
-    if logit_bits is not None:
-        logits = absmax_quantize(logits, logit_bits, mask=mask)
-    if mask is None:
+    gmask = _group_mask(mask, r)
+    if logit_bits is not None:  # absmax blocks per query head: [.., R, T, S]
+        logits = absmax_quantize(
+            logits.reshape(b, hkv, r, t, s), logit_bits,
+            mask=None if mask is None else mask[:, None, None]).reshape(b, hkv, r * t, s)
+    if gmask is None:
         return jax.nn.softmax(logits, axis=-1)
-    probs = jax.nn.softmax(jnp.where(mask, logits, MASK_VALUE), axis=-1)
+    probs = jax.nn.softmax(jnp.where(gmask, logits, MASK_VALUE), axis=-1)
     # A query that sees no key at all gets zero weights (and a zero output), as flash attention
     # gives, rather than a uniform average over keys it may not see.
-    return jnp.where(mask, probs, 0.0)
+    return jnp.where(gmask, probs, 0.0) if zero_masked else probs
 
 
-def _attend(probs: jax.Array, v: jax.Array) -> jax.Array:
-    """``probs`` ``[B,Hkv,R,T,S]`` times v ``[B,S,Hkv,Dv]`` -> ``[B,T,Hkv*R,Dv]`` in float32."""
-    b, hkv, r, t, _ = probs.shape
-    out = jnp.einsum("bgrts,bsgd->btgrd", probs.astype(v.dtype), v,
+def _attend(probs: jax.Array, v: jax.Array, t: int) -> jax.Array:
+    """``probs`` ``[B,Hkv,R*T,S]`` times v ``[B,S,Hkv,Dv]`` -> ``[B,T,Hkv*R,Dv]`` in float32."""
+    out = jnp.einsum("bgqs,bgsd->bgqd", probs.astype(v.dtype), v.transpose(0, 2, 1, 3),
                      preferred_element_type=jnp.float32)
-    return out.reshape(b, t, hkv * r, v.shape[-1])
+    return _ungroup_queries(out, t)
 
 
 def _default_scale(q: jax.Array, scale: float | None) -> float:
@@ -181,11 +220,11 @@ def attention_weights(q: jax.Array, k: jax.Array, *, causal: bool = True,
                       kv_segment_ids: jax.Array | None = None,
                       scale: float | None = None) -> jax.Array:
     """The softmax attention map ``[B, Hq, T, S]`` (float32)."""
-    mask = attention_mask(q.shape[1], k.shape[1], causal=causal, segment_ids=segment_ids,
+    b, t, hq, _ = q.shape
+    mask = attention_mask(t, k.shape[1], causal=causal, segment_ids=segment_ids,
                           kv_segment_ids=kv_segment_ids)
     probs = _grouped_probs(q, k, mask, _default_scale(q, scale))
-    b, hkv, r, t, s = probs.shape
-    return probs.reshape(b, hkv * r, t, s)
+    return probs.reshape(b, hq, t, k.shape[1])
 
 
 def dot_product_attention(q, k, v, *, causal=True, segment_ids=None, kv_segment_ids=None,
@@ -194,20 +233,33 @@ def dot_product_attention(q, k, v, *, causal=True, segment_ids=None, kv_segment_
     ``D ** -0.5``."""
     mask = attention_mask(q.shape[1], k.shape[1], causal=causal, segment_ids=segment_ids,
                           kv_segment_ids=kv_segment_ids)
-    out = _attend(_grouped_probs(q, k, mask, _default_scale(q, scale), logit_bits), v)
+    out = _attend(_grouped_probs(q, k, mask, _default_scale(q, scale), logit_bits), v,
+                  q.shape[1])
     return out.astype(q.dtype)
 
 
 def differential_attention(q1, k1, q2, k2, v, lam, *, causal=True, segment_ids=None,
                            kv_segment_ids=None, scale=None, logit_bits=None):
     """``softmax(q1 k1^T s) v - lam * softmax(q2 k2^T s) v``: ``[B, T, Hq, Dv]`` in
-    ``q1.dtype``. ``lam`` a scalar (V1) or ``[B, T, Hq]`` (V2)."""
+    ``q1.dtype``. ``lam`` a scalar (V1) or ``[B, T, Hq]`` (V2).
+
+    Computed as one value product on the differential map, ``(A1 - lam A2) v``: lambda is
+    constant along each map row, so this is the same sum as ``A1 v - lam A2 v`` with one
+    ``[T, S] x [S, Dv]`` product instead of two. The map ``A1 - lam A2`` is formed in float32
+    and cast to v's dtype, then accumulated in float32 (the same in float32 to rounding; in
+    bfloat16 it rounds the differential map once instead of each map)."""
+    _, t, hq, _ = q1.shape
+    hkv = k1.shape[2]
     scale = _default_scale(q1, scale)
-    mask = attention_mask(q1.shape[1], k1.shape[1], causal=causal, segment_ids=segment_ids,
+    mask = attention_mask(t, k1.shape[1], causal=causal, segment_ids=segment_ids,
                           kv_segment_ids=kv_segment_ids)
-    o1 = _attend(_grouped_probs(q1, k1, mask, scale, logit_bits), v)
-    o2 = _attend(_grouped_probs(q2, k2, mask, scale, logit_bits), v)
+    p1 = _grouped_probs(q1, k1, mask, scale, logit_bits, zero_masked=False)
+    p2 = _grouped_probs(q2, k2, mask, scale, logit_bits, zero_masked=False)
     lam = jnp.asarray(lam, jnp.float32)
-    if lam.ndim:  # [B, T, Hq] per-token, per-head lambda (V2)
-        lam = lam[..., None]
-    return (o1 - lam * o2).astype(q1.dtype)
+    if lam.ndim:  # [B, T, Hq] per-token, per-head lambda (V2): one value per map row
+        lam = _group_rows(lam, hkv)
+    diff = p1 - lam * p2
+    gmask = _group_mask(mask, hq // hkv)
+    if gmask is not None:  # a query that sees no key gets a zero output (see _grouped_probs)
+        diff = jnp.where(gmask, diff, 0.0)
+    return _attend(diff, v, t).astype(q1.dtype)

@@ -29,6 +29,7 @@ from flax import nnx
 
 from diffjax import data as data_lib
 from diffjax import sharding
+from diffjax.compile_options import cpu_compile_options
 from diffjax.config import ConfigError, ModelConfig
 from diffjax.model import TransformerLM, sown_lambdas
 from diffjax.param_count import count_params
@@ -179,9 +180,11 @@ def compile_steps(setup: ModelSetup, state, rest, batch) -> tuple[Any, Callable]
     batch_sh = {k: v.sharding for k, v in batch.items()}
     model = dict(graphdef=setup.graphdef, rest=rest)
     train = jax.jit(functools.partial(train_step, tx=setup.tx, schedule=setup.schedule, **model),
-                    donate_argnums=0, in_shardings=(setup.state_sh, batch_sh),
+                    donate_argnums=0, compiler_options=cpu_compile_options(),
+                    in_shardings=(setup.state_sh, batch_sh),
                     out_shardings=(setup.state_sh, replicated))
     evaluate_fn = jax.jit(functools.partial(eval_step, **model),
+                          compiler_options=cpu_compile_options(),
                           in_shardings=(setup.state_sh["params"], batch_sh),
                           out_shardings=(replicated, replicated, batch_sh["inputs"]))
     return train.lower(state, batch).compile(), evaluate_fn
