@@ -7,7 +7,7 @@
 Per sequence length it prints forward and forward+backward time, TFLOP/s and XLA's memory
 estimate (arguments + outputs + temporaries of the compiled function) for:
 
-  fused      diffjax.kernels.diff_flash_attention: both softmax maps in one pass (V1 layout:
+  fused      diffjax.kernels.differential_flash_attention: both softmax maps in one pass (V1 layout:
              h heads, q/k width d, v width 2d)
   xla        diffjax.kernels.reference.differential_attention (the XLA path), the plain reference (materialises T x S)
   two-call   the official code's strategy: two standard attention calls (jax.nn.
@@ -93,7 +93,8 @@ def variants(backend: str, interpret: bool, causal: bool):
     stock = "cudnn" if backend == "gpu" else None
     out = {}
     if on_accel or interpret:
-        out["fused"] = ("diff", functools.partial(kernels.diff_flash_attention, causal=causal,
+        out["fused"] = ("diff", functools.partial(kernels.differential_flash_attention,
+                                                  causal=causal,
                                                   interpret=interpret and not on_accel))
     out["xla"] = ("diff", functools.partial(kernels.reference.differential_attention, causal=causal))
     out["two-call"] = ("diff", functools.partial(two_call, causal=causal, impl=stock))

@@ -126,8 +126,9 @@ def _loss_fn(module, case: Case, block_sizes):
         if case.kind == "std":
             o = module.flash_attention(q1, k1, v, causal=True, block_sizes=block_sizes)
         else:
-            o = module.diff_flash_attention(q1, k1, q2, k1 if case.kind == "v2" else k2, v, lam,
-                                            causal=True, block_sizes=block_sizes)
+            k2_ = k1 if case.kind == "v2" else k2
+            o = module.differential_flash_attention(q1, k1, q2, k2_, v, lam, causal=True,
+                                                    block_sizes=block_sizes)
         return jnp.sum(o.astype(jnp.float32))
 
     loss.__name__ = f"compile_{case.name}"

@@ -79,7 +79,7 @@ def _check_extend(module, x, segment_ids, kv_segment_ids):
     return dict(segment_ids=segment_ids, kv_segment_ids=kv_segment_ids if x.shape[1] == 1 else None)
 
 
-class _Projections(nnx.Module):
+class _AttentionLayer(nnx.Module):
     """Shared constructor pieces: head bookkeeping and its checks, bias-free linears."""
 
     def _init_heads(self, embed_dim: int, num_heads: int, num_kv_heads: int | None,
@@ -112,7 +112,7 @@ class _Projections(nnx.Module):
                           kernel_init=param_init(kernel_init, *axes), rngs=rngs)
 
 
-class MultiheadAttention(_Projections):
+class MultiheadAttention(_AttentionLayer):
     """Standard multi-head attention (MHA, GQA with ``num_kv_heads``, MQA with 1).
 
     Parameters ``q_proj [D, H d]``, ``k_proj``/``v_proj [D, H_kv d]``, ``out_proj [H d, D]``, as
@@ -195,7 +195,7 @@ class MultiheadAttention(_Projections):
         return self.out_proj(o.reshape(b, t, self.num_heads * self.head_dim)), cache
 
 
-class MultiheadDiffAttn(_Projections):
+class MultiheadDiffAttn(_AttentionLayer):
     """Differential attention V1 (the paper), with the pairing of ``multihead_flashdiff_1.py``.
 
     ``num_heads`` = h DIFF heads (half the baseline's heads); ``num_kv_heads`` = h_kv (half the
@@ -345,7 +345,7 @@ def differential_lambda(lq1: jax.Array, lk1: jax.Array, lq2: jax.Array, lk2: jax
             - jnp.exp(jnp.sum(lq2.astype(f32) * lk2.astype(f32))) + f32(lambda_init))
 
 
-class MultiheadDiffAttnV2(_Projections):
+class MultiheadDiffAttnV2(_AttentionLayer):
     """Differential attention V2, as ``multihead_flashdiffv2.py`` with ``use_diff_v2=True``.
 
     ``num_heads`` = h output heads over 2h query heads of width ``head_dim`` = d; query heads 2i

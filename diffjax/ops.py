@@ -158,7 +158,7 @@ def _pallas_differential(q1, k1, q2, k2, v, lam, *, causal, segment_ids, kv_segm
     shared = k1 is k2  # DIFF V2: one key for both maps (the kernel then loads it once)
 
     def run(q1, k1, q2, k2, v, lam, segment_ids, kv_segment_ids):
-        return kernels.diff_flash_attention(q1, k1, q2, k1 if shared else k2, v, lam,
+        return kernels.differential_flash_attention(q1, k1, q2, k1 if shared else k2, v, lam,
                                             causal=causal, segment_ids=segment_ids,
                                             kv_segment_ids=kv_segment_ids, sm_scale=scale,
                                             interpret=jax.default_backend() == "cpu")

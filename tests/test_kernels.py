@@ -34,9 +34,9 @@ def test_auto_stays_xla_on_cpu_and_is_pallas_on_accelerators():
 def test_cpu_without_interpret_says_how_to_run():
     q1, k1, q2, k2, v = _inputs()
     with pytest.raises(ValueError, match="compile only for GPU and TPU.*interpret=True"):
-        kernels.diff_flash_attention(q1, k1, q2, k2, v, 0.5)
+        kernels.differential_flash_attention(q1, k1, q2, k2, v, 0.5)
     with pytest.raises(ValueError, match="no Pallas kernel for backend 'metal'"):
-        kernels.diff_flash_attention(q1, k1, q2, k2, v, 0.5, interpret=True, backend="metal")
+        kernels.differential_flash_attention(q1, k1, q2, k2, v, 0.5, interpret=True, backend="metal")
 
 
 @pytest.mark.parametrize("change, message", [
@@ -47,18 +47,18 @@ def test_cpu_without_interpret_says_how_to_run():
 def test_bad_shapes_are_named_before_any_kernel_runs(change, message):
     args = change(_inputs())
     with pytest.raises(ValueError, match=message):
-        kernels.diff_flash_attention(*args, 0.5, interpret=True)
+        kernels.differential_flash_attention(*args, 0.5, interpret=True)
 
 
 def test_bad_lambda_shape():
     with pytest.raises(ValueError, match=r"lam must be a scalar or \[batch, seq, heads\]"):
-        kernels.diff_flash_attention(*_inputs(), jnp.ones((3,)), interpret=True)
+        kernels.differential_flash_attention(*_inputs(), jnp.ones((3,)), interpret=True)
 
 
 @pytest.mark.parametrize("backend", ["gpu", "tpu"])
 def test_entry_point_matches_reference(backend):
     q1, k1, q2, k2, v = _inputs()
-    got = kernels.diff_flash_attention(q1, k1, q2, k2, v, 0.7, interpret=True, backend=backend)
+    got = kernels.differential_flash_attention(q1, k1, q2, k2, v, 0.7, interpret=True, backend=backend)
     want = kernels.reference.differential_attention(q1, k1, q2, k2, v, 0.7)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
     got = kernels.flash_attention(q1, k1, v, interpret=True, backend=backend)

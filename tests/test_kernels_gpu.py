@@ -133,7 +133,7 @@ def _check_diff(args, ct, *, causal, seg, kv_seg, scale, block_sizes, shared=Fal
     kw = dict(causal=causal, segment_ids=seg, kv_segment_ids=kv_seg)
 
     def kernel(q1, k1, q2, k2, v, lam):
-        return gpu.diff_flash_attention(q1, k1, q2, k1 if shared else k2, v, lam, sm_scale=scale,
+        return gpu.differential_flash_attention(q1, k1, q2, k1 if shared else k2, v, lam, sm_scale=scale,
                                         block_sizes=block_sizes, interpret=INTERPRET, **kw)
 
     def expected(q1, k1, q2, k2, v, lam):
@@ -275,7 +275,7 @@ def test_shared_keys_match_a_copy():
                                            shared=True)
 
     def copy(q1, k1, q2, k2, v, lam):
-        return gpu.diff_flash_attention(q1, k1, q2, k2, v, lam, block_sizes=SMALL, interpret=INTERPRET)
+        return gpu.differential_flash_attention(q1, k1, q2, k2, v, lam, block_sizes=SMALL, interpret=INTERPRET)
 
     copy_out, copy_grads = _value_and_grads(copy, (q1, k1, q2, k_copy, v, lam), ct, range(6))
     np.testing.assert_allclose(shared_out, copy_out, atol=1e-6, rtol=1e-6)
@@ -305,7 +305,7 @@ def test_shared_keys_use_the_single_key_kernel():
 
     def kernel_inputs(shared):
         def loss(q1, k1, q2, k2, v, lam):
-            o = gpu.diff_flash_attention(q1, k1, q2, k1 if shared else k2, v, lam, interpret=INTERPRET)
+            o = gpu.differential_flash_attention(q1, k1, q2, k1 if shared else k2, v, lam, interpret=INTERPRET)
             return jnp.sum(o * ct)
 
         calls = _pallas_calls(jax.make_jaxpr(jax.grad(loss, (0, 1, 2, 3, 4, 5)))(*args))
@@ -364,7 +364,7 @@ def test_causal_skipping_many_blocks():
 def test_python_float_lambda_and_head_dim_128():
     args, _, _ = _inputs(2, 1, 16, 16, 1, 1, 128, 128, jnp.float32, "scalar")
     q1, k1, q2, k2, v, _ = args
-    out = gpu.diff_flash_attention(q1, k1, q2, k2, v, 0.5, interpret=INTERPRET)
+    out = gpu.differential_flash_attention(q1, k1, q2, k2, v, 0.5, interpret=INTERPRET)
     want = reference.differential_attention(q1, k1, q2, k2, v, 0.5, scale=128 ** -0.5)
     _close("out", out, want, F32_TOL["value"])
 
@@ -421,7 +421,7 @@ def test_default_blocks_fit_hopper_shared_memory():
 def test_bad_shapes():
     x = jnp.zeros((1, 16, 2, 32))
     with pytest.raises(ValueError, match="lam"):
-        gpu.diff_flash_attention(x, x, x, x, x, jnp.zeros((3,)), interpret=INTERPRET)
+        gpu.differential_flash_attention(x, x, x, x, x, jnp.zeros((3,)), interpret=INTERPRET)
     with pytest.raises(ValueError, match="kv heads"):
         gpu.flash_attention(jnp.zeros((1, 16, 3, 32)), x, x, interpret=INTERPRET)
 
@@ -438,7 +438,7 @@ def test_lowers_through_triton():
     kv_seg = jax.ShapeDtypeStruct((2, 130), jnp.int32)
 
     def loss(q1, k1, q2, k2, v, lam, seg, kv_seg, shared):
-        o = gpu.diff_flash_attention(q1, k1, q2, k1 if shared else k2, v, lam, segment_ids=seg,
+        o = gpu.differential_flash_attention(q1, k1, q2, k1 if shared else k2, v, lam, segment_ids=seg,
                                      kv_segment_ids=kv_seg)
         return jnp.sum(o.astype(jnp.float32)) + jnp.sum(
             gpu.flash_attention(q1, k1, v[..., :64], causal=False).astype(jnp.float32))
@@ -521,7 +521,7 @@ def test_bfloat16_o2_residual_costs_little_in_dlam():
     def dlam(f):
         return jax.grad(lambda lam: jnp.sum(f(lam).astype(jnp.float32) * ct))(args[5])
 
-    got = dlam(lambda lam: gpu.diff_flash_attention(*args[:5], lam, block_sizes=SMALL,
+    got = dlam(lambda lam: gpu.differential_flash_attention(*args[:5], lam, block_sizes=SMALL,
                                                     interpret=INTERPRET, o2_dtype=jnp.bfloat16))
     want = dlam(lambda lam: reference.differential_attention(*up, lam, causal=True))
     o2 = reference.dot_product_attention(up[2], up[3], up[4], causal=True)

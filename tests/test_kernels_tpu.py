@@ -120,7 +120,7 @@ def check_differential(case, *, causal, block_sizes, interpret=True, sm_scale=No
     args = tuple(case[n] for n in names)
 
     def kernel(*a):
-        return tpu.diff_flash_attention(*a, causal=causal, sm_scale=sm_scale,
+        return tpu.differential_flash_attention(*a, causal=causal, sm_scale=sm_scale,
                                         block_sizes=block_sizes, interpret=interpret,
                                         **_masks(case))
 
@@ -208,10 +208,10 @@ def test_shared_k_equals_copy():
     bs = blocks(16, 16, 16, 8)
 
     def shared(q1, k, q2, v, lam):
-        return tpu.diff_flash_attention(q1, k, q2, k, v, lam, block_sizes=bs, interpret=True)
+        return tpu.differential_flash_attention(q1, k, q2, k, v, lam, block_sizes=bs, interpret=True)
 
     def copied(q1, k, q2, v, lam):
-        return tpu.diff_flash_attention(q1, k, q2, k + 0.0, v, lam, block_sizes=bs,
+        return tpu.differential_flash_attention(q1, k, q2, k + 0.0, v, lam, block_sizes=bs,
                                         interpret=True)
 
     args = tuple(case[n] for n in ("q1", "k1", "q2", "v", "lam"))
@@ -262,7 +262,7 @@ def test_causal_skips_key_blocks_above_the_diagonal():
     query block that may see it (a computed-but-masked tile would spread 0 * NaN = NaN)."""
     case = make_case(7, t=32, s=32, hq=1, hkv=1)
     v = case["v"].at[:, -1].set(jnp.nan)
-    fn = _compile(lambda q1, k1, q2, k2, v: tpu.diff_flash_attention(
+    fn = _compile(lambda q1, k1, q2, k2, v: tpu.differential_flash_attention(
         q1, k1, q2, k2, v, 0.5, block_sizes=blocks(8, 8), interpret=True),
         case["q1"], case["k1"], case["q2"], case["k2"], v)
     out = np.asarray(fn(case["q1"], case["k1"], case["q2"], case["k2"], v))
@@ -329,9 +329,9 @@ def test_hardware_block_sizes_must_fill_lanes():
     case = make_case(8, t=300, s=300, hq=1, hkv=1)
     args = tuple(case[n] for n in ("q1", "k1", "q2", "k2", "v", "lam"))
     with pytest.raises(ValueError, match="multiple of 128"):
-        tpu.diff_flash_attention(*args, block_sizes=blocks(64, 128), interpret=False)
+        tpu.differential_flash_attention(*args, block_sizes=blocks(64, 128), interpret=False)
     with pytest.raises(ValueError, match="block_sizes must be a BlockSizes"):
-        tpu.diff_flash_attention(*args, block_sizes=(128, 128), interpret=True)
+        tpu.differential_flash_attention(*args, block_sizes=(128, 128), interpret=True)
 
 
 @pytest.mark.parametrize("differential, shared_k, lam_kind, dtype, segments, causal", [
@@ -352,7 +352,7 @@ def test_lowers_for_tpu(differential, shared_k, lam_kind, dtype, segments, causa
     def attn(q1, k1, q2, k2, v, lam, seg):
         if not differential:
             return tpu.flash_attention(q1, k1, v, causal=causal, segment_ids=seg)
-        return tpu.diff_flash_attention(q1, k1, q2, k1 if shared_k else k2, v, lam,
+        return tpu.differential_flash_attention(q1, k1, q2, k1 if shared_k else k2, v, lam,
                                         causal=causal, segment_ids=seg)
 
     def fwd_bwd(q1, k1, q2, k2, v, lam, seg, ct):

@@ -1,6 +1,6 @@
 """Pallas kernels for differential attention: both softmax maps in one fused flash-style pass.
 
-:func:`diff_flash_attention` computes ``softmax(q1 k1^T s) v - lam * softmax(q2 k2^T s) v``
+:func:`differential_flash_attention` computes ``softmax(q1 k1^T s) v - lam * softmax(q2 k2^T s) v``
 streaming each key/value tile once, with two online-softmax states and two accumulators, and a
 Pallas backward (``jax.custom_vjp``) from the two saved log-sum-exps. :func:`flash_attention` is
 the standard attention of the twin through the same machinery, so comparisons are like for like.
@@ -52,7 +52,7 @@ def kernel_module(backend: str | None = None, *, interpret: Any = False):
     return importlib.import_module(f"{__name__}.{name}")
 
 
-def diff_flash_attention(q1: jax.Array, k1: jax.Array, q2: jax.Array, k2: jax.Array,
+def differential_flash_attention(q1: jax.Array, k1: jax.Array, q2: jax.Array, k2: jax.Array,
                          v: jax.Array, lam: jax.Array | float, *, causal: bool = True,
                          segment_ids: jax.Array | None = None,
                          kv_segment_ids: jax.Array | None = None,
@@ -71,10 +71,10 @@ def diff_flash_attention(q1: jax.Array, k1: jax.Array, q2: jax.Array, k2: jax.Ar
     # model's rule for V's width (against k1's: q/k mismatches are the modules' to name).
     dqk, dv = k1.shape[-1], v.shape[-1]
     if dv not in (dqk, 2 * dqk):
-        raise ValueError(f"diff_flash_attention: v's head dim must equal q/k's ({dqk}) or be "
-                         f"twice it ({2 * dqk}), got {dv}")
+        raise ValueError(f"differential_flash_attention: v's head dim must equal q/k's ({dqk}) "
+                         f"or be twice it ({2 * dqk}), got {dv}")
     module = kernel_module(backend, interpret=interpret)
-    return module.diff_flash_attention(q1, k1, q2, k2, v, lam, causal=causal,
+    return module.differential_flash_attention(q1, k1, q2, k2, v, lam, causal=causal,
                                        segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
                                        sm_scale=sm_scale, block_sizes=block_sizes,
                                        interpret=interpret)
@@ -92,5 +92,5 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
                                   block_sizes=block_sizes, interpret=interpret)
 
 
-__all__ = ["KERNEL_BACKENDS", "diff_flash_attention", "flash_attention", "kernel_module",
+__all__ = ["KERNEL_BACKENDS", "differential_flash_attention", "flash_attention", "kernel_module",
            "reference"]

@@ -1,6 +1,6 @@
 """Fused differential attention for GPUs: Pallas kernels on the Triton lowering.
 
-``diff_flash_attention`` computes, in one pass over the keys,
+``differential_flash_attention`` computes, in one pass over the keys,
 
     out = softmax(q1 k1^T s) v - lam * softmax(q2 k2^T s) v
 
@@ -74,7 +74,8 @@ from .reference import MASK_VALUE, check_differential, check_qkv
 _MIN_BLOCK = 16  # Triton: every block dim a power of two, and dots need >= 16
 _SQ = getattr(pl, "squeezed", None)  # a squeezed block dimension (None on older jax)
 
-__all__ = ["BlockSizes", "default_block_sizes", "shared_memory_bytes", "diff_flash_attention", "flash_attention"]
+__all__ = ["BlockSizes", "default_block_sizes", "differential_flash_attention", "flash_attention",
+           "shared_memory_bytes"]
 
 
 # ---------------------------------------------------------------------------- block sizes
@@ -771,7 +772,7 @@ def _run(differential, q1, k1, q2, k2, v, lam, *, causal, segment_ids, kv_segmen
     return out.astype(out_dtype)
 
 
-def diff_flash_attention(q1, k1, q2, k2, v, lam, *, causal=True, segment_ids=None,
+def differential_flash_attention(q1, k1, q2, k2, v, lam, *, causal=True, segment_ids=None,
                          kv_segment_ids=None, sm_scale=None, block_sizes=None,
                          interpret=False, o2_dtype=jnp.float32) -> jax.Array:
     """Fused ``softmax(q1 k1^T s) v - lam * softmax(q2 k2^T s) v``, ``[B, T, Hq, Dv]`` in q1.dtype.
@@ -785,7 +786,7 @@ def diff_flash_attention(q1, k1, q2, k2, v, lam, *, causal=True, segment_ids=Non
     halves it, at the cost in d(lam) stated in docs/kernels.md.
     """
     check_differential(q1, k1, q2, k2, v, lam, segment_ids, kv_segment_ids,
-                       what="diff_flash_attention")
+                       what="differential_flash_attention")
     return _run(True, q1, k1, q2, k2, v, lam, causal=causal, segment_ids=segment_ids,
                 kv_segment_ids=kv_segment_ids, sm_scale=sm_scale, block_sizes=block_sizes,
                 interpret=interpret, o2_dtype=o2_dtype)

@@ -71,7 +71,7 @@ from ._common import dot_nn as _dot_nn, dot_nt as _dot_nt
 from ._common import next_pow2 as _next_pow2, round_up as _round_up
 from .reference import MASK_VALUE, check_qkv
 
-__all__ = ["BlockSizes", "diff_flash_attention", "flash_attention"]
+__all__ = ["BlockSizes", "differential_flash_attention", "flash_attention"]
 
 NUM_LANES = 128
 NUM_SUBLANES = 8
@@ -824,7 +824,7 @@ def _run(what, q1, k1, q2, k2, v, lam, *, differential, causal, segment_ids, kv_
     return jnp.swapaxes(out[:, :, :t], 1, 2).astype(q1.dtype)
 
 
-def diff_flash_attention(q1, k1, q2, k2, v, lam, *, causal=True, segment_ids=None,
+def differential_flash_attention(q1, k1, q2, k2, v, lam, *, causal=True, segment_ids=None,
                          kv_segment_ids=None, sm_scale=None, block_sizes=None,
                          interpret=False) -> jax.Array:
     """Fused ``softmax(q1 k1^T s) v - lam * softmax(q2 k2^T s) v``, ``[B, T, Hq, Dv]`` in q1's dtype.
@@ -835,7 +835,7 @@ def diff_flash_attention(q1, k1, q2, k2, v, lam, *, causal=True, segment_ids=Non
     ``D ** -0.5``. Causal masking is bottom-right aligned. ``interpret``: False for TPU hardware,
     True or a ``pltpu.InterpretParams`` to run in interpret mode (e.g. on CPU).
     """
-    return _run("diff_flash_attention", q1, k1, q2, k2, v, lam, differential=True,
+    return _run("differential_flash_attention", q1, k1, q2, k2, v, lam, differential=True,
                 causal=causal, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
                 sm_scale=sm_scale, block_sizes=block_sizes, interpret=interpret)
 
