@@ -297,11 +297,17 @@ def _tpu_child(target_key: str, cases: list[str], seq: int, heads: int, blocks):
 def available() -> dict[str, str | None]:
     """Why each backend cannot be compiled for here (None: it can)."""
     import importlib.util
+
+    def installed(name: str) -> bool:
+        try:
+            return importlib.util.find_spec(name) is not None
+        except ModuleNotFoundError:  # a parent package (jax_plugins) is absent
+            return False
+
     why = {}
-    why["gpu"] = (None if importlib.util.find_spec("jax_plugins.xla_cuda13")
-                  or importlib.util.find_spec("jax_plugins.xla_cuda12") else
-                  "the CUDA PJRT plugin is not installed (pip install -e '.[compile]')")
-    why["tpu"] = None if importlib.util.find_spec("libtpu") else (
+    why["gpu"] = (None if installed("jax_plugins.xla_cuda13") or installed("jax_plugins.xla_cuda12")
+                  else "the CUDA PJRT plugin is not installed (pip install -e '.[compile]')")
+    why["tpu"] = None if installed("libtpu") else (
         "libtpu is not installed (pip install -e '.[compile]')")
     return why
 
