@@ -24,9 +24,10 @@ def test_retrieval_config_loads_and_needs_retrieval(name):
     assert isinstance(cfg, ExperimentConfig) and cfg.compare and cfg.model.is_diff
     assert cfg.data.source == name and cfg.data.seq_len <= cfg.model.max_seq_len
     d = cfg.data
-    # distractors, and no query answerable by elimination alone: fewer queries than needles/pairs
+    # distractors, and no query answerable by elimination alone: fewer queries than needles/pairs,
+    # or queries drawn with replacement
     items = d.num_needles if name == "needle" else d.num_pairs
-    assert items >= 3 and d.num_queries < items
+    assert items >= 3 and (d.num_queries < items or d.query_replacement)
     chance = query_chance(d)
     assert 0 < chance["uniform"] < chance["no_retrieval"] < 0.5
     batch = next(iter(make_dataset(d, "train", batch_size=cfg.train.batch_size)))
@@ -51,7 +52,8 @@ def _brute_force_no_retrieval(config: DataConfig, n: int) -> float:
             spans, asked = ex["pair_spans"] + np.array([1, 0]), ex["query_pair"]
         values = [w[s:e].tobytes() for s, e in spans]
         for r, q in enumerate(asked):
-            left = [j for j in range(len(values)) if j not in asked[:r]]
+            left = [j for j in range(len(values))
+                    if config.query_replacement or j not in asked[:r]]
             hits.append(np.mean([values[j] == values[q] for j in left]))
     return float(np.mean(hits))
 
@@ -74,3 +76,26 @@ def test_query_chance_matches_a_brute_force_guesser():
         [1 / (8 - r) + (1 - 1 / (8 - r)) / 4 for r in range(8)]))
     with pytest.raises(ValueError, match="no queries"):
         query_chance(DataConfig())
+
+
+def test_queries_with_replacement_repeat_keys_and_eliminate_nothing():
+    mqar = DataConfig(source="mqar", seq_len=48, num_pairs=8, num_queries=16, mqar_num_keys=16,
+                      mqar_num_values=16, query_replacement=True, num_val_examples=300)
+    c = query_chance(mqar)
+    assert c["no_retrieval"] == pytest.approx(1 / 8 + (1 - 1 / 8) / 16)  # the same for every query
+    assert _brute_force_no_retrieval(mqar, 300) == pytest.approx(c["no_retrieval"], abs=0.01)
+    src = make_source(mqar, "validation")
+    asked = np.stack([src[i]["query_pair"] for i in range(50)])
+    assert asked.shape == (50, 16) and asked.max() < 8
+    assert all(len(set(row)) < 16 for row in asked)  # 16 queries of 8 pairs: repeats
+    ex = src[0]
+    w = np.concatenate([ex["inputs"], ex["targets"][-1:]])
+    for r, q in enumerate(ex["query_pair"]):  # each answer is the value of the asked pair
+        s, e = ex["answer_spans"][r]
+        assert w[e] == w[ex["pair_spans"][q][0] + 1]
+    needle = DataConfig(source="needle", seq_len=300, num_needles=3, num_queries=4, key_len=1,
+                        value_len=1, query_replacement=True, num_val_examples=8)
+    assert query_chance(needle)["no_retrieval"] == pytest.approx(1 / 3)
+    assert make_source(needle, "validation")[0]["query_needle"].shape == (4,)
+    with pytest.raises(ValueError, match="query_replacement=True"):
+        mqar.replace(query_replacement=False)

@@ -73,6 +73,10 @@ class DataConfig:
     # num_queries of them asked at the end; the loss counts only the answer digits.
     num_needles: int = 4
     num_queries: int = 2  # needle and mqar
+    # needle and mqar: draw the queried needles/pairs with replacement (one may be asked twice,
+    # and num_queries may exceed the needles/pairs: more answers to learn from per example, and
+    # no answer follows by elimination); False asks each at most once.
+    query_replacement: bool = False
     needle_depths: tuple[float, ...] | None = None  # one per needle in [0, 1]; None: random
     key_len: int = 5  # needle keys: lowercase letters
     value_len: int = 6  # needle values: decimal digits
@@ -147,9 +151,9 @@ class DataConfig:
 
     def _check_needle(self) -> None:
         n, r = self.num_needles, self.num_queries
-        if r > n:
+        if r > n and not self.query_replacement:
             _fail("num_queries", f"{r} queries but only num_needles={n} needles",
-                  f"set num_queries <= {n} (or more needles)")
+                  f"set num_queries <= {n} (or more needles, or query_replacement=True)")
         if 26 ** min(self.key_len, 12) < n:
             _fail("key_len", f"{self.key_len} letters give fewer than {n} distinct keys",
                   "use a longer key_len")
@@ -172,9 +176,9 @@ class DataConfig:
         if p > self.mqar_num_keys:
             _fail("num_pairs", f"{p} pairs, but mqar_num_keys={self.mqar_num_keys} distinct keys",
                   f"use num_pairs <= {self.mqar_num_keys} (or more keys, at most {MQAR_MAX_PAIRS})")
-        if r > p:
+        if r > p and not self.query_replacement:
             _fail("num_queries", f"{r} queries but only num_pairs={p} pairs",
-                  f"set num_queries <= {p}")
+                  f"set num_queries <= {p} (or query_replacement=True)")
         need = 2 * p + 2 * r
         if self.seq_len < need:
             _fail("seq_len", f"{self.seq_len} is too short for {p} pairs and {r} queries "

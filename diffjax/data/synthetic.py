@@ -131,7 +131,7 @@ class NeedleSource:
             depths = np.asarray(c.needle_depths, np.float64)
         else:
             depths = rng.uniform(0.0, 1.0, N)
-        asked = rng.choice(N, size=R, replace=False)
+        asked = rng.choice(N, size=R, replace=c.query_replacement)
         filler = self._filler(rng)
 
         pos = place_needles(depths, self.H, self.nl)  # haystack offsets
@@ -207,7 +207,7 @@ class MQARSource:
         rng = _rng(self.seed, self.split, index)
         keys = rng.choice(c.mqar_num_keys, size=P, replace=False).astype(np.int32)
         values = rng.integers(128, 128 + c.mqar_num_values, size=P).astype(np.int32)
-        asked = rng.choice(P, size=R, replace=False)
+        asked = rng.choice(P, size=R, replace=c.query_replacement)
         w = np.full((T + 1,), PAD, np.int32)
         w[0] = BOS
         w[1:1 + 2 * P:2] = keys
@@ -247,16 +247,21 @@ def query_chance(config: DataConfig) -> dict[str, float]:
       wrong pair still carries the right value with probability ``1 / M``:
       ``1 / (P - r) + (1 - 1 / (P - r)) / M``. Averaged over the R queries. A model must beat
       this to show retrieval (when every needle or pair is queried, the last query is right by
-      elimination alone: ``N = R`` gives it probability 1).
+      elimination alone: ``N = R`` gives it probability 1). With ``query_replacement`` nothing
+      is eliminated: every query is ``1 / N`` (needle) or ``1 / P + (1 - 1 / P) / M`` (MQAR).
     """
+    def left(n: int, i: int) -> int:  # needles/pairs a no-retrieval guess picks from at query i
+        return n if config.query_replacement else n - i
+
     if config.source == "needle":
         n, r = config.num_needles, config.num_queries
         uniform = 1.0 / (9 * 10 ** (config.value_len - 1))
-        guess = float(np.mean([1.0 / (n - i) for i in range(r)]))
+        guess = float(np.mean([1.0 / left(n, i) for i in range(r)]))
     elif config.source == "mqar":
         p, r, m = config.num_pairs, config.num_queries, config.mqar_num_values
         uniform = 1.0 / m
-        guess = float(np.mean([1.0 / (p - i) + (1.0 - 1.0 / (p - i)) / m for i in range(r)]))
+        guess = float(np.mean([1.0 / left(p, i) + (1.0 - 1.0 / left(p, i)) / m
+                               for i in range(r)]))
     else:
         raise ValueError(f"query_chance: data.source={config.source!r} has no queries; it is "
                          f"defined for 'needle' and 'mqar'")
