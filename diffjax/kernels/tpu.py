@@ -474,14 +474,16 @@ def _tile_bytes(shape, itemsize: int) -> int:
 
 def _vmem_estimate(specs, arrays, scratch, tile_shape, n_tiles: int) -> int:
     """Rough VMEM need: double-buffered blocks, scratch, and ``n_tiles`` float32 tiles of
-    ``tile_shape`` for the logits / probabilities / their gradients."""
+    ``tile_shape`` for the logits / probabilities / their gradients. None arrays and scratch
+    (absent in this configuration) count nothing."""
     total = 0
     for spec, x in zip(specs, arrays):
-        if spec.block_shape is None:  # whole array in SMEM
+        if x is None or spec.block_shape is None:  # absent, or the whole array in SMEM
             continue
         shape = [b for b in spec.block_shape if b is not None]
         total += 2 * _tile_bytes(shape, jnp.dtype(x.dtype).itemsize)
-    total += sum(_tile_bytes(sc.shape, jnp.dtype(sc.dtype).itemsize) for sc in scratch)
+    total += sum(_tile_bytes(sc.shape, jnp.dtype(sc.dtype).itemsize) for sc in scratch
+                 if sc is not None)
     return total + n_tiles * _tile_bytes(tile_shape, 4)
 
 
@@ -522,10 +524,7 @@ def _call(cfg: _Config, kernel, what: str, *, grid, operands, in_specs, out_shap
     reaches the kernel as None and gets no block spec and no buffer."""
     in_specs = [None if x is None else s for x, s in zip(operands, in_specs)]
     out_specs = [None if x is None else s for x, s in zip(out_shape, out_specs)]
-    blocks = [(s, x) for s, x in zip(in_specs + out_specs, [*operands, *out_shape])
-              if x is not None]
-    vmem = _vmem_estimate([s for s, _ in blocks], [x for _, x in blocks],
-                          [s for s in scratch if s is not None], tile, n_tiles)
+    vmem = _vmem_estimate(in_specs + out_specs, [*operands, *out_shape], scratch, tile, n_tiles)
     return pl.pallas_call(
         functools.partial(kernel, cfg=cfg), grid=grid, in_specs=in_specs, out_specs=out_specs,
         out_shape=out_shape, scratch_shapes=scratch, interpret=cfg.interpret,
