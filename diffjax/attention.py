@@ -331,9 +331,18 @@ def _sow_lambda(layer: nnx.Module, lam: jax.Array) -> None:
     """Sow the mean of a DIFF layer's lambda in this call (V1: its scalar; V2: over batch,
     tokens and heads) as the ``nnx.Intermediate`` ``"lambda"`` when the call runs under
     ``nnx.capture(..., nnx.Intermediate)`` (:func:`diffjax.model.sown_lambdas` reads it).
-    Elsewhere nothing is kept: flax 0.12 would store it on the layer, with a deprecation
-    warning, and so change the model's state."""
-    if hasattr(layer, "__captures__"):  # set by nnx.capture for the duration of the call
+    Elsewhere nothing is kept.
+
+    Why the guard: flax 0.12's ``Module.sow`` outside ``nnx.capture`` stores the value on the
+    layer as a new ``Intermediate`` variable (a tuple that grows by one each call, under
+    ``nnx.jit`` too) with a DeprecationWarning, so every plain forward pass would change the
+    model's state and checkpoints. flax has no public "am I under capture" query; its guide
+    ("Extracting intermediate values", section "How nnx.capture works") documents the
+    mechanism this reads: ``capture`` sets ``__captures__`` on every module of the graph for
+    the call and deletes it after. The other ways out are worse: a flag the caller of capture
+    sets is the mutable flag this replaced, and ``sow``'s return value only says whether a
+    capture took the value, after an uncaptured call has already stored it."""
+    if hasattr(layer, "__captures__"):
         layer.sow(nnx.Intermediate, "lambda", jnp.mean(lam))
 
 

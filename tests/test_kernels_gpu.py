@@ -1,9 +1,11 @@
 """The Pallas (Triton-lowering) attention kernels: interpreted on CPU, compiled on a GPU.
 
 Values and gradients (q1, k1, q2, k2, v, lam) against the plain-jnp references in
-:mod:`diffjax.ops` and their autodiff, over a hypothesis grid of shapes, masks, GQA layouts,
-lambda kinds and dtypes; plus the shared-key path, fully masked rows, float16, block-size
+:mod:`diffjax.kernels.reference` and their autodiff, over a hypothesis grid of shapes, masks, GQA
+layouts, lambda kinds and dtypes; plus the shared-key path, fully masked rows, float16, block-size
 validation and a check that the kernels lower through the real Triton path (no GPU needed).
+Inputs, the compiled value-and-gradients call and the tolerance check are
+``tests/kernel_cases.py``'s, shared with ``test_kernels_tpu.py``.
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from kernel_cases import ON_GPU, assert_close, check_differential, check_standard, make_inputs
+from kernel_cases import value_and_grads
 
-from diffjax.kernels import reference
-from diffjax.kernels import gpu
+from diffjax.kernels import gpu, reference
 
 # Tolerances (atol, rtol): |kernel - reference| <= atol + rtol * max|reference|, per array.
 # The reference is always float32 (16-bit inputs are upcast), so for 16-bit inputs these cover
@@ -32,10 +35,10 @@ from diffjax.kernels import gpu
 F32_TOL = dict(value=(1e-5, 1e-5), grad=(1e-4, 1e-4), dlam=(1e-5, 1e-5))
 F16_TOL = dict(value=(2e-3, 5e-3), grad=(5e-3, 1e-2), dlam=(1e-3, 1e-3))
 BF16_TOL = dict(value=(1e-2, 2e-2), grad=(2e-2, 3e-2), dlam=(5e-3, 5e-3))
+TOL = {"float32": F32_TOL, "float16": F16_TOL, "bfloat16": BF16_TOL}
 
 # On a GPU the same tests run the compiled kernels (and the float32 reference at full matmul
 # precision, not TF32); everywhere else the kernels are interpreted.
-ON_GPU = jax.default_backend() == "gpu"
 INTERPRET = not ON_GPU
 
 SMALL = gpu.BlockSizes(16, 16, 16, 16, 16, 16)
@@ -67,117 +70,16 @@ def _fast_compiles():
 
 
 # ---------------------------------------------------------------------------- helpers
-def _segments(rng, n, n_seg):
-    """Sorted segment ids in [0, n_seg) (packed-sequence style)."""
-    return np.sort(rng.integers(0, n_seg, size=n)).astype(np.int32)
+def _check_diff(case, *, causal=True, block_sizes=SMALL, sm_scale=None, shared=False):
+    kernel = functools.partial(gpu.differential_flash_attention, block_sizes=block_sizes,
+                               interpret=INTERPRET)
+    return check_differential(kernel, case, TOL[case["q1"].dtype.name], causal=causal,
+                              sm_scale=sm_scale, shared=shared)
 
 
-def _inputs(seed, b, t, s, hq, hkv, d, dv, dtype, lam_kind):
-    rng = np.random.default_rng(seed)
-
-    def rand(*shape):
-        return jnp.asarray(rng.standard_normal(shape, dtype=np.float32).astype(jnp.dtype(dtype)))
-
-    q1, q2 = rand(b, t, hq, d), rand(b, t, hq, d)
-    k1, k2 = rand(b, s, hkv, d), rand(b, s, hkv, d)
-    v = rand(b, s, hkv, dv)
-    if lam_kind == "scalar":
-        lam = jnp.asarray(rng.uniform(0.1, 0.9), jnp.float32)
-    else:
-        lam = jnp.asarray(rng.uniform(0.0, 1.0, size=(b, t, hq)), jnp.float32)
-    ct = jnp.asarray(rng.standard_normal((b, t, hq, dv), dtype=np.float32))
-    return (q1, k1, q2, k2, v, lam), ct, rng
-
-
-def _close(name, got, want, tol, scale=None):
-    """``scale``: what rtol multiplies (default max|want|)."""
-    atol, rtol = tol
-    got, want = np.asarray(got).astype(np.float32), np.asarray(want).astype(np.float32)
-    assert got.shape == want.shape, (name, got.shape, want.shape)
-    assert np.all(np.isfinite(got)), f"{name}: non-finite values"
-    err = float(np.max(np.abs(got - want))) if got.size else 0.0
-    if scale is None:
-        scale = float(np.max(np.abs(want))) if want.size else 0.0
-    bound = atol + rtol * scale
-    assert err <= bound, f"{name}: max abs error {err:.3g} > {bound:.3g}"
-
-
-def _tols(dtype):
-    return {jnp.dtype(jnp.float32): F32_TOL, jnp.dtype(jnp.float16): F16_TOL,
-            jnp.dtype(jnp.bfloat16): BF16_TOL}[jnp.dtype(dtype)]
-
-
-def _value_and_grads(f, args, ct, argnums):
-    """``f(*args)`` and the gradients of ``sum(f(*args) * ct)`` wrt ``args[argnums]``, in one
-    compiled program (interpret-mode kernels are costly to compile, so compile each once)."""
-
-    @jax.jit
-    def run(args, ct):
-        def g(*diff_args):
-            full = list(args)
-            for i, a in zip(argnums, diff_args):
-                full[i] = a
-            out = f(*full)
-            return out.astype(jnp.float32), out
-
-        _, vjp, out = jax.vjp(g, *(args[i] for i in argnums), has_aux=True)
-        return out, vjp(ct)
-
-    return run(tuple(args), ct)
-
-
-def _check_diff(args, ct, *, causal, seg, kv_seg, scale, block_sizes, shared=False):
-    """Kernel values and grads (q1, k1, q2, k2, v, lam) vs the float32 reference."""
-    dtype = args[0].dtype
-    tol = _tols(dtype)
-    kw = dict(causal=causal, segment_ids=seg, kv_segment_ids=kv_seg)
-
-    def kernel(q1, k1, q2, k2, v, lam):
-        return gpu.differential_flash_attention(q1, k1, q2, k1 if shared else k2, v, lam, sm_scale=scale,
-                                        block_sizes=block_sizes, interpret=INTERPRET, **kw)
-
-    def expected(q1, k1, q2, k2, v, lam):
-        up = lambda x: x.astype(jnp.float32)  # noqa: E731
-        return reference.differential_attention(up(q1), up(k1), up(q2), up(k1 if shared else k2),
-                                              up(v), lam, scale=scale, **kw)
-
-    argnums = (0, 1, 2, 4, 5) if shared else (0, 1, 2, 3, 4, 5)
-    out, grads = _value_and_grads(kernel, args, ct, argnums)
-    want_out, want = _value_and_grads(expected, args, ct, argnums)
-    assert out.dtype == dtype and out.shape == ct.shape
-    _close("out", out, want_out, tol["value"])
-    for i, g, w in zip(argnums, grads, want):
-        assert g.dtype == args[i].dtype and g.shape == args[i].shape
-        if i < 5:
-            _close(f"d{['q1', 'k1', 'q2', 'k2', 'v'][i]}", g, w, tol["grad"])
-    # d(lam) = -sum_d dO * O2: scale its tolerance by the L1 norm of those terms
-    up = lambda x: x.astype(jnp.float32)  # noqa: E731
-    o2 = jax.jit(functools.partial(reference.dot_product_attention, scale=scale, **kw))(
-        up(args[2]), up(args[1] if shared else args[3]), up(args[4]))
-    l1 = np.sum(np.abs(np.asarray(ct) * np.asarray(o2)), axis=-1)
-    _close("dlam", grads[-1], want[-1], tol["dlam"],
-           scale=float(np.max(l1) if np.ndim(args[5]) else np.sum(l1)))
-    return out, grads
-
-
-def _check_standard(q, k, v, ct, *, causal, seg, kv_seg, block_sizes):
-    tol = _tols(q.dtype)
-    kw = dict(causal=causal, segment_ids=seg, kv_segment_ids=kv_seg)
-    scale = q.shape[-1] ** -0.5
-
-    def kernel(q, k, v):
-        return gpu.flash_attention(q, k, v, block_sizes=block_sizes, interpret=INTERPRET, **kw)
-
-    def expected(q, k, v):
-        up = lambda x: x.astype(jnp.float32)  # noqa: E731
-        return reference.dot_product_attention(up(q), up(k), up(v), scale=scale, **kw)
-
-    out, grads = _value_and_grads(kernel, (q, k, v), ct, (0, 1, 2))
-    want_out, want = _value_and_grads(expected, (q, k, v), ct, (0, 1, 2))
-    _close("out", out, want_out, tol["value"])
-    for name, g, w in zip(("dq", "dk", "dv"), grads, want):
-        _close(name, g, w, tol["grad"])
-    return out, grads
+def _check_standard(case, *, causal, block_sizes=SMALL):
+    kernel = functools.partial(gpu.flash_attention, block_sizes=block_sizes, interpret=INTERPRET)
+    return check_standard(kernel, case, TOL[case["q1"].dtype.name], causal=causal)
 
 
 # ---------------------------------------------------------------------------- grids
@@ -201,7 +103,7 @@ def diff_cases(draw, lengths, heads, dims, dtypes=("float32", "bfloat16"), batch
         heads=draw(st.sampled_from(heads)), d=d, dv=d * draw(st.sampled_from((2, 1))),
         causal=draw(st.sampled_from((True, False))), segmented=segmented,
         kv_explicit=kv_explicit,
-        lam_kind=draw(st.sampled_from(("rows", "scalar"))),
+        lam_kind=draw(st.sampled_from(("token", "scalar"))),
         dtype=draw(st.sampled_from(dtypes)),
         blocks=draw(st.sampled_from(("mixed", "small", "default"))),
         scale=draw(st.sampled_from((None, 0.3))),
@@ -210,17 +112,10 @@ def diff_cases(draw, lengths, heads, dims, dtypes=("float32", "bfloat16"), batch
 
 def _run_case(c):
     hq, hkv = c["heads"]
-    dtype = jnp.dtype(c["dtype"])
-    args, ct, rng = _inputs(c["seed"], c["b"], c["t"], c["s"], hq, hkv, c["d"], c["dv"], dtype,
-                            c["lam_kind"])
-    seg = kv_seg = None
-    if c["segmented"]:
-        seg = jnp.asarray(np.stack([_segments(rng, c["t"], 3) for _ in range(c["b"])]))
-        if c["kv_explicit"]:
-            kv_seg = jnp.asarray(np.stack([_segments(rng, c["s"], 3) for _ in range(c["b"])]))
-    scale = c["d"] ** -0.5 if c["scale"] is None else c["scale"]
-    _check_diff(args, ct, causal=c["causal"], seg=seg, kv_seg=kv_seg, scale=scale,
-                block_sizes=BLOCKS[c["blocks"]])
+    seg = ("separate" if c["kv_explicit"] else "shared") if c["segmented"] else None
+    case = make_inputs(c["seed"], b=c["b"], t=c["t"], s=c["s"], hq=hq, hkv=hkv, d=c["d"],
+                       dv=c["dv"], dtype=c["dtype"], lam=c["lam_kind"], seg=seg)
+    _check_diff(case, causal=c["causal"], sm_scale=c["scale"], block_sizes=BLOCKS[c["blocks"]])
 
 
 _FAST = settings(max_examples=4, deadline=None, derandomize=True, database=None,
@@ -255,29 +150,23 @@ def test_diff_grid_large(case):
        st.sampled_from((True, False)), st.sampled_from(("bfloat16", "float32")))
 def test_flash_attention_grid(seed, ts, heads, d, causal, segmented, dtype):
     t, s = ts
-    hq, hkv = heads
-    (q, k, _, _, v, _), _, rng = _inputs(seed, 2, t, s, hq, hkv, d, d, jnp.dtype(dtype), "rows")
-    ct = jnp.asarray(rng.standard_normal((2, t, hq, d), dtype=np.float32))
-    seg = kv_seg = None
-    if segmented:
-        seg = jnp.asarray(np.stack([_segments(rng, t, 2) for _ in range(2)]))
-        kv_seg = None if s == t else jnp.asarray(np.stack([_segments(rng, s, 2) for _ in range(2)]))
-    _check_standard(q, k, v, ct, causal=causal, seg=seg, kv_seg=kv_seg, block_sizes=SMALL)
+    seg = ("shared" if s == t else "separate") if segmented else None
+    case = make_inputs(seed, b=2, t=t, s=s, hq=heads[0], hkv=heads[1], d=d, dtype=dtype,
+                       seg=seg, n_seg=2)
+    _check_standard(case, causal=causal)
 
 
 # ---------------------------------------------------------------------------- targeted cases
 def test_shared_keys_match_a_copy():
-    args, ct, _ = _inputs(3, 2, 40, 40, 4, 2, 32, 64, jnp.float32, "rows")
-    q1, k1, q2, _, v, lam = args
+    case = make_inputs(3, b=2, t=40, s=40, hq=4, hkv=2, d=32, dv=64, lam="token")
+    q1, k1, q2, v, lam = (case[n] for n in ("q1", "k1", "q2", "v", "lam"))
     k_copy = k1 + 0.0  # a different array with the same values
-    shared_out, shared_grads = _check_diff((q1, k1, q2, k1, v, lam), ct, causal=True, seg=None,
-                                           kv_seg=None, scale=32 ** -0.5, block_sizes=SMALL,
-                                           shared=True)
+    shared_out, shared_grads = _check_diff(case, shared=True)
 
     def copy(q1, k1, q2, k2, v, lam):
         return gpu.differential_flash_attention(q1, k1, q2, k2, v, lam, block_sizes=SMALL, interpret=INTERPRET)
 
-    copy_out, copy_grads = _value_and_grads(copy, (q1, k1, q2, k_copy, v, lam), ct, range(6))
+    copy_out, copy_grads = value_and_grads(copy, (q1, k1, q2, k_copy, v, lam), case["ct"])
     np.testing.assert_allclose(shared_out, copy_out, atol=1e-6, rtol=1e-6)
     dq1, dk, dq2, dv, dlam = shared_grads
     cq1, ck1, cq2, ck2, cv, clam = copy_grads
@@ -300,8 +189,9 @@ def _pallas_calls(jaxpr):
 
 
 def test_shared_keys_use_the_single_key_kernel():
-    args, ct, _ = _inputs(0, 1, 16, 16, 2, 1, 32, 32, jnp.float32, "rows")
-    q1, k1, q2, k2, v, lam = args
+    case = make_inputs(0, t=16, s=16, lam="token")
+    args = tuple(case[n] for n in ("q1", "k1", "q2", "k2", "v", "lam"))
+    ct = case["ct"]
 
     def kernel_inputs(shared):
         def loss(q1, k1, q2, k2, v, lam):
@@ -319,12 +209,11 @@ def test_shared_keys_use_the_single_key_kernel():
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_fully_masked_rows_are_zero_with_zero_grads(causal):
-    b, t, s, hq, hkv, d = 1, 32, 24, 2, 1, 32
-    args, ct, _ = _inputs(7, b, t, s, hq, hkv, d, 2 * d, jnp.float32, "rows")
-    seg = jnp.asarray(np.r_[np.zeros(20), np.full(12, 5)][None].astype(np.int32))
-    kv_seg = jnp.zeros((b, s), jnp.int32)  # segment 5 has no key: queries 20.. see nothing
-    out, grads = _check_diff(args, ct, causal=causal, seg=seg, kv_seg=kv_seg, scale=d ** -0.5,
-                             block_sizes=SMALL)
+    b, t, s = 1, 32, 24
+    case = make_inputs(7, b=b, t=t, s=s, dv=64, lam="token")
+    case["segment_ids"] = jnp.asarray(np.r_[np.zeros(20), np.full(12, 5)][None].astype(np.int32))
+    case["kv_segment_ids"] = jnp.zeros((b, s), jnp.int32)  # no key in segment 5: 20.. see none
+    out, grads = _check_diff(case, causal=causal)
     assert np.all(np.asarray(out)[:, 20:] == 0.0)
     dq1, _, dq2, _, _, dlam = grads
     for g in (dq1, dq2, dlam):
@@ -335,38 +224,32 @@ def test_fully_masked_rows_are_zero_with_zero_grads(causal):
 
 
 def test_flash_attention_fully_masked_rows():
-    args, ct, _ = _inputs(8, 1, 32, 32, 2, 2, 32, 32, jnp.float32, "rows")
-    q, k, _, _, v, _ = args
-    seg = jnp.asarray(np.r_[np.zeros(16), np.ones(16)][None].astype(np.int32))
-    kv_seg = jnp.zeros((1, 32), jnp.int32)
-    out, (dq, _, _) = _check_standard(q, k, v, ct, causal=True, seg=seg, kv_seg=kv_seg,
-                                      block_sizes=SMALL)
+    case = make_inputs(8, t=32, s=32, hkv=2)
+    case["segment_ids"] = jnp.asarray(np.r_[np.zeros(16), np.ones(16)][None].astype(np.int32))
+    case["kv_segment_ids"] = jnp.zeros((1, 32), jnp.int32)
+    out, (dq, _, _) = _check_standard(case, causal=True)
     assert np.all(np.asarray(out)[:, 16:] == 0.0)
     assert np.all(np.asarray(dq)[:, 16:] == 0.0)
 
 
 def test_float16_runs():
-    args, ct, _ = _inputs(5, 1, 24, 24, 2, 1, 32, 64, jnp.float16, "scalar")
-    _check_diff(args, ct, causal=True, seg=None, kv_seg=None, scale=32 ** -0.5,
-                block_sizes=SMALL)
+    _check_diff(make_inputs(5, dv=64, dtype="float16"))
 
 
 def test_causal_skipping_many_blocks():
     """Five query blocks over three key blocks with T > S: the diagonal starts below the first
     query block (S - T = -32), so the first two query blocks visit no key block at all, and the
     dK/dV programs start at query block (16 j + 32) // 16."""
-    args, ct, _ = _inputs(11, 1, 80, 48, 2, 1, 32, 32, jnp.float32, "scalar")
-    out, _ = _check_diff(args, ct, causal=True, seg=None, kv_seg=None, scale=32 ** -0.5,
-                         block_sizes=SMALL)
+    out, _ = _check_diff(make_inputs(11, t=80, s=48))
     assert np.all(np.asarray(out)[:, :32] == 0.0)
 
 
 def test_python_float_lambda_and_head_dim_128():
-    args, _, _ = _inputs(2, 1, 16, 16, 1, 1, 128, 128, jnp.float32, "scalar")
-    q1, k1, q2, k2, v, _ = args
+    case = make_inputs(2, t=16, s=16, hq=1, d=128)
+    q1, k1, q2, k2, v = (case[n] for n in ("q1", "k1", "q2", "k2", "v"))
     out = gpu.differential_flash_attention(q1, k1, q2, k2, v, 0.5, interpret=INTERPRET)
     want = reference.differential_attention(q1, k1, q2, k2, v, 0.5, scale=128 ** -0.5)
-    _close("out", out, want, F32_TOL["value"])
+    assert_close("out", out, want, F32_TOL["value"])
 
 
 @pytest.mark.parametrize("field,value", [("block_q", 48), ("block_k", 8), ("block_q_dkv", 0),
@@ -453,26 +336,28 @@ def test_lowers_through_triton():
         assert lowered.as_text().count("triton") >= 6
 
 
+def _block_config(causal, t, s, bq, bk):
+    """A kernel config with the same (bq, bk) blocks in all three kernels, for the block maths."""
+    return gpu._Config(differential=True, shared_k=False, causal=causal, segmented=False,
+                       q_len=t, kv_len=s, kv_padded=s % bk != 0, scale=1.0,
+                       block_q=bq, block_k=bk, block_q_dkv=bq, block_k_dkv=bk,
+                       block_q_dq=bq, block_k_dq=bk, num_warps=4, num_stages=2,
+                       interpret=INTERPRET)
+
+
 @pytest.mark.parametrize("causal", [True, False])
 def test_unmasked_key_blocks_are_exactly_the_fully_visible_ones(causal):
     """The forward and dQ loops run their leading key blocks without a mask: that count must be
     the number of leading blocks every row of the query block sees in full (brute force)."""
-    import numpy as onp
-
     for t, s, bq, bk in [(80, 80, 16, 16), (48, 80, 16, 32), (80, 48, 32, 16), (40, 37, 16, 16),
                          (64, 64, 32, 16), (20, 100, 16, 32)]:
-        kv_pad = -(-s // bk) * bk
-        cfg = gpu._Config(differential=True, shared_k=False, causal=causal, segmented=False,
-                          q_len=t, kv_len=s, kv_padded=kv_pad != s, scale=1.0,
-                          block_q=bq, block_k=bk, block_q_dkv=bq, block_k_dkv=bk,
-                          block_q_dq=bq, block_k_dq=bk, num_warps=4, num_stages=2,
-                          interpret=INTERPRET)
+        cfg = _block_config(causal, t, s, bq, bk)
         for qi in range(-(-t // bq)):
-            rows = onp.arange(qi * bq, (qi + 1) * bq)[:, None]
+            rows = np.arange(qi * bq, (qi + 1) * bq)[:, None]
             hi = int(gpu._kv_block_bound(cfg, qi, bq, bk))
             want = 0
             for j in range(hi):
-                keys = onp.arange(j * bk, (j + 1) * bk)[None, :]
+                keys = np.arange(j * bk, (j + 1) * bk)[None, :]
                 visible = keys < s
                 if causal:
                     visible = visible & (keys <= rows + (s - t))
@@ -487,24 +372,17 @@ def test_unmasked_key_blocks_are_exactly_the_fully_visible_ones(causal):
 def test_dkv_unmasked_query_blocks_are_exactly_the_fully_visible_ones(causal):
     """The dK/dV loop drops the causal mask from the first query block whose every row sees the
     whole key block (brute force over block layouts, T != S included)."""
-    import numpy as onp
-
     for t, s, bq, bk in [(80, 80, 16, 16), (48, 80, 16, 32), (80, 48, 32, 16), (40, 37, 16, 16),
                          (64, 64, 16, 32), (100, 20, 32, 16)]:
-        kv_pad = -(-s // bk) * bk
-        cfg = gpu._Config(differential=True, shared_k=False, causal=causal, segmented=False,
-                          q_len=t, kv_len=s, kv_padded=kv_pad != s, scale=1.0,
-                          block_q=bq, block_k=bk, block_q_dkv=bq, block_k_dkv=bk,
-                          block_q_dq=bq, block_k_dq=bk, num_warps=4, num_stages=2,
-                          interpret=INTERPRET)
+        cfg = _block_config(causal, t, s, bq, bk)
         hi = -(-t // bq)
-        for kj in range(kv_pad // bk):
+        for kj in range(-(-s // bk)):
             lo = int(gpu._q_block_start(cfg, kj, bk, bq))
             got = int(gpu._q_block_unmasked_start(cfg, kj, bk, bq, lo, hi))
-            keys = onp.arange(kj * bk, (kj + 1) * bk)[None, :]
+            keys = np.arange(kj * bk, (kj + 1) * bk)[None, :]
             want = hi
             for qi in range(lo, hi):
-                rows = onp.arange(qi * bq, (qi + 1) * bq)[:, None]
+                rows = np.arange(qi * bq, (qi + 1) * bq)[:, None]
                 if not causal or (keys <= rows + (s - t)).all():
                     # causally fully visible from here on (monotonic in qi)
                     want = qi
@@ -515,7 +393,9 @@ def test_dkv_unmasked_query_blocks_are_exactly_the_fully_visible_ones(causal):
 def test_bfloat16_o2_residual_costs_little_in_dlam():
     """The O2 residual saved in bfloat16 (half its memory): d(lam) stays within the bfloat16
     tolerance of the float32 reference (docs/kernels.md gives the measured cost)."""
-    args, ct, _ = _inputs(3, 1, 48, 48, 2, 2, 16, 32, jnp.bfloat16, "scalar")
+    case = make_inputs(3, t=48, s=48, hkv=2, d=16, dv=32, dtype="bfloat16")
+    args = tuple(case[n] for n in ("q1", "k1", "q2", "k2", "v", "lam"))
+    ct = case["ct"]
     up = [x.astype(jnp.float32) for x in args[:5]]
 
     def dlam(f):

@@ -5,13 +5,13 @@ are checked against the plain-JAX references ``reference.differential_attention`
 ``reference.dot_product_attention`` and their autodiff. Shapes are small and blocks tiny (8-32) so
 every case has several query and key blocks, partial blocks and wholly padded blocks.
 
-Interpret mode compiles a loop over the grid with XLA; to keep the file fast every case is one
-jitted function (output and all gradients together) compiled at XLA's lowest backend
-optimisation level.
+Inputs, the compiled value-and-gradients call and the tolerance check are
+``tests/kernel_cases.py``'s, shared with ``test_kernels_gpu.py``.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
@@ -21,140 +21,35 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jax.experimental.pallas import tpu as pltpu
+from kernel_cases import assert_close, compile_fast, make_inputs, value_and_grads
+from kernel_cases import check_differential as _check_differential
+from kernel_cases import check_standard as _check_standard
 
-from diffjax.kernels import reference
 from diffjax.kernels import tpu
 
-# Error of a kernel result relative to the largest magnitude of the reference result
-# (max |kernel - reference| / max |reference|), per array.
+# (atol, rtol) per dtype: max |kernel - reference| <= rtol * max |reference| per array (atol 0).
 # Observed worst cases over the grids: float32 ~1e-6, bfloat16 ~3e-3 (output) and ~1.2e-2
 # (per-token d lambda), float16 ~5e-4.
 TOL = {
-    "float32": 2e-5,  # same maths in float32, different summation order
-    "bfloat16": 2e-2,  # bf16 inputs, P cast to bf16 before P.V, bf16 output vs float32 reference
-    "float16": 5e-3,  # float16 runs through the kernels in float32; output rounding only
+    # same maths in float32, different summation order
+    "float32": dict(value=(0.0, 2e-5), grad=(0.0, 2e-5)),
+    # bf16 inputs, P cast to bf16 before P.V, bf16 output vs float32 reference
+    "bfloat16": dict(value=(0.0, 2e-2), grad=(0.0, 4e-2)),
+    # float16 runs through the kernels in float32; output rounding only
+    "float16": dict(value=(0.0, 5e-3), grad=(0.0, 5e-3)),
 }
-GRAD_TOL = {"float32": 2e-5, "bfloat16": 4e-2, "float16": 5e-3}
-
-_FAST_COMPILE = {"xla_backend_optimization_level": 0}
-
-
-def _compile(fn, *args):
-    """``jax.jit(fn)`` compiled for ``args`` at XLA's lowest backend optimisation level."""
-    lowered = jax.jit(fn).lower(*args)
-    try:
-        return lowered.compile(compiler_options=_FAST_COMPILE)
-    except Exception:  # the option is an XLA debug flag; fall back if a version rejects it
-        return lowered.compile()
-
-
-def _rel_err(actual, expected) -> float:
-    actual = np.asarray(actual, np.float64)
-    expected = np.asarray(expected, np.float64)
-    assert actual.shape == expected.shape, (actual.shape, expected.shape)
-    assert np.all(np.isfinite(actual)), "non-finite values"
-    scale = max(float(np.max(np.abs(expected), initial=0.0)), 1e-6)
-    return float(np.max(np.abs(actual - expected), initial=0.0)) / scale
-
-
-def _assert_close(actual, expected, tol, what):
-    err = _rel_err(actual, expected)
-    assert err <= tol, f"{what}: relative error {err:.3g} > {tol:.3g}"
-
-
-# ============================================================================ cases
-def _segments(rng, b, n, n_seg):
-    """Sorted random segment ids ``[b, n]`` with up to ``n_seg`` segments."""
-    cuts = np.sort(rng.integers(0, n, size=(b, n_seg - 1)), axis=1)
-    return (np.arange(n)[None, None, :] >= cuts[:, :, None]).sum(1).astype(np.int32)
-
-
-def make_case(seed, *, b=1, t=24, s=24, hq=2, hkv=1, d=32, dv=None, dtype="float32",
-              lam="scalar", seg=None):
-    """Random inputs. ``seg``: None, "shared" (``segment_ids`` only, needs t == s) or
-    "separate" (``segment_ids`` and ``kv_segment_ids``, some queries may then see no key)."""
-    rng = np.random.default_rng(seed)
-    dv = d if dv is None else dv
-    dt = jnp.dtype(dtype)
-
-    def normal(*shape):
-        return jnp.asarray(rng.standard_normal(shape, np.float32)).astype(dt)
-
-    case = dict(q1=normal(b, t, hq, d), k1=normal(b, s, hkv, d), q2=normal(b, t, hq, d),
-                k2=normal(b, s, hkv, d), v=normal(b, s, hkv, dv))
-    if lam == "scalar":
-        case["lam"] = jnp.float32(rng.uniform(0.2, 0.9))
-    else:
-        case["lam"] = jnp.asarray(rng.uniform(0.0, 1.0, (b, t, hq)), jnp.float32)
-    case["ct"] = jnp.asarray(rng.standard_normal((b, t, hq, dv), np.float32)).astype(dt)
-    case["segment_ids"] = case["kv_segment_ids"] = None
-    if seg == "shared":
-        assert t == s
-        case["segment_ids"] = jnp.asarray(_segments(rng, b, t, 3))
-    elif seg == "separate":
-        case["segment_ids"] = jnp.asarray(_segments(rng, b, t, 3))
-        case["kv_segment_ids"] = jnp.asarray(_segments(rng, b, s, 3))
-    return case
-
-
-def _f32(x):
-    return x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x
-
-
-def _value_and_grads(fn, args, ct):
-    def both(args, ct):
-        out, vjp = jax.vjp(fn, *args)
-        return out, vjp(ct)
-
-    return _compile(both, args, ct)(args, ct)
-
-
-def _masks(case):
-    return dict(segment_ids=case["segment_ids"], kv_segment_ids=case["kv_segment_ids"])
 
 
 def check_differential(case, *, causal, block_sizes, interpret=True, sm_scale=None):
-    dtype = case["q1"].dtype.name
-    d = case["q1"].shape[-1]
-    names = ("q1", "k1", "q2", "k2", "v", "lam")
-    args = tuple(case[n] for n in names)
-
-    def kernel(*a):
-        return tpu.differential_flash_attention(*a, causal=causal, sm_scale=sm_scale,
-                                        block_sizes=block_sizes, interpret=interpret,
-                                        **_masks(case))
-
-    def expected(*a):
-        return reference.differential_attention(
-            *a, causal=causal, scale=d ** -0.5 if sm_scale is None else sm_scale, **_masks(case))
-
-    out, grads = _value_and_grads(kernel, args, case["ct"])
-    ref_out, ref_grads = _value_and_grads(expected, tuple(map(_f32, args)), _f32(case["ct"]))
-    assert out.dtype == case["q1"].dtype and out.shape == ref_out.shape
-    _assert_close(out, ref_out, TOL[dtype], "output")
-    for name, g, rg, a in zip(names, grads, ref_grads, args):
-        assert g.shape == a.shape and g.dtype == jnp.asarray(a).dtype, name
-        _assert_close(g, rg, GRAD_TOL[dtype], f"d{name}")
-    return out, grads
+    kernel = functools.partial(tpu.differential_flash_attention, block_sizes=block_sizes,
+                               interpret=interpret)
+    return _check_differential(kernel, case, TOL[case["q1"].dtype.name], causal=causal,
+                               sm_scale=sm_scale)
 
 
-def check_standard(case, *, causal, block_sizes, interpret=True):
-    dtype = case["q1"].dtype.name
-    d = case["q1"].shape[-1]
-    args = (case["q1"], case["k1"], case["v"])
-
-    def kernel(*a):
-        return tpu.flash_attention(*a, causal=causal, block_sizes=block_sizes,
-                                   interpret=interpret, **_masks(case))
-
-    def expected(*a):
-        return reference.dot_product_attention(*a, causal=causal, scale=d ** -0.5, **_masks(case))
-
-    out, grads = _value_and_grads(kernel, args, case["ct"])
-    ref_out, ref_grads = _value_and_grads(expected, tuple(map(_f32, args)), _f32(case["ct"]))
-    _assert_close(out, ref_out, TOL[dtype], "output")
-    for name, g, rg in zip(("q", "k", "v"), grads, ref_grads):
-        _assert_close(g, rg, GRAD_TOL[dtype], f"d{name}")
+def check_standard(case, *, causal, block_sizes):
+    kernel = functools.partial(tpu.flash_attention, block_sizes=block_sizes, interpret=True)
+    return _check_standard(kernel, case, TOL[case["q1"].dtype.name], causal=causal)
 
 
 def blocks(q=16, k=16, q_dkv=None, k_dkv=None, q_dq=None, k_dq=None):
@@ -174,18 +69,18 @@ def blocks(q=16, k=16, q_dkv=None, k_dkv=None, q_dq=None, k_dq=None):
     (dict(t=32, s=32, hq=2, hkv=1, seg="shared", dv=64), False, blocks(8, 16)),
 ], ids=["mha-v1", "gqa-offset", "mqa-empty-rows", "segments-noncausal"])
 def test_differential_matches_reference(kw, causal, bs):
-    check_differential(make_case(0, **kw), causal=causal, block_sizes=bs)
+    check_differential(make_inputs(0, **kw), causal=causal, block_sizes=bs)
 
 
 def test_differential_sm_scale_and_default_blocks():
     """Head dim 128, a custom scale; default BlockSizes clamp to the short sequence."""
-    check_differential(make_case(1, t=20, s=20, d=128, lam="token"), causal=True,
+    check_differential(make_inputs(1, t=20, s=20, d=128, lam="token"), causal=True,
                        block_sizes=None, sm_scale=0.3)
 
 
 def test_differential_interpret_params():
     """The TPU interpreter (``pltpu.InterpretParams``: simulated DMAs, VMEM/SMEM scratch)."""
-    case = make_case(2, t=16, s=16, hq=2, hkv=1, lam="scalar", seg="shared")
+    case = make_inputs(2, t=16, s=16, hq=2, hkv=1, lam="scalar", seg="shared")
     check_differential(case, causal=True, block_sizes=blocks(8, 8, 8, 16),
                        interpret=pltpu.InterpretParams())
 
@@ -195,7 +90,7 @@ def test_differential_interpret_params():
     (dict(t=24, s=40, hq=2, hkv=1, dtype="bfloat16"), False),
 ], ids=["gqa-segments", "mqa-bf16-noncausal"])
 def test_flash_attention_matches_reference(kw, causal):
-    check_standard(make_case(3, **kw), causal=causal, block_sizes=blocks(16, 16, 16, 8))
+    check_standard(make_inputs(3, **kw), causal=causal, block_sizes=blocks(16, 16, 16, 8))
 
 
 def _kernel_names(fn, *args) -> set[str]:
@@ -204,7 +99,7 @@ def _kernel_names(fn, *args) -> set[str]:
 
 def test_shared_k_equals_copy():
     """``k1 is k2`` takes the one-K kernels (dK = dK1 + dK2) and agrees with passing a copy."""
-    case = make_case(4, b=2, t=40, s=40, hq=4, hkv=2, lam="token")
+    case = make_inputs(4, b=2, t=40, s=40, hq=4, hkv=2, lam="token")
     bs = blocks(16, 16, 16, 8)
 
     def shared(q1, k, q2, v, lam):
@@ -222,18 +117,18 @@ def test_shared_k_equals_copy():
     assert grad_names(shared) == {"diff_flash_fwd_shared_k", "diff_flash_dkv_shared_k",
                                   "diff_flash_dq_shared_k"}
     assert grad_names(copied) == {"diff_flash_fwd", "diff_flash_dkv", "diff_flash_dq"}
-    out_s, grads_s = _value_and_grads(shared, args, case["ct"])
-    out_c, grads_c = _value_and_grads(copied, args, case["ct"])
-    _assert_close(out_s, out_c, 1e-6, "output")
+    out_s, grads_s = value_and_grads(shared, args, case["ct"])
+    out_c, grads_c = value_and_grads(copied, args, case["ct"])
+    assert_close("output", out_s, out_c, (0.0, 1e-6))
     for name, a, b in zip(("q1", "k", "q2", "v", "lam"), grads_s, grads_c):
-        _assert_close(a, b, 1e-5, f"d{name}")
+        assert_close(f"d{name}", a, b, (0.0, 1e-5))
 
 
 def test_fully_masked_rows_are_zero():
     """Queries that see no key (T > S under causal alignment, or a segment absent from the keys)
     output exactly 0 and get exactly zero, finite gradients."""
     b, t, s, hq = 1, 40, 24, 2
-    case = make_case(5, b=b, t=t, s=s, hq=hq, hkv=1, lam="token")
+    case = make_inputs(5, b=b, t=t, s=s, hq=hq, hkv=1, lam="token")
     seg = np.zeros((b, t), np.int32)
     seg[:, -4:] = 7  # the last 4 queries are in a segment no key belongs to
     case["segment_ids"] = jnp.asarray(seg)
@@ -252,7 +147,7 @@ def test_fully_masked_rows_are_zero():
 
 
 def test_float16_runs():
-    case = make_case(6, t=24, s=24, hq=2, hkv=1, dtype="float16", lam="token")
+    case = make_inputs(6, t=24, s=24, hq=2, hkv=1, dtype="float16", lam="token")
     out, grads = check_differential(case, causal=True, block_sizes=blocks(16, 8))
     assert out.dtype == jnp.float16 and grads[0].dtype == jnp.float16
 
@@ -260,9 +155,9 @@ def test_float16_runs():
 def test_causal_skips_key_blocks_above_the_diagonal():
     """Tiles above the diagonal are not computed: a NaN in the last key's value reaches only the
     query block that may see it (a computed-but-masked tile would spread 0 * NaN = NaN)."""
-    case = make_case(7, t=32, s=32, hq=1, hkv=1)
+    case = make_inputs(7, t=32, s=32, hq=1, hkv=1)
     v = case["v"].at[:, -1].set(jnp.nan)
-    fn = _compile(lambda q1, k1, q2, k2, v: tpu.differential_flash_attention(
+    fn = compile_fast(lambda q1, k1, q2, k2, v: tpu.differential_flash_attention(
         q1, k1, q2, k2, v, 0.5, block_sizes=blocks(8, 8), interpret=True),
         case["q1"], case["k1"], case["q2"], case["k2"], v)
     out = np.asarray(fn(case["q1"], case["k1"], case["q2"], case["k2"], v))
@@ -298,14 +193,14 @@ _GRID = dict(deadline=None, derandomize=True, suppress_health_check=[HealthCheck
 @settings(max_examples=4, **_GRID)
 @given(grid_cases())
 def test_grid_differential(cfg):
-    check_differential(make_case(cfg["seed"], **cfg["case"]), causal=cfg["causal"],
+    check_differential(make_inputs(cfg["seed"], **cfg["case"]), causal=cfg["causal"],
                        block_sizes=cfg["blocks"])
 
 
 @settings(max_examples=2, **_GRID)
 @given(grid_cases())
 def test_grid_standard(cfg):
-    check_standard(make_case(cfg["seed"], **cfg["case"]), causal=cfg["causal"],
+    check_standard(make_inputs(cfg["seed"], **cfg["case"]), causal=cfg["causal"],
                    block_sizes=cfg["blocks"])
 
 
@@ -313,7 +208,7 @@ def test_grid_standard(cfg):
 @settings(max_examples=5, **_GRID)
 @given(grid_cases(large=True))
 def test_grid_differential_large(cfg):
-    check_differential(make_case(cfg["seed"] + 1, **cfg["case"]), causal=cfg["causal"],
+    check_differential(make_inputs(cfg["seed"] + 1, **cfg["case"]), causal=cfg["causal"],
                        block_sizes=cfg["blocks"])
 
 
@@ -326,7 +221,7 @@ def test_bad_block_sizes(kw):
 
 
 def test_hardware_block_sizes_must_fill_lanes():
-    case = make_case(8, t=300, s=300, hq=1, hkv=1)
+    case = make_inputs(8, t=300, s=300, hq=1, hkv=1)
     args = tuple(case[n] for n in ("q1", "k1", "q2", "k2", "v", "lam"))
     with pytest.raises(ValueError, match="multiple of 128"):
         tpu.differential_flash_attention(*args, block_sizes=blocks(64, 128), interpret=False)

@@ -1,4 +1,5 @@
-"""Helpers shared by the GPU and TPU kernels (jax only): sizes and float32-accumulating dots."""
+"""Helpers shared by the GPU and TPU kernels (jax only): sizes, block-size checks and
+float32-accumulating dots."""
 
 from __future__ import annotations
 
@@ -17,6 +18,15 @@ def next_pow2(n: int) -> int:
 
 def round_up(n: int, m: int) -> int:
     return -(-n // m) * m
+
+
+def check_block_fields(sizes, fields, ok, requirement: str) -> None:
+    """Raise a ValueError naming the first of ``fields`` of ``sizes`` (a ``BlockSizes``) that is
+    not an int (bools excluded) with ``ok(value)``; ``requirement`` says what is accepted."""
+    for name in fields:
+        value = getattr(sizes, name)
+        if isinstance(value, bool) or not isinstance(value, int) or not ok(value):
+            raise ValueError(f"{type(sizes).__name__}.{name} must be {requirement}; got {value!r}")
 
 
 def dot_nn(a, b):

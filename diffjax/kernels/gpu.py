@@ -68,7 +68,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ._common import LOG2E, dot_nn as _dot_nn, dot_nt as _dot_nt, dot_tn as _dot_tn
-from ._common import next_pow2 as _next_pow2, round_up as _round_up
+from ._common import check_block_fields, next_pow2 as _next_pow2, round_up as _round_up
 from .reference import MASK_VALUE, check_differential, check_qkv
 
 _MIN_BLOCK = 16  # Triton: every block dim a power of two, and dots need >= 16
@@ -113,13 +113,11 @@ class BlockSizes:
     num_warps_dq: int | None = None
 
     def __post_init__(self):
-        for f in ("block_q", "block_k", "block_q_dkv", "block_k_dkv", "block_q_dq", "block_k_dq"):
-            b = getattr(self, f)
-            if isinstance(b, bool) or not isinstance(b, int) or b < _MIN_BLOCK or not _is_pow2(b):
-                raise ValueError(
-                    f"BlockSizes.{f} must be a power of two >= {_MIN_BLOCK} (16, 32, 64, 128, ...): "
-                    f"the Triton lowering needs power-of-two block shapes and dots of at least "
-                    f"16 rows; got {b!r}")
+        check_block_fields(
+            self, ("block_q", "block_k", "block_q_dkv", "block_k_dkv", "block_q_dq", "block_k_dq"),
+            lambda b: b >= _MIN_BLOCK and _is_pow2(b),
+            f"a power of two >= {_MIN_BLOCK} (16, 32, 64, 128, ...): the Triton lowering needs "
+            "power-of-two block shapes and dots of at least 16 rows")
         for f in ("num_warps", "num_warps_dkv", "num_warps_dq"):
             w = getattr(self, f)
             if w is not None and (isinstance(w, bool) or not isinstance(w, int) or not _is_pow2(w)

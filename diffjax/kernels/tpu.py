@@ -33,7 +33,7 @@ Kernels (all ``pl.pallas_call`` with VMEM tiles):
 
 Backward maths with ``dO1 = dO`` and ``dO2 = -lam dO`` (rows): ``dP2 = -lam dP1`` with
 ``dP1 = dO V^T``, so one ``dO V^T`` product serves both branches; ``delta1 = rowsum(dO O1)``,
-``rowsum(dO O2) = -dlam``; ``dS1 = P1 (dP1 - delta1)``, ``dS2 = -lam P2 (dP1 - rowsum(dO O2))``;
+``delta2 = rowsum(dO O2) = -dlam``; ``dS1 = P1 (dP1 - delta1)``, ``dS2 = -lam P2 (dP1 - delta2)``;
 ``dV = (P1 - lam P2)^T dO`` (one product); ``dQi = s dSi Ki``, ``dKi = s dSi^T Qi``.
 
 Causal masking is bottom-right aligned (query ``i`` sees key ``j <= i + S - T``). Key blocks that
@@ -42,6 +42,12 @@ no query of the current block may see (above the diagonal, or wholly padding) ar
 pipeline issues no DMA for them (the same block index twice in a row is not fetched again).
 Blocks wholly below the diagonal run a mask-free body. A query row that sees no key outputs
 exactly 0 and gets zero gradients (log-sum-exp ``+inf`` there, so its probabilities are 0).
+
+Each kernel takes its operands, outputs and VMEM scratch as named refs, with the GPU kernel's
+names (``q1_ref, k1_ref, q2_ref, k2_ref, v_ref, lam_ref, qseg_ref, kseg_ref``, then ``do_ref``,
+``lse1_ref``, ``delta1_ref``, ``lse2_ref``, ``delta2_ref`` in the backward); those a configuration
+lacks (the second branch of the standard kernel, ``k2`` for shared keys, segment ids, the
+residuals of a forward pass without backward) are passed as None and get no block spec.
 
 When ``k1 is k2`` (DIFF V2 passes one key array twice) a shared-K variant loads each key block
 once and returns ``dK = dK1 + dK2`` for it.
@@ -68,8 +74,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ._common import dot_nn as _dot_nn, dot_nt as _dot_nt
-from ._common import next_pow2 as _next_pow2, round_up as _round_up
-from .reference import MASK_VALUE, check_qkv
+from ._common import check_block_fields, next_pow2 as _next_pow2, round_up as _round_up
+from .reference import MASK_VALUE, check_differential, check_qkv
 
 __all__ = ["BlockSizes", "differential_flash_attention", "flash_attention"]
 
@@ -100,12 +106,8 @@ class BlockSizes:
     block_k_dq: int = 512
 
     def __post_init__(self):
-        for f in dataclasses.fields(self):
-            val = getattr(self, f.name)
-            if isinstance(val, bool) or not isinstance(val, int):
-                raise ValueError(f"BlockSizes.{f.name} must be a positive int, got {val!r}")
-            if val < 1:
-                raise ValueError(f"BlockSizes.{f.name} must be a positive int, got {val}")
+        check_block_fields(self, [f.name for f in dataclasses.fields(self)], lambda b: b >= 1,
+                           "a positive int")
 
     @property
     def q_blocks(self) -> tuple[int, int, int]:
@@ -142,17 +144,17 @@ def _effective_blocks(length: int, blocks: tuple[int, ...], names: tuple[str, ..
 
 # ============================================================================ static config
 @dataclasses.dataclass(frozen=True)
-class _Cfg:
+class _Config:
     differential: bool
     shared_k: bool
     lam_mode: str | None  # "scalar" (SMEM), "row" ([B, Hq, 1, Tp]) or None (standard)
-    has_seg: bool
+    segmented: bool
     causal: bool
-    scale: float
+    scale: float  # the softmax scale (sm_scale of the public functions)
     q_len: int  # true query length
     kv_len: int  # true key length
-    tp: int  # padded lengths
-    sp: int
+    t_pad: int  # padded lengths
+    s_pad: int
     hq: int
     hkv: int
     dv: int
@@ -165,7 +167,7 @@ class _Cfg:
         return self.hq // self.hkv
 
     @property
-    def offset(self) -> int:
+    def offset(self) -> int:  # query i sees key j iff j <= i + offset (bottom-right aligned)
         return self.kv_len - self.q_len
 
 
@@ -202,7 +204,7 @@ def _or(a, b):
     return jnp.logical_or(a, b)
 
 
-def _block_conditions(cfg: _Cfg, qi, kj, bq: int, bk: int):
+def _block_conditions(cfg: _Config, qi, kj, bq: int, bk: int):
     """``(run, masked)`` for query block ``qi`` against key block ``kj``.
 
     ``run``: some (query, key) pair of the tile is visible (else the tile is skipped).
@@ -214,11 +216,11 @@ def _block_conditions(cfg: _Cfg, qi, kj, bq: int, bk: int):
     if cfg.causal:
         run = _and(run, kj * bk <= qi * bq + (bq - 1 + off))
         masked = _or(masked, kj * bk + (bk - 1) > qi * bq + off)
-    if cfg.sp != cfg.kv_len:
-        if pl.cdiv(cfg.kv_len, bk) < cfg.sp // bk:  # wholly padded key blocks exist
+    if cfg.s_pad != cfg.kv_len:
+        if pl.cdiv(cfg.kv_len, bk) < cfg.s_pad // bk:  # wholly padded key blocks exist
             run = _and(run, kj * bk < cfg.kv_len)
         masked = _or(masked, kj * bk + bk > cfg.kv_len)
-    if pl.cdiv(cfg.q_len, bq) < cfg.tp // bq:  # wholly padded query blocks exist
+    if pl.cdiv(cfg.q_len, bq) < cfg.t_pad // bq:  # wholly padded query blocks exist
         run = _and(run, qi * bq < cfg.q_len)
     return run, masked
 
@@ -237,7 +239,7 @@ def _run_tile(run, masked, body):
     pl.when(_and(run, jnp.logical_not(masked)))(lambda: body(False))
 
 
-def _tile_mask(cfg: _Cfg, q_start, k_start, nq: int, nk: int, *, transposed: bool,
+def _tile_mask(cfg: _Config, q_start, k_start, nq: int, nk: int, *, transposed: bool,
                use_mask: bool, seg):
     """Boolean visibility of a tile, ``[nq, nk]`` (``[nk, nq]`` if transposed), or None.
 
@@ -250,7 +252,7 @@ def _tile_mask(cfg: _Cfg, q_start, k_start, nq: int, nk: int, *, transposed: boo
         if cfg.causal:
             qidx = lax.broadcasted_iota(jnp.int32, shape, qdim) + q_start
             mask = kidx <= qidx + cfg.offset
-        if cfg.sp != cfg.kv_len:
+        if cfg.s_pad != cfg.kv_len:
             pad_ok = kidx < cfg.kv_len
             mask = pad_ok if mask is None else jnp.logical_and(mask, pad_ok)
     if seg is not None:
@@ -259,7 +261,7 @@ def _tile_mask(cfg: _Cfg, q_start, k_start, nq: int, nk: int, *, transposed: boo
     return mask
 
 
-def _lam_value(cfg: _Cfg, lam_ref, orient: str):
+def _lam_value(cfg: _Config, lam_ref, orient: str):
     """Lambda as a scalar (SMEM) or per-query ``[bq, 1]`` column / ``[1, bq]`` row (float32)."""
     if cfg.lam_mode == "scalar":
         return lam_ref[0]
@@ -267,7 +269,7 @@ def _lam_value(cfg: _Cfg, lam_ref, orient: str):
 
 
 # ---------------------------------------------------------------------------- index maps
-def _last_kv_block(cfg: _Cfg, qi, bq: int, bk: int):
+def _last_kv_block(cfg: _Config, qi, bq: int, bk: int):
     """Last key block any query of block ``qi`` may see (for clamping skipped tiles' DMAs)."""
     last = (cfg.kv_len - 1) // bk
     if cfg.causal:
@@ -276,11 +278,11 @@ def _last_kv_block(cfg: _Cfg, qi, bq: int, bk: int):
     return last
 
 
-def _kv_index(cfg: _Cfg, qi, kj, bq: int, bk: int):
+def _kv_index(cfg: _Config, qi, kj, bq: int, bk: int):
     return jnp.minimum(kj, _last_kv_block(cfg, qi, bq, bk))
 
 
-def _q_index_dkv(cfg: _Cfg, kj, qi, bq: int, bk: int):
+def _q_index_dkv(cfg: _Config, kj, qi, bq: int, bk: int):
     """Clamp query block ``qi`` into the range key block ``kj`` needs."""
     last = (cfg.q_len - 1) // bq
     if cfg.causal:
@@ -290,46 +292,48 @@ def _q_index_dkv(cfg: _Cfg, kj, qi, bq: int, bk: int):
 
 
 # ============================================================================ forward kernel
-def _fwd_kernel(*refs, names, cfg: _Cfg, save_residuals: bool):
-    r = dict(zip(names, refs))
+def _fwd_kernel(q1_ref, k1_ref, q2_ref, k2_ref, v_ref, lam_ref, qseg_ref, kseg_ref,
+                o_ref, lse1_ref, lse2_ref, o2_ref, m1_ref, l1_ref, acc1_ref, m2_ref, l2_ref,
+                acc2_ref, *, cfg: _Config):
+    """One query block of one head against key block ``kj``. Operands a configuration does not
+    use are None: q2, k2, lam, lse2, o2 and the second branch's scratch (m2, l2, acc2) for the
+    standard kernel, k2 for shared keys, the segment ids when unpacked, the residuals (lse1,
+    lse2, o2) when no backward pass needs them."""
     bq, bk = cfg.blocks.block_q, cfg.blocks.block_k
-    nbr = 2 if cfg.differential else 1
-    ms = [r[f"m{b + 1}"] for b in range(nbr)]
-    ls = [r[f"l{b + 1}"] for b in range(nbr)]
-    accs = [r[f"acc{b + 1}"] for b in range(nbr)]
+    states = [(m1_ref, l1_ref, acc1_ref)]
+    if cfg.differential:
+        states.append((m2_ref, l2_ref, acc2_ref))
     qi, kj = pl.program_id(2), pl.program_id(3)
 
     @pl.when(kj == 0)
     def _init():
-        for b in range(nbr):
-            ms[b][...] = jnp.full(ms[b].shape, -jnp.inf, _F32)
-            ls[b][...] = jnp.zeros(ls[b].shape, _F32)
-            accs[b][...] = jnp.zeros(accs[b].shape, _F32)
+        for m_ref, l_ref, acc_ref in states:
+            m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, _F32)
+            l_ref[...] = jnp.zeros(l_ref.shape, _F32)
+            acc_ref[...] = jnp.zeros(acc_ref.shape, _F32)
 
     def body(use_mask: bool):
-        seg = None
-        if cfg.has_seg:
-            seg = (_col(r["qseg"]), r["kseg"][...])
+        seg = None if qseg_ref is None else (_col(qseg_ref), kseg_ref[...])
         mask = _tile_mask(cfg, qi * bq, kj * bk, bq, bk, transposed=False, use_mask=use_mask,
                           seg=seg)
-        v = r["v"][...]
-        k1 = r["k1"][...]
-        pairs = [(r["q1"][...], k1)]
+        v = v_ref[...]
+        k1 = k1_ref[...]
+        pairs = [(q1_ref[...], k1)]
         if cfg.differential:
-            pairs.append((r["q2"][...], k1 if cfg.shared_k else r["k2"][...]))
-        for b, (q, k) in enumerate(pairs):
+            pairs.append((q2_ref[...], k1 if k2_ref is None else k2_ref[...]))
+        for (q, k), (m_ref, l_ref, acc_ref) in zip(pairs, states):
             s = _dot_nt(q, k) * cfg.scale
             if mask is not None:
                 s = jnp.where(mask, s, MASK_VALUE)
-            m_prev, l_prev = ms[b][...], ls[b][...]
+            m_prev, l_prev = m_ref[...], l_ref[...]
             m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))  # [bq, 128]
             p = jnp.exp(s - _lanes(m_next, bk))
             if mask is not None:
                 p = jnp.where(mask, p, 0.0)  # a row with no visible key keeps l == 0
             alpha = jnp.exp(m_prev - m_next)
-            ls[b][...] = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
-            ms[b][...] = m_next
-            accs[b][...] = (accs[b][...] * _lanes(alpha, cfg.dv)
+            l_ref[...] = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
+            m_ref[...] = m_next
+            acc_ref[...] = (acc_ref[...] * _lanes(alpha, cfg.dv)
                             + _dot_nn(p.astype(v.dtype), v))
 
     _run_tile(*_block_conditions(cfg, qi, kj, bq, bk), body)
@@ -337,87 +341,90 @@ def _fwd_kernel(*refs, names, cfg: _Cfg, save_residuals: bool):
     @pl.when(kj == pl.num_programs(3) - 1)
     def _finish():
         outs, lses = [], []
-        for b in range(nbr):
-            l, m = ls[b][...], ms[b][...]
+        for m_ref, l_ref, acc_ref in states:
+            l, m = l_ref[...], m_ref[...]
             empty = l == 0.0
             inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l))
-            outs.append(accs[b][...] * _lanes(inv, cfg.dv))
+            outs.append(acc_ref[...] * _lanes(inv, cfg.dv))
             lses.append(jnp.where(empty, jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l))))
         if cfg.differential:
-            out = outs[0] - _lam_value(cfg, r["lam"], "col") * outs[1]
+            out = outs[0] - _lam_value(cfg, lam_ref, "col") * outs[1]
         else:
             out = outs[0]
-        r["o"][...] = out.astype(r["o"].dtype)
-        if save_residuals:
-            r["lse1"][...] = lses[0]
+        o_ref[...] = out.astype(o_ref.dtype)
+        if lse1_ref is not None:
+            lse1_ref[...] = lses[0]
             if cfg.differential:
-                r["lse2"][...] = lses[1]
-                r["o2"][...] = outs[1]
+                lse2_ref[...] = lses[1]
+                o2_ref[...] = outs[1]
 
 
 # ============================================================================ dK/dV kernel
-def _dkv_kernel(*refs, names, cfg: _Cfg):
-    r = dict(zip(names, refs))
+def _dkv_kernel(q1_ref, k1_ref, q2_ref, k2_ref, v_ref, lam_ref, qseg_ref, kseg_ref, do_ref,
+                lse1_ref, delta1_ref, lse2_ref, delta2_ref, dk1_ref, dk2_ref, dv_ref,
+                dk1_acc, dk2_acc, dv_acc, *, cfg: _Config):
+    """dK (dK1, dK2, or their sum for shared keys: dk2_ref and dk2_acc None) and dV of one key
+    block of one kv head, accumulated over the query heads of its group and their query blocks.
+    Transposed tiles: keys on sublanes, queries on lanes."""
     bq, bk = cfg.blocks.block_q_dkv, cfg.blocks.block_k_dkv
     kj, rep, qi = pl.program_id(2), pl.program_id(3), pl.program_id(4)
-    dk_accs = [r["dk1_acc"]] if (cfg.shared_k or not cfg.differential) else [
-        r["dk1_acc"], r["dk2_acc"]]
+    dk_accs = [acc for acc in (dk1_acc, dk2_acc) if acc is not None]
 
     @pl.when(jnp.logical_and(rep == 0, qi == 0))
     def _init():
-        for acc in (*dk_accs, r["dv_acc"]):
+        for acc in (*dk_accs, dv_acc):
             acc[...] = jnp.zeros(acc.shape, _F32)
 
     def body(use_mask: bool):
-        seg = None
-        if cfg.has_seg:
-            seg = (r["qseg"][...], _col(r["kseg"]))  # [1, bq] vs [bk, 1]
+        seg = None if qseg_ref is None else (qseg_ref[...], _col(kseg_ref))  # [1, bq] vs [bk, 1]
         mask = _tile_mask(cfg, qi * bq, kj * bk, bq, bk, transposed=True, use_mask=use_mask,
                           seg=seg)
-        v, do = r["v"][...], r["do"][...]
-        k1, q1 = r["k1"][...], r["q1"][...]
+        v, do = v_ref[...], do_ref[...]
+        k1, q1 = k1_ref[...], q1_ref[...]
         dp_t = _dot_nt(v, do)  # [bk, bq] = (dO V^T)^T
 
         def probs(k, q, lse_ref):
             p = jnp.exp(_dot_nt(k, q) * cfg.scale - lse_ref[...])  # lse: [1, bq] row
             return p if mask is None else jnp.where(mask, p, 0.0)
 
-        p1 = probs(k1, q1, r["lse1"])
-        ds1 = p1 * (dp_t - r["delta1"][...])
+        p1 = probs(k1, q1, lse1_ref)
+        ds1 = p1 * (dp_t - delta1_ref[...])
         if not cfg.differential:
-            r["dv_acc"][...] += _dot_nn(p1.astype(do.dtype), do)
-            r["dk1_acc"][...] += _dot_nn(ds1.astype(q1.dtype), q1)
+            dv_acc[...] += _dot_nn(p1.astype(do.dtype), do)
+            dk1_acc[...] += _dot_nn(ds1.astype(q1.dtype), q1)
             return
-        q2 = r["q2"][...]
-        k2 = k1 if cfg.shared_k else r["k2"][...]
-        lam = _lam_value(cfg, r["lam"], "row")
-        p2 = probs(k2, q2, r["lse2"])
-        ds2 = (-lam) * p2 * (dp_t - r["d2"][...])
-        r["dv_acc"][...] += _dot_nn((p1 - lam * p2).astype(do.dtype), do)
+        q2 = q2_ref[...]
+        k2 = k1 if k2_ref is None else k2_ref[...]
+        lam = _lam_value(cfg, lam_ref, "row")
+        p2 = probs(k2, q2, lse2_ref)
+        ds2 = (-lam) * p2 * (dp_t - delta2_ref[...])
+        dv_acc[...] += _dot_nn((p1 - lam * p2).astype(do.dtype), do)
         dk1 = _dot_nn(ds1.astype(q1.dtype), q1)
         dk2 = _dot_nn(ds2.astype(q2.dtype), q2)
-        if cfg.shared_k:
-            r["dk1_acc"][...] += dk1 + dk2
+        if dk2_acc is None:  # shared keys: dK = dK1 + dK2 in one accumulator
+            dk1_acc[...] += dk1 + dk2
         else:
-            r["dk1_acc"][...] += dk1
-            r["dk2_acc"][...] += dk2
+            dk1_acc[...] += dk1
+            dk2_acc[...] += dk2
 
     _run_tile(*_block_conditions(cfg, qi, kj, bq, bk), body)
 
     @pl.when(jnp.logical_and(rep == pl.num_programs(3) - 1, qi == pl.num_programs(4) - 1))
     def _finish():
-        outs = ["dk1", "dk2"][:len(dk_accs)]
-        for name, acc in zip(outs, dk_accs):
-            r[name][...] = (acc[...] * cfg.scale).astype(r[name].dtype)
-        r["dv"][...] = r["dv_acc"][...].astype(r["dv"].dtype)
+        for dk_ref, acc in ((dk1_ref, dk1_acc), (dk2_ref, dk2_acc)):
+            if acc is not None:
+                dk_ref[...] = (acc[...] * cfg.scale).astype(dk_ref.dtype)
+        dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
 
 
 # ============================================================================ dQ kernel
-def _dq_kernel(*refs, names, cfg: _Cfg):
-    r = dict(zip(names, refs))
+def _dq_kernel(q1_ref, k1_ref, q2_ref, k2_ref, v_ref, lam_ref, qseg_ref, kseg_ref, do_ref,
+               lse1_ref, delta1_ref, lse2_ref, delta2_ref, dq1_ref, dq2_ref, dq1_acc, dq2_acc,
+               *, cfg: _Config):
+    """dQ1 (and dQ2) of one query block of one head, accumulated over the key blocks."""
     bq, bk = cfg.blocks.block_q_dq, cfg.blocks.block_k_dq
     qi, kj = pl.program_id(2), pl.program_id(3)
-    accs = [r["dq1_acc"], r["dq2_acc"]] if cfg.differential else [r["dq1_acc"]]
+    accs = [acc for acc in (dq1_acc, dq2_acc) if acc is not None]
 
     @pl.when(kj == 0)
     def _init():
@@ -425,33 +432,32 @@ def _dq_kernel(*refs, names, cfg: _Cfg):
             acc[...] = jnp.zeros(acc.shape, _F32)
 
     def body(use_mask: bool):
-        seg = None
-        if cfg.has_seg:
-            seg = (_col(r["qseg"]), r["kseg"][...])
+        seg = None if qseg_ref is None else (_col(qseg_ref), kseg_ref[...])
         mask = _tile_mask(cfg, qi * bq, kj * bk, bq, bk, transposed=False, use_mask=use_mask,
                           seg=seg)
-        v, do = r["v"][...], r["do"][...]
-        k1, q1 = r["k1"][...], r["q1"][...]
+        v, do = v_ref[...], do_ref[...]
+        k1, q1 = k1_ref[...], q1_ref[...]
         dp = _dot_nt(do, v)  # [bq, bk]
 
         def probs(q, k, lse_ref):
             p = jnp.exp(_dot_nt(q, k) * cfg.scale - _col(lse_ref))
             return p if mask is None else jnp.where(mask, p, 0.0)
 
-        ds1 = probs(q1, k1, r["lse1"]) * (dp - _col(r["delta1"]))
-        r["dq1_acc"][...] += _dot_nn(ds1.astype(k1.dtype), k1)
+        ds1 = probs(q1, k1, lse1_ref) * (dp - _col(delta1_ref))
+        dq1_acc[...] += _dot_nn(ds1.astype(k1.dtype), k1)
         if cfg.differential:
-            k2 = k1 if cfg.shared_k else r["k2"][...]
-            lam = _lam_value(cfg, r["lam"], "col")
-            ds2 = (-lam) * probs(r["q2"][...], k2, r["lse2"]) * (dp - _col(r["d2"]))
-            r["dq2_acc"][...] += _dot_nn(ds2.astype(k2.dtype), k2)
+            k2 = k1 if k2_ref is None else k2_ref[...]
+            lam = _lam_value(cfg, lam_ref, "col")
+            ds2 = (-lam) * probs(q2_ref[...], k2, lse2_ref) * (dp - _col(delta2_ref))
+            dq2_acc[...] += _dot_nn(ds2.astype(k2.dtype), k2)
 
     _run_tile(*_block_conditions(cfg, qi, kj, bq, bk), body)
 
     @pl.when(kj == pl.num_programs(3) - 1)
     def _finish():
-        for name, acc in zip(("dq1", "dq2"), accs):
-            r[name][...] = (acc[...] * cfg.scale).astype(r[name].dtype)
+        for dq_ref, acc in ((dq1_ref, dq1_acc), (dq2_ref, dq2_acc)):
+            if acc is not None:
+                dq_ref[...] = (acc[...] * cfg.scale).astype(dq_ref.dtype)
 
 
 # ============================================================================ pallas calls
@@ -468,14 +474,16 @@ def _tile_bytes(shape, itemsize: int) -> int:
 
 def _vmem_estimate(specs, arrays, scratch, tile_shape, n_tiles: int) -> int:
     """Rough VMEM need: double-buffered blocks, scratch, and ``n_tiles`` float32 tiles of
-    ``tile_shape`` for the logits / probabilities / their gradients."""
+    ``tile_shape`` for the logits / probabilities / their gradients. None arrays and scratch
+    (absent in this configuration) count nothing."""
     total = 0
     for spec, x in zip(specs, arrays):
-        if spec.block_shape is None:  # whole array in SMEM
+        if x is None or spec.block_shape is None:  # absent, or the whole array in SMEM
             continue
         shape = [b for b in spec.block_shape if b is not None]
         total += 2 * _tile_bytes(shape, jnp.dtype(x.dtype).itemsize)
-    total += sum(_tile_bytes(sc.shape, jnp.dtype(sc.dtype).itemsize) for sc in scratch)
+    total += sum(_tile_bytes(sc.shape, jnp.dtype(sc.dtype).itemsize) for sc in scratch
+                 if sc is not None)
     return total + n_tiles * _tile_bytes(tile_shape, 4)
 
 
@@ -489,51 +497,43 @@ def _compiler_params(n_parallel: int, n_arbitrary: int, vmem_bytes: int):
         vmem_limit_bytes=limit)
 
 
-def _kernel_name(cfg: _Cfg, what: str) -> str:
+def _kernel_name(cfg: _Config, what: str) -> str:
     kind = "diff_flash" if cfg.differential else "flash"
     return f"{kind}_{what}" + ("_shared_k" if cfg.shared_k else "")
 
 
-class _Operands:
-    """Kernel operands collected by name, in order, with their block specs."""
-
-    def __init__(self):
-        self.names, self.arrays, self.specs = [], [], []
-
-    def add(self, name, array, spec):
-        self.names.append(name)
-        self.arrays.append(array)
-        self.specs.append(spec)
-
-
-def _lam_spec(cfg: _Cfg, row_index_map):
+def _lam_spec(cfg: _Config, row_spec):
+    """Lambda's block spec: a scalar in SMEM, or per-query rows tiled like the other rows."""
     if cfg.lam_mode == "scalar":
         return pl.BlockSpec(memory_space=pltpu.SMEM)
-    return row_index_map
+    return row_spec
 
 
-def _call(cfg: _Cfg, body, what: str, *, grid, ins: "_Operands", outs, scratch,
-          n_arbitrary: int, tile, n_tiles: int, cost=None, **static):
-    """One ``pl.pallas_call``: ``outs`` is ``[(name, shape struct, block spec)]`` and ``scratch``
-    ``[(name, VMEM shape)]``; the kernel body gets every ref by name."""
-    out_names = [name for name, _, _ in outs]
-    out_shape = [shape for _, shape, _ in outs]
-    out_specs = [spec for _, _, spec in outs]
-    scratch_names = [name for name, _ in scratch]
-    scratch_shapes = [shape for _, shape in scratch]
-    kernel = functools.partial(body, names=tuple(ins.names + out_names + scratch_names), cfg=cfg,
-                               **static)
-    res = pl.pallas_call(
-        kernel, grid=grid, in_specs=ins.specs, out_specs=out_specs, out_shape=out_shape,
-        scratch_shapes=scratch_shapes, interpret=cfg.interpret, cost_estimate=cost,
-        compiler_params=_compiler_params(len(grid) - n_arbitrary, n_arbitrary, _vmem_estimate(
-            ins.specs + out_specs, ins.arrays + out_shape, scratch_shapes, tile, n_tiles)),
-        name=_kernel_name(cfg, what),
-    )(*ins.arrays)
-    return dict(zip(out_names, res))
+def _opt(cond: bool, x):
+    return x if cond else None
 
 
-def _q_major_specs(cfg: _Cfg, bq: int, bk: int, d: int, dv: int):
+def _nbytes(arrays) -> int:
+    return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in arrays if x is not None)
+
+
+def _call(cfg: _Config, kernel, what: str, *, grid, operands, in_specs, out_shape, out_specs,
+          scratch, n_arbitrary: int, tile, n_tiles: int, cost=None):
+    """One ``pl.pallas_call``; the kernel takes operands, outputs and scratch as named refs, in
+    that order. A None operand, output shape or scratch shape (one the configuration lacks)
+    reaches the kernel as None and gets no block spec and no buffer."""
+    in_specs = [None if x is None else s for x, s in zip(operands, in_specs)]
+    out_specs = [None if x is None else s for x, s in zip(out_shape, out_specs)]
+    vmem = _vmem_estimate(in_specs + out_specs, [*operands, *out_shape], scratch, tile, n_tiles)
+    return pl.pallas_call(
+        functools.partial(kernel, cfg=cfg), grid=grid, in_specs=in_specs, out_specs=out_specs,
+        out_shape=out_shape, scratch_shapes=scratch, interpret=cfg.interpret,
+        cost_estimate=cost, name=_kernel_name(cfg, what),
+        compiler_params=_compiler_params(len(grid) - n_arbitrary, n_arbitrary, vmem),
+    )(*operands)
+
+
+def _q_major_specs(cfg: _Config, bq: int, bk: int, d: int, dv: int):
     """Block specs of a grid ``(batch, q_head, q_block, k_block)`` (the forward and dQ kernels):
     query tiles, key/value tiles of the head's kv group (skipped causal tiles clamped to one
     already loaded, so no DMA is issued), per-query rows and the segment-id rows."""
@@ -560,204 +560,142 @@ def _q_major_specs(cfg: _Cfg, bq: int, bk: int, d: int, dv: int):
     )
 
 
-def _fwd_call(cfg: _Cfg, q1, k1, q2, k2, v, lam, qseg, kseg, *, save_residuals: bool):
+def _forward(cfg: _Config, q1, k1, q2, k2, v, lam, qseg, kseg, *, save_residuals: bool):
     """Internal layout ``[B, H, T, D]``; returns ``(out, lse1, lse2, o2)`` (Nones if unsaved)."""
     b, hq, tp, d = q1.shape
     bq, bk = cfg.blocks.block_q, cfg.blocks.block_k
-    dv = cfg.dv
-    grid = (b, hq, tp // bq, cfg.sp // bk)
+    dv, diff = cfg.dv, cfg.differential
     sp = _q_major_specs(cfg, bq, bk, d, dv)
-    q_map = sp["q_map"]
-    ins = _Operands()
-    ins.add("q1", q1, sp["q"])
-    ins.add("k1", k1, sp["k"])
-    if cfg.differential:
-        ins.add("q2", q2, sp["q"])
-        if not cfg.shared_k:
-            ins.add("k2", k2, sp["k"])
-    ins.add("v", v, sp["v"])
-    if cfg.differential:
-        ins.add("lam", lam, _lam_spec(cfg, sp["row"]))
-    if cfg.has_seg:
-        ins.add("qseg", qseg, sp["qseg"])
-        ins.add("kseg", kseg, sp["kseg"])
+    operands = (q1, k1, q2, k2, v, lam, qseg, kseg)
+    in_specs = [sp["q"], sp["k"], sp["q"], sp["k"], sp["v"], _lam_spec(cfg, sp["row"]),
+                sp["qseg"], sp["kseg"]]
+    lse = jax.ShapeDtypeStruct((b, hq, tp, NUM_LANES), _F32)  # lane-replicated
+    lse_spec = pl.BlockSpec((None, None, bq, NUM_LANES), sp["q_map"])
+    o_spec = pl.BlockSpec((None, None, bq, dv), sp["q_map"])
+    saved, saved2 = save_residuals, save_residuals and diff
+    out_shape = [jax.ShapeDtypeStruct((b, hq, tp, dv), q1.dtype), _opt(saved, lse),
+                 _opt(saved2, lse), _opt(saved2, jax.ShapeDtypeStruct((b, hq, tp, dv), _F32))]
+    row, acc = pltpu.VMEM((bq, NUM_LANES), _F32), pltpu.VMEM((bq, dv), _F32)
+    scratch = [row, row, acc, _opt(diff, row), _opt(diff, row), _opt(diff, acc)]  # m, l, acc
 
-    out_names = ["o"]
-    out_shape = [jax.ShapeDtypeStruct((b, hq, tp, dv), q1.dtype)]
-    out_specs = [pl.BlockSpec((None, None, bq, dv), q_map)]
-    if save_residuals:
-        lse_shape = jax.ShapeDtypeStruct((b, hq, tp, NUM_LANES), _F32)
-        lse_spec = pl.BlockSpec((None, None, bq, NUM_LANES), q_map)
-        out_names.append("lse1"), out_shape.append(lse_shape), out_specs.append(lse_spec)
-        if cfg.differential:
-            out_names += ["lse2", "o2"]
-            out_shape += [lse_shape, jax.ShapeDtypeStruct((b, hq, tp, dv), _F32)]
-            out_specs += [lse_spec, pl.BlockSpec((None, None, bq, dv), q_map)]
-
-    nbr = 2 if cfg.differential else 1
-    scratch_names = ["m1", "l1", "m2", "l2"][:2 * nbr] + ["acc1", "acc2"][:nbr]
-    scratch = ([pltpu.VMEM((bq, NUM_LANES), _F32)] * (2 * nbr)
-               + [pltpu.VMEM((bq, dv), _F32)] * nbr)
-
-    flops_per_pair = 2 * nbr * (d + dv)
+    nbr = 2 if diff else 1
     pairs = b * hq * cfg.q_len * cfg.kv_len * (0.5 if cfg.causal else 1.0)
-    cost = pl.CostEstimate(
-        flops=int(flops_per_pair * pairs), transcendentals=int(nbr * pairs),
-        bytes_accessed=int(sum(x.size * x.dtype.itemsize for x in ins.arrays)
-                           + sum(math.prod(s.shape) * s.dtype.itemsize for s in out_shape)))
+    cost = pl.CostEstimate(flops=int(2 * nbr * (d + dv) * pairs),
+                           transcendentals=int(nbr * pairs),
+                           bytes_accessed=_nbytes([*operands, *out_shape]))
 
-    res = _call(cfg, _fwd_kernel, "fwd", grid=grid, ins=ins,
-                outs=list(zip(out_names, out_shape, out_specs)),
-                scratch=list(zip(scratch_names, scratch)), n_arbitrary=1, tile=(bq, bk),
-                n_tiles=4 * nbr, cost=cost, save_residuals=save_residuals)
-    # lse comes back lane-replicated; keep one lane as a [B, H, 1, Tp] row for the backward pass.
-    rows = {k: res[k][..., 0][:, :, None, :] for k in ("lse1", "lse2") if k in res}
-    return res["o"], rows.get("lse1"), rows.get("lse2"), res.get("o2")
+    out, lse1, lse2, o2 = _call(
+        cfg, _fwd_kernel, "fwd", grid=(b, hq, tp // bq, cfg.s_pad // bk), operands=operands,
+        in_specs=in_specs, out_shape=out_shape, out_specs=[o_spec, lse_spec, lse_spec, o_spec],
+        scratch=scratch, n_arbitrary=1, tile=(bq, bk), n_tiles=4 * nbr, cost=cost)
 
+    def first_lane(x):  # keep one lane, as a [B, H, 1, Tp] row for the backward pass
+        return None if x is None else x[..., 0][:, :, None, :]
 
-def _add_backward_operands(cfg: _Cfg, ins: _Operands, *, q1, k1, q2, k2, v, do, lam, qseg,
-                           kseg, stats, q_spec, k_spec, v_spec, row_spec, qseg_spec,
-                           kseg_spec):
-    """The operands shared by the dK/dV and dQ kernels, in one order."""
-    ins.add("q1", q1, q_spec)
-    ins.add("k1", k1, k_spec)
-    if cfg.differential:
-        ins.add("q2", q2, q_spec)
-        if not cfg.shared_k:
-            ins.add("k2", k2, k_spec)
-    ins.add("v", v, v_spec)
-    ins.add("do", do, pl.BlockSpec(q_spec.block_shape[:-1] + (cfg.dv,), q_spec.index_map))
-    for key in ("lse1", "lse2", "delta1", "d2"):
-        if key in stats:
-            ins.add(key, stats[key], row_spec)
-    if cfg.differential:
-        ins.add("lam", lam, _lam_spec(cfg, row_spec))
-    if cfg.has_seg:
-        ins.add("qseg", qseg, qseg_spec)
-        ins.add("kseg", kseg, kseg_spec)
+    return out, first_lane(lse1), first_lane(lse2), o2
 
 
-def _dkv_call(cfg: _Cfg, q1, k1, q2, k2, v, lam, qseg, kseg, do, stats):
+def _backward(cfg: _Config, q1, k1, q2, k2, v, lam, qseg, kseg, do, lse1, delta1, lse2,
+              delta2):
+    """``(dq1, dk1, dq2, dk2, dv)``: the dK/dV kernel, then the dQ kernel. The per-query rows
+    (lse, delta) are ``[B, H, 1, Tp]``; dq2 is None for the standard kernel and dk2 None when
+    there is no separate k2 (standard kernel, shared keys)."""
     b, hq, tp, d = q1.shape
-    bq, bk = cfg.blocks.block_q_dkv, cfg.blocks.block_k_dkv
     dv, grp = cfg.dv, cfg.group
-    grid = (b, cfg.hkv, cfg.sp // bk, grp, tp // bq)
+    operands = (q1, k1, q2, k2, v, lam, qseg, kseg, do, lse1, delta1, lse2, delta2)
+
+    def in_specs(q, k, v, row, qseg, kseg):
+        """In the kernels' operand order; dO is tiled like the queries."""
+        do = pl.BlockSpec(q.block_shape[:-1] + (dv,), q.index_map)
+        return [q, k, q, k, v, _lam_spec(cfg, row), qseg, kseg, do, row, row, row, row]
+
+    # dK, dV: grid (batch, kv head, key block, query head of the group, query block).
+    bq, bk = cfg.blocks.block_q_dkv, cfg.blocks.block_k_dkv
+
+    def q_index(kj, qi):
+        return _q_index_dkv(cfg, kj, qi, bq, bk)
+
+    def kv_index(kj):  # inputs: wholly padded key blocks reuse the last real one
+        return jnp.minimum(kj, (cfg.kv_len - 1) // bk)
 
     def q_map(bi, g, kj, rep, qi):
-        return (bi, g * grp + rep, _q_index_dkv(cfg, kj, qi, bq, bk), 0)
+        return (bi, g * grp + rep, q_index(kj, qi), 0)
 
-    def kv_map(bi, g, kj, rep, qi):  # inputs: wholly padded key blocks reuse the last real one
-        return (bi, g, jnp.minimum(kj, (cfg.kv_len - 1) // bk), 0)
+    def kv_map(bi, g, kj, rep, qi):
+        return (bi, g, kv_index(kj), 0)
 
     def out_map(bi, g, kj, rep, qi):
         return (bi, g, kj, 0)
 
-    def row_map(bi, g, kj, rep, qi):
-        return (bi, g * grp + rep, 0, _q_index_dkv(cfg, kj, qi, bq, bk))
+    specs = in_specs(
+        pl.BlockSpec((None, None, bq, d), q_map), pl.BlockSpec((None, None, bk, d), kv_map),
+        pl.BlockSpec((None, None, bk, dv), kv_map),
+        pl.BlockSpec((None, None, 1, bq),
+                     lambda bi, g, kj, rep, qi: (bi, g * grp + rep, 0, q_index(kj, qi))),
+        pl.BlockSpec((None, 1, bq), lambda bi, g, kj, rep, qi: (bi, 0, q_index(kj, qi))),
+        pl.BlockSpec((None, 1, bk), lambda bi, g, kj, rep, qi: (bi, 0, kv_index(kj))))
+    dk_shape = jax.ShapeDtypeStruct(k1.shape, k1.dtype)
+    dk_spec = pl.BlockSpec((None, None, bk, d), out_map)
+    dk_acc = pltpu.VMEM((bk, d), _F32)
+    dk1, dk2, dv_ = _call(
+        cfg, _dkv_kernel, "dkv", grid=(b, cfg.hkv, cfg.s_pad // bk, grp, tp // bq),
+        operands=operands, in_specs=specs,
+        out_shape=[dk_shape, _opt(k2 is not None, dk_shape),
+                   jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        out_specs=[dk_spec, dk_spec, pl.BlockSpec((None, None, bk, dv), out_map)],
+        scratch=[dk_acc, _opt(k2 is not None, dk_acc), pltpu.VMEM((bk, dv), _F32)],
+        n_arbitrary=2, tile=(bk, bq), n_tiles=10)
 
-    ins = _Operands()
-    _add_backward_operands(
-        cfg, ins, q1=q1, k1=k1, q2=q2, k2=k2, v=v, do=do, lam=lam, qseg=qseg, kseg=kseg,
-        stats=stats, q_spec=pl.BlockSpec((None, None, bq, d), q_map),
-        k_spec=pl.BlockSpec((None, None, bk, d), kv_map),
-        v_spec=pl.BlockSpec((None, None, bk, dv), kv_map),
-        row_spec=pl.BlockSpec((None, None, 1, bq), row_map),
-        qseg_spec=pl.BlockSpec(
-            (None, 1, bq), lambda bi, g, kj, rep, qi: (bi, 0, _q_index_dkv(cfg, kj, qi, bq, bk))),
-        kseg_spec=pl.BlockSpec(
-            (None, 1, bk), lambda bi, g, kj, rep, qi: (bi, 0, kv_map(bi, g, kj, rep, qi)[2])))
-
-    n_dk = 2 if (cfg.differential and not cfg.shared_k) else 1
-    out_names = ["dk1", "dk2"][:n_dk] + ["dv"]
-    out_shape = ([jax.ShapeDtypeStruct(k1.shape, k1.dtype)] * n_dk
-                 + [jax.ShapeDtypeStruct(v.shape, v.dtype)])
-    out_specs = ([pl.BlockSpec((None, None, bk, d), out_map)] * n_dk
-                 + [pl.BlockSpec((None, None, bk, dv), out_map)])
-    scratch_names = ["dk1_acc", "dk2_acc"][:n_dk] + ["dv_acc"]
-    scratch = [pltpu.VMEM((bk, d), _F32)] * n_dk + [pltpu.VMEM((bk, dv), _F32)]
-
-    return _call(cfg, _dkv_kernel, "dkv", grid=grid, ins=ins,
-                 outs=list(zip(out_names, out_shape, out_specs)),
-                 scratch=list(zip(scratch_names, scratch)), n_arbitrary=2, tile=(bk, bq),
-                 n_tiles=10)
-
-
-def _dq_call(cfg: _Cfg, q1, k1, q2, k2, v, lam, qseg, kseg, do, stats):
-    b, hq, tp, d = q1.shape
+    # dQ: grid (batch, q head, query block, key block), streaming keys like the forward pass.
     bq, bk = cfg.blocks.block_q_dq, cfg.blocks.block_k_dq
-    dv = cfg.dv
-    grid = (b, hq, tp // bq, cfg.sp // bk)
     sp = _q_major_specs(cfg, bq, bk, d, dv)
-    q_spec = sp["q"]
-    ins = _Operands()
-    _add_backward_operands(
-        cfg, ins, q1=q1, k1=k1, q2=q2, k2=k2, v=v, do=do, lam=lam, qseg=qseg, kseg=kseg,
-        stats=stats, q_spec=q_spec, k_spec=sp["k"], v_spec=sp["v"], row_spec=sp["row"],
-        qseg_spec=sp["qseg"], kseg_spec=sp["kseg"])
-
-    n_q = 2 if cfg.differential else 1
-    out_names = ["dq1", "dq2"][:n_q]
-    out_shape = [jax.ShapeDtypeStruct(q1.shape, q1.dtype)] * n_q
-    out_specs = [q_spec] * n_q
-    scratch_names = ["dq1_acc", "dq2_acc"][:n_q]
-    scratch = [pltpu.VMEM((bq, d), _F32)] * n_q
-
-    return _call(cfg, _dq_kernel, "dq", grid=grid, ins=ins,
-                 outs=list(zip(out_names, out_shape, out_specs)),
-                 scratch=list(zip(scratch_names, scratch)), n_arbitrary=1, tile=(bq, bk),
-                 n_tiles=8)
+    dq_shape = jax.ShapeDtypeStruct(q1.shape, q1.dtype)
+    dq_acc = pltpu.VMEM((bq, d), _F32)
+    dq1, dq2 = _call(
+        cfg, _dq_kernel, "dq", grid=(b, hq, tp // bq, cfg.s_pad // bk), operands=operands,
+        in_specs=in_specs(sp["q"], sp["k"], sp["v"], sp["row"], sp["qseg"], sp["kseg"]),
+        out_shape=[dq_shape, _opt(cfg.differential, dq_shape)], out_specs=[sp["q"], sp["q"]],
+        scratch=[dq_acc, _opt(cfg.differential, dq_acc)], n_arbitrary=1, tile=(bq, bk),
+        n_tiles=8)
+    return dq1, dk1, dq2, dk2, dv_
 
 
 # ============================================================================ custom VJP
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(cfg: _Cfg, q1, k1, q2, k2, v, lam, qseg, kseg):
-    return _fwd_call(cfg, q1, k1, q2, k2, v, lam, qseg, kseg, save_residuals=False)[0]
+def _attention(cfg: _Config, q1, k1, q2, k2, v, lam, qseg, kseg):
+    """Internal layout, padded. ``k2`` is None for shared keys; ``q2``/``k2``/``lam`` None for
+    the standard kernel; the segment ids None when unpacked."""
+    return _forward(cfg, q1, k1, q2, k2, v, lam, qseg, kseg, save_residuals=False)[0]
 
 
-def _attention_fwd(cfg: _Cfg, q1, k1, q2, k2, v, lam, qseg, kseg):
-    out, lse1, lse2, o2 = _fwd_call(cfg, q1, k1, q2, k2, v, lam, qseg, kseg,
-                                    save_residuals=True)
+def _attention_fwd(cfg: _Config, q1, k1, q2, k2, v, lam, qseg, kseg):
+    out, lse1, lse2, o2 = _forward(cfg, q1, k1, q2, k2, v, lam, qseg, kseg, save_residuals=True)
     return out, (q1, k1, q2, k2, v, lam, qseg, kseg, out, lse1, lse2, o2)
 
 
-def _attention_bwd(cfg: _Cfg, res, dout):
+def _attention_bwd(cfg: _Config, res, dout):
     q1, k1, q2, k2, v, lam, qseg, kseg, out, lse1, lse2, o2 = res
     do32 = dout.astype(_F32)
     # Padded query rows have dout == 0 (the output is sliced), so they contribute nothing.
-    delta_out = jnp.sum(do32 * out.astype(_F32), axis=-1)  # rowsum(dO * out), [B, H, Tp]
-    stats = {"lse1": lse1}
-    dlam = None
+    delta1 = jnp.sum(do32 * out.astype(_F32), axis=-1)  # rowsum(dO * out), [B, H, Tp]
+    delta2 = dlam = None
     if cfg.differential:
         d2 = jnp.sum(do32 * o2, axis=-1)  # rowsum(dO * O2) = -dlam per row
         lam_rows = lam[0] if cfg.lam_mode == "scalar" else lam[:, :, 0, :]
         # O1 = out + lam * O2, so rowsum(dO * O1) = rowsum(dO * out) + lam * rowsum(dO * O2).
-        delta1 = delta_out + lam_rows * d2
-        stats.update(lse2=lse2, delta1=delta1[:, :, None, :], d2=d2[:, :, None, :])
-        dlam = (-jnp.sum(d2)).reshape(1) if cfg.lam_mode == "scalar" else -d2[:, :, None, :]
-    else:
-        stats["delta1"] = delta_out[:, :, None, :]
+        delta1 = delta1 + lam_rows * d2
+        delta2 = d2[:, :, None, :]
+        dlam = (-jnp.sum(d2)).reshape(1) if cfg.lam_mode == "scalar" else -delta2
     do = dout.astype(cfg.compute_dtype)
-    dkv = _dkv_call(cfg, q1, k1, q2, k2, v, lam, qseg, kseg, do, stats)
-    dq = _dq_call(cfg, q1, k1, q2, k2, v, lam, qseg, kseg, do, stats)
-    return (dq["dq1"], dkv["dk1"], dq.get("dq2"), dkv.get("dk2"), dkv["dv"], dlam, None, None)
+    dq1, dk1, dq2, dk2, dv = _backward(cfg, q1, k1, q2, k2, v, lam, qseg, kseg, do, lse1,
+                                       delta1[:, :, None, :], lse2, delta2)
+    return dq1, dk1, dq2, dk2, dv, dlam, None, None
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 # ============================================================================ wrappers
-def _check_shapes(what, q1, k1, q2, k2, v, segment_ids, kv_segment_ids):
-    """The checks of :mod:`.reference` (shared with every implementation) plus the pairs'."""
-    check_qkv(q1, k1, v, segment_ids, kv_segment_ids, what=what)
-    if q2 is not None and q2.shape != q1.shape:
-        raise ValueError(f"{what}: q1 and q2 shapes differ: {q1.shape} vs {q2.shape}")
-    if k2 is not None and k2.shape != k1.shape:
-        raise ValueError(f"{what}: k1 and k2 shapes differ: {k1.shape} vs {k2.shape}")
-    if q1.shape[1] < 1 or k1.shape[1] < 1:
-        raise ValueError(f"{what}: empty sequence (q length {q1.shape[1]}, kv length "
-                         f"{k1.shape[1]})")
-
-
 def _to_internal(x, length):
     """``[B, T, H, D]`` -> ``[B, H, length, D]`` (zero padded)."""
     x = jnp.swapaxes(x, 1, 2)
@@ -773,8 +711,10 @@ def _compute_dtype(*xs):
 
 def _run(what, q1, k1, q2, k2, v, lam, *, differential, causal, segment_ids, kv_segment_ids,
          sm_scale, block_sizes, interpret):
+    if q1.shape[1] < 1 or k1.shape[1] < 1:
+        raise ValueError(f"{what}: empty sequence (q length {q1.shape[1]}, kv length "
+                         f"{k1.shape[1]})")
     shared_k = differential and (k1 is k2)
-    _check_shapes(what, q1, k1, q2, k2, v, segment_ids, kv_segment_ids)
     b, t, hq, d = q1.shape
     s, hkv, dv = k1.shape[1], k1.shape[2], v.shape[3]
     if block_sizes is None:
@@ -798,12 +738,9 @@ def _run(what, q1, k1, q2, k2, v, lam, *, differential, causal, segment_ids, kv_
         lam_arr = jnp.asarray(lam, _F32)
         if lam_arr.shape == ():
             lam_mode, lam_in = "scalar", lam_arr.reshape(1)
-        elif lam_arr.shape == (b, t, hq):
+        else:  # [B, T, Hq] (checked)
             lam_mode = "row"
             lam_in = jnp.pad(jnp.swapaxes(lam_arr, 1, 2), ((0, 0), (0, 0), (0, tp - t)))[:, :, None, :]
-        else:
-            raise ValueError(f"{what}: lam must be a scalar or [batch, seq, heads] = "
-                             f"[{b}, {t}, {hq}], got shape {lam_arr.shape}")
 
     qseg = kseg = None
     if segment_ids is not None:
@@ -811,10 +748,10 @@ def _run(what, q1, k1, q2, k2, v, lam, *, differential, causal, segment_ids, kv_
         qseg = jnp.pad(segment_ids.astype(jnp.int32), ((0, 0), (0, tp - t)))[:, None, :]
         kseg = jnp.pad(kv.astype(jnp.int32), ((0, 0), (0, sp - s)))[:, None, :]
 
-    cfg = _Cfg(differential=differential, shared_k=shared_k, lam_mode=lam_mode,
-               has_seg=segment_ids is not None, causal=bool(causal), scale=scale, q_len=t, kv_len=s,
-               tp=tp, sp=sp, hq=hq, hkv=hkv, dv=dv, blocks=eff, compute_dtype=cdt,
-               interpret=interpret)
+    cfg = _Config(differential=differential, shared_k=shared_k, lam_mode=lam_mode,
+                  segmented=segment_ids is not None, causal=bool(causal), scale=scale, q_len=t,
+                  kv_len=s, t_pad=tp, s_pad=sp, hq=hq, hkv=hkv, dv=dv, blocks=eff,
+                  compute_dtype=cdt, interpret=interpret)
 
     def prep(x, length):
         return None if x is None else _to_internal(x.astype(cdt), length)
@@ -835,6 +772,8 @@ def differential_flash_attention(q1, k1, q2, k2, v, lam, *, causal=True, segment
     ``D ** -0.5``. Causal masking is bottom-right aligned. ``interpret``: False for TPU hardware,
     True or a ``pltpu.InterpretParams`` to run in interpret mode (e.g. on CPU).
     """
+    check_differential(q1, k1, q2, k2, v, lam, segment_ids, kv_segment_ids,
+                       what="differential_flash_attention")
     return _run("differential_flash_attention", q1, k1, q2, k2, v, lam, differential=True,
                 causal=causal, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
                 sm_scale=sm_scale, block_sizes=block_sizes, interpret=interpret)
@@ -843,6 +782,7 @@ def differential_flash_attention(q1, k1, q2, k2, v, lam, *, causal=True, segment
 def flash_attention(q, k, v, *, causal=True, segment_ids=None, kv_segment_ids=None,
                     sm_scale=None, block_sizes=None, interpret=False) -> jax.Array:
     """Standard flash attention ``softmax(q k^T s) v`` with the same kernels (one branch)."""
+    check_qkv(q, k, v, segment_ids, kv_segment_ids, what="flash_attention")
     return _run("flash_attention", q, k, None, None, v, None, differential=False,
                 causal=causal, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
                 sm_scale=sm_scale, block_sizes=block_sizes, interpret=interpret)

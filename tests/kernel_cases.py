@@ -1,0 +1,166 @@
+"""What the GPU and TPU kernel tests share: random inputs, one compiled call for a value and its
+gradients, the float32 reference (``diffjax.kernels.reference`` and its autodiff) and the
+tolerance check, so that ``test_kernels_gpu.py`` and ``test_kernels_tpu.py`` read as lists of
+cases. Each file keeps its own tolerance table (the two kernels round differently).
+
+A tolerance table maps ``"value"``, ``"grad"`` and optionally ``"dlam"`` to ``(atol, rtol)``:
+``max |kernel - reference| <= atol + rtol * scale`` per array, where ``scale`` is the largest
+magnitude of the reference (at least 1e-6). With a ``"dlam"`` entry, d(lambda) is instead
+scaled by the L1 norm of its terms ``dO * O2`` (a scalar lambda's gradient is a sum over every
+output element and can cancel to far below its terms); without one it is checked like the
+other gradients.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from diffjax.kernels import reference
+
+ON_GPU = jax.default_backend() == "gpu"
+_FAST_COMPILE = {"xla_backend_optimization_level": 0}
+
+
+def segments(rng, b: int, n: int, n_seg: int):
+    """Sorted (packed-sequence style) segment ids in ``[0, n_seg)``, ``[b, n]`` int32."""
+    return jnp.asarray(np.sort(rng.integers(0, n_seg, size=(b, n)), axis=1).astype(np.int32))
+
+
+def make_inputs(seed, *, b=1, t=24, s=24, hq=2, hkv=1, d=32, dv=None, dtype="float32",
+                lam="scalar", seg=None, n_seg=3) -> dict:
+    """Random ``q1, k1, q2, k2, v`` (in ``dtype``), ``lam`` (float32: a scalar in [0.1, 0.9) or
+    ``[b, t, hq]`` in [0, 1) for ``lam="token"``), a float32 cotangent ``ct`` ``[b, t, hq, dv]``
+    and segment ids: ``seg`` None, ``"shared"`` (``segment_ids`` only, needs t == s) or
+    ``"separate"`` (``segment_ids`` and ``kv_segment_ids``: some queries may see no key)."""
+    rng = np.random.default_rng(seed)
+    dv = d if dv is None else dv
+
+    def normal(*shape, dt=dtype):
+        return jnp.asarray(rng.standard_normal(shape, np.float32)).astype(jnp.dtype(dt))
+
+    case = dict(q1=normal(b, t, hq, d), k1=normal(b, s, hkv, d), q2=normal(b, t, hq, d),
+                k2=normal(b, s, hkv, d), v=normal(b, s, hkv, dv))
+    case["lam"] = (jnp.float32(rng.uniform(0.1, 0.9)) if lam == "scalar"
+                   else jnp.asarray(rng.uniform(0.0, 1.0, (b, t, hq)), jnp.float32))
+    case["ct"] = normal(b, t, hq, dv, dt="float32")
+    case["segment_ids"] = case["kv_segment_ids"] = None
+    if seg == "shared":
+        assert t == s, "shared segment ids need t == s"
+        case["segment_ids"] = segments(rng, b, t, n_seg)
+    elif seg == "separate":
+        case["segment_ids"] = segments(rng, b, t, n_seg)
+        case["kv_segment_ids"] = segments(rng, b, s, n_seg)
+    return case
+
+
+def masks(case) -> dict:
+    return dict(segment_ids=case["segment_ids"], kv_segment_ids=case["kv_segment_ids"])
+
+
+def value_and_grads(fn, args, ct, argnums=None):
+    """``fn(*args)`` and the gradients of ``sum(fn(*args) * ct)`` with respect to
+    ``args[argnums]`` (default: all), in one compiled program: interpret-mode kernels are costly
+    to compile, so each case compiles once, at XLA's lowest backend optimisation level off GPU
+    (the numerics under test do not depend on it)."""
+    args = tuple(args)
+    argnums = tuple(range(len(args)) if argnums is None else argnums)
+
+    def run(args, ct):
+        def f(*diff_args):
+            full = list(args)
+            for i, a in zip(argnums, diff_args):
+                full[i] = a
+            out = fn(*full)
+            return out.astype(jnp.float32), out
+
+        _, vjp, out = jax.vjp(f, *(args[i] for i in argnums), has_aux=True)
+        return out, vjp(ct)
+
+    return compile_fast(run, args, ct)(args, ct)
+
+
+def compile_fast(fn, *args):
+    """``jax.jit(fn)`` compiled for ``args``; off GPU at XLA's lowest backend optimisation level."""
+    lowered = jax.jit(fn).lower(*args)
+    if not ON_GPU:
+        try:
+            return lowered.compile(compiler_options=_FAST_COMPILE)
+        except Exception:  # the option is an XLA debug flag; fall back if a version rejects it
+            pass
+    return lowered.compile()
+
+
+def assert_close(name, got, want, tol, scale=None):
+    """``max |got - want| <= atol + rtol * scale`` with ``tol = (atol, rtol)`` and ``scale``
+    defaulting to ``max |want|`` (at least 1e-6); also same shapes and finite values."""
+    atol, rtol = tol
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert got.shape == want.shape, (name, got.shape, want.shape)
+    assert np.all(np.isfinite(got)), f"{name}: non-finite values"
+    err = float(np.max(np.abs(got - want), initial=0.0))
+    if scale is None:
+        scale = max(float(np.max(np.abs(want), initial=0.0)), 1e-6)
+    bound = atol + rtol * scale
+    assert err <= bound, f"{name}: max abs error {err:.3g} > {bound:.3g} = {atol} + {rtol} * {scale:.3g}"
+
+
+def _f32(x):
+    return x.astype(jnp.float32)
+
+
+def check_differential(kernel, case, tol, *, causal=True, sm_scale=None, shared=False):
+    """``kernel(q1, k1, q2, k2, v, lam, causal=, sm_scale=, segment_ids=, kv_segment_ids=)``
+    (a kernel module's ``differential_flash_attention`` with its block sizes and interpret mode
+    bound) against ``reference.differential_attention`` in float32: the output, its dtype and
+    shape, and the gradients of q1, k1, q2, k2, v and lam (k1 only, passed twice, when
+    ``shared``). Returns ``(out, grads)``."""
+    kw = dict(causal=causal, **masks(case))
+    d = case["q1"].shape[-1]
+    names = ("q1", "k1", "q2", "k2", "v", "lam")
+    args = tuple(case[n] for n in names)
+    argnums = (0, 1, 2, 4, 5) if shared else tuple(range(6))
+
+    def run(impl):
+        def fn(q1, k1, q2, k2, v, lam):
+            return impl(q1, k1, q2, k1 if shared else k2, v, lam)
+        return fn
+
+    out, grads = value_and_grads(run(functools.partial(kernel, sm_scale=sm_scale, **kw)),
+                                 args, case["ct"], argnums)
+    scale = d ** -0.5 if sm_scale is None else sm_scale
+    ref_out, ref_grads = value_and_grads(
+        run(functools.partial(reference.differential_attention, scale=scale, **kw)),
+        tuple(map(_f32, args)), case["ct"], argnums)
+    assert out.dtype == args[0].dtype and out.shape == ref_out.shape
+    assert_close("out", out, ref_out, tol["value"])
+    for i, g, rg in zip(argnums, grads, ref_grads):
+        assert g.shape == args[i].shape and g.dtype == args[i].dtype, names[i]
+        if i < 5 or "dlam" not in tol:
+            assert_close(f"d{names[i]}", g, rg, tol["grad"])
+    if "dlam" in tol:  # d(lam) = -sum_d dO * O2: scaled by the L1 norm of those terms
+        o2 = jax.jit(functools.partial(reference.dot_product_attention, scale=scale, **kw))(
+            _f32(case["q2"]), _f32(case["k1" if shared else "k2"]), _f32(case["v"]))
+        l1 = np.sum(np.abs(np.asarray(case["ct"]) * np.asarray(o2)), axis=-1)
+        assert_close("dlam", grads[-1], ref_grads[-1], tol["dlam"],
+                     scale=float(np.max(l1) if np.ndim(case["lam"]) else np.sum(l1)))
+    return out, grads
+
+
+def check_standard(kernel, case, tol, *, causal=True):
+    """``kernel(q, k, v, causal=, segment_ids=, kv_segment_ids=)`` on ``q1, k1, v`` against
+    ``reference.dot_product_attention`` in float32: the output and dq, dk, dv."""
+    kw = dict(causal=causal, **masks(case))
+    args = (case["q1"], case["k1"], case["v"])
+    out, grads = value_and_grads(functools.partial(kernel, **kw), args, case["ct"])
+    ref_out, ref_grads = value_and_grads(
+        functools.partial(reference.dot_product_attention, scale=args[0].shape[-1] ** -0.5, **kw),
+        tuple(map(_f32, args)), case["ct"])
+    assert out.dtype == args[0].dtype
+    assert_close("out", out, ref_out, tol["value"])
+    for name, g, rg in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert_close(name, g, rg, tol["grad"])
+    return out, grads
