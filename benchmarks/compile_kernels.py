@@ -222,6 +222,7 @@ def _gpu_child(target_key: str, cases: list[str], seq: int, heads: int, blocks, 
         # The blocks a user gets on this target, with the given tiles and --warps applied (the
         # rest, warps and split_forward, stays this target's: no GPU here to pick them).
         bs = gpu.default_block_sizes(case.d, case.dv, differential=case.kind != "std",
+                                     shared_keys=case.kind == "v2",
                                      compute_capability=(tgt.major, tgt.minor))
         if blocks:
             bs = dataclasses.replace(bs, **dict(zip(BLOCK_FIELDS, blocks)))
