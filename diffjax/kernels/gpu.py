@@ -37,6 +37,13 @@ Backward (custom VJP), with ``dP = dO V^T`` shared by both branches because
   GQA reduction happens in registers: no per-query-head partials, no atomics.
 * dQ kernel, grid ``(q_blocks, batch, q_heads)``: like the forward pass.
 
+Hopper (sm_90) layouts that keep every dot issued once (``BlockSizes.split_forward`` and
+``dkv_key_major``; docs/kernels.md): where one warpgroup cannot hold the fused forward's two
+float32 accumulators (V1 at Dv=256), the forward runs one program per branch on a
+``(q_blocks, batch, 2 * q_heads)`` grid and ``O1 - lam * O2`` follows in XLA; the dK/dV kernel
+computes its tiles key-major (``K Q^T``, ``V dO^T``: the owned 64-key block as every dot's rows,
+so the warpgroup MMA serves them all) where its accumulators fit one warpgroup.
+
 Each kernel takes its operands as named refs; those a configuration lacks (the second branch
 of the standard kernel, ``k2`` when keys are shared, segment ids) are passed as None.
 Block sizes and warps per kernel and GPU: :func:`default_block_sizes` (chosen with
