@@ -625,14 +625,14 @@ def _dkv_kernel(q1_ref, k1_ref, q2_ref, k2_ref, v_ref, lam_ref, qseg_ref, kseg_r
     v = v_ref[...]
     differential = q2_ref is not None
 
-    # Below the diagonal band only the key padding needs a mask (padded keys' rows are sliced
-    # off, but masking keeps them finite).
     # Tiles are query-major ([bq, bk]: P, dP, dS) or, with ``dkv_key_major``, key-major
     # ([bk, bq]: their transposes), so that every dot has the owned key block's rows (64) as
     # its M dimension: Hopper's warpgroup MMA needs M >= 64 per warpgroup, which the streamed
     # query block (16 or 32) cannot give, and falls back to mma.sync.
     km = cfg.dkv_key_major
     tile = (bk, bq) if km else (bq, bk)
+    # Below the diagonal band only the key padding needs a mask (padded keys' rows are sliced
+    # off, but masking keeps them finite).
     pad_mask = (jnp.broadcast_to((k_idx < cfg.kv_len)[:, None] if km else
                                  (k_idx < cfg.kv_len)[None, :], tile) if cfg.kv_padded else None)
 
