@@ -10,12 +10,16 @@ For each kernel (forward, dK/dV, dQ) and target this prints: compiles or the com
 on GPUs the registers and spills (``ptxas -v`` on the PTX XLA dumped), dynamic shared memory and
 threads per block (XLA's thunk sequence), and the tensor-core multiply-adds issued per visible
 (query, key) pair and head (the ``wgmma``/``mma`` instructions in the PTX, their shapes, and how
-many warps or warpgroups issue them, divided by the tile); on TPUs the scoped VMEM the kernel
-asks for.
+many warps or warpgroups issue them, divided by the tile, times the programs per tile: 2 for
+a forward split per branch); on TPUs the scoped VMEM the kernel asks for.
 
   python benchmarks/compile_kernels.py                       # all cases, all targets, T=8192
   python benchmarks/compile_kernels.py --targets h100 --cases v1_d128 --seq 1024
   python benchmarks/compile_kernels.py --blocks 128,64,64,128,128,64 --warps 8 --targets h100
+  python benchmarks/compile_kernels.py --targets h100 --cases v1_d128 --split no   # fused
+
+``--blocks`` replaces the six tiles of the target's defaults, ``--warps`` every kernel's warps,
+``--split`` the GPU forward's layout; the rest stays the target's default.
 
 Each GPU target compiles in a child process (XLA reads its dump flag once per process), of
 ``$DIFFJAX_COMPILE_PYTHON`` where set: a venv holding the ``compile`` extra, so that the CUDA
