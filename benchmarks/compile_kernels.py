@@ -230,8 +230,8 @@ def _gpu_child(target_key: str, cases: list[str], seq: int, heads: int, blocks, 
                                      compute_capability=(tgt.major, tgt.minor))
         if blocks:
             bs = dataclasses.replace(bs, **dict(zip(BLOCK_FIELDS, blocks)))
-        if split is not None:
-            bs = dataclasses.replace(bs, split_forward=split)
+        if split is not None:  # the forward's warps then default for that layout
+            bs = dataclasses.replace(bs, split_forward=split, num_warps=None)
         if warps is not None:
             bs = dataclasses.replace(bs, num_warps=warps, num_warps_dkv=warps,
                                      num_warps_dq=warps)
