@@ -10,14 +10,20 @@ For each kernel (forward, dK/dV, dQ) and target this prints: compiles or the com
 on GPUs the registers and spills (``ptxas -v`` on the PTX XLA dumped), dynamic shared memory and
 threads per block (XLA's thunk sequence), and the tensor-core multiply-adds issued per visible
 (query, key) pair and head (the ``wgmma``/``mma`` instructions in the PTX, their shapes, and how
-many warps or warpgroups issue them, divided by the tile); on TPUs the scoped VMEM the kernel
-asks for.
+many warps or warpgroups issue them, divided by the tile, times the programs per tile: 2 for
+a forward split per branch); on TPUs the scoped VMEM the kernel asks for.
 
   python benchmarks/compile_kernels.py                       # all cases, all targets, T=8192
   python benchmarks/compile_kernels.py --targets h100 --cases v1_d128 --seq 1024
   python benchmarks/compile_kernels.py --blocks 128,64,64,128,128,64 --warps 8 --targets h100
+  python benchmarks/compile_kernels.py --targets h100 --cases v1_d128 --split no   # fused
 
-Each GPU target compiles in a child process (XLA reads its dump flag once per process).
+``--blocks`` replaces the six tiles of the target's defaults, ``--warps`` every kernel's warps,
+``--split`` the GPU forward's layout; the rest stays the target's default.
+
+Each GPU target compiles in a child process (XLA reads its dump flag once per process), of
+``$DIFFJAX_COMPILE_PYTHON`` where set: a venv holding the ``compile`` extra, so that the CUDA
+plugin and libtpu stay out of the environment everything else runs in (``.ci/run`` does this).
 """
 
 from __future__ import annotations
@@ -199,7 +205,11 @@ def _ptx_stats(ptx: str, arch: str, ptxas: str | None, threads: int | None) -> d
     return out
 
 
-def _gpu_child(target_key: str, cases: list[str], seq: int, heads: int, blocks, warps, dump: str):
+BLOCK_FIELDS = ("block_q", "block_k", "block_q_dkv", "block_k_dkv", "block_q_dq", "block_k_dq")
+
+
+def _gpu_child(target_key: str, cases: list[str], seq: int, heads: int, blocks, warps, dump: str,
+               split: bool | None = None):
     import jax
     jax.config.update("jax_platforms", "cpu")
     from jax.experimental import topologies
@@ -213,10 +223,15 @@ def _gpu_child(target_key: str, cases: list[str], seq: int, heads: int, blocks, 
     rows = []
     for name in cases:
         case = CASES[name]
-        # The blocks a user gets on this target (or the given ones), with --warps applied.
-        bs = gpu.BlockSizes(*blocks) if blocks else gpu.default_block_sizes(
-            case.d, case.dv, differential=case.kind != "std",
-            compute_capability=(tgt.major, tgt.minor))
+        # The blocks a user gets on this target, with the given tiles and --warps applied (the
+        # rest, warps and split_forward, stays this target's: no GPU here to pick them).
+        bs = gpu.default_block_sizes(case.d, case.dv, differential=case.kind != "std",
+                                     shared_keys=case.kind == "v2",
+                                     compute_capability=(tgt.major, tgt.minor))
+        if blocks:
+            bs = dataclasses.replace(bs, **dict(zip(BLOCK_FIELDS, blocks)))
+        if split is not None:  # the forward's warps then default for that layout
+            bs = dataclasses.replace(bs, split_forward=split, num_warps=None)
         if warps is not None:
             bs = dataclasses.replace(bs, num_warps=warps, num_warps_dkv=warps,
                                      num_warps_dq=warps)
@@ -244,9 +259,14 @@ def _gpu_child(target_key: str, cases: list[str], seq: int, heads: int, blocks, 
                        threads=threads, smem=tm and int(tm.group(3)))
             row.update(_ptx_stats(ptx, tgt.arch, ptxas, threads))
             # Each kernel runs its tile loop in two copies (masked and mask-free); every
-            # iteration covers a (block_q x block_k) tile of (query, key) pairs.
+            # iteration covers a (block_q x block_k) tile of (query, key) pairs. Programs per
+            # tile and head: 1, or 2 where a split forward runs one branch per program.
             bq, bk = (min(x, max(16, seq)) for x in tiles[row["role"]])
-            row["macs_per_pair"] = row["macs"] / (2 * bq * bk)
+            owned = bk if row["role"] == "dkv" else bq  # the block a program owns
+            programs = tm and math.prod(int(x) for x in tm.group(1)[1:-1].split(","))
+            per_tile = programs / (math.ceil(seq / owned) * heads) if programs else 1
+            row["programs_per_tile"] = per_tile
+            row["macs_per_pair"] = row["macs"] * per_tile / (2 * bq * bk)
             rows.append(row)
     return rows
 
@@ -294,8 +314,17 @@ def _tpu_child(target_key: str, cases: list[str], seq: int, heads: int, blocks):
 
 
 # ---------------------------------------------------------------------------- driver
-def available() -> dict[str, str | None]:
-    """Why each backend cannot be compiled for here (None: it can)."""
+PYTHON_ENV = "DIFFJAX_COMPILE_PYTHON"
+
+
+def compiler_python() -> str:
+    """The interpreter the compiles run in: ``$DIFFJAX_COMPILE_PYTHON`` (a venv holding the
+    ``compile`` extra, as ``.ci/run`` makes), else this one."""
+    return os.environ.get(PYTHON_ENV) or sys.executable
+
+
+def _availability() -> dict[str, str | None]:
+    """Why each backend cannot be compiled for by this interpreter (None: it can)."""
     import importlib.util
 
     def installed(name: str) -> bool:
@@ -304,27 +333,52 @@ def available() -> dict[str, str | None]:
         except ModuleNotFoundError:  # a parent package (jax_plugins) is absent
             return False
 
-    why = {}
-    why["gpu"] = (None if installed("jax_plugins.xla_cuda13") or installed("jax_plugins.xla_cuda12")
-                  else "the CUDA PJRT plugin is not installed (pip install -e '.[compile]')")
-    why["tpu"] = None if installed("libtpu") else (
-        "libtpu is not installed (pip install -e '.[compile]')")
+    fix = "pip install -e '.[compile]'"
+    why: dict[str, str | None] = {}
+    if not (installed("jax_plugins.xla_cuda13") or installed("jax_plugins.xla_cuda12")):
+        why["gpu"] = f"the CUDA PJRT plugin is not installed ({fix})"
+    elif _ptxas() is None:  # XLA needs it (or nvJitLink) to finish any GPU compile
+        why["gpu"] = f"ptxas is not installed (nvidia-cuda-nvcc, in {fix})"
+    else:
+        why["gpu"] = None
+    why["tpu"] = None if installed("libtpu") else f"libtpu is not installed ({fix})"
     return why
 
 
+def available(python: str | None = None) -> dict[str, str | None]:
+    """Why each backend cannot be compiled for by ``python`` (default: :func:`compiler_python`;
+    None: it can)."""
+    python = python or compiler_python()
+    if python == sys.executable:  # (a venv's python links to the same binary: not realpath)
+        return _availability()
+    probe = (f"import json, sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); "
+             f"import compile_kernels; print(json.dumps(compile_kernels._availability()))")
+    try:
+        r = subprocess.run([python, "-c", probe], capture_output=True, text=True)
+        tail = (r.stderr.strip().splitlines() or ["no output"])[-1]
+    except OSError as e:
+        r, tail = None, str(e)
+    if r is None or r.returncode != 0:
+        return dict.fromkeys(("gpu", "tpu"), f"{PYTHON_ENV}={python} does not run: {tail}")
+    return {k: v and f"{v} in {python}" for k, v in json.loads(r.stdout).items()}
+
+
 def run(targets, cases, seq: int, heads: int = 2, blocks=None, warps=None,
-        keep_dumps: str | None = None) -> list[dict]:
-    """Compile every case for every target (each target in a child process); rows of results."""
+        keep_dumps: str | None = None, python: str | None = None,
+        split: bool | None = None) -> list[dict]:
+    """Compile every case for every target (each target in a child process of ``python``,
+    default :func:`compiler_python`); rows of results."""
+    python = python or compiler_python()
     rows = []
     for t in targets:
         dump = keep_dumps and os.path.join(keep_dumps, t) or tempfile.mkdtemp(prefix=f"ck_{t}_")
         os.makedirs(dump, exist_ok=True)
         args = dict(target=t, cases=list(cases), seq=seq, heads=heads, blocks=blocks,
-                    warps=warps, dump=dump)
+                    warps=warps, dump=dump, split=split)
         env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                    XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump}",
                    TF_CPP_MIN_LOG_LEVEL="3")
-        r = subprocess.run([sys.executable, os.path.abspath(__file__), "--_child",
+        r = subprocess.run([python, os.path.abspath(__file__), "--_child",
                             json.dumps(args)], env=env, capture_output=True, text=True)
         got = [json.loads(ln[len("ROW "):]) for ln in r.stdout.splitlines()
                if ln.startswith("ROW ")]
@@ -377,6 +431,8 @@ def main(argv=None):
     p.add_argument("--blocks", default=None,
                    help="bq,bk,bq_dkv,bk_dkv,bq_dq,bk_dq (default: the kernels' defaults)")
     p.add_argument("--warps", type=int, default=None, help="GPU num_warps (default: the kernel's)")
+    p.add_argument("--split", choices=("yes", "no"), default=None,
+                   help="GPU DIFF forward as one program per branch (default: the target's)")
     p.add_argument("--json", default=None, help="also write the rows here")
     p.add_argument("--markdown", default=None, help="also write the table here")
     p.add_argument("--dumps", default=None, help="keep XLA's dumps (PTX, thunks) under this dir")
@@ -387,7 +443,7 @@ def main(argv=None):
         blocks = c["blocks"]
         if c["target"] in GPU_TARGETS:
             rows = _gpu_child(c["target"], c["cases"], c["seq"], c["heads"], blocks, c["warps"],
-                              c["dump"])
+                              c["dump"], c["split"])
         else:
             rows = _tpu_child(c["target"], c["cases"], c["seq"], c["heads"], blocks)
         for r in rows:
@@ -409,9 +465,11 @@ def main(argv=None):
             runnable.append(t)
     blocks = [int(x) for x in a.blocks.split(",")] if a.blocks else None
     t0 = time.time()
-    rows = run(runnable, cases, a.seq, a.heads, blocks, a.warps, a.dumps)
+    split = None if a.split is None else a.split == "yes"
+    rows = run(runnable, cases, a.seq, a.heads, blocks, a.warps, a.dumps, split=split)
     text = (f"bf16, causal, T={a.seq}, forward+backward; blocks {a.blocks or 'default'}, "
-            f"warps {a.warps or 'default'}\n\n" + table(rows))
+            f"warps {a.warps or 'default'}, split forward {a.split or 'default'}\n\n"
+            + table(rows))
     print(text)
     print(f"\n{time.time() - t0:.0f} s")
     if a.json:

@@ -207,6 +207,40 @@ def test_shared_keys_use_the_single_key_kernel():
     assert [a - b for a, b in zip(out_copy, out_shared)] == [0, 1, 0]  # dK1 + dK2 in one output
 
 
+@pytest.mark.parametrize("shared,key_major", [(False, False), (True, True)],
+                         ids=["v1_gqa_segments_query_major_dkv", "v2_shared_k_key_major_dkv"])
+def test_split_forward_and_both_dkv_layouts_match_the_reference(shared, key_major):
+    """``BlockSizes(split_forward=True)`` (one program per branch, the sm_90 default for V1 at
+    Dv=256) with either dK/dV tile layout (``dkv_key_major``; on CPU the defaults are sm_90's,
+    so the grids above run key-major at these widths): values and gradients as the
+    reference's, with GQA, causal, packed segments and a ragged length; and for V2, shared
+    keys with a per-token lambda."""
+    args, ct, rng = _inputs(5, 2, 23, 23, 4, 2, 32, 64, jnp.float32,
+                            "rows" if shared else "scalar")
+    seg = None if shared else jnp.asarray(np.stack([_segments(rng, 23, 3) for _ in range(2)]))
+    _check_diff(args, ct, causal=True, seg=seg, kv_seg=None, scale=32 ** -0.5,
+                block_sizes=dataclasses.replace(MIXED, split_forward=True,
+                                                dkv_key_major=key_major), shared=shared)
+
+
+def test_split_forward_runs_one_branch_per_program():
+    args, _, _ = _inputs(0, 1, 16, 16, 2, 1, 32, 32, jnp.float32, "rows")
+
+    def grid(split):
+        f = functools.partial(gpu.differential_flash_attention, interpret=INTERPRET,
+                              block_sizes=dataclasses.replace(SMALL, split_forward=split))
+        (fwd,) = [c for c in _pallas_calls(jax.make_jaxpr(f)(*args))]
+        return fwd.params["grid_mapping"].grid
+
+    assert grid(True) == (1, 1, 4) and grid(False) == (1, 1, 2)  # (q blocks, batch, 2 * heads)
+    assert gpu.default_block_sizes(128, 256, compute_capability=(9, 0)).split_forward
+    assert not gpu.default_block_sizes(64, 128, compute_capability=(9, 0)).split_forward
+    assert not gpu.default_block_sizes(128, 256, compute_capability=(8, 0)).split_forward
+    assert gpu.default_block_sizes(128, 128, shared_keys=True,
+                                   compute_capability=(9, 0)).dkv_key_major
+    assert not gpu.default_block_sizes(128, 256, compute_capability=(9, 0)).dkv_key_major
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_fully_masked_rows_are_zero_with_zero_grads(causal):
     b, t, s = 1, 32, 24

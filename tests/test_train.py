@@ -478,6 +478,34 @@ def test_seeds_are_paired_and_resumed(tmp_path, capsys):
             for s in (0, 1)} == first
 
 
+def test_every_seed_reuses_one_compiled_init_and_gets_the_constant_seed_state():
+    """The init seed reaches the jitted init as an argument (its key), so the seeds of a
+    multi-seed run share one compile; each seed's state is bit for bit the one a constant seed
+    gives (jit of make_state_init, the path before the seed became an argument)."""
+    import dataclasses
+
+    from diffjax import sharding
+    from diffjax.train.loop import make_state_init, model_setup
+
+    exp = apply_overrides(ExperimentConfig(), ["model.d_model=32", "model.num_layers=1",
+                                               "model.num_heads=1", "model.max_seq_len=32",
+                                               "data.seq_len=16"])
+    mesh = sharding.make_mesh(exp.mesh)
+    with jax.set_mesh(mesh), nnx.logical_axis_rules(sharding.current_rules()):
+        setups = [model_setup(exp.model, dataclasses.replace(exp.train, seed=s), mesh)
+                  for s in (0, 1)]
+        assert setups[0].jitted_init is setups[1].jitted_init
+        states = [s.fresh_state()[0] for s in setups]
+        assert setups[0].jitted_init._cache_size() == 1  # one compile for both seeds
+        for seed, state in zip((0, 1), states):
+            want = jax.jit(make_state_init(exp.model, dataclasses.replace(exp.train,
+                                                                           seed=seed)))()[0]
+            for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(want)):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert not all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(states[0]["params"]),
+                                                        jax.tree.leaves(states[1]["params"])))
+
+
 def test_a_run_in_the_old_layout_is_not_silently_restarted(tmp_path, capsys):
     assert run_main(tmp_path, "train.steps=2", "compare=false", "train.tensorboard=false") == 0
     run = tmp_path / "run"

@@ -37,6 +37,13 @@ Backward (custom VJP), with ``dP = dO V^T`` shared by both branches because
   GQA reduction happens in registers: no per-query-head partials, no atomics.
 * dQ kernel, grid ``(q_blocks, batch, q_heads)``: like the forward pass.
 
+Hopper (sm_90) layouts that keep every dot issued once (``BlockSizes.split_forward`` and
+``dkv_key_major``; docs/kernels.md): where one warpgroup cannot hold the fused forward's two
+float32 accumulators (V1 at Dv=256), the forward runs one program per branch on a
+``(q_blocks, batch, 2 * q_heads)`` grid and ``O1 - lam * O2`` follows in XLA; the dK/dV kernel
+computes its tiles key-major (``K Q^T``, ``V dO^T``: the owned 64-key block as every dot's rows,
+so the warpgroup MMA serves them all) where its accumulators fit one warpgroup.
+
 Each kernel takes its operands as named refs; those a configuration lacks (the second branch
 of the standard kernel, ``k2`` when keys are shared, segment ids) are passed as None.
 Block sizes and warps per kernel and GPU: :func:`default_block_sizes` (chosen with
@@ -99,6 +106,17 @@ class BlockSizes:
     ``num_warps_dkv``/``num_warps_dq`` say otherwise; None picks per kernel and GPU
     (:func:`default_block_sizes`). ``num_stages``: None picks 2. ``block_sizes=None`` in the
     wrappers means :func:`default_block_sizes` for the current GPU.
+
+    ``split_forward`` (DIFF only): run the forward as one program per branch (each a single
+    softmax over its own Q_i, K_i and the shared V, one float32 accumulator) and subtract the
+    two normalised outputs afterwards, instead of one program holding both branches. True
+    where the fused program's two accumulators do not fit one warpgroup (sm_90, V1 at
+    Dv=256), which would otherwise issue the score tile in both warpgroups; None picks per GPU.
+
+    ``dkv_key_major``: the dK/dV kernel's tiles as [keys, queries] (P^T, dP^T, dS^T), so that
+    every dot has the owned key block as its rows and Hopper's warpgroup MMA (64 rows per
+    warpgroup) serves them all, with one warpgroup; True on sm_90 where its accumulators fit
+    one warpgroup, None picks per GPU.
     """
 
     block_q: int = 64
@@ -111,6 +129,8 @@ class BlockSizes:
     num_stages: int | None = None
     num_warps_dkv: int | None = None
     num_warps_dq: int | None = None
+    split_forward: bool | None = None
+    dkv_key_major: bool | None = None
 
     def __post_init__(self):
         check_block_fields(
@@ -127,6 +147,10 @@ class BlockSizes:
         s = self.num_stages
         if s is not None and (isinstance(s, bool) or not isinstance(s, int) or s < 1):
             raise ValueError(f"BlockSizes.num_stages must be None or an int >= 1; got {s!r}")
+        for f in ("split_forward", "dkv_key_major"):
+            if getattr(self, f) not in (None, True, False):
+                raise ValueError(f"BlockSizes.{f} must be None, True or False; got "
+                                 f"{getattr(self, f)!r}")
 
 
 # Opt-in shared memory per block by compute capability (CUDA programming guide, table of
@@ -147,16 +171,20 @@ def _device_capability() -> tuple[int, int]:
 
 
 def default_block_sizes(head_dim: int, v_head_dim: int | None = None, *,
-                        differential: bool = True,
+                        differential: bool = True, shared_keys: bool = False,
                         compute_capability: tuple[int, int] | None = None) -> BlockSizes:
     """The block sizes the wrappers use when given none, for a target (default: this GPU).
 
     Chosen with ``benchmarks/compile_kernels.py`` so that every kernel compiles without register
-    spills and within the target's shared memory (docs/kernels.md has the table): 64-query
-    forward and dQ tiles streaming 32 keys, a 64-key dK/dV tile streaming 32 queries on sm_90;
-    before sm_90 the forward streams 64 keys (32 queries at the wider heads); on GPUs with 99 KiB
-    of shared memory per block (sm_86/sm_89/sm_120) the dK/dV and dQ tiles are smaller at the
-    wider heads. ``head_dim``/``v_head_dim``: q/k and v widths.
+    spills and within the target's shared memory, issuing the one-pass tensor-core work where
+    it can (docs/kernels.md has the tables): 64-query forward and dQ tiles streaming 32 keys
+    (16 in dQ at the widest heads, so that one warpgroup holds it), a 64-key dK/dV tile
+    streaming 32 queries on sm_90; before sm_90 the forward streams 64 keys (32 queries at the
+    wider heads) and so does dQ past the narrowest widths; on GPUs with 99 KiB of shared memory
+    per block (sm_86/sm_89/sm_120) the dK/dV and dQ tiles are smaller at the widest heads. On
+    sm_90 the dK/dV kernel runs key-major on one warpgroup where its accumulators fit (16
+    queries per step at the widest heads), else query-major on two. ``head_dim``/
+    ``v_head_dim``: q/k and v widths; ``shared_keys``: k1 is k2 (DIFF V2), one dK accumulator.
     """
     cc = tuple(compute_capability or _device_capability())
     smem = SHARED_MEMORY_BYTES.get(cc, 101376)
@@ -168,10 +196,19 @@ def default_block_sizes(head_dim: int, v_head_dim: int | None = None, *,
     if cc[0] < 9:  # mma.sync: 64 keys per step (32 duplicates the score tile at 8 warps), and
         # at the wider heads a 32-query tile (64 spills or, on 99 KiB GPUs, does not fit)
         bs = dataclasses.replace(bs, block_k=64, block_q=32 if width > 256 else 64)
+    if cc[0] >= 9 and not _dq_fits_one_warpgroup(n_branch, d_pad, dv_pad):
+        bs = dataclasses.replace(bs, block_k_dq=16)  # one warpgroup (8 warps duplicate dots)
+    elif cc[0] < 9 and _dq_cols(n_branch, d_pad, dv_pad) > 192:  # 8 warps: 64 keys per step
+        bs = dataclasses.replace(bs, block_k_dq=64)  # (32 duplicates the score tile)
     if smem < 128 * 1024 and width > 256:
         bs = dataclasses.replace(bs, block_q_dkv=16, block_q_dq=32, block_k_dq=32)
-    warps = _default_warps(n_branch, d_pad, dv_pad, cc)
-    return dataclasses.replace(bs, **warps)
+    key_major = _default_key_major(n_branch, shared_keys, d_pad, dv_pad, cc)
+    if key_major and width > 256:
+        bs = dataclasses.replace(bs, block_q_dkv=16)  # 32 spills
+    split = _default_split(n_branch, d_pad, dv_pad, cc)
+    return dataclasses.replace(
+        bs, **_default_warps(n_branch, d_pad, dv_pad, cc, split, bs.block_q_dq, bs.block_k_dq,
+                             key_major), split_forward=split, dkv_key_major=key_major)
 
 
 def shared_memory_bytes(kernel: str, block_q: int, block_k: int, head_dim: int,
@@ -190,19 +227,22 @@ def shared_memory_bytes(kernel: str, block_q: int, block_k: int, head_dim: int,
 
 
 def _check_fits(bs: BlockSizes, d: int, dv: int, n_branch: int, n_keys: int, itemsize: int,
-                cc: tuple[int, int]):
+                cc: tuple[int, int], split_forward: bool = False):
     """Refuse given block sizes whose forward or dQ tiles exceed the GPU's shared memory
-    (before compiling; sm_90 and newer, where :func:`shared_memory_bytes` is exact)."""
+    (before compiling; sm_90 and newer, where :func:`shared_memory_bytes` is exact). A split
+    forward holds one branch per program."""
     limit = SHARED_MEMORY_BYTES.get(tuple(cc))
     if limit is None or cc[0] < 9:
         return
     stages = bs.num_stages or 2
     for kernel, (fq, fk) in (("fwd", ("block_q", "block_k")), ("dq", ("block_q_dq", "block_k_dq"))):
         bq, bk = getattr(bs, fq), getattr(bs, fk)
+        one = kernel == "fwd" and split_forward
 
         def need(k):
-            return shared_memory_bytes(kernel, bq, k, d, dv, n_branch=n_branch, n_keys=n_keys,
-                                       itemsize=itemsize, num_stages=stages)
+            return shared_memory_bytes(kernel, bq, k, d, dv, n_branch=1 if one else n_branch,
+                                       n_keys=1 if one else n_keys, itemsize=itemsize,
+                                       num_stages=stages)
 
         if need(bk) > limit:
             fit = bk
@@ -217,18 +257,53 @@ def _check_fits(bs: BlockSizes, d: int, dv: int, n_branch: int, n_keys: int, ite
                 f"for the defaults of this GPU.")
 
 
-def _default_warps(n_branch: int, d: int, dv: int, cc: tuple[int, int]) -> dict[str, int]:
+def _default_warps(n_branch: int, d: int, dv: int, cc: tuple[int, int], split_forward: bool,
+                   block_q_dq: int, block_k_dq: int, dkv_key_major: bool) -> dict[str, int]:
     """Warps per kernel. On sm_90: 4 (one warpgroup, so a 64-row tile's dots are issued once)
-    where the float32 accumulators fit its registers, else 8 (two warpgroups; Triton then
-    issues the 64-row score tile in both, see docs/kernels.md). Before sm_90 (mma.sync, no
-    duplication at 8 warps): 8 for the forward, 4 for dQ only at the narrowest widths.
-    Calibrated on the compile check's registers and spills."""
-    dq_cols = n_branch * d + dv // 2
+    where the float32 accumulators fit its registers (always, for a split forward's one
+    branch, and for dQ streaming 16 keys), else 8 (two warpgroups; Triton then issues the
+    64-row score tile in both, see docs/kernels.md). Before sm_90 (mma.sync, no duplication at 8
+    warps when a warp's slice of the score tile is whole): 8 for the forward, and for dQ 4 at
+    the narrowest widths or on 32-query tiles, else 8 (with 64 keys per step). dK/dV: 4 when
+    key-major (its point), else 8. Calibrated on the compile check's registers and spills."""
     if cc[0] < 9:
-        return {"num_warps": 8, "num_warps_dq": 4 if dq_cols <= 192 else 8, "num_warps_dkv": 8}
-    return {"num_warps": 4 if n_branch * dv <= 256 and n_branch * d + dv <= 384 else 8,
-            "num_warps_dq": 4 if dq_cols <= 320 and n_branch * dv <= 256 else 8,
-            "num_warps_dkv": 8}
+        small = _dq_cols(n_branch, d, dv) <= 192 or block_q_dq <= 32
+        return {"num_warps": 8, "num_warps_dq": 4 if small else 8, "num_warps_dkv": 8}
+    one_warpgroup = split_forward or _fused_forward_fits_one_warpgroup(n_branch, d, dv)
+    dq_one = _dq_fits_one_warpgroup(n_branch, d, dv) or block_k_dq <= 16
+    return {"num_warps": 4 if one_warpgroup else 8, "num_warps_dq": 4 if dq_one else 8,
+            "num_warps_dkv": 4 if dkv_key_major else 8}
+
+
+def _default_key_major(n_branch: int, shared_keys: bool, d: int, dv: int,
+                       cc: tuple[int, int]) -> bool:
+    """Key-major dK/dV on one warpgroup (sm_90) where its float32 dK and dV accumulators (64
+    key rows) fit: at most 256 columns in all. V1 at d=128, Dv=256 (two dK and a wide dV)
+    stays query-major on two warpgroups."""
+    n_dk = 1 if n_branch == 1 or shared_keys else 2
+    return cc[0] >= 9 and n_dk * d + dv <= 256
+
+
+def _dq_cols(n_branch: int, d: int, dv: int) -> int:
+    return n_branch * d + dv // 2
+
+
+def _dq_fits_one_warpgroup(n_branch: int, d: int, dv: int) -> bool:
+    """Whether one warpgroup holds the dQ kernel's 64x32 tiles without spilling (sm_90)."""
+    return _dq_cols(n_branch, d, dv) <= 320 and n_branch * dv <= 256
+
+
+def _fused_forward_fits_one_warpgroup(n_branch: int, d: int, dv: int) -> bool:
+    """Whether one warpgroup holds the fused forward's float32 accumulators (and its score
+    tiles) without spilling, by the compile check's registers on sm_90."""
+    return n_branch * dv <= 256 and n_branch * d + dv <= 384
+
+
+def _default_split(n_branch: int, d: int, dv: int, cc: tuple[int, int]) -> bool:
+    """Split the DIFF forward into one program per branch on sm_90 where the fused program
+    needs two warpgroups (which Triton makes compute the 64-row score tile twice): the split
+    issues the one-pass work (docs/kernels.md). Before sm_90 mma.sync does not duplicate."""
+    return n_branch == 2 and cc[0] >= 9 and not _fused_forward_fits_one_warpgroup(n_branch, d, dv)
 
 
 # ---------------------------------------------------------------------------- static config
@@ -254,6 +329,8 @@ class _Config:
     o2_dtype: object = jnp.float32  # the saved second-branch output (a backward residual)
     num_warps_dkv: int = 8
     num_warps_dq: int = 8
+    split_forward: bool = False  # DIFF forward as one program per branch (BlockSizes)
+    dkv_key_major: bool = False  # dK/dV tiles [keys, queries] (BlockSizes)
 
     @property
     def offset(self) -> int:  # query i sees key j iff j <= i + offset (bottom-right aligned)
@@ -270,20 +347,24 @@ def _spec(block_shape, index_map):
 
 
 # ---------------------------------------------------------------------------- kernel helpers
-def _mask(cfg: _Config, q_idx, k_idx, q_seg, k_seg):
-    """Boolean [bq, bk] (True = may attend) or None when nothing is masked."""
+def _mask(cfg: _Config, q_idx, k_idx, q_seg, k_seg, keys_first: bool = False):
+    """Boolean [bq, bk] ([bk, bq] when ``keys_first``; True = may attend) or None when nothing
+    is masked."""
     mask = None
+    q_, k_ = (q_idx[None, :], k_idx[:, None]) if keys_first else (q_idx[:, None], k_idx[None, :])
+    shape = (k_idx.shape[0], q_idx.shape[0]) if keys_first else (q_idx.shape[0], k_idx.shape[0])
 
     def _and(m, x):
         return x if m is None else jnp.logical_and(m, x)
 
     if cfg.causal:
-        mask = _and(mask, k_idx[None, :] <= q_idx[:, None] + cfg.offset)
+        mask = _and(mask, k_ <= q_ + cfg.offset)
     if cfg.kv_padded:
-        mask = _and(mask, jnp.broadcast_to((k_idx < cfg.kv_len)[None, :],
-                                           (q_idx.shape[0], k_idx.shape[0])))
+        mask = _and(mask, jnp.broadcast_to(k_ < cfg.kv_len, shape))
     if cfg.segmented:
-        mask = _and(mask, q_seg[:, None] == k_seg[None, :])
+        qs, ks = (q_seg[None, :], k_seg[:, None]) if keys_first else (q_seg[:, None],
+                                                                       k_seg[None, :])
+        mask = _and(mask, qs == ks)
     return mask
 
 
@@ -410,6 +491,8 @@ def _fwd_kernel(q1_ref, k1_ref, q2_ref, k2_ref, v_ref, lam_ref, qseg_ref, kseg_r
 
 
 def _forward(cfg: _Config, q1, k1, q2, k2, v, lam, qseg, kseg):
+    if cfg.differential and cfg.split_forward:
+        return _forward_split(cfg, q1, k1, q2, k2, v, lam, qseg, kseg)
     b, t, hq, d = q1.shape
     s, hkv = k1.shape[1], k1.shape[2]
     dv = v.shape[-1]
@@ -459,11 +542,69 @@ def _forward(cfg: _Config, q1, k1, q2, k2, v, lam, qseg, kseg):
     return out, lse1, lse2, o2
 
 
+def _forward_split(cfg: _Config, q1, k1, q2, k2, v, lam, qseg, kseg):
+    """The DIFF forward as one program per branch: the single-branch kernel over the branches
+    stacked as heads (program ``z`` of a (query block, batch, 2*Hq) grid is branch ``z % 2`` of
+    head ``z // 2``: the two branches of a head run side by side and share its V in L2), each
+    writing its normalised float32 output and log-sum-exp; ``O1 - lam * O2`` follows in XLA.
+    Same results and residuals as the fused kernel; every dot is issued once per program."""
+    b, t, hq, d = q1.shape
+    s, hkv = k1.shape[1], k1.shape[2]
+    dv = v.shape[-1]
+    rep = hq // hkv
+    bq = cfg.block_q
+    n_q = t // bq
+    q12 = jnp.stack([q1, q2], axis=3).reshape(b, t, 2 * hq, d)  # head z = 2 h + branch
+    if k2 is None:  # shared keys: both branches of head h read kv head h // rep
+        k12, k_head = k1, lambda z: lax.div(lax.div(z, 2), rep)
+    else:
+        k12 = jnp.stack([k1, k2], axis=3).reshape(b, s, 2 * hkv, d)
+        k_head = lambda z: 2 * lax.div(lax.div(z, 2), rep) + lax.rem(z, 2)  # noqa: E731
+
+    def q_map(i, bi, z):
+        return (bi, _q_block_index(cfg, i, n_q), z, 0)
+
+    def row_map(i, bi, z):
+        return (bi, z, _q_block_index(cfg, i, n_q))
+
+    seg = cfg.segmented
+    in_specs = [_spec((None, bq, None, d), q_map),
+                _spec((None, s, None, d), lambda i, bi, z: (bi, 0, k_head(z), 0)), None, None,
+                _spec((None, s, None, dv), lambda i, bi, z: (bi, 0, lax.div(lax.div(z, 2), rep),
+                                                             0)), None,
+                _spec((None, bq), lambda i, bi, z: (bi, _q_block_index(cfg, i, n_q))) if seg
+                else None,
+                _spec((None, s), lambda i, bi, z: (bi, 0)) if seg else None]
+    o12, lse12, _, _ = pl.pallas_call(
+        functools.partial(_fwd_kernel, cfg=cfg),
+        grid=(n_q, b, 2 * hq),
+        in_specs=in_specs,
+        out_specs=[_spec((None, bq, None, dv), q_map), _spec((None, None, bq), row_map), None,
+                   None],
+        out_shape=[jax.ShapeDtypeStruct((b, t, 2 * hq, dv), jnp.float32),
+                   jax.ShapeDtypeStruct((b, 2 * hq, t), jnp.float32), None, None],
+        compiler_params=cfg.params(),
+        interpret=cfg.interpret,
+        name="diff_flash_fwd_split",
+    )(q12, k12, None, None, v, None, qseg, kseg)
+    o12 = o12.reshape(b, t, hq, 2, dv)
+    lse12 = lse12.reshape(b, hq, 2, t)
+    o1, o2 = o12[:, :, :, 0], o12[:, :, :, 1]
+    out = o1 - jnp.transpose(lam, (0, 2, 1))[..., None] * o2
+    return out.astype(q1.dtype), lse12[:, :, 0], lse12[:, :, 1], o2.astype(cfg.o2_dtype)
+
+
 # ---------------------------------------------------------------------------- backward kernels
 def _probs(cfg, q, k, lse, mask):
     """P = exp(q k^T s - lse) (in base 2, as the forward), exactly 0 on masked entries (and on
     rows that see no key)."""
     p = jnp.exp2(_dot_nt(q, k) * (cfg.scale * LOG2E) - lse[:, None])
+    return p if mask is None else jnp.where(mask, p, 0.0)
+
+
+def _probs_t(cfg, k, q, lse, mask):
+    """P^T = exp(k q^T s - lse) (key-major, for the dK/dV kernel), exactly 0 where masked."""
+    p = jnp.exp2(_dot_nt(k, q) * (cfg.scale * LOG2E) - lse[None, :])
     return p if mask is None else jnp.where(mask, p, 0.0)
 
 
@@ -482,29 +623,46 @@ def _dkv_kernel(q1_ref, k1_ref, q2_ref, k2_ref, v_ref, lam_ref, qseg_ref, kseg_r
     v = v_ref[...]
     differential = q2_ref is not None
 
+    # Tiles are query-major ([bq, bk]: P, dP, dS) or, with ``dkv_key_major``, key-major
+    # ([bk, bq]: their transposes), so that every dot has the owned key block's rows (64) as
+    # its M dimension: Hopper's warpgroup MMA needs M >= 64 per warpgroup, which the streamed
+    # query block (16 or 32) cannot give, and falls back to mma.sync.
+    km = cfg.dkv_key_major
+    tile = (bk, bq) if km else (bq, bk)
     # Below the diagonal band only the key padding needs a mask (padded keys' rows are sliced
     # off, but masking keeps them finite).
-    pad_mask = jnp.broadcast_to((k_idx < cfg.kv_len)[None, :], (bq, bk)) if cfg.kv_padded else None
+    pad_mask = (jnp.broadcast_to((k_idx < cfg.kv_len)[:, None] if km else
+                                 (k_idx < cfg.kv_len)[None, :], tile) if cfg.kv_padded else None)
+
+    def per_query(x):  # a per-query-row vector, broadcast over the tile's key axis
+        return x[None, :] if km else x[:, None]
+
+    def probs(q, k, lse, mask):
+        return _probs_t(cfg, k, q, lse, mask) if km else _probs(cfg, q, k, lse, mask)
+
+    def key_grad(ds, x):  # ds^T x: [bk, width]
+        return _dot_nn(ds, x) if km else _dot_tn(ds, x)
 
     def q_body(qi, carry, h, masked):
         dk1, dk2, dv = carry
         start = qi * bq
         qs = pl.ds(start, bq)
         q_idx = start + jnp.arange(bq, dtype=jnp.int32)
-        mask = (_mask(cfg, q_idx, k_idx, None if qseg_ref is None else qseg_ref[qs], k_seg)
-                if masked else pad_mask)
+        mask = (_mask(cfg, q_idx, k_idx, None if qseg_ref is None else qseg_ref[qs], k_seg,
+                      keys_first=km) if masked else pad_mask)
         q1 = q1_ref[qs, h, :]
         do = do_ref[qs, h, :]
-        p1 = _probs(cfg, q1, k1, lse1_ref[h, qs], mask)
-        dp = _dot_nt(do, v)  # dO V^T, shared by both branches (dO2 = -lam dO)
-        ds1 = p1 * (dp - delta1_ref[h, qs][:, None])
-        dk1 = dk1 + _dot_tn(ds1.astype(q1.dtype), q1)
+        p1 = probs(q1, k1, lse1_ref[h, qs], mask)
+        # dO V^T (or its transpose), shared by both branches (dO2 = -lam dO)
+        dp = _dot_nt(v, do) if km else _dot_nt(do, v)
+        ds1 = p1 * (dp - per_query(delta1_ref[h, qs]))
+        dk1 = dk1 + key_grad(ds1.astype(q1.dtype), q1)
         if differential:
-            lam = lam_ref[h, qs][:, None]
+            lam = per_query(lam_ref[h, qs])
             q2 = q2_ref[qs, h, :]
-            p2 = _probs(cfg, q2, k2, lse2_ref[h, qs], mask)
-            ds2 = -lam * p2 * (dp - delta2_ref[h, qs][:, None])
-            dk2_new = _dot_tn(ds2.astype(q2.dtype), q2)
+            p2 = probs(q2, k2, lse2_ref[h, qs], mask)
+            ds2 = -lam * p2 * (dp - per_query(delta2_ref[h, qs]))
+            dk2_new = key_grad(ds2.astype(q2.dtype), q2)
             if dk2_ref is not None:
                 dk2 = dk2 + dk2_new
             else:  # shared keys: dK = dK1 + dK2 in one accumulator
@@ -512,7 +670,7 @@ def _dkv_kernel(q1_ref, k1_ref, q2_ref, k2_ref, v_ref, lam_ref, qseg_ref, kseg_r
             pc = p1 - lam * p2  # dV = P1^T dO1 + P2^T dO2 = (P1 - lam P2)^T dO
         else:
             pc = p1
-        dv = dv + _dot_tn(pc.astype(do.dtype), do)
+        dv = dv + key_grad(pc.astype(do.dtype), do)
         return dk1, dk2, dv
 
     lo = _q_block_start(cfg, kj, bk, bq)
@@ -696,15 +854,22 @@ def _run(differential, q1, k1, q2, k2, v, lam, *, causal, segment_ids, kv_segmen
     b, t, hq, d = q1.shape
     s = k1.shape[1]
     dv = v.shape[-1]
-    bs = (default_block_sizes(d, dv, differential=differential) if block_sizes is None
+    bs = (default_block_sizes(d, dv, differential=differential,
+                              shared_keys=differential and k1 is k2) if block_sizes is None
           else block_sizes)
     if not isinstance(bs, BlockSizes):
         raise TypeError(f"block_sizes must be a BlockSizes or None, got {type(bs).__name__}")
+    n_branch = 2 if differential else 1
+    cc = _device_capability()
+    d_pad, dv_pad = max(_MIN_BLOCK, _next_pow2(d)), max(_MIN_BLOCK, _next_pow2(dv))
+    split = differential and (bs.split_forward if bs.split_forward is not None else
+                              _default_split(n_branch, d_pad, dv_pad, cc))
+    key_major = (bs.dkv_key_major if bs.dkv_key_major is not None else _default_key_major(
+        n_branch, differential and k1 is k2, d_pad, dv_pad, cc))
     if block_sizes is not None and not interpret and jax.default_backend() == "gpu":
         n_keys = 2 if differential and k2 is not k1 else 1
         _check_fits(bs, max(_MIN_BLOCK, _next_pow2(d)), max(_MIN_BLOCK, _next_pow2(dv)),
-                    2 if differential else 1, n_keys, jnp.dtype(q1.dtype).itemsize,
-                    _device_capability())
+                    n_branch, n_keys, jnp.dtype(q1.dtype).itemsize, _device_capability(), split)
     if sm_scale is None:
         sm_scale = d ** -0.5
     try:
@@ -720,11 +885,10 @@ def _run(differential, q1, k1, q2, k2, v, lam, *, causal, segment_ids, kv_segmen
     bq_dq, bk_dq = min(bs.block_q_dq, t_cap), min(bs.block_k_dq, s_cap)
     t_pad = _round_up(t, max(bq, bq_dkv, bq_dq))  # powers of two: the max is the lcm
     s_pad = _round_up(s, max(bk, bk_dkv, bk_dq))
-    d_pad = max(_MIN_BLOCK, _next_pow2(d))
-    dv_pad = max(_MIN_BLOCK, _next_pow2(dv))
 
     shared_k = differential and k1 is k2
-    warps = _default_warps(2 if differential else 1, d_pad, dv_pad, _device_capability())
+    warps = _default_warps(n_branch, d_pad, dv_pad, cc, split, bs.block_q_dq, bs.block_k_dq,
+                           key_major)
     for f in warps:  # given warps win; num_warps also sets the backward's unless they are given
         warps[f] = getattr(bs, f) or bs.num_warps or warps[f]
     # Triton dots need matching operand types: compute in the inputs' common type (a no-op for
@@ -743,7 +907,7 @@ def _run(differential, q1, k1, q2, k2, v, lam, *, causal, segment_ids, kv_segmen
         block_q_dq=bq_dq, block_k_dq=bk_dq,
         num_stages=bs.num_stages or 2, interpret=bool(interpret), o2_dtype=jnp.dtype(o2_dtype),
         num_warps=warps["num_warps"], num_warps_dkv=warps["num_warps_dkv"],
-        num_warps_dq=warps["num_warps_dq"])
+        num_warps_dq=warps["num_warps_dq"], split_forward=split, dkv_key_major=key_major)
 
     def pad_q(x):
         return None if x is None else _pad_axis(_pad_axis(x, 3, d_pad), 1, t_pad)

@@ -125,35 +125,39 @@ def eval_step(params, batch, *, graphdef, rest):
 @dataclasses.dataclass(frozen=True)
 class ModelSetup:
     """One model's optimizer and the shapes and placements of its train state, before the state
-    exists: ``init() -> (state, rest)`` creates it, ``abstract``/``abstract_rest`` describe it
-    (``jax.eval_shape``), ``state_sh``/``rest_sh`` place it on ``mesh`` by logical axes."""
+    exists: ``init(key) -> (state, rest)`` creates it from an init key, ``abstract``/
+    ``abstract_rest`` describe it (``jax.eval_shape``), ``state_sh``/``rest_sh`` place it on
+    ``mesh`` by logical axes; ``seed`` is the run's init seed (``train.seed``)."""
 
     graphdef: Any
     tx: optax.GradientTransformation
     schedule: optax.Schedule
-    init: Callable[[], tuple[dict[str, Any], Any]]
+    init: Callable[[jax.Array], tuple[dict[str, Any], Any]]
     abstract: Any
     abstract_rest: Any
     state_sh: Any
     rest_sh: Any
     mesh: jax.sharding.Mesh
+    jitted_init: Callable[[jax.Array], tuple[dict[str, Any], Any]]  # ``init``, jitted, sharded
+    seed: int = 0
 
     def fresh_state(self) -> tuple[dict[str, Any], Any]:
-        """A new state, created sharded in one jitted function (one compile, not one per
-        initializer)."""
-        return jax.jit(self.init, out_shardings=(self.state_sh, self.rest_sh))()
+        """A new state from ``seed``, created sharded in one jitted function (one compile, not
+        one per initializer; the seed's key is an argument, not a constant, so every seed of a
+        multi-seed run reuses that compile)."""
+        return self.jitted_init(jax.random.key(self.seed))
 
 
-def make_state_init(model_cfg: ModelConfig, tcfg, tx: optax.GradientTransformation | None = None
-                    ) -> Callable[[], tuple[dict[str, Any], Any]]:
-    """``init() -> (state, rest)``: the train state ``{"step", "params", "opt_state"}`` (every
-    leaf of params and of the Adam moments a ``nnx.Variable`` carrying its logical axes) and the
-    model's non-parameter state. ``jax.eval_shape(init)`` describes it without allocating;
-    ``jax.jit(init, out_shardings=...)`` creates it already sharded."""
-    tx = make_optimizer(tcfg) if tx is None else tx
+def seeded_state_init(model_cfg: ModelConfig, tx: optax.GradientTransformation
+                      ) -> Callable[[Any], tuple[dict[str, Any], Any]]:
+    """``init(key) -> (state, rest)``: the train state ``{"step", "params", "opt_state"}``
+    (every leaf of params and of the Adam moments a ``nnx.Variable`` carrying its logical axes)
+    and the model's non-parameter state, from ``key = jax.random.key(seed)`` (what
+    ``nnx.Rngs(seed)`` makes of an init seed; a traced argument gives the same parameters as a
+    constant seed, bit for bit)."""
 
-    def init_state():
-        model = TransformerLM(model_cfg, rngs=nnx.Rngs(tcfg.seed))
+    def init_state(key):
+        model = TransformerLM(model_cfg, rngs=nnx.Rngs(key))
         _, params, rest = nnx.split(model, nnx.Param, ...)
         state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
         return state, rest
@@ -161,16 +165,41 @@ def make_state_init(model_cfg: ModelConfig, tcfg, tx: optax.GradientTransformati
     return init_state
 
 
+def make_state_init(model_cfg: ModelConfig, tcfg, tx: optax.GradientTransformation | None = None
+                    ) -> Callable[[], tuple[dict[str, Any], Any]]:
+    """``init() -> (state, rest)``: :func:`seeded_state_init` from ``tcfg.seed``.
+    ``jax.eval_shape(init)`` describes it without allocating; ``jax.jit(init, out_shardings=...)``
+    creates it already sharded."""
+    init = seeded_state_init(model_cfg, make_optimizer(tcfg) if tx is None else tx)
+
+    def init_state():
+        return init(jax.random.key(tcfg.seed))
+
+    return init_state
+
+
 def model_setup(model_cfg: ModelConfig, tcfg, mesh) -> ModelSetup:
     """The :class:`ModelSetup` of ``model_cfg`` trained with ``tcfg`` on ``mesh``: every
-    parameter and both Adam moments placed by their logical axes, step and counts replicated."""
+    parameter and both Adam moments placed by their logical axes, step and counts replicated.
+    Built once per process for a model, train config up to the seed, mesh and logical-axis
+    rules: the seeds of a multi-seed run (and the throughput measurement) share its compiled
+    init."""
+    setup = _model_setup(model_cfg, dataclasses.replace(tcfg, seed=0, num_seeds=1), mesh,
+                         sharding.current_rules())
+    return dataclasses.replace(setup, seed=tcfg.seed)
+
+
+@functools.lru_cache(maxsize=8)
+def _model_setup(model_cfg: ModelConfig, tcfg, mesh, rules) -> ModelSetup:
+    del rules  # part of the cache key: the shardings depend on the logical-axis rules in force
     tx = make_optimizer(tcfg)
-    init = make_state_init(model_cfg, tcfg, tx)
+    init = seeded_state_init(model_cfg, tx)
     graphdef = nnx.graphdef(nnx.eval_shape(lambda: TransformerLM(model_cfg, rngs=nnx.Rngs(0))))
-    abstract, abstract_rest = jax.eval_shape(init)
+    abstract, abstract_rest = jax.eval_shape(init, jax.random.key(0))
+    state_sh = sharding.tree_shardings(abstract, mesh)
+    rest_sh = sharding.tree_shardings(abstract_rest, mesh)
     return ModelSetup(graphdef, tx, learning_rate_schedule(tcfg), init, abstract, abstract_rest,
-                      sharding.tree_shardings(abstract, mesh),
-                      sharding.tree_shardings(abstract_rest, mesh), mesh)
+                      state_sh, rest_sh, mesh, jax.jit(init, out_shardings=(state_sh, rest_sh)))
 
 
 def compile_steps(setup: ModelSetup, state, rest, batch) -> tuple[Any, Callable]:
