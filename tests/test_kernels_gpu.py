@@ -215,16 +215,15 @@ def test_split_forward_and_both_dkv_layouts_match_the_reference(shared, key_majo
     so the grids above run key-major at these widths): values and gradients as the
     reference's, with GQA, causal, packed segments and a ragged length; and for V2, shared
     keys with a per-token lambda."""
-    args, ct, rng = _inputs(5, 2, 23, 23, 4, 2, 32, 64, jnp.float32,
-                            "rows" if shared else "scalar")
-    seg = None if shared else jnp.asarray(np.stack([_segments(rng, 23, 3) for _ in range(2)]))
-    _check_diff(args, ct, causal=True, seg=seg, kv_seg=None, scale=32 ** -0.5,
-                block_sizes=dataclasses.replace(MIXED, split_forward=True,
-                                                dkv_key_major=key_major), shared=shared)
+    case = make_inputs(5, b=2, t=23, s=23, hq=4, hkv=2, d=32, dv=64,
+                       lam="token" if shared else "scalar", seg=None if shared else "shared")
+    _check_diff(case, causal=True, block_sizes=dataclasses.replace(
+        MIXED, split_forward=True, dkv_key_major=key_major), shared=shared)
 
 
 def test_split_forward_runs_one_branch_per_program():
-    args, _, _ = _inputs(0, 1, 16, 16, 2, 1, 32, 32, jnp.float32, "rows")
+    case = make_inputs(0, t=16, s=16, lam="token")
+    args = [case[k] for k in ("q1", "k1", "q2", "k2", "v", "lam")]
 
     def grid(split):
         f = functools.partial(gpu.differential_flash_attention, interpret=INTERPRET,
