@@ -163,6 +163,7 @@ def test_comparison_smoke(tmp_path, capsys):
     assert "| | diff (diff_v1) | standard (standard) | DIFF − twin [95% CI] |" \
         in report
     assert "final validation loss" in report and "no confidence interval can be given from one seed" in report
+    assert "dtype float32, init std 0.02 (both models); the twin:" in report  # init decides MQAR
     assert (run / "loss.png").stat().st_size > 10_000
     assert "| parameters |" in out
     # same data, same order, same init seed: the two models saw the same tokens

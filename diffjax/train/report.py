@@ -245,7 +245,8 @@ def write_report(run_dir: str, exp: ExperimentConfig, results: Sequence[TrainRes
         "## Setup",
         "",
         f"- model: `{m.attention}`, d_model {m.d_model}, {m.num_layers} layers, {m.num_heads} "
-        f"heads ({m.kv_heads} kv), head dim {m.resolved_head_dim}, dtype {m.dtype}; the twin: "
+        f"heads ({m.kv_heads} kv), head dim {m.resolved_head_dim}, dtype {m.dtype}, init std "
+        f"{m.init_std:g} (both models); the twin: "
         f"standard attention with the matching heads (`diffjax.twin`).",
         f"- data: {data_description or d.source}; sequence length {d.seq_len}; the same batches "
         f"in the same order for every model and seed (data seed {d.seed}).",
