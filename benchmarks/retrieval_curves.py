@@ -57,6 +57,9 @@ def table(run_dir: str, curves, chance) -> str:
     return "\n".join(lines)
 
 
+_LINESTYLES = ("-", "--", "-.", ":")
+
+
 def plot(run_dir: str, curves, chance, path: str, title: str) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -72,10 +75,10 @@ def plot(run_dir: str, curves, chance, path: str, title: str) -> None:
         color = colors.setdefault(label, f"C{len(colors)}")
         steps = [r["step"] for r in evals]
         name = f"{label} seed {seed}"
-        ax_acc.plot(steps, [r["val_query_accuracy"] for r in evals], color=color, marker="o",
-                    ms=3, label=name)
-        ax_loss.plot(steps, [r["val_loss"] for r in evals], color=color, marker="o", ms=3,
-                     label=name)
+        style = dict(color=color, ls=_LINESTYLES[seed % len(_LINESTYLES)], marker="o", ms=3,
+                     label=name)  # one colour per model, one line style per seed
+        ax_acc.plot(steps, [r["val_query_accuracy"] for r in evals], **style)
+        ax_loss.plot(steps, [r["val_loss"] for r in evals], **style)
     ax_acc.axhline(chance["uniform"], color="gray", ls=":", label="chance (uniform)")
     ax_acc.axhline(chance["no_retrieval"], color="gray", ls="--",
                    label="no retrieval (copy a random needle/pair)")
