@@ -64,7 +64,7 @@ def plot(run_dir: str, curves, chance, path: str, title: str) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(11, 4))
+    fig = Figure(figsize=(11, 5))
     FigureCanvasAgg(fig)
     ax_acc, ax_loss = fig.subplots(1, 2)
     colors = {}
@@ -88,9 +88,11 @@ def plot(run_dir: str, curves, chance, path: str, title: str) -> None:
     for ax in (ax_acc, ax_loss):
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+    # one legend under both panels, so it covers no curve
+    handles, labels = ax_acc.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 5), fontsize=8)
     fig.suptitle(title)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.06 + 0.04 * ((len(labels) - 1) // 5), 1, 1))
     fig.savefig(path, dpi=100)
 
 
