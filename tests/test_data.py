@@ -405,6 +405,39 @@ def test_needle_minimal_seq_len_and_text_haystack(text_dir):
     assert "text file" in describe(cfg.replace(seq_len=need + 40))
 
 
+def test_needle_custom_templates_key_letters_and_query_spans():
+    """Own needle/query sentences: the layout, weights and spans follow the templates; keys come
+    from the first needle_num_key_letters letters; query_spans mark each query."""
+    cfg = DataConfig(source="needle", seq_len=96, num_needles=3, num_queries=4,
+                     query_replacement=True, key_len=1, value_len=2, needle_template="\n${key}{value}\n",
+                     query_template="\n${key}{value}", needle_num_key_letters=4, max_files=40)
+    assert (cfg.needle_bytes, cfg.query_bytes) == (6, 5) and cfg.needle_min_seq_len == 38
+    src = make_source(cfg, "train")
+    for i in range(20):
+        ex = src[i]
+        w = np.concatenate([ex["inputs"], ex["targets"][-1:]])
+        facts = {}
+        for (s, e), (vs, ve) in zip(ex["needle_spans"], ex["needle_value_spans"]):
+            m = re.fullmatch(r"\n\$([a-d])([1-9]\d)\n", TOK.decode(w[s:e]))
+            assert m, TOK.decode(w[s:e])
+            assert TOK.decode(w[vs:ve]) == m.group(2)
+            facts[m.group(1)] = m.group(2)
+        assert len(facts) == 3
+        np.testing.assert_array_equal(ex["query_spans"][:, 0], 96 + 1 - 5 * np.arange(4, 0, -1))
+        np.testing.assert_array_equal(ex["query_spans"][:, 1] - ex["query_spans"][:, 0], 5)
+        for r, (s, e) in enumerate(ex["query_spans"]):
+            key, value = re.fullmatch(r"\n\$([a-d])(\d\d)", TOK.decode(w[s:e])).groups()
+            assert facts[key] == value == TOK.decode(w[slice(*ex["answer_spans"][r] + 1)])
+        assert np.flatnonzero(ex["weights"]).tolist() == sorted(
+            t for a, b in ex["answer_spans"] for t in range(a, b))
+    # the default (the paper's sentences) is unchanged, and query_spans marks its queries too
+    ex = make_source(NEEDLE, "train")[0]
+    w = np.concatenate([ex["inputs"], ex["targets"][-1:]])
+    for s, e in ex["query_spans"]:
+        assert re.fullmatch(r"\nWhat is the magic number for [a-z]{5}\? \d{6}\.",
+                            TOK.decode(w[s:e]))
+
+
 def test_needle_validation_padding_matches_train_batches():
     cfg = NEEDLE.replace(num_val_examples=5)
     val = list(make_dataset(cfg, "validation", batch_size=4))
@@ -560,6 +593,19 @@ def assert_error(exc_type, fn, *contains):
     (dict(source="mqar", mqar_num_values=0, seq_len=64), "mqar_num_values", "[1, 128]"),
     (dict(source="needle", value_len=1, num_needles=10, num_queries=1, seq_len=1024),
      "value_len", "distinct"),
+    (dict(source="needle", seq_len=512, needle_template="{value} is {key}"), "needle_template",
+     "before"),
+    (dict(source="needle", seq_len=512, query_template="What is {key}?"), "query_template",
+     "exactly once"),
+    (dict(source="needle", seq_len=512, needle_template="{key} \u2192 {value}"),
+     "needle_template", "ASCII"),
+    (dict(source="needle", seq_len=512, query_template="{key} {value} {x}"), "query_template",
+     "braces"),
+    (dict(source="needle", seq_len=512, needle_num_key_letters=27), "needle_num_key_letters",
+     "[1, 26]"),
+    (dict(source="needle", seq_len=512, key_len=1, needle_num_key_letters=3), "key_len",
+     "fewer than 4 distinct keys"),
+    (dict(source="mqar", query_template="{key}={value}"), "query_template", "source='needle'"),
 ])
 def test_config_errors(kwargs, field, contains):
     msg = assert_error(ConfigError, lambda: DataConfig(**kwargs), f"DataConfig.{field}", contains)

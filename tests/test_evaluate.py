@@ -17,6 +17,7 @@ from flax import nnx
 
 import diffjax
 from diffjax.config import ConfigError
+from diffjax.data import ByteTokenizer, DataConfig
 from diffjax.data.config import needle_len, query_len
 from diffjax.evaluate import (CATEGORIES, absmax_quantize, discover_models, evaluate_run,
                               layer_attention_maps, losses_and_predictions, needle_task,
@@ -29,6 +30,8 @@ from diffjax.evaluate.positions import loss_by_position
 from diffjax.evaluate.retrieval import depth_bins
 from diffjax.evaluate.run import EvalSettings
 
+TOK = ByteTokenizer()
+
 
 # ---------------------------------------------------------------------------- allocation
 def _needle_batch(n=2, r=1, seq_len=160, num=4):
@@ -38,7 +41,7 @@ def _needle_batch(n=2, r=1, seq_len=160, num=4):
 
 def test_position_categories_mark_the_needles_answer_and_haystack():
     batch = _needle_batch(n=3, r=2, seq_len=256)
-    cats = position_categories(batch, 5, 6)
+    cats = position_categories(batch)
     b, r, t = cats.shape
     assert (b, r, t) == (4, 2, 256)
     ans = CATEGORIES.index("answer")
@@ -57,14 +60,32 @@ def test_position_categories_mark_the_needles_answer_and_haystack():
             assert counts[CATEGORIES.index("other needles")] == 2 * needle_len(5, 6)
 
 
+def test_position_categories_follow_custom_templates():
+    """Own needle/query sentences: the categories come from the batch's spans, not the default
+    sentence lengths."""
+    data = DataConfig(source="needle", seq_len=64, num_needles=3, num_queries=2,
+                      key_len=1, value_len=2, needle_template="\n${key}{value}\n",
+                      query_template="\n${key}{value}")
+    batch = task_examples(needle_task(data, seq_len=64, num_needles=3, num_queries=2,
+                                      num_examples=4))
+    assert TOK.decode(batch["inputs"][0][batch["query_spans"][0, 0, 0]:]).startswith("\n$")
+    cats = position_categories(batch)
+    for i in range(4):
+        counts = np.bincount(cats[i, 0], minlength=len(CATEGORIES))
+        assert counts[CATEGORIES.index("answer")] == 2
+        assert counts[CATEGORIES.index("needle")] == 6 - 2
+        assert counts[CATEGORIES.index("other needles")] == 2 * 6
+        assert counts[CATEGORIES.index("noise context")] == 64 + 1 - 2 * 5 - 1 - 3 * 6
+
+
 def _onehot(batch):
-    return np.eye(len(CATEGORIES), dtype=np.float32)[position_categories(batch, 5, 6)]
+    return np.eye(len(CATEGORIES), dtype=np.float32)[position_categories(batch)]
 
 
 def test_all_attention_on_the_answer_span_gives_share_one():
     batch = _needle_batch()
     rows = alloc_lib.answer_rows(batch)
-    cats = position_categories(batch, 5, 6)
+    cats = position_categories(batch)
     b, t = batch["inputs"].shape
     w = np.zeros((b, 2, t, t), np.float32)
     for i in range(b):
@@ -84,7 +105,7 @@ def test_differential_map_common_mode_noise_cancels():
     both normalisations; the raw row sums to 1 - lambda."""
     batch = _needle_batch()
     rows = alloc_lib.answer_rows(batch)
-    cats = position_categories(batch, 5, 6)
+    cats = position_categories(batch)
     b, t = batch["inputs"].shape
     a1 = np.zeros((b, 1, t, t), np.float32)
     a2 = np.zeros_like(a1)
@@ -116,10 +137,10 @@ def test_attention_allocation_on_a_model_matches_its_own_maps():
                               attention="diff_v1", max_seq_len=160)
     model = diffjax.TransformerLM(cfg, rngs=nnx.Rngs(1))
     batch = _needle_batch()
-    a = alloc_lib.attention_allocation(model, batch, key_len=5, value_len=6, batch_size=4)
+    a = alloc_lib.attention_allocation(model, batch, batch_size=4)
     x = model.layers[0].attn_norm(model.embed(jnp.asarray(batch["inputs"])))
     diff = np.asarray(model.layers[0].attn.attention_maps(x)["diff"])  # [B, H, T, S]
-    cats = position_categories(batch, 5, 6)
+    cats = position_categories(batch)
     rows = alloc_lib.answer_rows(batch)
     expect = []
     for i in range(len(diff)):

@@ -30,14 +30,29 @@ class DataError(ConfigError):
     The message names the path or field and the fix."""
 
 
-def needle_len(key_len: int, value_len: int) -> int:
+def needle_len(key_len: int, value_len: int, template: str = NEEDLE_TEMPLATE) -> int:
     """Bytes of one needle sentence."""
-    return len(NEEDLE_TEMPLATE.format(key="k" * key_len, value="0" * value_len).encode())
+    return len(template.format(key="k" * key_len, value="0" * value_len).encode())
 
 
-def query_len(key_len: int, value_len: int) -> int:
+def query_len(key_len: int, value_len: int, template: str = QUERY_TEMPLATE) -> int:
     """Bytes of one query (question and answer)."""
-    return len(QUERY_TEMPLATE.format(key="k" * key_len, value="0" * value_len).encode())
+    return len(template.format(key="k" * key_len, value="0" * value_len).encode())
+
+
+def template_problem(template: str) -> str | None:
+    """What is wrong with a needle or query template, or None: it must be ASCII (one byte per
+    character) and hold ``{key}`` once, then ``{value}`` once, and no other braces."""
+    if not template.isascii():
+        return "is not ASCII (the byte-level task needs one byte per character)"
+    rest = template.replace("{key}", "", 1).replace("{value}", "", 1)
+    if template.count("{key}") != 1 or template.count("{value}") != 1:
+        return "must hold '{key}' exactly once and '{value}' exactly once"
+    if template.index("{key}") > template.index("{value}"):
+        return "must put '{key}' before '{value}'"
+    if "{" in rest or "}" in rest:
+        return "holds braces other than '{key}' and '{value}'"
+    return None
 
 
 def _fail(field: str, problem: str, fix: str) -> NoReturn:
@@ -80,6 +95,12 @@ class DataConfig:
     needle_depths: tuple[float, ...] | None = None  # one per needle in [0, 1]; None: random
     key_len: int = 5  # needle keys: lowercase letters
     value_len: int = 6  # needle values: decimal digits
+    # needle: the sentence each needle is, and each query (its answer is the value); the
+    # defaults are the paper's wording. ASCII, with "{key}" once before "{value}" once.
+    needle_template: str = NEEDLE_TEMPLATE
+    query_template: str = QUERY_TEMPLATE
+    # needle: keys are drawn from the first `needle_num_key_letters` lowercase letters
+    needle_num_key_letters: int = 26
     # mqar: num_pairs (key, value) byte pairs, then num_queries keys; the loss counts the values.
     num_pairs: int = 16
     # mqar: keys are drawn from byte ids 0..mqar_num_keys-1, values from 128..127+mqar_num_values
@@ -144,6 +165,11 @@ class DataConfig:
             if bad:
                 _fail("needle_depths", f"depths must be fractions in [0, 1], got {bad}",
                       "use e.g. (0.0, 0.25, 0.5, 1.0)")
+        if self.source != "needle":
+            for name in ("needle_template", "query_template", "needle_num_key_letters"):
+                if getattr(self, name) != getattr(DataConfig, name):
+                    _fail(name, f"is a needle-task setting but source={self.source!r}",
+                          f"leave {name} at its default or set source='needle'")
         if self.source == "needle":
             self._check_needle()
         if self.source == "mqar":
@@ -151,20 +177,29 @@ class DataConfig:
 
     def _check_needle(self) -> None:
         n, r = self.num_needles, self.num_queries
+        for name in ("needle_template", "query_template"):
+            problem = template_problem(getattr(self, name))
+            if problem:
+                _fail(name, f"{getattr(self, name)!r} {problem}",
+                      "write it like 'The magic number for {key} is {value}.'")
+        if not 1 <= self.needle_num_key_letters <= 26:
+            _fail("needle_num_key_letters", f"must be in [1, 26], got "
+                  f"{self.needle_num_key_letters}", "use 1..26 (keys are lowercase letters)")
         if r > n and not self.query_replacement:
             _fail("num_queries", f"{r} queries but only num_needles={n} needles",
                   f"set num_queries <= {n} (or more needles, or query_replacement=True)")
-        if 26 ** min(self.key_len, 12) < n:
-            _fail("key_len", f"{self.key_len} letters give fewer than {n} distinct keys",
-                  "use a longer key_len")
+        if self.needle_num_key_letters ** min(self.key_len, 12) < n:
+            _fail("key_len", f"{self.key_len} of {self.needle_num_key_letters} letters give "
+                  f"fewer than {n} distinct keys",
+                  "use a longer key_len (or more needle_num_key_letters, or fewer needles)")
         if 9 * 10 ** (min(self.value_len, 12) - 1) < n:
             _fail("value_len", f"{self.value_len} digits give fewer than {n} distinct values",
                   "use a longer value_len")
         need = self.needle_min_seq_len
         if self.seq_len < need:
             _fail("seq_len", f"{self.seq_len} is too short for {n} needles of "
-                  f"{needle_len(self.key_len, self.value_len)} bytes and {r} queries of "
-                  f"{query_len(self.key_len, self.value_len)} bytes (needs >= {need})",
+                  f"{self.needle_bytes} bytes and {r} queries of "
+                  f"{self.query_bytes} bytes (needs >= {need})",
                   f"set seq_len >= {need} (a haystack needs more), or fewer needles/queries")
 
     def _check_mqar(self) -> None:
@@ -188,8 +223,17 @@ class DataConfig:
     @property
     def needle_min_seq_len(self) -> int:
         """The shortest ``seq_len`` that holds BOS, the needles and the queries (no haystack)."""
-        return (self.num_needles * needle_len(self.key_len, self.value_len)
-                + self.num_queries * query_len(self.key_len, self.value_len))
+        return self.num_needles * self.needle_bytes + self.num_queries * self.query_bytes
+
+    @property
+    def needle_bytes(self) -> int:
+        """Bytes of one needle sentence (``needle_template`` filled in)."""
+        return needle_len(self.key_len, self.value_len, self.needle_template)
+
+    @property
+    def query_bytes(self) -> int:
+        """Bytes of one query with its answer (``query_template`` filled in)."""
+        return query_len(self.key_len, self.value_len, self.query_template)
 
     @property
     def uses_byte_tokenizer(self) -> bool:

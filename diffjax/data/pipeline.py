@@ -281,8 +281,11 @@ def check_data(config: DataConfig, vocab_size: int = VOCAB_SIZE) -> DataSummary:
             hay = ("the stdlib corpus" if corpus.kind == "stdlib"
                    else f"{len(corpus.files):,} text file(s) {config.path!r}")
             F = config.seq_len - config.needle_min_seq_len
-            desc = (f"needle retrieval: {config.num_needles} needles, {config.num_queries} "
-                    f"queries, seq_len {T} ({F:,} haystack bytes per example from {hay})")
+            fill = dict(key="k" * config.key_len, value="0" * config.value_len)
+            desc = (f"needle retrieval: {config.num_needles} needles "
+                    f"{config.needle_template.format(**fill)!r}, {config.num_queries} queries "
+                    f"{config.query_template.format(**fill)!r}, seq_len {T} ({F:,} haystack bytes "
+                    f"per example from {hay})")
             files, secs = len(corpus.files), corpus.seconds
         else:
             desc = (f"MQAR: {config.num_pairs} key-value pairs, {config.num_queries} queries, "

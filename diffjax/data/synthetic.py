@@ -8,7 +8,9 @@ only on the answer tokens) plus fixed-shape extras, all in *position* coordinate
   (``targets[start:end]`` is the answer; ``inputs[start]`` is the token the model answers from).
 - ``needle`` task: ``needle_spans`` [N, 2] (each needle sentence as input positions),
   ``needle_value_spans`` [N, 2] (its value digits), ``needle_depths`` [N] float32 (where each
-  needle starts, as a fraction of the haystack), ``query_needle`` [R] (which needle query r asks).
+  needle starts, as a fraction of the haystack), ``query_needle`` [R] (which needle query r asks),
+  ``query_spans`` [R, 2] (each query with its answer, as input positions; the last one ends
+  at ``seq_len + 1``, its final byte being only a target).
 - ``mqar`` task: ``pair_spans`` [P, 2] (each key-value pair), ``query_pair`` [R].
 
 :func:`answer_accuracy` scores predictions: an example is correct when every answer token
@@ -21,8 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from .config import (NEEDLE_TEMPLATE, QUERY_TEMPLATE, DataConfig, needle_len,
-                     query_len)
+from .config import DataConfig
 from .sources import TokenStream
 from .tokenizer import BOS, PAD
 
@@ -76,9 +77,10 @@ class NeedleSource:
 
         BOS | haystack (corpus text with N needles at their depths) | R queries
 
-    needle: ``"\\nThe magic number for <key> is <value>.\\n"``; query:
-    ``"\\nWhat is the magic number for <key>? <value>."``; keys are ``key_len`` lowercase
-    letters, values ``value_len`` digits (no leading zero), both distinct within an example.
+    needle: ``needle_template`` (by default ``"\\nThe magic number for <key> is <value>.\\n"``);
+    query: ``query_template`` (``"\\nWhat is the magic number for <key>? <value>."``); keys are
+    ``key_len`` letters from the first ``needle_num_key_letters`` lowercase ones, values
+    ``value_len`` digits (no leading zero), both distinct within an example.
     Only the answer digits carry weight. The haystack is a random span of the split's corpus
     stream (document markers become newlines)."""
 
@@ -89,11 +91,12 @@ class NeedleSource:
         c = config
         self.T = c.seq_len
         self.K, self.V = c.key_len, c.value_len
-        self.nl, self.ql = needle_len(self.K, self.V), query_len(self.K, self.V)
+        self.nl, self.ql = c.needle_bytes, c.query_bytes
         self.H = self.T - c.num_queries * self.ql  # haystack + needles (BOS is the other token)
         self.F = self.H - c.num_needles * self.nl  # filler bytes
-        self._needle_parts = [p.encode() for p in _split_template(NEEDLE_TEMPLATE)]
-        self._query_parts = [p.encode() for p in _split_template(QUERY_TEMPLATE)]
+        self._needle_parts = [p.encode() for p in _split_template(c.needle_template)]
+        self._query_parts = [p.encode() for p in _split_template(c.query_template)]
+        self._key_letters = _LETTERS[:c.needle_num_key_letters]
         # Offset of the value inside a needle / of the answer inside a query.
         self.needle_value_at = len(self._needle_parts[0]) + self.K + len(self._needle_parts[1])
         self.query_value_at = len(self._query_parts[0]) + self.K + len(self._query_parts[1])
@@ -124,7 +127,8 @@ class NeedleSource:
         c = self.config
         N, R, T = c.num_needles, c.num_queries, self.T
         rng = _rng(self.seed, self.split, index)
-        keys = _distinct_rows(rng, N, lambda g, k: _LETTERS[g.integers(0, 26, (k, self.K))])
+        keys = _distinct_rows(rng, N, lambda g, k: self._key_letters[
+            g.integers(0, len(self._key_letters), (k, self.K))])
         values = _distinct_rows(rng, N, lambda g, k: np.concatenate(
             [_DIGITS[g.integers(1, 10, (k, 1))], _DIGITS[g.integers(0, 10, (k, self.V - 1))]], 1))
         if c.needle_depths is not None:
@@ -161,6 +165,7 @@ class NeedleSource:
         value_starts = starts + self.needle_value_at
         value_spans = np.stack([value_starts, value_starts + self.V], 1).astype(np.int32)
         room = max(self.H - self.nl, 1)
+        query_starts = q0 + self.ql * np.arange(R)
         return {
             "inputs": w[:-1],
             "targets": w[1:],
@@ -170,6 +175,7 @@ class NeedleSource:
             "needle_value_spans": value_spans,
             "needle_depths": (pos / room).astype(np.float32),
             "query_needle": asked.astype(np.int32),
+            "query_spans": np.stack([query_starts, query_starts + self.ql], 1).astype(np.int32),
         }
 
     def __repr__(self) -> str:

@@ -31,8 +31,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from diffjax.data.config import query_len
-
 from .probe import capture_layers, check_model
 from .retrieval import depth_bins, query_depths
 
@@ -40,18 +38,19 @@ CATEGORIES = ("answer", "needle", "other needles", "noise context", "rest")
 NORMALIZATIONS = ("abs", "sum", "none")
 
 
-def position_categories(batch: dict, key_len: int, value_len: int) -> np.ndarray:
+def position_categories(batch: dict) -> np.ndarray:
     """``[B, R, T]`` int: the category (index into :data:`CATEGORIES`) of each key position for
-    each query of a needle batch."""
+    each query of a needle batch (the needle source's fields; the queries start at
+    ``query_spans[:, 0, 0]``)."""
     inputs = np.asarray(batch["inputs"])
     b, t = inputs.shape
     spans, values = np.asarray(batch["needle_spans"]), np.asarray(batch["needle_value_spans"])
     asked = np.asarray(batch["query_needle"])
     r = asked.shape[1]
-    hay_end = t + 1 - r * query_len(key_len, value_len)  # first query position
+    hay_end = np.asarray(batch["query_spans"])[:, 0, 0]  # [B] first query position
     cats = np.full((b, r, t), CATEGORIES.index("rest"), np.int32)
-    cats[:, :, 1:hay_end] = CATEGORIES.index("noise context")
     for i in range(b):
+        cats[i, :, 1:hay_end[i]] = CATEGORIES.index("noise context")
         for j in range(r):
             for n, (s, e) in enumerate(spans[i]):
                 cats[i, j, s:e] = CATEGORIES.index("needle" if n == asked[i, j] else "other needles")
@@ -101,12 +100,12 @@ def _category_mass(model, tokens, rows, onehot):
     return [jnp.stack(x) for x in zip(*out)]  # each [L, ...]
 
 
-def category_mass(model, batch: dict, *, key_len: int, value_len: int):
+def category_mass(model, batch: dict):
     """Raw per-category weights ``[L, B, H, R, V, C]``, absolute row mass and row sum
     ``[L, B, H, R, V]`` of ``model``'s maps (softmax, or the differential map for DIFF) on a
     needle batch, for the answer-producing rows."""
     check_model(model)
-    cats = position_categories(batch, key_len, value_len)
+    cats = position_categories(batch)
     onehot = np.eye(len(CATEGORIES), dtype=np.float32)[cats]
     raw, absm, tot = _category_mass(model, jnp.asarray(batch["inputs"], jnp.int32),
                                     jnp.asarray(answer_rows(batch)), jnp.asarray(onehot))
@@ -136,8 +135,7 @@ class Allocation:
                 "map": self.map_kind}
 
 
-def attention_allocation(model, batch: dict, *, key_len: int, value_len: int,
-                         normalize: str = "abs", num_depth_bins: int = 5,
+def attention_allocation(model, batch: dict, *, normalize: str = "abs", num_depth_bins: int = 5,
                          batch_size: int = 8) -> Allocation:
     """The share of attention the answer-producing positions put on each category
     (:data:`CATEGORIES`), by depth of the asked needle (see the module docstring)."""
@@ -147,7 +145,7 @@ def attention_allocation(model, batch: dict, *, key_len: int, value_len: int,
     per_query = []  # [L, B, R, C] mean over heads and rows
     for i in range(0, n, batch_size):
         chunk = {k: v[i:i + batch_size] for k, v in batch.items()}
-        raw, absm, tot = category_mass(model, chunk, key_len=key_len, value_len=value_len)
+        raw, absm, tot = category_mass(model, chunk)
         shares = normalize_shares(raw, absm, tot, normalize)  # [L, B, H, R, V, C]
         per_query.append(np.nanmean(shares, axis=(2, 4)))
     per_query = np.concatenate(per_query, axis=1)  # [L, B, R, C]
@@ -166,14 +164,13 @@ def attention_allocation(model, batch: dict, *, key_len: int, value_len: int,
                       per_query.mean(axis=(1, 2)), normalize, kind)
 
 
-def _num_distractors(batch, key_len, value_len) -> float:
-    cats = position_categories(batch, key_len, value_len)
+def _num_distractors(batch) -> float:
+    cats = position_categories(batch)
     dis = (cats == CATEGORIES.index("other needles")) | (cats == CATEGORIES.index("noise context"))
     return float(dis.sum(-1).mean())
 
 
-def measured_noise_floor(model, batch: dict, *, key_len: int, value_len: int,
-                         batch_size: int = 8) -> dict[str, float]:
+def measured_noise_floor(model, batch: dict, *, batch_size: int = 8) -> dict[str, float]:
     """The noise floor on the model's own maps: per answer-producing row, the weight on the
     answer span (signal) and the total weight on the needles' distractors and the haystack
     (``other needles`` + ``noise context``), raw (a differential row sums to ``1 - lambda``)
@@ -184,13 +181,13 @@ def measured_noise_floor(model, batch: dict, *, key_len: int, value_len: int,
     a, o, nc = (CATEGORIES.index(c) for c in ("answer", "other needles", "noise context"))
     for i in range(0, n, batch_size):
         chunk = {k: v[i:i + batch_size] for k, v in batch.items()}
-        raw, absm, tot = category_mass(model, chunk, key_len=key_len, value_len=value_len)
+        raw, absm, tot = category_mass(model, chunk)
         raws.append(raw.reshape(-1, raw.shape[-1]))
         norms.append(normalize_shares(raw, absm, tot, "abs").reshape(-1, raw.shape[-1]))
     raw, norm = np.concatenate(raws), np.concatenate(norms)
     out = {"signal": float(raw[:, a].mean()), "distractors": float((raw[:, o] + raw[:, nc]).mean()),
            "signal_share": float(np.nanmean(norm[:, a])),
            "distractor_share": float(np.nanmean(norm[:, o] + norm[:, nc])),
-           "num_distractors": _num_distractors(batch, key_len, value_len)}
+           "num_distractors": _num_distractors(batch)}
     out["snr"] = out["signal"] / abs(out["distractors"]) if out["distractors"] else float("inf")
     return out

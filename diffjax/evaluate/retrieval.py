@@ -23,12 +23,14 @@ PAPER_SETTINGS = ((1, 1), (2, 2), (4, 2), (6, 2))  # (N needles, R queried), Tab
 
 def needle_task(base: DataConfig | None = None, *, seq_len: int, num_needles: int,
                 num_queries: int, num_examples: int = 64, seed: int = 0) -> DataConfig:
-    """A needle-task ``DataConfig``: the keys, values and haystack text of ``base`` when it is a
-    needle task (the haystack's ``path`` too when it is a text corpus), the stdlib corpus
-    otherwise. Validated: a ``seq_len`` too short for the needles raises ``ConfigError``."""
+    """A needle-task ``DataConfig``: the keys, values, templates and haystack text of ``base``
+    when it is a needle task (the haystack's ``path`` too when it is a text corpus), the stdlib
+    corpus otherwise. Validated: a ``seq_len`` too short for the needles raises ``ConfigError``."""
     kw: dict = {}
     if base is not None and base.source == "needle":
         kw = dict(path=base.path, key_len=base.key_len, value_len=base.value_len,
+                  needle_template=base.needle_template, query_template=base.query_template,
+                  needle_num_key_letters=base.needle_num_key_letters,
                   val_fraction=base.val_fraction, max_files=base.max_files,
                   stdlib_tests=base.stdlib_tests)
     elif base is not None and base.source in ("stdlib", "text"):

@@ -133,11 +133,6 @@ def _fits(data: DataConfig, seq_len: int, n: int, r: int) -> bool:
         return False
 
 
-def _key_value(data: DataConfig) -> tuple[int, int]:
-    return (data.key_len, data.value_len) if data.source == "needle" else (
-        DataConfig.key_len, DataConfig.value_len)
-
-
 def evaluate_model(model, data: DataConfig, settings: EvalSettings,
                    log: Callable[[str], Any] = print) -> dict[str, Any]:
     """Every analysis on one model; a JSON-able dict."""
@@ -191,13 +186,11 @@ def evaluate_model(model, data: DataConfig, settings: EvalSettings,
 
     # 2. attention allocation and 5. the measured noise floor
     t0 = time.perf_counter()
-    kl, vl = _key_value(data)
     if _fits(data, seq_len, n0, r0):
         batch = ret.task_examples(ret.needle_task(
             data, seq_len=seq_len, num_needles=n0, num_queries=r0,
             num_examples=settings.allocation_examples, seed=1))
-        a = alloc_lib.attention_allocation(model, batch, key_len=kl, value_len=vl,
-                                           num_depth_bins=settings.depth_bins, batch_size=bs)
+        a = alloc_lib.attention_allocation(model, batch, num_depth_bins=settings.depth_bins, batch_size=bs)
         out["allocation"] = a.to_dict()
         out["noise_measured"] = []
         for x in ([seq_len] if settings.quick else lengths):
@@ -206,7 +199,7 @@ def evaluate_model(model, data: DataConfig, settings: EvalSettings,
             b = batch if x == seq_len else ret.task_examples(ret.needle_task(
                 data, seq_len=x, num_needles=n0, num_queries=r0,
                 num_examples=settings.allocation_examples, seed=1))
-            m = alloc_lib.measured_noise_floor(model, b, key_len=kl, value_len=vl, batch_size=bs)
+            m = alloc_lib.measured_noise_floor(model, b, batch_size=bs)
             out["noise_measured"].append({"length": x, **m})
     log(f"    attention allocation and noise floor ({time.perf_counter() - t0:.1f}s)")
 
