@@ -84,6 +84,21 @@ def test_bad_overrides_name_the_key_and_the_fix(override, message):
         apply_overrides(default_config(), [override])
 
 
+def test_twin_init_std_sets_only_the_twins_init_and_is_reported(tmp_path):
+    cfg = apply_overrides(default_config(), ["twin_init_std=0.05"])
+    assert cfg.models["standard"] == diffjax.twin(cfg.model).replace(init_std=0.05)
+    assert cfg.models["diff"] == cfg.model and cfg.model.init_std == 0.02
+    with pytest.raises(ConfigError, match="twin_init_std: is 0.05 but compare=false"):
+        apply_overrides(cfg, ["compare=false", "model.attention=standard"])
+    with pytest.raises(ConfigError, match="twin_init_std: must be > 0"):
+        apply_overrides(cfg, ["twin_init_std=0"])
+    assert run_main(tmp_path, "train.steps=2", "train.num_seeds=1", "twin_init_std=0.05") == 0
+    report = (tmp_path / "run" / "report.md").read_text()
+    assert "init std 0.02 (DIFF) and 0.05 (twin): **not one init scale**" in report
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert config["twin_init_std"] == 0.05
+
+
 def test_compare_needs_a_diff_model():
     with pytest.raises(ConfigError, match="compare=true.*model.attention=diff_v1"):
         apply_overrides(default_config(), ["model.attention=standard"])

@@ -120,9 +120,19 @@ class ExperimentConfig:
     train: TrainConfig = TrainConfig()
     mesh: MeshConfig = MeshConfig()
     compare: bool = True  # also train the standard-attention twin of `model`
+    # The twin's init std, when it is not model.init_std (None: the same init for both). A
+    # per-model choice like a per-model learning rate: the report states it.
+    twin_init_std: float | None = None
 
     def __post_init__(self):
         check_fields(self)
+        if self.twin_init_std is not None and not self.compare:
+            fail("ExperimentConfig", "twin_init_std",
+                 f"is {self.twin_init_std:g} but compare=false trains no twin",
+                 "leave twin_init_std unset (None), or set compare=true")
+        if self.twin_init_std is not None and not self.twin_init_std > 0:
+            fail("ExperimentConfig", "twin_init_std", f"must be > 0, got {self.twin_init_std:g}",
+                 "use e.g. 0.02, or None for model.init_std")
         if self.compare and not self.model.is_diff:
             fail("ExperimentConfig", "compare",
                   f"compare=true trains a DIFF model and its standard twin, but model.attention is "
@@ -148,7 +158,8 @@ class ExperimentConfig:
         from diffjax.config import twin
 
         if self.compare:
-            return {"diff": self.model, "standard": twin(self.model)}
+            std = self.model.init_std if self.twin_init_std is None else self.twin_init_std
+            return {"diff": self.model, "standard": twin(self.model).replace(init_std=std)}
         return {"diff" if self.model.is_diff else "standard": self.model}
 
     @property
@@ -185,13 +196,14 @@ def config_keys(config: ExperimentConfig | None = None) -> list[tuple[str, str, 
         for f in dataclasses.fields(sub):
             keys.append((f"{section}.{f.name}", str(f.type), getattr(sub, f.name)))
     keys.append(("compare", "bool", config.compare))
+    keys.append(("twin_init_std", "float | None", config.twin_init_std))
     return keys
 
 
 def apply_overrides(config: ExperimentConfig, overrides: list[str]) -> ExperimentConfig:
     """Apply ``["section.field=value", ...]``; validation runs once all are applied."""
     known = {k: t for k, t, _ in config_keys(config)}
-    sections = {**SECTIONS, "compare": ExperimentConfig}
+    sections = {**SECTIONS, "compare": ExperimentConfig, "twin_init_std": ExperimentConfig}
     changes: dict[str, dict[str, Any]] = {}
     top: dict[str, Any] = {}
     for item in overrides:

@@ -246,8 +246,10 @@ def write_report(run_dir: str, exp: ExperimentConfig, results: Sequence[TrainRes
         "",
         f"- model: `{m.attention}`, d_model {m.d_model}, {m.num_layers} layers, {m.num_heads} "
         f"heads ({m.kv_heads} kv), head dim {m.resolved_head_dim}, dtype {m.dtype}, init std "
-        f"{m.init_std:g} (both models); the twin: "
-        f"standard attention with the matching heads (`diffjax.twin`).",
+        + (f"{m.init_std:g} (both models)" if exp.twin_init_std is None else
+           f"{m.init_std:g} (DIFF) and {exp.twin_init_std:g} (twin): **not one init scale** "
+           f"(`twin_init_std`)")
+        + "; the twin: standard attention with the matching heads (`diffjax.twin`).",
         f"- data: {data_description or d.source}; sequence length {d.seq_len}; the same batches "
         f"in the same order for every model and seed (data seed {d.seed}).",
         f"- training: {t.steps} steps x {t.batch_size} sequences, AdamW lr {t.lr:g} "
