@@ -412,6 +412,7 @@ def test_evaluate_command_on_a_tiny_run(tiny_runs, capsys):
     run = tiny_runs / "s0"
     report = (run / "report.md").read_text()  # train.py appended the quick evaluation
     assert "## Quick evaluation" in report and "Activation outliers" in report
+    assert "**Seeds that learned the lookup** (final query accuracy above" in report
     assert main([str(run), "--quick"]) == 0
     assert matplotlib.get_backend() == backend  # the caller's backend is left alone
     text = (run / "eval.md").read_text()

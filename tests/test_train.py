@@ -453,6 +453,36 @@ def test_paired_t_interval_on_hand_made_numbers():
         paired_difference([1.0], [1.0, 2.0])
 
 
+def test_clopper_pearson_and_the_seed_count_of_a_retrieval_run():
+    from math import comb
+
+    from diffjax.train.report import learned_counts
+    from diffjax.train.stats import clopper_pearson
+
+    # the edges in closed form: 0 of n -> [0, 1 - (a/2)^(1/n)], n of n -> [(a/2)^(1/n), 1]
+    assert clopper_pearson(0, 2) == (0.0, pytest.approx(1 - 0.025 ** 0.5))
+    assert clopper_pearson(4, 4) == (pytest.approx(0.025 ** 0.25), 1.0)
+    # inside: the bounds are where the binomial tails equal 2.5%
+    low, high = clopper_pearson(2, 4)
+    tail = lambda p, ks: sum(comb(4, k) * p ** k * (1 - p) ** (4 - k) for k in ks)  # noqa: E731
+    assert tail(low, (2, 3, 4)) == pytest.approx(0.025) and tail(high, (0, 1, 2)) == pytest.approx(0.025)
+    assert (round(low, 3), round(high, 3)) == (0.068, 0.932)
+    with pytest.raises(ValueError, match="0 <= k <= n"):
+        clopper_pearson(3, 2)
+
+    def result(label, seed, acc):
+        return diffjax.train.TrainResult(label, label, "", 1, 1, 1, 1.0, 1.0, 1.0, 1.0, None, "",
+                                         seed=seed, val_query_accuracy=acc)
+
+    rs = [result("diff", 0, 0.85), result("diff", 1, 0.70), result("standard", 0, 0.26),
+          result("standard", 1, 0.63)]
+    text = " ".join(learned_counts(rs, 0.25))
+    assert "above 0.625, halfway from the no-retrieval level 0.250 to 1" in text
+    assert "diff 2 of 2 seeds (95% Clopper-Pearson interval for the rate: 16%-100%)" in text
+    assert "standard 1 of 2 seeds (95% Clopper-Pearson interval for the rate: 1%-99%)" in text
+    assert learned_counts([result("diff", 0, None)], 0.25) == []
+
+
 def test_side_by_side_summary():
     from diffjax.train.throughput import SideBySide
 

@@ -20,7 +20,7 @@ import numpy as np
 from .config import ExperimentConfig
 from .loop import TrainResult
 from .metrics import read_metrics
-from .stats import describe_difference, mean_std, paired_difference
+from .stats import clopper_pearson, describe_difference, mean_std, paired_difference
 
 
 def _fmt(x, spec="{:.4f}"):
@@ -202,6 +202,27 @@ def comparison_sentences(results: Sequence[TrainResult]) -> list[str]:
     return out
 
 
+def learned_counts(results: Sequence[TrainResult], no_retrieval: float) -> list[str]:
+    """For a retrieval task: per model, the seeds whose final validation query accuracy is above
+    halfway from the no-retrieval level to 1 (a model either learns the key-value lookup or sits
+    near that level, so this count says more than a mean), with a 95% Clopper-Pearson interval
+    for the rate. Empty when no result has a query accuracy."""
+    bar = (no_retrieval + 1.0) / 2.0
+    out = []
+    for label, rs in by_label(results).items():
+        accs = [r.val_query_accuracy for r in rs if r.val_query_accuracy is not None]
+        if not accs:
+            continue
+        k, n = sum(a > bar for a in accs), len(accs)
+        low, high = clopper_pearson(k, n)
+        out.append(f"{label} {k} of {n} seed{'s' * (n != 1)} (95% Clopper-Pearson interval for "
+                   f"the rate: {low:.0%}-{high:.0%})")
+    if not out:
+        return []
+    return [f"**Seeds that learned the lookup** (final query accuracy above {bar:.3f}, halfway "
+            f"from the no-retrieval level {no_retrieval:.3f} to 1): " + "; ".join(out) + ".", ""]
+
+
 def write_report(run_dir: str, exp: ExperimentConfig, results: Sequence[TrainResult],
                  data_description: str = "", throughput=None) -> str:
     """Write ``report.md`` and ``loss.png``; return the markdown. ``throughput`` is a
@@ -226,6 +247,10 @@ def write_report(run_dir: str, exp: ExperimentConfig, results: Sequence[TrainRes
     sentences = comparison_sentences(results)
     if sentences:
         lines += ["**DIFF against its twin:**", "", *sentences, ""]
+    if d.source in ("needle", "mqar"):
+        from diffjax.data.synthetic import query_chance
+
+        lines += learned_counts(results, query_chance(d)["no_retrieval"])
     if throughput is not None:
         lines += [f"**Throughput, measured side by side:** {throughput.describe()}. The "
                   f"tokens/s rows above are medians during each model's own training, one model "

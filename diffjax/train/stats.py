@@ -99,3 +99,18 @@ def describe_difference(d: PairedDifference, what: str, a: str = "DIFF", b: str 
              f"the interval includes zero: these {d.n} seeds cannot tell the two apart")
     return (f"{what}, {a} minus {b}: {spec.format(d.mean)}, {pct} t-interval "
             f"[{spec.format(d.low)}, {spec.format(d.high)}] over {d.n} paired seeds; {where}.")
+
+
+def clopper_pearson(k: int, n: int, confidence: float = 0.95) -> tuple[float, float]:
+    """The exact (Clopper-Pearson) interval for a rate from ``k`` successes in ``n`` trials,
+    e.g. the share of seeds in which a model learns a task: ``(low, high)``, both in [0, 1]."""
+    if not 0.0 < confidence < 1.0:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence}")
+    if not (isinstance(k, int) and isinstance(n, int) and 0 <= k <= n and n >= 1):
+        raise ValueError(f"clopper_pearson needs integers 0 <= k <= n, n >= 1; got k={k}, n={n}")
+    from scipy import stats
+
+    a = (1.0 - confidence) / 2.0
+    low = 0.0 if k == 0 else float(stats.beta.ppf(a, k, n - k + 1))
+    high = 1.0 if k == n else float(stats.beta.ppf(1.0 - a, k + 1, n - k))
+    return low, high
