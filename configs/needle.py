@@ -1,22 +1,27 @@
 """Multi-needle retrieval (the paper's Table 2 task), CPU-sized: DIFF V1 (2 heads) and its twin
-(4 heads), d_model 64, 2 layers, from scratch, the same batches in the same order.
+(4 heads), d_model 64, 2 layers, init std 0.04 for both, from scratch, the same batches in the
+same order.
 
-Task: 3 needles "The magic number for <k> is <vv>." (one-letter keys, two-digit values, both
-distinct within an example) in 160 bytes of stdlib text, one of them asked at the end ("What is
-the magic number for <k>? <vv>."); the loss and `val_query_accuracy` count the two answer
-digits only (a query is right when both are). Chance per query
-(diffjax.data.synthetic.query_chance): uniform 1/90 = 0.011; "no retrieval" 1/3 (copy the value
-of a random needle; the best a model does without matching the key). `model.max_seq_len` is
-320, twice the trained length, so `python -m diffjax.evaluate` also measures retrieval and loss
+Task: 4 needles "\\n$<k><v>\\n" (a one-letter key right before a one-digit value; keys and values
+distinct within an example) in 128 bytes of stdlib text, then 16 queries "\\n$<k><v>" drawn with
+replacement, so every query needs the key-value link and none follows by elimination. The loss
+and `val_query_accuracy` count the value digits only. Chance per query
+(diffjax.data.synthetic.query_chance): uniform 1/9 = 0.111; "no retrieval" 1/4 (copy the value
+of a random needle: the best a model does without matching the key). `model.max_seq_len` is
+256, twice the trained length, so `python -m diffjax.evaluate` also measures retrieval and loss
 by position beyond it.
 
-Measured (2026-12-01, 2 CPU cores shared with other jobs, load average 10-17, see
-docs/retrieval.md): NOT learned within the budget. A step takes about 1.2 s at load 10 and
-3.5-3.9 s at load 16 (batch 16 x 160 tokens), so 1500 steps are 30-95 min per model there;
-after 100 steps both models were at chance (query accuracy 0.000, answer loss 2.27-2.34 nats,
-ln 10 = 2.30). The previous config (d_model 128, 4 layers, seq 512, 4 needles) was also at
-chance after 400 steps. Kept as the cheapest needle setting with distractors; it does not meet
-issue 10's goal (both models well above chance in ~10 min)."""
+Why not the paper's sentences: with "The magic number for <k> is <vv>." (the default
+`data.needle_template`) no 2-layer d64 model left the no-retrieval level in any pilot (up to
+4000 steps, inits 0.02-0.072, lr 3e-3 and 1e-2, batch 16-32; docs/retrieval.md). With the key
+right before the value, the lookup is the one MQAR needs (a previous-token head, then a match);
+in text the key is a few bytes from the value and the two offsets must be learned exactly.
+
+Measured (2026-12-01, JAX 0.10.2, 2 CPU cores, about 7 min per model and seed; docs/retrieval.md):
+final validation query accuracy DIFF 0.854, 0.479, 0.698 (seeds 0-2; above the no-retrieval
+level from step 750, 1500, 750, still rising at 2000), twin 0.254, 0.252 (seeds 0-1: at the
+no-retrieval level, as in 12 twin pilots with other inits, lr, batch sizes and contexts). The
+issue-10 goal "both models well above chance" is met by DIFF only."""
 
 
 from diffjax import ModelConfig
@@ -28,11 +33,12 @@ def get_config():
     return ExperimentConfig(
         run=RunConfig(name="needle"),
         model=ModelConfig(d_model=64, num_layers=2, num_heads=2, attention="diff_v1",
-                          max_seq_len=320),
-        data=DataConfig(source="needle", seq_len=160, num_needles=3, num_queries=1, key_len=1,
-                        value_len=2),
-        train=TrainConfig(steps=1500, batch_size=16, lr=3e-3, warmup_steps=100, schedule="cosine",
-                          min_lr_ratio=0.1, b2=0.95, weight_decay=0.0, eval_every=100,
+                          max_seq_len=256, init_std=0.04),
+        data=DataConfig(source="needle", seq_len=128, num_needles=4, num_queries=16,
+                        query_replacement=True, key_len=1, value_len=1,
+                        needle_template="\n${key}{value}\n", query_template="\n${key}{value}"),
+        train=TrainConfig(steps=2000, batch_size=64, lr=3e-3, warmup_steps=100, schedule="cosine",
+                          min_lr_ratio=0.1, b2=0.95, weight_decay=0.0, eval_every=250,
                           eval_batches=8, checkpoint_every=500),
         compare=True,
     )

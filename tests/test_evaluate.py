@@ -78,6 +78,22 @@ def test_position_categories_follow_custom_templates():
         assert counts[CATEGORIES.index("noise context")] == 64 + 1 - 2 * 5 - 1 - 3 * 6
 
 
+def test_the_runs_own_setting_keeps_its_query_replacement():
+    """A run trained with more queries than needles (drawn with replacement) is evaluated on its
+    own setting; the paper's settings still ask R distinct needles."""
+    from diffjax.evaluate import run as run_lib
+
+    data = DataConfig(source="needle", seq_len=64, num_needles=2, num_queries=4,
+                      query_replacement=True, key_len=1, value_len=1,
+                      needle_template="\n${key}{value}\n", query_template="\n${key}{value}")
+    assert run_lib._fits(data, 64, 2, 4) and run_lib._task(data, 64, 2, 4).query_replacement
+    assert not run_lib._task(data, 64, 2, 2).query_replacement
+    batch = task_examples(run_lib._task(data, 64, 2, 4, num_examples=8))
+    assert batch["query_needle"].shape == (8, 4)
+    with pytest.raises(ConfigError, match="num_queries"):
+        needle_task(data, seq_len=64, num_needles=2, num_queries=4)
+
+
 def _onehot(batch):
     return np.eye(len(CATEGORIES), dtype=np.float32)[position_categories(batch)]
 

@@ -22,10 +22,12 @@ PAPER_SETTINGS = ((1, 1), (2, 2), (4, 2), (6, 2))  # (N needles, R queried), Tab
 
 
 def needle_task(base: DataConfig | None = None, *, seq_len: int, num_needles: int,
-                num_queries: int, num_examples: int = 64, seed: int = 0) -> DataConfig:
+                num_queries: int, num_examples: int = 64, seed: int = 0,
+                query_replacement: bool = False) -> DataConfig:
     """A needle-task ``DataConfig``: the keys, values, templates and haystack text of ``base``
     when it is a needle task (the haystack's ``path`` too when it is a text corpus), the stdlib
-    corpus otherwise. Validated: a ``seq_len`` too short for the needles raises ``ConfigError``."""
+    corpus otherwise; ``query_replacement`` as in ``DataConfig`` (False: the paper's R distinct
+    needles). Validated: a ``seq_len`` too short for the needles raises ``ConfigError``."""
     kw: dict = {}
     if base is not None and base.source == "needle":
         kw = dict(path=base.path, key_len=base.key_len, value_len=base.value_len,
@@ -37,7 +39,8 @@ def needle_task(base: DataConfig | None = None, *, seq_len: int, num_needles: in
         kw = dict(path=base.path, val_fraction=base.val_fraction, max_files=base.max_files,
                   stdlib_tests=base.stdlib_tests)
     return DataConfig(source="needle", seq_len=seq_len, num_needles=num_needles,
-                      num_queries=num_queries, num_val_examples=num_examples, seed=seed, **kw)
+                      num_queries=num_queries, num_val_examples=num_examples, seed=seed,
+                      query_replacement=query_replacement, **kw)
 
 
 def task_examples(config: DataConfig, num: int | None = None) -> dict[str, np.ndarray]:
@@ -115,12 +118,14 @@ class RetrievalGrid:
 def multi_needle_retrieval(model, *, lengths: Sequence[int], num_needles: int,
                            num_queries: int, data: DataConfig | None = None,
                            num_examples: int = 64, num_depth_bins: int = 5,
-                           batch_size: int = 8, seed: int = 0) -> RetrievalGrid:
+                           batch_size: int = 8, seed: int = 0,
+                           query_replacement: bool = False) -> RetrievalGrid:
     """Retrieval accuracy of ``model`` on the needle task, per context length and needle depth.
 
     ``data``: the run's data config (keys, values and haystack text are taken from it when it
     is a needle task). ``num_examples`` examples per length (validation split, seed ``seed``),
-    each with ``num_queries`` scored queries."""
+    each with ``num_queries`` scored queries (drawn with replacement with
+    ``query_replacement``)."""
     check_model(model)
     lengths = [int(x) for x in lengths]
     too_long = [x for x in lengths if x > model.config.max_seq_len]
@@ -131,7 +136,8 @@ def multi_needle_retrieval(model, *, lengths: Sequence[int], num_needles: int,
     total = np.zeros_like(correct)
     for li, length in enumerate(lengths):
         cfg = needle_task(data, seq_len=length, num_needles=num_needles, num_queries=num_queries,
-                          num_examples=num_examples, seed=seed)
+                          num_examples=num_examples, seed=seed,
+                          query_replacement=query_replacement)
         batch = task_examples(cfg)
         ok = query_correct(losses_and_predictions(model, batch, batch_size)[1], batch)
         bins = depth_bins(query_depths(batch), num_depth_bins)

@@ -125,9 +125,20 @@ def _needle_setting(data: DataConfig) -> tuple[int, int]:
     return (data.num_needles, data.num_queries) if data.source == "needle" else (1, 1)
 
 
+def _replacement(data: DataConfig, n: int, r: int) -> bool:
+    """The run's own needle setting keeps its query_replacement; the paper's settings ask R
+    distinct needles."""
+    return data.source == "needle" and data.query_replacement and (n, r) == _needle_setting(data)
+
+
+def _task(data: DataConfig, seq_len: int, n: int, r: int, **kw) -> DataConfig:
+    return ret.needle_task(data, seq_len=seq_len, num_needles=n, num_queries=r,
+                           query_replacement=_replacement(data, n, r), **kw)
+
+
 def _fits(data: DataConfig, seq_len: int, n: int, r: int) -> bool:
     try:
-        ret.needle_task(data, seq_len=seq_len, num_needles=n, num_queries=r)
+        _task(data, seq_len, n, r)
         return True
     except ConfigError:
         return False
@@ -180,25 +191,24 @@ def evaluate_model(model, data: DataConfig, settings: EvalSettings,
             continue
         grid = ret.multi_needle_retrieval(model, lengths=ls, num_needles=n, num_queries=r,
                                           data=data, num_examples=settings.retrieval_examples,
-                                          num_depth_bins=settings.depth_bins, batch_size=bs)
+                                          num_depth_bins=settings.depth_bins, batch_size=bs,
+                                          query_replacement=_replacement(data, n, r))
         out["retrieval"][f"{n},{r}"] = grid.to_dict()
     log(f"    retrieval ({time.perf_counter() - t0:.1f}s)")
 
     # 2. attention allocation and 5. the measured noise floor
     t0 = time.perf_counter()
     if _fits(data, seq_len, n0, r0):
-        batch = ret.task_examples(ret.needle_task(
-            data, seq_len=seq_len, num_needles=n0, num_queries=r0,
-            num_examples=settings.allocation_examples, seed=1))
+        batch = ret.task_examples(_task(data, seq_len, n0, r0,
+                                        num_examples=settings.allocation_examples, seed=1))
         a = alloc_lib.attention_allocation(model, batch, num_depth_bins=settings.depth_bins, batch_size=bs)
         out["allocation"] = a.to_dict()
         out["noise_measured"] = []
         for x in ([seq_len] if settings.quick else lengths):
             if not _fits(data, x, n0, r0):
                 continue
-            b = batch if x == seq_len else ret.task_examples(ret.needle_task(
-                data, seq_len=x, num_needles=n0, num_queries=r0,
-                num_examples=settings.allocation_examples, seed=1))
+            b = batch if x == seq_len else ret.task_examples(_task(
+                data, x, n0, r0, num_examples=settings.allocation_examples, seed=1))
             m = alloc_lib.measured_noise_floor(model, b, batch_size=bs)
             out["noise_measured"].append({"length": x, **m})
     log(f"    attention allocation and noise floor ({time.perf_counter() - t0:.1f}s)")
@@ -216,9 +226,8 @@ def evaluate_model(model, data: DataConfig, settings: EvalSettings,
     t0 = time.perf_counter()
     task = val if "answer_spans" in val else None
     if task is None and _fits(data, seq_len, n0, r0):
-        task = ret.task_examples(ret.needle_task(data, seq_len=seq_len, num_needles=n0,
-                                                 num_queries=r0,
-                                                 num_examples=settings.retrieval_examples))
+        task = ret.task_examples(_task(data, seq_len, n0, r0,
+                                       num_examples=settings.retrieval_examples))
     out["quantization"] = quant.quantization_sweep(model, val, task, bits=settings.bits,
                                                    batch_size=bs)
     log(f"    quantization ({time.perf_counter() - t0:.1f}s)")
@@ -403,7 +412,8 @@ def render(run_dir: str, cfg: dict, data: DataConfig, settings: EvalSettings,
                             vals.append(sum(g["correct"][i]) / max(sum(g["total"][i]), 1))
                     cells.append(fmt_mean_std(vals, "{:.2f}"))
                 p = PAPER_RETRIEVAL.get((n, r_))
-                rows.append([f"N={n}, R={r_}", str(length)] + cells + (
+                name = f"N={n}, R={r_}" + (" (with replacement)" if r_ > n else "")
+                rows.append([name, str(length)] + cells + (
                     [f"{p[0]:.2f}", f"{p[1]:.2f}"] if p and li == len(g0["lengths"]) - 1 else ["", ""]))
         L += _table(header, rows)
         L += ["", f"Accuracy per query (all answer digits right, greedy), "
