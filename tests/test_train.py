@@ -4,6 +4,8 @@ case stopping with its message before training."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import os
 import signal
@@ -481,6 +483,17 @@ def test_clopper_pearson_and_the_seed_count_of_a_retrieval_run():
     assert "diff 2 of 2 seeds (95% Clopper-Pearson interval for the rate: 16%-100%)" in text
     assert "standard 1 of 2 seeds (95% Clopper-Pearson interval for the rate: 1%-99%)" in text
     assert learned_counts([result("diff", 0, None)], 0.25) == []
+    # the per-seed table shows the query accuracy (not the near-0 example accuracy) of a query task
+    from diffjax.train.report import per_seed_table
+
+    rs[0] = dataclasses.replace(rs[0], val_accuracy=0.01)
+    table = per_seed_table(rs)
+    assert "| seed | diff val loss | standard val loss | diff query accuracy | standard query " \
+        "accuracy |" in table
+    assert "| 0 | 1.0000 | 1.0000 | 0.850 | 0.260 |" in table and "0.010" not in table
+    plain = per_seed_table([dataclasses.replace(r, val_query_accuracy=None, val_accuracy=0.5)
+                            for r in rs])
+    assert "diff accuracy" in plain and "| 1 | 1.0000 | 1.0000 | 0.500 | 0.500 |" in plain
 
 
 def test_side_by_side_summary():
