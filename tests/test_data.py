@@ -438,6 +438,76 @@ def test_needle_custom_templates_key_letters_and_query_spans():
                             TOK.decode(w[s:e]))
 
 
+def test_context_len_schedule():
+    cfg = DataConfig(source="mqar", seq_len=128, num_pairs=8, num_queries=16,
+                     query_replacement=True, curriculum_steps=100)
+    assert cfg.task_min_seq_len == 48
+    lens = [cfg.context_len(s) for s in (0, 1, 50, 99, 100, 10**6)]
+    assert lens == [48, 48, 88, 127, 128, 128]
+    assert cfg.replace(curriculum_start_len=100).context_len(50) == 114
+    assert DataConfig(source="mqar", seq_len=128, num_pairs=8).context_len(0) == 128
+
+
+def test_needle_curriculum_short_examples_then_full():
+    """Under a context-length curriculum, the train examples of step s hold the task at
+    context_len(s) tokens (a shorter haystack, the same needles and queries), then PAD with no
+    weight; from curriculum_steps on, and in validation, they are the curriculum-free examples."""
+    base = DataConfig(source="needle", seq_len=96, num_needles=3, num_queries=4,
+                      query_replacement=True, key_len=1, value_len=2, needle_template="\n${key}{value}\n",
+                      query_template="\n${key}{value}", max_files=40)
+    cfg = base.replace(curriculum_steps=10)
+    G = 4
+    src, full = make_source(cfg, "train", global_batch=G), make_source(base, "train")
+    for i in (0, 3, 4 * G + 1, 10 * G - 1):
+        ex, L = src[i], cfg.context_len(i // G)
+        assert L < 96
+        w = np.concatenate([ex["inputs"], ex["targets"][-1:]])
+        assert (w[L + 1:] == PAD).all() and w[L] != PAD and not ex["weights"][L:].any()
+        assert ex["query_spans"][-1, 1] == L + 1
+        facts = {}
+        for (s, e), (vs, ve) in zip(ex["needle_spans"], ex["needle_value_spans"]):
+            m = re.fullmatch(r"\n\$([a-z])([1-9]\d)\n", TOK.decode(w[s:e]))
+            facts[m.group(1)] = m.group(2)
+            assert TOK.decode(w[vs:ve]) == m.group(2) and e <= L + 1 - 4 * 5
+        for r, (s, e) in enumerate(ex["query_spans"]):
+            key, value = re.fullmatch(r"\n\$([a-z])(\d\d)", TOK.decode(w[s:e])).groups()
+            assert facts[key] == value == TOK.decode(w[slice(*ex["answer_spans"][r] + 1)])
+        assert ex["weights"].sum() == 4 * 2
+        assert 0.0 <= ex["needle_depths"].min() and ex["needle_depths"].max() <= 1.0
+    assert cfg.context_len(0) == 38 and (src[0]["inputs"][39:] == PAD).all()  # no haystack
+    for i in (10 * G, 10 * G + 3, 99 * G):  # after the curriculum: the full-length examples
+        for k, v in full[i].items():
+            np.testing.assert_array_equal(src[i][k], v, err_msg=k)
+    val, val_full = make_source(cfg, "validation"), make_source(base, "validation")
+    np.testing.assert_array_equal(val[0]["inputs"], val_full[0]["inputs"])
+    with pytest.raises(DataError, match="global_batch"):
+        make_source(cfg, "train")
+    # make_dataset passes the global batch: batch j is step j
+    it = iter(make_dataset(cfg, "train", batch_size=G))
+    for step in range(3):
+        b = next(it)
+        L = cfg.context_len(step)
+        assert (b["inputs"][:, L + 1:] == PAD).all() and (b["inputs"][:, L] != PAD).all()
+    assert "grow from 38 to 96 tokens over the first 10 steps" in describe(cfg)
+
+
+def test_mqar_curriculum_layout():
+    base = DataConfig(source="mqar", seq_len=64, num_pairs=8, num_queries=3)
+    cfg = base.replace(curriculum_steps=8, curriculum_start_len=30)
+    src, full = make_source(cfg, "train", global_batch=2), make_source(base, "train")
+    for i in range(0, 20, 3):
+        ex, L = src[i], cfg.context_len(i // 2)
+        w = np.concatenate([ex["inputs"], ex["targets"][-1:]])
+        pairs = dict(zip(w[1:17:2].tolist(), w[2:17:2].tolist()))
+        assert (w[17:L + 1 - 6] == PAD).all() and (w[L + 1:] == PAD).all()
+        weighted = np.flatnonzero(ex["weights"])
+        assert weighted.tolist() == [L - 5, L - 3, L - 1]
+        for t in weighted:
+            assert pairs[int(ex["inputs"][t])] == ex["targets"][t]
+        np.testing.assert_array_equal(w[:17], np.concatenate([full[i]["inputs"], full[i]["targets"][-1:]])[:17])
+    assert cfg.context_len(0) == 30 and cfg.context_len(8) == 64
+
+
 def test_needle_validation_padding_matches_train_batches():
     cfg = NEEDLE.replace(num_val_examples=5)
     val = list(make_dataset(cfg, "validation", batch_size=4))
@@ -591,6 +661,14 @@ def assert_error(exc_type, fn, *contains):
      "mqar_num_keys=8"),
     (dict(source="mqar", mqar_num_keys=129, seq_len=64), "mqar_num_keys", "[1, 128]"),
     (dict(source="mqar", mqar_num_values=0, seq_len=64), "mqar_num_values", "[1, 128]"),
+    (dict(curriculum_steps=100), "curriculum_steps", "source='needle' or 'mqar'"),
+    (dict(source="mqar", seq_len=64, curriculum_steps=-1), "curriculum_steps", ">= 0"),
+    (dict(source="mqar", seq_len=64, curriculum_start_len=40), "curriculum_start_len",
+     "curriculum_steps=0"),
+    (dict(source="mqar", seq_len=64, num_pairs=8, num_queries=4, curriculum_steps=10,
+          curriculum_start_len=20), "curriculum_start_len", "[24, seq_len=64]"),
+    (dict(source="mqar", seq_len=64, num_pairs=8, curriculum_steps=10,
+          curriculum_start_len=65), "curriculum_start_len", "[20, seq_len=64]"),
     (dict(source="needle", value_len=1, num_needles=10, num_queries=1, seq_len=1024),
      "value_len", "distinct"),
     (dict(source="needle", seq_len=512, needle_template="{value} is {key}"), "needle_template",

@@ -108,6 +108,13 @@ class DataConfig:
     mqar_num_keys: int = MQAR_MAX_PAIRS
     mqar_num_values: int = MQAR_MAX_PAIRS
     num_val_examples: int = 1024  # validation set size of the synthetic tasks
+    # needle and mqar, train split: a context-length curriculum. Over the first
+    # `curriculum_steps` train steps the examples grow linearly from `curriculum_start_len`
+    # tokens (None: the task's shortest, `task_min_seq_len`: no haystack / no padding gap) to
+    # seq_len; each is PAD (no weight) after its end, so every batch has one shape. Validation
+    # is always full length. 0: off (every example is seq_len long).
+    curriculum_steps: int = 0
+    curriculum_start_len: int | None = None
     # stdlib/text: None or "byte" for the byte tokenizer; else a Hugging Face tokenizer.json or a
     # directory holding one (a checkpoint's), read with the `tokenizers` package (local only).
     tokenizer: str | None = None
@@ -174,6 +181,25 @@ class DataConfig:
             self._check_needle()
         if self.source == "mqar":
             self._check_mqar()
+        self._check_curriculum()
+
+    def _check_curriculum(self) -> None:
+        if self.curriculum_steps < 0:
+            _fail("curriculum_steps", f"must be >= 0, got {self.curriculum_steps}",
+                  "use 0 (off) or the number of train steps over which the context grows")
+        if self.curriculum_steps > 0 and not self.is_synthetic:
+            _fail("curriculum_steps", f"is a needle/mqar setting but source={self.source!r}",
+                  "leave curriculum_steps=0, or use source='needle' or 'mqar'")
+        if self.curriculum_start_len is None:
+            return
+        if self.curriculum_steps == 0:
+            _fail("curriculum_start_len", "is set but curriculum_steps=0 (no curriculum)",
+                  "set curriculum_steps > 0, or leave curriculum_start_len=None")
+        low, high = self.task_min_seq_len, self.seq_len
+        if not low <= self.curriculum_start_len <= high:
+            _fail("curriculum_start_len", f"must be in [{low}, seq_len={high}] (the shortest "
+                  f"example that holds the task, up to full length), got {self.curriculum_start_len}",
+                  f"use a length in [{low}, {high}], or None for {low}")
 
     def _check_needle(self) -> None:
         n, r = self.num_needles, self.num_queries
@@ -224,6 +250,25 @@ class DataConfig:
     def needle_min_seq_len(self) -> int:
         """The shortest ``seq_len`` that holds BOS, the needles and the queries (no haystack)."""
         return self.num_needles * self.needle_bytes + self.num_queries * self.query_bytes
+
+    @property
+    def task_min_seq_len(self) -> int:
+        """The shortest example that holds the synthetic task: needle, no haystack
+        (:attr:`needle_min_seq_len`); mqar, the pairs then the queries with no padding between."""
+        if self.source == "needle":
+            return self.needle_min_seq_len
+        if self.source == "mqar":
+            return 2 * self.num_pairs + 2 * self.num_queries
+        raise ValueError(f"task_min_seq_len: source={self.source!r} is not a synthetic task")
+
+    def context_len(self, step: int) -> int:
+        """Tokens of the train examples of ``step`` (0-based) under the context-length
+        curriculum: ``curriculum_start_len`` at step 0, growing linearly to ``seq_len`` at step
+        ``curriculum_steps``; ``seq_len`` when there is no curriculum."""
+        if self.curriculum_steps == 0 or step >= self.curriculum_steps:
+            return self.seq_len
+        start = self.curriculum_start_len or self.task_min_seq_len
+        return start + (self.seq_len - start) * max(int(step), 0) // self.curriculum_steps
 
     @property
     def needle_bytes(self) -> int:

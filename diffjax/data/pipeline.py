@@ -58,21 +58,28 @@ def _haystack(config: DataConfig, split: str) -> tuple[Corpus, Any]:
     return corpus, stream
 
 
-def make_source(config: DataConfig, split: str, *, seed: int | None = None):
+def make_source(config: DataConfig, split: str, *, seed: int | None = None,
+                global_batch: int | None = None):
     """The random-access source of one split (``len``, ``[i]`` -> dict of numpy arrays).
 
     ``seed`` (default ``config.seed``) picks the synthetic *train* examples; synthetic validation
-    examples always use ``config.seed``."""
+    examples always use ``config.seed``. ``global_batch`` (examples per step over all
+    processes) is needed by a synthetic train split with a context-length curriculum
+    (``config.curriculum_steps > 0``): example ``i`` belongs to step ``i // global_batch``."""
     _check_config(config)
     _check_split(split)
     seed = config.seed if seed is None or split == "validation" else int(seed)
+    if config.curriculum_steps > 0 and split == "train" and global_batch is None:
+        raise DataError("make_source: data.curriculum_steps > 0 sizes each train example by its "
+                        "step, which needs the global batch size. Fix: pass global_batch=G "
+                        "(examples per step over all processes)")
     if config.source == "mqar":
         n = SYNTHETIC_TRAIN_EXAMPLES if split == "train" else config.num_val_examples
-        return MQARSource(config, split, seed, n)
+        return MQARSource(config, split, seed, n, global_batch)
     if config.source == "needle":
         _, stream = _haystack(config, split)
         n = SYNTHETIC_TRAIN_EXAMPLES if split == "train" else config.num_val_examples
-        return NeedleSource(config, split, seed, stream, n)
+        return NeedleSource(config, split, seed, stream, n, global_batch)
     corpus = load_corpus(config)
     return WindowSource(corpus.stream(split), config.seq_len)
 
@@ -161,7 +168,7 @@ def make_dataset(config: DataConfig, split: str, *, batch_size: int, seed: int |
     if not 0 <= train_seed < 2**32:
         raise DataError(f"make_dataset: seed must be in [0, 2**32), got {seed}. Fix: pass a "
                         f"non-negative 32-bit seed")
-    src = make_source(config, split, seed=train_seed)
+    src = make_source(config, split, seed=train_seed, global_batch=pc * batch_size)
     n = len(src)
     if n == 0:
         if split == "validation" and config.val_fraction == 0:
@@ -293,6 +300,9 @@ def check_data(config: DataConfig, vocab_size: int = VOCAB_SIZE) -> DataSummary:
             files, secs = 0, 0.0
         ntr, nva = SYNTHETIC_TRAIN_EXAMPLES, config.num_val_examples
         desc += f", {nva:,} validation examples"
+        if config.curriculum_steps:
+            desc += (f"; curriculum: train examples grow from {config.context_len(0)} to {T} "
+                     f"tokens over the first {config.curriculum_steps:,} steps (PAD after each)")
         return DataSummary(config.source, desc, T, files, files, files, ntr * (T + 1),
                            nva * (T + 1), ntr, nva, "synthetic", secs)
     corpus = load_corpus(config)

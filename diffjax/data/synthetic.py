@@ -82,18 +82,20 @@ class NeedleSource:
     ``key_len`` letters from the first ``needle_num_key_letters`` lowercase ones, values
     ``value_len`` digits (no leading zero), both distinct within an example.
     Only the answer digits carry weight. The haystack is a random span of the split's corpus
-    stream (document markers become newlines)."""
+    stream (document markers become newlines). Under a context-length curriculum a short train
+    example has a shorter haystack and is PAD after its last query."""
 
     def __init__(self, config: DataConfig, split: str, seed: int, haystack: TokenStream,
-                 length: int):
+                 length: int, global_batch: int | None = None):
         self.config, self.split, self.seed = config, split, int(seed)
         self.haystack, self._len = haystack, int(length)
+        self.global_batch = global_batch
         c = config
         self.T = c.seq_len
         self.K, self.V = c.key_len, c.value_len
         self.nl, self.ql = c.needle_bytes, c.query_bytes
         self.H = self.T - c.num_queries * self.ql  # haystack + needles (BOS is the other token)
-        self.F = self.H - c.num_needles * self.nl  # filler bytes
+        self.F = self.H - c.num_needles * self.nl  # filler bytes (at full length)
         self._needle_parts = [p.encode() for p in _split_template(c.needle_template)]
         self._query_parts = [p.encode() for p in _split_template(c.query_template)]
         self._key_letters = _LETTERS[:c.needle_num_key_letters]
@@ -104,8 +106,8 @@ class NeedleSource:
     def __len__(self) -> int:
         return self._len
 
-    def _filler(self, rng: np.random.Generator) -> np.ndarray:
-        F, M = self.F, len(self.haystack)
+    def _filler(self, rng: np.random.Generator, F: int) -> np.ndarray:
+        M = len(self.haystack)
         if F == 0:
             return np.zeros((0,), np.int32)
         if M >= F:
@@ -136,10 +138,12 @@ class NeedleSource:
         else:
             depths = rng.uniform(0.0, 1.0, N)
         asked = rng.choice(N, size=R, replace=c.query_replacement)
-        filler = self._filler(rng)
+        L = context_len(c, self.split, index, self.global_batch)
+        H = L - R * self.ql  # this example's haystack + needles
+        filler = self._filler(rng, H - N * self.nl)
 
-        pos = place_needles(depths, self.H, self.nl)  # haystack offsets
-        hay = np.empty((self.H,), np.int32)
+        pos = place_needles(depths, H, self.nl)  # haystack offsets
+        hay = np.empty((H,), np.int32)
         cursor, used = 0, 0
         for i in np.argsort(pos, kind="stable"):
             gap = int(pos[i]) - cursor
@@ -147,15 +151,16 @@ class NeedleSource:
             used += gap
             hay[pos[i]:pos[i] + self.nl] = self._needle(keys[i].tobytes(), values[i].tobytes())
             cursor = int(pos[i]) + self.nl
-        hay[cursor:] = filler[used:used + self.H - cursor]
+        hay[cursor:] = filler[used:used + H - cursor]
 
         queries = [self._query(keys[i].tobytes(), values[i].tobytes()) for i in asked]
-        w = np.concatenate([np.array([BOS], np.int32), hay, *queries])
+        pad = np.full((T - L,), PAD, np.int32)  # a curriculum's short example: PAD after it
+        w = np.concatenate([np.array([BOS], np.int32), hay, *queries, pad])
         assert len(w) == T + 1, (len(w), T + 1)
 
         weights = np.zeros((T,), np.float32)
         answer_spans = np.zeros((R, 2), np.int32)
-        q0 = 1 + self.H
+        q0 = 1 + H
         for r in range(R):
             a = q0 + r * self.ql + self.query_value_at  # first answer digit, as a w position
             answer_spans[r] = (a - 1, a - 1 + self.V)  # target positions
@@ -164,7 +169,7 @@ class NeedleSource:
         needle_spans = np.stack([starts, starts + self.nl], 1).astype(np.int32)
         value_starts = starts + self.needle_value_at
         value_spans = np.stack([value_starts, value_starts + self.V], 1).astype(np.int32)
-        room = max(self.H - self.nl, 1)
+        room = max(H - self.nl, 1)
         query_starts = q0 + self.ql * np.arange(R)
         return {
             "inputs": w[:-1],
@@ -184,6 +189,20 @@ class NeedleSource:
                 f"{c.num_queries} queries, seq_len {c.seq_len}, {self.F} filler bytes)")
 
 
+def context_len(config: DataConfig, split: str, index: int, global_batch: int | None) -> int:
+    """Tokens of example ``index`` of ``split``: under a context-length curriculum
+    (``config.curriculum_steps > 0``) a train example belongs to step ``index // global_batch``
+    (synthetic train examples are not shuffled, so example ``i`` is row ``i % G`` of global batch
+    ``i // G``) and is :meth:`DataConfig.context_len` of that step long; else ``seq_len``."""
+    if config.curriculum_steps == 0 or split != "train":
+        return config.seq_len
+    if global_batch is None:
+        raise ValueError("a context-length curriculum (data.curriculum_steps > 0) needs the "
+                         "global batch size to know each train example's step: build the source "
+                         "with make_source(..., global_batch=G) (make_dataset does)")
+    return config.context_len(int(index) // int(global_batch))
+
+
 def _split_template(template: str) -> list[str]:
     """``"a{key}b{value}c"`` -> ``["a", "b", "c"]``."""
     a, rest = template.split("{key}")
@@ -198,11 +217,14 @@ class MQARSource:
 
     keys are distinct byte ids in 0..mqar_num_keys-1 (default 127), values byte ids in
     128..127+mqar_num_values (default 255; they may repeat); the R
-    queried pairs are distinct and sit at the end, so the recall distance grows with
-    ``seq_len``. Only the queried values carry weight."""
+    queried pairs are distinct (unless ``query_replacement``) and sit at the end, so the recall
+    distance grows with ``seq_len``. Only the queried values carry weight. Under a context-length
+    curriculum a short train example ends with its queries and is PAD after them."""
 
-    def __init__(self, config: DataConfig, split: str, seed: int, length: int):
+    def __init__(self, config: DataConfig, split: str, seed: int, length: int,
+                 global_batch: int | None = None):
         self.config, self.split, self.seed, self._len = config, split, int(seed), int(length)
+        self.global_batch = global_batch
 
     def __len__(self) -> int:
         return self._len
@@ -218,9 +240,9 @@ class MQARSource:
         w[0] = BOS
         w[1:1 + 2 * P:2] = keys
         w[2:2 + 2 * P:2] = values
-        qs = T + 1 - 2 * R
-        w[qs::2] = keys[asked]
-        w[qs + 1::2] = values[asked]
+        qs = context_len(c, self.split, index, self.global_batch) + 1 - 2 * R  # PAD after it
+        w[qs:qs + 2 * R:2] = keys[asked]
+        w[qs + 1:qs + 2 * R:2] = values[asked]
         weights = np.zeros((T,), np.float32)
         answer_at = qs + 2 * np.arange(R)  # target positions of the queried values
         weights[answer_at] = 1.0
