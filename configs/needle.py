@@ -21,10 +21,10 @@ paper's sentences ("The magic number for <k> is <vv>.", the default of `data.nee
 were learned by neither model in any pilot.
 
 Measured (2026-12-02, JAX 0.10.2, 2 CPU cores, about 10.5 min per model and seed on free cores;
-docs/retrieval.md): final validation query accuracy DIFF 0.770, 0.819 (seeds 0-1; above the
-no-retrieval level from step 1750 and 1000, still rising at 3000), twin 0.950, 0.250 (seed 0
-from step 750; seed 1 never left the no-retrieval level). The twin's escape is all or nothing
-per seed, as on MQAR at batch 64."""
+docs/retrieval.md): final validation query accuracy DIFF 0.770, 0.819, 0.249 (seeds 0-2;
+above the no-retrieval level from step 1750 and 1000 in seeds 0-1, still rising at 3000), twin
+0.950, 0.250, 0.247 (seed 0 from step 750; seeds 1-2 never left the no-retrieval level).
+Escape is all or nothing per seed for both models: DIFF 2 of 3, twin 1 of 3."""
 
 
 from diffjax import ModelConfig
