@@ -167,6 +167,50 @@ def test_attention_allocation_on_a_model_matches_its_own_maps():
     assert a.map_kind == "differential" and a.count.sum() == len(diff)
 
 
+def test_per_head_shares_and_the_retrieval_head_on_a_model():
+    """A 2-layer, 2-head standard model: per_head is each head's answer share computed from its
+    own maps in numpy, and the retrieval head is the argmax on the even examples, measured on the
+    odd ones."""
+    cfg = diffjax.ModelConfig(vocab_size=259, d_model=32, num_layers=2, num_heads=2,
+                              attention="standard", max_seq_len=160)
+    model = diffjax.TransformerLM(cfg, rngs=nnx.Rngs(3))
+    batch = _needle_batch(num=6)
+    a = alloc_lib.attention_allocation(model, batch, batch_size=4)
+    cats, rows = position_categories(batch), alloc_lib.answer_rows(batch)
+    per_ex = np.zeros((2, 6, 2))  # [L, B, H] answer share
+    for layer in range(2):
+        w = layer_attention_maps(model, batch["inputs"], layer)["a"]  # [B, H, T, S]
+        for i in range(6):
+            for h in range(2):
+                per_ex[layer, i, h] = np.mean([w[i, h, row][cats[i, 0] == 0].sum()
+                                               for row in rows[i, 0]])
+    np.testing.assert_allclose(a.per_head[..., 0], per_ex.mean(1), rtol=1e-4, atol=1e-7)
+    np.testing.assert_allclose(a.per_head.mean(1), a.per_layer, rtol=1e-4, atol=1e-7)
+    layer, head = np.unravel_index(np.argmax(per_ex[:, 0::2].mean(1)), (2, 2))
+    rh = a.retrieval_head
+    assert (rh["layer"], rh["head"], rh["held_out"]) == (layer, head, True)
+    np.testing.assert_allclose(rh["share"], per_ex[layer, 1::2, head].mean(), rtol=1e-4)
+
+
+def test_the_retrieval_head_is_chosen_on_held_out_examples():
+    """Head (0, 1) looks best on the even examples only (a fluke): it is chosen, and its
+    held-out share shows the fluke; a head that is good everywhere keeps its share."""
+    pe = np.zeros((2, 8, 3, len(CATEGORIES)))
+    pe[0, 0::2, 1, 0] = 0.9  # good on the even examples, 0 on the odd ones
+    pe[1, :, 2, 0] = 0.6  # good everywhere
+    rh = alloc_lib.best_head(pe)
+    assert (rh["layer"], rh["head"], rh["held_out"]) == (0, 1, True) and rh["share"] == 0.0
+    pe[1, :, 2, 0] = 0.95
+    rh = alloc_lib.best_head(pe)
+    assert (rh["layer"], rh["head"]) == (1, 2) and rh["share"] == pytest.approx(0.95)
+    one = alloc_lib.best_head(pe[:, 1:2])  # an odd example alone: chosen and measured on it
+    assert one["held_out"] is False and (one["layer"], one["head"]) == (1, 2)
+    nan = alloc_lib.best_head(np.full((1, 4, 2, len(CATEGORIES)), np.nan))
+    assert nan["layer"] is None and math.isnan(nan["share"])
+    with pytest.raises(ValueError, match="per-example shares"):
+        alloc_lib.best_head(pe[0])
+
+
 # ---------------------------------------------------------------------------- outliers
 def test_top_magnitudes_of_a_known_tensor():
     rng = np.random.default_rng(0)
@@ -437,6 +481,8 @@ def test_evaluate_command_on_a_tiny_run(tiny_runs, capsys):
                     "33,"):  # the parameter count of the scale line
         assert heading in text, heading
     assert "interval can be given" not in text  # one model, no twin: no paired difference
+    assert "**The retrieval head.**" in text and "chosen on the even examples" in text
+    assert "not a language-modelling measure" in text  # a needle run: answer-only loss
     for png in ("eval_retrieval_N1_R1.png", "eval_allocation.png", "eval_quantization.png",
                 "eval_noise_floor.png", "eval_loss_by_position.png", "eval_outliers.png"):
         assert (run / png).stat().st_size > 1000, png
@@ -453,6 +499,7 @@ def test_evaluate_run_aggregates_seeds(tiny_runs):
     text = evaluate_run(str(tiny_runs / "multi"), settings=settings, log=lambda *_: None)
     assert "seeds [0, 1]" in text and " ± " in text
     assert "95% t-interval [" in text and "over 2 paired seeds" in text  # DIFF - twin
+    assert "retrieval head's answer share" in text  # its paired difference
     data = json.loads((tiny_runs / "multi" / "eval.json").read_text())
     assert sorted((m["label"], m["seed"]) for m in data["models"]) == [
         ("diff", 0), ("diff", 1), ("standard", 0), ("standard", 1)]

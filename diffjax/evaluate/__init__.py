@@ -1,7 +1,8 @@
 """The paper's analyses, as functions on a model and arrays, and ``python -m diffjax.evaluate
 RUN_DIR [--quick]`` for a whole run (see docs/evaluation.md).
 
-- :func:`multi_needle_retrieval` (Table 2), :func:`attention_allocation` (Table 3),
+- :func:`multi_needle_retrieval` (Table 2), :func:`attention_allocation` (Table 3; per head, and the
+  retrieval head by :func:`best_head`),
   :func:`activation_outliers` (Table 5), :func:`quantization_sweep` /
   :func:`with_quantized_logits` (Fig. 8), :func:`noise_floor_closed_form` /
   :func:`noise_floor_streamed` / :func:`measured_noise_floor` (the noise floor),
@@ -10,7 +11,7 @@ RUN_DIR [--quick]`` for a whole run (see docs/evaluation.md).
 - :func:`evaluate_run`: every analysis on every model of a run, into ``eval.md``.
 """
 
-from .allocation import (CATEGORIES, Allocation, attention_allocation, category_mass,
+from .allocation import (CATEGORIES, Allocation, attention_allocation, best_head, category_mass,
                          measured_noise_floor, position_categories)
 from .noise_floor import noise_floor_closed_form, noise_floor_streamed
 from .outliers import activation_outliers, top_magnitudes
@@ -24,7 +25,7 @@ from .run import EvalSettings, ModelEntry, discover_models, evaluate_model, eval
 __all__ = [
     "Allocation", "CATEGORIES", "EvalSettings", "ModelEntry", "PairedInterval",
     "RetrievalGrid", "absmax_quantize", "activation_outliers", "attention_allocation",
-    "category_mass", "corpus_for_positions", "discover_models", "eval_paired_t_interval",
+    "best_head", "category_mass", "corpus_for_positions", "discover_models", "eval_paired_t_interval",
     "evaluate_model", "evaluate_run", "loss_by_position", "losses_and_predictions", "mean_std",
     "layer_attention_maps",
     "measured_noise_floor", "multi_needle_retrieval", "needle_task", "noise_floor_closed_form",

@@ -20,11 +20,19 @@ and cancelled, near-zero weights give a near-zero share); ``"sum"`` divides by t
 averaged over rows, queries, examples, heads and layers. (The paper states its numbers are
 averaged over heads and layers; its normalisation of the differential map is given only as an
 image in microsoft/unilm issue 1654, so ``"abs"`` is our choice, stated in every report.)
+
+The mean over heads and layers mixes the few heads that do the lookup with the rest (at 2
+layers, previous-token and local heads), so :class:`Allocation` also keeps every head's shares
+(``per_head``) and the **retrieval head** (:func:`best_head`): the (layer, head) with the largest
+answer share, chosen on the even examples and measured on the odd ones, so that picking the
+maximum of ``L x H`` noisy numbers does not inflate the figure it reports.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -112,10 +120,41 @@ def category_mass(model, batch: dict):
     return np.asarray(raw), np.asarray(absm), np.asarray(tot)
 
 
+def best_head(per_example: np.ndarray, category: int = 0) -> dict:
+    """The retrieval head from per-example shares ``[L, B, H, C]``: the (layer, head) whose mean
+    share of ``category`` (default: the answer) over the even examples is largest, and its mean
+    share over the odd examples (held out from the choice). With a single example it is chosen
+    and measured on that one (``held_out`` False). NaN shares (rows with no mass) are skipped."""
+    pe = np.asarray(per_example, np.float64)
+    if pe.ndim != 4 or pe.shape[1] == 0:
+        raise ValueError(f"best_head: expected per-example shares [layers, examples, heads, "
+                         f"categories] with at least one example, got shape {pe.shape}")
+    held_out = pe.shape[1] >= 2
+    pick, measure = (pe[:, 0::2], pe[:, 1::2]) if held_out else (pe, pe)
+    with _quiet_nanmean():
+        chosen = np.nanmean(pick[..., category], axis=1)  # [L, H]
+        measured = np.nanmean(measure[..., category], axis=1)
+    if not np.isfinite(chosen).any():
+        return {"layer": None, "head": None, "share": float("nan"), "held_out": held_out}
+    layer, head = np.unravel_index(int(np.nanargmax(chosen)), chosen.shape)
+    return {"layer": int(layer), "head": int(head), "share": float(measured[layer, head]),
+            "held_out": held_out}
+
+
+@contextlib.contextmanager
+def _quiet_nanmean():
+    """Silences numpy's "mean of empty slice" warning (an all-NaN slice gives NaN, as meant)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        yield
+
+
 @dataclasses.dataclass
 class Allocation:
     """Mean share per (depth bin, category), averaged over layers, heads, rows, queries and
-    examples; ``count`` queries per bin; ``per_layer`` ``[L, C]`` over every depth."""
+    examples; ``count`` queries per bin; ``per_layer`` ``[L, C]`` over every depth;
+    ``per_head`` ``[L, H, C]`` over every depth; ``retrieval_head``: :func:`best_head` of the
+    answer share."""
 
     depths: list[float]
     shares: np.ndarray  # [D, C]
@@ -123,6 +162,8 @@ class Allocation:
     per_layer: np.ndarray  # [L, C]
     normalize: str
     map_kind: str  # "softmax" or "differential"
+    per_head: np.ndarray | None = None  # [L, H, C]
+    retrieval_head: dict | None = None
 
     def overall(self) -> np.ndarray:
         w = self.count / max(self.count.sum(), 1)
@@ -132,7 +173,9 @@ class Allocation:
         return {"depths": self.depths, "categories": list(CATEGORIES),
                 "shares": self.shares.tolist(), "count": self.count.tolist(),
                 "per_layer": self.per_layer.tolist(), "normalize": self.normalize,
-                "map": self.map_kind}
+                "map": self.map_kind,
+                "per_head": None if self.per_head is None else self.per_head.tolist(),
+                "retrieval_head": self.retrieval_head}
 
 
 def attention_allocation(model, batch: dict, *, normalize: str = "abs", num_depth_bins: int = 5,
@@ -142,13 +185,16 @@ def attention_allocation(model, batch: dict, *, normalize: str = "abs", num_dept
     if normalize not in NORMALIZATIONS:
         raise ValueError(f"normalize must be one of {NORMALIZATIONS}, got {normalize!r}")
     n = len(batch["inputs"])
-    per_query = []  # [L, B, R, C] mean over heads and rows
+    per_query, per_example = [], []  # [L, B, R, C] mean over heads and rows; [L, B, H, C]
     for i in range(0, n, batch_size):
         chunk = {k: v[i:i + batch_size] for k, v in batch.items()}
         raw, absm, tot = category_mass(model, chunk)
         shares = normalize_shares(raw, absm, tot, normalize)  # [L, B, H, R, V, C]
-        per_query.append(np.nanmean(shares, axis=(2, 4)))
+        with _quiet_nanmean():
+            per_query.append(np.nanmean(shares, axis=(2, 4)))
+            per_example.append(np.nanmean(shares, axis=(3, 4)))
     per_query = np.concatenate(per_query, axis=1)  # [L, B, R, C]
+    per_example = np.concatenate(per_example, axis=1)  # [L, B, H, C]
     bins = depth_bins(query_depths(batch), num_depth_bins)  # [B, R]
     mean_lq = per_query.mean(0)  # [B, R, C] over layers
     shares = np.full((num_depth_bins, len(CATEGORIES)), np.nan)
@@ -160,8 +206,11 @@ def attention_allocation(model, batch: dict, *, normalize: str = "abs", num_dept
             shares[d] = mean_lq[sel].mean(0)
     centres = list(np.linspace(0, 1, num_depth_bins)) if num_depth_bins > 1 else [0.5]
     kind = "differential" if model.config.is_diff else "softmax"
+    with _quiet_nanmean():
+        per_head = np.nanmean(per_example, axis=1)  # [L, H, C]
     return Allocation([float(c) for c in centres], shares, count,
-                      per_query.mean(axis=(1, 2)), normalize, kind)
+                      per_query.mean(axis=(1, 2)), normalize, kind, per_head,
+                      best_head(per_example, CATEGORIES.index("answer")))
 
 
 def _num_distractors(batch) -> float:

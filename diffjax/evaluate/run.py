@@ -482,6 +482,7 @@ def render(run_dir: str, cfg: dict, data: DataConfig, settings: EvalSettings,
         L += ["![attention allocation](eval_allocation.png)", ""]
         line = _paired_line(groups, lambda r: _alloc_overall(r, ia), "answer share")
         L += [line, ""] if line else []
+        L += _retrieval_head_lines(groups, labels, ia)
     else:
         L += ["Not measured: the run's context is too short for the needle task.", ""]
 
@@ -626,7 +627,13 @@ def render(run_dir: str, cfg: dict, data: DataConfig, settings: EvalSettings,
         L += ["", f"Per-token loss on validation text at context {p0['length']} (the models "
                   f"were trained at {p0['trained_length']}"
                   + ("; positions beyond it test length extrapolation" if p0["length"] > p0["trained_length"] else "")
-                  + "), in equal position buckets.", "", "![loss by position](eval_loss_by_position.png)", ""]
+                  + "), in equal position buckets.", ""]
+        if data.source == "needle":
+            L += ["**Read with care:** the needle task trains on the answer digits only, so "
+                  "these models never had a loss on running text and the curve above is not a "
+                  "language-modelling measure; for this run, far-context use is the retrieval "
+                  "grid of section 1 (accuracy by context length and depth).", ""]
+        L += ["![loss by position](eval_loss_by_position.png)", ""]
     else:
         L += ["Not measured: the run's task (MQAR) has no running text.", ""]
     lam = [(r["label"], r["seed"], r["lambda"]) for r in results if r.get("lambda")]
@@ -660,3 +667,42 @@ def _alloc_overall(r: dict, c: int) -> float | None:
     w = np.asarray(a["count"], float)
     sh = np.nan_to_num(np.asarray(a["shares"], float)[:, c])
     return float((sh * w).sum() / max(w.sum(), 1))
+
+
+def _retrieval_head_share(r: dict) -> float | None:
+    h = _get(r, "allocation", "retrieval_head")
+    if not h or h.get("layer") is None or not np.isfinite(h["share"]):
+        return None
+    return float(h["share"])
+
+
+def _retrieval_head_lines(groups: dict, labels: list[str], ia: int) -> list[str]:
+    """The retrieval-head table: per model, the chosen (layer, head) of each seed, its held-out
+    answer share, and the mean over every head for comparison."""
+    if not any(_retrieval_head_share(r) is not None for rs in groups.values() for r in rs):
+        return []
+    rows = []
+    for lab in labels:
+        rs = [r for r in groups[lab] if _retrieval_head_share(r) is not None]
+        if not rs:
+            continue
+        heads = ", ".join(f"L{r['allocation']['retrieval_head']['layer']}."
+                          f"H{r['allocation']['retrieval_head']['head']}" for r in rs)
+        nheads = np.asarray(rs[0]["allocation"]["per_head"], float).shape[:2]
+        rows.append([_col_name(lab, rs), f"{nheads[0]} x {nheads[1]}", heads,
+                     fmt_mean_std([_retrieval_head_share(r) for r in rs], "{:.3f}"),
+                     fmt_mean_std([_alloc_overall(r, ia) for r in rs], "{:.3f}")])
+    held = all(r["allocation"]["retrieval_head"]["held_out"] for rs in groups.values()
+               for r in rs if _retrieval_head_share(r) is not None)
+    L = ["**The retrieval head.** The mean over heads and layers above mixes the heads that do "
+         "the lookup with the rest. Below, per model, the one (layer, head) with the largest "
+         "answer share (per seed, LlayerHhead, counted from 0), "
+         + ("chosen on the even examples and measured on the odd ones, so the maximum over "
+            "heads does not inflate the figure" if held else
+            "chosen and measured on the same examples (too few to hold any out)")
+         + "; same normalisation as above. A DIFF head is one differential map (two softmax "
+           "maps), so DIFF has half its twin's number of heads to choose from.", ""]
+    L += _table(["model", "layers x heads", "retrieval head per seed",
+                 "its answer share (held out)", "mean over every head"], rows)
+    line = _paired_line(groups, _retrieval_head_share, "retrieval head's answer share")
+    return L + ([""] + [line] if line else []) + [""]
