@@ -103,3 +103,46 @@ def test_queries_with_replacement_repeat_keys_and_eliminate_nothing():
     assert make_source(needle, "validation")[0]["query_needle"].shape == (4,)
     with pytest.raises(ValueError, match="query_replacement=True"):
         mqar.replace(query_replacement=False)
+
+
+@pytest.mark.parametrize("name", ["needle", "mqar"])
+def test_repeated_queries_can_be_copied_and_the_first_query_cannot(name):
+    """A guesser that never reads the needles (pairs): a repeated query copies the answer that
+    follows the earlier query of the same key; any other query copies a random needle's value.
+    On the shipped configs it scores far above the all-query no-retrieval level, and at that
+    level on the first query: why the first query's accuracy is what shows retrieval."""
+    from diffjax.data import query_kinds
+
+    d = _load(name).data.replace(num_val_examples=256)
+    chance = query_chance(d)
+    src = make_source(d, "validation")
+    rng = np.random.default_rng(0)
+    hits, first_hits = [], []
+    for i in range(len(src)):
+        ex = src[i]
+        batch = {k: v[None] for k, v in ex.items()}
+        first, repeat = (x[0] for x in query_kinds(batch))
+        w = np.concatenate([ex["inputs"], ex["targets"][-1:]])
+        asked = ex["query_needle" if name == "needle" else "query_pair"]
+        spans = (ex["needle_value_spans"] if name == "needle"
+                 else ex["pair_spans"] + np.array([1, 0]))
+        for r, q in enumerate(asked):
+            s, e = ex["answer_spans"][r] + 1  # the answer in input coordinates
+            truth = w[s:e].tobytes()
+            if repeat[r]:
+                earlier = max(j for j in range(r) if asked[j] == q)
+                es, ee = ex["answer_spans"][earlier] + 1
+                guess = w[es:ee].tobytes()  # in the input before query r: copied, not retrieved
+                assert es < s
+            else:
+                vs, ve = spans[rng.integers(len(spans))]
+                guess = w[vs:ve].tobytes()
+            hits.append(guess == truth)
+            if first[r]:
+                assert r == 0 and not repeat[r]
+                first_hits.append(guess == truth)
+    assert np.mean(hits) > chance["no_retrieval"] + 0.35  # well "above chance" without retrieval
+    assert chance["no_retrieval_first"] == pytest.approx(chance["no_retrieval"])  # replacement
+    assert abs(np.mean(first_hits) - chance["no_retrieval_first"]) < 0.1
+    with pytest.raises(ValueError, match="needle and MQAR"):
+        query_kinds({"inputs": np.zeros((1, 4))})

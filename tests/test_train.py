@@ -494,6 +494,16 @@ def test_clopper_pearson_and_the_seed_count_of_a_retrieval_run():
     plain = per_seed_table([dataclasses.replace(r, val_query_accuracy=None, val_accuracy=0.5)
                             for r in rs])
     assert "diff accuracy" in plain and "| 1 | 1.0000 | 1.0000 | 0.500 | 0.500 |" in plain
+    # with the first query's accuracy the count uses it and its own level: the diff seeds above
+    # copy earlier queries (0.85 and 0.70 on all queries) but stay at 0.26-0.30 on the first
+    first = [dataclasses.replace(r, val_first_query_accuracy=f)
+             for r, f in zip(rs, (0.30, 0.26, 0.95, 0.27))]
+    text = " ".join(learned_counts(first, 0.25, 0.25))
+    assert "final first-query accuracy" in text and "above 0.625" in text
+    assert "diff 0 of 2 seeds" in text and "standard 1 of 2 seeds" in text
+    assert "diff 2 of 2" in " ".join(learned_counts(rs, 0.25, 0.25))  # no first-query numbers
+    assert "| diff first query | standard first query |" in per_seed_table(first)
+    assert "| 0 | 1.0000 | 1.0000 | 0.850 | 0.260 | 0.300 | 0.950 |" in per_seed_table(first)
 
 
 def test_side_by_side_summary():
@@ -592,3 +602,35 @@ def test_report_leaves_the_matplotlib_backend_alone(tmp_path):
         assert (tmp_path / "run" / "loss.png").read_bytes()[:4] == b"\x89PNG"
     finally:
         matplotlib.use(before)
+
+
+def test_validation_splits_first_and_repeated_queries():
+    """loop.evaluate on a needle batch with queries drawn with replacement, with predictions
+    that are right on every repeated query and wrong on every other: the query accuracy is the
+    share of repeats, the first-query accuracy 0 and the repeat accuracy 1."""
+    import jax.numpy as jnp
+
+    from diffjax import sharding
+    from diffjax.data import DataConfig, make_source, query_kinds
+    from diffjax.train import loop
+
+    d = DataConfig(source="needle", seq_len=128, num_needles=4, num_queries=16,
+                   query_replacement=True, key_len=1, value_len=1,
+                   needle_template="{key}{value}", query_template="{key}{value}",
+                   num_val_examples=8)
+    src = make_source(d, "validation")
+    batch = {k: np.stack([src[i][k] for i in range(8)]) for k in src[0]}
+    first, repeat = query_kinds(batch)
+    preds = batch["targets"].copy()
+    for b, r in zip(*np.nonzero(~repeat)):
+        s, e = batch["answer_spans"][b, r]
+        preds[b, s:e] = (preds[b, s:e] + 1) % 256  # wrong
+
+    def eval_fn(params, inputs):
+        return jnp.float32(1.0), jnp.float32(1.0), inputs["inputs"] * 0 + jnp.asarray(preds)
+
+    mesh = sharding.make_mesh()
+    out = loop.evaluate(eval_fn, None, [batch], mesh, 8)
+    assert out["val_first_query_accuracy"] == 0.0 and out["val_repeat_query_accuracy"] == 1.0
+    assert out["val_query_accuracy"] == pytest.approx(repeat.mean())
+    assert repeat.mean() > 0.6 and not repeat[:, 0].any() and first[:, 0].all()

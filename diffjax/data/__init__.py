@@ -16,7 +16,7 @@ from .pipeline import (DataSummary, check_data, describe, make_dataset, make_sou
 from .sources import (TokenStream, WindowSource, is_validation_file, load_corpus,
                       stdlib_files, stdlib_root)
 from .synthetic import (MQARSource, NeedleSource, answer_accuracy, answer_correct,
-                        query_correct)
+                        query_correct, query_kinds)
 from .tokenizer import BOS, EOS, PAD, VOCAB_SIZE, ByteTokenizer, HFTokenizer, load_tokenizer
 
 __all__ = [
@@ -25,6 +25,7 @@ __all__ = [
     "DataError", "DataSummary", "MQARSource", "NeedleSource", "TokenStream", "WindowSource",
     "answer_accuracy", "answer_correct", "check_data", "describe", "is_validation_file",
     "load_corpus", "make_dataset", "make_source", "num_examples", "num_tokens", "query_correct",
+    "query_kinds",
     "stdlib_files",
     "stdlib_root", "steps_per_epoch",
 ]

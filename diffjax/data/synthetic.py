@@ -277,6 +277,11 @@ def query_chance(config: DataConfig) -> dict[str, float]:
       this to show retrieval (when every needle or pair is queried, the last query is right by
       elimination alone: ``N = R`` gives it probability 1). With ``query_replacement`` nothing
       is eliminated: every query is ``1 / N`` (needle) or ``1 / P + (1 - 1 / P) / M`` (MQAR).
+      But a repeated query can be copied from the earlier one (:func:`query_kinds`), so beating
+      this level on all queries does not show retrieval from the needles.
+    - ``"no_retrieval_first"``: the same level for query 0 alone (``1 / N``, or
+      ``1 / P + (1 - 1 / P) / M``): nothing precedes it, nothing is eliminated or copied. This
+      is the level that ``val_first_query_accuracy`` must beat to show retrieval.
     """
     def left(n: int, i: int) -> int:  # needles/pairs a no-retrieval guess picks from at query i
         return n if config.query_replacement else n - i
@@ -284,16 +289,41 @@ def query_chance(config: DataConfig) -> dict[str, float]:
     if config.source == "needle":
         n, r = config.num_needles, config.num_queries
         uniform = 1.0 / (9 * 10 ** (config.value_len - 1))
-        guess = float(np.mean([1.0 / left(n, i) for i in range(r)]))
+        per_query = [1.0 / left(n, i) for i in range(r)]
     elif config.source == "mqar":
         p, r, m = config.num_pairs, config.num_queries, config.mqar_num_values
         uniform = 1.0 / m
-        guess = float(np.mean([1.0 / left(p, i) + (1.0 - 1.0 / left(p, i)) / m
-                               for i in range(r)]))
+        per_query = [1.0 / left(p, i) + (1.0 - 1.0 / left(p, i)) / m for i in range(r)]
     else:
         raise ValueError(f"query_chance: data.source={config.source!r} has no queries; it is "
                          f"defined for 'needle' and 'mqar'")
-    return {"uniform": uniform, "no_retrieval": max(guess, uniform)}
+    return {"uniform": uniform, "no_retrieval": max(float(np.mean(per_query)), uniform),
+            "no_retrieval_first": max(per_query[0], uniform)}
+
+
+def query_kinds(batch: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+    """``(first, repeat)``, two ``[B, R]`` bool numpy arrays for a needle or MQAR batch.
+
+    ``first``: query 0 of each example. Nothing is asked before it, so its answer is in the
+    input only inside the needles (pairs): the one query that measures retrieval from them
+    alone. ``repeat``: a query whose needle (pair) an earlier query of the example already
+    asked. Its answer then also sits in the input right after that earlier query, so it can be
+    copied from there, a few tokens back, without reading the needles at all. With
+    ``query_replacement`` most queries are repeats (16 draws from 4 needles: about 75%), and a
+    model that only copies earlier queries scores about 0.8 on all queries while staying at
+    the no-retrieval level on the first one. (The queries in between ask a needle for the first
+    time after others were asked, which also admits elimination.)"""
+    key = "query_needle" if "query_needle" in batch else "query_pair"
+    if key not in batch:
+        raise ValueError("query_kinds: the batch has no 'query_needle' or 'query_pair' field; "
+                         "it is defined for the needle and MQAR tasks (data.source needle/mqar)")
+    asked = np.asarray(batch[key])
+    first = np.zeros(asked.shape, bool)
+    first[:, 0] = True
+    repeat = np.zeros(asked.shape, bool)
+    for r in range(1, asked.shape[1]):
+        repeat[:, r] = (asked[:, :r] == asked[:, r:r + 1]).any(1)
+    return first, repeat
 
 
 # ============================================================================ scoring

@@ -17,7 +17,7 @@ from typing import Any, Callable
 import numpy as np
 
 from diffjax.config import ConfigError
-from diffjax.data import DataConfig
+from diffjax.data import DataConfig, query_kinds
 
 from . import allocation as alloc_lib
 from . import noise_floor as nf
@@ -158,7 +158,13 @@ def evaluate_model(model, data: DataConfig, settings: EvalSettings,
     losses, preds = _lp(model, val, bs)
     out["val_loss"], out["val_ppl"] = pos.validation_loss(losses, val["weights"])
     if "answer_spans" in val:
-        out["val_accuracy"] = float(np.mean(ret.query_correct(preds, val)))
+        correct = ret.query_correct(preds, val)
+        out["val_accuracy"] = float(np.mean(correct))
+        if "query_needle" in val or "query_pair" in val:
+            first, repeat = query_kinds(val)
+            out["val_first_query_accuracy"] = float(np.mean(correct[first]))
+            if repeat.any():
+                out["val_repeat_query_accuracy"] = float(np.mean(correct[repeat]))
     log(f"    validation loss {out['val_loss']:.4f} ({time.perf_counter() - t0:.1f}s)")
 
     # 6. loss by position (long contexts: the model's max_seq_len in the full set)
@@ -381,6 +387,10 @@ def render(run_dir: str, cfg: dict, data: DataConfig, settings: EvalSettings,
             ["validation perplexity"] + [fmt_mean_std([r["val_ppl"] for r in groups[lab]], "{:.3f}") for lab in labels]]
     if any("val_accuracy" in r for r in results):
         rows.append(["answer accuracy (validation)"] + [fmt_mean_std([r.get("val_accuracy") for r in groups[lab]]) for lab in labels])
+    for key, name in (("val_first_query_accuracy", "first query (only the needles hold its answer)"),
+                      ("val_repeat_query_accuracy", "repeated queries (copyable from an earlier one)")):
+        if any(key in r for r in results):
+            rows.append([name] + [fmt_mean_std([r.get(key) for r in groups[lab]]) for lab in labels])
     L += _table([""] + [_col_name(lab, groups[lab]) for lab in labels], rows)
     L += [""]
     line = _paired_line(groups, lambda r: r["val_loss"], "validation loss", "nats")
@@ -419,7 +429,12 @@ def render(run_dir: str, cfg: dict, data: DataConfig, settings: EvalSettings,
         L += ["", f"Accuracy per query (all answer digits right, greedy), "
                   f"{settings.retrieval_examples} examples per row, averaged over the needle "
                   f"depths (heatmaps below: by depth, bins centred at 0, 25, 50, 75, 100%). "
-                  f"Paper values are at 4K context (the last row of each setting).", ""]
+                  f"Paper values are at 4K context (the last row of each setting)."
+                  + (" Rows with replacement (R > N) count repeated queries too, which can be "
+                     "copied from the earlier query of the same key: the validation table above "
+                     "gives the first query alone, which only the needles answer."
+                     if any(int(x.split(",")[1]) > int(x.split(",")[0]) for x in settings_nr)
+                     else ""), ""]
         s0 = settings_nr[0]
         for s in settings_nr:
             grids = {}

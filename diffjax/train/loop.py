@@ -75,6 +75,10 @@ class TrainResult:
     mesh: str | None = None  # e.g. "data=1 fsdp=4 tensor=2 (8 devices, 2 processes)"
     seed: int = 0  # the init seed (train.seed)
     val_query_accuracy: float | None = None  # the share of queries answered exactly
+    # query 0 alone (only the needles hold its answer: retrieval) and the queries that repeat an
+    # earlier one (copyable from it); see diffjax.data.query_kinds
+    val_first_query_accuracy: float | None = None
+    val_repeat_query_accuracy: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -301,24 +305,35 @@ def evaluate(eval_fn: Callable, params, batches: list[dict[str, np.ndarray]], me
     """Validation loss and perplexity over ``batches`` (this process's rows); with answer spans
     (the retrieval tasks), the share of examples whose answers are all right and of queries."""
     total = weight = 0.0
-    counts = np.zeros(4, np.int64)  # examples right, examples, queries right, queries
+    # examples right, examples; queries right, queries; the same for the first and the
+    # repeated queries (data_lib.query_kinds: the first needs the needles, a repeat can be
+    # copied from the earlier query)
+    counts = np.zeros(8, np.int64)
     for b in batches:
         t, w, p = eval_fn(params, model_inputs(b, mesh, global_rows))
         total, weight = total + float(t), weight + float(w)
         if "answer_spans" in b:  # this process's rows; summed over processes below
             ok, has = data_lib.answer_correct(sharding.local_rows(p), b)
             q_ok, q_has = data_lib.query_correct(sharding.local_rows(p), b)
-            counts += [int((ok & has).sum()), int(has.sum()), int(q_ok.sum()), int(q_has.sum())]
+            counts[:4] += [int((ok & has).sum()), int(has.sum()), int(q_ok.sum()),
+                           int(q_has.sum())]
+            if "query_needle" in b or "query_pair" in b:
+                for i, kind in zip((4, 6), data_lib.query_kinds(b)):
+                    counts[i:i + 2] += [int((q_ok & kind).sum()), int((q_has & kind).sum())]
     out = {"val_loss": total / max(weight, 1.0)}
     out["val_ppl"] = math.exp(min(out["val_loss"], 50.0))
     if "answer_spans" in batches[0]:
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
 
-            counts = multihost_utils.process_allgather(counts).reshape(-1, 4).sum(0)
+            counts = multihost_utils.process_allgather(counts).reshape(-1, 8).sum(0)
         # an example counts when all its answers are right; a query when its answer is
-        out["val_answer_accuracy"] = float(counts[0] / counts[1]) if counts[1] else 0.0
-        out["val_query_accuracy"] = float(counts[2] / counts[3]) if counts[3] else 0.0
+        names = ("val_answer_accuracy", "val_query_accuracy", "val_first_query_accuracy",
+                 "val_repeat_query_accuracy")
+        for i, name in enumerate(names):
+            right, n = counts[2 * i], counts[2 * i + 1]
+            if n or i < 2:
+                out[name] = float(right / n) if n else 0.0
     return out
 
 
@@ -523,4 +538,6 @@ def summarize(label: str, model_cfg: ModelConfig, directory: str, records: list[
         lambdas=last.get("lambda"),
         val_accuracy=evals[-1].get("val_answer_accuracy") if evals else None,
         val_query_accuracy=evals[-1].get("val_query_accuracy") if evals else None,
+        val_first_query_accuracy=evals[-1].get("val_first_query_accuracy") if evals else None,
+        val_repeat_query_accuracy=evals[-1].get("val_repeat_query_accuracy") if evals else None,
         resumed_from=resumed_from)
