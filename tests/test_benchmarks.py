@@ -42,3 +42,40 @@ def test_decode_benchmark_runs_on_cpu(capsys, tmp_path):
     # d_model 32, h = 1: V1 caches K1, K2 (16 each) and V (32), the twin 2 heads x 16 x (K + V)
     assert " 256 " in lines["diff_v1"] and " 256 " in lines["twin"] and " 256 " in lines["diff_v2"]
     assert "| diff_v2 |" in md.read_text()
+
+
+def test_query_split_on_hand_made_answers():
+    import numpy as np
+
+    split = _load("query_split").split_accuracy
+    batch = {"query_needle": np.array([[0, 1, 0, 1], [2, 2, 0, 3]])}
+    correct = np.array([[False, True, True, True], [True, True, False, False]])
+    acc = split(correct, batch)
+    # first: (F, T); new later: (T) of row 0, (F, F) of row 1; repeats: (T, T) and (T)
+    assert acc["first"] == 0.5 and acc["new"] == 1 / 3 and acc["repeat"] == 1.0
+    assert acc["all"] == 5 / 8 and acc["by_index"] == [0.5, 1.0, 0.5, 0.5]
+    assert acc["repeat_share"] == 3 / 8
+
+
+def test_retrieval_scripts_on_a_tiny_needle_run(tmp_path, capsys):
+    from diffjax.train.cli import main
+
+    run = tmp_path / "run"
+    assert main([f"run.dir={run}", "model.d_model=32", "model.num_layers=1",
+                 "model.num_heads=1", "model.max_seq_len=64", "data.source=needle",
+                 "data.seq_len=48", "data.num_needles=2", "data.num_queries=4",
+                 "data.query_replacement=true", "data.key_len=1", "data.value_len=1",
+                 "data.needle_template={key}{value}", "data.query_template={key}{value}",
+                 "data.num_val_examples=8", "train.batch_size=8", "train.eval_batches=1",
+                 "train.warmup_steps=1", "train.steps=2", "train.eval_every=2",
+                 "train.checkpoint_every=2", "train.progress=false", "train.tensorboard=false",
+                 "train.throughput_rounds=1", "train.quick_eval=false"]) == 0
+    capsys.readouterr()
+    assert _load("query_split").main([str(run), "--examples", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "| diff | 0 |" in out and "| standard | 0 |" in out and "first query 0.500" in out
+    png = tmp_path / "curves.png"
+    assert _load("retrieval_curves").main([str(run), "--png", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "final first query" in out and "(first query: 0.500)" in out
+    assert png.stat().st_size > 1000
