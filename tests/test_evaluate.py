@@ -472,7 +472,7 @@ def test_evaluate_command_on_a_tiny_run(tiny_runs, capsys):
     run = tiny_runs / "s0"
     report = (run / "report.md").read_text()  # train.py appended the quick evaluation
     assert "## Quick evaluation" in report and "Activation outliers" in report
-    assert "**Seeds that learned the lookup** (final first-query accuracy (the query only" in report
+    assert "**Seeds that learned the lookup** (final first-query accuracy (the query only the" in report
     assert main([str(run), "--quick"]) == 0
     assert matplotlib.get_backend() == backend  # the caller's backend is left alone
     text = (run / "eval.md").read_text()
@@ -483,13 +483,13 @@ def test_evaluate_command_on_a_tiny_run(tiny_runs, capsys):
     assert "interval can be given" not in text  # one model, no twin: no paired difference
     assert "**The retrieval head.**" in text and "chosen on the even examples" in text
     assert "not a language-modelling measure" in text  # a needle run: answer-only loss
-    assert "| first query (only the needles hold its answer) |" in text  # 1 query: no repeats
+    assert "| first query (only the needles or pairs hold its answer) |" in text  # no repeats
     assert "repeated queries (copyable" not in text
     record = [json.loads(x) for x in (run / "diff" / "seed_0" / "metrics.jsonl").read_text()
               .splitlines() if "val_loss" in x][-1]
     assert record["val_first_query_accuracy"] == record["val_query_accuracy"]
     assert "val_repeat_query_accuracy" not in record
-    assert "| first query (needs the needles) |" in report
+    assert "| first query (needs retrieval) |" in report
     for png in ("eval_retrieval_N1_R1.png", "eval_allocation.png", "eval_quantization.png",
                 "eval_noise_floor.png", "eval_loss_by_position.png", "eval_outliers.png"):
         assert (run / png).stat().st_size > 1000, png

@@ -387,7 +387,7 @@ def render(run_dir: str, cfg: dict, data: DataConfig, settings: EvalSettings,
             ["validation perplexity"] + [fmt_mean_std([r["val_ppl"] for r in groups[lab]], "{:.3f}") for lab in labels]]
     if any("val_accuracy" in r for r in results):
         rows.append(["answer accuracy (validation)"] + [fmt_mean_std([r.get("val_accuracy") for r in groups[lab]]) for lab in labels])
-    for key, name in (("val_first_query_accuracy", "first query (only the needles hold its answer)"),
+    for key, name in (("val_first_query_accuracy", "first query (only the needles or pairs hold its answer)"),
                       ("val_repeat_query_accuracy", "repeated queries (copyable from an earlier one)")):
         if any(key in r for r in results):
             rows.append([name] + [fmt_mean_std([r.get(key) for r in groups[lab]]) for lab in labels])

@@ -43,7 +43,7 @@ METRICS: tuple[tuple[str, Callable[[TrainResult], float | None], str, bool], ...
     ("final train loss", lambda r: r.final_train_loss, "{:.4f}", False),
     ("answer accuracy (validation, examples)", lambda r: r.val_accuracy, "{:.3f}", True),
     ("answer accuracy (validation, queries)", lambda r: r.val_query_accuracy, "{:.3f}", True),
-    ("first query (needs the needles)", lambda r: r.val_first_query_accuracy, "{:.3f}", True),
+    ("first query (needs retrieval)", lambda r: r.val_first_query_accuracy, "{:.3f}", True),
     ("repeated queries (copyable)", lambda r: r.val_repeat_query_accuracy, "{:.3f}", True),
     ("tokens/s (during training)", lambda r: _nan_to_none(r.tokens_per_s), "{:,.0f}", False),
     ("step time (ms, during training)",
@@ -243,8 +243,8 @@ def learned_counts(results: Sequence[TrainResult], no_retrieval: float,
                    f"the rate: {low:.0%}-{high:.0%})")
     if not out:
         return []
-    what = ("final first-query accuracy (the query only the needles can answer; repeated "
-            "queries can be copied from earlier ones)" if first else "final query accuracy")
+    what = ("final first-query accuracy (the query only the needles or pairs can answer; "
+            "repeated queries can be copied from earlier ones)" if first else "final query accuracy")
     return [f"**Seeds that learned the lookup** ({what} above {bar:.3f}, halfway from the "
             f"no-retrieval level {level:.3f} to 1): " + "; ".join(out) + ".", ""]
 
