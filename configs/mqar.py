@@ -19,8 +19,16 @@ Batch 128 for 2000 steps (the same 256k examples as batch 64 for 4000 steps, the
 version of this config, in about the same time): at batch 64 the twin learned the task in 2 of
 4 seeds (and not at all at batch 32); at batch 128 it learned it in every seed measured.
 
+First query: with 16 queries drawn from 8 pairs about 56% of the queries repeat an earlier one,
+whose answer can be copied from a few tokens back without reading the pairs
+(diffjax.data.query_kinds); query 0 can only be answered from the pairs, so
+`val_first_query_accuracy` is the retrieval measure (no-retrieval level 0.180 too). Measured
+with it (2026-12-02, seeds 0-1, `train.num_seeds=2`; benchmarks/query_split.py): DIFF 0.852 and
+0.607, its twin 1.000 and 1.000; DIFF's accuracy is flat over the 16 query indices, so both
+models retrieve from the pairs (DIFF less well, and worse on keys first asked late).
+
 Measured (2026-12-02, JAX 0.10.2, 2 CPU cores, about 5 min per model and seed on free cores;
-docs/retrieval.md): final validation query accuracy for seeds 0-3, DIFF 0.774, 0.570, 0.892,
+docs/retrieval.md): final validation query accuracy (all queries) for seeds 0-3, DIFF 0.774, 0.570, 0.892,
 0.652 (first evaluation above 0.5 at steps 750-1750, three seeds still rising at 2000); twin
 1.000 in every seed (by step 250-750). Paired DIFF - twin -0.278, 95% t-interval [-0.502,
 -0.054]: at this budget the twin is ahead. At batch 64 x 4000 steps (the previous version):
