@@ -68,6 +68,7 @@ def test_query_chance_matches_a_brute_force_guesser():
     c = query_chance(needle)
     assert c["uniform"] == pytest.approx(1 / 9)
     assert c["no_retrieval"] == pytest.approx((1 / 4 + 1 / 3) / 2)
+    assert c["no_retrieval_first"] == pytest.approx(1 / 4)  # query 0: nothing eliminated yet
     assert _brute_force_no_retrieval(needle, 32) == pytest.approx(c["no_retrieval"])  # exact
     mqar = DataConfig(source="mqar", seq_len=24, num_pairs=8, num_queries=4, mqar_num_keys=16,
                       mqar_num_values=4, num_val_examples=400)
