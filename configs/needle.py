@@ -27,8 +27,8 @@ mostly copying: it rises from about 0.3 at query 0 to about 0.9 by query 4
 (benchmarks/query_split.py). The twin's accuracy is flat over the query indices. So with bare
 needles the twin learns the lookup in some seeds and DIFF mostly learns to copy earlier queries.
 With separators around each needle ("\\n$k7\\n", an earlier version of this config) it was the
-other way round: DIFF reached 0.465 on the first query (seed 0, 2000 steps, still rising) and
-the twin stayed at 0.25 in every run. The paper's sentences ("The magic number for <k> is
+other way round: DIFF reached 0.34-0.47 on the first query (seeds 0-2, 2000 steps, still
+rising) and the twin stayed at 0.25 in every run. The paper's sentences ("The magic number for <k> is
 <vv>.", the default of `data.needle_template`) were learned by neither model in any pilot. No
 setting measured has both models reading the needles."""
 
