@@ -430,6 +430,19 @@ def test_needle_custom_templates_key_letters_and_query_spans():
             assert facts[key] == value == TOK.decode(w[slice(*ex["answer_spans"][r] + 1)])
         assert np.flatnonzero(ex["weights"]).tolist() == sorted(
             t for a, b in ex["answer_spans"] for t in range(a, b))
+    # keys from an own alphabet (characters rare in the haystack): every key is one of them
+    rare = cfg.replace(needle_key_letters="JQZXYKVW", needle_num_key_letters=None)
+    assert rare.key_alphabet == "JQZXYKVW"
+    seen = set()
+    for i in range(20):
+        ex = make_source(rare, "train")[i]
+        w = np.concatenate([ex["inputs"], ex["targets"][-1:]])
+        keys = [re.fullmatch(r"\n\$(.)\d\d\n", TOK.decode(w[s:e])).group(1)
+                for s, e in ex["needle_spans"]]
+        assert len(set(keys)) == 3 and set(keys) <= set("JQZXYKVW")
+        seen |= set(keys)
+    assert len(seen) >= 6  # drawn from the whole alphabet, not its first letters
+    assert cfg.replace(needle_key_letters="JQZXYKVW").key_alphabet == "JQZX"
     # the default (the paper's sentences) is unchanged, and query_spans marks its queries too
     ex = make_source(NEEDLE, "train")[0]
     w = np.concatenate([ex["inputs"], ex["targets"][-1:]])
@@ -681,6 +694,15 @@ def assert_error(exc_type, fn, *contains):
      "braces"),
     (dict(source="needle", seq_len=512, needle_num_key_letters=27), "needle_num_key_letters",
      "[1, 26]"),
+    (dict(source="needle", seq_len=512, needle_key_letters="JQZ", needle_num_key_letters=4),
+     "needle_num_key_letters", "[1, 3]"),
+    (dict(source="needle", seq_len=512, needle_key_letters="JQJZ"), "needle_key_letters", "once"),
+    (dict(source="needle", seq_len=512, needle_key_letters="AB1C"), "needle_key_letters",
+     "no digits"),
+    (dict(source="needle", seq_len=512, needle_key_letters=""), "needle_key_letters", "non-empty"),
+    (dict(source="needle", seq_len=512, key_len=1, needle_key_letters="JQZ"), "key_len",
+     "fewer than 4 distinct keys"),
+    (dict(source="mqar", needle_key_letters="JQZ"), "needle_key_letters", "source='needle'"),
     (dict(source="needle", seq_len=512, key_len=1, needle_num_key_letters=3), "key_len",
      "fewer than 4 distinct keys"),
     (dict(source="mqar", query_template="{key}={value}"), "query_template", "source='needle'"),

@@ -99,8 +99,12 @@ class DataConfig:
     # defaults are the paper's wording. ASCII, with "{key}" once before "{value}" once.
     needle_template: str = NEEDLE_TEMPLATE
     query_template: str = QUERY_TEMPLATE
-    # needle: keys are drawn from the first `needle_num_key_letters` lowercase letters
-    needle_num_key_letters: int = 26
+    # needle: keys are drawn from the first `needle_num_key_letters` characters of
+    # `needle_key_letters` (None: all of them). ASCII, distinct, no digits (values are digits).
+    # Characters that are rare in the haystack text (e.g. "JQZXYKVW") make a key's only earlier
+    # occurrence its needle, as with the paper's keys; lowercase letters also occur in the text.
+    needle_key_letters: str = "abcdefghijklmnopqrstuvwxyz"
+    needle_num_key_letters: int | None = None
     # mqar: num_pairs (key, value) byte pairs, then num_queries keys; the loss counts the values.
     num_pairs: int = 16
     # mqar: keys are drawn from byte ids 0..mqar_num_keys-1, values from 128..127+mqar_num_values
@@ -173,7 +177,8 @@ class DataConfig:
                 _fail("needle_depths", f"depths must be fractions in [0, 1], got {bad}",
                       "use e.g. (0.0, 0.25, 0.5, 1.0)")
         if self.source != "needle":
-            for name in ("needle_template", "query_template", "needle_num_key_letters"):
+            for name in ("needle_template", "query_template", "needle_key_letters",
+                         "needle_num_key_letters"):
                 if getattr(self, name) != getattr(DataConfig, name):
                     _fail(name, f"is a needle-task setting but source={self.source!r}",
                           f"leave {name} at its default or set source='needle'")
@@ -208,14 +213,21 @@ class DataConfig:
             if problem:
                 _fail(name, f"{getattr(self, name)!r} {problem}",
                       "write it like 'The magic number for {key} is {value}.'")
-        if not 1 <= self.needle_num_key_letters <= 26:
-            _fail("needle_num_key_letters", f"must be in [1, 26], got "
-                  f"{self.needle_num_key_letters}", "use 1..26 (keys are lowercase letters)")
+        letters = self.needle_key_letters
+        if (not letters or not letters.isascii() or len(set(letters)) != len(letters)
+                or any(ch.isdigit() for ch in letters)):
+            _fail("needle_key_letters", f"{letters!r} must be non-empty ASCII characters, each "
+                  "once, and no digits (the values are digits)", "use e.g. 'abcdefghij' or 'JQZXYKVW'")
+        if (self.needle_num_key_letters is not None
+                and not 1 <= self.needle_num_key_letters <= len(letters)):
+            _fail("needle_num_key_letters", f"must be in [1, {len(letters)}] (the characters of "
+                  f"needle_key_letters), got {self.needle_num_key_letters}",
+                  f"use 1..{len(letters)}, or None for all of them")
         if r > n and not self.query_replacement:
             _fail("num_queries", f"{r} queries but only num_needles={n} needles",
                   f"set num_queries <= {n} (or more needles, or query_replacement=True)")
-        if self.needle_num_key_letters ** min(self.key_len, 12) < n:
-            _fail("key_len", f"{self.key_len} of {self.needle_num_key_letters} letters give "
+        if len(self.key_alphabet) ** min(self.key_len, 12) < n:
+            _fail("key_len", f"{self.key_len} of {len(self.key_alphabet)} letters give "
                   f"fewer than {n} distinct keys",
                   "use a longer key_len (or more needle_num_key_letters, or fewer needles)")
         if 9 * 10 ** (min(self.value_len, 12) - 1) < n:
@@ -269,6 +281,12 @@ class DataConfig:
             return self.seq_len
         start = self.curriculum_start_len or self.task_min_seq_len
         return start + (self.seq_len - start) * max(int(step), 0) // self.curriculum_steps
+
+    @property
+    def key_alphabet(self) -> str:
+        """The characters needle keys are drawn from: the first ``needle_num_key_letters`` of
+        ``needle_key_letters`` (all of them when it is None)."""
+        return self.needle_key_letters[:self.needle_num_key_letters]
 
     @property
     def needle_bytes(self) -> int:

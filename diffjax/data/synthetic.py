@@ -29,7 +29,6 @@ from .tokenizer import BOS, PAD
 
 SPLIT_IDS = {"train": 0, "validation": 1}
 SYNTHETIC_TRAIN_EXAMPLES = 2**31  # the train "epoch" of a synthetic task: practically endless
-_LETTERS = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz", np.uint8)
 _DIGITS = np.frombuffer(b"0123456789", np.uint8)
 
 
@@ -79,7 +78,7 @@ class NeedleSource:
 
     needle: ``needle_template`` (by default ``"\\nThe magic number for <key> is <value>.\\n"``);
     query: ``query_template`` (``"\\nWhat is the magic number for <key>? <value>."``); keys are
-    ``key_len`` letters from the first ``needle_num_key_letters`` lowercase ones, values
+    ``key_len`` characters of ``config.key_alphabet`` (lowercase letters by default), values
     ``value_len`` digits (no leading zero), both distinct within an example.
     Only the answer digits carry weight. The haystack is a random span of the split's corpus
     stream (document markers become newlines). Under a context-length curriculum a short train
@@ -98,7 +97,7 @@ class NeedleSource:
         self.F = self.H - c.num_needles * self.nl  # filler bytes (at full length)
         self._needle_parts = [p.encode() for p in _split_template(c.needle_template)]
         self._query_parts = [p.encode() for p in _split_template(c.query_template)]
-        self._key_letters = _LETTERS[:c.needle_num_key_letters]
+        self._key_letters = np.frombuffer(c.key_alphabet.encode("ascii"), np.uint8)
         # Offset of the value inside a needle / of the answer inside a query.
         self.needle_value_at = len(self._needle_parts[0]) + self.K + len(self._needle_parts[1])
         self.query_value_at = len(self._query_parts[0]) + self.K + len(self._query_parts[1])

@@ -32,6 +32,7 @@ def needle_task(base: DataConfig | None = None, *, seq_len: int, num_needles: in
     if base is not None and base.source == "needle":
         kw = dict(path=base.path, key_len=base.key_len, value_len=base.value_len,
                   needle_template=base.needle_template, query_template=base.query_template,
+                  needle_key_letters=base.needle_key_letters,
                   needle_num_key_letters=base.needle_num_key_letters,
                   val_fraction=base.val_fraction, max_files=base.max_files,
                   stdlib_tests=base.stdlib_tests)
