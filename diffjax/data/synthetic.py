@@ -355,23 +355,24 @@ def answer_correct(preds_or_logits, batch: dict[str, Any]):
 def query_correct(preds_or_logits, batch: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
     """Per query: ``(correct, has_answer)``, two [B, R] bool numpy arrays. Query r of an example
     is correct when every token of its answer span (``answer_spans[:, r]``) is predicted
-    exactly; ``has_answer`` is False for validation padding (no weight in the span). Chance is
-    one over the number of possible answers (MQAR: 1/128; needle: 1/(9 * 10**(value_len - 1)))."""
+    exactly; ``has_answer`` is False for validation padding (no weight in the span; without
+    ``weights`` in the batch, an empty span). Chance is one over the number of possible answers
+    (MQAR: 1/128; needle: 1/(9 * 10**(value_len - 1)))."""
     preds = np.asarray(preds_or_logits)
     if preds.ndim == 3:
         preds = preds.argmax(-1)
-    targets, weights = np.asarray(batch["targets"]), np.asarray(batch["weights"])
-    spans = np.asarray(batch["answer_spans"])
+    targets, spans = np.asarray(batch["targets"]), np.asarray(batch["answer_spans"])
     if preds.shape != targets.shape:
         raise ValueError(f"query_correct: predictions of shape {preds.shape} (after argmax) do "
                          f"not match targets {targets.shape}")
-    B, R = spans.shape[:2]
-    correct, has = np.zeros((B, R), bool), np.zeros((B, R), bool)
-    for b in range(B):
-        for r in range(R):
-            s, e = spans[b, r]
-            correct[b, r] = bool(np.all(preds[b, s:e] == targets[b, s:e]))
-            has[b, r] = bool(np.any(weights[b, s:e] > 0))
+    t = np.arange(targets.shape[1])
+    in_span = (t >= spans[..., :1]) & (t < spans[..., 1:])  # [B, R, T]
+    wrong = (preds != targets)[:, None, :]
+    correct = ~np.any(wrong & in_span, axis=-1)
+    if "weights" in batch:
+        has = np.any((np.asarray(batch["weights"]) > 0)[:, None, :] & in_span, axis=-1)
+    else:
+        has = spans[..., 1] > spans[..., 0]
     return correct & has, has
 
 

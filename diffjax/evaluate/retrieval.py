@@ -15,6 +15,7 @@ from typing import Sequence
 import numpy as np
 
 from diffjax.data import DataConfig, make_source
+from diffjax.data import query_correct as data_query_correct
 
 from .probe import check_model, losses_and_predictions
 
@@ -55,21 +56,10 @@ def task_examples(config: DataConfig, num: int | None = None) -> dict[str, np.nd
 
 def query_correct(preds_or_logits, batch: dict) -> np.ndarray:
     """``[B, R]`` bool: query r of example b has every answer token (``answer_spans[b, r]``, in
-    target positions) predicted exactly. ``preds_or_logits``: ``[B, T]`` ids or ``[B, T, V]``."""
-    preds = np.asarray(preds_or_logits)
-    if preds.ndim == 3:
-        preds = preds.argmax(-1)
-    targets, spans = np.asarray(batch["targets"]), np.asarray(batch["answer_spans"])
-    if preds.shape != targets.shape:
-        raise ValueError(f"query_correct: predictions {preds.shape} do not match targets "
-                         f"{targets.shape}")
-    b, r = spans.shape[:2]
-    out = np.zeros((b, r), bool)
-    for i in range(b):
-        for j in range(r):
-            s, e = spans[i, j]
-            out[i, j] = bool(np.all(preds[i, s:e] == targets[i, s:e]))
-    return out
+    target positions) predicted exactly. ``preds_or_logits``: ``[B, T]`` ids or ``[B, T, V]``.
+    The first half of :func:`diffjax.data.query_correct` (which also says which queries have an
+    answer)."""
+    return data_query_correct(preds_or_logits, batch)[0]
 
 
 def query_depths(batch: dict) -> np.ndarray:
