@@ -57,6 +57,34 @@ def test_query_split_on_hand_made_answers():
     assert acc["repeat_share"] == 3 / 8
 
 
+def test_lookup_attention_masks_shares_and_swap():
+    import numpy as np
+
+    la = _load("lookup_attention")
+    #                   BOS  t   k1  v1  t   k2  v2  t   k2  v2'
+    inputs = np.array([[256, 97, 74, 51, 55, 81, 52, 98, 81, 52]])
+    batch = {"inputs": inputs, "targets": np.roll(inputs, -1, 1),
+             "needle_value_spans": np.array([[[3, 4], [6, 7]]]),
+             "query_needle": np.array([[1]]), "query_spans": np.array([[[8, 10]]]),
+             "answer_spans": np.array([[[8, 9]]])}
+    rows, masks = la.first_query_masks(batch)
+    assert rows.tolist() == [8] and masks.shape == (len(la.COLUMNS), 1, 10)
+    where = {c: np.flatnonzero(masks[i, 0]).tolist() for i, c in enumerate(la.COLUMNS)}
+    assert where == {"answer": [6], "key": [5], "after": [7], "other values": [3],
+                     "digits in text": [4], "BOS": [0], "self": [8], "other context": [1, 2]}
+    maps = np.zeros((1, 2, 10, 10))
+    maps[0, 0, 8, 6] = 1.0  # head 0: all on the answer
+    maps[0, 1, 8, [6, 3]] = [0.5, -0.5]  # head 1: a differential row, half of it negative
+    shares = la.row_shares(maps, rows, masks)
+    np.testing.assert_allclose(shares[0], np.eye(len(la.COLUMNS))[0])
+    assert shares[1, 0] == 0.5 and shares[1, 3] == -0.5
+    swapped, new = la.swap_asked_value(batch, 128)
+    assert swapped[0, 6] == new[0, 0] and chr(new[0, 0]) in "123456789"
+    assert new[0, 0] not in (51, 52)  # no needle of the example has it
+    changed = np.flatnonzero(swapped[0] != inputs[0]).tolist()
+    assert changed == [6]  # the context only: the query's own answer (a target) is untouched
+
+
 def test_retrieval_scripts_on_a_tiny_needle_run(tmp_path, capsys):
     from diffjax.train.cli import main
 
@@ -79,3 +107,6 @@ def test_retrieval_scripts_on_a_tiny_needle_run(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "final first query" in out and "(first query: 0.500)" in out
     assert png.stat().st_size > 1000
+    assert _load("lookup_attention").main([str(run), "--examples", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "follows the swap" in out and "| diff | 0 |" in out and "| standard | 0 |" in out

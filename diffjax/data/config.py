@@ -100,11 +100,11 @@ class DataConfig:
     needle_template: str = NEEDLE_TEMPLATE
     query_template: str = QUERY_TEMPLATE
     # needle: keys are drawn from the first `needle_num_key_letters` characters of
-    # `needle_key_letters` (None: all of them). ASCII, distinct, no digits (values are digits).
+    # `needle_key_letters` (all of them when it has fewer). ASCII, distinct, no digits.
     # Characters that are rare in the haystack text (e.g. "JQZXYKVW") make a key's only earlier
     # occurrence its needle, as with the paper's keys; lowercase letters also occur in the text.
     needle_key_letters: str = "abcdefghijklmnopqrstuvwxyz"
-    needle_num_key_letters: int | None = None
+    needle_num_key_letters: int = 26
     # mqar: num_pairs (key, value) byte pairs, then num_queries keys; the loss counts the values.
     num_pairs: int = 16
     # mqar: keys are drawn from byte ids 0..mqar_num_keys-1, values from 128..127+mqar_num_values
@@ -218,11 +218,10 @@ class DataConfig:
                 or any(ch.isdigit() for ch in letters)):
             _fail("needle_key_letters", f"{letters!r} must be non-empty ASCII characters, each "
                   "once, and no digits (the values are digits)", "use e.g. 'abcdefghij' or 'JQZXYKVW'")
-        if (self.needle_num_key_letters is not None
-                and not 1 <= self.needle_num_key_letters <= len(letters)):
-            _fail("needle_num_key_letters", f"must be in [1, {len(letters)}] (the characters of "
-                  f"needle_key_letters), got {self.needle_num_key_letters}",
-                  f"use 1..{len(letters)}, or None for all of them")
+        if not 1 <= self.needle_num_key_letters <= 26:
+            _fail("needle_num_key_letters", f"must be in [1, 26], got "
+                  f"{self.needle_num_key_letters}", "use 1..26 (the first characters of "
+                  "needle_key_letters that keys are drawn from)")
         if r > n and not self.query_replacement:
             _fail("num_queries", f"{r} queries but only num_needles={n} needles",
                   f"set num_queries <= {n} (or more needles, or query_replacement=True)")
@@ -285,7 +284,7 @@ class DataConfig:
     @property
     def key_alphabet(self) -> str:
         """The characters needle keys are drawn from: the first ``needle_num_key_letters`` of
-        ``needle_key_letters`` (all of them when it is None)."""
+        ``needle_key_letters`` (all of them when it has fewer)."""
         return self.needle_key_letters[:self.needle_num_key_letters]
 
     @property

@@ -291,8 +291,9 @@ def check_data(config: DataConfig, vocab_size: int = VOCAB_SIZE) -> DataSummary:
             fill = dict(key="k" * config.key_len, value="0" * config.value_len)
             desc = (f"needle retrieval: {config.num_needles} needles "
                     f"{config.needle_template.format(**fill)!r}, {config.num_queries} queries "
-                    f"{config.query_template.format(**fill)!r}, seq_len {T} ({F:,} haystack bytes "
-                    f"per example from {hay})")
+                    f"{config.query_template.format(**fill)!r} (keys: {config.key_len} of "
+                    f"{config.key_alphabet!r}), seq_len {T} ({F:,} haystack bytes per example "
+                    f"from {hay})")
             files, secs = len(corpus.files), corpus.seconds
         else:
             desc = (f"MQAR: {config.num_pairs} key-value pairs, {config.num_queries} queries, "
