@@ -147,3 +147,31 @@ def test_repeated_queries_can_be_copied_and_the_first_query_cannot(name):
     assert abs(np.mean(first_hits) - chance["no_retrieval_first"]) < 0.1
     with pytest.raises(ValueError, match="needle and MQAR"):
         query_kinds({"inputs": np.zeros((1, 4))})
+
+
+def test_needle_config_keys_occur_only_in_their_needle():
+    """configs/needle.py draws its keys from characters rare in the haystack text, so a query's
+    key occurs earlier in the example (outside its needle and earlier queries) in few examples,
+    as the paper's keys do; with lowercase letters it occurs in about half (why the model must
+    then also tell the needle from the text)."""
+    d = _load("needle").data.replace(num_val_examples=256)
+
+    def key_in_text(config: DataConfig) -> float:
+        src = make_source(config, "validation")
+        found = []
+        for i in range(len(src)):
+            ex = src[i]
+            w = ex["inputs"]
+            text = np.ones(len(w), bool)
+            text[0] = False
+            text[ex["query_spans"][0, 0]:] = False
+            for s, e in ex["needle_spans"]:
+                text[s:e] = False
+            key = w[ex["needle_spans"][ex["query_needle"][0], 0]]  # bare needles: key first
+            found.append(bool(np.any(text & (w == key))))
+        return float(np.mean(found))
+
+    assert d.needle_template == "{key}{value}" and d.key_len == 1
+    assert not set(d.key_alphabet) & set("abcdefghijklmnopqrstuvwxyz0123456789")
+    assert key_in_text(d) < 0.1
+    assert key_in_text(d.replace(needle_key_letters="abcdefghijklmnopqrstuvwxyz")) > 0.3
