@@ -20,9 +20,9 @@ and their answer can be copied from right after that earlier query without readi
 
 Measured (2026-12-02, JAX 0.10.2, 2 CPU cores, batch 128 x 1500 steps, 6-7 min per model and
 seed; docs/retrieval.md): first-query accuracy DIFF 0.592, 0.594, 0.625, 0.598, 0.604 (seeds
-0-4: every seed reads the needles, none above the report's 0.625 bar, all still rising), its
-twin 0.964, 0.246, 0.431, 0.880, 0.604 (4 of 5 seeds read them, 2 of 5 above the bar; seed 1
-stayed at the no-retrieval level). Paired DIFF - twin on the first query: -0.022, 95%
+0-4: every seed reads the needles, none above the report's 0.625 bar, all still rising; seed
+0 at train.steps=3000 reaches 0.828), its twin 0.964, 0.246, 0.431, 0.880, 0.604 (4 of 5
+seeds read them, 2 of 5 above the bar; seed 1 stayed at the no-retrieval level). Paired DIFF - twin on the first query: -0.022, 95%
 t-interval [-0.402, +0.357] over 5 seeds. Swapping the asked needle's value in the context moves
 the first answer to the new value as often as the model is right (benchmarks/lookup_attention.py:
 DIFF 0.59, twin 0.93, seed 0), so both read the needle. DIFF copies repeated queries better
