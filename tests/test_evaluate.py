@@ -482,6 +482,7 @@ def test_evaluate_command_on_a_tiny_run(tiny_runs, capsys):
         assert heading in text, heading
     assert "interval can be given" not in text  # one model, no twin: no paired difference
     assert "**The retrieval head.**" in text and "chosen on the even examples" in text
+    assert "A share of attention is not what a position contributes" in text
     assert "not a language-modelling measure" in text  # a needle run: answer-only loss
     assert "| first query (only the needles or pairs hold its answer) |" in text  # no repeats
     assert "repeated queries (copyable" not in text

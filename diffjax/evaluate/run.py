@@ -720,4 +720,10 @@ def _retrieval_head_lines(groups: dict, labels: list[str], ia: int) -> list[str]
     L += _table(["model", "layers x heads", "retrieval head per seed",
                  "its answer share (held out)", "mean over every head"], rows)
     line = _paired_line(groups, _retrieval_head_share, "retrieval head's answer share")
-    return L + ([""] + [line] if line else []) + [""]
+    caveat = ("A share of attention is not what a position contributes: a model can look the "
+              "answer up through many small weights, and DIFF at CPU scale does (its answer "
+              "follows a swapped needle value while none of its heads puts more than a few "
+              "percent of its attention on the value; docs/retrieval.md). Read these shares "
+              "beside the retrieval accuracy, and run `python benchmarks/lookup_attention.py "
+              "RUN_DIR` for that causal check.")
+    return L + ([""] + [line] if line else []) + ["", caveat, ""]
