@@ -53,8 +53,12 @@ def _time(fn, *args, iters: int, warmup: int = 1) -> float:
 def _memory(fn, *args) -> int | None:
     try:
         m = fn.lower(*args).compile().memory_analysis()
-        return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-                   - m.alias_size_in_bytes)
+        return int(
+            m.argument_size_in_bytes
+            + m.output_size_in_bytes
+            + m.temp_size_in_bytes
+            - m.alias_size_in_bytes
+        )
     except Exception:  # noqa: BLE001
         return None
 
@@ -74,15 +78,20 @@ def matmul_peak(dtype, n: int) -> float:
 def two_call(q1, k1, q2, k2, v, lam, *, causal, impl):
     """The official code's strategy with a stock attention: per branch one call with the 2d-wide
     v if the implementation takes it, else two calls on its halves."""
+
     def attend(q, k):
         try:
             return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation=impl)
         except Exception:  # noqa: BLE001 - e.g. cuDNN wants v's width equal to q's
             d = q.shape[-1]
-            halves = [jax.nn.dot_product_attention(q, k, v[..., i * d:(i + 1) * d],
-                                                   is_causal=causal, implementation=impl)
-                      for i in range(v.shape[-1] // d)]
+            halves = [
+                jax.nn.dot_product_attention(
+                    q, k, v[..., i * d : (i + 1) * d], is_causal=causal, implementation=impl
+                )
+                for i in range(v.shape[-1] // d)
+            ]
             return jnp.concatenate(halves, axis=-1)
+
     o1, o2 = attend(q1, k1), attend(q2, k2)
     return (o1.astype(jnp.float32) - lam * o2.astype(jnp.float32)).astype(q1.dtype)
 
@@ -93,16 +102,32 @@ def variants(backend: str, interpret: bool, causal: bool):
     stock = "cudnn" if backend == "gpu" else None
     out = {}
     if on_accel or interpret:
-        out["fused"] = ("diff", functools.partial(kernels.differential_flash_attention,
-                                                  causal=causal,
-                                                  interpret=interpret and not on_accel))
-    out["xla"] = ("diff", functools.partial(kernels.reference.differential_attention, causal=causal))
+        out["fused"] = (
+            "diff",
+            functools.partial(
+                kernels.differential_flash_attention,
+                causal=causal,
+                interpret=interpret and not on_accel,
+            ),
+        )
+    out["xla"] = (
+        "diff",
+        functools.partial(kernels.reference.differential_attention, causal=causal),
+    )
     out["two-call"] = ("diff", functools.partial(two_call, causal=causal, impl=stock))
     if on_accel or interpret:
-        out["twin fused"] = ("std", functools.partial(kernels.flash_attention, causal=causal,
-                                                      interpret=interpret and not on_accel))
-    out["twin jax.nn"] = ("std", lambda q, k, v: jax.nn.dot_product_attention(
-        q, k, v, is_causal=causal, implementation=stock))
+        out["twin fused"] = (
+            "std",
+            functools.partial(
+                kernels.flash_attention, causal=causal, interpret=interpret and not on_accel
+            ),
+        )
+    out["twin jax.nn"] = (
+        "std",
+        lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, is_causal=causal, implementation=stock
+        ),
+    )
     return out
 
 
@@ -113,11 +138,15 @@ def run(args) -> list[dict]:
     rows = []
     skipped = []
     if backend not in ("gpu", "tpu") and not args.interpret:
-        skipped.append("fused, twin fused (Pallas kernels compile only for GPU/TPU; "
-                       "--interpret runs them interpreted, which measures nothing useful)")
+        skipped.append(
+            "fused, twin fused (Pallas kernels compile only for GPU/TPU; "
+            "--interpret runs them interpreted, which measures nothing useful)"
+        )
     peak = matmul_peak(dtype, args.peak_n)
-    print(f"device: {jax.devices()[0].device_kind} ({backend}), JAX {jax.__version__}; "
-          f"measured {args.dtype} matmul peak: {peak:.3g} TFLOP/s")
+    print(
+        f"device: {jax.devices()[0].device_kind} ({backend}), JAX {jax.__version__}; "
+        f"measured {args.dtype} matmul peak: {peak:.3g} TFLOP/s"
+    )
     if skipped:
         print("skipped: " + "; ".join(skipped))
     print(HEADER)
@@ -137,12 +166,16 @@ def run(args) -> list[dict]:
             else:
                 inputs = (qs, ks, vs)
                 flops = std_flops
-            ct = jnp.ones((b, t, inputs[0].shape[2], inputs[-1 if kind == "std" else 4].shape[-1]),
-                          dtype)
+            ct = jnp.ones(
+                (b, t, inputs[0].shape[2], inputs[-1 if kind == "std" else 4].shape[-1]), dtype
+            )
             fwd = jax.jit(fn)
             grad_argnums = tuple(range(len(inputs) - (1 if kind == "diff" else 0)))
-            fwd_bwd = jax.jit(jax.grad(lambda *a: jnp.sum((fn(*a) * ct).astype(jnp.float32)),
-                                       argnums=grad_argnums))
+            fwd_bwd = jax.jit(
+                jax.grad(
+                    lambda *a: jnp.sum((fn(*a) * ct).astype(jnp.float32)), argnums=grad_argnums
+                )
+            )
             row = {"T": t, "variant": name}
             try:
                 row["fwd_ms"] = _time(fwd, *inputs, iters=args.iters) * 1e3
@@ -158,36 +191,49 @@ def run(args) -> list[dict]:
     return rows
 
 
-HEADER = (f"{'T':>6} {'variant':<12} {'fwd ms':>9} {'fwd TF/s':>9} {'%peak':>6} "
-          f"{'fwd+bwd ms':>11} {'f+b TF/s':>9} {'mem MiB':>9}")
+HEADER = (
+    f"{'T':>6} {'variant':<12} {'fwd ms':>9} {'fwd TF/s':>9} {'%peak':>6} "
+    f"{'fwd+bwd ms':>11} {'f+b TF/s':>9} {'mem MiB':>9}"
+)
 
 
 def _format_row(r: dict) -> str:
     if "error" in r:
         return f"{r['T']:>6} {r['variant']:<12} {r['error']}"
-    return (f"{r['T']:>6} {r['variant']:<12} {r['fwd_ms']:>9.3f} {r['fwd_tflops']:>9.2f} "
-            f"{r['pct_peak']:>6.1f} {r['fwd_bwd_ms']:>11.3f} {r['fwd_bwd_tflops']:>9.2f} "
-            f"{r['mem_mib']:>9.1f}")
+    return (
+        f"{r['T']:>6} {r['variant']:<12} {r['fwd_ms']:>9.3f} {r['fwd_tflops']:>9.2f} "
+        f"{r['pct_peak']:>6.1f} {r['fwd_bwd_ms']:>11.3f} {r['fwd_bwd_tflops']:>9.2f} "
+        f"{r['mem_mib']:>9.1f}"
+    )
 
 
 def to_markdown(rows: list[dict]) -> str:
-    lines = ["| T | variant | fwd ms | fwd TFLOP/s | % of matmul peak | fwd+bwd ms | "
-             "fwd+bwd TFLOP/s | memory MiB |", "|---:|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| T | variant | fwd ms | fwd TFLOP/s | % of matmul peak | fwd+bwd ms | "
+        "fwd+bwd TFLOP/s | memory MiB |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['T']} | {r['variant']} | {r['error']} | | | | | |")
         else:
-            lines.append(f"| {r['T']} | {r['variant']} | {r['fwd_ms']:.3f} | "
-                         f"{r['fwd_tflops']:.2f} | {r['pct_peak']:.1f} | {r['fwd_bwd_ms']:.3f} | "
-                         f"{r['fwd_bwd_tflops']:.2f} | {r['mem_mib']:.1f} |")
+            lines.append(
+                f"| {r['T']} | {r['variant']} | {r['fwd_ms']:.3f} | "
+                f"{r['fwd_tflops']:.2f} | {r['pct_peak']:.1f} | {r['fwd_bwd_ms']:.3f} | "
+                f"{r['fwd_bwd_tflops']:.2f} | {r['mem_mib']:.1f} |"
+            )
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     on_accel = jax.default_backend() in ("gpu", "tpu")
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--seq-lens", type=int, nargs="+",
-                   default=[1024, 2048, 4096, 8192, 16384, 32768] if on_accel else [128, 256])
+    p.add_argument(
+        "--seq-lens",
+        type=int,
+        nargs="+",
+        default=[1024, 2048, 4096, 8192, 16384, 32768] if on_accel else [128, 256],
+    )
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--heads", type=int, default=8 if on_accel else 2, help="DIFF V1 heads h")
     p.add_argument("--head-dim", type=int, default=128 if on_accel else 64)

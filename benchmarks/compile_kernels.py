@@ -85,12 +85,51 @@ class GpuTarget:
 
 GPU_TARGETS = {
     # H100 and H200 are the same chip for the compiler (sm_90a, 227 KiB); H200's description.
-    "h100": GpuTarget("NVIDIA H200", "sm_90a", 9, 0, 232448, 233472, 132, 128, 2048,
-                      4_800_000_000_000, 52428800, 1.98, 150754820096),
-    "a100": GpuTarget("NVIDIA A100-SXM4-80GB", "sm_80", 8, 0, 166912, 167936, 108, 64, 2048,
-                      2_039_000_000_000, 41943040, 1.41, 85899345920),
-    "l4": GpuTarget("NVIDIA L4", "sm_89", 8, 9, 101376, 102400, 58, 128, 1536,
-                    300_000_000_000, 50331648, 2.04, 24152899584),
+    "h100": GpuTarget(
+        "NVIDIA H200",
+        "sm_90a",
+        9,
+        0,
+        232448,
+        233472,
+        132,
+        128,
+        2048,
+        4_800_000_000_000,
+        52428800,
+        1.98,
+        150754820096,
+    ),
+    "a100": GpuTarget(
+        "NVIDIA A100-SXM4-80GB",
+        "sm_80",
+        8,
+        0,
+        166912,
+        167936,
+        108,
+        64,
+        2048,
+        2_039_000_000_000,
+        41943040,
+        1.41,
+        85899345920,
+    ),
+    "l4": GpuTarget(
+        "NVIDIA L4",
+        "sm_89",
+        8,
+        9,
+        101376,
+        102400,
+        58,
+        128,
+        1536,
+        300_000_000_000,
+        50331648,
+        2.04,
+        24152899584,
+    ),
 }
 TPU_TARGETS = {"v5e": "v5e:2x2", "v6e": "v6e:2x2", "v5p": "v5p:2x2x1"}  # one host; chip 0 used
 TARGETS = tuple(GPU_TARGETS) + tuple(TPU_TARGETS)
@@ -107,9 +146,11 @@ class Case:
     def macs_per_pair(self) -> dict[str, int]:
         """One-pass multiply-adds per visible (query, key) pair and head, per kernel."""
         d, dv, n = self.d, self.dv, 1 if self.kind == "std" else 2
-        return {"fwd": n * d + n * dv,  # S_i = Q_i K_i^T, O_i += P_i V
-                "dkv": n * d + dv + n * d + dv,  # S_i again, dP = dO V^T, dK_i, dV (one P.dO)
-                "dq": n * d + dv + n * d}  # S_i again, dP, dQ_i
+        return {
+            "fwd": n * d + n * dv,  # S_i = Q_i K_i^T, O_i += P_i V
+            "dkv": n * d + dv + n * d + dv,  # S_i again, dP = dO V^T, dK_i, dV (one P.dO)
+            "dq": n * d + dv + n * d,
+        }  # S_i again, dP, dQ_i
 
 
 CASES = {
@@ -133,8 +174,9 @@ def _loss_fn(module, case: Case, block_sizes):
             o = module.flash_attention(q1, k1, v, causal=True, block_sizes=block_sizes)
         else:
             k2_ = k1 if case.kind == "v2" else k2
-            o = module.differential_flash_attention(q1, k1, q2, k2_, v, lam, causal=True,
-                                                    block_sizes=block_sizes)
+            o = module.differential_flash_attention(
+                q1, k1, q2, k2_, v, lam, causal=True, block_sizes=block_sizes
+            )
         return jnp.sum(o.astype(jnp.float32))
 
     loss.__name__ = f"compile_{case.name}"
@@ -157,8 +199,10 @@ def _compile(module, device, platform: str, case: Case, seq: int, heads: int, bl
         f.trace(q, q, q, q, v, lam).lower(lowering_platforms=(platform,)).compile()
     except Exception as e:  # noqa: BLE001  (the compiler's reason is the result)
         lines = [ln for ln in str(e).splitlines() if ln.strip()]
-        reason = next((ln for ln in lines if "RESOURCE_EXHAUSTED" in ln or "exceed" in ln),
-                      lines[0] if lines else type(e).__name__)
+        reason = next(
+            (ln for ln in lines if "RESOURCE_EXHAUSTED" in ln or "exceed" in ln),
+            lines[0] if lines else type(e).__name__,
+        )
         return f"{type(e).__name__}: {reason.strip()[:300]}"
     return None
 
@@ -166,6 +210,7 @@ def _compile(module, device, platform: str, case: Case, seq: int, heads: int, bl
 def _ptxas() -> str | None:
     try:
         import nvidia
+
         for p in nvidia.__path__:
             for c in glob.glob(os.path.join(p, "cu1*", "bin", "ptxas")):
                 return c
@@ -174,8 +219,10 @@ def _ptxas() -> str | None:
     return shutil.which("ptxas")
 
 
-_MMA = re.compile(r"(wgmma\.mma_async\S*\.m(\d+)n(\d+)k(\d+)"
-                  r"|mma\.sync\.aligned\.m(\d+)n(\d+)k(\d+))")
+_MMA = re.compile(
+    r"(wgmma\.mma_async\S*\.m(\d+)n(\d+)k(\d+)"
+    r"|mma\.sync\.aligned\.m(\d+)n(\d+)k(\d+))"
+)
 
 
 def _ptx_stats(ptx: str, arch: str, ptxas: str | None, threads: int | None) -> dict:
@@ -184,8 +231,9 @@ def _ptx_stats(ptx: str, arch: str, ptxas: str | None, threads: int | None) -> d
     src = open(ptx).read()
     out: dict = {}
     if ptxas:
-        log = subprocess.run([ptxas, "-v", f"-arch={arch}", ptx, "-o", os.devnull],
-                             capture_output=True, text=True).stderr
+        log = subprocess.run(
+            [ptxas, "-v", f"-arch={arch}", ptx, "-o", os.devnull], capture_output=True, text=True
+        ).stderr
         regs = re.search(r"Used (\d+) registers", log)
         sp = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
         out["regs"] = regs and int(regs.group(1))
@@ -208,35 +256,51 @@ def _ptx_stats(ptx: str, arch: str, ptxas: str | None, threads: int | None) -> d
 BLOCK_FIELDS = ("block_q", "block_k", "block_q_dkv", "block_k_dkv", "block_q_dq", "block_k_dq")
 
 
-def _gpu_child(target_key: str, cases: list[str], seq: int, heads: int, blocks, warps, dump: str,
-               split: bool | None = None):
+def _gpu_child(
+    target_key: str,
+    cases: list[str],
+    seq: int,
+    heads: int,
+    blocks,
+    warps,
+    dump: str,
+    split: bool | None = None,
+):
     import jax
+
     jax.config.update("jax_platforms", "cpu")
     from jax.experimental import topologies
 
     from diffjax.kernels import gpu
 
     tgt = GPU_TARGETS[target_key]
-    topo = topologies.get_topology_desc(platform="cuda", target_config=tgt.proto(),
-                                        topology="1x1x1")
+    topo = topologies.get_topology_desc(
+        platform="cuda", target_config=tgt.proto(), topology="1x1x1"
+    )
     ptxas = _ptxas()
     rows = []
     for name in cases:
         case = CASES[name]
         # The blocks a user gets on this target, with the given tiles and --warps applied (the
         # rest, warps and split_forward, stays this target's: no GPU here to pick them).
-        bs = gpu.default_block_sizes(case.d, case.dv, differential=case.kind != "std",
-                                     shared_keys=case.kind == "v2",
-                                     compute_capability=(tgt.major, tgt.minor))
+        bs = gpu.default_block_sizes(
+            case.d,
+            case.dv,
+            differential=case.kind != "std",
+            shared_keys=case.kind == "v2",
+            compute_capability=(tgt.major, tgt.minor),
+        )
         if blocks:
             bs = dataclasses.replace(bs, **dict(zip(BLOCK_FIELDS, blocks)))
         if split is not None:  # the forward's warps then default for that layout
             bs = dataclasses.replace(bs, split_forward=split, num_warps=None)
         if warps is not None:
-            bs = dataclasses.replace(bs, num_warps=warps, num_warps_dkv=warps,
-                                     num_warps_dq=warps)
-        tiles = {"fwd": (bs.block_q, bs.block_k), "dkv": (bs.block_q_dkv, bs.block_k_dkv),
-                 "dq": (bs.block_q_dq, bs.block_k_dq)}
+            bs = dataclasses.replace(bs, num_warps=warps, num_warps_dkv=warps, num_warps_dq=warps)
+        tiles = {
+            "fwd": (bs.block_q, bs.block_k),
+            "dkv": (bs.block_q_dkv, bs.block_k_dkv),
+            "dq": (bs.block_q_dq, bs.block_k_dq),
+        }
         before = set(glob.glob(os.path.join(dump, "*")))
         t0 = time.time()
         err = _compile(gpu, topo.devices[0], "cuda", case, seq, heads, bs)
@@ -251,12 +315,21 @@ def _gpu_child(target_key: str, cases: list[str], seq: int, heads: int, blocks, 
             if not m or "flash" not in m.group(1):
                 continue
             k = m.group(1)
-            tm = re.search(rf"\] {k} grid: (\[[^\]]*\]) threads: \[([^\]]*)\]\s+"
-                           rf"shared_memory: (\d+)", thunks)
+            tm = re.search(
+                rf"\] {k} grid: (\[[^\]]*\]) threads: \[([^\]]*)\]\s+"
+                rf"shared_memory: (\d+)",
+                thunks,
+            )
             threads = tm and math.prod(int(x) for x in tm.group(2).split(","))  # [x, y, z]
-            row = dict(base, kernel=k, role=_kernel_role(k), grid=tm and tm.group(1),
-                       blocks="x".join(map(str, tiles[_kernel_role(k)])),
-                       threads=threads, smem=tm and int(tm.group(3)))
+            row = dict(
+                base,
+                kernel=k,
+                role=_kernel_role(k),
+                grid=tm and tm.group(1),
+                blocks="x".join(map(str, tiles[_kernel_role(k)])),
+                threads=threads,
+                smem=tm and int(tm.group(3)),
+            )
             row.update(_ptx_stats(ptx, tgt.arch, ptxas, threads))
             # Each kernel runs its tile loop in two copies (masked and mask-free); every
             # iteration covers a (block_q x block_k) tile of (query, key) pairs. Programs per
@@ -273,6 +346,7 @@ def _gpu_child(target_key: str, cases: list[str], seq: int, heads: int, blocks, 
 
 def _tpu_child(target_key: str, cases: list[str], seq: int, heads: int, blocks):
     import jax
+
     jax.config.update("jax_platforms", "cpu")
     from jax.experimental import topologies
 
@@ -289,8 +363,10 @@ def _tpu_child(target_key: str, cases: list[str], seq: int, heads: int, blocks):
 
     def spy(kernel, *a, **kw):  # record each kernel's VMEM estimate and scoped-VMEM request
         cp = kw.get("compiler_params")
-        vmem[kw.get("name")] = (estimate[-1] if estimate else None,
-                                getattr(cp, "vmem_limit_bytes", None))
+        vmem[kw.get("name")] = (
+            estimate[-1] if estimate else None,
+            getattr(cp, "vmem_limit_bytes", None),
+        )
         return real(kernel, *a, **kw)
 
     tpu._compiler_params = params_spy
@@ -306,8 +382,9 @@ def _tpu_child(target_key: str, cases: list[str], seq: int, heads: int, blocks):
                 rows.append(dict(base, kernel="(all)", error=err))
                 continue
             for k, (est, limit) in vmem.items():
-                rows.append(dict(base, kernel=k, role=_kernel_role(k), vmem_estimate=est,
-                                 vmem_limit=limit))
+                rows.append(
+                    dict(base, kernel=k, role=_kernel_role(k), vmem_estimate=est, vmem_limit=limit)
+                )
     finally:
         tpu.pl.pallas_call, tpu._compiler_params = real, real_params
     return rows
@@ -351,8 +428,10 @@ def available(python: str | None = None) -> dict[str, str | None]:
     python = python or compiler_python()
     if python == sys.executable:  # (a venv's python links to the same binary: not realpath)
         return _availability()
-    probe = (f"import json, sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); "
-             f"import compile_kernels; print(json.dumps(compile_kernels._availability()))")
+    probe = (
+        f"import json, sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); "
+        f"import compile_kernels; print(json.dumps(compile_kernels._availability()))"
+    )
     try:
         r = subprocess.run([python, "-c", probe], capture_output=True, text=True)
         tail = (r.stderr.strip().splitlines() or ["no output"])[-1]
@@ -363,9 +442,17 @@ def available(python: str | None = None) -> dict[str, str | None]:
     return {k: v and f"{v} in {python}" for k, v in json.loads(r.stdout).items()}
 
 
-def run(targets, cases, seq: int, heads: int = 2, blocks=None, warps=None,
-        keep_dumps: str | None = None, python: str | None = None,
-        split: bool | None = None) -> list[dict]:
+def run(
+    targets,
+    cases,
+    seq: int,
+    heads: int = 2,
+    blocks=None,
+    warps=None,
+    keep_dumps: str | None = None,
+    python: str | None = None,
+    split: bool | None = None,
+) -> list[dict]:
     """Compile every case for every target (each target in a child process of ``python``,
     default :func:`compiler_python`); rows of results."""
     python = python or compiler_python()
@@ -373,19 +460,36 @@ def run(targets, cases, seq: int, heads: int = 2, blocks=None, warps=None,
     for t in targets:
         dump = keep_dumps and os.path.join(keep_dumps, t) or tempfile.mkdtemp(prefix=f"ck_{t}_")
         os.makedirs(dump, exist_ok=True)
-        args = dict(target=t, cases=list(cases), seq=seq, heads=heads, blocks=blocks,
-                    warps=warps, dump=dump, split=split)
-        env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                   XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump}",
-                   TF_CPP_MIN_LOG_LEVEL="3")
-        r = subprocess.run([python, os.path.abspath(__file__), "--_child",
-                            json.dumps(args)], env=env, capture_output=True, text=True)
-        got = [json.loads(ln[len("ROW "):]) for ln in r.stdout.splitlines()
-               if ln.startswith("ROW ")]
+        args = dict(
+            target=t,
+            cases=list(cases),
+            seq=seq,
+            heads=heads,
+            blocks=blocks,
+            warps=warps,
+            dump=dump,
+            split=split,
+        )
+        env = dict(
+            os.environ,
+            PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+            XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump}",
+            TF_CPP_MIN_LOG_LEVEL="3",
+        )
+        r = subprocess.run(
+            [python, os.path.abspath(__file__), "--_child", json.dumps(args)],
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        got = [
+            json.loads(ln[len("ROW ") :]) for ln in r.stdout.splitlines() if ln.startswith("ROW ")
+        ]
         if r.returncode != 0 or not got:
             tail = (r.stderr.strip().splitlines() or ["no output"])[-1][:300]
-            got = [dict(target=t, case=c, kernel="(all)", error=f"child failed: {tail}")
-                   for c in cases]
+            got = [
+                dict(target=t, case=c, kernel="(all)", error=f"child failed: {tail}") for c in cases
+            ]
         rows += got
         if not keep_dumps:
             shutil.rmtree(dump, ignore_errors=True)
@@ -398,41 +502,62 @@ def _fmt_row(r: dict) -> str:
         return f"| {r['target']} | {r['case']} | {r['kernel']} | FAILS: {r['error']} |||||| "
     if r["target"] in TPU_TARGETS:
         lim, est = r.get("vmem_limit"), r.get("vmem_estimate")
-        return (f"| {r['target']} | {r['case']} | {r['kernel']} | ok | | | "
-                f"{'?' if est is None else est // 1024} KiB est. (scoped limit "
-                f"{'default' if lim is None else f'{lim // 1024} KiB'}) | | | |")
+        return (
+            f"| {r['target']} | {r['case']} | {r['kernel']} | ok | | | "
+            f"{'?' if est is None else est // 1024} KiB est. (scoped limit "
+            f"{'default' if lim is None else f'{lim // 1024} KiB'}) | | | |"
+        )
     ideal = case.macs_per_pair()[r["role"]]
-    return (f"| {r['target']} | {r['case']} | {r['kernel']} {r.get('blocks', '')} | ok | "
-            f"{r.get('regs')} | "
-            f"{r.get('spill')} | {r['smem'] // 1024 if r.get('smem') is not None else '?'} KiB | "
-            f"{r.get('threads')} | {r['wgmma']} wgmma / {r['mma_sync']} mma.sync | "
-            f"{r['macs_per_pair']:.0f} (one pass {ideal}) |")
+    return (
+        f"| {r['target']} | {r['case']} | {r['kernel']} {r.get('blocks', '')} | ok | "
+        f"{r.get('regs')} | "
+        f"{r.get('spill')} | {r['smem'] // 1024 if r.get('smem') is not None else '?'} KiB | "
+        f"{r.get('threads')} | {r['wgmma']} wgmma / {r['mma_sync']} mma.sync | "
+        f"{r['macs_per_pair']:.0f} (one pass {ideal}) |"
+    )
 
 
-HEADER = ("| target | case | kernel | compiles | regs | spill B | smem / VMEM | threads | "
-          "MMA instructions | MACs issued per visible pair |\n" + "|---" * 10 + "|")
+HEADER = (
+    "| target | case | kernel | compiles | regs | spill B | smem / VMEM | threads | "
+    "MMA instructions | MACs issued per visible pair |\n" + "|---" * 10 + "|"
+)
 
 
 def table(rows: list[dict]) -> str:
     order = {"fwd": 0, "dkv": 1, "dq": 2}
-    rows = sorted(rows, key=lambda r: (TARGETS.index(r["target"]), list(CASES).index(r["case"]),
-                                       order.get(r.get("role"), -1)))
+    rows = sorted(
+        rows,
+        key=lambda r: (
+            TARGETS.index(r["target"]),
+            list(CASES).index(r["case"]),
+            order.get(r.get("role"), -1),
+        ),
+    )
     return "\n".join([HEADER] + [_fmt_row(r) for r in rows])
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--targets", default=",".join(TARGETS),
-                   help=f"comma-separated, from {', '.join(TARGETS)}")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--targets", default=",".join(TARGETS), help=f"comma-separated, from {', '.join(TARGETS)}"
+    )
     p.add_argument("--cases", default=",".join(CASES), help=f"from {', '.join(CASES)}")
     p.add_argument("--seq", type=int, default=8192)
     p.add_argument("--heads", type=int, default=2)
-    p.add_argument("--blocks", default=None,
-                   help="bq,bk,bq_dkv,bk_dkv,bq_dq,bk_dq (default: the kernels' defaults)")
+    p.add_argument(
+        "--blocks",
+        default=None,
+        help="bq,bk,bq_dkv,bk_dkv,bq_dq,bk_dq (default: the kernels' defaults)",
+    )
     p.add_argument("--warps", type=int, default=None, help="GPU num_warps (default: the kernel's)")
-    p.add_argument("--split", choices=("yes", "no"), default=None,
-                   help="GPU DIFF forward as one program per branch (default: the target's)")
+    p.add_argument(
+        "--split",
+        choices=("yes", "no"),
+        default=None,
+        help="GPU DIFF forward as one program per branch (default: the target's)",
+    )
     p.add_argument("--json", default=None, help="also write the rows here")
     p.add_argument("--markdown", default=None, help="also write the table here")
     p.add_argument("--dumps", default=None, help="keep XLA's dumps (PTX, thunks) under this dir")
@@ -442,8 +567,16 @@ def main(argv=None):
         c = json.loads(a._child)
         blocks = c["blocks"]
         if c["target"] in GPU_TARGETS:
-            rows = _gpu_child(c["target"], c["cases"], c["seq"], c["heads"], blocks, c["warps"],
-                              c["dump"], c["split"])
+            rows = _gpu_child(
+                c["target"],
+                c["cases"],
+                c["seq"],
+                c["heads"],
+                blocks,
+                c["warps"],
+                c["dump"],
+                c["split"],
+            )
         else:
             rows = _tpu_child(c["target"], c["cases"], c["seq"], c["heads"], blocks)
         for r in rows:
@@ -467,9 +600,10 @@ def main(argv=None):
     t0 = time.time()
     split = None if a.split is None else a.split == "yes"
     rows = run(runnable, cases, a.seq, a.heads, blocks, a.warps, a.dumps, split=split)
-    text = (f"bf16, causal, T={a.seq}, forward+backward; blocks {a.blocks or 'default'}, "
-            f"warps {a.warps or 'default'}, split forward {a.split or 'default'}\n\n"
-            + table(rows))
+    text = (
+        f"bf16, causal, T={a.seq}, forward+backward; blocks {a.blocks or 'default'}, "
+        f"warps {a.warps or 'default'}, split forward {a.split or 'default'}\n\n" + table(rows)
+    )
     print(text)
     print(f"\n{time.time() - t0:.0f} s")
     if a.json:

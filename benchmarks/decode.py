@@ -52,14 +52,25 @@ def _median_time(fn, iters: int) -> float:
 
 
 def configs(args) -> dict[str, diffjax.ModelConfig]:
-    common = dict(vocab_size=args.vocab, d_model=args.d_model, num_layers=args.layers,
-                  max_seq_len=args.prompt_len + args.new_tokens, dtype=args.dtype,
-                  attention_impl=args.impl)
-    v1 = diffjax.ModelConfig(attention="diff_v1", num_heads=args.heads,
-                             num_kv_heads=args.kv_heads, **common)
+    common = dict(
+        vocab_size=args.vocab,
+        d_model=args.d_model,
+        num_layers=args.layers,
+        max_seq_len=args.prompt_len + args.new_tokens,
+        dtype=args.dtype,
+        attention_impl=args.impl,
+    )
+    v1 = diffjax.ModelConfig(
+        attention="diff_v1", num_heads=args.heads, num_kv_heads=args.kv_heads, **common
+    )
     d = v1.resolved_head_dim
-    v2 = diffjax.ModelConfig(attention="diff_v2", num_heads=2 * args.heads, head_dim=d,
-                             num_kv_heads=2 * v1.kv_heads, **common)
+    v2 = diffjax.ModelConfig(
+        attention="diff_v2",
+        num_heads=2 * args.heads,
+        head_dim=d,
+        num_kv_heads=2 * v1.kv_heads,
+        **common,
+    )
     assert diffjax.twin(v1) == diffjax.twin(v2)
     return {"diff_v1": v1, "diff_v2": v2, "twin": diffjax.twin(v1)}
 
@@ -90,10 +101,19 @@ def bench_one(cfg, args) -> dict:
 
     def run_decode(prefilled):
         logits, cache = prefilled
-        return decode._decode_jit(graphdef, state, cache, logits, jax.random.key(0),
-                                  jnp.int32(n), jnp.float32(0.0), jnp.int32(-1), num_slots=n,
-                                  greedy=True,
-                                  top_k=None)[0]
+        return decode._decode_jit(
+            graphdef,
+            state,
+            cache,
+            logits,
+            jax.random.key(0),
+            jnp.int32(n),
+            jnp.float32(0.0),
+            jnp.int32(-1),
+            num_slots=n,
+            greedy=True,
+            top_k=None,
+        )[0]
 
     t_prefill = _median_time(run_prefill, args.iters)
     # the decode loop donates its cache: a fresh prefill (not timed) before each run
@@ -113,22 +133,43 @@ def bench_one(cfg, args) -> dict:
     t_naive = _median_time(lambda: naive(graphdef, state, buf, p + 1, n - 1), args.iters)
     naive_tokens = np.asarray(naive(graphdef, state, buf, p + 1, n - 1))[:, p:]
     steps = b * (n - 1)
-    return dict(model=cfg.attention if cfg.is_diff else "twin",
-                heads=f"{cfg.num_heads}x{cfg.resolved_head_dim}/{cfg.kv_heads}kv",
-                params=diffjax.count_params(cfg).total,
-                cache_bytes=decode.cache_bytes_per_token(cfg),
-                prefill=b * p / t_prefill, decode=steps / t_decode, naive=steps / t_naive,
-                same=bool(np.array_equal(np.asarray(cached), naive_tokens)))
+    return dict(
+        model=cfg.attention if cfg.is_diff else "twin",
+        heads=f"{cfg.num_heads}x{cfg.resolved_head_dim}/{cfg.kv_heads}kv",
+        params=diffjax.count_params(cfg).total,
+        cache_bytes=decode.cache_bytes_per_token(cfg),
+        prefill=b * p / t_prefill,
+        decode=steps / t_decode,
+        naive=steps / t_naive,
+        same=bool(np.array_equal(np.asarray(cached), naive_tokens)),
+    )
 
 
-HEADER = ("model", "h x d, kv", "params", "cache B/tok", "prefill tok/s", "decode tok/s",
-          "naive tok/s", "speedup", "same")
+HEADER = (
+    "model",
+    "h x d, kv",
+    "params",
+    "cache B/tok",
+    "prefill tok/s",
+    "decode tok/s",
+    "naive tok/s",
+    "speedup",
+    "same",
+)
 
 
 def _cells(r) -> tuple[str, ...]:
-    return (r["model"], r["heads"], f"{r['params']:,}", f"{r['cache_bytes']:,}",
-            f"{r['prefill']:,.0f}", f"{r['decode']:,.0f}", f"{r['naive']:,.0f}", f"{r['decode'] / r['naive']:.1f}x",
-            "yes" if r["same"] else "no")
+    return (
+        r["model"],
+        r["heads"],
+        f"{r['params']:,}",
+        f"{r['cache_bytes']:,}",
+        f"{r['prefill']:,.0f}",
+        f"{r['decode']:,.0f}",
+        f"{r['naive']:,.0f}",
+        f"{r['decode'] / r['naive']:.1f}x",
+        "yes" if r["same"] else "no",
+    )
 
 
 def to_markdown(rows) -> str:
@@ -138,9 +179,11 @@ def to_markdown(rows) -> str:
 
 
 def run(args) -> list[dict]:
-    print(f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}), {args.dtype}, "
-          f"d_model {args.d_model}, {args.layers} layers, batch {args.batch}, prompt "
-          f"{args.prompt_len}, {args.new_tokens} new tokens, attention_impl {args.impl}")
+    print(
+        f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}), {args.dtype}, "
+        f"d_model {args.d_model}, {args.layers} layers, batch {args.batch}, prompt "
+        f"{args.prompt_len}, {args.new_tokens} new tokens, attention_impl {args.impl}"
+    )
     rows = []
     widths = (8, 14, 12, 12, 14, 13, 12, 8, 5)
     print("  ".join(h.rjust(w) for h, w in zip(HEADER, widths)))
@@ -153,12 +196,17 @@ def run(args) -> list[dict]:
 
 def main(argv=None) -> int:
     on_accel = jax.default_backend() in ("gpu", "tpu")
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--d-model", type=int, default=1024 if on_accel else 128)
     p.add_argument("--layers", type=int, default=12 if on_accel else 2)
-    p.add_argument("--heads", type=int, default=8 if on_accel else 2,
-                   help="DIFF V1 heads h (V2 and the twin: 2h query heads)")
+    p.add_argument(
+        "--heads",
+        type=int,
+        default=8 if on_accel else 2,
+        help="DIFF V1 heads h (V2 and the twin: 2h query heads)",
+    )
     p.add_argument("--kv-heads", type=int, default=None, help="DIFF V1 kv heads (default h)")
     p.add_argument("--vocab", type=int, default=50304 if on_accel else 259)
     p.add_argument("--batch", type=int, default=8 if on_accel else 2)

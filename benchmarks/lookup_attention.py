@@ -39,13 +39,26 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from diffjax.evaluate import (discover_models, layer_attention_maps, losses_and_predictions,  # noqa: E402
-                              query_correct, validation_examples)
+from diffjax.evaluate import (
+    discover_models,
+    layer_attention_maps,
+    losses_and_predictions,  # noqa: E402
+    query_correct,
+    validation_examples,
+)
 from diffjax.evaluate.run import data_config, read_run_config  # noqa: E402
 from diffjax.train import load_model  # noqa: E402
 
-COLUMNS = ("answer", "key", "after", "other values", "digits in text", "BOS", "self",
-           "other context")
+COLUMNS = (
+    "answer",
+    "key",
+    "after",
+    "other values",
+    "digits in text",
+    "BOS",
+    "self",
+    "other context",
+)
 
 
 def first_query_masks(batch: dict) -> tuple[np.ndarray, np.ndarray]:
@@ -75,7 +88,7 @@ def first_query_masks(batch: dict) -> tuple[np.ndarray, np.ndarray]:
         "self": pos == rows[:, None],
     }
     for n in range(values.shape[1]):
-        out["other values"] |= (pos == values[:, n:n + 1]) & (values[:, n:n + 1] != j)
+        out["other values"] |= (pos == values[:, n : n + 1]) & (values[:, n : n + 1] != j)
     taken = np.zeros((b, t), bool)
     for m in out.values():
         taken |= m
@@ -137,13 +150,18 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     data = data_config(read_run_config(args.run_dir))
     if data.source not in ("needle", "mqar"):
-        print(f"{args.run_dir} trained on data.source={data.source!r}: this probe is for the "
-              f"needle and MQAR tasks", file=sys.stderr)
+        print(
+            f"{args.run_dir} trained on data.source={data.source!r}: this probe is for the "
+            f"needle and MQAR tasks",
+            file=sys.stderr,
+        )
         return 2
     val = validation_examples(data, args.examples)
     rows, masks = first_query_masks(val)
-    print(f"{len(rows)} validation examples; the first query's row; signed shares of the row's "
-          f"absolute mass\n")
+    print(
+        f"{len(rows)} validation examples; the first query's row; signed shares of the row's "
+        f"absolute mass\n"
+    )
     swapped = dict(val)
     swapped["inputs"], new = swap_asked_value(val, data.mqar_num_values)
     first = np.asarray(val["answer_spans"])[:, 0]
@@ -157,20 +175,28 @@ def main(argv=None) -> int:
         answer = np.stack([preds[i, s:e] for i, (s, e) in enumerate(first)])
         follows = float(np.all(answer == new, -1).mean())
         keeps = float(np.all(answer == old, -1).mean())
-        print(f"{entry.label} seed {entry.seed}: first query {acc:.3f}; with the asked value "
-              f"swapped in the context it follows the swap {follows:.3f}, keeps the old value "
-              f"{keeps:.3f}")
+        print(
+            f"{entry.label} seed {entry.seed}: first query {acc:.3f}; with the asked value "
+            f"swapped in the context it follows the swap {follows:.3f}, keeps the old value "
+            f"{keeps:.3f}"
+        )
         table.append((entry, acc, model))
-    print("\n| model | seed | first-query accuracy | layer | map | head | "
-          + " | ".join(COLUMNS) + " |")
+    print(
+        "\n| model | seed | first-query accuracy | layer | map | head | "
+        + " | ".join(COLUMNS)
+        + " |"
+    )
     print("|---|---:|---:|---:|---|---:|" + "---:|" * len(COLUMNS))
     for entry, acc, model in table:
         for layer in range(len(model.layers)):
             maps = layer_attention_maps(model, val["inputs"], layer)
             for name in ("diff", "a1", "a2") if "diff" in maps else ("a",):
                 for h, row in enumerate(row_shares(maps[name], rows, masks)):
-                    print(f"| {entry.label} | {entry.seed} | {acc:.3f} | {layer} | {name} | {h} | "
-                          + " | ".join(f"{x:+.2f}" for x in row) + " |")
+                    print(
+                        f"| {entry.label} | {entry.seed} | {acc:.3f} | {layer} | {name} | {h} | "
+                        + " | ".join(f"{x:+.2f}" for x in row)
+                        + " |"
+                    )
     return 0
 
 

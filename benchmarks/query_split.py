@@ -25,8 +25,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from diffjax.data import query_kinds  # noqa: E402
 from diffjax.data.synthetic import query_chance  # noqa: E402
-from diffjax.evaluate import (discover_models, losses_and_predictions, query_correct,  # noqa: E402
-                              validation_examples)
+from diffjax.evaluate import (
+    discover_models,
+    losses_and_predictions,
+    query_correct,  # noqa: E402
+    validation_examples,
+)
 from diffjax.evaluate.run import data_config, read_run_config  # noqa: E402
 from diffjax.train import load_model  # noqa: E402
 
@@ -52,8 +56,11 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     data = data_config(read_run_config(args.run_dir))
     if data.source not in ("needle", "mqar"):
-        print(f"{args.run_dir} trained on data.source={data.source!r}: this split is for the "
-              f"needle and MQAR tasks", file=sys.stderr)
+        print(
+            f"{args.run_dir} trained on data.source={data.source!r}: this split is for the "
+            f"needle and MQAR tasks",
+            file=sys.stderr,
+        )
         return 2
     val = validation_examples(data, args.examples)
     chance = query_chance(data)
@@ -62,16 +69,22 @@ def main(argv=None) -> int:
         model = load_model(entry.path, args.step)
         _, preds = losses_and_predictions(model, val)
         rows.append((entry, split_accuracy(query_correct(preds, val), val)))
-    print(f"{len(val['inputs'])} validation examples, {data.num_queries} queries each "
-          f"({rows[0][1]['repeat_share']:.0%} of them repeats) | no retrieval: all "
-          f"{chance['no_retrieval']:.3f}, first query {chance['no_retrieval_first']:.3f}\n")
-    print("| model | seed | all queries | first query | new needle, later | repeats | "
-          "by query index |")
+    print(
+        f"{len(val['inputs'])} validation examples, {data.num_queries} queries each "
+        f"({rows[0][1]['repeat_share']:.0%} of them repeats) | no retrieval: all "
+        f"{chance['no_retrieval']:.3f}, first query {chance['no_retrieval_first']:.3f}\n"
+    )
+    print(
+        "| model | seed | all queries | first query | new needle, later | repeats | "
+        "by query index |"
+    )
     print("|---|---:|---:|---:|---:|---:|---|")
     for entry, acc in rows:
         idx = " ".join(f"{x:.2f}" for x in acc["by_index"])
-        print(f"| {entry.label} | {entry.seed} | {acc['all']:.3f} | {acc['first']:.3f} | "
-              f"{acc['new']:.3f} | {acc['repeat']:.3f} | {idx} |")
+        print(
+            f"| {entry.label} | {entry.seed} | {acc['all']:.3f} | {acc['first']:.3f} | "
+            f"{acc['new']:.3f} | {acc['repeat']:.3f} | {idx} |"
+        )
     return 0
 
 

@@ -46,9 +46,11 @@ def _fmt(x) -> str:
 
 
 def table(run_dir: str, curves, chance) -> str:
-    lines = ["| model | seed | steps | train s | final val loss | final query acc | final first "
-             "query | final repeats | best first query (step) |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| model | seed | steps | train s | final val loss | final query acc | final first "
+        "query | final repeats | best first query (step) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for (label, seed), records in curves.items():
         evals = [r for r in records if "val_query_accuracy" in r]
         if not evals:
@@ -58,13 +60,17 @@ def table(run_dir: str, curves, chance) -> str:
         top = max(firsts, key=lambda r: r["val_first_query_accuracy"]) if firsts else None
         best = f"{top['val_first_query_accuracy']:.3f} ({top['step']})" if top else "n/a"
         train_s = sum(r.get("step_time") or 0.0 for r in records)
-        lines.append(f"| {label} | {seed} | {last['step']} | {train_s:.0f} | "
-                     f"{last['val_loss']:.3f} | {last['val_query_accuracy']:.3f} | "
-                     f"{_fmt(last.get('val_first_query_accuracy'))} | "
-                     f"{_fmt(last.get('val_repeat_query_accuracy'))} | {best} |")
+        lines.append(
+            f"| {label} | {seed} | {last['step']} | {train_s:.0f} | "
+            f"{last['val_loss']:.3f} | {last['val_query_accuracy']:.3f} | "
+            f"{_fmt(last.get('val_first_query_accuracy'))} | "
+            f"{_fmt(last.get('val_repeat_query_accuracy'))} | {best} |"
+        )
     lines.append("")
-    lines.append(f"Chance per query: uniform {chance['uniform']:.3f}, no retrieval "
-                 f"{chance['no_retrieval']:.3f} (first query: {chance['no_retrieval_first']:.3f}).")
+    lines.append(
+        f"Chance per query: uniform {chance['uniform']:.3f}, no retrieval "
+        f"{chance['no_retrieval']:.3f} (first query: {chance['no_retrieval_first']:.3f})."
+    )
     return "\n".join(lines)
 
 
@@ -86,18 +92,30 @@ def plot(run_dir: str, curves, chance, path: str, title: str) -> None:
         color = colors.setdefault(label, f"C{len(colors)}")
         steps = [r["step"] for r in evals]
         name = f"{label} seed {seed}"
-        style = dict(color=color, ls=_LINESTYLES[seed % len(_LINESTYLES)], marker="o", ms=3,
-                     label=name)  # one colour per model, one line style per seed
+        style = dict(
+            color=color, ls=_LINESTYLES[seed % len(_LINESTYLES)], marker="o", ms=3, label=name
+        )  # one colour per model, one line style per seed
         ax_acc.plot(steps, [r["val_query_accuracy"] for r in evals], **style)
         firsts = [r for r in evals if "val_first_query_accuracy" in r]
-        ax_first.plot([r["step"] for r in firsts],
-                      [r["val_first_query_accuracy"] for r in firsts], **{**style, "label": None})
+        ax_first.plot(
+            [r["step"] for r in firsts],
+            [r["val_first_query_accuracy"] for r in firsts],
+            **{**style, "label": None},
+        )
         ax_loss.plot(steps, [r["val_loss"] for r in evals], **{**style, "label": None})
     for ax, level in ((ax_acc, chance["no_retrieval"]), (ax_first, chance["no_retrieval_first"])):
-        ax.axhline(chance["uniform"], color="gray", ls=":",
-                   label="chance (uniform)" if ax is ax_acc else None)
-        ax.axhline(level, color="gray", ls="--",
-                   label="no retrieval (copy a random needle/pair)" if ax is ax_acc else None)
+        ax.axhline(
+            chance["uniform"],
+            color="gray",
+            ls=":",
+            label="chance (uniform)" if ax is ax_acc else None,
+        )
+        ax.axhline(
+            level,
+            color="gray",
+            ls="--",
+            label="no retrieval (copy a random needle/pair)" if ax is ax_acc else None,
+        )
         ax.set_ylim(0, 1)
     ax_acc.set_title("all queries (repeats can be copied from earlier queries)", fontsize=9)
     ax_first.set_title("first query (only the needles/pairs hold its answer)", fontsize=9)

@@ -36,7 +36,7 @@ from typing import Any
 
 DEFAULT_CONFIG = "configs/diff_125m.py"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MIB = 1024 ** 2
+MIB = 1024**2
 
 
 # ---------------------------------------------------------------------------- devices
@@ -50,12 +50,15 @@ def _prepare_devices(devices: int) -> None:
 
 def _meshes(devices: int) -> list[tuple[str, dict[str, int]]]:
     """(name, sizes) of the meshes the table compares, over ``devices`` devices."""
-    out = [(f"data={devices}", dict(data=devices, fsdp=1, tensor=1)),
-           (f"fsdp={devices}", dict(data=1, fsdp=devices, tensor=1))]
+    out = [
+        (f"data={devices}", dict(data=devices, fsdp=1, tensor=1)),
+        (f"fsdp={devices}", dict(data=1, fsdp=devices, tensor=1)),
+    ]
     for t in (2, 4):
         if devices % t == 0 and devices > t:
-            out.append((f"fsdp={devices // t} x tensor={t}",
-                        dict(data=1, fsdp=devices // t, tensor=t)))
+            out.append(
+                (f"fsdp={devices // t} x tensor={t}", dict(data=1, fsdp=devices // t, tensor=t))
+            )
     return out
 
 
@@ -76,13 +79,16 @@ def _build_mesh(sizes: dict[str, int], devices: int):
         if len(devs) == devices:
             return sharding.make_mesh(config, devs), None
     have = jax.device_count()
-    note = (f"note: JAX was imported before this script could set JAX_NUM_CPU_DEVICES={devices} "
-            f"and has {have} device{'s' * (have != 1)}, not {devices}; the meshes are abstract "
-            f"(jax.sharding.AbstractMesh of the same shapes), which gives the same per-device "
-            f"bytes: they depend only on the mesh shape")
+    note = (
+        f"note: JAX was imported before this script could set JAX_NUM_CPU_DEVICES={devices} "
+        f"and has {have} device{'s' * (have != 1)}, not {devices}; the meshes are abstract "
+        f"(jax.sharding.AbstractMesh of the same shapes), which gives the same per-device "
+        f"bytes: they depend only on the mesh shape"
+    )
     shape = config.shape(devices)
-    return AbstractMesh(shape, sharding.MESH_AXES,
-                        axis_types=(AxisType.Auto,) * len(sharding.MESH_AXES)), note
+    return AbstractMesh(
+        shape, sharding.MESH_AXES, axis_types=(AxisType.Auto,) * len(sharding.MESH_AXES)
+    ), note
 
 
 # ---------------------------------------------------------------------------- the state
@@ -127,17 +133,31 @@ def not_fully_sharded(params, mesh) -> list[dict[str, Any]]:
     for (path, var), spec_var in zip(leaves, specs):
         value = var.get_value()
         spec = spec_var.get_value()
-        used = [a for entry in spec if entry is not None
-                for a in ((entry,) if isinstance(entry, str) else entry)]
+        used = [
+            a
+            for entry in spec
+            if entry is not None
+            for a in ((entry,) if isinstance(entry, str) else entry)
+        ]
         split = math.prod(sizes[a] for a in used)
         if split == n:
             continue
         size = math.prod(value.shape)
         nbytes = size * np.dtype(value.dtype).itemsize
         name = _path_name(path)
-        g = groups.setdefault(name, {"name": name, "logical": sharding.logical_axes(var),
-                                     "spec": str(spec), "leaves": 0, "values": 0, "bytes": 0,
-                                     "device_bytes": 0, "copies": n // split})
+        g = groups.setdefault(
+            name,
+            {
+                "name": name,
+                "logical": sharding.logical_axes(var),
+                "spec": str(spec),
+                "leaves": 0,
+                "values": 0,
+                "bytes": 0,
+                "device_bytes": 0,
+                "copies": n // split,
+            },
+        )
         g["leaves"] += 1
         g["values"] += size
         g["bytes"] += nbytes
@@ -172,27 +192,47 @@ def report(config_path: str = DEFAULT_CONFIG, devices: int = 8) -> list[dict[str
         note = note or mesh_note
         for label, model_cfg in exp.models.items():
             state = states[label]
-            row: dict[str, Any] = {"model": label, "attention": model_cfg.attention, "mesh": name,
-                                   "sizes": dict(sizes), "devices": devices,
-                                   "params": counts[label],
-                                   "param_dtype": model_cfg.param_dtype, "skipped": None,
-                                   "note": None}
+            row: dict[str, Any] = {
+                "model": label,
+                "attention": model_cfg.attention,
+                "mesh": name,
+                "sizes": dict(sizes),
+                "devices": devices,
+                "params": counts[label],
+                "param_dtype": model_cfg.param_dtype,
+                "skipped": None,
+                "note": None,
+            }
             p_dev, p_all = sharding.bytes_per_device(state["params"], mesh)
             o_dev, o_all = sharding.bytes_per_device(state["opt_state"], mesh)
-            row.update(unsharded_params_bytes=p_all, unsharded_opt_state_bytes=o_all,
-                       unsharded_total_bytes=p_all + o_all)
+            row.update(
+                unsharded_params_bytes=p_all,
+                unsharded_opt_state_bytes=o_all,
+                unsharded_total_bytes=p_all + o_all,
+            )
             try:
                 sharding.check_model_mesh(model_cfg, mesh)
             except ConfigError as e:
-                row.update(skipped=str(e), params_bytes=None, opt_state_bytes=None,
-                           total_bytes=None, ratio=None, replicated=[], replicated_bytes=None)
+                row.update(
+                    skipped=str(e),
+                    params_bytes=None,
+                    opt_state_bytes=None,
+                    total_bytes=None,
+                    ratio=None,
+                    replicated=[],
+                    replicated_bytes=None,
+                )
                 rows.append(row)
                 continue
             replicated = not_fully_sharded(state["params"], mesh)
-            row.update(params_bytes=p_dev, opt_state_bytes=o_dev, total_bytes=p_dev + o_dev,
-                       ratio=(p_dev + o_dev) / (p_all + o_all), replicated=replicated,
-                       replicated_bytes=sum(g["bytes"] for g in replicated
-                                            if g["copies"] == devices))
+            row.update(
+                params_bytes=p_dev,
+                opt_state_bytes=o_dev,
+                total_bytes=p_dev + o_dev,
+                ratio=(p_dev + o_dev) / (p_all + o_all),
+                replicated=replicated,
+                replicated_bytes=sum(g["bytes"] for g in replicated if g["copies"] == devices),
+            )
             rows.append(row)
     for row in rows:
         row["note"] = note
@@ -204,14 +244,16 @@ def _mib(n: int | None) -> str:
 
 
 def _human(n: int) -> str:
-    for unit, size in (("GiB", 1024 ** 3), ("MiB", MIB), ("KiB", 1024)):
+    for unit, size in (("GiB", 1024**3), ("MiB", MIB), ("KiB", 1024)):
         if n >= size:
             return f"{n / size:,.1f} {unit}"
     return f"{n} B"
 
 
-HEADER = (f"{'model':<9} {'mesh':<20} {'params MiB':>11} {'opt MiB':>10} {'total MiB':>10} "
-          f"{'unsharded MiB':>14} {'ratio':>8}  {'ideal':>6}")
+HEADER = (
+    f"{'model':<9} {'mesh':<20} {'params MiB':>11} {'opt MiB':>10} {'total MiB':>10} "
+    f"{'unsharded MiB':>14} {'ratio':>8}  {'ideal':>6}"
+)
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
@@ -221,11 +263,13 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     for label in labels:
         mine = [r for r in rows if r["model"] == label]
         first = mine[0]
-        lines.append(f"{label:<9} {'none (1 device)':<20} "
-                     f"{_mib(first['unsharded_params_bytes']):>11} "
-                     f"{_mib(first['unsharded_opt_state_bytes']):>10} "
-                     f"{_mib(first['unsharded_total_bytes']):>10} "
-                     f"{_mib(first['unsharded_total_bytes']):>14} {1:>8.4f}  {'1':>6}")
+        lines.append(
+            f"{label:<9} {'none (1 device)':<20} "
+            f"{_mib(first['unsharded_params_bytes']):>11} "
+            f"{_mib(first['unsharded_opt_state_bytes']):>10} "
+            f"{_mib(first['unsharded_total_bytes']):>10} "
+            f"{_mib(first['unsharded_total_bytes']):>14} {1:>8.4f}  {'1':>6}"
+        )
         for r in mine:
             d = r["devices"]
             ideal = "1" if r["sizes"]["data"] == d else f"1/{d}"
@@ -233,12 +277,16 @@ def format_table(rows: list[dict[str, Any]]) -> str:
                 reason = r["skipped"].split(". Fix:")[0]
                 lines.append(f"{label:<9} {r['mesh']:<20} skipped: {reason}")
                 continue
-            lines.append(f"{label:<9} {r['mesh']:<20} {_mib(r['params_bytes']):>11} "
-                         f"{_mib(r['opt_state_bytes']):>10} {_mib(r['total_bytes']):>10} "
-                         f"{_mib(r['unsharded_total_bytes']):>14} {r['ratio']:>8.4f}  {ideal:>6}")
+            lines.append(
+                f"{label:<9} {r['mesh']:<20} {_mib(r['params_bytes']):>11} "
+                f"{_mib(r['opt_state_bytes']):>10} {_mib(r['total_bytes']):>10} "
+                f"{_mib(r['unsharded_total_bytes']):>14} {r['ratio']:>8.4f}  {ideal:>6}"
+            )
         lines.append("")
-    lines.append("Parameters not split over every device (each has an Adam mu and nu of its size "
-                 "and sharding: 3x these bytes with the moments):")
+    lines.append(
+        "Parameters not split over every device (each has an Adam mu and nu of its size "
+        "and sharding: 3x these bytes with the moments):"
+    )
     for label in labels:
         # meshes with the same list are printed once
         merged: dict[str, tuple[list[str], dict[str, Any]]] = {}
@@ -252,22 +300,30 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             n = r["devices"]
             total = sum(g["bytes"] for g in groups)
             extra = sum(g["device_bytes"] - g["bytes"] // n for g in groups)
-            lines.append(f"  {label}, {' / '.join(meshes)}: {_human(total)} of parameters in "
-                         f"{sum(g['leaves'] for g in groups)} arrays; one device holds "
-                         f"{_human(extra)} of parameters more than 1/{n} of them")
+            lines.append(
+                f"  {label}, {' / '.join(meshes)}: {_human(total)} of parameters in "
+                f"{sum(g['leaves'] for g in groups)} arrays; one device holds "
+                f"{_human(extra)} of parameters more than 1/{n} of them"
+            )
             for g in sorted(groups, key=lambda g: (-g["bytes"], g["name"])):
-                where = ("replicated on every device" if g["copies"] == n
-                         else f"split {n // g['copies']} ways, {g['copies']} copies")
+                where = (
+                    "replicated on every device"
+                    if g["copies"] == n
+                    else f"split {n // g['copies']} ways, {g['copies']} copies"
+                )
                 axes = "(" + ", ".join(str(a) for a in g["logical"] or ()) + ")"
-                lines.append(f"    {g['name']:<27} {axes:<16} x{g['leaves']:<3} "
-                             f"{g['values']:>9,} values {_human(g['bytes']):>10}  {where}")
+                lines.append(
+                    f"    {g['name']:<27} {axes:<16} x{g['leaves']:<3} "
+                    f"{g['values']:>9,} values {_human(g['bytes']):>10}  {where}"
+                )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", default=DEFAULT_CONFIG,
-                   help=f"config file (default {DEFAULT_CONFIG})")
+    p.add_argument(
+        "--config", default=DEFAULT_CONFIG, help=f"config file (default {DEFAULT_CONFIG})"
+    )
     p.add_argument("--devices", type=int, default=8, help="number of devices (default 8)")
     args = p.parse_args(argv)
     if args.devices < 1:
@@ -284,10 +340,14 @@ def main(argv: list[str] | None = None) -> int:
     import jax
 
     first = rows[0]
-    print(f"sharding memory: {args.config}, {args.devices} devices, JAX {jax.__version__}; "
-          f"abstract train state (jax.eval_shape, nothing allocated), bytes from shapes")
-    print(f"parameters {first['param_dtype']}; optimizer state: AdamW mu and nu (the parameters' "
-          f"dtype) and two int32 step counts; total = parameters + optimizer state")
+    print(
+        f"sharding memory: {args.config}, {args.devices} devices, JAX {jax.__version__}; "
+        f"abstract train state (jax.eval_shape, nothing allocated), bytes from shapes"
+    )
+    print(
+        f"parameters {first['param_dtype']}; optimizer state: AdamW mu and nu (the parameters' "
+        f"dtype) and two int32 step counts; total = parameters + optimizer state"
+    )
     if first["note"]:
         print(first["note"])
     for label in dict.fromkeys(r["model"] for r in rows):

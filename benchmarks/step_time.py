@@ -52,16 +52,24 @@ from diffjax import ModelConfig, TransformerLM, twin
 try:
     from diffjax import cpu_compile_options
 except ImportError:  # a diffjax from before the helper (to time an older checkout)
+
     def cpu_compile_options(backend=None):
         return {}
+
 
 COMPONENTS = ("attention", "ffn", "norm", "embed_head_loss", "optimizer", "step")
 
 
 # ---------------------------------------------------------------------------- JAX candidates
 def _configs(args) -> dict[str, ModelConfig]:
-    common = dict(vocab_size=args.vocab, d_model=args.d_model, num_layers=args.layers,
-                  num_heads=args.heads, max_seq_len=max(args.seq, 16), attention_impl="xla")
+    common = dict(
+        vocab_size=args.vocab,
+        d_model=args.d_model,
+        num_layers=args.layers,
+        num_heads=args.heads,
+        max_seq_len=max(args.seq, 16),
+        attention_impl="xla",
+    )
     v1 = ModelConfig(attention="diff_v1", **common)
     v2 = ModelConfig(attention="diff_v2", **common)
     return {"DIFF V1": v1, "twin V1": twin(v1), "DIFF V2": v2, "twin V2": twin(v2)}
@@ -180,7 +188,8 @@ def _torch_candidates(cfg: ModelConfig, args) -> dict[str, Callable]:
             if self.diff:
                 self.lambda_init = 0.8 - 0.6 * math.exp(-0.3 * depth)
                 self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2 = (
-                    nn.Parameter(torch.randn(self.d) * 0.1) for _ in range(4))
+                    nn.Parameter(torch.randn(self.d) * 0.1) for _ in range(4)
+                )
                 self.subln = RMSNorm(2 * self.d, eps=1e-5)
 
         def forward(self, x, cos, sin, mask):
@@ -190,13 +199,15 @@ def _torch_candidates(cfg: ModelConfig, args) -> dict[str, Callable]:
             k = rotary(self.k_proj(x).view(b, t, nq, self.d), cos, sin).transpose(1, 2)
             vd = 2 * self.d if self.diff else self.d
             v = self.v_proj(x).view(b, t, self.h, vd).transpose(1, 2)
-            w = torch.matmul(q * self.d ** -0.5, k.transpose(-1, -2))
+            w = torch.matmul(q * self.d**-0.5, k.transpose(-1, -2))
             w = torch.nan_to_num(w) + mask
             w = F.softmax(w, dim=-1, dtype=torch.float32).type_as(w)
             if self.diff:
-                lam = (torch.exp(torch.sum(self.lambda_q1 * self.lambda_k1).float())
-                       - torch.exp(torch.sum(self.lambda_q2 * self.lambda_k2).float())
-                       + self.lambda_init).type_as(q)
+                lam = (
+                    torch.exp(torch.sum(self.lambda_q1 * self.lambda_k1).float())
+                    - torch.exp(torch.sum(self.lambda_q2 * self.lambda_k2).float())
+                    + self.lambda_init
+                ).type_as(q)
                 w = w.view(b, self.h, 2, t, t)
                 w = w[:, :, 0] - lam * w[:, :, 1]
             o = torch.matmul(w, v)
@@ -257,6 +268,7 @@ def _torch_candidates(cfg: ModelConfig, args) -> dict[str, Callable]:
             xi = x.detach().requires_grad_(True)
             fn(xi).sum().backward()
             return xi.grad
+
         return run
 
     def head_loss():
@@ -271,9 +283,14 @@ def _torch_candidates(cfg: ModelConfig, args) -> dict[str, Callable]:
 
     step()  # gradients exist and the optimizer state is allocated for the "optimizer" timing
     block = model.layers[0]
-    return {"attention": fwd_bwd(lambda xi: block.attn(xi, cos, sin, mask)),
-            "ffn": fwd_bwd(block.ffn), "norm": fwd_bwd(block.attn_norm),
-            "embed_head_loss": head_loss, "optimizer": opt.step, "step": step}
+    return {
+        "attention": fwd_bwd(lambda xi: block.attn(xi, cos, sin, mask)),
+        "ffn": fwd_bwd(block.ffn),
+        "norm": fwd_bwd(block.attn_norm),
+        "embed_head_loss": head_loss,
+        "optimizer": opt.step,
+        "step": step,
+    }
 
 
 # ---------------------------------------------------------------------------- timing
@@ -302,7 +319,7 @@ def side_by_side(runners: dict[str, _Runner], rounds: int, steps: int) -> dict[s
     times = {name: [] for name in runners}
     names = list(runners)
     for i in range(rounds):
-        for name in (names if i % 2 == 0 else names[::-1]):
+        for name in names if i % 2 == 0 else names[::-1]:
             t0 = time.perf_counter()
             for _ in range(steps):
                 runners[name].call()
@@ -311,8 +328,7 @@ def side_by_side(runners: dict[str, _Runner], rounds: int, steps: int) -> dict[s
 
 
 def _fmt(ts: list[float]) -> str:
-    return (f"{1e3 * statistics.median(ts):7.1f} ms ({1e3 * min(ts):.1f} .. "
-            f"{1e3 * max(ts):.1f})")
+    return f"{1e3 * statistics.median(ts):7.1f} ms ({1e3 * min(ts):.1f} .. {1e3 * max(ts):.1f})"
 
 
 def _ratio(times, a, b) -> str:
@@ -331,9 +347,13 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--steps", type=int, default=2, help="calls per candidate per round")
     p.add_argument("--components", nargs="+", default=list(COMPONENTS), choices=COMPONENTS)
-    p.add_argument("--models", nargs="+", default=None,
-                   help="subset of: DIFF V1, twin V1, DIFF V2, twin V2, torch DIFF V1, "
-                        "torch twin V1, DIFF V1 (YNNPACK on)")
+    p.add_argument(
+        "--models",
+        nargs="+",
+        default=None,
+        help="subset of: DIFF V1, twin V1, DIFF V2, twin V2, torch DIFF V1, "
+        "torch twin V1, DIFF V1 (YNNPACK on)",
+    )
     p.add_argument("--no-torch", action="store_true")
     p.add_argument("--markdown", default=None, help="also write the table to this file")
     args = p.parse_args(argv)
@@ -363,8 +383,11 @@ def main(argv=None) -> int:
         torch_line = "torch not installed: no PyTorch rows"
     else:
         torch_line = "PyTorch rows skipped (--no-torch)"
-    flops = {n: _flops(cands[n]["step"].fn, cands[n]["step"].args)
-             for n in ("DIFF V2", "twin V2") if n in cands}
+    flops = {
+        n: _flops(cands[n]["step"].fn, cands[n]["step"].args)
+        for n in ("DIFF V2", "twin V2")
+        if n in cands
+    }
 
     load0 = os.getloadavg()
     t_start = time.time()
@@ -372,8 +395,10 @@ def main(argv=None) -> int:
     for comp in args.components:
         runners = {n: c[comp] for n, c in cands.items() if comp in c}
         results[comp] = side_by_side(runners, args.rounds, args.steps)
-        print(f"{comp}: " + "; ".join(f"{n} {_fmt(ts)}" for n, ts in results[comp].items()),
-              flush=True)
+        print(
+            f"{comp}: " + "; ".join(f"{n} {_fmt(ts)}" for n, ts in results[comp].items()),
+            flush=True,
+        )
     load1 = os.getloadavg()
 
     names = list(cands)
@@ -397,14 +422,21 @@ def main(argv=None) -> int:
         lines.append(f"| {comp} | " + " | ".join(row) + " |")
     lines.append("")
     st = results.get("step", {})
-    pairs = [("DIFF V1", "torch DIFF V1"), ("twin V1", "torch twin V1"), ("DIFF V1", "twin V1"),
-             ("DIFF V2", "twin V2"), ("DIFF V1 (YNNPACK on)", "DIFF V1")]
+    pairs = [
+        ("DIFF V1", "torch DIFF V1"),
+        ("twin V1", "torch twin V1"),
+        ("DIFF V1", "twin V1"),
+        ("DIFF V2", "twin V2"),
+        ("DIFF V1 (YNNPACK on)", "DIFF V1"),
+    ]
     for a, b in pairs:
         if a in st and b in st:
             lines.append(f"- step {a} / {b}: {_ratio(st, a, b)}")
     if len(flops) == 2 and all(flops.values()) and "DIFF V2" in st:
-        lines.append(f"- DIFF V2 / twin V2 FLOP ratio (XLA cost analysis of the step): "
-                     f"{flops['DIFF V2'] / flops['twin V2']:.2f}")
+        lines.append(
+            f"- DIFF V2 / twin V2 FLOP ratio (XLA cost analysis of the step): "
+            f"{flops['DIFF V2'] / flops['twin V2']:.2f}"
+        )
     text = "\n".join(lines)
     print(text)
     if args.markdown:

@@ -17,13 +17,34 @@ from diffjax.train import ExperimentConfig, RunConfig, TrainConfig
 def get_config():
     return ExperimentConfig(
         run=RunConfig(name="diff-125m"),
-        model=ModelConfig(vocab_size=50304, d_model=768, num_layers=12, num_heads=6,
-                          attention="diff_v1", max_seq_len=2048, dtype="bfloat16",
-                          param_dtype="float32", tie_embeddings=True),
-        data=DataConfig(source="tokens", path="data/tokens/*.bin", token_dtype="uint16",
-                        seq_len=2048),
-        train=TrainConfig(steps=20000, batch_size=256, lr=6e-4, warmup_steps=375,
-                          schedule="linear", b1=0.9, b2=0.98, weight_decay=0.05, grad_clip=1.0,
-                          eval_every=500, eval_batches=20, checkpoint_every=1000, log_every=10),
+        model=ModelConfig(
+            vocab_size=50304,
+            d_model=768,
+            num_layers=12,
+            num_heads=6,
+            attention="diff_v1",
+            max_seq_len=2048,
+            dtype="bfloat16",
+            param_dtype="float32",
+            tie_embeddings=True,
+        ),
+        data=DataConfig(
+            source="tokens", path="data/tokens/*.bin", token_dtype="uint16", seq_len=2048
+        ),
+        train=TrainConfig(
+            steps=20000,
+            batch_size=256,
+            lr=6e-4,
+            warmup_steps=375,
+            schedule="linear",
+            b1=0.9,
+            b2=0.98,
+            weight_decay=0.05,
+            grad_clip=1.0,
+            eval_every=500,
+            eval_batches=20,
+            checkpoint_every=1000,
+            log_every=10,
+        ),
         compare=True,
     )

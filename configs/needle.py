@@ -30,7 +30,6 @@ DIFF 0.59, twin 0.93, seed 0), so both read the needle. DIFF copies repeated que
 needles in 2 of 3 seeds and DIFF hardly at all (first query 0.29-0.35); with the paper's
 sentences (the default `data.needle_template`) neither model learned the lookup in any pilot."""
 
-
 from diffjax import ModelConfig
 from diffjax.data import DataConfig
 from diffjax.train import ExperimentConfig, RunConfig, TrainConfig
@@ -39,14 +38,38 @@ from diffjax.train import ExperimentConfig, RunConfig, TrainConfig
 def get_config():
     return ExperimentConfig(
         run=RunConfig(name="needle"),
-        model=ModelConfig(d_model=64, num_layers=2, num_heads=2, attention="diff_v1",
-                          max_seq_len=256, init_std=0.04),
-        data=DataConfig(source="needle", seq_len=128, num_needles=4, num_queries=16,
-                        query_replacement=True, key_len=1, value_len=1,
-                        needle_key_letters="JQZXYKVW", needle_template="{key}{value}",
-                        query_template="{key}{value}"),
-        train=TrainConfig(steps=1500, batch_size=128, lr=3e-3, warmup_steps=100, schedule="cosine",
-                          min_lr_ratio=0.1, b2=0.95, weight_decay=0.0, eval_every=250,
-                          eval_batches=8, checkpoint_every=500),
+        model=ModelConfig(
+            d_model=64,
+            num_layers=2,
+            num_heads=2,
+            attention="diff_v1",
+            max_seq_len=256,
+            init_std=0.04,
+        ),
+        data=DataConfig(
+            source="needle",
+            seq_len=128,
+            num_needles=4,
+            num_queries=16,
+            query_replacement=True,
+            key_len=1,
+            value_len=1,
+            needle_key_letters="JQZXYKVW",
+            needle_template="{key}{value}",
+            query_template="{key}{value}",
+        ),
+        train=TrainConfig(
+            steps=1500,
+            batch_size=128,
+            lr=3e-3,
+            warmup_steps=100,
+            schedule="cosine",
+            min_lr_ratio=0.1,
+            b2=0.95,
+            weight_decay=0.0,
+            eval_every=250,
+            eval_batches=8,
+            checkpoint_every=500,
+        ),
         compare=True,
     )

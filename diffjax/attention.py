@@ -18,8 +18,17 @@ from flax import nnx
 
 from . import ops
 from .config import lambda_init_fn
-from .layers import (Dtype, Linear, RMSNorm, RopeScaling, apply_rotary, as_dtype,
-                     default_positions, rotary_angles, torch_linear_init)
+from .layers import (
+    Dtype,
+    Linear,
+    RMSNorm,
+    RopeScaling,
+    apply_rotary,
+    as_dtype,
+    default_positions,
+    rotary_angles,
+    torch_linear_init,
+)
 from .sharding import constrain, param, param_init
 
 # Logical axis names (see diffjax.sharding): the fused head dimension of a projection is
@@ -33,8 +42,14 @@ def _check_input(x: jax.Array, embed_dim: int, name: str) -> None:
         raise ValueError(f"{name} expects x of shape [batch, seq, {embed_dim}], got {x.shape}")
 
 
-def _rotate(q: jax.Array, k: jax.Array, x: jax.Array, positions: jax.Array | None,
-            theta: float, scaling: RopeScaling | None = None) -> tuple[jax.Array, jax.Array]:
+def _rotate(
+    q: jax.Array,
+    k: jax.Array,
+    x: jax.Array,
+    positions: jax.Array | None,
+    theta: float,
+    scaling: RopeScaling | None = None,
+) -> tuple[jax.Array, jax.Array]:
     """Interleaved rotary on every raw q and k head (rotary dim = head dim)."""
     positions = default_positions(x, positions)
     cos, sin = rotary_angles(positions, q.shape[-1], theta, scaling)
@@ -55,15 +70,25 @@ def _rotate(q: jax.Array, k: jax.Array, x: jax.Array, positions: jax.Array | Non
 _CACHE_ACT = ("act_batch", None, "act_kv_heads", None)
 
 
-def _update_cache(cache: dict[str, jax.Array], new: dict[str, jax.Array], index
-                  ) -> tuple[dict[str, jax.Array], dict[str, jax.Array], dict]:
+def _update_cache(
+    cache: dict[str, jax.Array], new: dict[str, jax.Array], index
+) -> tuple[dict[str, jax.Array], dict[str, jax.Array], dict]:
     """``(arrays to attend to, the updated cache, the mask keywords of ops)``."""
     if set(cache) != set(new):
-        raise ValueError(f"KV cache entries {sorted(cache)} do not match this layer's "
-                         f"{sorted(new)}: the cache was built for another attention kind")
+        raise ValueError(
+            f"KV cache entries {sorted(cache)} do not match this layer's "
+            f"{sorted(new)}: the cache was built for another attention kind"
+        )
     t = next(iter(new.values())).shape[1]
-    updated = {n: constrain(jax.lax.dynamic_update_slice_in_dim(
-        cache[n], new[n].astype(cache[n].dtype), index, axis=1), *_CACHE_ACT) for n in cache}
+    updated = {
+        n: constrain(
+            jax.lax.dynamic_update_slice_in_dim(
+                cache[n], new[n].astype(cache[n].dtype), index, axis=1
+            ),
+            *_CACHE_ACT,
+        )
+        for n in cache
+    }
     if t == 1:
         return updated, updated, dict(causal=False)
     return {n: new[n].astype(cache[n].dtype) for n in new}, updated, dict(causal=True)
@@ -71,45 +96,74 @@ def _update_cache(cache: dict[str, jax.Array], new: dict[str, jax.Array], index
 
 def _check_extend(module, x, segment_ids, kv_segment_ids):
     if not module.causal:
-        raise ValueError(f"{type(module).__name__}.extend: decoding with a KV cache needs a causal "
-                         f"layer (built with causal=False)")
+        raise ValueError(
+            f"{type(module).__name__}.extend: decoding with a KV cache needs a causal "
+            f"layer (built with causal=False)"
+        )
     if x.shape[1] == 1 and kv_segment_ids is None:
-        raise ValueError(f"{type(module).__name__}.extend: one decoded token needs kv_segment_ids "
-                         f"[batch, cache length] (which cache slots hold this row's tokens)")
+        raise ValueError(
+            f"{type(module).__name__}.extend: one decoded token needs kv_segment_ids "
+            f"[batch, cache length] (which cache slots hold this row's tokens)"
+        )
     return dict(segment_ids=segment_ids, kv_segment_ids=kv_segment_ids if x.shape[1] == 1 else None)
 
 
 class _AttentionLayer(nnx.Module):
     """Shared constructor pieces: head bookkeeping and its checks, bias-free linears."""
 
-    def _init_heads(self, embed_dim: int, num_heads: int, num_kv_heads: int | None,
-                    head_dim: int, *, rope_theta: float, causal: bool, attention_impl: str,
-                    rope_scaling: RopeScaling | None = None, kv_note: str = "") -> None:
+    def _init_heads(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        num_kv_heads: int | None,
+        head_dim: int,
+        *,
+        rope_theta: float,
+        causal: bool,
+        attention_impl: str,
+        rope_scaling: RopeScaling | None = None,
+        kv_note: str = "",
+    ) -> None:
         """Check and store the head layout; ``num_kv_heads=None`` means MHA."""
         name = type(self).__name__
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if num_heads % num_kv_heads:
-            raise ValueError(f"{name}: num_kv_heads={num_kv_heads} must divide "
-                             f"num_heads={num_heads}{kv_note}")
+            raise ValueError(
+                f"{name}: num_kv_heads={num_kv_heads} must divide num_heads={num_heads}{kv_note}"
+            )
         if head_dim % 2:
             raise ValueError(f"{name}: head width {head_dim} must be even for rotary")
         ops.check_impl(attention_impl)  # an unknown implementation fails here, at construction
         self.embed_dim = embed_dim
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.n_rep = num_heads // num_kv_heads
-        self.scaling = head_dim ** -0.5
+        self.scaling = head_dim**-0.5
         self.rope_theta, self.causal, self.attention_impl = rope_theta, causal, attention_impl
         self.rope_scaling = rope_scaling
         # Simulated absmax quantization of the logits (XLA path; the quantization analysis sets
         # it on a copy of the model: diffjax.evaluate.quantize.with_quantized_logits).
         self.logit_bits: int | None = None
 
-    def _linear(self, n_in: int, n_out: int, dtype, param_dtype, kernel_init, rngs,
-                axes: tuple[str, str] = ("embed", "heads")):
+    def _linear(
+        self,
+        n_in: int,
+        n_out: int,
+        dtype,
+        param_dtype,
+        kernel_init,
+        rngs,
+        axes: tuple[str, str] = ("embed", "heads"),
+    ):
         """A bias-free linear whose kernel carries the logical ``axes`` (in, out)."""
-        return Linear(n_in, n_out, use_bias=False, dtype=as_dtype(dtype),
-                          param_dtype=as_dtype(param_dtype),
-                          kernel_init=param_init(kernel_init, *axes), rngs=rngs)
+        return Linear(
+            n_in,
+            n_out,
+            use_bias=False,
+            dtype=as_dtype(dtype),
+            param_dtype=as_dtype(param_dtype),
+            kernel_init=param_init(kernel_init, *axes),
+            rngs=rngs,
+        )
 
 
 class MultiheadAttention(_AttentionLayer):
@@ -120,19 +174,40 @@ class MultiheadAttention(_AttentionLayer):
     set it for the twin of a DIFF V2 layer whose width is not ``D / h``).
     """
 
-    def __init__(self, embed_dim: int, depth: int, num_heads: int, num_kv_heads: int | None = None,
-                 *, head_dim: int | None = None, rope_theta: float = 10000.0,
-                 rope_scaling: RopeScaling | None = None, causal: bool = True,
-                 attention_impl: str = "auto", dtype: Dtype = jnp.float32,
-                 param_dtype: Dtype = jnp.float32, kernel_init=torch_linear_init,
-                 rngs: nnx.Rngs):
+    def __init__(
+        self,
+        embed_dim: int,
+        depth: int,
+        num_heads: int,
+        num_kv_heads: int | None = None,
+        *,
+        head_dim: int | None = None,
+        rope_theta: float = 10000.0,
+        rope_scaling: RopeScaling | None = None,
+        causal: bool = True,
+        attention_impl: str = "auto",
+        dtype: Dtype = jnp.float32,
+        param_dtype: Dtype = jnp.float32,
+        kernel_init=torch_linear_init,
+        rngs: nnx.Rngs,
+    ):
         if head_dim is None:
             if embed_dim % num_heads:
-                raise ValueError(f"MultiheadAttention: embed_dim={embed_dim} is not divisible by "
-                                 f"num_heads={num_heads}; pass head_dim explicitly")
+                raise ValueError(
+                    f"MultiheadAttention: embed_dim={embed_dim} is not divisible by "
+                    f"num_heads={num_heads}; pass head_dim explicitly"
+                )
             head_dim = embed_dim // num_heads
-        self._init_heads(embed_dim, num_heads, num_kv_heads, head_dim, rope_theta=rope_theta,
-                         rope_scaling=rope_scaling, causal=causal, attention_impl=attention_impl)
+        self._init_heads(
+            embed_dim,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            causal=causal,
+            attention_impl=attention_impl,
+        )
         self.depth = depth
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         args = (dtype, param_dtype, kernel_init, rngs)
@@ -151,47 +226,75 @@ class MultiheadAttention(_AttentionLayer):
         q, k = _rotate(q, k, x, positions, self.rope_theta, self.rope_scaling)
         return constrain(q, *_Q_ACT), constrain(k, *_KV_ACT), constrain(v, *_KV_ACT)
 
-    def attention_maps(self, x: jax.Array, positions: jax.Array | None = None,
-                       segment_ids: jax.Array | None = None) -> dict[str, jax.Array]:
+    def attention_maps(
+        self, x: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None
+    ) -> dict[str, jax.Array]:
         """The softmax map ``a`` ``[B, heads, T, S]`` (float32), for analysis."""
         q, k, _ = self._qkv(x, positions)
-        return {"a": ops.attention_weights(q, k, causal=self.causal, segment_ids=segment_ids,
-                                           scale=self.scaling)}
+        return {
+            "a": ops.attention_weights(
+                q, k, causal=self.causal, segment_ids=segment_ids, scale=self.scaling
+            )
+        }
 
-    def attention_logits(self, x: jax.Array, positions: jax.Array | None = None,
-                         segment_ids: jax.Array | None = None) -> dict[str, jax.Array]:
+    def attention_logits(
+        self, x: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None
+    ) -> dict[str, jax.Array]:
         """The pre-softmax logits ``logits`` ``[B, heads, T, S]`` (``q k^T / sqrt(d)``, float32)
         and ``mask`` (``[B or 1, T, S]``, True = may attend, or None), for analysis."""
         q, k, _ = self._qkv(x, positions)
-        logits, mask = ops.attention_logits(q, k, causal=self.causal, segment_ids=segment_ids,
-                                            scale=self.scaling)
+        logits, mask = ops.attention_logits(
+            q, k, causal=self.causal, segment_ids=segment_ids, scale=self.scaling
+        )
         return {"logits": logits, "mask": mask}
 
-    def __call__(self, x: jax.Array, positions: jax.Array | None = None,
-                 segment_ids: jax.Array | None = None) -> jax.Array:
+    def __call__(
+        self, x: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None
+    ) -> jax.Array:
         q, k, v = self._qkv(x, positions)
         b, t = x.shape[:2]
-        o = ops.dot_product_attention(q, k, v, causal=self.causal, segment_ids=segment_ids,
-                                      scale=self.scaling, impl=self.attention_impl,
-                                      logit_bits=self.logit_bits)
+        o = ops.dot_product_attention(
+            q,
+            k,
+            v,
+            causal=self.causal,
+            segment_ids=segment_ids,
+            scale=self.scaling,
+            impl=self.attention_impl,
+            logit_bits=self.logit_bits,
+        )
         return self.out_proj(o.reshape(b, t, self.num_heads * self.head_dim))
 
     def cache_layout(self) -> dict[str, tuple[int, int]]:
         """The KV cache entries of this layer: name -> (kv heads, width) per token."""
         return {"k": (self.num_kv_heads, self.head_dim), "v": (self.num_kv_heads, self.head_dim)}
 
-    def extend(self, x: jax.Array, positions: jax.Array, cache: dict[str, jax.Array], *,
-               index, segment_ids: jax.Array, kv_segment_ids: jax.Array | None = None
-               ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    def extend(
+        self,
+        x: jax.Array,
+        positions: jax.Array,
+        cache: dict[str, jax.Array],
+        *,
+        index,
+        segment_ids: jax.Array,
+        kv_segment_ids: jax.Array | None = None,
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """Decoding: ``(output, updated cache)`` for ``x`` ``[B, T, D]`` written at slot ``index``
         (see the KV cache notes above; :mod:`diffjax.decode` drives it)."""
         mask = _check_extend(self, x, segment_ids, kv_segment_ids)
         q, k, v = self._qkv(x, positions)
         kv, cache, kw = _update_cache(cache, dict(k=k, v=v), index)
         b, t = x.shape[:2]
-        o = ops.dot_product_attention(q, kv["k"], kv["v"], scale=self.scaling,
-                                      impl=self.attention_impl,
-                                      logit_bits=self.logit_bits, **kw, **mask)
+        o = ops.dot_product_attention(
+            q,
+            kv["k"],
+            kv["v"],
+            scale=self.scaling,
+            impl=self.attention_impl,
+            logit_bits=self.logit_bits,
+            **kw,
+            **mask,
+        )
         return self.out_proj(o.reshape(b, t, self.num_heads * self.head_dim)), cache
 
 
@@ -213,27 +316,52 @@ class MultiheadDiffAttn(_AttentionLayer):
     factor (the paper's "without GroupNorm" ablation).
     """
 
-    def __init__(self, embed_dim: int, depth: int, num_heads: int, num_kv_heads: int | None = None,
-                 *, lambda_init: float | None = None, norm: bool = True, norm_eps: float = 1e-5,
-                 rope_theta: float = 10000.0, rope_scaling: RopeScaling | None = None,
-                 causal: bool = True, attention_impl: str = "auto",
-                 dtype: Dtype = jnp.float32, param_dtype: Dtype = jnp.float32,
-                 kernel_init=torch_linear_init, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        embed_dim: int,
+        depth: int,
+        num_heads: int,
+        num_kv_heads: int | None = None,
+        *,
+        lambda_init: float | None = None,
+        norm: bool = True,
+        norm_eps: float = 1e-5,
+        rope_theta: float = 10000.0,
+        rope_scaling: RopeScaling | None = None,
+        causal: bool = True,
+        attention_impl: str = "auto",
+        dtype: Dtype = jnp.float32,
+        param_dtype: Dtype = jnp.float32,
+        kernel_init=torch_linear_init,
+        rngs: nnx.Rngs,
+    ):
         if embed_dim % (2 * num_heads):
-            raise ValueError(f"MultiheadDiffAttn: embed_dim={embed_dim} must be divisible by "
-                             f"2*num_heads={2 * num_heads} (num_heads is the number of DIFF heads, "
-                             f"half the baseline's)")
+            raise ValueError(
+                f"MultiheadDiffAttn: embed_dim={embed_dim} must be divisible by "
+                f"2*num_heads={2 * num_heads} (num_heads is the number of DIFF heads, "
+                f"half the baseline's)"
+            )
         head_dim = embed_dim // num_heads // 2
-        self._init_heads(embed_dim, num_heads, num_kv_heads, head_dim, rope_theta=rope_theta,
-                         rope_scaling=rope_scaling, causal=causal, attention_impl=attention_impl)
+        self._init_heads(
+            embed_dim,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            causal=causal,
+            attention_impl=attention_impl,
+        )
         self.depth = depth
         self.lambda_init = float(lambda_init_fn(depth) if lambda_init is None else lambda_init)
         args = (dtype, param_dtype, kernel_init, rngs)
         self.q_proj = self._linear(embed_dim, embed_dim, *args)
-        self.k_proj = self._linear(embed_dim, embed_dim // self.n_rep, *args,
-                                   axes=("embed", "kv_heads"))
-        self.v_proj = self._linear(embed_dim, embed_dim // self.n_rep, *args,
-                                   axes=("embed", "kv_heads"))
+        self.k_proj = self._linear(
+            embed_dim, embed_dim // self.n_rep, *args, axes=("embed", "kv_heads")
+        )
+        self.v_proj = self._linear(
+            embed_dim, embed_dim // self.n_rep, *args, axes=("embed", "kv_heads")
+        )
         self.out_proj = self._linear(embed_dim, embed_dim, *args, axes=("heads", "embed"))
         init = nnx.initializers.normal(0.1)
         key = rngs.params()
@@ -242,13 +370,17 @@ class MultiheadDiffAttn(_AttentionLayer):
         self.lambda_k1 = param(init(k2, (head_dim,), jnp.float32), "head_dim")
         self.lambda_q2 = param(init(k3, (head_dim,), jnp.float32), "head_dim")
         self.lambda_k2 = param(init(k4, (head_dim,), jnp.float32), "head_dim")
-        self.subln = (RMSNorm(2 * head_dim, eps=norm_eps, param_dtype=param_dtype)
-                      if norm else None)
+        self.subln = RMSNorm(2 * head_dim, eps=norm_eps, param_dtype=param_dtype) if norm else None
 
     def lambda_full(self) -> jax.Array:
         """The layer's lambda (float32 scalar)."""
-        return differential_lambda(self.lambda_q1[...], self.lambda_k1[...], self.lambda_q2[...],
-                                   self.lambda_k2[...], self.lambda_init)
+        return differential_lambda(
+            self.lambda_q1[...],
+            self.lambda_k1[...],
+            self.lambda_q2[...],
+            self.lambda_k2[...],
+            self.lambda_init,
+        )
 
     def _qkv(self, x, positions):
         """(q1, k1, q2, k2, v) after rotary, in the flash_1 pairing."""
@@ -267,8 +399,9 @@ class MultiheadDiffAttn(_AttentionLayer):
         k1, k2 = constrain(k[:, :, :, 0], *_KV_ACT), constrain(k[:, :, :, 1], *_KV_ACT)
         return q1, k1, q2, k2, v
 
-    def attention_maps(self, x: jax.Array, positions: jax.Array | None = None,
-                       segment_ids: jax.Array | None = None) -> dict[str, jax.Array]:
+    def attention_maps(
+        self, x: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None
+    ) -> dict[str, jax.Array]:
         """The two softmax maps ``a1``, ``a2`` ``[B, h, T, S]``, ``lam`` and the differential map
         ``diff = a1 - lam * a2`` (float32), for analysis. Materialises ``T x S`` maps."""
         q1, k1, q2, k2, _ = self._qkv(x, positions)
@@ -278,8 +411,9 @@ class MultiheadDiffAttn(_AttentionLayer):
         lam = self.lambda_full()
         return {"a1": a1, "a2": a2, "lam": lam, "diff": a1 - lam * a2}
 
-    def attention_logits(self, x: jax.Array, positions: jax.Array | None = None,
-                         segment_ids: jax.Array | None = None) -> dict[str, jax.Array]:
+    def attention_logits(
+        self, x: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None
+    ) -> dict[str, jax.Array]:
         """The pre-softmax logits of both maps, ``logits1``/``logits2`` ``[B, h, T, S]``
         (``q_i k_i^T / sqrt(d)``, float32), and ``mask`` (``[B or 1, T, S]`` or None)."""
         q1, k1, q2, k2, _ = self._qkv(x, positions)
@@ -288,17 +422,27 @@ class MultiheadDiffAttn(_AttentionLayer):
         l2, _ = ops.attention_logits(q2, k2, **kw)
         return {"logits1": l1, "logits2": l2, "mask": mask}
 
-    def __call__(self, x: jax.Array, positions: jax.Array | None = None,
-                 segment_ids: jax.Array | None = None) -> jax.Array:
+    def __call__(
+        self, x: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None
+    ) -> jax.Array:
         q1, k1, q2, k2, v = self._qkv(x, positions)
         b, t = x.shape[:2]
         h, d = self.num_heads, self.head_dim
         lam = self.lambda_full()
         _sow_lambda(self, lam)
-        o = ops.differential_attention(q1, k1, q2, k2, v, lam, causal=self.causal,
-                                       segment_ids=segment_ids, scale=self.scaling,
-                                       impl=self.attention_impl,
-                                       logit_bits=self.logit_bits)
+        o = ops.differential_attention(
+            q1,
+            k1,
+            q2,
+            k2,
+            v,
+            lam,
+            causal=self.causal,
+            segment_ids=segment_ids,
+            scale=self.scaling,
+            impl=self.attention_impl,
+            logit_bits=self.logit_bits,
+        )
         if self.subln is not None:
             o = self.subln(o) * jnp.asarray(1.0 - self.lambda_init, o.dtype)
         return self.out_proj(o.reshape(b, t, h * 2 * d))
@@ -309,9 +453,16 @@ class MultiheadDiffAttn(_AttentionLayer):
         hkv, d = self.num_kv_heads, self.head_dim
         return {"k1": (hkv, d), "k2": (hkv, d), "v": (hkv, 2 * d)}
 
-    def extend(self, x: jax.Array, positions: jax.Array, cache: dict[str, jax.Array], *,
-               index, segment_ids: jax.Array, kv_segment_ids: jax.Array | None = None
-               ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    def extend(
+        self,
+        x: jax.Array,
+        positions: jax.Array,
+        cache: dict[str, jax.Array],
+        *,
+        index,
+        segment_ids: jax.Array,
+        kv_segment_ids: jax.Array | None = None,
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """Decoding: ``(output, updated cache)`` for ``x`` ``[B, T, D]`` written at slot ``index``
         (see the KV cache notes above; :mod:`diffjax.decode` drives it)."""
         mask = _check_extend(self, x, segment_ids, kv_segment_ids)
@@ -319,9 +470,19 @@ class MultiheadDiffAttn(_AttentionLayer):
         kv, cache, kw = _update_cache(cache, dict(k1=k1, k2=k2, v=v), index)
         b, t = x.shape[:2]
         h, d = self.num_heads, self.head_dim
-        o = ops.differential_attention(q1, kv["k1"], q2, kv["k2"], kv["v"], self.lambda_full(),
-                                       scale=self.scaling, impl=self.attention_impl,
-                                       logit_bits=self.logit_bits, **kw, **mask)
+        o = ops.differential_attention(
+            q1,
+            kv["k1"],
+            q2,
+            kv["k2"],
+            kv["v"],
+            self.lambda_full(),
+            scale=self.scaling,
+            impl=self.attention_impl,
+            logit_bits=self.logit_bits,
+            **kw,
+            **mask,
+        )
         if self.subln is not None:
             o = self.subln(o) * jnp.asarray(1.0 - self.lambda_init, o.dtype)
         return self.out_proj(o.reshape(b, t, h * 2 * d)), cache
@@ -346,12 +507,16 @@ def _sow_lambda(layer: nnx.Module, lam: jax.Array) -> None:
         layer.sow(nnx.Intermediate, "lambda", jnp.mean(lam))
 
 
-def differential_lambda(lq1: jax.Array, lk1: jax.Array, lq2: jax.Array, lk2: jax.Array,
-                        lambda_init: float) -> jax.Array:
+def differential_lambda(
+    lq1: jax.Array, lk1: jax.Array, lq2: jax.Array, lk2: jax.Array, lambda_init: float
+) -> jax.Array:
     """DIFF V1's re-parameterised lambda, ``exp(lq1.lk1) - exp(lq2.lk2) + lambda_init``, float32."""
     f32 = jnp.float32
-    return (jnp.exp(jnp.sum(lq1.astype(f32) * lk1.astype(f32)))
-            - jnp.exp(jnp.sum(lq2.astype(f32) * lk2.astype(f32))) + f32(lambda_init))
+    return (
+        jnp.exp(jnp.sum(lq1.astype(f32) * lk1.astype(f32)))
+        - jnp.exp(jnp.sum(lq2.astype(f32) * lk2.astype(f32)))
+        + f32(lambda_init)
+    )
 
 
 class MultiheadDiffAttnV2(_AttentionLayer):
@@ -364,29 +529,51 @@ class MultiheadDiffAttnV2(_AttentionLayer):
     No per-head norm.
     """
 
-    def __init__(self, d_model: int, num_heads: int, num_kv_heads: int | None, head_dim: int,
-                 *, rope_theta: float = 10000.0, rope_scaling: RopeScaling | None = None,
-                 causal: bool = True, attention_impl: str = "auto",
-                 dtype: Dtype = jnp.float32, param_dtype: Dtype = jnp.float32,
-                 kernel_init=torch_linear_init, lambda_proj_init=torch_linear_init,
-                 rngs: nnx.Rngs):
-        self._init_heads(d_model, num_heads, num_kv_heads, head_dim, rope_theta=rope_theta,
-                         rope_scaling=rope_scaling, causal=causal, attention_impl=attention_impl,
-                         kv_note=", or the query pairs (2i, 2i+1) straddle kv groups")
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        num_kv_heads: int | None,
+        head_dim: int,
+        *,
+        rope_theta: float = 10000.0,
+        rope_scaling: RopeScaling | None = None,
+        causal: bool = True,
+        attention_impl: str = "auto",
+        dtype: Dtype = jnp.float32,
+        param_dtype: Dtype = jnp.float32,
+        kernel_init=torch_linear_init,
+        lambda_proj_init=torch_linear_init,
+        rngs: nnx.Rngs,
+    ):
+        self._init_heads(
+            d_model,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            causal=causal,
+            attention_impl=attention_impl,
+            kv_note=", or the query pairs (2i, 2i+1) straddle kv groups",
+        )
         self.d_model = d_model
         self.num_q_heads = 2 * num_heads
         num_kv_heads = self.num_kv_heads
         args = (dtype, param_dtype, kernel_init, rngs)
         self.q_proj = self._linear(d_model, self.num_q_heads * head_dim, *args)
-        self.k_proj = self._linear(d_model, num_kv_heads * head_dim, *args,
-                                   axes=("embed", "kv_heads"))
-        self.v_proj = self._linear(d_model, num_kv_heads * head_dim, *args,
-                                   axes=("embed", "kv_heads"))
+        self.k_proj = self._linear(
+            d_model, num_kv_heads * head_dim, *args, axes=("embed", "kv_heads")
+        )
+        self.v_proj = self._linear(
+            d_model, num_kv_heads * head_dim, *args, axes=("embed", "kv_heads")
+        )
         self.o_proj = self._linear(num_heads * head_dim, d_model, *args, axes=("heads", "embed"))
         # lambda is computed in float32 whatever the activation dtype.
         # (``lambda_proj_init``: torch's default Linear init, as the official code leaves it.)
-        self.lambda_proj = self._linear(d_model, num_heads, jnp.float32, param_dtype,
-                                        lambda_proj_init, rngs)
+        self.lambda_proj = self._linear(
+            d_model, num_heads, jnp.float32, param_dtype, lambda_proj_init, rngs
+        )
 
     def lambda_values(self, x: jax.Array) -> jax.Array:
         """Per-token, per-head lambda ``sigmoid(lambda_proj(x))``, ``[batch, seq, h]`` float32."""
@@ -411,8 +598,9 @@ class MultiheadDiffAttnV2(_AttentionLayer):
         q = q.reshape(b, t, self.num_heads, 2, self.head_dim)
         return constrain(q[:, :, :, 0], *_Q_ACT), constrain(q[:, :, :, 1], *_Q_ACT)
 
-    def attention_maps(self, x: jax.Array, positions: jax.Array | None = None,
-                       segment_ids: jax.Array | None = None) -> dict[str, jax.Array]:
+    def attention_maps(
+        self, x: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None
+    ) -> dict[str, jax.Array]:
         """``a1``, ``a2`` ``[B, h, T, S]``, ``lam`` ``[B, T, h]`` and ``diff = a1 - lam * a2``
         (float32), for analysis. Materialises ``T x S`` maps."""
         q, k, _ = self._qkv(x, positions)
@@ -421,11 +609,16 @@ class MultiheadDiffAttnV2(_AttentionLayer):
         a1 = ops.attention_weights(q1, k, **kw)
         a2 = ops.attention_weights(q2, k, **kw)
         lam = self.lambda_values(x)
-        return {"a1": a1, "a2": a2, "lam": lam,
-                "diff": a1 - jnp.transpose(lam, (0, 2, 1))[..., None] * a2}
+        return {
+            "a1": a1,
+            "a2": a2,
+            "lam": lam,
+            "diff": a1 - jnp.transpose(lam, (0, 2, 1))[..., None] * a2,
+        }
 
-    def attention_logits(self, x: jax.Array, positions: jax.Array | None = None,
-                         segment_ids: jax.Array | None = None) -> dict[str, jax.Array]:
+    def attention_logits(
+        self, x: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None
+    ) -> dict[str, jax.Array]:
         """The pre-softmax logits of both maps, ``logits1``/``logits2`` ``[B, h, T, S]``
         (float32), and ``mask`` (``[B or 1, T, S]`` or None)."""
         q, k, _ = self._qkv(x, positions)
@@ -435,17 +628,27 @@ class MultiheadDiffAttnV2(_AttentionLayer):
         l2, _ = ops.attention_logits(q2, k, **kw)
         return {"logits1": l1, "logits2": l2, "mask": mask}
 
-    def __call__(self, x: jax.Array, positions: jax.Array | None = None,
-                 segment_ids: jax.Array | None = None) -> jax.Array:
+    def __call__(
+        self, x: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None
+    ) -> jax.Array:
         q, k, v = self._qkv(x, positions)
         b, t = x.shape[:2]
         lam = self.lambda_values(x)
         _sow_lambda(self, lam)
         q1, q2 = self._pairs(q)
-        o = ops.differential_attention(q1, k, q2, k, v, lam,
-                                       causal=self.causal, segment_ids=segment_ids,
-                                       scale=self.scaling, impl=self.attention_impl,
-                                       logit_bits=self.logit_bits)
+        o = ops.differential_attention(
+            q1,
+            k,
+            q2,
+            k,
+            v,
+            lam,
+            causal=self.causal,
+            segment_ids=segment_ids,
+            scale=self.scaling,
+            impl=self.attention_impl,
+            logit_bits=self.logit_bits,
+        )
         return self.o_proj(o.reshape(b, t, self.num_heads * self.head_dim))
 
     def cache_layout(self) -> dict[str, tuple[int, int]]:
@@ -453,9 +656,16 @@ class MultiheadDiffAttnV2(_AttentionLayer):
         one value per kv head, read once for both maps of every pair."""
         return {"k": (self.num_kv_heads, self.head_dim), "v": (self.num_kv_heads, self.head_dim)}
 
-    def extend(self, x: jax.Array, positions: jax.Array, cache: dict[str, jax.Array], *,
-               index, segment_ids: jax.Array, kv_segment_ids: jax.Array | None = None
-               ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    def extend(
+        self,
+        x: jax.Array,
+        positions: jax.Array,
+        cache: dict[str, jax.Array],
+        *,
+        index,
+        segment_ids: jax.Array,
+        kv_segment_ids: jax.Array | None = None,
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """Decoding: ``(output, updated cache)`` for ``x`` ``[B, T, D]`` written at slot ``index``
         (see the KV cache notes above; :mod:`diffjax.decode` drives it)."""
         mask = _check_extend(self, x, segment_ids, kv_segment_ids)
@@ -463,9 +673,19 @@ class MultiheadDiffAttnV2(_AttentionLayer):
         kv, cache, kw = _update_cache(cache, dict(k=k, v=v), index)
         b, t = x.shape[:2]
         q1, q2 = self._pairs(q)
-        o = ops.differential_attention(q1, kv["k"], q2, kv["k"], kv["v"], self.lambda_values(x),
-                                       scale=self.scaling, impl=self.attention_impl,
-                                       logit_bits=self.logit_bits, **kw, **mask)
+        o = ops.differential_attention(
+            q1,
+            kv["k"],
+            q2,
+            kv["k"],
+            kv["v"],
+            self.lambda_values(x),
+            scale=self.scaling,
+            impl=self.attention_impl,
+            logit_bits=self.logit_bits,
+            **kw,
+            **mask,
+        )
         return self.o_proj(o.reshape(b, t, self.num_heads * self.head_dim)), cache
 
 

@@ -30,7 +30,8 @@ def _cpu_knows(option: str, value: str) -> bool:
     options are one list shared by all backends, so the probe runs on the default one)."""
     try:
         jax.jit(lambda x: x + 1, compiler_options={option: value}).lower(
-            jax.ShapeDtypeStruct((), "float32")).compile()
+            jax.ShapeDtypeStruct((), "float32")
+        ).compile()
     except jax.errors.JaxRuntimeError as e:
         if "No such compile option" in str(e):
             return False
@@ -63,8 +64,9 @@ class lazy_jit:  # lower case: a decorator, like jax.jit
 
     def _get(self):
         if self._jitted is None:
-            self._jitted = jax.jit(self._fun, compiler_options=cpu_compile_options(),
-                                   **self._kwargs)
+            self._jitted = jax.jit(
+                self._fun, compiler_options=cpu_compile_options(), **self._kwargs
+            )
         return self._jitted
 
     def __call__(self, *args, **kwargs):

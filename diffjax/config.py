@@ -121,8 +121,12 @@ def check_fields(config: Any) -> None:
         try:
             new = convert(field_types(cls)[f.name], value)
         except ValueError:
-            fail(cls.__name__, f.name, f"expected {f.type}, got {type(value).__name__} {value!r}",
-                 f"pass a value of type {f.type}")
+            fail(
+                cls.__name__,
+                f.name,
+                f"expected {f.type}, got {type(value).__name__} {value!r}",
+                f"pass a value of type {f.type}",
+            )
         if new is not value:
             object.__setattr__(config, f.name, new)
 
@@ -177,24 +181,43 @@ class ModelConfig:
         fail("ModelConfig", field, problem, fix)
 
     def _check_values(self) -> None:
-        for name in ("vocab_size", "d_model", "num_layers", "num_heads", "max_seq_len",
-                     "ffn_multiple_of"):
+        for name in (
+            "vocab_size",
+            "d_model",
+            "num_layers",
+            "num_heads",
+            "max_seq_len",
+            "ffn_multiple_of",
+        ):
             if getattr(self, name) < 1:
-                self._fail(name, f"must be >= 1, got {getattr(self, name)}", "use a positive integer")
+                self._fail(
+                    name, f"must be >= 1, got {getattr(self, name)}", "use a positive integer"
+                )
         for name in ("num_kv_heads", "head_dim", "ffn_dim"):
             value = getattr(self, name)
             if value is not None and value < 1:
-                self._fail(name, f"must be >= 1 or None, got {value}", "use a positive integer or None")
+                self._fail(
+                    name, f"must be >= 1 or None, got {value}", "use a positive integer or None"
+                )
         if self.attention not in ATTENTION_KINDS:
-            self._fail("attention", f"unknown attention kind {self.attention!r}",
-                       f"use one of {', '.join(map(repr, ATTENTION_KINDS))}")
+            self._fail(
+                "attention",
+                f"unknown attention kind {self.attention!r}",
+                f"use one of {', '.join(map(repr, ATTENTION_KINDS))}",
+            )
         if self.attention_impl not in ATTENTION_IMPLS:
-            self._fail("attention_impl", f"unknown implementation {self.attention_impl!r}",
-                       f"use one of {', '.join(map(repr, ATTENTION_IMPLS))}")
+            self._fail(
+                "attention_impl",
+                f"unknown implementation {self.attention_impl!r}",
+                f"use one of {', '.join(map(repr, ATTENTION_IMPLS))}",
+            )
         for name in ("dtype", "param_dtype"):
             if getattr(self, name) not in DTYPES:
-                self._fail(name, f"unknown dtype {getattr(self, name)!r}",
-                           f"use one of {', '.join(map(repr, DTYPES))}")
+                self._fail(
+                    name,
+                    f"unknown dtype {getattr(self, name)!r}",
+                    f"use one of {', '.join(map(repr, DTYPES))}",
+                )
         if not self.rope_theta > 0:
             self._fail("rope_theta", f"must be > 0, got {self.rope_theta}", "use e.g. 10000.0")
         if not self.norm_eps > 0:
@@ -205,72 +228,106 @@ class ModelConfig:
         if not self.init_std > 0:
             self._fail("init_std", f"must be > 0, got {self.init_std}", "use e.g. 0.02")
         if self.lambda_init is not None and self.attention != "diff_v1":
-            self._fail("lambda_init", f"is a DIFF V1 setting but attention={self.attention!r}",
-                       "leave lambda_init=None or set attention='diff_v1'")
+            self._fail(
+                "lambda_init",
+                f"is a DIFF V1 setting but attention={self.attention!r}",
+                "leave lambda_init=None or set attention='diff_v1'",
+            )
         if not self.diff_norm and self.attention != "diff_v1":
-            self._fail("diff_norm", f"is a DIFF V1 setting but attention={self.attention!r}",
-                       "leave diff_norm=True or set attention='diff_v1'")
+            self._fail(
+                "diff_norm",
+                f"is a DIFF V1 setting but attention={self.attention!r}",
+                "leave diff_norm=True or set attention='diff_v1'",
+            )
 
         h, hkv, D = self.num_heads, self.kv_heads, self.d_model
         if self.attention == "diff_v2" and h % hkv and (2 * h) % hkv == 0:
             # 2h query heads over hkv groups of 2h/hkv heads: pairs (2i, 2i+1) stay in one
             # group iff 2h/hkv is even, i.e. iff hkv divides h.
-            self._fail("num_kv_heads",
-                       f"DIFF V2 pairs (2i, 2i+1) of the {2 * h} query heads would straddle "
-                       f"kv groups of {2 * h // hkv} heads with num_kv_heads={hkv}",
-                       f"choose num_kv_heads from {_divisors(h)} (a divisor of num_heads)")
+            self._fail(
+                "num_kv_heads",
+                f"DIFF V2 pairs (2i, 2i+1) of the {2 * h} query heads would straddle "
+                f"kv groups of {2 * h // hkv} heads with num_kv_heads={hkv}",
+                f"choose num_kv_heads from {_divisors(h)} (a divisor of num_heads)",
+            )
         if h % hkv:
-            self._fail("num_kv_heads",
-                       f"{hkv} kv heads do not divide num_heads={h}",
-                       f"choose num_kv_heads from {_divisors(h)}")
+            self._fail(
+                "num_kv_heads",
+                f"{hkv} kv heads do not divide num_heads={h}",
+                f"choose num_kv_heads from {_divisors(h)}",
+            )
         if self.attention == "standard":
             if self.head_dim is None and D % h:
-                self._fail("d_model", f"{D} is not divisible by num_heads={h}",
-                           f"choose num_heads from {_divisors(D)} or set head_dim explicitly")
+                self._fail(
+                    "d_model",
+                    f"{D} is not divisible by num_heads={h}",
+                    f"choose num_heads from {_divisors(D)} or set head_dim explicitly",
+                )
         elif self.attention == "diff_v1":
             if D % (2 * h):
-                self._fail("d_model",
-                           f"DIFF V1 splits d_model={D} into 2*num_heads={2 * h} halves of width d, "
-                           f"and {D} is not divisible by {2 * h}",
-                           f"choose num_heads so that 2*num_heads divides d_model "
-                           f"(num_heads in {[k for k in _divisors(D) if D % (2 * k) == 0]})")
+                self._fail(
+                    "d_model",
+                    f"DIFF V1 splits d_model={D} into 2*num_heads={2 * h} halves of width d, "
+                    f"and {D} is not divisible by {2 * h}",
+                    f"choose num_heads so that 2*num_heads divides d_model "
+                    f"(num_heads in {[k for k in _divisors(D) if D % (2 * k) == 0]})",
+                )
             if self.head_dim is not None and self.head_dim != D // (2 * h):
-                self._fail("head_dim",
-                           f"DIFF V1 fixes head_dim = d_model // (2*num_heads) = {D // (2 * h)}, "
-                           f"got {self.head_dim}",
-                           "leave head_dim=None for diff_v1 (the official layout fixes it)")
+                self._fail(
+                    "head_dim",
+                    f"DIFF V1 fixes head_dim = d_model // (2*num_heads) = {D // (2 * h)}, "
+                    f"got {self.head_dim}",
+                    "leave head_dim=None for diff_v1 (the official layout fixes it)",
+                )
         else:  # diff_v2
             if self.head_dim is None and D % h:
-                self._fail("d_model", f"{D} is not divisible by num_heads={h}",
-                           f"choose num_heads from {_divisors(D)} or set head_dim explicitly")
+                self._fail(
+                    "d_model",
+                    f"{D} is not divisible by num_heads={h}",
+                    f"choose num_heads from {_divisors(D)} or set head_dim explicitly",
+                )
         if self.resolved_head_dim % 2:
-            self._fail("head_dim",
-                       f"rotary embedding rotates pairs of channels, so the head width must be even, "
-                       f"got {self.resolved_head_dim}",
-                       "choose d_model/num_heads (or head_dim) so that the head width is even")
+            self._fail(
+                "head_dim",
+                f"rotary embedding rotates pairs of channels, so the head width must be even, "
+                f"got {self.resolved_head_dim}",
+                "choose d_model/num_heads (or head_dim) so that the head width is even",
+            )
 
     def _check_rope_scaling(self) -> None:
         from .layers import ROPE_SCALINGS
 
         if self.rope_scaling not in ROPE_SCALINGS:
-            self._fail("rope_scaling", f"unknown rotary scaling {self.rope_scaling!r}",
-                       f"use one of {', '.join(map(repr, ROPE_SCALINGS))}")
+            self._fail(
+                "rope_scaling",
+                f"unknown rotary scaling {self.rope_scaling!r}",
+                f"use one of {', '.join(map(repr, ROPE_SCALINGS))}",
+            )
         if self.rope_scaling == "none":
             if self.rope_factor != 1.0:
-                self._fail("rope_factor", f"is {self.rope_factor} but rope_scaling='none'",
-                           "set rope_scaling='linear' or 'llama3', or leave rope_factor=1.0")
+                self._fail(
+                    "rope_factor",
+                    f"is {self.rope_factor} but rope_scaling='none'",
+                    "set rope_scaling='linear' or 'llama3', or leave rope_factor=1.0",
+                )
             return
         if not self.rope_factor > 0:
             self._fail("rope_factor", f"must be > 0, got {self.rope_factor}", "use e.g. 8.0")
         if self.rope_scaling == "llama3":
             lo, hi = self.rope_low_freq_factor, self.rope_high_freq_factor
             if not 0 < lo < hi:
-                self._fail("rope_high_freq_factor",
-                           f"llama3 scaling needs 0 < rope_low_freq_factor < rope_high_freq_factor, "
-                           f"got {lo} and {hi}", "use Llama 3.1's 1.0 and 4.0")
+                self._fail(
+                    "rope_high_freq_factor",
+                    f"llama3 scaling needs 0 < rope_low_freq_factor < rope_high_freq_factor, "
+                    f"got {lo} and {hi}",
+                    "use Llama 3.1's 1.0 and 4.0",
+                )
             if self.rope_original_max_len < 1:
-                self._fail("rope_original_max_len", f"must be >= 1, got {self.rope_original_max_len}",
-                           "use the pre-training context length, e.g. 8192")
+                self._fail(
+                    "rope_original_max_len",
+                    f"must be >= 1, got {self.rope_original_max_len}",
+                    "use the pre-training context length, e.g. 8192",
+                )
 
     # ------------------------------------------------------------------ derived values
     @property
@@ -280,8 +337,13 @@ class ModelConfig:
 
         if self.rope_scaling == "none":
             return None
-        return RopeScaling(self.rope_scaling, self.rope_factor, self.rope_low_freq_factor,
-                           self.rope_high_freq_factor, self.rope_original_max_len)
+        return RopeScaling(
+            self.rope_scaling,
+            self.rope_factor,
+            self.rope_low_freq_factor,
+            self.rope_high_freq_factor,
+            self.rope_original_max_len,
+        )
 
     @property
     def kv_heads(self) -> int:

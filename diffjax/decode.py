@@ -92,8 +92,9 @@ def cache_layout(model_or_config) -> list[dict[str, tuple[int, int]]]:
 
         layer = nnx.eval_shape(lambda: make_attention(model_or_config, 0, rngs=nnx.Rngs(0)))
         return [layer.cache_layout()] * model_or_config.num_layers  # the same at every depth
-    raise TypeError(f"expected a TransformerLM or a ModelConfig, got "
-                    f"{type(model_or_config).__name__}")
+    raise TypeError(
+        f"expected a TransformerLM or a ModelConfig, got {type(model_or_config).__name__}"
+    )
 
 
 def cache_bytes_per_token(model_or_config, dtype: Any = None) -> int:
@@ -105,20 +106,27 @@ def cache_bytes_per_token(model_or_config, dtype: Any = None) -> int:
     return values * itemsize
 
 
-def init_cache(model: TransformerLM, batch_size: int, max_length: int,
-               start: jax.Array | None = None) -> KVCache:
+def init_cache(
+    model: TransformerLM, batch_size: int, max_length: int, start: jax.Array | None = None
+) -> KVCache:
     """An empty cache of ``max_length`` slots (zeros, in the model's activation dtype), sharded
     under a mesh. ``start``: each row's first real slot (default 0)."""
     dtype = jnp.dtype(model.config.dtype)
-    layers = tuple({n: constrain(jnp.zeros((batch_size, max_length, h, w), dtype), *_CACHE_ACT)
-                    for n, (h, w) in layer.items()} for layer in cache_layout(model))
+    layers = tuple(
+        {
+            n: constrain(jnp.zeros((batch_size, max_length, h, w), dtype), *_CACHE_ACT)
+            for n, (h, w) in layer.items()
+        }
+        for layer in cache_layout(model)
+    )
     start = jnp.zeros((batch_size,), jnp.int32) if start is None else jnp.asarray(start, jnp.int32)
     return KVCache(layers=layers, start=start, index=jnp.zeros((), jnp.int32))
 
 
 # ---------------------------------------------------------------------------- prefill / step
-def prefill(model: TransformerLM, tokens: jax.Array, max_length: int,
-            start: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+def prefill(
+    model: TransformerLM, tokens: jax.Array, max_length: int, start: jax.Array | None = None
+) -> tuple[jax.Array, KVCache]:
     """Run the left-padded prompt ``tokens`` ``[B, P]`` (row ``b``'s prompt starts at slot
     ``start[b]``, default 0) into a new cache of ``max_length`` slots. Returns the logits
     ``[B, P, vocab]`` (float32; those at padded slots are meaningless) and the cache.
@@ -131,8 +139,14 @@ def prefill(model: TransformerLM, tokens: jax.Array, max_length: int,
     slots = jnp.arange(p, dtype=jnp.int32)[None, :]
     positions = jnp.maximum(slots - start[:, None], 0)
     real = (slots >= start[:, None]).astype(jnp.int32)  # the segment ids: 0 pad, 1 prompt
-    logits, layers = model.extend(tokens, positions, cache.layers, index=0, segment_ids=real,
-                                  kv_segment_ids=_filled(start, max_length, p))
+    logits, layers = model.extend(
+        tokens,
+        positions,
+        cache.layers,
+        index=0,
+        segment_ids=real,
+        kv_segment_ids=_filled(start, max_length, p),
+    )
     return logits, KVCache(layers=layers, start=start, index=jnp.asarray(p, jnp.int32))
 
 
@@ -142,8 +156,9 @@ def _filled(start: jax.Array, max_length: int, end) -> jax.Array:
     return ((slots >= start[:, None]) & (slots < end)).astype(jnp.int32)
 
 
-def decode_step(model: TransformerLM, tokens: jax.Array, cache: KVCache
-                ) -> tuple[jax.Array, KVCache]:
+def decode_step(
+    model: TransformerLM, tokens: jax.Array, cache: KVCache
+) -> tuple[jax.Array, KVCache]:
     """Append one token per row (``tokens`` ``[B]``) at slot ``cache.index``: returns the next
     token's logits ``[B, vocab]`` (float32) and the cache advanced by one slot.
 
@@ -153,15 +168,26 @@ def decode_step(model: TransformerLM, tokens: jax.Array, cache: KVCache
     index = cache.index
     positions = (index - cache.start)[:, None]
     ones = jnp.ones((tokens.shape[0], 1), jnp.int32)
-    logits, layers = model.extend(tokens[:, None], positions, cache.layers, index=index,
-                                  segment_ids=ones,
-                                  kv_segment_ids=_filled(cache.start, cache.max_length, index + 1))
+    logits, layers = model.extend(
+        tokens[:, None],
+        positions,
+        cache.layers,
+        index=index,
+        segment_ids=ones,
+        kv_segment_ids=_filled(cache.start, cache.max_length, index + 1),
+    )
     return logits[:, 0], cache.replace(layers=layers, index=index + 1)
 
 
 # ---------------------------------------------------------------------------- sampling
-def sample_logits(logits: jax.Array, rng: jax.Array | None, *, temperature: Any = 0.0,
-                  top_k: int | None = None, greedy: bool | None = None) -> jax.Array:
+def sample_logits(
+    logits: jax.Array,
+    rng: jax.Array | None,
+    *,
+    temperature: Any = 0.0,
+    top_k: int | None = None,
+    greedy: bool | None = None,
+) -> jax.Array:
     """Next tokens ``[B]`` (int32) from logits ``[B, vocab]``: argmax when greedy
     (``temperature == 0``), else a draw from ``softmax(logits / temperature)`` restricted to the
     ``top_k`` largest logits when ``top_k`` is set. ``greedy`` overrides the test on
@@ -186,10 +212,14 @@ def _prefill_jit(graphdef, state, tokens, start, *, max_length):
     return logits[:, -1], cache
 
 
-@functools.partial(lazy_jit, static_argnames=("graphdef", "num_slots", "greedy", "top_k"),
-                   donate_argnames=("cache",))
-def _decode_jit(graphdef, state, cache, logits, rng, num_new, temperature, eos_id, *, num_slots,
-                greedy, top_k):
+@functools.partial(
+    lazy_jit,
+    static_argnames=("graphdef", "num_slots", "greedy", "top_k"),
+    donate_argnames=("cache",),
+)
+def _decode_jit(
+    graphdef, state, cache, logits, rng, num_new, temperature, eos_id, *, num_slots, greedy, top_k
+):
     """Up to ``num_new`` (traced, <= ``num_slots``) tokens from the prefill's last ``logits``:
     the first is sampled from them, each next one after a decode step. A row that has produced
     ``eos_id`` (traced; -1 for none) gets ``eos_id`` from then on, and the loop ends early once
@@ -229,16 +259,29 @@ def _round_up(n: int, m: int) -> int:
 def _as_key(rng):
     if isinstance(rng, (int, np.integer)) and not isinstance(rng, bool):
         return jax.random.key(int(rng))
-    if isinstance(rng, jax.Array) and (jnp.issubdtype(rng.dtype, jax.dtypes.prng_key)
-                                       or (rng.dtype == jnp.uint32 and rng.shape == (2,))):
+    if isinstance(rng, jax.Array) and (
+        jnp.issubdtype(rng.dtype, jax.dtypes.prng_key)
+        or (rng.dtype == jnp.uint32 and rng.shape == (2,))
+    ):
         return rng
-    raise TypeError(f"rng must be a jax.random.key (or an int seed), got {type(rng).__name__} "
-                    f"{getattr(rng, 'dtype', '')}")
+    raise TypeError(
+        f"rng must be a jax.random.key (or an int seed), got {type(rng).__name__} "
+        f"{getattr(rng, 'dtype', '')}"
+    )
 
 
-def generate(model: TransformerLM, prompt, max_new_tokens: int, *, temperature: float = 0.0,
-             top_k: int | None = None, rng=None, prompt_lengths=None,
-             eos_id: int | None = None, length_bucket: int = 64) -> jax.Array:
+def generate(
+    model: TransformerLM,
+    prompt,
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    rng=None,
+    prompt_lengths=None,
+    eos_id: int | None = None,
+    length_bucket: int = 64,
+) -> jax.Array:
     """Continue ``prompt`` ``[B, P]`` (int tokens) by ``max_new_tokens`` tokens with a KV cache.
 
     Returns ``[B, P + max_new_tokens]`` int32: the prompt as given, then the new tokens.
@@ -265,14 +308,19 @@ def generate(model: TransformerLM, prompt, max_new_tokens: int, *, temperature: 
     cfg = model.config
     tokens = np.asarray(prompt)
     if tokens.ndim != 2 or tokens.shape[1] < 1 or tokens.shape[0] < 1:
-        raise ValueError(f"generate(): prompt must be [batch, prompt length] with at least one "
-                         f"token per row, got shape {tokens.shape}. Fix: pass a 2-D int array "
-                         f"(one prompt: prompt[None, :]).")
+        raise ValueError(
+            f"generate(): prompt must be [batch, prompt length] with at least one "
+            f"token per row, got shape {tokens.shape}. Fix: pass a 2-D int array "
+            f"(one prompt: prompt[None, :])."
+        )
     if not np.issubdtype(tokens.dtype, np.integer):
         raise ValueError(f"generate(): prompt must hold integer tokens, got dtype {tokens.dtype}")
     b, p = tokens.shape
-    if not isinstance(max_new_tokens, (int, np.integer)) or isinstance(max_new_tokens, bool) \
-            or max_new_tokens < 0:
+    if (
+        not isinstance(max_new_tokens, (int, np.integer))
+        or isinstance(max_new_tokens, bool)
+        or max_new_tokens < 0
+    ):
         raise ValueError(f"generate(): max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
     max_new_tokens = int(max_new_tokens)
     if prompt_lengths is None:
@@ -280,46 +328,64 @@ def generate(model: TransformerLM, prompt, max_new_tokens: int, *, temperature: 
     else:
         lengths = np.asarray(prompt_lengths)
         if lengths.shape != (b,) or not np.issubdtype(lengths.dtype, np.integer):
-            raise ValueError(f"generate(): prompt_lengths must be {b} ints (one per row), got "
-                             f"{lengths!r}")
+            raise ValueError(
+                f"generate(): prompt_lengths must be {b} ints (one per row), got {lengths!r}"
+            )
         lengths = lengths.astype(np.int64)
     if lengths.min() < 1 or lengths.max() > p:
-        raise ValueError(f"generate(): prompt_lengths must be in [1, {p}] (each row has at least "
-                         f"one real token, at most the prompt's width), got {lengths.tolist()}")
+        raise ValueError(
+            f"generate(): prompt_lengths must be in [1, {p}] (each row has at least "
+            f"one real token, at most the prompt's width), got {lengths.tolist()}"
+        )
     longest = int(lengths.max())
     real = np.arange(p)[None, :] >= (p - lengths)[:, None]
     bad = real & ((tokens < 0) | (tokens >= cfg.vocab_size))
     if bad.any():
         r, c = map(int, np.argwhere(bad)[0])
-        raise ValueError(f"generate(): prompt token {int(tokens[r, c])} at row {r}, column {c} is "
-                         f"outside the vocabulary [0, {cfg.vocab_size})")
+        raise ValueError(
+            f"generate(): prompt token {int(tokens[r, c])} at row {r}, column {c} is "
+            f"outside the vocabulary [0, {cfg.vocab_size})"
+        )
     if longest + max_new_tokens > cfg.max_seq_len:
         raise ValueError(
             f"generate(): the longest prompt ({longest} tokens) plus max_new_tokens="
             f"{max_new_tokens} is {longest + max_new_tokens} tokens, more than the model's "
             f"max_seq_len={cfg.max_seq_len}. Fix: shorten the prompt or ask for at most "
-            f"{max(cfg.max_seq_len - longest, 0)} new tokens.")
+            f"{max(cfg.max_seq_len - longest, 0)} new tokens."
+        )
     temperature = float(temperature)
     if not (math.isfinite(temperature) and temperature >= 0):
-        raise ValueError(f"generate(): temperature must be a finite number >= 0 (0 is greedy), "
-                         f"got {temperature}")
+        raise ValueError(
+            f"generate(): temperature must be a finite number >= 0 (0 is greedy), got {temperature}"
+        )
     greedy = temperature == 0.0
-    if top_k is not None and (not isinstance(top_k, (int, np.integer)) or isinstance(top_k, bool)
-                              or not 1 <= top_k <= cfg.vocab_size):
-        raise ValueError(f"generate(): top_k must be None or an int in [1, {cfg.vocab_size}], "
-                         f"got {top_k!r}")
-    if eos_id is not None and (not isinstance(eos_id, (int, np.integer)) or isinstance(eos_id, bool)
-                               or not 0 <= eos_id < cfg.vocab_size):
-        raise ValueError(f"generate(): eos_id must be None or a token id in [0, {cfg.vocab_size}), "
-                         f"got {eos_id!r}")
+    if top_k is not None and (
+        not isinstance(top_k, (int, np.integer))
+        or isinstance(top_k, bool)
+        or not 1 <= top_k <= cfg.vocab_size
+    ):
+        raise ValueError(
+            f"generate(): top_k must be None or an int in [1, {cfg.vocab_size}], got {top_k!r}"
+        )
+    if eos_id is not None and (
+        not isinstance(eos_id, (int, np.integer))
+        or isinstance(eos_id, bool)
+        or not 0 <= eos_id < cfg.vocab_size
+    ):
+        raise ValueError(
+            f"generate(): eos_id must be None or a token id in [0, {cfg.vocab_size}), "
+            f"got {eos_id!r}"
+        )
     if not isinstance(length_bucket, int) or length_bucket < 1:
         raise ValueError(f"generate(): length_bucket must be an int >= 1, got {length_bucket!r}")
     if greedy:
         key = jax.random.key(0)  # unused
     elif rng is None:
-        raise ValueError("generate(): sampling (temperature > 0) needs rng, e.g. "
-                         "rng=jax.random.key(0) (the same key gives the same tokens); "
-                         "temperature=0 is greedy and needs none")
+        raise ValueError(
+            "generate(): sampling (temperature > 0) needs rng, e.g. "
+            "rng=jax.random.key(0) (the same key gives the same tokens); "
+            "temperature=0 is greedy and needs none"
+        )
     else:
         key = _as_key(rng)
     if max_new_tokens == 0:
@@ -330,16 +396,26 @@ def generate(model: TransformerLM, prompt, max_new_tokens: int, *, temperature: 
     slots_p = min(_round_up(longest, length_bucket), cfg.max_seq_len - max_new_tokens)
     slots = min(_round_up(slots_p + max_new_tokens, length_bucket), cfg.max_seq_len)
     padded = np.zeros((b, slots_p), np.int32)
-    padded[:, slots_p - longest:] = tokens[:, p - longest:]
+    padded[:, slots_p - longest :] = tokens[:, p - longest :]
     start = (slots_p - lengths).astype(np.int32)
 
     graphdef, state = nnx.split(model)
-    logits, cache = _prefill_jit(graphdef, state, jnp.asarray(padded), jnp.asarray(start),
-                                 max_length=slots)
-    new, _ = _decode_jit(graphdef, state, cache, logits, key, jnp.int32(max_new_tokens),
-                         jnp.float32(temperature), jnp.int32(-1 if eos_id is None else eos_id),
-                         num_slots=slots - slots_p, greedy=greedy,
-                         top_k=None if greedy or top_k is None else int(top_k))
+    logits, cache = _prefill_jit(
+        graphdef, state, jnp.asarray(padded), jnp.asarray(start), max_length=slots
+    )
+    new, _ = _decode_jit(
+        graphdef,
+        state,
+        cache,
+        logits,
+        key,
+        jnp.int32(max_new_tokens),
+        jnp.float32(temperature),
+        jnp.int32(-1 if eos_id is None else eos_id),
+        num_slots=slots - slots_p,
+        greedy=greedy,
+        top_k=None if greedy or top_k is None else int(top_k),
+    )
     return jnp.concatenate([jnp.asarray(tokens, jnp.int32), new[:, :max_new_tokens]], axis=1)
 
 
@@ -353,9 +429,19 @@ def pad_prompts(prompts, pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
     width = max(t.size for t in prompts)
     out = np.full((len(prompts), width), pad_id, np.int32)
     for row, t in zip(out, prompts):
-        row[width - t.size:] = t
+        row[width - t.size :] = t
     return out, np.array([t.size for t in prompts], np.int32)
 
 
-__all__ = ["KVCache", "TRACE_COUNTS", "cache_bytes_per_token", "cache_layout", "decode_step",
-           "generate", "init_cache", "pad_prompts", "prefill", "sample_logits"]
+__all__ = [
+    "KVCache",
+    "TRACE_COUNTS",
+    "cache_bytes_per_token",
+    "cache_layout",
+    "decode_step",
+    "generate",
+    "init_cache",
+    "pad_prompts",
+    "prefill",
+    "sample_logits",
+]

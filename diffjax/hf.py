@@ -50,8 +50,13 @@ ARCHITECTURES = {"diffllama": "DiffLlamaForCausalLM", "llama": "LlamaForCausalLM
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "tokenizer.model", "generation_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "generation_config.json",
+)
 # ModelConfig fields from_pretrained(..., **overrides) may set: none changes a weight's shape
 # or meaning.
 OVERRIDABLE = ("dtype", "param_dtype", "attention_impl", "max_seq_len")
@@ -73,14 +78,22 @@ def read_config(path: str) -> dict[str, Any]:
     """The ``config.json`` of the checkpoint directory ``path`` (checked to exist and parse)."""
     path = os.fspath(path)
     if not os.path.isdir(path):
-        _fail(path, "is not a directory" if not os.path.exists(path) or os.path.isfile(path)
-              else "cannot be read",
-              "pass a local directory holding config.json and *.safetensors (a Hugging Face "
-              "checkpoint; diffjax downloads nothing)")
+        _fail(
+            path,
+            "is not a directory"
+            if not os.path.exists(path) or os.path.isfile(path)
+            else "cannot be read",
+            "pass a local directory holding config.json and *.safetensors (a Hugging Face "
+            "checkpoint; diffjax downloads nothing)",
+        )
     file = os.path.join(path, CONFIG_FILE)
     if not os.path.isfile(file):
-        _fail(file, "does not exist", "pass a Hugging Face checkpoint directory (the one holding "
-                                      "config.json and the *.safetensors weights)")
+        _fail(
+            file,
+            "does not exist",
+            "pass a Hugging Face checkpoint directory (the one holding "
+            "config.json and the *.safetensors weights)",
+        )
     try:
         with open(file) as f:
             hf = json.load(f)
@@ -103,81 +116,133 @@ def _rope_fields(hf: dict[str, Any], where: str) -> dict[str, Any]:
     kind = params.get("rope_type", params.get("type", "default"))
     partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     if partial != 1.0:
-        _fail(where, f"partial_rotary_factor={partial}: diffjax rotates the whole head",
-              "use a checkpoint with partial_rotary_factor 1.0")
+        _fail(
+            where,
+            f"partial_rotary_factor={partial}: diffjax rotates the whole head",
+            "use a checkpoint with partial_rotary_factor 1.0",
+        )
     out: dict[str, Any] = {"rope_theta": float(theta)}
     if kind == "default":
         return out
     if kind not in ("linear", "llama3"):
-        _fail(where, f"rope_type {kind!r} is not supported",
-              "diffjax reads rope_type 'default', 'linear' and 'llama3'")
+        _fail(
+            where,
+            f"rope_type {kind!r} is not supported",
+            "diffjax reads rope_type 'default', 'linear' and 'llama3'",
+        )
     if "factor" not in params:
         _fail(where, f"rope_type {kind!r} without a 'factor'", "add the scaling factor")
     out.update(rope_scaling=kind, rope_factor=float(params["factor"]))
     if kind == "llama3":
         try:
-            out.update(rope_low_freq_factor=float(params["low_freq_factor"]),
-                       rope_high_freq_factor=float(params["high_freq_factor"]),
-                       rope_original_max_len=int(params.get(
-                           "original_max_position_embeddings", hf.get("max_position_embeddings"))))
+            out.update(
+                rope_low_freq_factor=float(params["low_freq_factor"]),
+                rope_high_freq_factor=float(params["high_freq_factor"]),
+                rope_original_max_len=int(
+                    params.get(
+                        "original_max_position_embeddings", hf.get("max_position_embeddings")
+                    )
+                ),
+            )
         except (KeyError, TypeError) as e:
-            _fail(where, f"rope_type 'llama3' lacks {e}", "give low_freq_factor, high_freq_factor "
-                                                          "and original_max_position_embeddings")
+            _fail(
+                where,
+                f"rope_type 'llama3' lacks {e}",
+                "give low_freq_factor, high_freq_factor and original_max_position_embeddings",
+            )
     return out
 
 
-def config_from_hf(hf: dict[str, Any], *, where: str = CONFIG_FILE, **overrides: Any) -> ModelConfig:
+def config_from_hf(
+    hf: dict[str, Any], *, where: str = CONFIG_FILE, **overrides: Any
+) -> ModelConfig:
     """The :class:`ModelConfig` of a Hugging Face ``config.json`` (as a dict) of model type
     ``diffllama`` (-> ``attention="diff_v1"``) or ``llama`` (-> ``"standard"``). ``overrides``:
     any of :data:`OVERRIDABLE` (e.g. ``param_dtype="bfloat16"``). Anything diffjax cannot
     express raises :class:`PretrainedError` naming it."""
     mt = hf.get("model_type")
     if mt not in MODEL_TYPES:
-        _fail(where, f"model_type {mt!r} is not supported",
-              "diffjax reads 'diffllama' (DIFF V1) and 'llama' (standard attention) checkpoints")
+        _fail(
+            where,
+            f"model_type {mt!r} is not supported",
+            "diffjax reads 'diffllama' (DIFF V1) and 'llama' (standard attention) checkpoints",
+        )
     bad = sorted(set(overrides) - set(OVERRIDABLE))
     if bad:
-        raise PretrainedError(f"from_pretrained: {', '.join(bad)} cannot be overridden (the "
-                              f"checkpoint fixes it). Fix: override only {', '.join(OVERRIDABLE)}.")
-    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                "num_attention_heads"):
+        raise PretrainedError(
+            f"from_pretrained: {', '.join(bad)} cannot be overridden (the "
+            f"checkpoint fixes it). Fix: override only {', '.join(OVERRIDABLE)}."
+        )
+    for key in (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+    ):
         if not isinstance(hf.get(key), int) or isinstance(hf.get(key), bool):
-            _fail(where, f"{key} is missing or not an integer ({hf.get(key)!r})",
-                  "restore the checkpoint's config.json")
+            _fail(
+                where,
+                f"{key} is missing or not an integer ({hf.get(key)!r})",
+                "restore the checkpoint's config.json",
+            )
     act = hf.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
-        _fail(where, f"hidden_act {act!r}: diffjax's feed-forward is SwiGLU (silu)",
-              "use a checkpoint with hidden_act 'silu'")
+        _fail(
+            where,
+            f"hidden_act {act!r}: diffjax's feed-forward is SwiGLU (silu)",
+            "use a checkpoint with hidden_act 'silu'",
+        )
     for key in ("attention_bias", "mlp_bias"):
         if hf.get(key):
-            _fail(where, f"{key}=true: diffjax's projections have no bias",
-                  f"use a checkpoint with {key} false")
+            _fail(
+                where,
+                f"{key}=true: diffjax's projections have no bias",
+                f"use a checkpoint with {key} false",
+            )
     if float(hf.get("attention_dropout", 0.0) or 0.0) > 0:
-        _fail(where, f"attention_dropout={hf['attention_dropout']}: diffjax has no dropout",
-              "set attention_dropout to 0.0 in config.json (it only matters in training)")
+        _fail(
+            where,
+            f"attention_dropout={hf['attention_dropout']}: diffjax has no dropout",
+            "set attention_dropout to 0.0 in config.json (it only matters in training)",
+        )
     D, H = hf["hidden_size"], hf["num_attention_heads"]
     Hkv = hf.get("num_key_value_heads") or H
     head_dim = hf.get("head_dim") or D // H
     eps = float(hf.get("rms_norm_eps", 1e-5 if mt == "diffllama" else 1e-6))
     kw: dict[str, Any] = dict(
-        vocab_size=hf["vocab_size"], d_model=D, num_layers=hf["num_hidden_layers"],
+        vocab_size=hf["vocab_size"],
+        d_model=D,
+        num_layers=hf["num_hidden_layers"],
         max_seq_len=int(hf.get("max_position_embeddings") or 2048),
-        ffn_dim=hf["intermediate_size"], norm_eps=eps,
+        ffn_dim=hf["intermediate_size"],
+        norm_eps=eps,
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        init_std=float(hf.get("initializer_range", 0.02)), **_rope_fields(hf, where))
+        init_std=float(hf.get("initializer_range", 0.02)),
+        **_rope_fields(hf, where),
+    )
     if H % Hkv:
-        _fail(where, f"num_key_value_heads={Hkv} does not divide num_attention_heads={H}",
-              "restore the checkpoint's config.json")
+        _fail(
+            where,
+            f"num_key_value_heads={Hkv} does not divide num_attention_heads={H}",
+            "restore the checkpoint's config.json",
+        )
     if mt == "diffllama":
         if H % 2 or Hkv % 2:
-            _fail(where, f"DiffLlama pairs heads in halves, so num_attention_heads ({H}) and "
-                         f"num_key_value_heads ({Hkv}) must be even", "fix config.json")
+            _fail(
+                where,
+                f"DiffLlama pairs heads in halves, so num_attention_heads ({H}) and "
+                f"num_key_value_heads ({Hkv}) must be even",
+                "fix config.json",
+            )
         if head_dim * H != D:
-            _fail(where, f"head_dim={head_dim} with {H} heads is not hidden_size={D}: diffjax's "
-                         f"DIFF V1 fixes head_dim = hidden_size / num_attention_heads",
-                  "use a checkpoint whose head_dim is hidden_size / num_attention_heads")
-        kw.update(attention="diff_v1", num_heads=H // 2, num_kv_heads=Hkv // 2,
-                  diff_norm_eps=eps)
+            _fail(
+                where,
+                f"head_dim={head_dim} with {H} heads is not hidden_size={D}: diffjax's "
+                f"DIFF V1 fixes head_dim = hidden_size / num_attention_heads",
+                "use a checkpoint whose head_dim is hidden_size / num_attention_heads",
+            )
+        kw.update(attention="diff_v1", num_heads=H // 2, num_kv_heads=Hkv // 2, diff_norm_eps=eps)
     else:
         kw.update(attention="standard", num_heads=H, num_kv_heads=Hkv, head_dim=head_dim)
     kw.update(overrides)
@@ -189,8 +254,9 @@ def config_from_hf(hf: dict[str, Any], *, where: str = CONFIG_FILE, **overrides:
 
 def config_from_pretrained(path: str, **overrides: Any) -> ModelConfig:
     """The :class:`ModelConfig` of the checkpoint directory ``path`` (no weights are read)."""
-    return config_from_hf(read_config(path), where=os.path.join(os.fspath(path), CONFIG_FILE),
-                          **overrides)
+    return config_from_hf(
+        read_config(path), where=os.path.join(os.fspath(path), CONFIG_FILE), **overrides
+    )
 
 
 def hf_config(config: ModelConfig) -> dict[str, Any]:
@@ -203,23 +269,36 @@ def hf_config(config: ModelConfig) -> dict[str, Any]:
     if config.rope_scaling != "none":
         scaling = {"rope_type": config.rope_scaling, "factor": config.rope_factor}
         if config.rope_scaling == "llama3":
-            scaling.update(low_freq_factor=config.rope_low_freq_factor,
-                           high_freq_factor=config.rope_high_freq_factor,
-                           original_max_position_embeddings=config.rope_original_max_len)
+            scaling.update(
+                low_freq_factor=config.rope_low_freq_factor,
+                high_freq_factor=config.rope_high_freq_factor,
+                original_max_position_embeddings=config.rope_original_max_len,
+            )
     out = {
-        "architectures": [ARCHITECTURES[mt]], "model_type": mt,
-        "vocab_size": config.vocab_size, "hidden_size": config.d_model,
-        "intermediate_size": config.resolved_ffn_dim, "num_hidden_layers": config.num_layers,
+        "architectures": [ARCHITECTURES[mt]],
+        "model_type": mt,
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.d_model,
+        "intermediate_size": config.resolved_ffn_dim,
+        "num_hidden_layers": config.num_layers,
         "num_attention_heads": pair * config.num_heads,
-        "num_key_value_heads": pair * config.kv_heads, "head_dim": config.resolved_head_dim,
-        "hidden_act": "silu", "max_position_embeddings": config.max_seq_len,
-        "rms_norm_eps": config.norm_eps, "tie_word_embeddings": config.tie_embeddings,
-        "attention_bias": False, "attention_dropout": 0.0, "initializer_range": config.init_std,
+        "num_key_value_heads": pair * config.kv_heads,
+        "head_dim": config.resolved_head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": config.max_seq_len,
+        "rms_norm_eps": config.norm_eps,
+        "tie_word_embeddings": config.tie_embeddings,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "initializer_range": config.init_std,
         # both spellings of the rotary settings: transformers >= 5 and older readers
-        "rope_theta": config.rope_theta, "rope_scaling": scaling,
+        "rope_theta": config.rope_theta,
+        "rope_scaling": scaling,
         "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta}
-        if scaling is None else {**scaling, "rope_theta": config.rope_theta},
-        "torch_dtype": config.param_dtype, "use_cache": True,
+        if scaling is None
+        else {**scaling, "rope_theta": config.rope_theta},
+        "torch_dtype": config.param_dtype,
+        "use_cache": True,
     }
     if mt == "llama":
         out["mlp_bias"] = False
@@ -234,22 +313,26 @@ def check_exportable(config: ModelConfig) -> None:
         raise PretrainedError(
             "save_pretrained: DIFF V2 has no Hugging Face format (transformers has DiffLlama, "
             "which is DIFF V1, and no DIFF V2 model). Fix: keep the diffjax checkpoint (train.py "
-            "run folder, diffjax.train.load_model), or export a diff_v1 or standard model.")
+            "run folder, diffjax.train.load_model), or export a diff_v1 or standard model."
+        )
     if config.attention == "diff_v1":
         if config.lambda_init is not None:
             raise PretrainedError(
                 f"save_pretrained: ModelConfig.lambda_init={config.lambda_init} (a fixed lambda_init) "
                 f"cannot be expressed: DiffLlama always uses 0.8 - 0.6 exp(-0.3 depth). Fix: export "
-                f"a model trained with lambda_init=None.")
+                f"a model trained with lambda_init=None."
+            )
         if not config.diff_norm:
             raise PretrainedError(
                 "save_pretrained: ModelConfig.diff_norm=False cannot be expressed: DiffLlama always "
-                "applies its per-head norm. Fix: export a model trained with diff_norm=True.")
+                "applies its per-head norm. Fix: export a model trained with diff_norm=True."
+            )
         if config.diff_norm_eps != config.norm_eps:
             raise PretrainedError(
                 f"save_pretrained: ModelConfig.diff_norm_eps={config.diff_norm_eps} differs from "
                 f"norm_eps={config.norm_eps}, and DiffLlama uses rms_norm_eps for both. Fix: train "
-                f"with diff_norm_eps equal to norm_eps.")
+                f"with diff_norm_eps equal to norm_eps."
+            )
 
 
 # ---------------------------------------------------------------------------- the layout
@@ -259,8 +342,9 @@ def _pairs(n: int) -> np.ndarray:
     return np.stack([np.arange(n // 2), np.arange(n // 2) + n // 2], axis=-1).reshape(-1)
 
 
-def row_permutation(num_heads: int, head_dim: int, *, pair_halves: bool, rotary: bool
-                    ) -> np.ndarray:
+def row_permutation(
+    num_heads: int, head_dim: int, *, pair_halves: bool, rotary: bool
+) -> np.ndarray:
     """``perm``: row ``r`` of the diffjax projection (``[heads * head_dim]`` outputs) is row
     ``perm[r]`` of the Hugging Face ``weight``. ``pair_halves``: heads reordered from halves to
     adjacent pairs; ``rotary``: channels within each head from half-split to interleaved."""
@@ -274,27 +358,40 @@ def row_permutation(num_heads: int, head_dim: int, *, pair_halves: bool, rotary:
 # (as is), "ones" (DiffLlama's weightless groupnorm: loads as 1, folds into "o" on export).
 def weight_table(config: ModelConfig) -> list[tuple[tuple, str | None, str]]:
     """Every parameter of a :class:`TransformerLM` of ``config`` and its Hugging Face name."""
-    rows: list[tuple[tuple, str | None, str]] = [(("embed", "embedding"), "model.embed_tokens.weight",
-                                                   "vector")]
+    rows: list[tuple[tuple, str | None, str]] = [
+        (("embed", "embedding"), "model.embed_tokens.weight", "vector")
+    ]
     diff = config.attention == "diff_v1"
     for i in range(config.num_layers):
         a, hf = ("layers", i, "attn"), f"model.layers.{i}.self_attn"
-        rows += [(a + ("q_proj", "kernel"), f"{hf}.q_proj.weight", "q"),
-                 (a + ("k_proj", "kernel"), f"{hf}.k_proj.weight", "k"),
-                 (a + ("v_proj", "kernel"), f"{hf}.v_proj.weight", "v"),
-                 (a + ("out_proj", "kernel"), f"{hf}.o_proj.weight", "o")]
+        rows += [
+            (a + ("q_proj", "kernel"), f"{hf}.q_proj.weight", "q"),
+            (a + ("k_proj", "kernel"), f"{hf}.k_proj.weight", "k"),
+            (a + ("v_proj", "kernel"), f"{hf}.v_proj.weight", "v"),
+            (a + ("out_proj", "kernel"), f"{hf}.o_proj.weight", "o"),
+        ]
         if diff:
-            rows += [(a + (n,), f"{hf}.{n}", "vector")
-                     for n in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")]
+            rows += [
+                (a + (n,), f"{hf}.{n}", "vector")
+                for n in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")
+            ]
             rows.append((a + ("subln", "scale"), None, "ones"))
         m, hm = ("layers", i, "ffn"), f"model.layers.{i}.mlp"
-        rows += [(m + ("w1", "kernel"), f"{hm}.gate_proj.weight", "linear"),
-                 (m + ("w3", "kernel"), f"{hm}.up_proj.weight", "linear"),
-                 (m + ("w2", "kernel"), f"{hm}.down_proj.weight", "linear"),
-                 (("layers", i, "attn_norm", "scale"), f"model.layers.{i}.input_layernorm.weight",
-                  "vector"),
-                 (("layers", i, "ffn_norm", "scale"),
-                  f"model.layers.{i}.post_attention_layernorm.weight", "vector")]
+        rows += [
+            (m + ("w1", "kernel"), f"{hm}.gate_proj.weight", "linear"),
+            (m + ("w3", "kernel"), f"{hm}.up_proj.weight", "linear"),
+            (m + ("w2", "kernel"), f"{hm}.down_proj.weight", "linear"),
+            (
+                ("layers", i, "attn_norm", "scale"),
+                f"model.layers.{i}.input_layernorm.weight",
+                "vector",
+            ),
+            (
+                ("layers", i, "ffn_norm", "scale"),
+                f"model.layers.{i}.post_attention_layernorm.weight",
+                "vector",
+            ),
+        ]
     rows.append((("norm", "scale"), "model.norm.weight", "vector"))
     if not config.tie_embeddings:
         rows.append((("lm_head", "kernel"), "lm_head.weight", "linear"))
@@ -305,11 +402,13 @@ def _permutation(config: ModelConfig, kind: str) -> np.ndarray | None:
     diff = config.attention == "diff_v1"
     d = config.resolved_head_dim
     if kind == "q":
-        return row_permutation(config.num_heads * (2 if diff else 1), d, pair_halves=diff,
-                               rotary=True)
+        return row_permutation(
+            config.num_heads * (2 if diff else 1), d, pair_halves=diff, rotary=True
+        )
     if kind == "k":
-        return row_permutation(config.kv_heads * (2 if diff else 1), d, pair_halves=diff,
-                               rotary=True)
+        return row_permutation(
+            config.kv_heads * (2 if diff else 1), d, pair_halves=diff, rotary=True
+        )
     if kind == "v" and diff:
         return row_permutation(2 * config.kv_heads, d, pair_halves=True, rotary=False)
     return None
@@ -329,8 +428,9 @@ def to_diffjax(config: ModelConfig, kind: str, weight: np.ndarray) -> np.ndarray
     return weight.T
 
 
-def from_diffjax(config: ModelConfig, kind: str, value: np.ndarray,
-                 subln: np.ndarray | None = None) -> np.ndarray:
+def from_diffjax(
+    config: ModelConfig, kind: str, value: np.ndarray, subln: np.ndarray | None = None
+) -> np.ndarray:
     """A diffjax parameter in the Hugging Face layout (the inverse of :func:`to_diffjax`);
     ``subln``: the layer's per-head norm weight, folded into ``o_proj``'s columns."""
     if kind == "vector":
@@ -342,7 +442,8 @@ def from_diffjax(config: ModelConfig, kind: str, value: np.ndarray,
     if kind == "o" and subln is not None:
         # out_proj(concat_i(n_i * w)) = (out_proj . diag(tile(w, h))) (concat_i n_i)
         weight = weight * np.tile(subln.astype(np.float32), config.num_heads)[None, :].astype(
-            np.float32)
+            np.float32
+        )
     return weight
 
 
@@ -363,24 +464,40 @@ class _Reader:
                 with open(index) as f:
                     weight_map = json.load(f)["weight_map"]
             except (OSError, ValueError, KeyError, TypeError) as e:
-                _fail(index, f"is not a safetensors index ({e!r})", "restore the checkpoint's index")
-            missing = sorted({v for v in weight_map.values()
-                              if not os.path.isfile(os.path.join(path, v))})
+                _fail(
+                    index, f"is not a safetensors index ({e!r})", "restore the checkpoint's index"
+                )
+            missing = sorted(
+                {v for v in weight_map.values() if not os.path.isfile(os.path.join(path, v))}
+            )
             if missing:
-                _fail(path, f"the index {INDEX_FILE} lists {', '.join(missing)}, which "
-                            f"{'is' if len(missing) == 1 else 'are'} missing",
-                      "copy every shard of the checkpoint into the directory")
+                _fail(
+                    path,
+                    f"the index {INDEX_FILE} lists {', '.join(missing)}, which "
+                    f"{'is' if len(missing) == 1 else 'are'} missing",
+                    "copy every shard of the checkpoint into the directory",
+                )
             self.where = {k: os.path.join(path, v) for k, v in weight_map.items()}
         elif os.path.isfile(single):
             handle = self._handle(single)
             self.where = {k: single for k in handle.keys()}
         else:
-            other = [f for f in ("pytorch_model.bin", "pytorch_model.bin.index.json",
-                                 "model.safetensors.index.json") if os.path.exists(os.path.join(path, f))]
-            _fail(path, f"holds no {WEIGHTS_FILE} or {INDEX_FILE}"
-                        + (f" (only {', '.join(other)})" if other else ""),
-                  "save the weights as safetensors (transformers: model.save_pretrained(path), "
-                  "the default) next to config.json")
+            other = [
+                f
+                for f in (
+                    "pytorch_model.bin",
+                    "pytorch_model.bin.index.json",
+                    "model.safetensors.index.json",
+                )
+                if os.path.exists(os.path.join(path, f))
+            ]
+            _fail(
+                path,
+                f"holds no {WEIGHTS_FILE} or {INDEX_FILE}"
+                + (f" (only {', '.join(other)})" if other else ""),
+                "save the weights as safetensors (transformers: model.save_pretrained(path), "
+                "the default) next to config.json",
+            )
 
     def _handle(self, file: str):
         if file not in self._files:
@@ -391,8 +508,9 @@ class _Reader:
         return self._handle(self.where[name]).get_tensor(name)
 
 
-def from_pretrained(path: str, *, mesh: jax.sharding.Mesh | None = None,
-                    rules: Any = None, **overrides: Any) -> TransformerLM:
+def from_pretrained(
+    path: str, *, mesh: jax.sharding.Mesh | None = None, rules: Any = None, **overrides: Any
+) -> TransformerLM:
     """The :class:`TransformerLM` of a Hugging Face checkpoint directory (``diffllama`` ->
     DIFF V1, ``llama`` -> standard attention), with the same logits.
 
@@ -417,16 +535,23 @@ def from_pretrained(path: str, *, mesh: jax.sharding.Mesh | None = None,
         needed = {name for name, _ in table.values() if name is not None}
         present = set(reader.where)
         missing = sorted(needed - present)
-        extra = sorted(n for n in present - needed
-                       if not n.endswith(_IGNORED_SUFFIXES)
-                       and not (config.tie_embeddings and n == "lm_head.weight"))
+        extra = sorted(
+            n
+            for n in present - needed
+            if not n.endswith(_IGNORED_SUFFIXES)
+            and not (config.tie_embeddings and n == "lm_head.weight")
+        )
         if missing or extra:
             parts = ([f"missing {_some(missing)}"] if missing else []) + (
-                [f"unexpected {_some(extra)}"] if extra else [])
-            _fail(path, f"the weights do not match its config.json ({'; '.join(parts)})",
-                  "use the weights written with this config.json (a checkpoint of "
-                  f"{ARCHITECTURES[_model_type(config)]})")
-        shardings = (sharding.tree_shardings(params, mesh, rules) if mesh is not None else None)
+                [f"unexpected {_some(extra)}"] if extra else []
+            )
+            _fail(
+                path,
+                f"the weights do not match its config.json ({'; '.join(parts)})",
+                "use the weights written with this config.json (a checkpoint of "
+                f"{ARCHITECTURES[_model_type(config)]})",
+            )
+        shardings = sharding.tree_shardings(params, mesh, rules) if mesh is not None else None
 
         def load(key_path, var, shard=None):
             key = tuple(getattr(k, "key", getattr(k, "idx", k)) for k in key_path)
@@ -439,8 +564,11 @@ def from_pretrained(path: str, *, mesh: jax.sharding.Mesh | None = None,
                 raw = reader.get(name)
                 expect = tuple(var.shape)[::-1] if kind != "vector" else tuple(var.shape)
                 if tuple(raw.shape) != expect:  # (the permutations keep shapes)
-                    _fail(path, f"tensor {name} has shape {tuple(raw.shape)}, the config needs "
-                                f"{expect}", "use the weights written with this config.json")
+                    _fail(
+                        path,
+                        f"tensor {name} has shape {tuple(raw.shape)}, the config needs {expect}",
+                        "use the weights written with this config.json",
+                    )
                 host = to_diffjax(config, kind, raw)
             host = np.asarray(host).astype(var.dtype)
             if shard is None:
@@ -454,8 +582,11 @@ def from_pretrained(path: str, *, mesh: jax.sharding.Mesh | None = None,
             params = jax.tree_util.tree_map_with_path(load, params, is_leaf=is_var)
         else:
             params = jax.tree_util.tree_map_with_path(
-                lambda p, v, s: load(p, v, s.get_value() if is_var(s) else s), params, shardings,
-                is_leaf=is_var)
+                lambda p, v, s: load(p, v, s.get_value() if is_var(s) else s),
+                params,
+                shardings,
+                is_leaf=is_var,
+            )
     rest = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), rest)
     return nnx.merge(graphdef, params, rest)
 
@@ -481,21 +612,27 @@ def _host(x: jax.Array) -> np.ndarray:
 def _parse_size(size: int | str) -> int:
     if isinstance(size, int) and not isinstance(size, bool):
         return size
-    units = {"KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "KIB": 2 ** 10, "MIB": 2 ** 20,
-             "GIB": 2 ** 30}
+    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
     text = str(size).strip().upper()
     for unit, mult in sorted(units.items(), key=lambda u: -len(u[0])):
         if text.endswith(unit):
             try:
-                return int(float(text[:-len(unit)]) * mult)
+                return int(float(text[: -len(unit)]) * mult)
             except ValueError:
                 break
-    raise PretrainedError(f"save_pretrained: max_shard_size {size!r} is not a size. Fix: give "
-                          f"bytes (an int) or a string such as '5GB' or '500MB'.")
+    raise PretrainedError(
+        f"save_pretrained: max_shard_size {size!r} is not a size. Fix: give "
+        f"bytes (an int) or a string such as '5GB' or '500MB'."
+    )
 
 
-def save_pretrained(model: TransformerLM, path: str, *, max_shard_size: int | str = "5GB",
-                    tokenizer_from: str | None = None) -> str:
+def save_pretrained(
+    model: TransformerLM,
+    path: str,
+    *,
+    max_shard_size: int | str = "5GB",
+    tokenizer_from: str | None = None,
+) -> str:
     """Write ``model`` as a Hugging Face checkpoint directory: DIFF V1 as ``diffllama``
     (``DiffLlamaForCausalLM``), standard attention as ``llama`` (``LlamaForCausalLM``), so
     ``transformers.AutoModelForCausalLM.from_pretrained(path)`` gives the same logits.
@@ -511,26 +648,41 @@ def save_pretrained(model: TransformerLM, path: str, *, max_shard_size: int | st
     from safetensors.numpy import save_file
 
     if not isinstance(model, TransformerLM):
-        raise TypeError(f"save_pretrained takes a diffjax.TransformerLM, got {type(model).__name__}")
+        raise TypeError(
+            f"save_pretrained takes a diffjax.TransformerLM, got {type(model).__name__}"
+        )
     config = model.config
     hf = hf_config(config)
     path = os.fspath(path)
     limit = _parse_size(max_shard_size)
     if os.path.isfile(path):
         _fail(path, "is a file", "pass a directory (new or empty) to write the checkpoint into")
-    taken = [f for f in (CONFIG_FILE, WEIGHTS_FILE, INDEX_FILE) if os.path.exists(os.path.join(path, f))]
+    taken = [
+        f for f in (CONFIG_FILE, WEIGHTS_FILE, INDEX_FILE) if os.path.exists(os.path.join(path, f))
+    ]
     if os.path.isdir(path):
-        taken += sorted(f for f in os.listdir(path) if f.endswith(".safetensors") and f not in taken)
+        taken += sorted(
+            f for f in os.listdir(path) if f.endswith(".safetensors") and f not in taken
+        )
     if taken:
-        _fail(path, f"already holds a checkpoint ({', '.join(taken)}); nothing is overwritten",
-              "pass a new directory, or move the old checkpoint away first")
+        _fail(
+            path,
+            f"already holds a checkpoint ({', '.join(taken)}); nothing is overwritten",
+            "pass a new directory, or move the old checkpoint away first",
+        )
     tok_files = []
     if tokenizer_from is not None:
-        tok_files = [os.path.join(tokenizer_from, f) for f in TOKENIZER_FILES
-                     if os.path.isfile(os.path.join(tokenizer_from, f))]
+        tok_files = [
+            os.path.join(tokenizer_from, f)
+            for f in TOKENIZER_FILES
+            if os.path.isfile(os.path.join(tokenizer_from, f))
+        ]
         if not tok_files:
-            _fail(os.fspath(tokenizer_from), f"holds none of {', '.join(TOKENIZER_FILES)}",
-                  "pass the directory holding the tokenizer files, or leave tokenizer_from out")
+            _fail(
+                os.fspath(tokenizer_from),
+                f"holds none of {', '.join(TOKENIZER_FILES)}",
+                "pass the directory holding the tokenizer files, or leave tokenizer_from out",
+            )
 
     state = nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
@@ -566,15 +718,20 @@ def save_pretrained(model: TransformerLM, path: str, *, max_shard_size: int | st
         size += arr.nbytes
     os.makedirs(path, exist_ok=True)
     n = len(shards)
-    names = ([WEIGHTS_FILE] if n == 1 else
-             [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)])
+    names = (
+        [WEIGHTS_FILE]
+        if n == 1
+        else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    )
     for file, shard in zip(names, shards):
         tmp = os.path.join(path, file + ".tmp")
         save_file(dict(shard), tmp, metadata={"format": "pt"})
         os.replace(tmp, os.path.join(path, file))
     if n > 1:
-        index = {"metadata": {"total_size": sum(a.nbytes for _, a in tensors)},
-                 "weight_map": {name: file for file, shard in zip(names, shards) for name, _ in shard}}
+        index = {
+            "metadata": {"total_size": sum(a.nbytes for _, a in tensors)},
+            "weight_map": {name: file for file, shard in zip(names, shards) for name, _ in shard},
+        }
         _write_json(os.path.join(path, INDEX_FILE), index)
     for f in tok_files:
         if not os.path.exists(os.path.join(path, os.path.basename(f))):
@@ -591,7 +748,20 @@ def _write_json(file: str, obj: Any) -> None:
     os.replace(tmp, file)
 
 
-__all__ = ["ARCHITECTURES", "MODEL_TYPES", "OVERRIDABLE", "PretrainedError", "check_exportable",
-           "config_from_hf", "config_from_pretrained", "from_diffjax", "from_pretrained",
-           "hf_config", "read_config", "row_permutation", "save_pretrained", "to_diffjax",
-           "weight_table"]
+__all__ = [
+    "ARCHITECTURES",
+    "MODEL_TYPES",
+    "OVERRIDABLE",
+    "PretrainedError",
+    "check_exportable",
+    "config_from_hf",
+    "config_from_pretrained",
+    "from_diffjax",
+    "from_pretrained",
+    "hf_config",
+    "read_config",
+    "row_permutation",
+    "save_pretrained",
+    "to_diffjax",
+    "weight_table",
+]

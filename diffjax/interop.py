@@ -32,8 +32,10 @@ def _param_table(module: nnx.Module) -> dict[str, tuple[nnx.Param, bool]]:
         names = ("q_proj", "k_proj", "v_proj", "o_proj", "lambda_proj")
         return {f"{n}.weight": (getattr(module, n).kernel, True) for n in names}
     if isinstance(module, (MultiheadAttention, MultiheadDiffAttn)):
-        table = {f"{n}.weight": (getattr(module, n).kernel, True)
-                 for n in ("q_proj", "k_proj", "v_proj", "out_proj")}
+        table = {
+            f"{n}.weight": (getattr(module, n).kernel, True)
+            for n in ("q_proj", "k_proj", "v_proj", "out_proj")
+        }
         if isinstance(module, MultiheadDiffAttn):
             for n in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
                 table[n] = (getattr(module, n), False)
@@ -42,7 +44,8 @@ def _param_table(module: nnx.Module) -> dict[str, tuple[nnx.Param, bool]]:
         return table
     raise TypeError(
         f"load_unilm_state_dict: expected a MultiheadAttention, MultiheadDiffAttn or "
-        f"MultiheadDiffAttnV2, got {type(module).__name__}")
+        f"MultiheadDiffAttnV2, got {type(module).__name__}"
+    )
 
 
 def _to_numpy(value: Any) -> np.ndarray:
@@ -54,8 +57,9 @@ def _to_numpy(value: Any) -> np.ndarray:
     return np.asarray(value)
 
 
-def load_unilm_state_dict(module: nnx.Module, state_dict: Mapping[str, Any], *,
-                          prefix: str = "", strict: bool = True) -> nnx.Module:
+def load_unilm_state_dict(
+    module: nnx.Module, state_dict: Mapping[str, Any], *, prefix: str = "", strict: bool = True
+) -> nnx.Module:
     """Load official-layout weights into ``module`` in place (and return it).
 
     ``state_dict``: official name -> numpy array (or torch tensor), torch layout. ``prefix`` is
@@ -64,7 +68,7 @@ def load_unilm_state_dict(module: nnx.Module, state_dict: Mapping[str, Any], *,
     always an error. Nothing is written unless every check passes.
     """
     table = _param_table(module)
-    given = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
+    given = {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
     if isinstance(module, MultiheadAttention) and "o_proj.weight" in given:
         table["o_proj.weight"] = table.pop("out_proj.weight")  # the V2 file's baseline naming
     missing = sorted(set(table) - set(given))
@@ -75,7 +79,8 @@ def load_unilm_state_dict(module: nnx.Module, state_dict: Mapping[str, Any], *,
             + (f"missing {missing}" if missing else "")
             + ("; " if missing and unexpected else "")
             + (f"unexpected {unexpected}" if unexpected else "")
-            + ". Fix: pass the state dict of the matching official module (or strict=False).")
+            + ". Fix: pass the state dict of the matching official module (or strict=False)."
+        )
     updates = []
     for name, (param, transpose) in table.items():
         if name not in given:
@@ -83,14 +88,18 @@ def load_unilm_state_dict(module: nnx.Module, state_dict: Mapping[str, Any], *,
         array = _to_numpy(given[name])
         if transpose:
             if array.ndim != 2:
-                raise ValueError(f"{name}: expected a 2-D [out, in] weight, got shape {array.shape}")
+                raise ValueError(
+                    f"{name}: expected a 2-D [out, in] weight, got shape {array.shape}"
+                )
             array = array.T
         target = param[...]
         if array.shape != target.shape:
             expect = target.shape[::-1] if transpose else target.shape
-            raise ValueError(f"{name}: shape {array.shape[::-1] if transpose else array.shape} does "
-                             f"not match the module's {expect} (torch layout). Fix: build the module "
-                             f"with the official module's embed_dim/num_heads/num_kv_heads.")
+            raise ValueError(
+                f"{name}: shape {array.shape[::-1] if transpose else array.shape} does "
+                f"not match the module's {expect} (torch layout). Fix: build the module "
+                f"with the official module's embed_dim/num_heads/num_kv_heads."
+            )
         updates.append((param, jnp.asarray(array, dtype=target.dtype)))
     for param, value in updates:
         param[...] = value

@@ -119,8 +119,9 @@ def scale_inv_freq(inv_freq: jax.Array, scaling: RopeScaling | None) -> jax.Arra
     return jnp.where(medium, smoothed, scaled).astype(jnp.float32)
 
 
-def rotary_angles(positions: jax.Array, dim: int, theta: float = 10000.0,
-                  scaling: RopeScaling | None = None) -> tuple[jax.Array, jax.Array]:
+def rotary_angles(
+    positions: jax.Array, dim: int, theta: float = 10000.0, scaling: RopeScaling | None = None
+) -> tuple[jax.Array, jax.Array]:
     """cos and sin of ``positions * theta^(-2j/dim)``, j < dim/2: shape ``positions.shape + (dim/2,)``
     (the frequencies rescaled by ``scaling`` when given).
 
@@ -167,16 +168,25 @@ def default_positions(x: jax.Array, positions: jax.Array | None) -> jax.Array:
 class SwiGLU(nnx.Module):
     """LLaMA feed-forward: ``w2(silu(w1 x) * w3 x)``, bias-free."""
 
-    def __init__(self, d_model: int, hidden_dim: int, *, dtype: Dtype = jnp.float32,
-                 param_dtype: Dtype = jnp.float32, kernel_init=torch_linear_init,
-                 rngs: nnx.Rngs):
-        kw = dict(use_bias=False, dtype=as_dtype(dtype), param_dtype=as_dtype(param_dtype),
-                  rngs=rngs)
+    def __init__(
+        self,
+        d_model: int,
+        hidden_dim: int,
+        *,
+        dtype: Dtype = jnp.float32,
+        param_dtype: Dtype = jnp.float32,
+        kernel_init=torch_linear_init,
+        rngs: nnx.Rngs,
+    ):
+        kw = dict(
+            use_bias=False, dtype=as_dtype(dtype), param_dtype=as_dtype(param_dtype), rngs=rngs
+        )
         up = param_init(kernel_init, "embed", "mlp")
         self.w1 = Linear(d_model, hidden_dim, kernel_init=up, **kw)  # gate
         self.w3 = Linear(d_model, hidden_dim, kernel_init=up, **kw)  # up
-        self.w2 = Linear(hidden_dim, d_model, kernel_init=param_init(kernel_init, "mlp", "embed"),
-                             **kw)  # down
+        self.w2 = Linear(
+            hidden_dim, d_model, kernel_init=param_init(kernel_init, "mlp", "embed"), **kw
+        )  # down
 
     def __call__(self, x: jax.Array) -> jax.Array:
         h = constrain(jax.nn.silu(self.w1(x)) * self.w3(x), "act_batch", "act_seq", "act_mlp")

@@ -16,20 +16,39 @@ _ACT = ("act_batch", "act_seq", "act_embed")
 
 def make_attention(config: ModelConfig, depth: int, *, rngs: nnx.Rngs) -> nnx.Module:
     """The attention layer of block ``depth`` for ``config.attention``."""
-    common = dict(rope_theta=config.rope_theta, rope_scaling=config.rope_scaling_spec,
-                  attention_impl=config.attention_impl,
-                  dtype=as_dtype(config.dtype), param_dtype=as_dtype(config.param_dtype),
-                  kernel_init=nnx.initializers.normal(config.init_std), rngs=rngs)
+    common = dict(
+        rope_theta=config.rope_theta,
+        rope_scaling=config.rope_scaling_spec,
+        attention_impl=config.attention_impl,
+        dtype=as_dtype(config.dtype),
+        param_dtype=as_dtype(config.param_dtype),
+        kernel_init=nnx.initializers.normal(config.init_std),
+        rngs=rngs,
+    )
     if config.attention == "standard":
-        return MultiheadAttention(config.d_model, depth, config.num_heads, config.kv_heads,
-                                  head_dim=config.resolved_head_dim, **common)
+        return MultiheadAttention(
+            config.d_model,
+            depth,
+            config.num_heads,
+            config.kv_heads,
+            head_dim=config.resolved_head_dim,
+            **common,
+        )
     if config.attention == "diff_v1":
-        return MultiheadDiffAttn(config.d_model, depth, config.num_heads, config.kv_heads,
-                                 lambda_init=config.lambda_init, norm=config.diff_norm,
-                                 norm_eps=config.diff_norm_eps, **common)
+        return MultiheadDiffAttn(
+            config.d_model,
+            depth,
+            config.num_heads,
+            config.kv_heads,
+            lambda_init=config.lambda_init,
+            norm=config.diff_norm,
+            norm_eps=config.diff_norm_eps,
+            **common,
+        )
     if config.attention == "diff_v2":
-        return MultiheadDiffAttnV2(config.d_model, config.num_heads, config.kv_heads,
-                                   config.resolved_head_dim, **common)
+        return MultiheadDiffAttnV2(
+            config.d_model, config.num_heads, config.kv_heads, config.resolved_head_dim, **common
+        )
     raise AssertionError(config.attention)  # unreachable: ModelConfig validates the kind
 
 
@@ -41,9 +60,14 @@ class Block(nnx.Module):
         self.attn_norm = RMSNorm(config.d_model, eps=config.norm_eps, param_dtype=pdt)
         self.attn = make_attention(config, depth, rngs=rngs)
         self.ffn_norm = RMSNorm(config.d_model, eps=config.norm_eps, param_dtype=pdt)
-        self.ffn = SwiGLU(config.d_model, config.resolved_ffn_dim, dtype=as_dtype(config.dtype),
-                          param_dtype=pdt, kernel_init=nnx.initializers.normal(config.init_std),
-                          rngs=rngs)
+        self.ffn = SwiGLU(
+            config.d_model,
+            config.resolved_ffn_dim,
+            dtype=as_dtype(config.dtype),
+            param_dtype=pdt,
+            kernel_init=nnx.initializers.normal(config.init_std),
+            rngs=rngs,
+        )
 
     def __call__(self, x, positions=None, segment_ids=None):
         x = constrain(x + self.attn(self.attn_norm(x), positions, segment_ids), *_ACT)
@@ -69,28 +93,53 @@ class TransformerLM(nnx.Module):
         self.config = config
         dt, pdt = as_dtype(config.dtype), as_dtype(config.param_dtype)
         init = nnx.initializers.normal(config.init_std)
-        self.embed = nnx.Embed(config.vocab_size, config.d_model, dtype=dt, param_dtype=pdt,
-                               embedding_init=param_init(init, "vocab", "embed"), rngs=rngs)
+        self.embed = nnx.Embed(
+            config.vocab_size,
+            config.d_model,
+            dtype=dt,
+            param_dtype=pdt,
+            embedding_init=param_init(init, "vocab", "embed"),
+            rngs=rngs,
+        )
         self.layers = nnx.List([Block(config, i, rngs=rngs) for i in range(config.num_layers)])
         self.norm = RMSNorm(config.d_model, eps=config.norm_eps, param_dtype=pdt)
-        self.lm_head = (None if config.tie_embeddings else
-                        Linear(config.d_model, config.vocab_size, use_bias=False, dtype=dt,
-                               param_dtype=pdt, kernel_init=param_init(init, "embed", "vocab"),
-                               rngs=rngs))
+        self.lm_head = (
+            None
+            if config.tie_embeddings
+            else Linear(
+                config.d_model,
+                config.vocab_size,
+                use_bias=False,
+                dtype=dt,
+                param_dtype=pdt,
+                kernel_init=param_init(init, "embed", "vocab"),
+                rngs=rngs,
+            )
+        )
 
-    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
-                 segment_ids: jax.Array | None = None) -> jax.Array:
+    def __call__(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+    ) -> jax.Array:
         cfg = self.config
         if tokens.ndim != 2:
-            raise ValueError(f"TransformerLM expects tokens of shape [batch, seq], got {tokens.shape}")
+            raise ValueError(
+                f"TransformerLM expects tokens of shape [batch, seq], got {tokens.shape}"
+            )
         if not jnp.issubdtype(tokens.dtype, jnp.integer):
             raise ValueError(f"TransformerLM expects integer tokens, got dtype {tokens.dtype}")
         if tokens.shape[1] > cfg.max_seq_len:
-            raise ValueError(f"sequence length {tokens.shape[1]} exceeds ModelConfig.max_seq_len="
-                             f"{cfg.max_seq_len}; raise max_seq_len or shorten the input")
+            raise ValueError(
+                f"sequence length {tokens.shape[1]} exceeds ModelConfig.max_seq_len="
+                f"{cfg.max_seq_len}; raise max_seq_len or shorten the input"
+            )
         for name, arr in (("positions", positions), ("segment_ids", segment_ids)):
             if arr is not None and arr.shape != tokens.shape:
-                raise ValueError(f"{name} must have the shape of tokens {tokens.shape}, got {arr.shape}")
+                raise ValueError(
+                    f"{name} must have the shape of tokens {tokens.shape}, got {arr.shape}"
+                )
         x = constrain(self._embed(tokens), *_ACT)
         for block in self.layers:
             x = block(x, positions, segment_ids)
@@ -138,5 +187,8 @@ def sown_lambdas(intermediates: nnx.State) -> list[jax.Array]:
         lambdas = sown_lambdas(intermediates)
     """
     layers = nnx.to_pure_dict(intermediates).get("layers", {})
-    return [layers[i]["attn"]["lambda"][0] for i in sorted(layers)
-            if "lambda" in layers[i].get("attn", {})]
+    return [
+        layers[i]["attn"]["lambda"][0]
+        for i in sorted(layers)
+        if "lambda" in layers[i].get("attn", {})
+    ]

@@ -11,8 +11,18 @@ from flax import nnx
 from .config import ModelConfig, twin
 
 # Parts, in report order, keyed by the last path components that identify them.
-PARTS = ("embedding", "attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.out_proj",
-         "attn.lambda", "attn.subln", "ffn", "norms", "lm_head")
+PARTS = (
+    "embedding",
+    "attn.q_proj",
+    "attn.k_proj",
+    "attn.v_proj",
+    "attn.out_proj",
+    "attn.lambda",
+    "attn.subln",
+    "ffn",
+    "norms",
+    "lm_head",
+)
 
 
 def _part(path: tuple) -> str:
@@ -66,11 +76,12 @@ def compare_params(config: ModelConfig) -> str:
     """A Markdown table: each part's count for the DIFF config, its twin, and the difference."""
     other = twin(config)
     a, b = count_params(config), count_params(other)
-    rows = [f"| part | {config.attention} | standard twin | difference |",
-            "|---|---:|---:|---:|"]
+    rows = [f"| part | {config.attention} | standard twin | difference |", "|---|---:|---:|---:|"]
     for part in PARTS:
         if a.parts[part] or b.parts[part]:
-            rows.append(f"| {part} | {a.parts[part]:,} | {b.parts[part]:,} | "
-                        f"{a.parts[part] - b.parts[part]:+,} |")
+            rows.append(
+                f"| {part} | {a.parts[part]:,} | {b.parts[part]:,} | "
+                f"{a.parts[part] - b.parts[part]:+,} |"
+            )
     rows.append(f"| **total** | **{a.total:,}** | **{b.total:,}** | **{a.total - b.total:+,}** |")
     return "\n".join(rows)

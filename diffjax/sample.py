@@ -62,8 +62,9 @@ def find_models(run_dir: str) -> list[tuple[str, str | None, int | None]]:
     return sorted(found, key=lambda f: (f[1] or "", -1 if f[2] is None else f[2]))
 
 
-def choose_model(run_dir: str, label: str | None = None, seed: int | None = None
-                 ) -> tuple[str, str]:
+def choose_model(
+    run_dir: str, label: str | None = None, seed: int | None = None
+) -> tuple[str, str]:
     """``(model folder, a sentence saying which and what else there is)``; the DIFF model of
     the first seed by default."""
     models = find_models(run_dir)
@@ -71,7 +72,8 @@ def choose_model(run_dir: str, label: str | None = None, seed: int | None = None
         raise ModelChoiceError(
             f"no model under {run_dir}: no folder holding checkpoints/ (looked for "
             f"RUN_DIR/<label>/checkpoints and RUN_DIR/<label>/seed_<s>/checkpoints). Fix: pass a "
-            f"run folder written by train.py, after it saved a checkpoint.")
+            f"run folder written by train.py, after it saved a checkpoint."
+        )
     if len(models) == 1 and models[0][1] is None:
         if label is not None or seed is not None:
             raise ModelChoiceError(f"{run_dir} is one model's folder; drop --model/--seed")
@@ -85,7 +87,8 @@ def choose_model(run_dir: str, label: str | None = None, seed: int | None = None
         seed_fix = f" and --seed in {seeds}" if seeds else " (this run has no seed_* folders)"
         raise ModelChoiceError(
             f"no model with label {label!r}{'' if seed is None else f' and seed {seed}'} under "
-            f"{run_dir}. Fix: use --model in {labels}{seed_fix}")
+            f"{run_dir}. Fix: use --model in {labels}{seed_fix}"
+        )
     path = picked[0][0]
     others = [os.path.relpath(m[0], run_dir) for m in models if m[0] != path]
     note = f"model: {path}"
@@ -94,8 +97,16 @@ def choose_model(run_dir: str, label: str | None = None, seed: int | None = None
     return path, note
 
 
-def sample(model, prompts: Sequence[str], max_new_tokens: int, *, tokenizer: Any = None,
-           temperature: float = 0.0, top_k: int | None = None, rng=None) -> list[str]:
+def sample(
+    model,
+    prompts: Sequence[str],
+    max_new_tokens: int,
+    *,
+    tokenizer: Any = None,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    rng=None,
+) -> list[str]:
     """The generated continuation (text after the prompt) of each prompt, stopped at the
     tokenizer's ``eos_id`` when it has one. ``tokenizer``: anything with ``encode(str) -> ids``
     and ``decode(ids) -> str`` (default the byte tokenizer)."""
@@ -104,44 +115,69 @@ def sample(model, prompts: Sequence[str], max_new_tokens: int, *, tokenizer: Any
     tokenizer = ByteTokenizer() if tokenizer is None else tokenizer
     vocab = getattr(tokenizer, "vocab_size", None)
     if vocab is not None and vocab > model.config.vocab_size:
-        raise ValueError(f"the tokenizer has {vocab} tokens but the model's vocabulary is "
-                         f"{model.config.vocab_size}. Fix: use the tokenizer the model was "
-                         f"trained with.")
+        raise ValueError(
+            f"the tokenizer has {vocab} tokens but the model's vocabulary is "
+            f"{model.config.vocab_size}. Fix: use the tokenizer the model was "
+            f"trained with."
+        )
     encoded = [np.asarray(tokenizer.encode(p)) for p in prompts]
     if any(e.size == 0 for e in encoded):
-        raise ValueError("every prompt needs at least one token; got an empty prompt. Fix: pass "
-                         "some text with --prompt.")
+        raise ValueError(
+            "every prompt needs at least one token; got an empty prompt. Fix: pass "
+            "some text with --prompt."
+        )
     tokens, lengths = pad_prompts(encoded)
     eos = getattr(tokenizer, "eos_id", None)
-    out = np.asarray(generate(model, tokens, max_new_tokens, temperature=temperature,
-                              top_k=top_k, rng=rng, prompt_lengths=lengths, eos_id=eos))
+    out = np.asarray(
+        generate(
+            model,
+            tokens,
+            max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            rng=rng,
+            prompt_lengths=lengths,
+            eos_id=eos,
+        )
+    )
     texts = []
-    for row in out[:, tokens.shape[1]:]:
+    for row in out[:, tokens.shape[1] :]:
         if eos is not None and (hits := np.flatnonzero(row == eos)).size:
-            row = row[:hits[0]]
+            row = row[: hits[0]]
         texts.append(tokenizer.decode(row))
     return texts
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m diffjax.sample",
-                                description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("\n\n", 1)[1])
+    p = argparse.ArgumentParser(
+        prog="python -m diffjax.sample",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
     p.add_argument("run_dir", help="a run folder written by train.py, or one model's folder")
-    p.add_argument("--prompt", action="append", required=True,
-                   help="text to continue (repeat for a batch)")
+    p.add_argument(
+        "--prompt", action="append", required=True, help="text to continue (repeat for a batch)"
+    )
     p.add_argument("--max_new_tokens", "--max-new-tokens", type=int, default=200)
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
     p.add_argument("--top_k", "--top-k", type=int, default=None)
-    p.add_argument("--sample_seed", "--sample-seed", type=int, default=0,
-                   help="the sampling seed (with --temperature > 0)")
+    p.add_argument(
+        "--sample_seed",
+        "--sample-seed",
+        type=int,
+        default=0,
+        help="the sampling seed (with --temperature > 0)",
+    )
     p.add_argument("--model", default=None, help="the model's label (e.g. diff, standard)")
     p.add_argument("--seed", type=int, default=None, help="the training seed (seed_<S> folder)")
     p.add_argument("--step", default="best", help="best (default), latest, or a step number")
-    p.add_argument("--tokenizer", default=None,
-                   help="byte, or a tokenizer.json (or a directory holding one); default: found "
-                        "beside the checkpoint or in the run's config, else byte")
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="byte, or a tokenizer.json (or a directory holding one); default: found "
+        "beside the checkpoint or in the run's config, else byte",
+    )
     return p
 
 
@@ -164,7 +200,11 @@ def find_tokenizer(run_dir: str, model_dir: str) -> str | None:
     for folder in (model_dir, run_dir):
         if is_hf_checkpoint(folder) and os.path.isfile(os.path.join(folder, "tokenizer.json")):
             return folder
-    for folder in (run_dir, os.path.dirname(model_dir), os.path.dirname(os.path.dirname(model_dir))):
+    for folder in (
+        run_dir,
+        os.path.dirname(model_dir),
+        os.path.dirname(os.path.dirname(model_dir)),
+    ):
         file = os.path.join(folder, "config.json")
         if os.path.isfile(file) and not is_hf_checkpoint(folder):
             try:
@@ -186,8 +226,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             step = int(step)
         except ValueError:
-            print(f"error: --step must be best, latest or a step number, got {step!r}",
-                  file=sys.stderr)
+            print(
+                f"error: --step must be best, latest or a step number, got {step!r}",
+                file=sys.stderr,
+            )
             return 2
     try:
         if is_hf_checkpoint(args.run_dir):
@@ -198,23 +240,38 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             path, note = choose_model(args.run_dir, args.model, args.seed)
             model = load_model(path, step)
-        tokenizer = load_tokenizer(args.tokenizer if args.tokenizer is not None
-                                   else find_tokenizer(os.path.abspath(args.run_dir), path))
+        tokenizer = load_tokenizer(
+            args.tokenizer
+            if args.tokenizer is not None
+            else find_tokenizer(os.path.abspath(args.run_dir), path)
+        )
     except (ModelChoiceError, CheckpointError, ConfigError, DataError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     cfg = model.config
-    print(f"{note}\n{cfg.attention}, {cfg.num_layers} layers, d_model {cfg.d_model}, "
-          f"checkpoint {args.step}, tokenizer {type(tokenizer).__name__}", file=sys.stderr)
+    print(
+        f"{note}\n{cfg.attention}, {cfg.num_layers} layers, d_model {cfg.d_model}, "
+        f"checkpoint {args.step}, tokenizer {type(tokenizer).__name__}",
+        file=sys.stderr,
+    )
     if tokenizer.vocab_size > cfg.vocab_size:
-        print(f"error: this model's vocabulary has {cfg.vocab_size} tokens, the tokenizer "
-              f"{tokenizer.vocab_size}: it was trained on other token ids. Fix: pass the "
-              f"tokenizer it was trained with (--tokenizer).", file=sys.stderr)
+        print(
+            f"error: this model's vocabulary has {cfg.vocab_size} tokens, the tokenizer "
+            f"{tokenizer.vocab_size}: it was trained on other token ids. Fix: pass the "
+            f"tokenizer it was trained with (--tokenizer).",
+            file=sys.stderr,
+        )
         return 2
     try:
-        texts = sample(model, args.prompt, args.max_new_tokens, tokenizer=tokenizer,
-                       temperature=args.temperature,
-                       top_k=args.top_k, rng=jax.random.key(args.sample_seed))
+        texts = sample(
+            model,
+            args.prompt,
+            args.max_new_tokens,
+            tokenizer=tokenizer,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            rng=jax.random.key(args.sample_seed),
+        )
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

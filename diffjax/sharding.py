@@ -89,13 +89,17 @@ class MeshConfig:
             if name == "data" and v is None:
                 continue
             if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or (v < 1 and v != -1):
-                raise ConfigError(f"MeshConfig.{name}: must be a positive integer or -1 (fill), "
-                                  f"got {v!r}. Fix: set mesh.{name} to e.g. 1, 2, 8 or -1.")
+                raise ConfigError(
+                    f"MeshConfig.{name}: must be a positive integer or -1 (fill), "
+                    f"got {v!r}. Fix: set mesh.{name} to e.g. 1, 2, 8 or -1."
+                )
         fills = [n for n in MESH_AXES if getattr(self, n) == -1]
         if len(fills) > 1:
-            raise ConfigError(f"MeshConfig: {' and '.join('mesh.' + n for n in fills)} are both -1; "
-                              f"at most one axis can take the remaining devices. Fix: give all but "
-                              f"one of them a size.")
+            raise ConfigError(
+                f"MeshConfig: {' and '.join('mesh.' + n for n in fills)} are both -1; "
+                f"at most one axis can take the remaining devices. Fix: give all but "
+                f"one of them a size."
+            )
 
     @property
     def sizes(self) -> tuple[int, int, int]:
@@ -114,29 +118,33 @@ class MeshConfig:
                 raise ConfigError(
                     f"MeshConfig: the fixed axes ({self._fmt()}) take {fixed} devices, which does "
                     f"not divide the {num_devices} devices available. Fix: choose sizes whose "
-                    f"product divides {num_devices}.")
+                    f"product divides {num_devices}."
+                )
             sizes[sizes.index(-1)] = num_devices // fixed
         elif fixed != num_devices:
             raise ConfigError(
                 f"MeshConfig: data x fsdp x tensor = {fixed} ({self._fmt()}), but {num_devices} "
                 f"devices are available. Fix: make the product {num_devices}, or set one axis to "
-                f"-1 to take the rest (e.g. mesh.data=-1).")
+                f"-1 to take the rest (e.g. mesh.data=-1)."
+            )
         return tuple(sizes)  # type: ignore[return-value]
 
     def _fmt(self) -> str:
         return ", ".join(f"{n}={v}" for n, v in zip(MESH_AXES, self.sizes))
 
 
-def make_mesh(config: MeshConfig | None = None, devices: Sequence[Any] | None = None
-              ) -> jax.sharding.Mesh:
+def make_mesh(
+    config: MeshConfig | None = None, devices: Sequence[Any] | None = None
+) -> jax.sharding.Mesh:
     """A ``("data", "fsdp", "tensor")`` mesh with Auto axes (GSPMD style) over ``devices``
     (default: every device of every process), in the order ``jax.make_mesh`` picks (it keeps
     ``tensor`` within a host and ``data`` across hosts where the topology allows)."""
     config = config or MeshConfig()
     devices = list(jax.devices() if devices is None else devices)
     shape = config.shape(len(devices))
-    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES),
-                         devices=devices)
+    return jax.make_mesh(
+        shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices
+    )
 
 
 # ---------------------------------------------------------------------------- annotations
@@ -177,8 +185,12 @@ def _mesh_sizes(mesh) -> dict[str, int]:
     return dict(zip(mesh.axis_names, mesh.axis_sizes))
 
 
-def logical_to_spec(names: Sequence[str | None], shape: Sequence[int] | None, mesh,
-                    rules: Sequence[tuple[str, Any]] | None = None) -> PartitionSpec:
+def logical_to_spec(
+    names: Sequence[str | None],
+    shape: Sequence[int] | None,
+    mesh,
+    rules: Sequence[tuple[str, Any]] | None = None,
+) -> PartitionSpec:
     """The ``PartitionSpec`` of an array with logical axis ``names`` on ``mesh``.
 
     Flax's ``logical_to_mesh_axes`` maps the names through ``rules`` (in order; a mesh axis is
@@ -190,8 +202,10 @@ def logical_to_spec(names: Sequence[str | None], shape: Sequence[int] | None, me
     known = {name for name, _ in rules}
     for name in names:
         if name is not None and name not in known:
-            raise ValueError(f"logical axis {name!r} has no rule. Fix: add ({name!r}, mesh axis or "
-                             f"None) to the logical axis rules (see diffjax.sharding.DEFAULT_RULES)")
+            raise ValueError(
+                f"logical axis {name!r} has no rule. Fix: add ({name!r}, mesh axis or "
+                f"None) to the logical axis rules (see diffjax.sharding.DEFAULT_RULES)"
+            )
     sizes = _mesh_sizes(mesh)
     # a name repeated in one array is mapped at its first place only (flax refuses repeats)
     unique = tuple(n if n not in names[:i] else None for i, n in enumerate(names))
@@ -199,8 +213,9 @@ def logical_to_spec(names: Sequence[str | None], shape: Sequence[int] | None, me
     for i, target in enumerate(flax_spmd.logical_to_mesh_axes(unique, rules)):
         kept: list[str] = []
         for ax in (target,) if isinstance(target, str) else tuple(target or ()):
-            if ax not in sizes or (shape is not None
-                                   and shape[i] % (math.prod(sizes[a] for a in kept) * sizes[ax])):
+            if ax not in sizes or (
+                shape is not None and shape[i] % (math.prod(sizes[a] for a in kept) * sizes[ax])
+            ):
                 break
             kept.append(ax)
         spec.append(None if not kept else kept[0] if len(kept) == 1 else tuple(kept))
@@ -216,8 +231,10 @@ def _leaf_spec(x, mesh, rules) -> PartitionSpec:
     if names is None or shape is None:
         return PartitionSpec()
     if len(names) != len(shape):
-        raise ValueError(f"a parameter of shape {tuple(shape)} is annotated with {len(names)} "
-                         f"logical axes {names}; give one name per dimension")
+        raise ValueError(
+            f"a parameter of shape {tuple(shape)} is annotated with {len(names)} "
+            f"logical axes {names}; give one name per dimension"
+        )
     return logical_to_spec(names, shape, mesh, rules)
 
 
@@ -228,6 +245,7 @@ def _is_var(x) -> bool:
 def _map_vars(fn, tree):
     """``fn`` on every leaf, a ``nnx.Variable`` counted as one leaf and kept as a Variable
     around the result (so the output has ``tree``'s structure, as ``jit`` and Orbax want)."""
+
     def one(x):
         out = fn(x)
         return x.replace(out) if isinstance(x, nnx.Variable) else out
@@ -268,8 +286,9 @@ def constrain(x: jax.Array, *names: str | None) -> jax.Array:
 # ---------------------------------------------------------------------------- batches
 def batch_sharding(mesh, ndim: int = 2, rules=None) -> NamedSharding:
     """Batch arrays ``[B, T, ...]``: rows over the batch axes, the rest replicated."""
-    return NamedSharding(mesh, logical_to_spec(("batch",) + (None,) * (ndim - 1), None, mesh,
-                                               rules))
+    return NamedSharding(
+        mesh, logical_to_spec(("batch",) + (None,) * (ndim - 1), None, mesh, rules)
+    )
 
 
 def process_batch_share(mesh, global_batch: int, rules=None) -> tuple[int, int]:
@@ -277,20 +296,31 @@ def process_batch_share(mesh, global_batch: int, rules=None) -> tuple[int, int]:
     every global batch, ``b = global_batch / shares``. Processes whose devices hold the same
     rows (a ``tensor`` axis across hosts) get the same share."""
     sharding = batch_sharding(mesh, 2, rules)
-    rows = sorted({(s[0].start or 0, global_batch if s[0].stop is None else s[0].stop)
-                   for s in sharding.addressable_devices_indices_map((global_batch, 1)).values()})
+    rows = sorted(
+        {
+            (s[0].start or 0, global_batch if s[0].stop is None else s[0].stop)
+            for s in sharding.addressable_devices_indices_map((global_batch, 1)).values()
+        }
+    )
     start, stop = rows[0][0], rows[-1][1]
-    if any(b[0] != a[1] for a, b in zip(rows, rows[1:])) or (stop - start) == 0 \
-            or global_batch % (stop - start) or start % (stop - start):
-        raise ValueError(f"this process's devices hold rows {rows} of the batch, which are not "
-                         f"one contiguous block. Fix: order the mesh so each process's devices are "
-                         f"adjacent along the batch axes (jax.make_mesh does this)")
+    if (
+        any(b[0] != a[1] for a, b in zip(rows, rows[1:]))
+        or (stop - start) == 0
+        or global_batch % (stop - start)
+        or start % (stop - start)
+    ):
+        raise ValueError(
+            f"this process's devices hold rows {rows} of the batch, which are not "
+            f"one contiguous block. Fix: order the mesh so each process's devices are "
+            f"adjacent along the batch axes (jax.make_mesh does this)"
+        )
     local = stop - start
     return start // local, global_batch // local
 
 
-def global_batch(local: dict[str, np.ndarray], mesh, global_rows: int, rules=None
-                 ) -> dict[str, jax.Array]:
+def global_batch(
+    local: dict[str, np.ndarray], mesh, global_rows: int, rules=None
+) -> dict[str, jax.Array]:
     """Global arrays from this process's rows of the batch (every process calls it)."""
     out = {}
     for k, v in local.items():
@@ -311,21 +341,22 @@ def check_model_mesh(model_cfg, mesh, global_batch_size: int | None = None) -> N
         heads, kv = model_cfg.num_heads, model_cfg.kv_heads
         ok = [d for d in range(1, kv + 1) if kv % d == 0 and heads % d == 0]
         what = "DIFF heads (pairs)" if model_cfg.is_diff else "heads"
-        for n, label in ((heads, f"model.num_heads={heads} {what}"),
-                         (kv, f"{kv} kv heads")):
+        for n, label in ((heads, f"model.num_heads={heads} {what}"), (kv, f"{kv} kv heads")):
             if n % t:
                 raise ConfigError(
                     f"mesh.tensor={t} does not divide the {label}: tensor parallelism shards "
                     f"whole heads{' and never splits a DIFF pair' if model_cfg.is_diff else ''}. "
                     f"Fix: use mesh.tensor in {ok} "
-                    f"and put the other devices on mesh.fsdp or mesh.data.")
+                    f"and put the other devices on mesh.fsdp or mesh.data."
+                )
     if global_batch_size is not None:
         dp = sizes.get("data", 1) * sizes.get("fsdp", 1)
         if global_batch_size % dp:
             raise ConfigError(
                 f"train.batch_size={global_batch_size} is not divisible by data x fsdp = {dp} "
                 f"(mesh {dict(sizes)}). Fix: use a batch size that is a multiple of {dp}, or "
-                f"move devices to mesh.tensor.")
+                f"move devices to mesh.tensor."
+            )
 
 
 def bytes_per_device(tree: Any, mesh, rules=None) -> tuple[int, int]:
@@ -349,7 +380,25 @@ def local_rows(x: jax.Array) -> np.ndarray:
     return np.concatenate([np.asarray(shards[k].data) for k in sorted(shards)], axis=0)
 
 
-__all__ = ["BATCH_AXES", "DEFAULT_RULES", "MESH_AXES", "MeshConfig", "batch_sharding",
-           "bytes_per_device", "check_model_mesh", "constrain", "context_mesh", "current_rules", "global_batch",
-           "local_rows", "logical_axes", "logical_to_spec", "make_mesh", "param", "param_init",
-           "process_batch_share", "tree_shardings", "tree_specs"]
+__all__ = [
+    "BATCH_AXES",
+    "DEFAULT_RULES",
+    "MESH_AXES",
+    "MeshConfig",
+    "batch_sharding",
+    "bytes_per_device",
+    "check_model_mesh",
+    "constrain",
+    "context_mesh",
+    "current_rules",
+    "global_batch",
+    "local_rows",
+    "logical_axes",
+    "logical_to_spec",
+    "make_mesh",
+    "param",
+    "param_init",
+    "process_batch_share",
+    "tree_shardings",
+    "tree_specs",
+]

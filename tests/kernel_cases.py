@@ -30,8 +30,21 @@ def segments(rng, b: int, n: int, n_seg: int):
     return jnp.asarray(np.sort(rng.integers(0, n_seg, size=(b, n)), axis=1).astype(np.int32))
 
 
-def make_inputs(seed, *, b=1, t=24, s=24, hq=2, hkv=1, d=32, dv=None, dtype="float32",
-                lam="scalar", seg=None, n_seg=3) -> dict:
+def make_inputs(
+    seed,
+    *,
+    b=1,
+    t=24,
+    s=24,
+    hq=2,
+    hkv=1,
+    d=32,
+    dv=None,
+    dtype="float32",
+    lam="scalar",
+    seg=None,
+    n_seg=3,
+) -> dict:
     """Random ``q1, k1, q2, k2, v`` (in ``dtype``), ``lam`` (float32: a scalar in [0.1, 0.9) or
     ``[b, t, hq]`` in [0, 1) for ``lam="token"``), a float32 cotangent ``ct`` ``[b, t, hq, dv]``
     and segment ids: ``seg`` None, ``"shared"`` (``segment_ids`` only, needs t == s) or
@@ -42,10 +55,18 @@ def make_inputs(seed, *, b=1, t=24, s=24, hq=2, hkv=1, d=32, dv=None, dtype="flo
     def normal(*shape, dt=dtype):
         return jnp.asarray(rng.standard_normal(shape, np.float32)).astype(jnp.dtype(dt))
 
-    case = dict(q1=normal(b, t, hq, d), k1=normal(b, s, hkv, d), q2=normal(b, t, hq, d),
-                k2=normal(b, s, hkv, d), v=normal(b, s, hkv, dv))
-    case["lam"] = (jnp.float32(rng.uniform(0.1, 0.9)) if lam == "scalar"
-                   else jnp.asarray(rng.uniform(0.0, 1.0, (b, t, hq)), jnp.float32))
+    case = dict(
+        q1=normal(b, t, hq, d),
+        k1=normal(b, s, hkv, d),
+        q2=normal(b, t, hq, d),
+        k2=normal(b, s, hkv, d),
+        v=normal(b, s, hkv, dv),
+    )
+    case["lam"] = (
+        jnp.float32(rng.uniform(0.1, 0.9))
+        if lam == "scalar"
+        else jnp.asarray(rng.uniform(0.0, 1.0, (b, t, hq)), jnp.float32)
+    )
     case["ct"] = normal(b, t, hq, dv, dt="float32")
     case["segment_ids"] = case["kv_segment_ids"] = None
     if seg == "shared":
@@ -105,7 +126,9 @@ def assert_close(name, got, want, tol, scale=None):
     if scale is None:
         scale = max(float(np.max(np.abs(want), initial=0.0)), 1e-6)
     bound = atol + rtol * scale
-    assert err <= bound, f"{name}: max abs error {err:.3g} > {bound:.3g} = {atol} + {rtol} * {scale:.3g}"
+    assert err <= bound, (
+        f"{name}: max abs error {err:.3g} > {bound:.3g} = {atol} + {rtol} * {scale:.3g}"
+    )
 
 
 def _f32(x):
@@ -127,14 +150,19 @@ def check_differential(kernel, case, tol, *, causal=True, sm_scale=None, shared=
     def run(impl):
         def fn(q1, k1, q2, k2, v, lam):
             return impl(q1, k1, q2, k1 if shared else k2, v, lam)
+
         return fn
 
-    out, grads = value_and_grads(run(functools.partial(kernel, sm_scale=sm_scale, **kw)),
-                                 args, case["ct"], argnums)
-    scale = d ** -0.5 if sm_scale is None else sm_scale
+    out, grads = value_and_grads(
+        run(functools.partial(kernel, sm_scale=sm_scale, **kw)), args, case["ct"], argnums
+    )
+    scale = d**-0.5 if sm_scale is None else sm_scale
     ref_out, ref_grads = value_and_grads(
         run(functools.partial(reference.differential_attention, scale=scale, **kw)),
-        tuple(map(_f32, args)), case["ct"], argnums)
+        tuple(map(_f32, args)),
+        case["ct"],
+        argnums,
+    )
     assert out.dtype == args[0].dtype and out.shape == ref_out.shape
     assert_close("out", out, ref_out, tol["value"])
     for i, g, rg in zip(argnums, grads, ref_grads):
@@ -143,10 +171,16 @@ def check_differential(kernel, case, tol, *, causal=True, sm_scale=None, shared=
             assert_close(f"d{names[i]}", g, rg, tol["grad"])
     if "dlam" in tol:  # d(lam) = -sum_d dO * O2: scaled by the L1 norm of those terms
         o2 = jax.jit(functools.partial(reference.dot_product_attention, scale=scale, **kw))(
-            _f32(case["q2"]), _f32(case["k1" if shared else "k2"]), _f32(case["v"]))
+            _f32(case["q2"]), _f32(case["k1" if shared else "k2"]), _f32(case["v"])
+        )
         l1 = np.sum(np.abs(np.asarray(case["ct"]) * np.asarray(o2)), axis=-1)
-        assert_close("dlam", grads[-1], ref_grads[-1], tol["dlam"],
-                     scale=float(np.max(l1) if np.ndim(case["lam"]) else np.sum(l1)))
+        assert_close(
+            "dlam",
+            grads[-1],
+            ref_grads[-1],
+            tol["dlam"],
+            scale=float(np.max(l1) if np.ndim(case["lam"]) else np.sum(l1)),
+        )
     return out, grads
 
 
@@ -158,7 +192,9 @@ def check_standard(kernel, case, tol, *, causal=True):
     out, grads = value_and_grads(functools.partial(kernel, **kw), args, case["ct"])
     ref_out, ref_grads = value_and_grads(
         functools.partial(reference.dot_product_attention, scale=args[0].shape[-1] ** -0.5, **kw),
-        tuple(map(_f32, args)), case["ct"])
+        tuple(map(_f32, args)),
+        case["ct"],
+    )
     assert out.dtype == args[0].dtype
     assert_close("out", out, ref_out, tol["value"])
     for name, g, rg in zip(("dq", "dk", "dv"), grads, ref_grads):

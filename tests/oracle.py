@@ -64,7 +64,7 @@ def np_attention(q, k, v, *, causal=True, segment_ids=None, kv_segment_ids=None,
     b, t, hq, d = q.shape
     s, hkv = k.shape[1], k.shape[2]
     n_rep = hq // hkv
-    scale = d ** -0.5 if scale is None else scale
+    scale = d**-0.5 if scale is None else scale
     mask = np_mask(t, s, causal, segment_ids, kv_segment_ids)
     out = np.zeros((b, t, hq, v.shape[-1]))
     for i in range(hq):
@@ -79,7 +79,7 @@ def np_differential(q1, k1, q2, k2, v, lam, *, causal=True, segment_ids=None, sc
     q1, k1, q2, k2, v = (np.asarray(a, np.float64) for a in (q1, k1, q2, k2, v))
     b, t, hq, d = q1.shape
     n_rep = hq // k1.shape[2]
-    scale = d ** -0.5 if scale is None else scale
+    scale = d**-0.5 if scale is None else scale
     mask = np_mask(t, k1.shape[1], causal, segment_ids)
     lam = np.broadcast_to(np.asarray(lam, np.float64), (b, t, hq))
     out = np.zeros((b, t, hq, v.shape[-1]))
@@ -101,8 +101,9 @@ def np_lambda_init(depth):
     return 0.8 - 0.6 * math.exp(-0.3 * depth)
 
 
-def np_standard_module(x, sd, num_heads, num_kv_heads, head_dim, positions=None,
-                       causal=True, segment_ids=None):
+def np_standard_module(
+    x, sd, num_heads, num_kv_heads, head_dim, positions=None, causal=True, segment_ids=None
+):
     x = np.asarray(x, np.float64)
     b, t, _ = x.shape
     pos = np.broadcast_to(np.arange(t), (b, t)) if positions is None else positions
@@ -116,12 +117,16 @@ def np_standard_module(x, sd, num_heads, num_kv_heads, head_dim, positions=None,
 
 
 def np_diff_v1_lambda(sd, lambda_init):
-    return (np.exp(np.sum(sd["lambda_q1"].astype(np.float64) * sd["lambda_k1"]))
-            - np.exp(np.sum(sd["lambda_q2"].astype(np.float64) * sd["lambda_k2"])) + lambda_init)
+    return (
+        np.exp(np.sum(sd["lambda_q1"].astype(np.float64) * sd["lambda_k1"]))
+        - np.exp(np.sum(sd["lambda_q2"].astype(np.float64) * sd["lambda_k2"]))
+        + lambda_init
+    )
 
 
-def np_diff_v1_module(x, sd, num_heads, num_kv_heads, depth, positions=None, causal=True,
-                      segment_ids=None):
+def np_diff_v1_module(
+    x, sd, num_heads, num_kv_heads, depth, positions=None, causal=True, segment_ids=None
+):
     """DIFF V1 with the pairing of multihead_flashdiff_1.py, written head by head."""
     x = np.asarray(x, np.float64)
     b, t, embed = x.shape
@@ -138,15 +143,16 @@ def np_diff_v1_module(x, sd, num_heads, num_kv_heads, depth, positions=None, cau
     heads = []
     for i in range(h):
         g = i // n_rep
-        a1 = np_softmax_probs(q[:, :, 2 * i], k[:, :, 2 * g], d ** -0.5, mask)
-        a2 = np_softmax_probs(q[:, :, 2 * i + 1], k[:, :, 2 * g + 1], d ** -0.5, mask)
+        a1 = np_softmax_probs(q[:, :, 2 * i], k[:, :, 2 * g], d**-0.5, mask)
+        a2 = np_softmax_probs(q[:, :, 2 * i + 1], k[:, :, 2 * g + 1], d**-0.5, mask)
         o = np.einsum("bts,bsd->btd", a1 - lam * a2, v[:, :, g])  # [B, T, 2d]
         heads.append(np_rmsnorm(o, sd["subln.weight"]) * (1 - lambda_init))
     return np_linear(np.concatenate(heads, axis=-1), sd["out_proj.weight"])
 
 
-def np_diff_v2_module(x, sd, num_heads, num_kv_heads, head_dim, positions=None, causal=True,
-                      segment_ids=None):
+def np_diff_v2_module(
+    x, sd, num_heads, num_kv_heads, head_dim, positions=None, causal=True, segment_ids=None
+):
     """DIFF V2 as the official forward: one attention over 2h q heads, then pairs (2i, 2i+1)."""
     x = np.asarray(x, np.float64)
     b, t, _ = x.shape

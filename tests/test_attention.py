@@ -21,9 +21,21 @@ from flax import nnx
 
 import diffjax
 from diffjax import ops
-from oracle import (THETA, np_attention, np_diff_v1_lambda, np_diff_v1_module, np_diff_v2_module,
-                    np_differential, np_lambda_init, np_linear, np_mask, np_rmsnorm, np_rotary,
-                    np_softmax_probs, np_standard_module)
+from oracle import (
+    THETA,
+    np_attention,
+    np_diff_v1_lambda,
+    np_diff_v1_module,
+    np_diff_v2_module,
+    np_differential,
+    np_lambda_init,
+    np_linear,
+    np_mask,
+    np_rmsnorm,
+    np_rotary,
+    np_softmax_probs,
+    np_standard_module,
+)
 
 TOL = 1e-5
 
@@ -85,8 +97,9 @@ def apply(module, x, positions=None, segment_ids=None):
 
 def make_standard(embed, heads, kv_heads, head_dim=None, seed=0, **kw):
     kw.setdefault("kernel_init", ZEROS)
-    return diffjax.MultiheadAttention(embed, 0, heads, kv_heads, head_dim=head_dim,
-                                      rngs=nnx.Rngs(seed), **kw)
+    return diffjax.MultiheadAttention(
+        embed, 0, heads, kv_heads, head_dim=head_dim, rngs=nnx.Rngs(seed), **kw
+    )
 
 
 def make_v1(embed, heads, kv_heads, depth=0, seed=0, **kw):
@@ -108,8 +121,9 @@ def assert_close(actual, expected, tol=TOL):
 
 
 def n_params(module) -> int:
-    return sum(math.prod(leaf.shape) for leaf in jax.tree_util.tree_leaves(
-        nnx.state(module, nnx.Param)))
+    return sum(
+        math.prod(leaf.shape) for leaf in jax.tree_util.tree_leaves(nnx.state(module, nnx.Param))
+    )
 
 
 # ============================================================================ 1. vs numpy: modules
@@ -182,8 +196,8 @@ def np_diff_v1_naive_module(x, sd, num_heads, num_kv_heads, depth):
     mask = np_mask(t, t, True)
     heads = []
     for i in range(h):
-        a1 = np_softmax_probs(q[:, :, 2 * i], k[:, :, 2 * i], d ** -0.5, mask)
-        a2 = np_softmax_probs(q[:, :, 2 * i + 1], k[:, :, 2 * i + 1], d ** -0.5, mask)
+        a1 = np_softmax_probs(q[:, :, 2 * i], k[:, :, 2 * i], d**-0.5, mask)
+        a2 = np_softmax_probs(q[:, :, 2 * i + 1], k[:, :, 2 * i + 1], d**-0.5, mask)
         o = np.einsum("bts,bsd->btd", a1 - lam * a2, v[:, :, i])
         heads.append(np_rmsnorm(o, sd["subln.weight"]) * (1 - lambda_init))
     return np_linear(np.concatenate(heads, axis=-1), sd["out_proj.weight"])
@@ -228,8 +242,13 @@ def test_diff_v2_module_matches_numpy(embed, heads, kv_heads, head_dim):
 
 def _np_maps(q, k, n_rep, mask, d):
     """Softmax maps [B, Hq, T, S] for query heads q [B,T,Hq,d] over k [B,S,Hkv,d]."""
-    return np.stack([np_softmax_probs(q[:, :, i], k[:, :, i // n_rep], d ** -0.5, mask)
-                     for i in range(q.shape[2])], axis=1)
+    return np.stack(
+        [
+            np_softmax_probs(q[:, :, i], k[:, :, i // n_rep], d**-0.5, mask)
+            for i in range(q.shape[2])
+        ],
+        axis=1,
+    )
 
 
 @pytest.mark.parametrize("kind", ["standard", "v1", "v2"])
@@ -295,17 +314,27 @@ def _qkv(rng, b, t, s, hq, hkv, d, dv):
 SEG = np.array([[0, 0, 0, 1, 1, 1, 1, 1, 2, 2], [0, 0, 0, 0, 0, 0, 1, 1, 1, 1]], np.int32)
 
 
-@pytest.mark.parametrize("causal,use_seg,hq,hkv", [  # a covering subset of the full grid
-    (True, False, 4, 4), (True, True, 4, 2), (False, True, 4, 1),
-    (False, False, 4, 2), (True, True, 4, 1), (False, True, 4, 4),
-])
+@pytest.mark.parametrize(
+    "causal,use_seg,hq,hkv",
+    [  # a covering subset of the full grid
+        (True, False, 4, 4),
+        (True, True, 4, 2),
+        (False, True, 4, 1),
+        (False, False, 4, 2),
+        (True, True, 4, 1),
+        (False, True, 4, 4),
+    ],
+)
 def test_dot_product_attention_matches_numpy(causal, use_seg, hq, hkv):
     rng = np.random.default_rng(10)
     q, k, v = _qkv(rng, 2, 10, 10, hq, hkv, 8, 8)
     seg = SEG if use_seg else None
     out = _jit(ops.dot_product_attention, causal=causal, impl="xla")(
-        jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
-        segment_ids=None if seg is None else jnp.asarray(seg))
+        jnp.asarray(q),
+        jnp.asarray(k),
+        jnp.asarray(v),
+        segment_ids=None if seg is None else jnp.asarray(seg),
+    )
     chex.assert_shape(out, (2, 10, hq, 8))
     assert_close(out, np_attention(q, k, v, causal=causal, segment_ids=seg))
 
@@ -318,22 +347,29 @@ def test_dot_product_attention_scale_dv_and_kv_longer_than_q():
     assert_close(out, np_attention(q, k, v, scale=0.2))
     qseg = np.array([[0, 1, 1, 1], [0, 0, 0, 0]], np.int32)
     kseg = np.array([[0, 0, 0, 0, 0, 0, 1, 1, 1], [0] * 9], np.int32)
-    out = _jit(ops.dot_product_attention)(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
-                                          segment_ids=jnp.asarray(qseg),
-                                          kv_segment_ids=jnp.asarray(kseg))
+    out = _jit(ops.dot_product_attention)(
+        jnp.asarray(q),
+        jnp.asarray(k),
+        jnp.asarray(v),
+        segment_ids=jnp.asarray(qseg),
+        kv_segment_ids=jnp.asarray(kseg),
+    )
     assert_close(out, np_attention(q, k, v, segment_ids=qseg, kv_segment_ids=kseg))
 
 
-@pytest.mark.parametrize("causal,use_seg,lam_kind,dv_mult,hq,hkv", [  # pairwise covering
-    (True, False, "scalar", 2, 4, 2),
-    (True, True, "per_token", 1, 4, 4),
-    (False, True, "scalar", 1, 4, 2),
-    (False, False, "per_token", 2, 4, 1),
-    (True, True, "per_token", 2, 4, 2),
-    (False, True, "scalar", 2, 4, 4),
-    (True, False, "scalar", 1, 4, 1),
-    (False, True, "per_token", 1, 4, 2),
-])
+@pytest.mark.parametrize(
+    "causal,use_seg,lam_kind,dv_mult,hq,hkv",
+    [  # pairwise covering
+        (True, False, "scalar", 2, 4, 2),
+        (True, True, "per_token", 1, 4, 4),
+        (False, True, "scalar", 1, 4, 2),
+        (False, False, "per_token", 2, 4, 1),
+        (True, True, "per_token", 2, 4, 2),
+        (False, True, "scalar", 2, 4, 4),
+        (True, False, "scalar", 1, 4, 1),
+        (False, True, "per_token", 1, 4, 2),
+    ],
+)
 def test_differential_attention_matches_numpy(causal, use_seg, lam_kind, dv_mult, hq, hkv):
     rng = np.random.default_rng(12)
     b, t, d = 2, 10, 8
@@ -345,8 +381,10 @@ def test_differential_attention_matches_numpy(causal, use_seg, lam_kind, dv_mult
         lam = rng.uniform(0.05, 0.95, (b, t, hq)).astype(np.float32)
     seg = SEG if use_seg else None
     out = _jit(ops.differential_attention, causal=causal, impl="xla")(
-        *(jnp.asarray(a) for a in (q1, k1, q2, k2, v)), jnp.asarray(lam),
-        segment_ids=None if seg is None else jnp.asarray(seg))
+        *(jnp.asarray(a) for a in (q1, k1, q2, k2, v)),
+        jnp.asarray(lam),
+        segment_ids=None if seg is None else jnp.asarray(seg),
+    )
     chex.assert_shape(out, (b, t, hq, d * dv_mult))
     chex.assert_type(out, jnp.float32)
     assert_close(out, np_differential(q1, k1, q2, k2, v, lam, causal=causal, segment_ids=seg))
@@ -384,15 +422,21 @@ def test_differential_attention_per_token_lambda_is_per_token():
 # Three modules (embed 64, GQA) with random non-trivial weights, shared by the tests below so
 # that they also share compiled programs: kind -> (build(causal), make state dict, numpy ref).
 SHARED = {
-    "standard": (lambda causal: make_standard(64, 8, 2, causal=causal),
-                 lambda rng: standard_sd(rng, 64, 8, 2, 8),
-                 lambda x, sd, **kw: np_standard_module(x, sd, 8, 2, 8, **kw)),
-    "v1": (lambda causal: make_v1(64, 4, 2, depth=2, causal=causal),
-           lambda rng: diff_v1_sd(rng, 64, 4, 2),
-           lambda x, sd, **kw: np_diff_v1_module(x, sd, 4, 2, 2, **kw)),
-    "v2": (lambda causal: make_v2(64, 4, 2, 16, causal=causal),
-           lambda rng: diff_v2_sd(rng, 64, 4, 2, 16),
-           lambda x, sd, **kw: np_diff_v2_module(x, sd, 4, 2, 16, **kw)),
+    "standard": (
+        lambda causal: make_standard(64, 8, 2, causal=causal),
+        lambda rng: standard_sd(rng, 64, 8, 2, 8),
+        lambda x, sd, **kw: np_standard_module(x, sd, 8, 2, 8, **kw),
+    ),
+    "v1": (
+        lambda causal: make_v1(64, 4, 2, depth=2, causal=causal),
+        lambda rng: diff_v1_sd(rng, 64, 4, 2),
+        lambda x, sd, **kw: np_diff_v1_module(x, sd, 4, 2, 2, **kw),
+    ),
+    "v2": (
+        lambda causal: make_v2(64, 4, 2, 16, causal=causal),
+        lambda rng: diff_v2_sd(rng, 64, 4, 2, 16),
+        lambda x, sd, **kw: np_diff_v2_module(x, sd, 4, 2, 16, **kw),
+    ),
 }
 
 
@@ -421,11 +465,15 @@ def test_modules_match_numpy_with_explicit_positions_and_segments(three_modules,
     m, sd = three_modules[kind]
     rng = np.random.default_rng(6)
     seg = np.array([[0] * 6 + [1] * 6 + [2] * 4, [0] * 10 + [1] * 6], np.int32)
-    pos = np.array([list(range(6)) + list(range(6)) + list(range(4)),
-                    list(range(3, 13)) + list(range(6))], np.int32)
+    pos = np.array(
+        [list(range(6)) + list(range(6)) + list(range(4)), list(range(3, 13)) + list(range(6))],
+        np.int32,
+    )
     x = rand_x(rng, 2, 16, 64)
-    assert_close(apply(m, x, positions=pos, segment_ids=seg),
-                 SHARED[kind][2](x, sd, positions=pos, segment_ids=seg))
+    assert_close(
+        apply(m, x, positions=pos, segment_ids=seg),
+        SHARED[kind][2](x, sd, positions=pos, segment_ids=seg),
+    )
 
 
 @pytest.mark.parametrize("kind", ["standard", "v1", "v2"])
@@ -551,8 +599,11 @@ def test_rotary_preserves_norm():
     rng = np.random.default_rng(32)
     x = rng.standard_normal((2, 16, 4, 32)).astype(np.float32)
     pos = rng.integers(0, 2048, (2, 16))
-    np.testing.assert_allclose(np.linalg.norm(_rot(x, pos), axis=-1),
-                               np.linalg.norm(x.astype(np.float64), axis=-1), rtol=TOL)
+    np.testing.assert_allclose(
+        np.linalg.norm(_rot(x, pos), axis=-1),
+        np.linalg.norm(x.astype(np.float64), axis=-1),
+        rtol=TOL,
+    )
 
 
 # ============================================================================ 3. lambda
@@ -582,8 +633,9 @@ def test_lambda_full_matches_numpy():
 
 
 def test_lambda_params_float32_under_bfloat16():
-    m = diffjax.MultiheadDiffAttn(64, 0, 2, param_dtype=jnp.bfloat16, dtype=jnp.bfloat16,
-                                  kernel_init=ZEROS, rngs=nnx.Rngs(0))
+    m = diffjax.MultiheadDiffAttn(
+        64, 0, 2, param_dtype=jnp.bfloat16, dtype=jnp.bfloat16, kernel_init=ZEROS, rngs=nnx.Rngs(0)
+    )
     d = 64 // 2 // 2
     for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
         p = getattr(m, name)[...]
@@ -600,8 +652,10 @@ def test_lambda_params_init_statistics():
     samples = []
     for seed in range(4):
         m = diffjax.MultiheadDiffAttn(256, 0, 1, rngs=nnx.Rngs(seed))
-        vecs = [np.asarray(getattr(m, n)[...]) for n in
-                ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")]
+        vecs = [
+            np.asarray(getattr(m, n)[...])
+            for n in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")
+        ]
         assert all(v.shape == (128,) for v in vecs)
         # the four vectors are independent draws
         assert not np.allclose(vecs[0], vecs[1]) and not np.allclose(vecs[2], vecs[3])
@@ -642,8 +696,9 @@ def test_v1_param_count_matches_official_example(diff_kv, std_heads, std_kv):
     embed = 1024
     d = embed // 8 // 2
     diff = nnx.eval_shape(lambda: diffjax.MultiheadDiffAttn(embed, 0, 8, diff_kv, rngs=nnx.Rngs(0)))
-    std = nnx.eval_shape(lambda: diffjax.MultiheadAttention(embed, 0, std_heads, std_kv,
-                                                            rngs=nnx.Rngs(0)))
+    std = nnx.eval_shape(
+        lambda: diffjax.MultiheadAttention(embed, 0, std_heads, std_kv, rngs=nnx.Rngs(0))
+    )
     assert n_params(diff) == n_params(std) + 4 * d + 2 * d
     # the exact official numbers
     kv_frac = 1 if diff_kv is None else 2
@@ -653,8 +708,9 @@ def test_v1_param_count_matches_official_example(diff_kv, std_heads, std_kv):
 
 
 def test_v1_param_count_without_norm():
-    diff = nnx.eval_shape(lambda: diffjax.MultiheadDiffAttn(128, 0, 4, 2, norm=False,
-                                                            rngs=nnx.Rngs(0)))
+    diff = nnx.eval_shape(
+        lambda: diffjax.MultiheadDiffAttn(128, 0, 4, 2, norm=False, rngs=nnx.Rngs(0))
+    )
     std = nnx.eval_shape(lambda: diffjax.MultiheadAttention(128, 0, 8, 4, rngs=nnx.Rngs(0)))
     assert n_params(diff) == n_params(std) + 4 * 16
 
@@ -662,8 +718,9 @@ def test_v1_param_count_without_norm():
 @pytest.mark.parametrize("embed,h,hkv,d", [(1024, 8, 8, 128), (1024, 8, 4, 128), (96, 4, 2, 16)])
 def test_v2_param_count(embed, h, hkv, d):
     v2 = nnx.eval_shape(lambda: diffjax.MultiheadDiffAttnV2(embed, h, hkv, d, rngs=nnx.Rngs(0)))
-    std = nnx.eval_shape(lambda: diffjax.MultiheadAttention(embed, 0, h, hkv, head_dim=d,
-                                                            rngs=nnx.Rngs(0)))
+    std = nnx.eval_shape(
+        lambda: diffjax.MultiheadAttention(embed, 0, h, hkv, head_dim=d, rngs=nnx.Rngs(0))
+    )
     assert n_params(std) == 2 * embed * h * d + 2 * embed * hkv * d
     assert n_params(v2) == n_params(std) + embed * h * d + embed * h
 
@@ -673,16 +730,23 @@ def _arr(*shape):
     return jnp.zeros(shape, jnp.float32)
 
 
-@pytest.mark.parametrize("args,match", [
-    ((_arr(2, 8, 16), _arr(2, 8, 2, 16), _arr(2, 8, 2, 16)),
-     r"q must be \[batch, seq, heads, dim\]"),
-    ((_arr(2, 8, 4, 16), _arr(2, 8, 16), _arr(2, 8, 2, 16)),
-     r"k must be \[batch, seq, heads, dim\]"),
-    ((_arr(2, 8, 6, 16), _arr(2, 8, 4, 16), _arr(2, 8, 4, 16)), r"4 kv heads do not divide 6"),
-    ((_arr(2, 8, 4, 16), _arr(2, 8, 2, 8), _arr(2, 8, 2, 16)), r"head dims differ"),
-    ((_arr(2, 8, 4, 16), _arr(3, 8, 2, 16), _arr(3, 8, 2, 16)), r"batch sizes differ"),
-    ((_arr(2, 8, 4, 16), _arr(2, 8, 2, 16), _arr(2, 7, 2, 16)), r"v must be"),
-])
+@pytest.mark.parametrize(
+    "args,match",
+    [
+        (
+            (_arr(2, 8, 16), _arr(2, 8, 2, 16), _arr(2, 8, 2, 16)),
+            r"q must be \[batch, seq, heads, dim\]",
+        ),
+        (
+            (_arr(2, 8, 4, 16), _arr(2, 8, 16), _arr(2, 8, 2, 16)),
+            r"k must be \[batch, seq, heads, dim\]",
+        ),
+        ((_arr(2, 8, 6, 16), _arr(2, 8, 4, 16), _arr(2, 8, 4, 16)), r"4 kv heads do not divide 6"),
+        ((_arr(2, 8, 4, 16), _arr(2, 8, 2, 8), _arr(2, 8, 2, 16)), r"head dims differ"),
+        ((_arr(2, 8, 4, 16), _arr(3, 8, 2, 16), _arr(3, 8, 2, 16)), r"batch sizes differ"),
+        ((_arr(2, 8, 4, 16), _arr(2, 8, 2, 16), _arr(2, 7, 2, 16)), r"v must be"),
+    ],
+)
 def test_dot_product_attention_shape_errors(args, match):
     with pytest.raises(ValueError, match=match):
         ops.dot_product_attention(*args)
@@ -705,8 +769,9 @@ def test_segment_ids_shape_errors():
 
 def test_differential_attention_shape_errors():
     q, k, v = _arr(2, 8, 4, 16), _arr(2, 8, 2, 16), _arr(2, 8, 2, 32)
-    with pytest.raises(ValueError,
-                       match=r"lam must be a scalar or \[batch, seq, heads\] = \[2, 8, 4\]"):
+    with pytest.raises(
+        ValueError, match=r"lam must be a scalar or \[batch, seq, heads\] = \[2, 8, 4\]"
+    ):
         ops.differential_attention(q, k, q, k, v, jnp.zeros((2, 8)))
     with pytest.raises(ValueError, match=r"lam must be"):
         ops.differential_attention(q, k, q, k, v, jnp.zeros((2, 8, 2)))
@@ -765,16 +830,18 @@ def test_query_that_sees_no_key_gets_zero_output():
     np.testing.assert_allclose(np.asarray(out)[0, :, 0, 0], [1.5, 0.0], atol=1e-6)
     w = ops.attention_weights(q, k, causal=False, segment_ids=seg, kv_segment_ids=kv_seg)
     np.testing.assert_allclose(np.asarray(w)[0, 0], [[0.5, 0.5, 0.0], [0.0, 0.0, 0.0]], atol=1e-6)
-    d = ops.differential_attention(q, k, q, k, v, 0.5, causal=False, segment_ids=seg,
-                                   kv_segment_ids=kv_seg)
+    d = ops.differential_attention(
+        q, k, q, k, v, 0.5, causal=False, segment_ids=seg, kv_segment_ids=kv_seg
+    )
     np.testing.assert_allclose(np.asarray(d)[0, :, 0, 0], [0.75, 0.0], atol=1e-6)
 
 
 def test_v2_lambda_proj_uses_torch_default_init_whatever_kernel_init():
     """The official V2 leaves lambda_proj at nn.Linear's default, U(-1/sqrt(D), 1/sqrt(D))."""
     d_model = 256
-    m = diffjax.MultiheadDiffAttnV2(d_model, 8, 4, 32, kernel_init=nnx.initializers.zeros_init(),
-                                    rngs=nnx.Rngs(0))
+    m = diffjax.MultiheadDiffAttnV2(
+        d_model, 8, 4, 32, kernel_init=nnx.initializers.zeros_init(), rngs=nnx.Rngs(0)
+    )
     w = np.asarray(m.lambda_proj.kernel[...])
     bound = 1 / math.sqrt(d_model)
     assert np.abs(w).max() <= bound

@@ -9,7 +9,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _load(name):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "benchmarks", f"{name}.py"))
+    spec = importlib.util.spec_from_file_location(
+        name, os.path.join(ROOT, "benchmarks", f"{name}.py")
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -18,8 +20,25 @@ def _load(name):
 def test_attention_benchmark_runs_on_cpu(capsys, tmp_path):
     bench = _load("attention")
     md = tmp_path / "table.md"
-    assert bench.main(["--seq-lens", "32", "--iters", "1", "--peak-n", "64", "--heads", "1",
-                       "--head-dim", "16", "--markdown", str(md)]) == 0
+    assert (
+        bench.main(
+            [
+                "--seq-lens",
+                "32",
+                "--iters",
+                "1",
+                "--peak-n",
+                "64",
+                "--heads",
+                "1",
+                "--head-dim",
+                "16",
+                "--markdown",
+                str(md),
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "skipped: fused" in out  # says what it cannot run here
     for variant in ("xla", "two-call", "twin jax.nn"):
@@ -32,9 +51,29 @@ def test_attention_benchmark_runs_on_cpu(capsys, tmp_path):
 def test_decode_benchmark_runs_on_cpu(capsys, tmp_path):
     bench = _load("decode")
     md = tmp_path / "table.md"
-    assert bench.main(["--d-model", "32", "--layers", "1", "--heads", "1", "--batch", "2",
-                       "--prompt-len", "8", "--new-tokens", "4", "--iters", "1",
-                       "--markdown", str(md)]) == 0
+    assert (
+        bench.main(
+            [
+                "--d-model",
+                "32",
+                "--layers",
+                "1",
+                "--heads",
+                "1",
+                "--batch",
+                "2",
+                "--prompt-len",
+                "8",
+                "--new-tokens",
+                "4",
+                "--iters",
+                "1",
+                "--markdown",
+                str(md),
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     lines = {line.split()[0]: line for line in out.splitlines() if line.strip()}
     for model in ("diff_v1", "diff_v2", "twin"):
@@ -63,15 +102,27 @@ def test_lookup_attention_masks_shares_and_swap():
     la = _load("lookup_attention")
     #                   BOS  t   k1  v1  t   k2  v2  t   k2  v2'
     inputs = np.array([[256, 97, 74, 51, 55, 81, 52, 98, 81, 52]])
-    batch = {"inputs": inputs, "targets": np.roll(inputs, -1, 1),
-             "needle_value_spans": np.array([[[3, 4], [6, 7]]]),
-             "query_needle": np.array([[1]]), "query_spans": np.array([[[8, 10]]]),
-             "answer_spans": np.array([[[8, 9]]])}
+    batch = {
+        "inputs": inputs,
+        "targets": np.roll(inputs, -1, 1),
+        "needle_value_spans": np.array([[[3, 4], [6, 7]]]),
+        "query_needle": np.array([[1]]),
+        "query_spans": np.array([[[8, 10]]]),
+        "answer_spans": np.array([[[8, 9]]]),
+    }
     rows, masks = la.first_query_masks(batch)
     assert rows.tolist() == [8] and masks.shape == (len(la.COLUMNS), 1, 10)
     where = {c: np.flatnonzero(masks[i, 0]).tolist() for i, c in enumerate(la.COLUMNS)}
-    assert where == {"answer": [6], "key": [5], "after": [7], "other values": [3],
-                     "digits in text": [4], "BOS": [0], "self": [8], "other context": [1, 2]}
+    assert where == {
+        "answer": [6],
+        "key": [5],
+        "after": [7],
+        "other values": [3],
+        "digits in text": [4],
+        "BOS": [0],
+        "self": [8],
+        "other context": [1, 2],
+    }
     maps = np.zeros((1, 2, 10, 10))
     maps[0, 0, 8, 6] = 1.0  # head 0: all on the answer
     maps[0, 1, 8, [6, 3]] = [0.5, -0.5]  # head 1: a differential row, half of it negative
@@ -89,15 +140,38 @@ def test_retrieval_scripts_on_a_tiny_needle_run(tmp_path, capsys):
     from diffjax.train.cli import main
 
     run = tmp_path / "run"
-    assert main([f"run.dir={run}", "model.d_model=32", "model.num_layers=1",
-                 "model.num_heads=1", "model.max_seq_len=64", "data.source=needle",
-                 "data.seq_len=48", "data.num_needles=2", "data.num_queries=4",
-                 "data.query_replacement=true", "data.key_len=1", "data.value_len=1",
-                 "data.needle_template={key}{value}", "data.query_template={key}{value}",
-                 "data.num_val_examples=8", "train.batch_size=8", "train.eval_batches=1",
-                 "train.warmup_steps=1", "train.steps=2", "train.eval_every=2",
-                 "train.checkpoint_every=2", "train.progress=false", "train.tensorboard=false",
-                 "train.throughput_rounds=1", "train.quick_eval=false"]) == 0
+    assert (
+        main(
+            [
+                f"run.dir={run}",
+                "model.d_model=32",
+                "model.num_layers=1",
+                "model.num_heads=1",
+                "model.max_seq_len=64",
+                "data.source=needle",
+                "data.seq_len=48",
+                "data.num_needles=2",
+                "data.num_queries=4",
+                "data.query_replacement=true",
+                "data.key_len=1",
+                "data.value_len=1",
+                "data.needle_template={key}{value}",
+                "data.query_template={key}{value}",
+                "data.num_val_examples=8",
+                "train.batch_size=8",
+                "train.eval_batches=1",
+                "train.warmup_steps=1",
+                "train.steps=2",
+                "train.eval_every=2",
+                "train.checkpoint_every=2",
+                "train.progress=false",
+                "train.tensorboard=false",
+                "train.throughput_rounds=1",
+                "train.quick_eval=false",
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
     assert _load("query_split").main([str(run), "--examples", "8"]) == 0
     out = capsys.readouterr().out

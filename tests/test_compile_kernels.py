@@ -46,7 +46,8 @@ def _compile(target: str, seq: int) -> list[dict]:
     failed = [r for r in rows if r.get("error")]
     assert not failed, failed
     assert {(r["case"], r["role"]) for r in rows} == {
-        (c, k) for c in CASES for k in ("fwd", "dkv", "dq")}, rows
+        (c, k) for c in CASES for k in ("fwd", "dkv", "dq")
+    }, rows
     return rows
 
 

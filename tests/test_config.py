@@ -36,83 +36,106 @@ def test_default_config_is_valid():
 
 
 # ----------------------------------------------------------------------------- rejected
-@pytest.mark.parametrize("kwargs, field, contains", [
-    # width not divisible by heads
-    (dict(attention="standard", d_model=64, num_heads=3), "d_model", None),
-    (dict(attention="diff_v2", d_model=64, num_heads=3), "d_model", None),
-    # V1: d_model must be divisible by 2 * num_heads
-    (dict(attention="diff_v1", d_model=64, num_heads=3), "d_model", "2*num_heads"),
-    (dict(attention="diff_v1", d_model=96, num_heads=32), "d_model", None),  # 96 % 64 != 0
-    # kv heads not dividing heads
-    (dict(attention="standard", d_model=64, num_heads=4, num_kv_heads=3), "num_kv_heads", None),
-    (dict(attention="standard", d_model=64, num_heads=4, num_kv_heads=8), "num_kv_heads", None),
-    (dict(attention="diff_v1", d_model=64, num_heads=4, num_kv_heads=3), "num_kv_heads", None),
-    (dict(attention="diff_v2", d_model=64, num_heads=4, num_kv_heads=3), "num_kv_heads", None),
-    # V2 pairs (2i, 2i+1) straddling kv groups
-    (dict(attention="diff_v2", d_model=96, num_heads=3, num_kv_heads=2), "num_kv_heads", "straddle"),
-    (dict(attention="diff_v2", d_model=64, num_heads=2, num_kv_heads=4), "num_kv_heads", "straddle"),
-    # odd head width (rotary rotates channel pairs)
-    (dict(attention="standard", d_model=48, num_heads=16), "head_dim", "even"),
-    (dict(attention="diff_v1", d_model=48, num_heads=8), "head_dim", "even"),  # d = 3
-    (dict(attention="diff_v2", d_model=64, num_heads=4, head_dim=5), "head_dim", "even"),
-    (dict(attention="standard", d_model=64, num_heads=4, head_dim=7), "head_dim", "even"),
-    # V1 fixes head_dim = d_model // (2h)
-    (dict(attention="diff_v1", d_model=64, num_heads=4, head_dim=16), "head_dim", "8"),
-    # unknown names
-    (dict(attention="diff_v3"), "attention", "diff_v3"),
-    (dict(attention="Standard"), "attention", None),
-    (dict(attention_impl="triton"), "attention_impl", "triton"),
-    (dict(dtype="float64"), "dtype", "float64"),
-    (dict(dtype="bf16"), "dtype", None),
-    (dict(param_dtype="int8"), "param_dtype", None),
-    # wrong types
-    (dict(d_model="64"), "d_model", "str"),
-    (dict(num_layers=True), "num_layers", "bool"),
-    (dict(d_model=64.0), "d_model", "float"),
-    (dict(num_kv_heads=2.0), "num_kv_heads", None),
-    (dict(vocab_size=None), "vocab_size", None),
-    (dict(rope_theta="10000"), "rope_theta", None),
-    (dict(rope_theta=True), "rope_theta", None),
-    (dict(tie_embeddings=1), "tie_embeddings", None),
-    (dict(attention=1), "attention", None),
-    (dict(dtype=None), "dtype", None),
-    (dict(lambda_init="0.8"), "lambda_init", None),
-    # non-positive sizes and scales
-    (dict(vocab_size=0), "vocab_size", None),
-    (dict(d_model=0), "d_model", None),
-    (dict(d_model=-64), "d_model", None),
-    (dict(num_layers=0), "num_layers", None),
-    (dict(num_heads=0), "num_heads", None),
-    (dict(num_kv_heads=0), "num_kv_heads", None),
-    (dict(head_dim=0, attention="standard"), "head_dim", None),
-    (dict(max_seq_len=0), "max_seq_len", None),
-    (dict(ffn_dim=-1), "ffn_dim", None),
-    (dict(ffn_multiple_of=0), "ffn_multiple_of", None),
-    (dict(rope_theta=0.0), "rope_theta", None),
-    (dict(norm_eps=0.0), "norm_eps", None),
-    (dict(init_std=-0.02), "init_std", None),
-    # V1-only settings on other kinds
-    (dict(attention="standard", lambda_init=0.8), "lambda_init", None),
-    (dict(attention="diff_v2", lambda_init=0.5), "lambda_init", None),
-    (dict(attention="standard", diff_norm=False), "diff_norm", None),
-    (dict(attention="diff_v2", diff_norm=False), "diff_norm", None),
-    # rotary scaling and the per-head norm's eps
-    (dict(rope_scaling="yarn"), "rope_scaling", "'none', 'linear', 'llama3'"),
-    (dict(rope_factor=8.0), "rope_factor", "rope_scaling='none'"),
-    (dict(rope_scaling="linear", rope_factor=0.0), "rope_factor", "> 0"),
-    (dict(rope_scaling="llama3", rope_factor=8.0, rope_low_freq_factor=4.0,
-          rope_high_freq_factor=1.0), "rope_high_freq_factor", "0 < rope_low_freq_factor"),
-    (dict(rope_scaling="llama3", rope_factor=8.0, rope_original_max_len=0),
-     "rope_original_max_len", None),
-    (dict(diff_norm_eps=0.0), "diff_norm_eps", None),
-])
+@pytest.mark.parametrize(
+    "kwargs, field, contains",
+    [
+        # width not divisible by heads
+        (dict(attention="standard", d_model=64, num_heads=3), "d_model", None),
+        (dict(attention="diff_v2", d_model=64, num_heads=3), "d_model", None),
+        # V1: d_model must be divisible by 2 * num_heads
+        (dict(attention="diff_v1", d_model=64, num_heads=3), "d_model", "2*num_heads"),
+        (dict(attention="diff_v1", d_model=96, num_heads=32), "d_model", None),  # 96 % 64 != 0
+        # kv heads not dividing heads
+        (dict(attention="standard", d_model=64, num_heads=4, num_kv_heads=3), "num_kv_heads", None),
+        (dict(attention="standard", d_model=64, num_heads=4, num_kv_heads=8), "num_kv_heads", None),
+        (dict(attention="diff_v1", d_model=64, num_heads=4, num_kv_heads=3), "num_kv_heads", None),
+        (dict(attention="diff_v2", d_model=64, num_heads=4, num_kv_heads=3), "num_kv_heads", None),
+        # V2 pairs (2i, 2i+1) straddling kv groups
+        (
+            dict(attention="diff_v2", d_model=96, num_heads=3, num_kv_heads=2),
+            "num_kv_heads",
+            "straddle",
+        ),
+        (
+            dict(attention="diff_v2", d_model=64, num_heads=2, num_kv_heads=4),
+            "num_kv_heads",
+            "straddle",
+        ),
+        # odd head width (rotary rotates channel pairs)
+        (dict(attention="standard", d_model=48, num_heads=16), "head_dim", "even"),
+        (dict(attention="diff_v1", d_model=48, num_heads=8), "head_dim", "even"),  # d = 3
+        (dict(attention="diff_v2", d_model=64, num_heads=4, head_dim=5), "head_dim", "even"),
+        (dict(attention="standard", d_model=64, num_heads=4, head_dim=7), "head_dim", "even"),
+        # V1 fixes head_dim = d_model // (2h)
+        (dict(attention="diff_v1", d_model=64, num_heads=4, head_dim=16), "head_dim", "8"),
+        # unknown names
+        (dict(attention="diff_v3"), "attention", "diff_v3"),
+        (dict(attention="Standard"), "attention", None),
+        (dict(attention_impl="triton"), "attention_impl", "triton"),
+        (dict(dtype="float64"), "dtype", "float64"),
+        (dict(dtype="bf16"), "dtype", None),
+        (dict(param_dtype="int8"), "param_dtype", None),
+        # wrong types
+        (dict(d_model="64"), "d_model", "str"),
+        (dict(num_layers=True), "num_layers", "bool"),
+        (dict(d_model=64.0), "d_model", "float"),
+        (dict(num_kv_heads=2.0), "num_kv_heads", None),
+        (dict(vocab_size=None), "vocab_size", None),
+        (dict(rope_theta="10000"), "rope_theta", None),
+        (dict(rope_theta=True), "rope_theta", None),
+        (dict(tie_embeddings=1), "tie_embeddings", None),
+        (dict(attention=1), "attention", None),
+        (dict(dtype=None), "dtype", None),
+        (dict(lambda_init="0.8"), "lambda_init", None),
+        # non-positive sizes and scales
+        (dict(vocab_size=0), "vocab_size", None),
+        (dict(d_model=0), "d_model", None),
+        (dict(d_model=-64), "d_model", None),
+        (dict(num_layers=0), "num_layers", None),
+        (dict(num_heads=0), "num_heads", None),
+        (dict(num_kv_heads=0), "num_kv_heads", None),
+        (dict(head_dim=0, attention="standard"), "head_dim", None),
+        (dict(max_seq_len=0), "max_seq_len", None),
+        (dict(ffn_dim=-1), "ffn_dim", None),
+        (dict(ffn_multiple_of=0), "ffn_multiple_of", None),
+        (dict(rope_theta=0.0), "rope_theta", None),
+        (dict(norm_eps=0.0), "norm_eps", None),
+        (dict(init_std=-0.02), "init_std", None),
+        # V1-only settings on other kinds
+        (dict(attention="standard", lambda_init=0.8), "lambda_init", None),
+        (dict(attention="diff_v2", lambda_init=0.5), "lambda_init", None),
+        (dict(attention="standard", diff_norm=False), "diff_norm", None),
+        (dict(attention="diff_v2", diff_norm=False), "diff_norm", None),
+        # rotary scaling and the per-head norm's eps
+        (dict(rope_scaling="yarn"), "rope_scaling", "'none', 'linear', 'llama3'"),
+        (dict(rope_factor=8.0), "rope_factor", "rope_scaling='none'"),
+        (dict(rope_scaling="linear", rope_factor=0.0), "rope_factor", "> 0"),
+        (
+            dict(
+                rope_scaling="llama3",
+                rope_factor=8.0,
+                rope_low_freq_factor=4.0,
+                rope_high_freq_factor=1.0,
+            ),
+            "rope_high_freq_factor",
+            "0 < rope_low_freq_factor",
+        ),
+        (
+            dict(rope_scaling="llama3", rope_factor=8.0, rope_original_max_len=0),
+            "rope_original_max_len",
+            None,
+        ),
+        (dict(diff_norm_eps=0.0), "diff_norm_eps", None),
+    ],
+)
 def test_rejected(kwargs, field, contains):
     assert_config_error(field, contains=contains, **kwargs)
 
 
 def test_message_format_names_field_and_fix():
-    err = assert_config_error("num_kv_heads", attention="diff_v2", d_model=96, num_heads=3,
-                              num_kv_heads=2)
+    err = assert_config_error(
+        "num_kv_heads", attention="diff_v2", d_model=96, num_heads=3, num_kv_heads=2
+    )
     msg = str(err)
     assert re.match(r"^ModelConfig\.num_kv_heads: .+\. Fix: .+\.$", msg), msg
     # The fix lists the valid choices (divisors of num_heads).
@@ -125,19 +148,22 @@ def test_d_model_fix_lists_valid_head_counts():
 
 
 # ----------------------------------------------------------------------------- accepted
-@pytest.mark.parametrize("kwargs, head_dim, kv_heads", [
-    (dict(attention="standard", d_model=256, num_heads=8), 32, 8),
-    (dict(attention="standard", d_model=256, num_heads=8, num_kv_heads=2), 32, 2),
-    (dict(attention="standard", d_model=256, num_heads=8, num_kv_heads=1), 32, 1),
-    (dict(attention="standard", d_model=100, num_heads=3, head_dim=32), 32, 3),
-    (dict(attention="diff_v1", d_model=256, num_heads=4), 32, 4),
-    (dict(attention="diff_v1", d_model=256, num_heads=4, num_kv_heads=2), 32, 2),
-    (dict(attention="diff_v1", d_model=256, num_heads=4, head_dim=32), 32, 4),
-    (dict(attention="diff_v2", d_model=256, num_heads=4), 64, 4),
-    (dict(attention="diff_v2", d_model=256, num_heads=4, num_kv_heads=2), 64, 2),
-    (dict(attention="diff_v2", d_model=256, num_heads=3, num_kv_heads=3, head_dim=32), 32, 3),
-    (dict(attention="diff_v2", d_model=96, num_heads=3, num_kv_heads=1), 32, 1),
-])
+@pytest.mark.parametrize(
+    "kwargs, head_dim, kv_heads",
+    [
+        (dict(attention="standard", d_model=256, num_heads=8), 32, 8),
+        (dict(attention="standard", d_model=256, num_heads=8, num_kv_heads=2), 32, 2),
+        (dict(attention="standard", d_model=256, num_heads=8, num_kv_heads=1), 32, 1),
+        (dict(attention="standard", d_model=100, num_heads=3, head_dim=32), 32, 3),
+        (dict(attention="diff_v1", d_model=256, num_heads=4), 32, 4),
+        (dict(attention="diff_v1", d_model=256, num_heads=4, num_kv_heads=2), 32, 2),
+        (dict(attention="diff_v1", d_model=256, num_heads=4, head_dim=32), 32, 4),
+        (dict(attention="diff_v2", d_model=256, num_heads=4), 64, 4),
+        (dict(attention="diff_v2", d_model=256, num_heads=4, num_kv_heads=2), 64, 2),
+        (dict(attention="diff_v2", d_model=256, num_heads=3, num_kv_heads=3, head_dim=32), 32, 3),
+        (dict(attention="diff_v2", d_model=96, num_heads=3, num_kv_heads=1), 32, 1),
+    ],
+)
 def test_derived_head_values(kwargs, head_dim, kv_heads):
     cfg = ModelConfig(**kwargs)
     assert cfg.resolved_head_dim == head_dim
@@ -145,17 +171,21 @@ def test_derived_head_values(kwargs, head_dim, kv_heads):
     assert cfg.is_diff == (cfg.attention != "standard")
 
 
-@pytest.mark.parametrize("d_model, multiple_of, expected", [
-    (256, 64, 704),   # 8/3 * 256 = 682.67 -> 704
-    (64, 64, 192),    # 170.67 -> 192
-    (96, 64, 256),    # exactly 256
-    (96, 32, 256),
-    (512, 256, 1536),  # 1365.33 -> 1536
-    (768, 64, 2048),  # exactly 2048
-])
+@pytest.mark.parametrize(
+    "d_model, multiple_of, expected",
+    [
+        (256, 64, 704),  # 8/3 * 256 = 682.67 -> 704
+        (64, 64, 192),  # 170.67 -> 192
+        (96, 64, 256),  # exactly 256
+        (96, 32, 256),
+        (512, 256, 1536),  # 1365.33 -> 1536
+        (768, 64, 2048),  # exactly 2048
+    ],
+)
 def test_resolved_ffn_dim(d_model, multiple_of, expected):
-    cfg = ModelConfig(attention="standard", d_model=d_model, num_heads=4,
-                      ffn_multiple_of=multiple_of)
+    cfg = ModelConfig(
+        attention="standard", d_model=d_model, num_heads=4, ffn_multiple_of=multiple_of
+    )
     assert cfg.resolved_ffn_dim == expected
     assert cfg.resolved_ffn_dim % multiple_of == 0
     assert cfg.resolved_ffn_dim >= 8 * d_model / 3 - 1
@@ -194,9 +224,20 @@ def _assert_rest_unchanged(a: ModelConfig, b: ModelConfig):
 
 
 def test_twin_v1_gqa():
-    cfg = ModelConfig(attention="diff_v1", d_model=256, num_heads=4, num_kv_heads=2,
-                      vocab_size=300, num_layers=3, max_seq_len=77, dtype="bfloat16",
-                      tie_embeddings=True, ffn_dim=500, rope_theta=5e5, init_std=0.01)
+    cfg = ModelConfig(
+        attention="diff_v1",
+        d_model=256,
+        num_heads=4,
+        num_kv_heads=2,
+        vocab_size=300,
+        num_layers=3,
+        max_seq_len=77,
+        dtype="bfloat16",
+        tie_embeddings=True,
+        ffn_dim=500,
+        rope_theta=5e5,
+        init_std=0.01,
+    )
     t = twin(cfg)
     assert t.attention == "standard"
     assert t.num_heads == 8 and t.kv_heads == 4
@@ -206,20 +247,24 @@ def test_twin_v1_gqa():
 
 
 def test_twin_v1_mha_and_ablations():
-    cfg = ModelConfig(attention="diff_v1", d_model=128, num_heads=2, lambda_init=0.5,
-                      diff_norm=False)
+    cfg = ModelConfig(
+        attention="diff_v1", d_model=128, num_heads=2, lambda_init=0.5, diff_norm=False
+    )
     t = twin(cfg)
     assert (t.attention, t.num_heads, t.kv_heads, t.resolved_head_dim) == ("standard", 4, 4, 32)
     assert t.lambda_init is None and t.diff_norm is True
     _assert_rest_unchanged(cfg, t)
 
 
-@pytest.mark.parametrize("kwargs", [
-    dict(d_model=256, num_heads=4),
-    dict(d_model=256, num_heads=4, num_kv_heads=2),
-    dict(d_model=256, num_heads=4, num_kv_heads=1),
-    dict(d_model=100, num_heads=3, num_kv_heads=3, head_dim=32),
-])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(d_model=256, num_heads=4),
+        dict(d_model=256, num_heads=4, num_kv_heads=2),
+        dict(d_model=256, num_heads=4, num_kv_heads=1),
+        dict(d_model=100, num_heads=3, num_kv_heads=3, head_dim=32),
+    ],
+)
 def test_twin_v2_same_heads(kwargs):
     cfg = ModelConfig(attention="diff_v2", vocab_size=99, num_layers=5, **kwargs)
     t = twin(cfg)
@@ -294,10 +339,13 @@ def _should_accept(kind: str, D: int, h: int, hkv: int | None, head_dim: int | N
 
 
 @settings(max_examples=300, deadline=None, derandomize=True)
-@given(kind=st.sampled_from(["standard", "diff_v1", "diff_v2"]),
-       D=st.integers(1, 160), h=st.integers(1, 12),
-       hkv=st.one_of(st.none(), st.integers(1, 12)),
-       head_dim=st.one_of(st.none(), st.integers(1, 40)))
+@given(
+    kind=st.sampled_from(["standard", "diff_v1", "diff_v2"]),
+    D=st.integers(1, 160),
+    h=st.integers(1, 12),
+    hkv=st.one_of(st.none(), st.integers(1, 12)),
+    head_dim=st.one_of(st.none(), st.integers(1, 40)),
+)
 def test_validation_matches_the_rules(kind, D, h, hkv, head_dim):
     kwargs = dict(attention=kind, d_model=D, num_heads=h, num_kv_heads=hkv, head_dim=head_dim)
     if _should_accept(kind, D, h, hkv, head_dim):
@@ -324,8 +372,9 @@ def test_validation_matches_the_rules(kind, D, h, hkv, head_dim):
 def test_numpy_scalars_are_accepted_and_become_python_numbers():
     import numpy as np
 
-    cfg = diffjax.ModelConfig(d_model=np.int64(128), num_heads=np.int32(2),
-                              rope_theta=np.float32(500000.0))
+    cfg = diffjax.ModelConfig(
+        d_model=np.int64(128), num_heads=np.int32(2), rope_theta=np.float32(500000.0)
+    )
     assert type(cfg.d_model) is int and cfg.d_model == 128
     assert type(cfg.num_heads) is int
     assert type(cfg.rope_theta) is float and cfg.rope_theta == 500000.0
@@ -335,10 +384,16 @@ def test_numpy_scalars_are_accepted_and_become_python_numbers():
 
 def test_rope_scaling_spec():
     assert ModelConfig().rope_scaling_spec is None
-    spec = ModelConfig(rope_scaling="llama3", rope_factor=8.0, rope_original_max_len=4096
-                       ).rope_scaling_spec
-    assert (spec.kind, spec.factor, spec.low_freq_factor, spec.high_freq_factor,
-            spec.original_max_len) == ("llama3", 8.0, 1.0, 4.0, 4096)
+    spec = ModelConfig(
+        rope_scaling="llama3", rope_factor=8.0, rope_original_max_len=4096
+    ).rope_scaling_spec
+    assert (
+        spec.kind,
+        spec.factor,
+        spec.low_freq_factor,
+        spec.high_freq_factor,
+        spec.original_max_len,
+    ) == ("llama3", 8.0, 1.0, 4.0, 4096)
 
 
 def test_a_checkpoint_from_before_the_new_fields_still_resumes():
@@ -364,12 +419,13 @@ def test_every_config_dataclass_checks_its_fields_by_annotation():
 
     train = TrainConfig(lr=1, steps=np.int64(7), tensorboard=np.bool_(False))
     assert type(train.lr) is float and type(train.steps) is int and train.tensorboard is False
-    for make, field, got in [(lambda: TrainConfig(steps="3"), "TrainConfig.steps", "str '3'"),
-                             (lambda: TrainConfig(lr=None), "TrainConfig.lr", "NoneType"),
-                             (lambda: RunConfig(dir=3), "RunConfig.dir", "int 3"),
-                             (lambda: DataConfig(seq_len=8.0), "DataConfig.seq_len", "float"),
-                             (lambda: ExperimentConfig(model={}), "ExperimentConfig.model",
-                              "dict {}")]:
+    for make, field, got in [
+        (lambda: TrainConfig(steps="3"), "TrainConfig.steps", "str '3'"),
+        (lambda: TrainConfig(lr=None), "TrainConfig.lr", "NoneType"),
+        (lambda: RunConfig(dir=3), "RunConfig.dir", "int 3"),
+        (lambda: DataConfig(seq_len=8.0), "DataConfig.seq_len", "float"),
+        (lambda: ExperimentConfig(model={}), "ExperimentConfig.model", "dict {}"),
+    ]:
         with pytest.raises(ConfigError) as info:
             make()
         msg = str(info.value)

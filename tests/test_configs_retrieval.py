@@ -56,36 +56,58 @@ def _brute_force_no_retrieval(config: DataConfig, n: int) -> float:
             spans, asked = ex["pair_spans"] + np.array([1, 0]), ex["query_pair"]
         values = [w[s:e].tobytes() for s, e in spans]
         for r, q in enumerate(asked):
-            left = [j for j in range(len(values))
-                    if config.query_replacement or j not in asked[:r]]
+            left = [j for j in range(len(values)) if config.query_replacement or j not in asked[:r]]
             hits.append(np.mean([values[j] == values[q] for j in left]))
     return float(np.mean(hits))
 
 
 def test_query_chance_matches_a_brute_force_guesser():
-    needle = DataConfig(source="needle", seq_len=200, num_needles=4, num_queries=2, key_len=1,
-                        value_len=1, num_val_examples=32)
+    needle = DataConfig(
+        source="needle",
+        seq_len=200,
+        num_needles=4,
+        num_queries=2,
+        key_len=1,
+        value_len=1,
+        num_val_examples=32,
+    )
     c = query_chance(needle)
     assert c["uniform"] == pytest.approx(1 / 9)
     assert c["no_retrieval"] == pytest.approx((1 / 4 + 1 / 3) / 2)
     assert c["no_retrieval_first"] == pytest.approx(1 / 4)  # query 0: nothing eliminated yet
     assert _brute_force_no_retrieval(needle, 32) == pytest.approx(c["no_retrieval"])  # exact
-    mqar = DataConfig(source="mqar", seq_len=24, num_pairs=8, num_queries=4, mqar_num_keys=16,
-                      mqar_num_values=4, num_val_examples=400)
+    mqar = DataConfig(
+        source="mqar",
+        seq_len=24,
+        num_pairs=8,
+        num_queries=4,
+        mqar_num_keys=16,
+        mqar_num_values=4,
+        num_val_examples=400,
+    )
     c = query_chance(mqar)
     assert c["uniform"] == 0.25
     assert _brute_force_no_retrieval(mqar, 400) == pytest.approx(c["no_retrieval"], abs=0.01)
     # every pair queried: the last answer follows by elimination (probability 1)
     c = query_chance(mqar.replace(num_queries=8, seq_len=32))
-    assert c["no_retrieval"] == pytest.approx(np.mean(
-        [1 / (8 - r) + (1 - 1 / (8 - r)) / 4 for r in range(8)]))
+    assert c["no_retrieval"] == pytest.approx(
+        np.mean([1 / (8 - r) + (1 - 1 / (8 - r)) / 4 for r in range(8)])
+    )
     with pytest.raises(ValueError, match="no queries"):
         query_chance(DataConfig())
 
 
 def test_queries_with_replacement_repeat_keys_and_eliminate_nothing():
-    mqar = DataConfig(source="mqar", seq_len=48, num_pairs=8, num_queries=16, mqar_num_keys=16,
-                      mqar_num_values=16, query_replacement=True, num_val_examples=300)
+    mqar = DataConfig(
+        source="mqar",
+        seq_len=48,
+        num_pairs=8,
+        num_queries=16,
+        mqar_num_keys=16,
+        mqar_num_values=16,
+        query_replacement=True,
+        num_val_examples=300,
+    )
     c = query_chance(mqar)
     assert c["no_retrieval"] == pytest.approx(1 / 8 + (1 - 1 / 8) / 16)  # the same for every query
     assert _brute_force_no_retrieval(mqar, 300) == pytest.approx(c["no_retrieval"], abs=0.01)
@@ -98,8 +120,16 @@ def test_queries_with_replacement_repeat_keys_and_eliminate_nothing():
     for r, q in enumerate(ex["query_pair"]):  # each answer is the value of the asked pair
         s, e = ex["answer_spans"][r]
         assert w[e] == w[ex["pair_spans"][q][0] + 1]
-    needle = DataConfig(source="needle", seq_len=300, num_needles=3, num_queries=4, key_len=1,
-                        value_len=1, query_replacement=True, num_val_examples=8)
+    needle = DataConfig(
+        source="needle",
+        seq_len=300,
+        num_needles=3,
+        num_queries=4,
+        key_len=1,
+        value_len=1,
+        query_replacement=True,
+        num_val_examples=8,
+    )
     assert query_chance(needle)["no_retrieval"] == pytest.approx(1 / 3)
     assert make_source(needle, "validation")[0]["query_needle"].shape == (4,)
     with pytest.raises(ValueError, match="query_replacement=True"):
@@ -125,8 +155,9 @@ def test_repeated_queries_can_be_copied_and_the_first_query_cannot(name):
         first, repeat = (x[0] for x in query_kinds(batch))
         w = np.concatenate([ex["inputs"], ex["targets"][-1:]])
         asked = ex["query_needle" if name == "needle" else "query_pair"]
-        spans = (ex["needle_value_spans"] if name == "needle"
-                 else ex["pair_spans"] + np.array([1, 0]))
+        spans = (
+            ex["needle_value_spans"] if name == "needle" else ex["pair_spans"] + np.array([1, 0])
+        )
         for r, q in enumerate(asked):
             s, e = ex["answer_spans"][r] + 1  # the answer in input coordinates
             truth = w[s:e].tobytes()
@@ -164,7 +195,7 @@ def test_needle_config_keys_occur_only_in_their_needle():
             w = ex["inputs"]
             text = np.ones(len(w), bool)
             text[0] = False
-            text[ex["query_spans"][0, 0]:] = False
+            text[ex["query_spans"][0, 0] :] = False
             for s, e in ex["needle_spans"]:
                 text[s:e] = False
             key = w[ex["needle_spans"][ex["query_needle"][0], 0]]  # bare needles: key first

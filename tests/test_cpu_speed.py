@@ -30,15 +30,18 @@ def test_an_option_this_jax_does_not_know_is_detected(monkeypatch):
 
 def test_options_keep_the_training_gradients():
     """A tiny LM's loss and gradients compiled with and without the options agree."""
-    cfg = diffjax.ModelConfig(vocab_size=32, d_model=32, num_layers=1, num_heads=2,
-                              max_seq_len=16, attention_impl="xla")
+    cfg = diffjax.ModelConfig(
+        vocab_size=32, d_model=32, num_layers=1, num_heads=2, max_seq_len=16, attention_impl="xla"
+    )
     graphdef, params = nnx.split(diffjax.TransformerLM(cfg, rngs=nnx.Rngs(0)))
     tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, 32)
 
     def loss(p):
         logits = nnx.merge(graphdef, p)(tokens)
-        return jnp.mean(jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(
-            logits, tokens[..., None], -1)[..., 0])
+        return jnp.mean(
+            jax.nn.logsumexp(logits, -1)
+            - jnp.take_along_axis(logits, tokens[..., None], -1)[..., 0]
+        )
 
     grad = jax.value_and_grad(loss)
     want = jax.jit(grad)(params)
@@ -106,11 +109,15 @@ def test_differential_gqa_one_value_product_against_numpy(v2):
     """``(A1 - lam A2) v`` in the grouped layout (R = 2 query heads per kv head), segment ids
     with a query that sees no key (zero output), a scalar and a [B, T, Hq] lambda."""
     (q1, k1, q2, k2, v), seg, kv_seg, mask = _case()
-    lam = (np.random.default_rng(1).uniform(size=(2, 6, 4)).astype(np.float32) if v2
-           else np.float32(0.7))
-    got = reference.differential_attention(*map(jnp.asarray, (q1, k1, q2, k2, v)), lam,
-                                           segment_ids=seg, kv_segment_ids=kv_seg)
-    s = 8 ** -0.5
+    lam = (
+        np.random.default_rng(1).uniform(size=(2, 6, 4)).astype(np.float32)
+        if v2
+        else np.float32(0.7)
+    )
+    got = reference.differential_attention(
+        *map(jnp.asarray, (q1, k1, q2, k2, v)), lam, segment_ids=seg, kv_segment_ids=kv_seg
+    )
+    s = 8**-0.5
     vr = np.repeat(v, 2, axis=2)
     o1 = np.einsum("bhts,bshd->bthd", _np_probs(q1, k1, mask, s), vr)
     o2 = np.einsum("bhts,bshd->bthd", _np_probs(q2, k2, mask, s), vr)
@@ -122,14 +129,21 @@ def test_differential_gqa_one_value_product_against_numpy(v2):
 def test_standard_gqa_maps_and_output_against_numpy():
     (q, k, _, _, v), seg, kv_seg, mask = _case(seed=3)
     kw = dict(segment_ids=jnp.asarray(seg), kv_segment_ids=jnp.asarray(kv_seg))
-    p = _np_probs(q, k, mask, 8 ** -0.5)
+    p = _np_probs(q, k, mask, 8**-0.5)
     np.testing.assert_allclose(reference.attention_weights(q, k, **kw), p, rtol=1e-5, atol=1e-7)
     logits, _ = reference.attention_logits(q, k, **kw)
-    np.testing.assert_allclose(logits, np.einsum("bthd,bshd->bhts", q, np.repeat(k, 2, axis=2))
-                               * 8 ** -0.5, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(reference.dot_product_attention(q, k, v, **kw),
-                               np.einsum("bhts,bshd->bthd", p, np.repeat(v, 2, axis=2)),
-                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        logits,
+        np.einsum("bthd,bshd->bhts", q, np.repeat(k, 2, axis=2)) * 8**-0.5,
+        rtol=1e-5,
+        atol=1e-6,
+    )
+    np.testing.assert_allclose(
+        reference.dot_product_attention(q, k, v, **kw),
+        np.einsum("bhts,bshd->bthd", p, np.repeat(v, 2, axis=2)),
+        rtol=1e-5,
+        atol=1e-6,
+    )
 
 
 def test_bfloat16_one_value_product_stays_near_the_two_product_form():
@@ -141,8 +155,9 @@ def test_bfloat16_one_value_product_stays_near_the_two_product_form():
     up = [np.asarray(a.astype(jnp.float32)) for a in bf]
     mask = np.tril(np.ones((6, 6), bool))[None]
     vr = np.repeat(up[4], 2, axis=2)
-    want = (np.einsum("bhts,bshd->bthd", _np_probs(up[0], up[1], mask, 8 ** -0.5), vr)
-            - 0.6 * np.einsum("bhts,bshd->bthd", _np_probs(up[2], up[3], mask, 8 ** -0.5), vr))
+    want = np.einsum(
+        "bhts,bshd->bthd", _np_probs(up[0], up[1], mask, 8**-0.5), vr
+    ) - 0.6 * np.einsum("bhts,bshd->bthd", _np_probs(up[2], up[3], mask, 8**-0.5), vr)
     np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
 
 
@@ -156,10 +171,36 @@ def test_step_time_benchmark_runs_on_cpu(capsys, tmp_path):
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     md = tmp_path / "table.md"
-    assert bench.main(["--batch", "1", "--seq", "8", "--d-model", "16", "--layers", "1",
-                       "--heads", "1", "--rounds", "1", "--steps", "1", "--components", "step",
-                       "norm", "--models", "DIFF V1", "twin V1", "torch DIFF V1",
-                       "--markdown", str(md)]) == 0
+    assert (
+        bench.main(
+            [
+                "--batch",
+                "1",
+                "--seq",
+                "8",
+                "--d-model",
+                "16",
+                "--layers",
+                "1",
+                "--heads",
+                "1",
+                "--rounds",
+                "1",
+                "--steps",
+                "1",
+                "--components",
+                "step",
+                "norm",
+                "--models",
+                "DIFF V1",
+                "twin V1",
+                "torch DIFF V1",
+                "--markdown",
+                str(md),
+            ]
+        )
+        == 0
+    )
     table = md.read_text()
     assert "| step |" in table and "| norm |" in table
     assert "step DIFF V1 / twin V1:" in table

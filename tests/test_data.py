@@ -12,11 +12,28 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from diffjax.config import ConfigError
-from diffjax.data import (BOS, EOS, PAD, ByteTokenizer, DataConfig, DataError, answer_accuracy,
-                          answer_correct, check_data, describe, is_validation_file, load_corpus,
-                          query_correct,
-                          make_dataset, make_source, num_examples, num_tokens, stdlib_files,
-                          stdlib_root, steps_per_epoch)
+from diffjax.data import (
+    BOS,
+    EOS,
+    PAD,
+    ByteTokenizer,
+    DataConfig,
+    DataError,
+    answer_accuracy,
+    answer_correct,
+    check_data,
+    describe,
+    is_validation_file,
+    load_corpus,
+    query_correct,
+    make_dataset,
+    make_source,
+    num_examples,
+    num_tokens,
+    stdlib_files,
+    stdlib_root,
+    steps_per_epoch,
+)
 from diffjax.data.config import needle_len, query_len
 from diffjax.data.sources import open_token_file
 from diffjax.data.synthetic import place_needles
@@ -32,7 +49,8 @@ def take(ds, k: int) -> list[dict[str, np.ndarray]]:
 
 def batches_equal(a: list[dict], b: list[dict]) -> bool:
     return len(a) == len(b) and all(
-        x.keys() == y.keys() and all(np.array_equal(x[k], y[k]) for k in x) for x, y in zip(a, b))
+        x.keys() == y.keys() and all(np.array_equal(x[k], y[k]) for k in x) for x, y in zip(a, b)
+    )
 
 
 def rows(batches: list[dict], key: str = "inputs", weighted_only: bool = False) -> list[tuple]:
@@ -128,8 +146,11 @@ def test_stdlib_full_corpus_summary():
     assert s.train_tokens > 1_000_000 and 0 < s.validation_tokens < s.train_tokens
     assert s.train_examples == (s.train_tokens - 1) // 256
     assert num_tokens(DataConfig(), "validation") == s.validation_tokens
-    assert re.match(r"stdlib corpus \(.*\): [\d,]+ files, [\d.]+ M train tokens, [\d.]+ (M|k) "
-                    r"validation tokens$", describe(DataConfig())), describe(DataConfig())
+    assert re.match(
+        r"stdlib corpus \(.*\): [\d,]+ files, [\d.]+ M train tokens, [\d.]+ (M|k) "
+        r"validation tokens$",
+        describe(DataConfig()),
+    ), describe(DataConfig())
 
 
 # ============================================================================ windows, pipeline
@@ -153,13 +174,16 @@ def test_batches_shapes_and_determinism():
     ds = make_dataset(SMALL_STDLIB, "train", batch_size=4)
     a = take(ds, 3)
     assert {k: (v.shape, v.dtype) for k, v in a[0].items()} == {
-        "inputs": ((4, 64), np.int32), "targets": ((4, 64), np.int32),
-        "weights": ((4, 64), np.float32)}
+        "inputs": ((4, 64), np.int32),
+        "targets": ((4, 64), np.int32),
+        "weights": ((4, 64), np.float32),
+    }
     assert batches_equal(a, take(make_dataset(SMALL_STDLIB, "train", batch_size=4), 3))
     assert batches_equal(a, take(make_dataset(SMALL_STDLIB, "train", batch_size=4, seed=0), 3))
     assert not batches_equal(a, take(make_dataset(SMALL_STDLIB, "train", batch_size=4, seed=1), 3))
-    assert not batches_equal(a, take(make_dataset(SMALL_STDLIB.replace(seed=1), "train",
-                                                  batch_size=4), 3))
+    assert not batches_equal(
+        a, take(make_dataset(SMALL_STDLIB.replace(seed=1), "train", batch_size=4), 3)
+    )
     unshuffled = take(make_dataset(SMALL_STDLIB.replace(shuffle=False), "train", batch_size=2), 1)
     src = make_source(SMALL_STDLIB, "train")
     np.testing.assert_array_equal(unshuffled[0]["inputs"][1], src[1]["inputs"])
@@ -187,27 +211,34 @@ def test_process_sharding_disjoint_and_covering(text_dir, split):
     B, pc = 3, 2
     shards = []
     for pi in range(pc):
-        ds = make_dataset(cfg, split, batch_size=B, process_index=pi, process_count=pc,
-                          num_epochs=1)
+        ds = make_dataset(
+            cfg, split, batch_size=B, process_index=pi, process_count=pc, num_epochs=1
+        )
         shards.append(list(ds))
     assert len(shards[0]) == len(shards[1]) > 0  # same number of batches on every process
     got = [rows(s, weighted_only=(split == "validation")) for s in shards]
     assert not set(got[0]) & set(got[1])
     if split == "train":  # whole global batches of pc * B; process p reads rows [pB, (p+1)B)
-        assert len(shards[0]) == n // (pc * B) == steps_per_epoch(cfg, split, batch_size=B,
-                                                                   process_count=pc)
+        assert (
+            len(shards[0])
+            == n // (pc * B)
+            == steps_per_epoch(cfg, split, batch_size=B, process_count=pc)
+        )
         whole = rows(take(make_dataset(cfg, split, batch_size=1, num_epochs=1), n))
         assert set(got[0]) | set(got[1]) <= set(whole)
         # global batch j is the same examples in the same order as for one process
         one = rows(take(make_dataset(cfg, split, batch_size=pc * B, num_epochs=1), 2))
         for j in range(2):
-            assert got[0][j * B:(j + 1) * B] + got[1][j * B:(j + 1) * B] == \
-                one[j * pc * B:(j + 1) * pc * B]
+            assert (
+                got[0][j * B : (j + 1) * B] + got[1][j * B : (j + 1) * B]
+                == one[j * pc * B : (j + 1) * pc * B]
+            )
     else:  # validation: every example exactly once, padded with zero-weight PAD rows
         assert sorted(got[0] + got[1]) == everything
         assert len(shards[0]) == steps_per_epoch(cfg, split, batch_size=B, process_count=pc)
-        pad_rows = [r for s in shards for b in s for r, w in zip(b["inputs"], b["weights"])
-                    if not w.any()]
+        pad_rows = [
+            r for s in shards for b in s for r, w in zip(b["inputs"], b["weights"]) if not w.any()
+        ]
         assert len(pad_rows) == len(shards[0]) * B * pc - n
         assert all((r == PAD).all() for r in pad_rows)
 
@@ -246,16 +277,24 @@ def test_orbax_checkpoint_round_trip(tmp_path):
         next(it)
     params = {"w": np.arange(6, dtype=np.float32).reshape(2, 3)}
     with ocp.CheckpointManager(tmp_path / "ckpt") as mngr:
-        mngr.save(5, args=ocp.args.Composite(state=ocp.args.StandardSave(params),
-                                             data=grain.checkpoint.CheckpointSave(it)))
+        mngr.save(
+            5,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(params), data=grain.checkpoint.CheckpointSave(it)
+            ),
+        )
         mngr.wait_until_finished()
     want = [next(it) for _ in range(3)]
     fresh = iter(make_dataset(SMALL_STDLIB, "train", batch_size=4))
     with ocp.CheckpointManager(tmp_path / "ckpt") as mngr:
         assert mngr.latest_step() == 5
-        restored = mngr.restore(5, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(params),
-            data=grain.checkpoint.CheckpointRestore(fresh)))
+        restored = mngr.restore(
+            5,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(params),
+                data=grain.checkpoint.CheckpointRestore(fresh),
+            ),
+        )
     np.testing.assert_array_equal(restored["state"]["w"], params["w"])
     assert batches_equal(want, [next(fresh) for _ in range(3)])
 
@@ -288,8 +327,13 @@ def test_token_files_memory_mapped(tmp_path, fmt):
         else:
             a.tofile(path)
     (tmp_path / "notes.txt").write_text("not a token file")  # ignored inside a directory
-    cfg = DataConfig(source="tokens", path=str(tmp_path), seq_len=32, val_fraction=0.1,
-                     token_dtype=dtype if kind == "bin" else "uint16")
+    cfg = DataConfig(
+        source="tokens",
+        path=str(tmp_path),
+        seq_len=32,
+        val_fraction=0.1,
+        token_dtype=dtype if kind == "bin" else "uint16",
+    )
     corpus = load_corpus(cfg)
     assert len(corpus.files) == 3
     for f in corpus.files:
@@ -301,8 +345,8 @@ def test_token_files_memory_mapped(tmp_path, fmt):
     src = make_source(cfg, "train")
     assert len(src) == (cut - 1) // 32
     i = 500 // 32  # a window across the first file boundary
-    np.testing.assert_array_equal(src[i]["inputs"], whole[i * 32:i * 32 + 32])
-    np.testing.assert_array_equal(src[i]["targets"], whole[i * 32 + 1:i * 32 + 33])
+    np.testing.assert_array_equal(src[i]["inputs"], whole[i * 32 : i * 32 + 32])
+    np.testing.assert_array_equal(src[i]["targets"], whole[i * 32 + 1 : i * 32 + 33])
     s = check_data(cfg, vocab_size=259)
     assert s.train_tokens == cut and s.validation_tokens == 150
     assert "token files" in describe(cfg)
@@ -314,8 +358,14 @@ def test_token_files_memory_mapped(tmp_path, fmt):
 
 
 # ============================================================================ needle task
-NEEDLE = DataConfig(source="needle", seq_len=768, num_needles=4, num_queries=2,
-                    needle_depths=(0.0, 0.3, 0.6, 1.0), max_files=40)
+NEEDLE = DataConfig(
+    source="needle",
+    seq_len=768,
+    num_needles=4,
+    num_queries=2,
+    needle_depths=(0.0, 0.3, 0.6, 1.0),
+    max_files=40,
+)
 
 
 def test_needle_layout_answers_and_depths():
@@ -334,8 +384,9 @@ def test_needle_layout_answers_and_depths():
         np.testing.assert_allclose(ex["needle_depths"], NEEDLE.needle_depths, atol=1 / (H - nl))
         facts = {}
         for (s, e), (vs, ve) in zip(ex["needle_spans"], ex["needle_value_spans"]):
-            m = re.fullmatch(r"\nThe magic number for ([a-z]{5}) is ([1-9]\d{5})\.\n",
-                             TOK.decode(w[s:e]))
+            m = re.fullmatch(
+                r"\nThe magic number for ([a-z]{5}) is ([1-9]\d{5})\.\n", TOK.decode(w[s:e])
+            )
             assert m, TOK.decode(w[s:e])
             assert TOK.decode(w[vs:ve]) == m.group(2)
             facts[m.group(1)] = m.group(2)
@@ -344,7 +395,9 @@ def test_needle_layout_answers_and_depths():
         starts = ex["needle_spans"][:, 0] - 1
         np.testing.assert_array_equal(starts, np.rint(np.array(NEEDLE.needle_depths) * (H - nl)))
         # queries at the end; weights exactly on the answer digits; answers appear in context
-        queries = re.findall(r"\nWhat is the magic number for ([a-z]{5})\? (\d{6})\.?", text[-2 * ql:])
+        queries = re.findall(
+            r"\nWhat is the magic number for ([a-z]{5})\? (\d{6})\.?", text[-2 * ql :]
+        )
         assert len(queries) == 2 and text.endswith(queries[-1][1] + ".")
         weighted = np.flatnonzero(ex["weights"])
         assert weighted.min() >= T - 2 * ql and set(ex["weights"].tolist()) == {0.0, 1.0}
@@ -357,7 +410,7 @@ def test_needle_layout_answers_and_depths():
             q = ex["query_needle"][r]
             vs, ve = ex["needle_value_spans"][q]
             np.testing.assert_array_equal(ex["inputs"][vs:ve], ex["targets"][s:e])
-            assert text[:1 + H].count(value) >= 1
+            assert text[: 1 + H].count(value) >= 1
 
 
 def test_needle_deterministic_and_random_depths():
@@ -397,7 +450,7 @@ def test_needle_minimal_seq_len_and_text_haystack(text_dir):
     ex = make_source(cfg.replace(seq_len=need + 40), "train")[0]
     hay = np.ones(need + 40, bool)
     hay[0] = False  # BOS
-    hay[1 + 40 + 2 * needle_len(5, 6):] = False  # the query
+    hay[1 + 40 + 2 * needle_len(5, 6) :] = False  # the query
     for s, e in ex["needle_spans"]:
         hay[s:e] = False
     assert hay.sum() == 40
@@ -408,9 +461,19 @@ def test_needle_minimal_seq_len_and_text_haystack(text_dir):
 def test_needle_custom_templates_key_letters_and_query_spans():
     """Own needle/query sentences: the layout, weights and spans follow the templates; keys come
     from the first needle_num_key_letters letters; query_spans mark each query."""
-    cfg = DataConfig(source="needle", seq_len=96, num_needles=3, num_queries=4,
-                     query_replacement=True, key_len=1, value_len=2, needle_template="\n${key}{value}\n",
-                     query_template="\n${key}{value}", needle_num_key_letters=4, max_files=40)
+    cfg = DataConfig(
+        source="needle",
+        seq_len=96,
+        num_needles=3,
+        num_queries=4,
+        query_replacement=True,
+        key_len=1,
+        value_len=2,
+        needle_template="\n${key}{value}\n",
+        query_template="\n${key}{value}",
+        needle_num_key_letters=4,
+        max_files=40,
+    )
     assert (cfg.needle_bytes, cfg.query_bytes) == (6, 5) and cfg.needle_min_seq_len == 38
     src = make_source(cfg, "train")
     for i in range(20):
@@ -429,7 +492,8 @@ def test_needle_custom_templates_key_letters_and_query_spans():
             key, value = re.fullmatch(r"\n\$([a-d])(\d\d)", TOK.decode(w[s:e])).groups()
             assert facts[key] == value == TOK.decode(w[slice(*ex["answer_spans"][r] + 1)])
         assert np.flatnonzero(ex["weights"]).tolist() == sorted(
-            t for a, b in ex["answer_spans"] for t in range(a, b))
+            t for a, b in ex["answer_spans"] for t in range(a, b)
+        )
     # keys from an own alphabet (characters rare in the haystack): every key is one of them
     rare = cfg.replace(needle_key_letters="JQZXYKVW", needle_num_key_letters=26)
     assert rare.key_alphabet == "JQZXYKVW"
@@ -437,8 +501,10 @@ def test_needle_custom_templates_key_letters_and_query_spans():
     for i in range(20):
         ex = make_source(rare, "train")[i]
         w = np.concatenate([ex["inputs"], ex["targets"][-1:]])
-        keys = [re.fullmatch(r"\n\$(.)\d\d\n", TOK.decode(w[s:e])).group(1)
-                for s, e in ex["needle_spans"]]
+        keys = [
+            re.fullmatch(r"\n\$(.)\d\d\n", TOK.decode(w[s:e])).group(1)
+            for s, e in ex["needle_spans"]
+        ]
         assert len(set(keys)) == 3 and set(keys) <= set("JQZXYKVW")
         seen |= set(keys)
     assert len(seen) >= 6  # drawn from the whole alphabet, not its first letters
@@ -447,13 +513,20 @@ def test_needle_custom_templates_key_letters_and_query_spans():
     ex = make_source(NEEDLE, "train")[0]
     w = np.concatenate([ex["inputs"], ex["targets"][-1:]])
     for s, e in ex["query_spans"]:
-        assert re.fullmatch(r"\nWhat is the magic number for [a-z]{5}\? \d{6}\.",
-                            TOK.decode(w[s:e]))
+        assert re.fullmatch(
+            r"\nWhat is the magic number for [a-z]{5}\? \d{6}\.", TOK.decode(w[s:e])
+        )
 
 
 def test_context_len_schedule():
-    cfg = DataConfig(source="mqar", seq_len=128, num_pairs=8, num_queries=16,
-                     query_replacement=True, curriculum_steps=100)
+    cfg = DataConfig(
+        source="mqar",
+        seq_len=128,
+        num_pairs=8,
+        num_queries=16,
+        query_replacement=True,
+        curriculum_steps=100,
+    )
     assert cfg.task_min_seq_len == 48
     lens = [cfg.context_len(s) for s in (0, 1, 50, 99, 100, 10**6)]
     assert lens == [48, 48, 88, 127, 128, 128]
@@ -465,9 +538,18 @@ def test_needle_curriculum_short_examples_then_full():
     """Under a context-length curriculum, the train examples of step s hold the task at
     context_len(s) tokens (a shorter haystack, the same needles and queries), then PAD with no
     weight; from curriculum_steps on, and in validation, they are the curriculum-free examples."""
-    base = DataConfig(source="needle", seq_len=96, num_needles=3, num_queries=4,
-                      query_replacement=True, key_len=1, value_len=2, needle_template="\n${key}{value}\n",
-                      query_template="\n${key}{value}", max_files=40)
+    base = DataConfig(
+        source="needle",
+        seq_len=96,
+        num_needles=3,
+        num_queries=4,
+        query_replacement=True,
+        key_len=1,
+        value_len=2,
+        needle_template="\n${key}{value}\n",
+        query_template="\n${key}{value}",
+        max_files=40,
+    )
     cfg = base.replace(curriculum_steps=10)
     G = 4
     src, full = make_source(cfg, "train", global_batch=G), make_source(base, "train")
@@ -475,7 +557,7 @@ def test_needle_curriculum_short_examples_then_full():
         ex, L = src[i], cfg.context_len(i // G)
         assert L < 96
         w = np.concatenate([ex["inputs"], ex["targets"][-1:]])
-        assert (w[L + 1:] == PAD).all() and w[L] != PAD and not ex["weights"][L:].any()
+        assert (w[L + 1 :] == PAD).all() and w[L] != PAD and not ex["weights"][L:].any()
         assert ex["query_spans"][-1, 1] == L + 1
         facts = {}
         for (s, e), (vs, ve) in zip(ex["needle_spans"], ex["needle_value_spans"]):
@@ -500,7 +582,7 @@ def test_needle_curriculum_short_examples_then_full():
     for step in range(3):
         b = next(it)
         L = cfg.context_len(step)
-        assert (b["inputs"][:, L + 1:] == PAD).all() and (b["inputs"][:, L] != PAD).all()
+        assert (b["inputs"][:, L + 1 :] == PAD).all() and (b["inputs"][:, L] != PAD).all()
     assert "grow from 38 to 96 tokens over the first 10 steps" in describe(cfg)
 
 
@@ -512,12 +594,14 @@ def test_mqar_curriculum_layout():
         ex, L = src[i], cfg.context_len(i // 2)
         w = np.concatenate([ex["inputs"], ex["targets"][-1:]])
         pairs = dict(zip(w[1:17:2].tolist(), w[2:17:2].tolist()))
-        assert (w[17:L + 1 - 6] == PAD).all() and (w[L + 1:] == PAD).all()
+        assert (w[17 : L + 1 - 6] == PAD).all() and (w[L + 1 :] == PAD).all()
         weighted = np.flatnonzero(ex["weights"])
         assert weighted.tolist() == [L - 5, L - 3, L - 1]
         for t in weighted:
             assert pairs[int(ex["inputs"][t])] == ex["targets"][t]
-        np.testing.assert_array_equal(w[:17], np.concatenate([full[i]["inputs"], full[i]["targets"][-1:]])[:17])
+        np.testing.assert_array_equal(
+            w[:17], np.concatenate([full[i]["inputs"], full[i]["targets"][-1:]])[:17]
+        )
     assert cfg.context_len(0) == 30 and cfg.context_len(8) == 64
 
 
@@ -528,7 +612,8 @@ def test_needle_validation_padding_matches_train_batches():
     assert len(val) == 2 and val[1]["weights"].any(axis=1).tolist() == [True, False, False, False]
     for b in val:
         assert {k: (v.shape, v.dtype) for k, v in b.items()} == {
-            k: (v.shape, v.dtype) for k, v in train.items()}
+            k: (v.shape, v.dtype) for k, v in train.items()
+        }
 
 
 # ============================================================================ MQAR
@@ -542,7 +627,7 @@ def test_mqar_layout_and_determinism():
         keys, values = w[1:17:2], w[2:17:2]
         assert len(set(keys.tolist())) == 8 and keys.max() < 128 and values.min() >= 128
         pairs = dict(zip(keys.tolist(), values.tolist()))
-        assert (w[17:65 - 6] == PAD).all()
+        assert (w[17 : 65 - 6] == PAD).all()
         weighted = np.flatnonzero(ex["weights"])
         assert weighted.tolist() == [59, 61, 63]
         for r, t in enumerate(weighted):
@@ -560,8 +645,9 @@ def test_mqar_layout_and_determinism():
 def test_mqar_key_and_value_vocabulary():
     """mqar_num_keys / mqar_num_values narrow the vocabularies; at their defaults (128 each)
     the stream is the one the generator wrote before they existed (the same draws)."""
-    cfg = DataConfig(source="mqar", seq_len=64, num_pairs=8, num_queries=3, mqar_num_keys=10,
-                     mqar_num_values=4)
+    cfg = DataConfig(
+        source="mqar", seq_len=64, num_pairs=8, num_queries=3, mqar_num_keys=10, mqar_num_values=4
+    )
     src = make_source(cfg, "train")
     for i in range(20):
         w = np.concatenate([src[i]["inputs"], src[i]["targets"][-1:]])
@@ -646,157 +732,296 @@ def assert_error(exc_type, fn, *contains):
     return msg
 
 
-@pytest.mark.parametrize("kwargs, field, contains", [
-    (dict(source="wiki"), "source", "'stdlib', 'text', 'tokens', 'needle', 'mqar'"),
-    (dict(seq_len=4), "seq_len", ">= 8"),
-    (dict(val_fraction=1.0), "val_fraction", "[0, 1)"),
-    (dict(val_fraction=-0.1), "val_fraction", "[0, 1)"),
-    (dict(seed=-1), "seed", "2**32"),
-    (dict(token_dtype="int8"), "token_dtype", "uint16"),
-    (dict(max_files=0), "max_files", ">= 1"),
-    (dict(seq_len="256"), "seq_len", "expected int"),
-    (dict(shuffle=1), "shuffle", "expected bool"),
-    (dict(source="text"), "path", "None"),
-    (dict(source="tokens"), "path", "None"),
-    (dict(path="/tmp"), "path", "does not read files"),
-    (dict(source="mqar", path="x.txt"), "path", "does not read files"),
-    (dict(source="needle", num_needles=2, num_queries=3, seq_len=1024), "num_queries", "<= 2"),
-    (dict(source="needle", seq_len=100), "seq_len", "needs >= 244"),
-    (dict(source="needle", seq_len=512, needle_depths=(0.1, 0.2)), "needle_depths", "exactly 4"),
-    (dict(source="needle", seq_len=512, needle_depths=(0.1, 0.2, 0.3, 1.5)), "needle_depths",
-     "[0, 1]"),
-    (dict(needle_depths=(0.5,) * 4), "needle_depths", "source='needle'"),
-    (dict(source="needle", seq_len=512, needle_depths="a,b"), "needle_depths", "expected"),
-    (dict(source="mqar", num_pairs=200, seq_len=1024), "num_pairs", "128"),
-    (dict(source="mqar", num_pairs=4, num_queries=5), "num_queries", "<= 4"),
-    (dict(source="mqar", num_pairs=16, seq_len=32), "seq_len", "needs >= 36"),
-    (dict(source="mqar", num_pairs=16, seq_len=64, mqar_num_keys=8), "num_pairs",
-     "mqar_num_keys=8"),
-    (dict(source="mqar", mqar_num_keys=129, seq_len=64), "mqar_num_keys", "[1, 128]"),
-    (dict(source="mqar", mqar_num_values=0, seq_len=64), "mqar_num_values", "[1, 128]"),
-    (dict(curriculum_steps=100), "curriculum_steps", "source='needle' or 'mqar'"),
-    (dict(source="mqar", seq_len=64, curriculum_steps=-1), "curriculum_steps", ">= 0"),
-    (dict(source="mqar", seq_len=64, curriculum_start_len=40), "curriculum_start_len",
-     "curriculum_steps=0"),
-    (dict(source="mqar", seq_len=64, num_pairs=8, num_queries=4, curriculum_steps=10,
-          curriculum_start_len=20), "curriculum_start_len", "[24, seq_len=64]"),
-    (dict(source="mqar", seq_len=64, num_pairs=8, curriculum_steps=10,
-          curriculum_start_len=65), "curriculum_start_len", "[20, seq_len=64]"),
-    (dict(source="needle", value_len=1, num_needles=10, num_queries=1, seq_len=1024),
-     "value_len", "distinct"),
-    (dict(source="needle", seq_len=512, needle_template="{value} is {key}"), "needle_template",
-     "before"),
-    (dict(source="needle", seq_len=512, query_template="What is {key}?"), "query_template",
-     "exactly once"),
-    (dict(source="needle", seq_len=512, needle_template="{key} \u2192 {value}"),
-     "needle_template", "ASCII"),
-    (dict(source="needle", seq_len=512, query_template="{key} {value} {x}"), "query_template",
-     "braces"),
-    (dict(source="needle", seq_len=512, needle_num_key_letters=27), "needle_num_key_letters",
-     "[1, 26]"),
-    (dict(source="needle", seq_len=512, needle_key_letters="JQJZ"), "needle_key_letters", "once"),
-    (dict(source="needle", seq_len=512, needle_key_letters="AB1C"), "needle_key_letters",
-     "no digits"),
-    (dict(source="needle", seq_len=512, needle_key_letters=""), "needle_key_letters", "non-empty"),
-    (dict(source="needle", seq_len=512, key_len=1, needle_key_letters="JQZ"), "key_len",
-     "fewer than 4 distinct keys"),
-    (dict(source="mqar", needle_key_letters="JQZ"), "needle_key_letters", "source='needle'"),
-    (dict(source="needle", seq_len=512, key_len=1, needle_num_key_letters=3), "key_len",
-     "fewer than 4 distinct keys"),
-    (dict(source="mqar", query_template="{key}={value}"), "query_template", "source='needle'"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field, contains",
+    [
+        (dict(source="wiki"), "source", "'stdlib', 'text', 'tokens', 'needle', 'mqar'"),
+        (dict(seq_len=4), "seq_len", ">= 8"),
+        (dict(val_fraction=1.0), "val_fraction", "[0, 1)"),
+        (dict(val_fraction=-0.1), "val_fraction", "[0, 1)"),
+        (dict(seed=-1), "seed", "2**32"),
+        (dict(token_dtype="int8"), "token_dtype", "uint16"),
+        (dict(max_files=0), "max_files", ">= 1"),
+        (dict(seq_len="256"), "seq_len", "expected int"),
+        (dict(shuffle=1), "shuffle", "expected bool"),
+        (dict(source="text"), "path", "None"),
+        (dict(source="tokens"), "path", "None"),
+        (dict(path="/tmp"), "path", "does not read files"),
+        (dict(source="mqar", path="x.txt"), "path", "does not read files"),
+        (dict(source="needle", num_needles=2, num_queries=3, seq_len=1024), "num_queries", "<= 2"),
+        (dict(source="needle", seq_len=100), "seq_len", "needs >= 244"),
+        (
+            dict(source="needle", seq_len=512, needle_depths=(0.1, 0.2)),
+            "needle_depths",
+            "exactly 4",
+        ),
+        (
+            dict(source="needle", seq_len=512, needle_depths=(0.1, 0.2, 0.3, 1.5)),
+            "needle_depths",
+            "[0, 1]",
+        ),
+        (dict(needle_depths=(0.5,) * 4), "needle_depths", "source='needle'"),
+        (dict(source="needle", seq_len=512, needle_depths="a,b"), "needle_depths", "expected"),
+        (dict(source="mqar", num_pairs=200, seq_len=1024), "num_pairs", "128"),
+        (dict(source="mqar", num_pairs=4, num_queries=5), "num_queries", "<= 4"),
+        (dict(source="mqar", num_pairs=16, seq_len=32), "seq_len", "needs >= 36"),
+        (
+            dict(source="mqar", num_pairs=16, seq_len=64, mqar_num_keys=8),
+            "num_pairs",
+            "mqar_num_keys=8",
+        ),
+        (dict(source="mqar", mqar_num_keys=129, seq_len=64), "mqar_num_keys", "[1, 128]"),
+        (dict(source="mqar", mqar_num_values=0, seq_len=64), "mqar_num_values", "[1, 128]"),
+        (dict(curriculum_steps=100), "curriculum_steps", "source='needle' or 'mqar'"),
+        (dict(source="mqar", seq_len=64, curriculum_steps=-1), "curriculum_steps", ">= 0"),
+        (
+            dict(source="mqar", seq_len=64, curriculum_start_len=40),
+            "curriculum_start_len",
+            "curriculum_steps=0",
+        ),
+        (
+            dict(
+                source="mqar",
+                seq_len=64,
+                num_pairs=8,
+                num_queries=4,
+                curriculum_steps=10,
+                curriculum_start_len=20,
+            ),
+            "curriculum_start_len",
+            "[24, seq_len=64]",
+        ),
+        (
+            dict(
+                source="mqar", seq_len=64, num_pairs=8, curriculum_steps=10, curriculum_start_len=65
+            ),
+            "curriculum_start_len",
+            "[20, seq_len=64]",
+        ),
+        (
+            dict(source="needle", value_len=1, num_needles=10, num_queries=1, seq_len=1024),
+            "value_len",
+            "distinct",
+        ),
+        (
+            dict(source="needle", seq_len=512, needle_template="{value} is {key}"),
+            "needle_template",
+            "before",
+        ),
+        (
+            dict(source="needle", seq_len=512, query_template="What is {key}?"),
+            "query_template",
+            "exactly once",
+        ),
+        (
+            dict(source="needle", seq_len=512, needle_template="{key} \u2192 {value}"),
+            "needle_template",
+            "ASCII",
+        ),
+        (
+            dict(source="needle", seq_len=512, query_template="{key} {value} {x}"),
+            "query_template",
+            "braces",
+        ),
+        (
+            dict(source="needle", seq_len=512, needle_num_key_letters=27),
+            "needle_num_key_letters",
+            "[1, 26]",
+        ),
+        (
+            dict(source="needle", seq_len=512, needle_key_letters="JQJZ"),
+            "needle_key_letters",
+            "once",
+        ),
+        (
+            dict(source="needle", seq_len=512, needle_key_letters="AB1C"),
+            "needle_key_letters",
+            "no digits",
+        ),
+        (
+            dict(source="needle", seq_len=512, needle_key_letters=""),
+            "needle_key_letters",
+            "non-empty",
+        ),
+        (
+            dict(source="needle", seq_len=512, key_len=1, needle_key_letters="JQZ"),
+            "key_len",
+            "fewer than 4 distinct keys",
+        ),
+        (dict(source="mqar", needle_key_letters="JQZ"), "needle_key_letters", "source='needle'"),
+        (
+            dict(source="needle", seq_len=512, key_len=1, needle_num_key_letters=3),
+            "key_len",
+            "fewer than 4 distinct keys",
+        ),
+        (dict(source="mqar", query_template="{key}={value}"), "query_template", "source='needle'"),
+    ],
+)
 def test_config_errors(kwargs, field, contains):
     msg = assert_error(ConfigError, lambda: DataConfig(**kwargs), f"DataConfig.{field}", contains)
     assert msg.startswith(f"DataConfig.{field}: ")
 
 
 def test_config_coercions_and_roundtrip():
-    c = DataConfig(source="needle", seq_len=np.int64(512), needle_depths="0, 0.5,1,0.25",
-                   val_fraction=0, shuffle=np.bool_(False))
+    c = DataConfig(
+        source="needle",
+        seq_len=np.int64(512),
+        needle_depths="0, 0.5,1,0.25",
+        val_fraction=0,
+        shuffle=np.bool_(False),
+    )
     assert c.needle_depths == (0.0, 0.5, 1.0, 0.25) and type(c.seq_len) is int
     assert isinstance(c.val_fraction, float) and c.shuffle is False
     assert DataConfig(source="needle", seq_len=512, needle_depths=[0, 1, 1, 0]).needle_depths == (
-        0.0, 1.0, 1.0, 0.0)
+        0.0,
+        1.0,
+        1.0,
+        0.0,
+    )
     assert c.replace(seed=3).seed == 3 and c.to_dict()["seq_len"] == 512
     assert issubclass(DataError, ConfigError) and issubclass(DataError, ValueError)
 
 
 def test_data_errors_paths_and_text(tmp_path):
     missing = tmp_path / "nope.txt"
-    assert_error(DataError, lambda: check_data(DataConfig(source="text", path=str(missing))),
-                 "DataConfig.path", "does not exist", str(missing))
-    assert_error(DataError, lambda: make_dataset(DataConfig(source="text", path=str(missing)),
-                                                 "train", batch_size=2), "does not exist")
-    assert_error(DataError, lambda: check_data(DataConfig(source="text",
-                                                          path=str(tmp_path / "*.md"))),
-                 "matches nothing", "*.md")
+    assert_error(
+        DataError,
+        lambda: check_data(DataConfig(source="text", path=str(missing))),
+        "DataConfig.path",
+        "does not exist",
+        str(missing),
+    )
+    assert_error(
+        DataError,
+        lambda: make_dataset(DataConfig(source="text", path=str(missing)), "train", batch_size=2),
+        "does not exist",
+    )
+    assert_error(
+        DataError,
+        lambda: check_data(DataConfig(source="text", path=str(tmp_path / "*.md"))),
+        "matches nothing",
+        "*.md",
+    )
     (tmp_path / "empty.txt").write_bytes(b"")
     (tmp_path / "blob.dat").write_bytes(b"\x00\x01\x02" * 100)
-    assert_error(DataError, lambda: check_data(DataConfig(source="text", path=str(tmp_path))),
-                 "hold no text", str(tmp_path), "source='tokens'")
+    assert_error(
+        DataError,
+        lambda: check_data(DataConfig(source="text", path=str(tmp_path))),
+        "hold no text",
+        str(tmp_path),
+        "source='tokens'",
+    )
     empty_dir = tmp_path / "emptydir"
     empty_dir.mkdir()
-    assert_error(DataError, lambda: check_data(DataConfig(source="text", path=str(empty_dir))),
-                 "no usable files")
+    assert_error(
+        DataError,
+        lambda: check_data(DataConfig(source="text", path=str(empty_dir))),
+        "no usable files",
+    )
     (tmp_path / "short.txt").write_text("tiny")
-    assert_error(DataError, lambda: check_data(DataConfig(source="text", seq_len=64,
-                                                          path=str(tmp_path / "short.txt"))),
-                 "DataConfig.seq_len", "fewer than seq_len + 1")
-    assert_error(DataError, lambda: make_dataset(DataConfig(source="text", seq_len=64,
-                                                            path=str(tmp_path / "short.txt")),
-                                                 "train", batch_size=2), "seq_len + 1")
-    assert_error(DataError, lambda: check_data(DataConfig(), vocab_size=100),
-                 "vocab_size=259")
+    assert_error(
+        DataError,
+        lambda: check_data(DataConfig(source="text", seq_len=64, path=str(tmp_path / "short.txt"))),
+        "DataConfig.seq_len",
+        "fewer than seq_len + 1",
+    )
+    assert_error(
+        DataError,
+        lambda: make_dataset(
+            DataConfig(source="text", seq_len=64, path=str(tmp_path / "short.txt")),
+            "train",
+            batch_size=2,
+        ),
+        "seq_len + 1",
+    )
+    assert_error(DataError, lambda: check_data(DataConfig(), vocab_size=100), "vocab_size=259")
 
 
 def test_data_errors_token_files(tmp_path):
     (tmp_path / "empty.bin").write_bytes(b"")
-    assert_error(DataError, lambda: check_data(DataConfig(source="tokens",
-                                                          path=str(tmp_path / "empty.bin"))),
-                 "empty", "empty.bin")
+    assert_error(
+        DataError,
+        lambda: check_data(DataConfig(source="tokens", path=str(tmp_path / "empty.bin"))),
+        "empty",
+        "empty.bin",
+    )
     np.save(tmp_path / "empty.npy", np.zeros((0,), np.uint16))
-    assert_error(DataError, lambda: check_data(DataConfig(source="tokens",
-                                                          path=str(tmp_path / "empty.npy"))),
-                 "empty", "empty.npy")
+    assert_error(
+        DataError,
+        lambda: check_data(DataConfig(source="tokens", path=str(tmp_path / "empty.npy"))),
+        "empty",
+        "empty.npy",
+    )
     np.save(tmp_path / "big.npy", np.array([1, 2, 3, 500, 4] * 20, np.uint16))
     cfg = DataConfig(source="tokens", path=str(tmp_path / "big.npy"), seq_len=8, val_fraction=0.2)
-    assert_error(DataError, lambda: check_data(cfg, vocab_size=259),
-                 "id 500", "position 3", "big.npy", "vocab_size >= 501")
-    assert_error(DataError, lambda: make_dataset(cfg, "train", batch_size=2, vocab_size=259),
-                 "id 500")
+    assert_error(
+        DataError,
+        lambda: check_data(cfg, vocab_size=259),
+        "id 500",
+        "position 3",
+        "big.npy",
+        "vocab_size >= 501",
+    )
+    assert_error(
+        DataError, lambda: make_dataset(cfg, "train", batch_size=2, vocab_size=259), "id 500"
+    )
     assert check_data(cfg, vocab_size=501).train_tokens == 80
     np.save(tmp_path / "neg.npy", np.array([1, -2] * 50, np.int32))
-    assert_error(DataError, lambda: check_data(DataConfig(source="tokens", seq_len=8,
-                                                          path=str(tmp_path / "neg.npy"))),
-                 "negative")
+    assert_error(
+        DataError,
+        lambda: check_data(DataConfig(source="tokens", seq_len=8, path=str(tmp_path / "neg.npy"))),
+        "negative",
+    )
     np.save(tmp_path / "float.npy", np.ones(100, np.float32))
-    assert_error(DataError, lambda: check_data(DataConfig(source="tokens", seq_len=8,
-                                                          path=str(tmp_path / "float.npy"))),
-                 "float32")
+    assert_error(
+        DataError,
+        lambda: check_data(
+            DataConfig(source="tokens", seq_len=8, path=str(tmp_path / "float.npy"))
+        ),
+        "float32",
+    )
     (tmp_path / "odd.bin").write_bytes(b"\x01\x00\x02")
-    assert_error(DataError, lambda: check_data(DataConfig(source="tokens", seq_len=8,
-                                                          path=str(tmp_path / "odd.bin"))),
-                 "DataConfig.token_dtype", "not a multiple of 2")
+    assert_error(
+        DataError,
+        lambda: check_data(DataConfig(source="tokens", seq_len=8, path=str(tmp_path / "odd.bin"))),
+        "DataConfig.token_dtype",
+        "not a multiple of 2",
+    )
     (tmp_path / "x.txt").write_text("text")
-    assert_error(DataError, lambda: check_data(DataConfig(source="tokens", seq_len=8,
-                                                          path=str(tmp_path / "x.txt"))),
-                 "not a token file")
+    assert_error(
+        DataError,
+        lambda: check_data(DataConfig(source="tokens", seq_len=8, path=str(tmp_path / "x.txt"))),
+        "not a token file",
+    )
 
 
 def test_pipeline_argument_errors():
     for split in ("val", "test", "TRAIN"):
-        assert_error(DataError, lambda: make_dataset(SMALL_STDLIB, split, batch_size=2),
-                     "unknown split", "'train' or 'validation'")
+        assert_error(
+            DataError,
+            lambda: make_dataset(SMALL_STDLIB, split, batch_size=2),
+            "unknown split",
+            "'train' or 'validation'",
+        )
     assert_error(DataError, lambda: make_source(SMALL_STDLIB, "valid"), "unknown split")
-    assert_error(DataError, lambda: make_dataset(SMALL_STDLIB, "train", batch_size=0),
-                 "batch_size")
-    assert_error(DataError, lambda: make_dataset(SMALL_STDLIB, "train", batch_size=2,
-                                                 process_index=2, process_count=2),
-                 "process_index")
-    assert_error(DataError, lambda: make_dataset(SMALL_STDLIB, "train", batch_size=2,
-                                                 num_epochs=0), "num_epochs")
-    assert_error(DataError, lambda: make_dataset(SMALL_STDLIB.replace(val_fraction=0.0),
-                                                 "validation", batch_size=2),
-                 "DataConfig.val_fraction")
-    assert_error(DataError, lambda: make_dataset(SMALL_STDLIB, "train", batch_size=10**7,
-                                                 num_epochs=1), "fewer than one global batch")
+    assert_error(DataError, lambda: make_dataset(SMALL_STDLIB, "train", batch_size=0), "batch_size")
+    assert_error(
+        DataError,
+        lambda: make_dataset(SMALL_STDLIB, "train", batch_size=2, process_index=2, process_count=2),
+        "process_index",
+    )
+    assert_error(
+        DataError,
+        lambda: make_dataset(SMALL_STDLIB, "train", batch_size=2, num_epochs=0),
+        "num_epochs",
+    )
+    assert_error(
+        DataError,
+        lambda: make_dataset(SMALL_STDLIB.replace(val_fraction=0.0), "validation", batch_size=2),
+        "DataConfig.val_fraction",
+    )
+    assert_error(
+        DataError,
+        lambda: make_dataset(SMALL_STDLIB, "train", batch_size=10**7, num_epochs=1),
+        "fewer than one global batch",
+    )

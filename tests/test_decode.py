@@ -18,9 +18,14 @@ from diffjax.sharding import MeshConfig, make_mesh
 
 VOCAB = 61
 KINDS = {  # name: (attention, num_heads, num_kv_heads)
-    "v1": ("diff_v1", 2, None), "v1_gqa": ("diff_v1", 4, 2), "v1_mqa": ("diff_v1", 2, 1),
-    "v2": ("diff_v2", 2, None), "v2_gqa": ("diff_v2", 4, 2), "v2_mqa": ("diff_v2", 2, 1),
-    "standard": ("standard", 4, None), "standard_gqa": ("standard", 4, 2),
+    "v1": ("diff_v1", 2, None),
+    "v1_gqa": ("diff_v1", 4, 2),
+    "v1_mqa": ("diff_v1", 2, 1),
+    "v2": ("diff_v2", 2, None),
+    "v2_gqa": ("diff_v2", 4, 2),
+    "v2_mqa": ("diff_v2", 2, 1),
+    "standard": ("standard", 4, None),
+    "standard_gqa": ("standard", 4, 2),
     "standard_mqa": ("standard", 4, 1),
 }
 _MODELS: dict = {}
@@ -28,9 +33,17 @@ _MODELS: dict = {}
 
 def make_model(kind, impl="xla", seed=0, layers=2, **over):
     attention, h, hkv = KINDS[kind]
-    cfg = diffjax.ModelConfig(vocab_size=VOCAB, d_model=32, num_layers=layers, num_heads=h,
-                              num_kv_heads=hkv, attention=attention, max_seq_len=40,
-                              attention_impl=impl, **over)
+    cfg = diffjax.ModelConfig(
+        vocab_size=VOCAB,
+        d_model=32,
+        num_layers=layers,
+        num_heads=h,
+        num_kv_heads=hkv,
+        attention=attention,
+        max_seq_len=40,
+        attention_impl=impl,
+        **over,
+    )
     key = (cfg, seed)
     if key not in _MODELS:
         _MODELS[key] = diffjax.TransformerLM(cfg, rngs=nnx.Rngs(seed))
@@ -53,13 +66,12 @@ def full_logits(model, seqs, width=24):
     model serves every length. ``[len(seqs), width, vocab]``."""
     buf = np.zeros((len(seqs), width), np.int32)
     for row, seq in zip(buf, seqs):
-        row[:len(seq)] = seq
+        row[: len(seq)] = seq
     return np.asarray(_forward(model, jnp.asarray(buf)))
 
 
 # ---------------------------------------------------------------------------- cache == forward
-@pytest.mark.parametrize("kind", ["v1", "v1_mqa", "v2", "v2_gqa", "standard_gqa",
-                                  "standard_mqa"])
+@pytest.mark.parametrize("kind", ["v1", "v1_mqa", "v2", "v2_gqa", "standard_gqa", "standard_mqa"])
 def test_cache_equals_full_forward_at_every_step(kind):
     """Prompts of lengths 5, 3, 7 left-padded in one batch (plus 2 slots of extra padding): the
     prefill's logits at each row's real tokens and every decode step's logits equal the full
@@ -74,12 +86,17 @@ def test_cache_equals_full_forward_at_every_step(kind):
     feed = np.random.default_rng(1).integers(0, VOCAB, (6, 3))  # teacher-forced tokens
     ref = full_logits(model, [np.concatenate([p, feed[:, b]]) for b, p in enumerate(prompts)])
     for b, p in enumerate(prompts):
-        np.testing.assert_allclose(logits[b, start[b]:], ref[b, :len(p)], atol=2e-5, rtol=2e-5)
+        np.testing.assert_allclose(logits[b, start[b] :], ref[b, : len(p)], atol=2e-5, rtol=2e-5)
     for step in range(6):
         logits, cache = _step(model, jnp.asarray(feed[step], jnp.int32), cache)
         for b, p in enumerate(prompts):
-            np.testing.assert_allclose(np.asarray(logits)[b], ref[b, len(p) + step], atol=2e-5,
-                                       rtol=2e-5, err_msg=f"step {step} row {b}")
+            np.testing.assert_allclose(
+                np.asarray(logits)[b],
+                ref[b, len(p) + step],
+                atol=2e-5,
+                rtol=2e-5,
+                err_msg=f"step {step} row {b}",
+            )
     assert int(cache.index) == tokens.shape[1] + 6
 
 
@@ -99,9 +116,16 @@ def test_cache_layout_is_what_each_kind_caches():
 def test_cache_bytes_per_token_diff_and_twin():
     """The figures docs/generation.md states. 125M (bf16, 12 layers, DIFF V1 6 heads of 2x64):
     per layer K1+K2 = 2*6*64 and V = 6*128 values, the twin's 12 kv heads of 64 twice: equal."""
-    cfg = diffjax.ModelConfig(vocab_size=50304, d_model=768, num_layers=12, num_heads=6,
-                              attention="diff_v1", max_seq_len=2048, dtype="bfloat16",
-                              tie_embeddings=True)
+    cfg = diffjax.ModelConfig(
+        vocab_size=50304,
+        d_model=768,
+        num_layers=12,
+        num_heads=6,
+        attention="diff_v1",
+        max_seq_len=2048,
+        dtype="bfloat16",
+        tie_embeddings=True,
+    )
     assert decode.cache_bytes_per_token(cfg) == 12 * (2 * 6 * 64 + 6 * 128) * 2 == 36864
     assert decode.cache_bytes_per_token(diffjax.twin(cfg)) == 12 * 2 * 12 * 64 * 2 == 36864
     v2 = cfg.replace(attention="diff_v2", num_heads=12, num_kv_heads=4)  # 24 query heads of 64
@@ -130,7 +154,7 @@ def test_greedy_generate_equals_argmax_of_full_forwards(kind):
     assert out.shape == (3, 9 + 7) and out.dtype == np.int32
     np.testing.assert_array_equal(out[:, :9], tokens)  # the prompt as given
     for b, ref in enumerate(greedy_reference(model, prompts, 7)):
-        assert out[b, 9 + 7 - len(ref):].tolist() == ref, f"row {b}"
+        assert out[b, 9 + 7 - len(ref) :].tolist() == ref, f"row {b}"
 
 
 def test_sampling_contracts():
@@ -168,8 +192,9 @@ def test_sample_logits_top_k_and_temperature():
     logits = jnp.asarray(np.random.default_rng(0).normal(size=(1, 20)) * 3, jnp.float32)
     keys = jax.random.split(jax.random.key(0), 2000)
     top3 = set(np.argsort(-np.asarray(logits[0]))[:3].tolist())
-    s = np.asarray(jax.vmap(lambda k: decode.sample_logits(logits, k, temperature=1.0,
-                                                           top_k=3)[0])(keys))
+    s = np.asarray(
+        jax.vmap(lambda k: decode.sample_logits(logits, k, temperature=1.0, top_k=3)[0])(keys)
+    )
     assert set(s.tolist()) <= top3 and len(set(s.tolist())) == 3
     # at T=1 without top_k the frequencies follow softmax(logits)
     s = np.asarray(jax.vmap(lambda k: decode.sample_logits(logits, k, temperature=1.0)[0])(keys))
@@ -198,8 +223,10 @@ def test_bad_requests_are_refused_before_any_compute():
     prompt = np.zeros((2, 30), np.int32)
     before = decode.TRACE_COUNTS.copy()
     cases = [
-        (dict(prompt=prompt, max_new_tokens=11), "30 tokens.*plus max_new_tokens=11.*max_seq_len=40"
-                                                 ".*at most 10 new tokens"),
+        (
+            dict(prompt=prompt, max_new_tokens=11),
+            "30 tokens.*plus max_new_tokens=11.*max_seq_len=40.*at most 10 new tokens",
+        ),
         (dict(prompt=prompt[0], max_new_tokens=2), "prompt must be \\[batch, prompt length\\]"),
         (dict(prompt=prompt.astype(np.float32), max_new_tokens=2), "integer tokens"),
         (dict(prompt=prompt + VOCAB, max_new_tokens=2), "outside the vocabulary"),
@@ -247,8 +274,10 @@ def test_sharded_decoding_equals_single_device(kind):
     np.testing.assert_allclose(np.asarray(logits), np.asarray(ref_logits), atol=1e-5, rtol=1e-5)
     for arr in cache.layers[0].values():
         assert arr.sharding.spec[:3] == (("data", "fsdp"), None, "tensor"), arr.sharding
-        assert arr.addressable_shards[0].data.shape[0] == 1 and \
-            arr.addressable_shards[0].data.shape[2] == 1
+        assert (
+            arr.addressable_shards[0].data.shape[0] == 1
+            and arr.addressable_shards[0].data.shape[2] == 1
+        )
 
 
 @pytest.mark.parametrize("kind", ["v1_gqa", "v2", "standard_mqa"])
@@ -270,10 +299,22 @@ def test_fused_kernels_decode_like_xla(kind):
 
 
 # ---------------------------------------------------------------------------- the sample command
-TINY_RUN = ["model.d_model=32", "model.num_layers=1", "model.num_heads=1", "model.max_seq_len=32",
-            "data.seq_len=16", "data.max_files=12", "train.batch_size=8", "train.eval_batches=2",
-            "train.warmup_steps=2", "train.progress=false", "train.steps=4", "compare=false",
-            "train.num_seeds=1", "train.quick_eval=false"]
+TINY_RUN = [
+    "model.d_model=32",
+    "model.num_layers=1",
+    "model.num_heads=1",
+    "model.max_seq_len=32",
+    "data.seq_len=16",
+    "data.max_files=12",
+    "train.batch_size=8",
+    "train.eval_batches=2",
+    "train.warmup_steps=2",
+    "train.progress=false",
+    "train.steps=4",
+    "compare=false",
+    "train.num_seeds=1",
+    "train.quick_eval=false",
+]
 
 
 @pytest.fixture(scope="module")
@@ -290,8 +331,12 @@ def test_sample_prints_text_from_a_trained_run(tiny_run, capsys):
     from diffjax.train import load_model
 
     capsys.readouterr()
-    assert sample.main([str(tiny_run), "--prompt", "def main(", "--prompt", "x",
-                        "--max_new_tokens", "12"]) == 0
+    assert (
+        sample.main(
+            [str(tiny_run), "--prompt", "def main(", "--prompt", "x", "--max_new_tokens", "12"]
+        )
+        == 0
+    )
     captured = capsys.readouterr()
     assert f"model: {tiny_run / 'diff' / 'seed_0'}" in captured.err and "diff_v1" in captured.err
     first, second = captured.out.split("-" * 40 + "\n")
@@ -301,8 +346,26 @@ def test_sample_prints_text_from_a_trained_run(tiny_run, capsys):
     expected = sample.sample(model, ["def main("], 12)[0]
     assert first == "def main(" + expected + "\n"
     # sampled, by label, from the latest checkpoint
-    assert sample.main([str(tiny_run), "--prompt", "a", "--model", "diff", "--temperature",
-                        "1.0", "--top_k", "5", "--max_new_tokens", "4", "--step", "latest"]) == 0
+    assert (
+        sample.main(
+            [
+                str(tiny_run),
+                "--prompt",
+                "a",
+                "--model",
+                "diff",
+                "--temperature",
+                "1.0",
+                "--top_k",
+                "5",
+                "--max_new_tokens",
+                "4",
+                "--step",
+                "latest",
+            ]
+        )
+        == 0
+    )
     captured = capsys.readouterr()
     assert "checkpoint latest" in captured.err and captured.out.startswith("a")
     # too long for max_seq_len=32: refused with the fix, exit status 2
@@ -320,8 +383,11 @@ def test_sample_finds_models_in_both_run_layouts(tmp_path, capsys):
     assert path == str(tmp_path / "multi" / "diff" / "seed_0") and "--seed" in note
     path, _ = sample.choose_model(str(tmp_path / "multi"), "standard", 1)
     assert path == str(tmp_path / "multi" / "standard" / "seed_1")
-    with pytest.raises(sample.ModelChoiceError, match=r"--model in \['diff', 'standard'\] and "
-                                                      r"--seed in \[0, 1\]"):
+    with pytest.raises(
+        sample.ModelChoiceError,
+        match=r"--model in \['diff', 'standard'\] and "
+        r"--seed in \[0, 1\]",
+    ):
         sample.choose_model(str(tmp_path / "multi"), "diff", 7)
     (tmp_path / "one" / "checkpoints").mkdir(parents=True)
     assert sample.choose_model(str(tmp_path / "one"))[0] == str(tmp_path / "one")

@@ -35,8 +35,10 @@ def test_unknown_impl_is_a_clear_error():
 
 def test_modules_route_through_the_dispatch(monkeypatch):
     calls = []
-    real = {"xla_std": reference.dot_product_attention,
-            "xla_diff": reference.differential_attention}
+    real = {
+        "xla_std": reference.dot_product_attention,
+        "xla_diff": reference.differential_attention,
+    }
 
     def standard(*a, **kw):
         calls.append("standard")
@@ -49,10 +51,11 @@ def test_modules_route_through_the_dispatch(monkeypatch):
     monkeypatch.setattr(reference, "dot_product_attention", standard)
     monkeypatch.setattr(reference, "differential_attention", differential)
     x = jax.random.normal(jax.random.key(0), (1, 8, 64))
-    for module in (diffjax.MultiheadAttention(64, 0, 4, attention_impl="xla", rngs=nnx.Rngs(0)),
-                   diffjax.MultiheadDiffAttn(64, 0, 2, attention_impl="xla", rngs=nnx.Rngs(0)),
-                   diffjax.MultiheadDiffAttnV2(64, 2, 1, 16, attention_impl="xla",
-                                               rngs=nnx.Rngs(0))):
+    for module in (
+        diffjax.MultiheadAttention(64, 0, 4, attention_impl="xla", rngs=nnx.Rngs(0)),
+        diffjax.MultiheadDiffAttn(64, 0, 2, attention_impl="xla", rngs=nnx.Rngs(0)),
+        diffjax.MultiheadDiffAttnV2(64, 2, 1, 16, attention_impl="xla", rngs=nnx.Rngs(0)),
+    ):
         module(x)
     assert calls == ["standard", "differential", "differential"]
 

@@ -19,12 +19,23 @@ import diffjax
 from diffjax.config import ConfigError
 from diffjax.data import ByteTokenizer, DataConfig
 from diffjax.data.config import needle_len, query_len
-from diffjax.evaluate import (CATEGORIES, absmax_quantize, discover_models, evaluate_run,
-                              layer_attention_maps, losses_and_predictions, needle_task,
-                              noise_floor_closed_form,
-                              noise_floor_streamed, position_categories, query_correct,
-                              task_examples, top_magnitudes, validation_loss,
-                              with_quantized_logits)
+from diffjax.evaluate import (
+    CATEGORIES,
+    absmax_quantize,
+    discover_models,
+    evaluate_run,
+    layer_attention_maps,
+    losses_and_predictions,
+    needle_task,
+    noise_floor_closed_form,
+    noise_floor_streamed,
+    position_categories,
+    query_correct,
+    task_examples,
+    top_magnitudes,
+    validation_loss,
+    with_quantized_logits,
+)
 from diffjax.evaluate import allocation as alloc_lib
 from diffjax.evaluate.positions import loss_by_position
 from diffjax.evaluate.retrieval import depth_bins
@@ -35,8 +46,9 @@ TOK = ByteTokenizer()
 
 # ---------------------------------------------------------------------------- allocation
 def _needle_batch(n=2, r=1, seq_len=160, num=4):
-    return task_examples(needle_task(None, seq_len=seq_len, num_needles=n, num_queries=r,
-                                     num_examples=num))
+    return task_examples(
+        needle_task(None, seq_len=seq_len, num_needles=n, num_queries=r, num_examples=num)
+    )
 
 
 def test_position_categories_mark_the_needles_answer_and_haystack():
@@ -49,8 +61,9 @@ def test_position_categories_mark_the_needles_answer_and_haystack():
         for j in range(r):
             s, e = batch["answer_spans"][i, j]
             # the answer span in the context holds exactly the digits the query must produce
-            np.testing.assert_array_equal(batch["inputs"][i][cats[i, j] == ans],
-                                          batch["targets"][i, s:e])
+            np.testing.assert_array_equal(
+                batch["inputs"][i][cats[i, j] == ans], batch["targets"][i, s:e]
+            )
             assert cats[i, j, 0] == CATEGORIES.index("rest")  # BOS
             q0 = t + 1 - r * query_len(5, 6)
             assert np.all(cats[i, j, q0:] == CATEGORIES.index("rest"))  # the queries
@@ -63,12 +76,20 @@ def test_position_categories_mark_the_needles_answer_and_haystack():
 def test_position_categories_follow_custom_templates():
     """Own needle/query sentences: the categories come from the batch's spans, not the default
     sentence lengths."""
-    data = DataConfig(source="needle", seq_len=64, num_needles=3, num_queries=2,
-                      key_len=1, value_len=2, needle_template="\n${key}{value}\n",
-                      query_template="\n${key}{value}")
-    batch = task_examples(needle_task(data, seq_len=64, num_needles=3, num_queries=2,
-                                      num_examples=4))
-    assert TOK.decode(batch["inputs"][0][batch["query_spans"][0, 0, 0]:]).startswith("\n$")
+    data = DataConfig(
+        source="needle",
+        seq_len=64,
+        num_needles=3,
+        num_queries=2,
+        key_len=1,
+        value_len=2,
+        needle_template="\n${key}{value}\n",
+        query_template="\n${key}{value}",
+    )
+    batch = task_examples(
+        needle_task(data, seq_len=64, num_needles=3, num_queries=2, num_examples=4)
+    )
+    assert TOK.decode(batch["inputs"][0][batch["query_spans"][0, 0, 0] :]).startswith("\n$")
     cats = position_categories(batch)
     for i in range(4):
         counts = np.bincount(cats[i, 0], minlength=len(CATEGORIES))
@@ -83,9 +104,17 @@ def test_the_runs_own_setting_keeps_its_query_replacement():
     own setting; the paper's settings still ask R distinct needles."""
     from diffjax.evaluate import run as run_lib
 
-    data = DataConfig(source="needle", seq_len=64, num_needles=2, num_queries=4,
-                      query_replacement=True, key_len=1, value_len=1,
-                      needle_template="\n${key}{value}\n", query_template="\n${key}{value}")
+    data = DataConfig(
+        source="needle",
+        seq_len=64,
+        num_needles=2,
+        num_queries=4,
+        query_replacement=True,
+        key_len=1,
+        value_len=1,
+        needle_template="\n${key}{value}\n",
+        query_template="\n${key}{value}",
+    )
     assert run_lib._fits(data, 64, 2, 4) and run_lib._task(data, 64, 2, 4).query_replacement
     assert not run_lib._task(data, 64, 2, 2).query_replacement
     batch = task_examples(run_lib._task(data, 64, 2, 4, num_examples=8))
@@ -108,8 +137,10 @@ def test_all_attention_on_the_answer_span_gives_share_one():
         ans = np.flatnonzero(cats[i, 0] == CATEGORIES.index("answer"))
         for row in rows[i, 0]:
             w[i, :, row, ans] = 1.0 / len(ans)
-    raw, absm, tot = map(np.asarray, alloc_lib.row_category_mass(
-        jnp.asarray(w), jnp.asarray(rows), jnp.asarray(_onehot(batch))))
+    raw, absm, tot = map(
+        np.asarray,
+        alloc_lib.row_category_mass(jnp.asarray(w), jnp.asarray(rows), jnp.asarray(_onehot(batch))),
+    )
     shares = alloc_lib.normalize_shares(raw, absm, tot, "abs")
     np.testing.assert_allclose(shares[..., CATEGORIES.index("answer")], 1.0, rtol=1e-6)
     np.testing.assert_allclose(shares.sum(-1), 1.0, rtol=1e-6)
@@ -133,15 +164,22 @@ def test_differential_map_common_mode_noise_cancels():
             a1[i, 0, row, hay] = 0.5 / len(hay)
             a2[i, 0, row, hay] = 1.0 / len(hay)
     diff = a1 - 0.5 * a2
-    raw, absm, tot = map(np.asarray, alloc_lib.row_category_mass(
-        jnp.asarray(diff), jnp.asarray(rows), jnp.asarray(_onehot(batch))))
+    raw, absm, tot = map(
+        np.asarray,
+        alloc_lib.row_category_mass(
+            jnp.asarray(diff), jnp.asarray(rows), jnp.asarray(_onehot(batch))
+        ),
+    )
     np.testing.assert_allclose(tot, 0.5, rtol=1e-5)
     for norm in ("abs", "sum"):
         sh = alloc_lib.normalize_shares(raw, absm, tot, norm)
         np.testing.assert_allclose(sh[..., CATEGORIES.index("answer")], 1.0, rtol=1e-5)
         np.testing.assert_allclose(sh[..., CATEGORIES.index("noise context")], 0.0, atol=1e-6)
-    raw_a1 = np.asarray(alloc_lib.row_category_mass(
-        jnp.asarray(a1), jnp.asarray(rows), jnp.asarray(_onehot(batch)))[0])
+    raw_a1 = np.asarray(
+        alloc_lib.row_category_mass(
+            jnp.asarray(a1), jnp.asarray(rows), jnp.asarray(_onehot(batch))
+        )[0]
+    )
     np.testing.assert_allclose(raw_a1[..., CATEGORIES.index("noise context")], 0.5, rtol=1e-5)
     with pytest.raises(ValueError, match="normalize must be one of"):
         alloc_lib.normalize_shares(raw, absm, tot, "softmax")
@@ -149,8 +187,9 @@ def test_differential_map_common_mode_noise_cancels():
 
 def test_attention_allocation_on_a_model_matches_its_own_maps():
     """The model-level function against attention_maps read directly (one layer, numpy)."""
-    cfg = diffjax.ModelConfig(vocab_size=259, d_model=32, num_layers=1, num_heads=1,
-                              attention="diff_v1", max_seq_len=160)
+    cfg = diffjax.ModelConfig(
+        vocab_size=259, d_model=32, num_layers=1, num_heads=1, attention="diff_v1", max_seq_len=160
+    )
     model = diffjax.TransformerLM(cfg, rngs=nnx.Rngs(1))
     batch = _needle_batch()
     a = alloc_lib.attention_allocation(model, batch, batch_size=4)
@@ -171,8 +210,9 @@ def test_per_head_shares_and_the_retrieval_head_on_a_model():
     """A 2-layer, 2-head standard model: per_head is each head's answer share computed from its
     own maps in numpy, and the retrieval head is the argmax on the even examples, measured on the
     odd ones."""
-    cfg = diffjax.ModelConfig(vocab_size=259, d_model=32, num_layers=2, num_heads=2,
-                              attention="standard", max_seq_len=160)
+    cfg = diffjax.ModelConfig(
+        vocab_size=259, d_model=32, num_layers=2, num_heads=2, attention="standard", max_seq_len=160
+    )
     model = diffjax.TransformerLM(cfg, rngs=nnx.Rngs(3))
     batch = _needle_batch(num=6)
     a = alloc_lib.attention_allocation(model, batch, batch_size=4)
@@ -182,8 +222,9 @@ def test_per_head_shares_and_the_retrieval_head_on_a_model():
         w = layer_attention_maps(model, batch["inputs"], layer)["a"]  # [B, H, T, S]
         for i in range(6):
             for h in range(2):
-                per_ex[layer, i, h] = np.mean([w[i, h, row][cats[i, 0] == 0].sum()
-                                               for row in rows[i, 0]])
+                per_ex[layer, i, h] = np.mean(
+                    [w[i, h, row][cats[i, 0] == 0].sum() for row in rows[i, 0]]
+                )
     np.testing.assert_allclose(a.per_head[..., 0], per_ex.mean(1), rtol=1e-4, atol=1e-7)
     np.testing.assert_allclose(a.per_head.mean(1), a.per_layer, rtol=1e-4, atol=1e-7)
     layer, head = np.unravel_index(np.argmax(per_ex[:, 0::2].mean(1)), (2, 2))
@@ -216,18 +257,30 @@ def test_top_magnitudes_of_a_known_tensor():
     rng = np.random.default_rng(0)
     values = rng.permutation(np.arange(1, 201, dtype=np.float32)) * rng.choice([-1, 1], 200)
     got = top_magnitudes(values.reshape(4, 50))
-    assert got == {"top-1": 200.0, "top-2": 199.0, "top-3": 198.0, "top-10": 191.0,
-                   "top-100": 101.0, "median": 100.5}
-    masked = top_magnitudes(np.array([[5.0, -9.0], [1.0, 3.0]]), mask=[[True, False],
-                                                                       [True, True]])
+    assert got == {
+        "top-1": 200.0,
+        "top-2": 199.0,
+        "top-3": 198.0,
+        "top-10": 191.0,
+        "top-100": 101.0,
+        "median": 100.5,
+    }
+    masked = top_magnitudes(np.array([[5.0, -9.0], [1.0, 3.0]]), mask=[[True, False], [True, True]])
     assert masked["top-1"] == 5.0 and masked["median"] == 3.0 and math.isnan(masked["top-10"])
 
 
 def test_activation_outliers_read_the_logits_the_model_uses():
     """The attention-logit statistics equal those of q.k/sqrt(d) recomputed in numpy from the
     layer's projections (standard attention, one layer, causal entries only)."""
-    cfg = diffjax.ModelConfig(vocab_size=259, d_model=32, num_layers=1, num_heads=2,
-                              attention="standard", max_seq_len=32, init_std=0.2)
+    cfg = diffjax.ModelConfig(
+        vocab_size=259,
+        d_model=32,
+        num_layers=1,
+        num_heads=2,
+        attention="standard",
+        max_seq_len=32,
+        init_std=0.2,
+    )
     model = diffjax.TransformerLM(cfg, rngs=nnx.Rngs(0))
     tokens = np.random.default_rng(0).integers(0, 259, (2, 16))
     from diffjax.evaluate import activation_outliers
@@ -252,9 +305,16 @@ def test_activation_outliers_read_the_logits_the_model_uses():
 def test_attention_logits_are_the_maps_before_the_softmax(attention):
     """``attention_logits`` (added beside ``attention_maps``): the masked softmax of each logit
     block is the module's own map, in the module's head pairing (GQA: 2 kv groups)."""
-    cfg = diffjax.ModelConfig(vocab_size=259, d_model=64, num_layers=1, num_heads=4,
-                              num_kv_heads=2, attention=attention, max_seq_len=16,
-                              init_std=0.2)
+    cfg = diffjax.ModelConfig(
+        vocab_size=259,
+        d_model=64,
+        num_layers=1,
+        num_heads=4,
+        num_kv_heads=2,
+        attention=attention,
+        max_seq_len=16,
+        init_std=0.2,
+    )
     attn = diffjax.TransformerLM(cfg, rngs=nnx.Rngs(0)).layers[0].attn
     x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 8, 64)), jnp.float32)
     logits, maps = attn.attention_logits(x), attn.attention_maps(x)
@@ -263,8 +323,9 @@ def test_attention_logits_are_the_maps_before_the_softmax(attention):
     for lk, mk in pairs:
         z = np.where(mask, np.asarray(logits[lk]), -np.inf)
         p = np.exp(z - z.max(-1, keepdims=True))
-        np.testing.assert_allclose(p / p.sum(-1, keepdims=True), np.asarray(maps[mk]),
-                                   rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(
+            p / p.sum(-1, keepdims=True), np.asarray(maps[mk]), rtol=1e-5, atol=1e-6
+        )
 
 
 # ---------------------------------------------------------------------------- quantization
@@ -276,9 +337,12 @@ def test_absmax_quantize_matches_numpy_and_respects_the_mask():
         got = np.asarray(absmax_quantize(x_masked_big, bits, mask=mask))
         absmax = np.abs(np.where(mask, x, 0)).max(axis=(-2, -1), keepdims=True)
         step = absmax / (2 ** (bits - 1) - 1)
-        np.testing.assert_allclose(got[np.broadcast_to(mask, x.shape)],
-                                   (np.round(x / step) * step)[np.broadcast_to(mask, x.shape)],
-                                   rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(
+            got[np.broadcast_to(mask, x.shape)],
+            (np.round(x / step) * step)[np.broadcast_to(mask, x.shape)],
+            rtol=1e-6,
+            atol=1e-6,
+        )
         within = np.abs(got - x) <= step / 2 + 1e-6  # round to nearest: half a step at most
         assert np.all(within[np.broadcast_to(mask, x.shape)])
     with pytest.raises(ValueError, match="bits must be an integer"):
@@ -290,12 +354,22 @@ def test_quantized_logits_change_the_loss_as_stated_and_do_not_leak():
     logits are O(1)); the original model, called again after the quantized copies through the
     same jitted function, gives its original numbers (the implementation is a static attribute
     of the copy, so no jit cache entry is shared)."""
-    cfg = diffjax.ModelConfig(vocab_size=259, d_model=32, num_layers=1, num_heads=1,
-                              attention="diff_v1", max_seq_len=64, init_std=0.5)
+    cfg = diffjax.ModelConfig(
+        vocab_size=259,
+        d_model=32,
+        num_layers=1,
+        num_heads=1,
+        attention="diff_v1",
+        max_seq_len=64,
+        init_std=0.5,
+    )
     model = diffjax.TransformerLM(cfg, rngs=nnx.Rngs(0))
     tokens = np.random.default_rng(0).integers(0, 259, (4, 33))
-    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
-             "weights": np.ones((4, 32), np.float32)}
+    batch = {
+        "inputs": tokens[:, :-1],
+        "targets": tokens[:, 1:],
+        "weights": np.ones((4, 32), np.float32),
+    }
     base = validation_loss(losses_and_predictions(model, batch, 4)[0], batch["weights"])[0]
     loss = {}
     for bits in (16, 4):
@@ -316,8 +390,9 @@ def test_quantized_standard_attention_against_numpy():
 
     rng = np.random.default_rng(0)
     q, k, v = (rng.normal(size=(2, 6, h, 8)).astype(np.float32) * 2 for h in (4, 2, 2))
-    got = np.asarray(ops.dot_product_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
-                                               logit_bits=4))
+    got = np.asarray(
+        ops.dot_product_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), logit_bits=4)
+    )
     kr, vr = np.repeat(k, 2, axis=2), np.repeat(v, 2, axis=2)  # query head i reads kv head i//2
     logits = np.einsum("bthd,bshd->bhts", q, kr) / np.sqrt(8)
     mask = np.tril(np.ones((6, 6), bool))
@@ -364,12 +439,15 @@ def test_noise_floor_gain_tends_to_one_over_one_minus_lambda():
 
 # ---------------------------------------------------------------------------- retrieval, loss
 def test_query_correct_and_depth_bins():
-    batch = {"targets": np.array([[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6]]),
-             "answer_spans": np.array([[[1, 3], [4, 6]], [[1, 3], [4, 6]]])}
+    batch = {
+        "targets": np.array([[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6]]),
+        "answer_spans": np.array([[[1, 3], [4, 6]], [[1, 3], [4, 6]]]),
+    }
     preds = np.array([[0, 2, 3, 0, 5, 6], [0, 2, 9, 0, 5, 6]])
     np.testing.assert_array_equal(query_correct(preds, batch), [[True, True], [False, True]])
-    np.testing.assert_array_equal(depth_bins(np.array([0.0, 0.1, 0.13, 0.5, 0.9, 1.0]), 5),
-                                  [0, 0, 1, 2, 4, 4])
+    np.testing.assert_array_equal(
+        depth_bins(np.array([0.0, 0.1, 0.13, 0.5, 0.9, 1.0]), 5), [0, 0, 1, 2, 4, 4]
+    )
 
 
 def test_loss_by_position_and_validation_loss():
@@ -397,13 +475,17 @@ def test_seed_statistics_of_the_evaluation_tables_on_hand_made_numbers():
     iv = paired_difference([1.0, 2.0, 3.0], [0.0, 0.0, 0.0])
     half = 4.302653 / math.sqrt(3)
     assert iv.mean == 2.0 and iv.n == 3
-    assert iv.low == pytest.approx(2 - half, abs=1e-5) and iv.high == pytest.approx(2 + half, abs=1e-5)
+    assert iv.low == pytest.approx(2 - half, abs=1e-5) and iv.high == pytest.approx(
+        2 + half, abs=1e-5
+    )
     assert iv.excludes_zero is False and "includes zero" in describe_difference(iv, "loss")
     tight = paired_difference([3.1, 3.0, 3.2, 3.1], [3.0, 2.9, 3.0, 3.0])
     assert tight.excludes_zero is True and tight.low > 0
     assert "excludes zero" in describe_difference(tight, "loss")
     one = paired_difference([1.0], [0.5])
-    assert one.low is None and "no confidence interval can be given" in describe_difference(one, "x")
+    assert one.low is None and "no confidence interval can be given" in describe_difference(
+        one, "x"
+    )
     with pytest.raises(ValueError, match="pair them by seed"):
         paired_difference([1.0, 2.0], [1.0])
 
@@ -425,21 +507,41 @@ def test_discover_models_in_both_layouts(tmp_path):
         for seed in (1, 0):
             _fake_model(new / label / f"seed_{seed}")
     got = discover_models(str(new))
-    assert [(e.label, e.seed) for e in got] == [("diff", 0), ("diff", 1), ("standard", 0),
-                                                 ("standard", 1)]
+    assert [(e.label, e.seed) for e in got] == [
+        ("diff", 0),
+        ("diff", 1),
+        ("standard", 0),
+        ("standard", 1),
+    ]
     single = tmp_path / "only"
     _fake_model(single)
     assert [(e.label, e.seed) for e in discover_models(str(single))] == [("only", 0)]
 
 
 # A tiny needle run: seconds per model.
-TINY_NEEDLE = ["model.d_model=32", "model.num_layers=1", "model.num_heads=1",
-               "model.max_seq_len=96", "data.source=needle", "data.seq_len=80",
-               "data.num_needles=1", "data.num_queries=1", "data.key_len=2", "data.value_len=2",
-               "data.num_val_examples=16", "train.batch_size=8", "train.eval_batches=1",
-               "train.warmup_steps=1", "train.steps=2", "train.eval_every=2",
-               "train.checkpoint_every=2", "train.progress=false", "train.tensorboard=false",
-               "train.num_seeds=1", "train.quick_eval=false"]
+TINY_NEEDLE = [
+    "model.d_model=32",
+    "model.num_layers=1",
+    "model.num_heads=1",
+    "model.max_seq_len=96",
+    "data.source=needle",
+    "data.seq_len=80",
+    "data.num_needles=1",
+    "data.num_queries=1",
+    "data.key_len=2",
+    "data.value_len=2",
+    "data.num_val_examples=16",
+    "train.batch_size=8",
+    "train.eval_batches=1",
+    "train.warmup_steps=1",
+    "train.steps=2",
+    "train.eval_every=2",
+    "train.checkpoint_every=2",
+    "train.progress=false",
+    "train.tensorboard=false",
+    "train.num_seeds=1",
+    "train.quick_eval=false",
+]
 
 
 @pytest.fixture(scope="module")
@@ -448,8 +550,10 @@ def tiny_runs(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("evalruns")
     # train.py ends with the quick evaluation when train.quick_eval is on (the default run's)
-    assert main([f"run.dir={root / 's0'}", "compare=false", *TINY_NEEDLE,
-                 "train.quick_eval=true"]) == 0
+    assert (
+        main([f"run.dir={root / 's0'}", "compare=false", *TINY_NEEDLE, "train.quick_eval=true"])
+        == 0
+    )
     # The per-seed layout RUN/<label>/seed_<n>/checkpoints, built from copies of that one model
     # (to keep this file fast): the aggregation and the paired-difference rendering are what is
     # tested with it; the interval's numbers are tested on hand-made values above, and the
@@ -472,13 +576,23 @@ def test_evaluate_command_on_a_tiny_run(tiny_runs, capsys):
     run = tiny_runs / "s0"
     report = (run / "report.md").read_text()  # train.py appended the quick evaluation
     assert "## Quick evaluation" in report and "Activation outliers" in report
-    assert "**Seeds that learned the lookup** (final first-query accuracy (the query only the" in report
+    assert (
+        "**Seeds that learned the lookup** (final first-query accuracy (the query only the"
+        in report
+    )
     assert main([str(run), "--quick"]) == 0
     assert matplotlib.get_backend() == backend  # the caller's backend is left alone
     text = (run / "eval.md").read_text()
-    for heading in ("Multi-needle retrieval", "Attention allocation", "Activation outliers",
-                    "Quantization", "noise floor", "Loss by position", "paper DIFF (3B, 4K)",
-                    "33,"):  # the parameter count of the scale line
+    for heading in (
+        "Multi-needle retrieval",
+        "Attention allocation",
+        "Activation outliers",
+        "Quantization",
+        "noise floor",
+        "Loss by position",
+        "paper DIFF (3B, 4K)",
+        "33,",
+    ):  # the parameter count of the scale line
         assert heading in text, heading
     assert "interval can be given" not in text  # one model, no twin: no paired difference
     assert "**The retrieval head.**" in text and "chosen on the even examples" in text
@@ -486,13 +600,22 @@ def test_evaluate_command_on_a_tiny_run(tiny_runs, capsys):
     assert "not a language-modelling measure" in text  # a needle run: answer-only loss
     assert "| first query (only the needles or pairs hold its answer) |" in text  # no repeats
     assert "repeated queries (copyable" not in text
-    record = [json.loads(x) for x in (run / "diff" / "seed_0" / "metrics.jsonl").read_text()
-              .splitlines() if "val_loss" in x][-1]
+    record = [
+        json.loads(x)
+        for x in (run / "diff" / "seed_0" / "metrics.jsonl").read_text().splitlines()
+        if "val_loss" in x
+    ][-1]
     assert record["val_first_query_accuracy"] == record["val_query_accuracy"]
     assert "val_repeat_query_accuracy" not in record
     assert "| first query (needs retrieval) |" in report
-    for png in ("eval_retrieval_N1_R1.png", "eval_allocation.png", "eval_quantization.png",
-                "eval_noise_floor.png", "eval_loss_by_position.png", "eval_outliers.png"):
+    for png in (
+        "eval_retrieval_N1_R1.png",
+        "eval_allocation.png",
+        "eval_quantization.png",
+        "eval_noise_floor.png",
+        "eval_loss_by_position.png",
+        "eval_outliers.png",
+    ):
         assert (run / png).stat().st_size > 1000, png
     data = json.loads((run / "eval.json").read_text())
     assert [m["label"] for m in data["models"]] == ["diff"]  # a run without a twin
@@ -502,15 +625,20 @@ def test_evaluate_command_on_a_tiny_run(tiny_runs, capsys):
 
 
 def test_evaluate_run_aggregates_seeds(tiny_runs):
-    settings = dataclasses_replace(EvalSettings.for_run(True), bits=(4,), retrieval_examples=8,
-                                   val_examples=8)
+    settings = dataclasses_replace(
+        EvalSettings.for_run(True), bits=(4,), retrieval_examples=8, val_examples=8
+    )
     text = evaluate_run(str(tiny_runs / "multi"), settings=settings, log=lambda *_: None)
     assert "seeds [0, 1]" in text and " ± " in text
     assert "95% t-interval [" in text and "over 2 paired seeds" in text  # DIFF - twin
     assert "retrieval head's answer share" in text  # its paired difference
     data = json.loads((tiny_runs / "multi" / "eval.json").read_text())
     assert sorted((m["label"], m["seed"]) for m in data["models"]) == [
-        ("diff", 0), ("diff", 1), ("standard", 0), ("standard", 1)]
+        ("diff", 0),
+        ("diff", 1),
+        ("standard", 0),
+        ("standard", 1),
+    ]
 
 
 def test_evaluate_run_bad_input(tmp_path):
@@ -530,8 +658,9 @@ def dataclasses_replace(obj, **kw):
 @pytest.mark.parametrize("attention", ["diff_v1", "diff_v2"])
 def test_layer_attention_maps_are_the_maps_of_the_blocks_own_input(attention):
     """Block l's maps inside the model against the model run block by block by hand."""
-    cfg = diffjax.ModelConfig(vocab_size=259, d_model=32, num_layers=2, num_heads=2,
-                              attention=attention, max_seq_len=16)
+    cfg = diffjax.ModelConfig(
+        vocab_size=259, d_model=32, num_layers=2, num_heads=2, attention=attention, max_seq_len=16
+    )
     model = diffjax.TransformerLM(cfg, rngs=nnx.Rngs(3))
     tokens = np.random.default_rng(0).integers(0, 259, (2, 12))
     x = model.embed(jnp.asarray(tokens))
@@ -541,7 +670,13 @@ def test_layer_attention_maps_are_the_maps_of_the_blocks_own_input(attention):
     assert set(got) == set(expect)
     for k in expect:
         np.testing.assert_allclose(got[k], np.asarray(expect[k]), rtol=1e-5, atol=1e-6)
-    assert not np.allclose(got["a1"], np.asarray(model.layers[0].attn.attention_maps(
-        model.layers[0].attn_norm(model.embed(jnp.asarray(tokens))))["a1"]))  # not layer 0's
+    assert not np.allclose(
+        got["a1"],
+        np.asarray(
+            model.layers[0].attn.attention_maps(
+                model.layers[0].attn_norm(model.embed(jnp.asarray(tokens)))
+            )["a1"]
+        ),
+    )  # not layer 0's
     with pytest.raises(ValueError, match="layer must be an int in"):
         layer_attention_maps(model, tokens, layer=2)

@@ -29,24 +29,50 @@ transformers = pytest.importorskip("transformers")
 
 REL_TOL = 2e-5
 VOCAB = 61
-LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-          "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+LLAMA3 = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
 LINEAR = {"rope_type": "linear", "rope_theta": 1000.0, "factor": 2.0}
 
 
-def hf_model(model_type: str, *, heads: int = 4, kv_heads: int = 4, tie: bool = False,
-             rope: dict | None = None, hidden: int = 64, layers: int = 2, vocab: int = VOCAB,
-             seed: int = 0):
+def hf_model(
+    model_type: str,
+    *,
+    heads: int = 4,
+    kv_heads: int = 4,
+    tie: bool = False,
+    rope: dict | None = None,
+    hidden: int = 64,
+    layers: int = 2,
+    vocab: int = VOCAB,
+    seed: int = 0,
+):
     """A random float32 transformers model whose every weight is far from its init (norm and
     lambda vectors included), so a wrong permutation or a dropped weight shows in the logits."""
     torch.manual_seed(seed)
     cls = transformers.DiffLlamaConfig if model_type == "diffllama" else transformers.LlamaConfig
-    config = cls(vocab_size=vocab, hidden_size=hidden, intermediate_size=48,
-                 num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                 tie_word_embeddings=tie, max_position_embeddings=64, rope_parameters=rope,
-                 attn_implementation="eager")
-    model_cls = (transformers.DiffLlamaForCausalLM if model_type == "diffllama"
-                 else transformers.LlamaForCausalLM)
+    config = cls(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=48,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        tie_word_embeddings=tie,
+        max_position_embeddings=64,
+        rope_parameters=rope,
+        attn_implementation="eager",
+    )
+    model_cls = (
+        transformers.DiffLlamaForCausalLM
+        if model_type == "diffllama"
+        else transformers.LlamaForCausalLM
+    )
     model = model_cls(config).float().eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -82,7 +108,8 @@ def assert_logits_close(out: np.ndarray, ref: np.ndarray) -> None:
 
 def hf_load(path: str):
     model, info = transformers.AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, attn_implementation="eager", output_loading_info=True)
+        path, dtype=torch.float32, attn_implementation="eager", output_loading_info=True
+    )
     # transformers initialises missing weights at random: every weight must have been read
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     return model.eval()
@@ -105,12 +132,18 @@ def test_from_pretrained_matches_transformers(tmp_path, model_type, case):
     cfg = model.config
     kw = CASES[case]
     if model_type == "diffllama":
-        assert (cfg.attention, cfg.num_heads, cfg.kv_heads) == ("diff_v1", kw["heads"] // 2,
-                                                               kw["kv_heads"] // 2)
+        assert (cfg.attention, cfg.num_heads, cfg.kv_heads) == (
+            "diff_v1",
+            kw["heads"] // 2,
+            kw["kv_heads"] // 2,
+        )
         assert cfg.diff_norm_eps == ref_model.config.rms_norm_eps
     else:
-        assert (cfg.attention, cfg.num_heads, cfg.kv_heads) == ("standard", kw["heads"],
-                                                               kw["kv_heads"])
+        assert (cfg.attention, cfg.num_heads, cfg.kv_heads) == (
+            "standard",
+            kw["heads"],
+            kw["kv_heads"],
+        )
     assert cfg.tie_embeddings == kw["tie"] and (model.lm_head is None) == kw["tie"]
     assert cfg.rope_scaling == (kw["rope"] or {}).get("rope_type", "none")
     toks = tokens()
@@ -123,8 +156,9 @@ def test_rope_scaling_is_used(tmp_path):
     ref_model = hf_model("diffllama", **CASES["gqa2-tied-llama3"])
     ref_model.save_pretrained(tmp_path)
     model = diffjax.from_pretrained(str(tmp_path))
-    plain = diffjax.TransformerLM(model.config.replace(rope_scaling="none", rope_factor=1.0),
-                                  rngs=nnx.Rngs(0))
+    plain = diffjax.TransformerLM(
+        model.config.replace(rope_scaling="none", rope_factor=1.0), rngs=nnx.Rngs(0)
+    )
     nnx.update(plain, nnx.state(model, nnx.Param))
     toks = tokens()
     ref = torch_logits(ref_model, toks)
@@ -136,8 +170,9 @@ def test_scaled_frequencies_match_transformers(kind):
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     rope = dict(LINEAR if kind == "linear" else LLAMA3, rope_theta=500000.0)
-    config = transformers.LlamaConfig(hidden_size=256, num_attention_heads=2,
-                                      max_position_embeddings=64, rope_parameters=rope)
+    config = transformers.LlamaConfig(
+        hidden_size=256, num_attention_heads=2, max_position_embeddings=64, rope_parameters=rope
+    )
     ref, _ = ROPE_INIT_FUNCTIONS[kind](config)
     cfg = hf.config_from_hf(config.to_dict())
     base = 1.0 / (500000.0 ** (jnp.arange(0, 128, 2, dtype=jnp.float32) / 128))
@@ -148,19 +183,45 @@ def test_scaled_frequencies_match_transformers(kind):
 
 def test_older_rope_layout_is_read():
     """``rope_theta`` + ``rope_scaling`` (transformers < 5, most hub checkpoints)."""
-    base = dict(model_type="llama", vocab_size=10, hidden_size=32, intermediate_size=8,
-                num_hidden_layers=1, num_attention_heads=4, max_position_embeddings=128)
-    cfg = hf.config_from_hf({**base, "rope_theta": 500000.0, "rope_scaling": {
-        "rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192}})
+    base = dict(
+        model_type="llama",
+        vocab_size=10,
+        hidden_size=32,
+        intermediate_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        max_position_embeddings=128,
+    )
+    cfg = hf.config_from_hf(
+        {
+            **base,
+            "rope_theta": 500000.0,
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 32.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+        }
+    )
     assert (cfg.rope_theta, cfg.rope_scaling, cfg.rope_factor, cfg.rope_original_max_len) == (
-        500000.0, "llama3", 32.0, 8192)
-    cfg = hf.config_from_hf({**base, "rope_theta": 1000.0, "rope_scaling": {"type": "linear",
-                                                                            "factor": 4.0}})
+        500000.0,
+        "llama3",
+        32.0,
+        8192,
+    )
+    cfg = hf.config_from_hf(
+        {**base, "rope_theta": 1000.0, "rope_scaling": {"type": "linear", "factor": 4.0}}
+    )
     assert (cfg.rope_theta, cfg.rope_scaling, cfg.rope_factor) == (1000.0, "linear", 4.0)
     cfg = hf.config_from_hf({**base, "rope_theta": 1000.0, "rope_scaling": None})
     assert (cfg.rope_theta, cfg.rope_scaling, cfg.num_kv_heads, cfg.norm_eps) == (
-        1000.0, "none", 4, 1e-6)
+        1000.0,
+        "none",
+        4,
+        1e-6,
+    )
 
 
 def test_permutations_are_the_documented_ones():
@@ -170,8 +231,9 @@ def test_permutations_are_the_documented_ones():
     heads, chans = perm // 4, perm % 4
     np.testing.assert_array_equal(heads, np.repeat([0, 2, 1, 3], 4))
     np.testing.assert_array_equal(chans, np.tile([0, 2, 1, 3], 4))
-    np.testing.assert_array_equal(hf.row_permutation(3, 2, pair_halves=False, rotary=False),
-                                  np.arange(6))
+    np.testing.assert_array_equal(
+        hf.row_permutation(3, 2, pair_halves=False, rotary=False), np.arange(6)
+    )
 
 
 # ---------------------------------------------------------------------------- diffjax -> Hugging Face
@@ -198,20 +260,34 @@ def train_a_few_steps(cfg: diffjax.ModelConfig, steps: int = 3) -> diffjax.Trans
 
 
 EXPORT_CASES = {
-    "diff-gqa2-untied-llama3": dict(attention="diff_v1", num_heads=4, num_kv_heads=2,
-                                    tie_embeddings=False, rope_scaling="llama3", rope_factor=8.0,
-                                    rope_original_max_len=16, rope_theta=500000.0),
+    "diff-gqa2-untied-llama3": dict(
+        attention="diff_v1",
+        num_heads=4,
+        num_kv_heads=2,
+        tie_embeddings=False,
+        rope_scaling="llama3",
+        rope_factor=8.0,
+        rope_original_max_len=16,
+        rope_theta=500000.0,
+    ),
     "diff-mha-tied": dict(attention="diff_v1", num_heads=2, tie_embeddings=True),
-    "standard-gqa2-tied-linear": dict(attention="standard", num_heads=8, num_kv_heads=4,
-                                      tie_embeddings=True, rope_scaling="linear", rope_factor=2.0),
+    "standard-gqa2-tied-linear": dict(
+        attention="standard",
+        num_heads=8,
+        num_kv_heads=4,
+        tie_embeddings=True,
+        rope_scaling="linear",
+        rope_factor=2.0,
+    ),
     "standard-mha-untied": dict(attention="standard", num_heads=4, tie_embeddings=False),
 }
 
 
 @pytest.mark.parametrize("case", list(EXPORT_CASES))
 def test_save_pretrained_loads_in_transformers(tmp_path, case):
-    cfg = diffjax.ModelConfig(vocab_size=VOCAB, d_model=64, num_layers=2, ffn_dim=48,
-                              max_seq_len=64, **EXPORT_CASES[case])
+    cfg = diffjax.ModelConfig(
+        vocab_size=VOCAB, d_model=64, num_layers=2, ffn_dim=48, max_seq_len=64, **EXPORT_CASES[case]
+    )
     model = train_a_few_steps(cfg)
     if cfg.attention == "diff_v1":
         subln = np.asarray(model.layers[0].attn.subln.scale[...])
@@ -227,23 +303,27 @@ def test_save_pretrained_loads_in_transformers(tmp_path, case):
     # and back in: the same config, the same logits (subln now 1, folded into o_proj)
     again = diffjax.from_pretrained(str(out))
     assert again.config == cfg.replace(
-        num_kv_heads=cfg.kv_heads, head_dim=None if cfg.attention == "diff_v1" else cfg.resolved_head_dim)
+        num_kv_heads=cfg.kv_heads,
+        head_dim=None if cfg.attention == "diff_v1" else cfg.resolved_head_dim,
+    )
     assert_logits_close(jax_logits(again, toks), jax_logits(model, toks))
 
 
 def test_bfloat16_parameters_are_written_as_bfloat16(tmp_path):
     from safetensors import safe_open
 
-    cfg = diffjax.ModelConfig(vocab_size=VOCAB, d_model=32, num_layers=1, num_heads=2,
-                              param_dtype="bfloat16", ffn_dim=32)
+    cfg = diffjax.ModelConfig(
+        vocab_size=VOCAB, d_model=32, num_layers=1, num_heads=2, param_dtype="bfloat16", ffn_dim=32
+    )
     model = diffjax.TransformerLM(cfg, rngs=nnx.Rngs(0))
     diffjax.save_pretrained(model, str(tmp_path / "bf16"))
     with safe_open(str(tmp_path / "bf16" / "model.safetensors"), "np") as f:
         q = f.get_tensor("model.layers.0.self_attn.q_proj.weight")
     assert q.dtype == jnp.bfloat16
     back = diffjax.from_pretrained(str(tmp_path / "bf16"), param_dtype="bfloat16")
-    for a, b in zip(jax.tree.leaves(nnx.state(model, nnx.Param)),
-                    jax.tree.leaves(nnx.state(back, nnx.Param))):
+    for a, b in zip(
+        jax.tree.leaves(nnx.state(model, nnx.Param)), jax.tree.leaves(nnx.state(back, nnx.Param))
+    ):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
@@ -306,19 +386,32 @@ def _copy(src, dst, config_changes=None, drop=()):
     return str(dst)
 
 
-@pytest.mark.parametrize("changes,match", [
-    ({"model_type": "mistral"}, r"model_type 'mistral' is not supported.*'diffllama'.*'llama'"),
-    ({"attention_bias": True}, r"attention_bias=true.*no bias"),
-    ({"mlp_bias": True}, r"mlp_bias=true"),
-    ({"hidden_act": "gelu"}, r"hidden_act 'gelu'"),
-    ({"attention_dropout": 0.1}, r"attention_dropout=0.1"),
-    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}},
-     r"rope_type 'yarn' is not supported.*'default', 'linear' and 'llama3'"),
-    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
-                          "partial_rotary_factor": 0.5}}, r"partial_rotary_factor=0.5"),
-    ({"num_key_value_heads": 3}, r"num_key_value_heads=3 does not divide"),
-    ({"hidden_size": None}, r"hidden_size is missing"),
-])
+@pytest.mark.parametrize(
+    "changes,match",
+    [
+        ({"model_type": "mistral"}, r"model_type 'mistral' is not supported.*'diffllama'.*'llama'"),
+        ({"attention_bias": True}, r"attention_bias=true.*no bias"),
+        ({"mlp_bias": True}, r"mlp_bias=true"),
+        ({"hidden_act": "gelu"}, r"hidden_act 'gelu'"),
+        ({"attention_dropout": 0.1}, r"attention_dropout=0.1"),
+        (
+            {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}},
+            r"rope_type 'yarn' is not supported.*'default', 'linear' and 'llama3'",
+        ),
+        (
+            {
+                "rope_parameters": {
+                    "rope_type": "default",
+                    "rope_theta": 1e4,
+                    "partial_rotary_factor": 0.5,
+                }
+            },
+            r"partial_rotary_factor=0.5",
+        ),
+        ({"num_key_value_heads": 3}, r"num_key_value_heads=3 does not divide"),
+        ({"hidden_size": None}, r"hidden_size is missing"),
+    ],
+)
 def test_refuses_configs_it_cannot_express(tmp_path, good_dir, changes, match):
     path = _copy(good_dir, tmp_path / "c", changes)
     with pytest.raises(diffjax.PretrainedError, match=match):
@@ -326,8 +419,15 @@ def test_refuses_configs_it_cannot_express(tmp_path, good_dir, changes, match):
 
 
 def test_refuses_diffllama_layouts_it_cannot_express():
-    base = dict(model_type="diffllama", vocab_size=10, hidden_size=32, intermediate_size=8,
-                num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
+    base = dict(
+        model_type="diffllama",
+        vocab_size=10,
+        hidden_size=32,
+        intermediate_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     with pytest.raises(diffjax.PretrainedError, match=r"must be even"):
         hf.config_from_hf({**base, "num_key_value_heads": 1})
     with pytest.raises(diffjax.PretrainedError, match=r"head_dim=16 with 4 heads"):
@@ -361,14 +461,19 @@ def test_refuses_weights_that_do_not_match_the_config(tmp_path, good_dir):
     weights = load_file(file)
     weights["model.layers.0.self_attn.k_proj.weight"] = np.zeros((32, 32), np.float32)
     save_file(weights, file)
-    with pytest.raises(diffjax.PretrainedError,
-                       match=r"k_proj\.weight has shape \(32, 32\), the config needs \(16, 32\)"):
+    with pytest.raises(
+        diffjax.PretrainedError,
+        match=r"k_proj\.weight has shape \(32, 32\), the config needs \(16, 32\)",
+    ):
         diffjax.from_pretrained(path)
     del weights["model.layers.0.self_attn.k_proj.weight"]
     weights["model.layers.0.self_attn.q_proj.bias"] = np.zeros(32, np.float32)
     save_file(weights, file)
-    with pytest.raises(diffjax.PretrainedError, match=r"missing model\.layers\.0\.self_attn\.k_proj"
-                                                      r"\.weight; unexpected .*q_proj\.bias"):
+    with pytest.raises(
+        diffjax.PretrainedError,
+        match=r"missing model\.layers\.0\.self_attn\.k_proj"
+        r"\.weight; unexpected .*q_proj\.bias",
+    ):
         diffjax.from_pretrained(path)
 
 
@@ -381,17 +486,26 @@ def test_overrides(good_dir):
 
 
 def _tiny(**kw):
-    return diffjax.TransformerLM(diffjax.ModelConfig(vocab_size=VOCAB, d_model=32, num_layers=1,
-                                                     num_heads=2, ffn_dim=32, **kw),
-                                 rngs=nnx.Rngs(0))
+    return diffjax.TransformerLM(
+        diffjax.ModelConfig(
+            vocab_size=VOCAB, d_model=32, num_layers=1, num_heads=2, ffn_dim=32, **kw
+        ),
+        rngs=nnx.Rngs(0),
+    )
 
 
-@pytest.mark.parametrize("kw,match", [
-    (dict(attention="diff_v2"), r"DIFF V2 has no Hugging Face format"),
-    (dict(attention="diff_v1", lambda_init=0.5), r"lambda_init=0\.5"),
-    (dict(attention="diff_v1", diff_norm=False), r"diff_norm=False"),
-    (dict(attention="diff_v1", norm_eps=1e-6), r"diff_norm_eps=1e-05 differs from norm_eps=1e-06"),
-])
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(attention="diff_v2"), r"DIFF V2 has no Hugging Face format"),
+        (dict(attention="diff_v1", lambda_init=0.5), r"lambda_init=0\.5"),
+        (dict(attention="diff_v1", diff_norm=False), r"diff_norm=False"),
+        (
+            dict(attention="diff_v1", norm_eps=1e-6),
+            r"diff_norm_eps=1e-05 differs from norm_eps=1e-06",
+        ),
+    ],
+)
 def test_export_refusals(tmp_path, kw, match):
     with pytest.raises(diffjax.PretrainedError, match=match):
         diffjax.save_pretrained(_tiny(**kw), str(tmp_path / "x"))
@@ -411,11 +525,14 @@ def test_export_copies_tokenizer_files(tmp_path):
     src = tmp_path / "tok"
     src.mkdir()
     (src / "tokenizer.json").write_text("{}")
-    diffjax.save_pretrained(_tiny(attention="standard"), str(tmp_path / "x"), tokenizer_from=str(src))
+    diffjax.save_pretrained(
+        _tiny(attention="standard"), str(tmp_path / "x"), tokenizer_from=str(src)
+    )
     assert (tmp_path / "x" / "tokenizer.json").read_text() == "{}"
     with pytest.raises(diffjax.PretrainedError, match=r"holds none of tokenizer\.json"):
-        diffjax.save_pretrained(_tiny(attention="standard"), str(tmp_path / "y"),
-                                tokenizer_from=str(tmp_path))
+        diffjax.save_pretrained(
+            _tiny(attention="standard"), str(tmp_path / "y"), tokenizer_from=str(tmp_path)
+        )
 
 
 # ---------------------------------------------------------------------------- train.py
@@ -427,11 +544,23 @@ def test_train_py_starts_from_a_checkpoint(tmp_path):
 
     ref_model = hf_model("diffllama", heads=4, kv_heads=2, hidden=32, layers=1, vocab=259)
     ref_model.save_pretrained(tmp_path / "hf")
-    args = [f"run.dir={tmp_path / 'run'}", f"train.init_from={tmp_path / 'hf'}",
-            "data.seq_len=16", "data.max_files=12", "train.batch_size=8", "train.eval_batches=1",
-            "train.steps=2", "train.lr=1e-9", "train.warmup_steps=0", "train.eval_every=2",
-            "train.checkpoint_every=2", "train.progress=false", "train.tensorboard=false",
-            "train.num_seeds=1", "train.quick_eval=false"]
+    args = [
+        f"run.dir={tmp_path / 'run'}",
+        f"train.init_from={tmp_path / 'hf'}",
+        "data.seq_len=16",
+        "data.max_files=12",
+        "train.batch_size=8",
+        "train.eval_batches=1",
+        "train.steps=2",
+        "train.lr=1e-9",
+        "train.warmup_steps=0",
+        "train.eval_every=2",
+        "train.checkpoint_every=2",
+        "train.progress=false",
+        "train.tensorboard=false",
+        "train.num_seeds=1",
+        "train.quick_eval=false",
+    ]
     assert main(args) == 2  # compare=true would train the twin from random weights
     assert main(args + ["compare=false"]) == 0
     model = load_model(str(tmp_path / "run" / "diff" / "seed_0"), "latest")

@@ -21,17 +21,32 @@ def _normal(rng, shape, std=0.1):
 # Shapes of the official modules' state dicts (torch layout, [out, in]), written out by hand.
 def official_shapes(kind: str) -> dict[str, tuple[int, ...]]:
     if kind == "standard":  # MultiheadAttention(64, depth, num_heads=8, num_kv_heads=2): d = 8
-        return {"q_proj.weight": (64, 64), "k_proj.weight": (16, 64),
-                "v_proj.weight": (16, 64), "out_proj.weight": (64, 64)}
+        return {
+            "q_proj.weight": (64, 64),
+            "k_proj.weight": (16, 64),
+            "v_proj.weight": (16, 64),
+            "out_proj.weight": (64, 64),
+        }
     if kind == "v1":  # MultiheadFlashDiff1(64, depth, num_heads=4, num_kv_heads=2): d = 8
-        return {"q_proj.weight": (64, 64), "k_proj.weight": (32, 64),
-                "v_proj.weight": (32, 64), "out_proj.weight": (64, 64),
-                "lambda_q1": (8,), "lambda_k1": (8,), "lambda_q2": (8,), "lambda_k2": (8,),
-                "subln.weight": (16,)}
+        return {
+            "q_proj.weight": (64, 64),
+            "k_proj.weight": (32, 64),
+            "v_proj.weight": (32, 64),
+            "out_proj.weight": (64, 64),
+            "lambda_q1": (8,),
+            "lambda_k1": (8,),
+            "lambda_q2": (8,),
+            "lambda_k2": (8,),
+            "subln.weight": (16,),
+        }
     if kind == "v2":  # V2(64, num_heads=4, num_kv_heads=2, head_dim=16)
-        return {"q_proj.weight": (128, 64), "k_proj.weight": (32, 64),
-                "v_proj.weight": (32, 64), "o_proj.weight": (64, 64),
-                "lambda_proj.weight": (4, 64)}
+        return {
+            "q_proj.weight": (128, 64),
+            "k_proj.weight": (32, 64),
+            "v_proj.weight": (32, 64),
+            "o_proj.weight": (64, 64),
+            "lambda_proj.weight": (4, 64),
+        }
     raise AssertionError(kind)
 
 
@@ -93,13 +108,11 @@ def test_layout_is_torch_transposed():
     np.testing.assert_array_equal(np.asarray(m.lambda_k2[...]), sd["lambda_k2"])
     sd = random_sd("v2")
     m = diffjax.load_unilm_state_dict(build("v2"), sd)
-    np.testing.assert_array_equal(np.asarray(m.lambda_proj.kernel[...]),
-                                  sd["lambda_proj.weight"].T)
+    np.testing.assert_array_equal(np.asarray(m.lambda_proj.kernel[...]), sd["lambda_proj.weight"].T)
 
 
 def test_v1_without_norm_has_no_subln_key():
-    m = diffjax.MultiheadDiffAttn(EMBED, 0, 4, 2, norm=False, kernel_init=ZEROS,
-                                  rngs=nnx.Rngs(0))
+    m = diffjax.MultiheadDiffAttn(EMBED, 0, 4, 2, norm=False, kernel_init=ZEROS, rngs=nnx.Rngs(0))
     sd = random_sd("v1")
     with pytest.raises(KeyError, match="subln.weight"):
         diffjax.load_unilm_state_dict(m, sd)
@@ -111,15 +124,17 @@ def test_v1_without_norm_has_no_subln_key():
 def test_bfloat16_params_are_cast():
     import jax.numpy as jnp
 
-    m = diffjax.MultiheadDiffAttn(EMBED, 0, 4, 2, param_dtype=jnp.bfloat16, kernel_init=ZEROS,
-                                  rngs=nnx.Rngs(0))
+    m = diffjax.MultiheadDiffAttn(
+        EMBED, 0, 4, 2, param_dtype=jnp.bfloat16, kernel_init=ZEROS, rngs=nnx.Rngs(0)
+    )
     sd = random_sd("v1")
     diffjax.load_unilm_state_dict(m, sd)
     assert m.q_proj.kernel[...].dtype == jnp.bfloat16
     assert m.lambda_q1[...].dtype == jnp.float32  # lambda vectors stay float32
     np.testing.assert_array_equal(np.asarray(m.lambda_q1[...]), sd["lambda_q1"])
-    np.testing.assert_allclose(np.asarray(m.q_proj.kernel[...], np.float32),
-                               sd["q_proj.weight"].T, rtol=1e-2, atol=1e-3)
+    np.testing.assert_allclose(
+        np.asarray(m.q_proj.kernel[...], np.float32), sd["q_proj.weight"].T, rtol=1e-2, atol=1e-3
+    )
 
 
 # ---------------------------------------------------------------------------- failures
@@ -148,16 +163,23 @@ def test_unexpected_key_names_the_key_and_writes_nothing(kind):
     assert_sd_equal(diffjax.unilm_state_dict(m), before)
 
 
-@pytest.mark.parametrize("kind,victim,bad_shape", [
-    ("standard", "out_proj.weight", (64, 32)),   # last one checked: earlier ones would be written
-    ("standard", "k_proj.weight", (64, 64)),     # an MHA checkpoint into a GQA module
-    ("v1", "subln.weight", (8,)),
-    ("v1", "lambda_k2", (16,)),
-    ("v1", "v_proj.weight", (64, 64)),
-    ("v2", "lambda_proj.weight", (8, 64)),
-    ("v2", "q_proj.weight", (64, 64)),           # V2 needs 2h q heads
-    ("v2", "o_proj.weight", (64,)),              # wrong rank
-])
+@pytest.mark.parametrize(
+    "kind,victim,bad_shape",
+    [
+        (
+            "standard",
+            "out_proj.weight",
+            (64, 32),
+        ),  # last one checked: earlier ones would be written
+        ("standard", "k_proj.weight", (64, 64)),  # an MHA checkpoint into a GQA module
+        ("v1", "subln.weight", (8,)),
+        ("v1", "lambda_k2", (16,)),
+        ("v1", "v_proj.weight", (64, 64)),
+        ("v2", "lambda_proj.weight", (8, 64)),
+        ("v2", "q_proj.weight", (64, 64)),  # V2 needs 2h q heads
+        ("v2", "o_proj.weight", (64,)),  # wrong rank
+    ],
+)
 def test_wrong_shape_names_the_key_and_writes_nothing(kind, victim, bad_shape):
     m = diffjax.load_unilm_state_dict(build(kind), random_sd(kind, seed=1))
     before = diffjax.unilm_state_dict(m)
@@ -172,8 +194,11 @@ def test_wrong_shape_message_is_in_torch_layout():
     m = build("standard")
     sd = random_sd("standard")
     sd["k_proj.weight"] = np.zeros((64, 64), np.float32)
-    with pytest.raises(ValueError, match=r"k_proj\.weight: shape \(64, 64\) does not match "
-                                         r"the module's \(16, 64\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"k_proj\.weight: shape \(64, 64\) does not match "
+        r"the module's \(16, 64\)",
+    ):
         diffjax.load_unilm_state_dict(m, sd)
 
 
@@ -265,8 +290,7 @@ def test_torch_tensors_are_accepted():
     m = diffjax.load_unilm_state_dict(build("v1"), tsd)
     back = diffjax.unilm_state_dict(m)
     np.testing.assert_array_equal(back["lambda_q1"], sd["lambda_q1"])
-    np.testing.assert_array_equal(back["q_proj.weight"],
-                                  tsd["q_proj.weight"].float().numpy())
+    np.testing.assert_array_equal(back["q_proj.weight"], tsd["q_proj.weight"].float().numpy())
 
 
 def test_export_of_bfloat16_module_is_float32_and_writable():
@@ -275,5 +299,6 @@ def test_export_of_bfloat16_module_is_float32_and_writable():
     for name, a in sd.items():
         assert a.dtype == np.float32, name
         assert a.flags.writeable, name
-    np.testing.assert_array_equal(sd["q_proj.weight"].T,
-                                  np.asarray(m.q_proj.kernel[...]).astype(np.float32))
+    np.testing.assert_array_equal(
+        sd["q_proj.weight"].T, np.asarray(m.q_proj.kernel[...]).astype(np.float32)
+    )

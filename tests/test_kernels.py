@@ -36,14 +36,19 @@ def test_cpu_without_interpret_says_how_to_run():
     with pytest.raises(ValueError, match="compile only for GPU and TPU.*interpret=True"):
         kernels.differential_flash_attention(q1, k1, q2, k2, v, 0.5)
     with pytest.raises(ValueError, match="no Pallas kernel for backend 'metal'"):
-        kernels.differential_flash_attention(q1, k1, q2, k2, v, 0.5, interpret=True, backend="metal")
+        kernels.differential_flash_attention(
+            q1, k1, q2, k2, v, 0.5, interpret=True, backend="metal"
+        )
 
 
-@pytest.mark.parametrize("change, message", [
-    (lambda a: (*a[:4], a[4][..., :24]), r"v's head dim must equal q/k's \(16\) or be twice"),
-    (lambda a: (a[0], a[1], a[2][:, :, :1], *a[3:]), r"q1 and q2 must have the same shape"),
-    (lambda a: (a[0][..., :8], *a[1:]), r"head dims differ"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda a: (*a[:4], a[4][..., :24]), r"v's head dim must equal q/k's \(16\) or be twice"),
+        (lambda a: (a[0], a[1], a[2][:, :, :1], *a[3:]), r"q1 and q2 must have the same shape"),
+        (lambda a: (a[0][..., :8], *a[1:]), r"head dims differ"),
+    ],
+)
 def test_bad_shapes_are_named_before_any_kernel_runs(change, message):
     args = change(_inputs())
     with pytest.raises(ValueError, match=message):
@@ -58,7 +63,9 @@ def test_bad_lambda_shape():
 @pytest.mark.parametrize("backend", ["gpu", "tpu"])
 def test_entry_point_matches_reference(backend):
     q1, k1, q2, k2, v = _inputs()
-    got = kernels.differential_flash_attention(q1, k1, q2, k2, v, 0.7, interpret=True, backend=backend)
+    got = kernels.differential_flash_attention(
+        q1, k1, q2, k2, v, 0.7, interpret=True, backend=backend
+    )
     want = kernels.reference.differential_attention(q1, k1, q2, k2, v, 0.7)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
     got = kernels.flash_attention(q1, k1, v, interpret=True, backend=backend)
@@ -82,8 +89,9 @@ def test_lm_with_pallas_equals_xla_loss_and_gradients(kind):
     segments = jnp.concatenate([jnp.zeros((2, 25), jnp.int32), jnp.ones((2, 15), jnp.int32)], 1)
 
     def loss_and_grads(impl):
-        model = diffjax.TransformerLM(diffjax.ModelConfig(attention_impl=impl, **common),
-                                      rngs=nnx.Rngs(0))
+        model = diffjax.TransformerLM(
+            diffjax.ModelConfig(attention_impl=impl, **common), rngs=nnx.Rngs(0)
+        )
         graphdef, params = nnx.split(model, nnx.Param)
 
         def loss(p):
@@ -100,5 +108,9 @@ def test_lm_with_pallas_equals_xla_loss_and_gradients(kind):
     for path, gx in flat_x:
         gp = flat_p[path]
         scale = float(jnp.max(jnp.abs(gx))) + 1e-12
-        np.testing.assert_allclose(np.asarray(gp), np.asarray(gx), atol=2e-5 * scale + 1e-7,
-                                   err_msg=jax.tree_util.keystr(path))
+        np.testing.assert_allclose(
+            np.asarray(gp),
+            np.asarray(gx),
+            atol=2e-5 * scale + 1e-7,
+            err_msg=jax.tree_util.keystr(path),
+        )

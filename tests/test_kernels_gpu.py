@@ -42,8 +42,9 @@ TOL = {"float32": F32_TOL, "float16": F16_TOL, "bfloat16": BF16_TOL}
 INTERPRET = not ON_GPU
 
 SMALL = gpu.BlockSizes(16, 16, 16, 16, 16, 16)
-MIXED = gpu.BlockSizes(block_q=32, block_k=16, block_q_dkv=16, block_k_dkv=32,
-                       block_q_dq=32, block_k_dq=16)
+MIXED = gpu.BlockSizes(
+    block_q=32, block_k=16, block_q_dkv=16, block_k_dkv=32, block_q_dq=32, block_k_dq=16
+)
 BLOCKS = {"small": SMALL, "mixed": MIXED, "default": gpu.BlockSizes()}
 
 
@@ -71,10 +72,12 @@ def _fast_compiles():
 
 # ---------------------------------------------------------------------------- helpers
 def _check_diff(case, *, causal=True, block_sizes=SMALL, sm_scale=None, shared=False):
-    kernel = functools.partial(gpu.differential_flash_attention, block_sizes=block_sizes,
-                               interpret=INTERPRET)
-    return check_differential(kernel, case, TOL[case["q1"].dtype.name], causal=causal,
-                              sm_scale=sm_scale, shared=shared)
+    kernel = functools.partial(
+        gpu.differential_flash_attention, block_sizes=block_sizes, interpret=INTERPRET
+    )
+    return check_differential(
+        kernel, case, TOL[case["q1"].dtype.name], causal=causal, sm_scale=sm_scale, shared=shared
+    )
 
 
 def _check_standard(case, *, causal, block_sizes=SMALL):
@@ -99,9 +102,14 @@ def diff_cases(draw, lengths, heads, dims, dtypes=("float32", "bfloat16"), batch
     d = draw(st.sampled_from(dims))
     return dict(
         seed=draw(st.integers(0, 2**31 - 1)),
-        b=draw(st.sampled_from(batches)), t=t, s=s,
-        heads=draw(st.sampled_from(heads)), d=d, dv=d * draw(st.sampled_from((2, 1))),
-        causal=draw(st.sampled_from((True, False))), segmented=segmented,
+        b=draw(st.sampled_from(batches)),
+        t=t,
+        s=s,
+        heads=draw(st.sampled_from(heads)),
+        d=d,
+        dv=d * draw(st.sampled_from((2, 1))),
+        causal=draw(st.sampled_from((True, False))),
+        segmented=segmented,
         kv_explicit=kv_explicit,
         lam_kind=draw(st.sampled_from(("token", "scalar"))),
         dtype=draw(st.sampled_from(dtypes)),
@@ -113,13 +121,29 @@ def diff_cases(draw, lengths, heads, dims, dtypes=("float32", "bfloat16"), batch
 def _run_case(c):
     hq, hkv = c["heads"]
     seg = ("separate" if c["kv_explicit"] else "shared") if c["segmented"] else None
-    case = make_inputs(c["seed"], b=c["b"], t=c["t"], s=c["s"], hq=hq, hkv=hkv, d=c["d"],
-                       dv=c["dv"], dtype=c["dtype"], lam=c["lam_kind"], seg=seg)
+    case = make_inputs(
+        c["seed"],
+        b=c["b"],
+        t=c["t"],
+        s=c["s"],
+        hq=hq,
+        hkv=hkv,
+        d=c["d"],
+        dv=c["dv"],
+        dtype=c["dtype"],
+        lam=c["lam_kind"],
+        seg=seg,
+    )
     _check_diff(case, causal=c["causal"], sm_scale=c["scale"], block_sizes=BLOCKS[c["blocks"]])
 
 
-_FAST = settings(max_examples=4, deadline=None, derandomize=True, database=None,
-                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+_FAST = settings(
+    max_examples=4,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 
 
 # One test per dtype, so that pytest-xdist can spread the examples over its workers.
@@ -136,23 +160,38 @@ def test_diff_grid_bfloat16(case):
 
 
 @pytest.mark.slow
-@settings(max_examples=4, deadline=None, derandomize=True, database=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-@given(diff_cases(lengths=(57, 80, 17, 32), heads=[(3, 1), (4, 4)] + HEADS[:1] + HEADS[2:],
-                  dims=(64, 32)))
+@settings(
+    max_examples=4,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(
+    diff_cases(
+        lengths=(57, 80, 17, 32), heads=[(3, 1), (4, 4)] + HEADS[:1] + HEADS[2:], dims=(64, 32)
+    )
+)
 def test_diff_grid_large(case):
     _run_case(case)
 
 
 @_FAST
-@given(st.integers(0, 2**31 - 1), st.sampled_from([(37, 37), (48, 24), (24, 48), (16, 16)]),
-       st.sampled_from(HEADS), st.sampled_from((32, 64)), st.sampled_from((True, False)),
-       st.sampled_from((True, False)), st.sampled_from(("bfloat16", "float32")))
+@given(
+    st.integers(0, 2**31 - 1),
+    st.sampled_from([(37, 37), (48, 24), (24, 48), (16, 16)]),
+    st.sampled_from(HEADS),
+    st.sampled_from((32, 64)),
+    st.sampled_from((True, False)),
+    st.sampled_from((True, False)),
+    st.sampled_from(("bfloat16", "float32")),
+)
 def test_flash_attention_grid(seed, ts, heads, d, causal, segmented, dtype):
     t, s = ts
     seg = ("shared" if s == t else "separate") if segmented else None
-    case = make_inputs(seed, b=2, t=t, s=s, hq=heads[0], hkv=heads[1], d=d, dtype=dtype,
-                       seg=seg, n_seg=2)
+    case = make_inputs(
+        seed, b=2, t=t, s=s, hq=heads[0], hkv=heads[1], d=d, dtype=dtype, seg=seg, n_seg=2
+    )
     _check_standard(case, causal=causal)
 
 
@@ -164,7 +203,9 @@ def test_shared_keys_match_a_copy():
     shared_out, shared_grads = _check_diff(case, shared=True)
 
     def copy(q1, k1, q2, k2, v, lam):
-        return gpu.differential_flash_attention(q1, k1, q2, k2, v, lam, block_sizes=SMALL, interpret=INTERPRET)
+        return gpu.differential_flash_attention(
+            q1, k1, q2, k2, v, lam, block_sizes=SMALL, interpret=INTERPRET
+        )
 
     copy_out, copy_grads = value_and_grads(copy, (q1, k1, q2, k_copy, v, lam), case["ct"])
     np.testing.assert_allclose(shared_out, copy_out, atol=1e-6, rtol=1e-6)
@@ -182,7 +223,7 @@ def _pallas_calls(jaxpr):
         if eqn.primitive.name == "pallas_call":
             found.append(eqn)
         for p in eqn.params.values():
-            for sub in (p if isinstance(p, (tuple, list)) else (p,)):
+            for sub in p if isinstance(p, (tuple, list)) else (p,):
                 if hasattr(sub, "eqns") or hasattr(getattr(sub, "jaxpr", None), "eqns"):
                     found += _pallas_calls(sub)
     return found
@@ -195,7 +236,9 @@ def test_shared_keys_use_the_single_key_kernel():
 
     def kernel_inputs(shared):
         def loss(q1, k1, q2, k2, v, lam):
-            o = gpu.differential_flash_attention(q1, k1, q2, k1 if shared else k2, v, lam, interpret=INTERPRET)
+            o = gpu.differential_flash_attention(
+                q1, k1, q2, k1 if shared else k2, v, lam, interpret=INTERPRET
+            )
             return jnp.sum(o * ct)
 
         calls = _pallas_calls(jax.make_jaxpr(jax.grad(loss, (0, 1, 2, 3, 4, 5)))(*args))
@@ -207,18 +250,35 @@ def test_shared_keys_use_the_single_key_kernel():
     assert [a - b for a, b in zip(out_copy, out_shared)] == [0, 1, 0]  # dK1 + dK2 in one output
 
 
-@pytest.mark.parametrize("shared,key_major", [(False, False), (True, True)],
-                         ids=["v1_gqa_segments_query_major_dkv", "v2_shared_k_key_major_dkv"])
+@pytest.mark.parametrize(
+    "shared,key_major",
+    [(False, False), (True, True)],
+    ids=["v1_gqa_segments_query_major_dkv", "v2_shared_k_key_major_dkv"],
+)
 def test_split_forward_and_both_dkv_layouts_match_the_reference(shared, key_major):
     """``BlockSizes(split_forward=True)`` (one program per branch, the sm_90 default for V1 at
     Dv=256) with either dK/dV tile layout (``dkv_key_major``; on CPU the defaults are sm_90's,
     so the grids above run key-major at these widths): values and gradients as the
     reference's, with GQA, causal, packed segments and a ragged length; and for V2, shared
     keys with a per-token lambda."""
-    case = make_inputs(5, b=2, t=23, s=23, hq=4, hkv=2, d=32, dv=64,
-                       lam="token" if shared else "scalar", seg=None if shared else "shared")
-    _check_diff(case, causal=True, block_sizes=dataclasses.replace(
-        MIXED, split_forward=True, dkv_key_major=key_major), shared=shared)
+    case = make_inputs(
+        5,
+        b=2,
+        t=23,
+        s=23,
+        hq=4,
+        hkv=2,
+        d=32,
+        dv=64,
+        lam="token" if shared else "scalar",
+        seg=None if shared else "shared",
+    )
+    _check_diff(
+        case,
+        causal=True,
+        block_sizes=dataclasses.replace(MIXED, split_forward=True, dkv_key_major=key_major),
+        shared=shared,
+    )
 
 
 def test_split_forward_runs_one_branch_per_program():
@@ -226,8 +286,11 @@ def test_split_forward_runs_one_branch_per_program():
     args = [case[k] for k in ("q1", "k1", "q2", "k2", "v", "lam")]
 
     def grid(split):
-        f = functools.partial(gpu.differential_flash_attention, interpret=INTERPRET,
-                              block_sizes=dataclasses.replace(SMALL, split_forward=split))
+        f = functools.partial(
+            gpu.differential_flash_attention,
+            interpret=INTERPRET,
+            block_sizes=dataclasses.replace(SMALL, split_forward=split),
+        )
         (fwd,) = [c for c in _pallas_calls(jax.make_jaxpr(f)(*args))]
         return fwd.params["grid_mapping"].grid
 
@@ -235,8 +298,9 @@ def test_split_forward_runs_one_branch_per_program():
     assert gpu.default_block_sizes(128, 256, compute_capability=(9, 0)).split_forward
     assert not gpu.default_block_sizes(64, 128, compute_capability=(9, 0)).split_forward
     assert not gpu.default_block_sizes(128, 256, compute_capability=(8, 0)).split_forward
-    assert gpu.default_block_sizes(128, 128, shared_keys=True,
-                                   compute_capability=(9, 0)).dkv_key_major
+    assert gpu.default_block_sizes(
+        128, 128, shared_keys=True, compute_capability=(9, 0)
+    ).dkv_key_major
     assert not gpu.default_block_sizes(128, 256, compute_capability=(9, 0)).dkv_key_major
 
 
@@ -281,13 +345,22 @@ def test_python_float_lambda_and_head_dim_128():
     case = make_inputs(2, t=16, s=16, hq=1, d=128)
     q1, k1, q2, k2, v = (case[n] for n in ("q1", "k1", "q2", "k2", "v"))
     out = gpu.differential_flash_attention(q1, k1, q2, k2, v, 0.5, interpret=INTERPRET)
-    want = reference.differential_attention(q1, k1, q2, k2, v, 0.5, scale=128 ** -0.5)
+    want = reference.differential_attention(q1, k1, q2, k2, v, 0.5, scale=128**-0.5)
     assert_close("out", out, want, F32_TOL["value"])
 
 
-@pytest.mark.parametrize("field,value", [("block_q", 48), ("block_k", 8), ("block_q_dkv", 0),
-                                         ("block_k_dq", 24), ("block_k_dkv", 64.0),
-                                         ("num_warps", 3), ("num_stages", 0)])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("block_q", 48),
+        ("block_k", 8),
+        ("block_q_dkv", 0),
+        ("block_k_dq", 24),
+        ("block_k_dkv", 64.0),
+        ("num_warps", 3),
+        ("num_stages", 0),
+    ],
+)
 def test_bad_block_sizes(field, value):
     with pytest.raises(ValueError, match=field):
         gpu.BlockSizes(**{field: value})
@@ -300,17 +373,22 @@ def test_block_size_error_names_accepted_values():
 
 # Shared memory XLA reported for these kernels on sm_90 (benchmarks/compile_kernels.py, bf16):
 # (kernel, block_q, block_k, d, dv, n_branch, n_keys) -> bytes.
-MEASURED_SMEM = [("fwd", 64, 64, 64, 128, 2, 2, 81920), ("fwd", 64, 64, 128, 256, 2, 2, 163840),
-                 ("fwd", 64, 64, 128, 128, 2, 1, 98304), ("fwd", 64, 64, 128, 128, 1, 1, 81920),
-                 ("fwd", 64, 32, 128, 256, 2, 2, 98304), ("dq", 64, 32, 64, 128, 2, 2, 65536),
-                 ("dq", 64, 32, 128, 256, 2, 2, 131072), ("dq", 64, 32, 128, 128, 2, 1, 81920),
-                 ("dq", 64, 32, 128, 128, 1, 1, 65536)]
+MEASURED_SMEM = [
+    ("fwd", 64, 64, 64, 128, 2, 2, 81920),
+    ("fwd", 64, 64, 128, 256, 2, 2, 163840),
+    ("fwd", 64, 64, 128, 128, 2, 1, 98304),
+    ("fwd", 64, 64, 128, 128, 1, 1, 81920),
+    ("fwd", 64, 32, 128, 256, 2, 2, 98304),
+    ("dq", 64, 32, 64, 128, 2, 2, 65536),
+    ("dq", 64, 32, 128, 256, 2, 2, 131072),
+    ("dq", 64, 32, 128, 128, 2, 1, 81920),
+    ("dq", 64, 32, 128, 128, 1, 1, 65536),
+]
 
 
 @pytest.mark.parametrize("kernel,bq,bk,d,dv,n_branch,n_keys,want", MEASURED_SMEM)
 def test_shared_memory_model_matches_the_compiler(kernel, bq, bk, d, dv, n_branch, n_keys, want):
-    assert gpu.shared_memory_bytes(kernel, bq, bk, d, dv, n_branch=n_branch,
-                                   n_keys=n_keys) == want
+    assert gpu.shared_memory_bytes(kernel, bq, bk, d, dv, n_branch=n_branch, n_keys=n_keys) == want
 
 
 def test_blocks_too_big_for_shared_memory_are_refused_with_a_size_that_fits():
@@ -324,14 +402,17 @@ def test_default_blocks_fit_hopper_shared_memory():
     """sm_90 defaults fit its shared memory by the exact model (the compile check verifies
     every target, where the model is an over-estimate before sm_90)."""
     for cc in [(9, 0)]:
-        for d, dv, diff in [(64, 128, True), (128, 256, True), (128, 128, True),
-                            (128, 128, False)]:
+        for d, dv, diff in [(64, 128, True), (128, 256, True), (128, 128, True), (128, 128, False)]:
             bs = gpu.default_block_sizes(d, dv, differential=diff, compute_capability=cc)
             n = 2 if diff else 1
-            for kernel, bq, bk in [("fwd", bs.block_q, bs.block_k),
-                                   ("dq", bs.block_q_dq, bs.block_k_dq)]:
-                assert gpu.shared_memory_bytes(kernel, bq, bk, d, dv, n_branch=n,
-                                               n_keys=n) <= gpu.SHARED_MEMORY_BYTES[cc]
+            for kernel, bq, bk in [
+                ("fwd", bs.block_q, bs.block_k),
+                ("dq", bs.block_q_dq, bs.block_k_dq),
+            ]:
+                assert (
+                    gpu.shared_memory_bytes(kernel, bq, bk, d, dv, n_branch=n, n_keys=n)
+                    <= gpu.SHARED_MEMORY_BYTES[cc]
+                )
 
 
 def test_bad_shapes():
@@ -354,16 +435,17 @@ def test_lowers_through_triton():
     kv_seg = jax.ShapeDtypeStruct((2, 130), jnp.int32)
 
     def loss(q1, k1, q2, k2, v, lam, seg, kv_seg, shared):
-        o = gpu.differential_flash_attention(q1, k1, q2, k1 if shared else k2, v, lam, segment_ids=seg,
-                                     kv_segment_ids=kv_seg)
+        o = gpu.differential_flash_attention(
+            q1, k1, q2, k1 if shared else k2, v, lam, segment_ids=seg, kv_segment_ids=kv_seg
+        )
         return jnp.sum(o.astype(jnp.float32)) + jnp.sum(
-            gpu.flash_attention(q1, k1, v[..., :64], causal=False).astype(jnp.float32))
+            gpu.flash_attention(q1, k1, v[..., :64], causal=False).astype(jnp.float32)
+        )
 
     for shared in (False, True):
         f = jax.jit(jax.grad(functools.partial(loss, shared=shared), (0, 1, 2, 3, 4, 5)))
         try:
-            lowered = f.trace(q, k, q, k, v, lam, seg, kv_seg).lower(
-                lowering_platforms=("cuda",))
+            lowered = f.trace(q, k, q, k, v, lam, seg, kv_seg).lower(lowering_platforms=("cuda",))
         except (AttributeError, TypeError, NotImplementedError) as e:  # API moved / no Triton
             pytest.skip(f"cannot lower for cuda on this jax: {e}")
         assert lowered.as_text().count("triton") >= 6
@@ -371,19 +453,39 @@ def test_lowers_through_triton():
 
 def _block_config(causal, t, s, bq, bk):
     """A kernel config with the same (bq, bk) blocks in all three kernels, for the block maths."""
-    return gpu._Config(differential=True, shared_k=False, causal=causal, segmented=False,
-                       q_len=t, kv_len=s, kv_padded=s % bk != 0, scale=1.0,
-                       block_q=bq, block_k=bk, block_q_dkv=bq, block_k_dkv=bk,
-                       block_q_dq=bq, block_k_dq=bk, num_warps=4, num_stages=2,
-                       interpret=INTERPRET)
+    return gpu._Config(
+        differential=True,
+        shared_k=False,
+        causal=causal,
+        segmented=False,
+        q_len=t,
+        kv_len=s,
+        kv_padded=s % bk != 0,
+        scale=1.0,
+        block_q=bq,
+        block_k=bk,
+        block_q_dkv=bq,
+        block_k_dkv=bk,
+        block_q_dq=bq,
+        block_k_dq=bk,
+        num_warps=4,
+        num_stages=2,
+        interpret=INTERPRET,
+    )
 
 
 @pytest.mark.parametrize("causal", [True, False])
 def test_unmasked_key_blocks_are_exactly_the_fully_visible_ones(causal):
     """The forward and dQ loops run their leading key blocks without a mask: that count must be
     the number of leading blocks every row of the query block sees in full (brute force)."""
-    for t, s, bq, bk in [(80, 80, 16, 16), (48, 80, 16, 32), (80, 48, 32, 16), (40, 37, 16, 16),
-                         (64, 64, 32, 16), (20, 100, 16, 32)]:
+    for t, s, bq, bk in [
+        (80, 80, 16, 16),
+        (48, 80, 16, 32),
+        (80, 48, 32, 16),
+        (40, 37, 16, 16),
+        (64, 64, 32, 16),
+        (20, 100, 16, 32),
+    ]:
         cfg = _block_config(causal, t, s, bq, bk)
         for qi in range(-(-t // bq)):
             rows = np.arange(qi * bq, (qi + 1) * bq)[:, None]
@@ -405,8 +507,14 @@ def test_unmasked_key_blocks_are_exactly_the_fully_visible_ones(causal):
 def test_dkv_unmasked_query_blocks_are_exactly_the_fully_visible_ones(causal):
     """The dK/dV loop drops the causal mask from the first query block whose every row sees the
     whole key block (brute force over block layouts, T != S included)."""
-    for t, s, bq, bk in [(80, 80, 16, 16), (48, 80, 16, 32), (80, 48, 32, 16), (40, 37, 16, 16),
-                         (64, 64, 16, 32), (100, 20, 32, 16)]:
+    for t, s, bq, bk in [
+        (80, 80, 16, 16),
+        (48, 80, 16, 32),
+        (80, 48, 32, 16),
+        (40, 37, 16, 16),
+        (64, 64, 16, 32),
+        (100, 20, 32, 16),
+    ]:
         cfg = _block_config(causal, t, s, bq, bk)
         hi = -(-t // bq)
         for kj in range(-(-s // bk)):
@@ -434,8 +542,11 @@ def test_bfloat16_o2_residual_costs_little_in_dlam():
     def dlam(f):
         return jax.grad(lambda lam: jnp.sum(f(lam).astype(jnp.float32) * ct))(args[5])
 
-    got = dlam(lambda lam: gpu.differential_flash_attention(*args[:5], lam, block_sizes=SMALL,
-                                                    interpret=INTERPRET, o2_dtype=jnp.bfloat16))
+    got = dlam(
+        lambda lam: gpu.differential_flash_attention(
+            *args[:5], lam, block_sizes=SMALL, interpret=INTERPRET, o2_dtype=jnp.bfloat16
+        )
+    )
     want = dlam(lambda lam: reference.differential_attention(*up, lam, causal=True))
     o2 = reference.dot_product_attention(up[2], up[3], up[4], causal=True)
     atol, rtol = BF16_TOL["dlam"]  # rtol times the L1 norm of d(lam)'s terms, as in _check_diff

@@ -41,10 +41,12 @@ TOL = {
 
 
 def check_differential(case, *, causal, block_sizes, interpret=True, sm_scale=None):
-    kernel = functools.partial(tpu.differential_flash_attention, block_sizes=block_sizes,
-                               interpret=interpret)
-    return _check_differential(kernel, case, TOL[case["q1"].dtype.name], causal=causal,
-                               sm_scale=sm_scale)
+    kernel = functools.partial(
+        tpu.differential_flash_attention, block_sizes=block_sizes, interpret=interpret
+    )
+    return _check_differential(
+        kernel, case, TOL[case["q1"].dtype.name], causal=causal, sm_scale=sm_scale
+    )
 
 
 def check_standard(case, *, causal, block_sizes):
@@ -53,42 +55,58 @@ def check_standard(case, *, causal, block_sizes):
 
 
 def blocks(q=16, k=16, q_dkv=None, k_dkv=None, q_dq=None, k_dq=None):
-    return tpu.BlockSizes(block_q=q, block_k=k, block_q_dkv=q_dkv or q, block_k_dkv=k_dkv or k,
-                          block_q_dq=q_dq or q, block_k_dq=k_dq or k)
+    return tpu.BlockSizes(
+        block_q=q,
+        block_k=k,
+        block_q_dkv=q_dkv or q,
+        block_k_dkv=k_dkv or k,
+        block_q_dq=q_dq or q,
+        block_k_dq=k_dq or k,
+    )
 
 
 # ============================================================================ explicit cases
-@pytest.mark.parametrize("kw, causal, bs", [
-    # MHA, lengths not block multiples, V twice as wide (DIFF V1), scalar lambda.
-    (dict(t=40, s=40, hq=2, hkv=2, dv=64), True, blocks(16, 16)),
-    # GQA, T < S (causal offset), per-token lambda, mixed block sizes (wholly padded key blocks).
-    (dict(b=2, t=24, s=40, hq=4, hkv=2, lam="token"), True, blocks(16, 16, 8, 32, 16, 8)),
-    # MQA, T > S: the first queries see no key at all; separate query / key segment ids.
-    (dict(t=40, s=24, hq=2, hkv=1, lam="token", seg="separate"), True, blocks(16, 8, 32, 16)),
-    # Packed segments without the causal mask.
-    (dict(t=32, s=32, hq=2, hkv=1, seg="shared", dv=64), False, blocks(8, 16)),
-], ids=["mha-v1", "gqa-offset", "mqa-empty-rows", "segments-noncausal"])
+@pytest.mark.parametrize(
+    "kw, causal, bs",
+    [
+        # MHA, lengths not block multiples, V twice as wide (DIFF V1), scalar lambda.
+        (dict(t=40, s=40, hq=2, hkv=2, dv=64), True, blocks(16, 16)),
+        # GQA, T < S (causal offset), per-token lambda, mixed block sizes (wholly padded key blocks).
+        (dict(b=2, t=24, s=40, hq=4, hkv=2, lam="token"), True, blocks(16, 16, 8, 32, 16, 8)),
+        # MQA, T > S: the first queries see no key at all; separate query / key segment ids.
+        (dict(t=40, s=24, hq=2, hkv=1, lam="token", seg="separate"), True, blocks(16, 8, 32, 16)),
+        # Packed segments without the causal mask.
+        (dict(t=32, s=32, hq=2, hkv=1, seg="shared", dv=64), False, blocks(8, 16)),
+    ],
+    ids=["mha-v1", "gqa-offset", "mqa-empty-rows", "segments-noncausal"],
+)
 def test_differential_matches_reference(kw, causal, bs):
     check_differential(make_inputs(0, **kw), causal=causal, block_sizes=bs)
 
 
 def test_differential_sm_scale_and_default_blocks():
     """Head dim 128, a custom scale; default BlockSizes clamp to the short sequence."""
-    check_differential(make_inputs(1, t=20, s=20, d=128, lam="token"), causal=True,
-                       block_sizes=None, sm_scale=0.3)
+    check_differential(
+        make_inputs(1, t=20, s=20, d=128, lam="token"), causal=True, block_sizes=None, sm_scale=0.3
+    )
 
 
 def test_differential_interpret_params():
     """The TPU interpreter (``pltpu.InterpretParams``: simulated DMAs, VMEM/SMEM scratch)."""
     case = make_inputs(2, t=16, s=16, hq=2, hkv=1, lam="scalar", seg="shared")
-    check_differential(case, causal=True, block_sizes=blocks(8, 8, 8, 16),
-                       interpret=pltpu.InterpretParams())
+    check_differential(
+        case, causal=True, block_sizes=blocks(8, 8, 8, 16), interpret=pltpu.InterpretParams()
+    )
 
 
-@pytest.mark.parametrize("kw, causal", [
-    (dict(b=2, t=40, s=40, hq=4, hkv=2, seg="shared"), True),
-    (dict(t=24, s=40, hq=2, hkv=1, dtype="bfloat16"), False),
-], ids=["gqa-segments", "mqa-bf16-noncausal"])
+@pytest.mark.parametrize(
+    "kw, causal",
+    [
+        (dict(b=2, t=40, s=40, hq=4, hkv=2, seg="shared"), True),
+        (dict(t=24, s=40, hq=2, hkv=1, dtype="bfloat16"), False),
+    ],
+    ids=["gqa-segments", "mqa-bf16-noncausal"],
+)
 def test_flash_attention_matches_reference(kw, causal):
     check_standard(make_inputs(3, **kw), causal=causal, block_sizes=blocks(16, 16, 16, 8))
 
@@ -103,19 +121,25 @@ def test_shared_k_equals_copy():
     bs = blocks(16, 16, 16, 8)
 
     def shared(q1, k, q2, v, lam):
-        return tpu.differential_flash_attention(q1, k, q2, k, v, lam, block_sizes=bs, interpret=True)
+        return tpu.differential_flash_attention(
+            q1, k, q2, k, v, lam, block_sizes=bs, interpret=True
+        )
 
     def copied(q1, k, q2, v, lam):
-        return tpu.differential_flash_attention(q1, k, q2, k + 0.0, v, lam, block_sizes=bs,
-                                        interpret=True)
+        return tpu.differential_flash_attention(
+            q1, k, q2, k + 0.0, v, lam, block_sizes=bs, interpret=True
+        )
 
     args = tuple(case[n] for n in ("q1", "k1", "q2", "v", "lam"))
 
     def grad_names(fn):
         return _kernel_names(lambda *a: jax.vjp(fn, *a)[1](case["ct"]), *args)
 
-    assert grad_names(shared) == {"diff_flash_fwd_shared_k", "diff_flash_dkv_shared_k",
-                                  "diff_flash_dq_shared_k"}
+    assert grad_names(shared) == {
+        "diff_flash_fwd_shared_k",
+        "diff_flash_dkv_shared_k",
+        "diff_flash_dq_shared_k",
+    }
     assert grad_names(copied) == {"diff_flash_fwd", "diff_flash_dkv", "diff_flash_dq"}
     out_s, grads_s = value_and_grads(shared, args, case["ct"])
     out_c, grads_c = value_and_grads(copied, args, case["ct"])
@@ -157,9 +181,16 @@ def test_causal_skips_key_blocks_above_the_diagonal():
     query block that may see it (a computed-but-masked tile would spread 0 * NaN = NaN)."""
     case = make_inputs(7, t=32, s=32, hq=1, hkv=1)
     v = case["v"].at[:, -1].set(jnp.nan)
-    fn = compile_fast(lambda q1, k1, q2, k2, v: tpu.differential_flash_attention(
-        q1, k1, q2, k2, v, 0.5, block_sizes=blocks(8, 8), interpret=True),
-        case["q1"], case["k1"], case["q2"], case["k2"], v)
+    fn = compile_fast(
+        lambda q1, k1, q2, k2, v: tpu.differential_flash_attention(
+            q1, k1, q2, k2, v, 0.5, block_sizes=blocks(8, 8), interpret=True
+        ),
+        case["q1"],
+        case["k1"],
+        case["q2"],
+        case["k2"],
+        v,
+    )
     out = np.asarray(fn(case["q1"], case["k1"], case["q2"], case["k2"], v))
     assert np.all(np.isfinite(out[:, :24])) and np.all(np.isnan(out[:, -1]))
 
@@ -168,8 +199,11 @@ def test_causal_skips_key_blocks_above_the_diagonal():
 @st.composite
 def grid_cases(draw, large=False):
     kind = draw(st.sampled_from(["mha", "gqa", "mqa"]))
-    hkv, hq = {"mha": (draw(st.sampled_from([1, 2])),) * 2, "gqa": (2, 4),
-               "mqa": (1, draw(st.sampled_from([2, 4])))}[kind]
+    hkv, hq = {
+        "mha": (draw(st.sampled_from([1, 2])),) * 2,
+        "gqa": (2, 4),
+        "mqa": (1, draw(st.sampled_from([2, 4]))),
+    }[kind]
     seg = draw(st.sampled_from([None, "shared", "separate"]))
     lengths = st.integers(24, 64) if large else st.integers(8, 40)
     t = draw(lengths)
@@ -177,13 +211,21 @@ def grid_cases(draw, large=False):
     d = draw(st.sampled_from([64, 128] if large else [32]))
     sizes = st.sampled_from([8, 16, 32])
     return dict(
-        case=dict(b=draw(st.sampled_from([1, 2])), t=t, s=s, hq=hq, hkv=hkv, d=d,
-                  dv=d * draw(st.sampled_from([1, 2])), seg=seg,
-                  lam=draw(st.sampled_from(["scalar", "token"])),
-                  dtype=draw(st.sampled_from(["float32", "bfloat16"]))),
+        case=dict(
+            b=draw(st.sampled_from([1, 2])),
+            t=t,
+            s=s,
+            hq=hq,
+            hkv=hkv,
+            d=d,
+            dv=d * draw(st.sampled_from([1, 2])),
+            seg=seg,
+            lam=draw(st.sampled_from(["scalar", "token"])),
+            dtype=draw(st.sampled_from(["float32", "bfloat16"])),
+        ),
         causal=draw(st.booleans()),
         blocks=tpu.BlockSizes(*(draw(sizes) for _ in range(6))),
-        seed=draw(st.integers(0, 2 ** 16)),
+        seed=draw(st.integers(0, 2**16)),
     )
 
 
@@ -193,28 +235,39 @@ _GRID = dict(deadline=None, derandomize=True, suppress_health_check=[HealthCheck
 @settings(max_examples=4, **_GRID)
 @given(grid_cases())
 def test_grid_differential(cfg):
-    check_differential(make_inputs(cfg["seed"], **cfg["case"]), causal=cfg["causal"],
-                       block_sizes=cfg["blocks"])
+    check_differential(
+        make_inputs(cfg["seed"], **cfg["case"]), causal=cfg["causal"], block_sizes=cfg["blocks"]
+    )
 
 
 @settings(max_examples=2, **_GRID)
 @given(grid_cases())
 def test_grid_standard(cfg):
-    check_standard(make_inputs(cfg["seed"], **cfg["case"]), causal=cfg["causal"],
-                   block_sizes=cfg["blocks"])
+    check_standard(
+        make_inputs(cfg["seed"], **cfg["case"]), causal=cfg["causal"], block_sizes=cfg["blocks"]
+    )
 
 
 @pytest.mark.slow
 @settings(max_examples=5, **_GRID)
 @given(grid_cases(large=True))
 def test_grid_differential_large(cfg):
-    check_differential(make_inputs(cfg["seed"] + 1, **cfg["case"]), causal=cfg["causal"],
-                       block_sizes=cfg["blocks"])
+    check_differential(
+        make_inputs(cfg["seed"] + 1, **cfg["case"]), causal=cfg["causal"], block_sizes=cfg["blocks"]
+    )
 
 
 # ============================================================================ errors and TPU lowering
-@pytest.mark.parametrize("kw", [dict(block_q=0), dict(block_k=-8), dict(block_q_dkv=16.0),
-                                dict(block_k_dq=True), dict(block_q_dq="128")])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(block_q=0),
+        dict(block_k=-8),
+        dict(block_q_dkv=16.0),
+        dict(block_k_dq=True),
+        dict(block_q_dq="128"),
+    ],
+)
 def test_bad_block_sizes(kw):
     with pytest.raises(ValueError, match="BlockSizes"):
         tpu.BlockSizes(**kw)
@@ -229,11 +282,15 @@ def test_hardware_block_sizes_must_fill_lanes():
         tpu.differential_flash_attention(*args, block_sizes=(128, 128), interpret=True)
 
 
-@pytest.mark.parametrize("differential, shared_k, lam_kind, dtype, segments, causal", [
-    (True, False, "token", jnp.bfloat16, True, True),
-    (True, True, "scalar", jnp.float32, False, False),
-    (False, False, None, jnp.bfloat16, True, True),
-], ids=["diff-bf16-segments", "diff-shared-k-f32", "standard-bf16"])
+@pytest.mark.parametrize(
+    "differential, shared_k, lam_kind, dtype, segments, causal",
+    [
+        (True, False, "token", jnp.bfloat16, True, True),
+        (True, True, "scalar", jnp.float32, False, False),
+        (False, False, None, jnp.bfloat16, True, True),
+    ],
+    ids=["diff-bf16-segments", "diff-shared-k-f32", "standard-bf16"],
+)
 def test_lowers_for_tpu(differential, shared_k, lam_kind, dtype, segments, causal):
     """Forward and backward lower to Mosaic for a TPU target with the default blocks
     (``jax.export`` runs the Pallas TPU lowering without a TPU)."""
@@ -247,8 +304,9 @@ def test_lowers_for_tpu(differential, shared_k, lam_kind, dtype, segments, causa
     def attn(q1, k1, q2, k2, v, lam, seg):
         if not differential:
             return tpu.flash_attention(q1, k1, v, causal=causal, segment_ids=seg)
-        return tpu.differential_flash_attention(q1, k1, q2, k1 if shared_k else k2, v, lam,
-                                        causal=causal, segment_ids=seg)
+        return tpu.differential_flash_attention(
+            q1, k1, q2, k1 if shared_k else k2, v, lam, causal=causal, segment_ids=seg
+        )
 
     def fwd_bwd(q1, k1, q2, k2, v, lam, seg, ct):
         out, vjp = jax.vjp(lambda *a: attn(*a, seg), q1, k1, q2, k2, v, lam)
@@ -256,7 +314,8 @@ def test_lowers_for_tpu(differential, shared_k, lam_kind, dtype, segments, causa
 
     try:
         exported = jax.export.export(jax.jit(fwd_bwd), platforms=["tpu"])(
-            q, k, q, k, v, lam, seg, ct)
+            q, k, q, k, v, lam, seg, ct
+        )
     except ValueError as e:  # a lowering rule that needs the TPU generation cannot run here
         if "Unsupported TPU device kind" in str(e):
             pytest.skip(str(e))

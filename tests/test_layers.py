@@ -74,8 +74,12 @@ def test_rmsnorm_bf16_in_bf16_out():
 
 def test_rms_norm_function_without_weight():
     x = np.random.default_rng(2).normal(size=(2, 16)).astype(np.float32)
-    np.testing.assert_allclose(np.asarray(rms_norm(jnp.asarray(x), None, 1e-5)),
-                               np_rms_norm(x, 1.0, 1e-5), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(rms_norm(jnp.asarray(x), None, 1e-5)),
+        np_rms_norm(x, 1.0, 1e-5),
+        rtol=1e-6,
+        atol=1e-6,
+    )
 
 
 def test_rmsnorm_rejects_wrong_width():
@@ -131,8 +135,11 @@ def test_apply_rotary_position_zero_is_identity_and_norm_preserved():
     positions = jnp.broadcast_to(jnp.arange(12, dtype=jnp.int32) * 13, (2, 12))
     y = np.asarray(rotate(jnp.asarray(x), positions))
     # Each pair keeps its length, hence the whole vector does too.
-    np.testing.assert_allclose(np.linalg.norm(y.reshape(2, 12, 4, 16, 2), axis=-1),
-                               np.linalg.norm(x.reshape(2, 12, 4, 16, 2), axis=-1), rtol=1e-5)
+    np.testing.assert_allclose(
+        np.linalg.norm(y.reshape(2, 12, 4, 16, 2), axis=-1),
+        np.linalg.norm(x.reshape(2, 12, 4, 16, 2), axis=-1),
+        rtol=1e-5,
+    )
     assert not np.allclose(y, x)
 
 
@@ -141,8 +148,10 @@ def test_apply_rotary_broadcasts_batch_one_angles():
     x = rng.normal(size=(3, 6, 2, 8)).astype(np.float32)
     cos1, sin1 = rotary_angles(jnp.arange(6)[None], 8)
     cos3, sin3 = rotary_angles(jnp.broadcast_to(jnp.arange(6), (3, 6)), 8)
-    np.testing.assert_array_equal(np.asarray(apply_rotary(jnp.asarray(x), cos1, sin1)),
-                                  np.asarray(apply_rotary(jnp.asarray(x), cos3, sin3)))
+    np.testing.assert_array_equal(
+        np.asarray(apply_rotary(jnp.asarray(x), cos1, sin1)),
+        np.asarray(apply_rotary(jnp.asarray(x), cos3, sin3)),
+    )
 
 
 def test_rotary_scores_depend_on_relative_position_only():

@@ -49,8 +49,7 @@ def built_model(name: str) -> TransformerLM:
 
 # Compile time dominates these tests on CPU: LLVM -O0 roughly halves it (same numerics: no
 # fast-math either way). Other backends get the defaults.
-FAST_COMPILE = ({"xla_backend_optimization_level": 0} if jax.default_backend() == "cpu"
-                else None)
+FAST_COMPILE = {"xla_backend_optimization_level": 0} if jax.default_backend() == "cpu" else None
 
 
 # The forward tests all go through one jitted signature with explicit positions and segment
@@ -76,10 +75,12 @@ def random_tokens(seed: int, shape=(B, T)) -> jax.Array:
 
 
 def param_leaves(tree) -> dict[str, jax.Array]:
-    return {jax.tree_util.keystr(p): x
-            for p, x in jax.tree_util.tree_leaves_with_path(nnx.state(tree, nnx.Param)
-                                                            if isinstance(tree, nnx.Module)
-                                                            else tree)}
+    return {
+        jax.tree_util.keystr(p): x
+        for p, x in jax.tree_util.tree_leaves_with_path(
+            nnx.state(tree, nnx.Param) if isinstance(tree, nnx.Module) else tree
+        )
+    }
 
 
 # ----------------------------------------------------------------------------- forward
@@ -122,19 +123,22 @@ def test_segment_ids_isolate_packed_sequences(name):
 
     # Segment 0 alone (what follows is causally invisible anyway).
     alone0 = forward(model, tokens)
-    np.testing.assert_allclose(np.asarray(packed[:, :n]), np.asarray(alone0[:, :n]),
-                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(packed[:, :n]), np.asarray(alone0[:, :n]), rtol=1e-5, atol=1e-5
+    )
     # Segment 1 alone, at positions 0..11, followed by filler.
     first = jnp.concatenate([tokens[:, n:], random_tokens(3, (B, n))], axis=1)
     alone1 = forward(model, first)
-    np.testing.assert_allclose(np.asarray(packed[:, n:]), np.asarray(alone1[:, :T - n]),
-                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(packed[:, n:]), np.asarray(alone1[:, : T - n]), rtol=1e-5, atol=1e-5
+    )
 
     # Changing segment 0 leaves segment 1 untouched; without segment ids it would not.
     other = tokens.at[:, :n].set(random_tokens(4, (B, n)))
     packed2 = forward(model, other, pos, seg)
-    np.testing.assert_allclose(np.asarray(packed[:, n:]), np.asarray(packed2[:, n:]),
-                               rtol=0, atol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(packed[:, n:]), np.asarray(packed2[:, n:]), rtol=0, atol=1e-6
+    )
     unpacked, unpacked2 = forward(model, tokens, pos), forward(model, other, pos)
     assert float(jnp.max(jnp.abs(unpacked[:, n:] - unpacked2[:, n:]))) > 1e-4
 
@@ -159,11 +163,14 @@ def test_too_long_sequence_raises():
         nnx.jit(lambda m, t: m(t))(model, jnp.zeros((1, MAX_LEN + 1), jnp.int32))
 
 
-@pytest.mark.parametrize("bad", [
-    jnp.zeros((B, T), jnp.float32),
-    jnp.zeros((B, T), jnp.bfloat16),
-    jnp.zeros((B, T), jnp.bool_),
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        jnp.zeros((B, T), jnp.float32),
+        jnp.zeros((B, T), jnp.bfloat16),
+        jnp.zeros((B, T), jnp.bool_),
+    ],
+)
 def test_non_integer_tokens_raise(bad):
     with pytest.raises(ValueError, match="integer"):
         built_model("diff_v2")(bad)
@@ -207,8 +214,10 @@ def test_tied_embeddings():
     paths = param_leaves(model)
     assert not any("lm_head" in p for p in paths)
     untied = param_leaves(built_model("diff_v1_gqa"))
-    assert sum(x.size for x in untied.values()) - sum(x.size for x in paths.values()) \
+    assert (
+        sum(x.size for x in untied.values()) - sum(x.size for x in paths.values())
         == VOCAB * D_MODEL
+    )
     logits, attend, manual, loss, grads = _tied_parts(model, random_tokens(5))
     assert logits.dtype == jnp.float32
     assert np.isfinite(float(loss))
@@ -252,8 +261,10 @@ def test_v1_lambdas_match_reparameterisation():
     for depth, (lam, block) in enumerate(zip(lams, model.layers)):
         attn = block.attn
         assert attn.lambda_init == pytest.approx(lambda_init_fn(depth))
-        lq1, lk1, lq2, lk2 = (np.asarray(getattr(attn, n)[...], np.float64)
-                              for n in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"))
+        lq1, lk1, lq2, lk2 = (
+            np.asarray(getattr(attn, n)[...], np.float64)
+            for n in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")
+        )
         for v in (lq1, lk1, lq2, lk2):
             chex.assert_shape(v, (D_MODEL // (2 * 2),))
         expected = np.exp(lq1 @ lk1) - np.exp(lq2 @ lk2) + lambda_init_fn(depth)
@@ -316,8 +327,17 @@ def train_run(name: str):
 
 EXPECTED_PARAMS = {
     "standard": {"q_proj", "k_proj", "v_proj", "out_proj"},
-    "diff_v1": {"q_proj", "k_proj", "v_proj", "out_proj", "lambda_q1", "lambda_k1",
-                "lambda_q2", "lambda_k2", "subln"},
+    "diff_v1": {
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "out_proj",
+        "lambda_q1",
+        "lambda_k1",
+        "lambda_q2",
+        "lambda_k2",
+        "subln",
+    },
     "diff_v2": {"q_proj", "k_proj", "v_proj", "o_proj", "lambda_proj"},
 }
 
@@ -375,8 +395,9 @@ def test_v1_lambdas_move_during_training():
 def test_v2_records_batch_mean_lambda_only_when_asked():
     from diffjax.model import sown_lambdas
 
-    cfg = diffjax.ModelConfig(attention="diff_v2", d_model=32, num_heads=2, num_layers=2,
-                              vocab_size=64)
+    cfg = diffjax.ModelConfig(
+        attention="diff_v2", d_model=32, num_heads=2, num_layers=2, vocab_size=64
+    )
     model = diffjax.TransformerLM(cfg, rngs=nnx.Rngs(0))
     tokens = jnp.arange(16, dtype=jnp.int32).reshape(2, 8)
     with warnings.catch_warnings():

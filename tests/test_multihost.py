@@ -27,14 +27,27 @@ from diffjax.train.cli import main
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOSS_RTOL = 1e-5
 
-TINY = ["model.d_model=64", "model.num_layers=1", "model.num_heads=4", "model.max_seq_len=32",
-        "data.seq_len=16", "data.max_files=12", "train.batch_size=8", "train.eval_batches=2",
-        "train.warmup_steps=2", "train.eval_every=2", "train.checkpoint_every=2",
-        "train.progress=false", "train.tensorboard=false", "compare=false",
-        "train.num_seeds=1", "train.quick_eval=false",
-        # a constant lr after warmup: a run of 4 steps continued to 6 then follows the same
-        # schedule as a run of 6 (a decaying schedule depends on train.steps)
-        "train.schedule=constant"]
+TINY = [
+    "model.d_model=64",
+    "model.num_layers=1",
+    "model.num_heads=4",
+    "model.max_seq_len=32",
+    "data.seq_len=16",
+    "data.max_files=12",
+    "train.batch_size=8",
+    "train.eval_batches=2",
+    "train.warmup_steps=2",
+    "train.eval_every=2",
+    "train.checkpoint_every=2",
+    "train.progress=false",
+    "train.tensorboard=false",
+    "compare=false",
+    "train.num_seeds=1",
+    "train.quick_eval=false",
+    # a constant lr after warmup: a run of 4 steps continued to 6 then follows the same
+    # schedule as a run of 6 (a decaying schedule depends on train.steps)
+    "train.schedule=constant",
+]
 
 
 def free_port() -> int:
@@ -50,10 +63,17 @@ def launch(run_dir, devices: int, *args, process: tuple[int, int, int] | None = 
     cmd = [sys.executable, "train.py", f"run.dir={run_dir}", *TINY, *args]
     if process is not None:
         port, n, i = process
-        cmd += ["--coordinator_address", f"127.0.0.1:{port}", "--num_processes", str(n),
-                "--process_id", str(i)]
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+        cmd += [
+            "--coordinator_address",
+            f"127.0.0.1:{port}",
+            "--num_processes",
+            str(n),
+            "--process_id",
+            str(i),
+        ]
+    return subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
 
 
 def finish(*procs, timeout=420) -> list[str]:
@@ -86,24 +106,30 @@ def test_two_processes_equal_one_and_resume_on_another_mesh_and_process_count(tm
     # two processes x 2 devices, the same mesh shape, 4 steps (checkpoints at 2 and 4)
     two_dir = tmp_path / "two"
     port = free_port()
-    outs = finish(*[launch(two_dir, 2, "train.steps=4", "mesh.fsdp=2", process=(port, 2, i))
-                    for i in range(2)])
+    outs = finish(
+        *[
+            launch(two_dir, 2, "train.steps=4", "mesh.fsdp=2", process=(port, 2, i))
+            for i in range(2)
+        ]
+    )
     assert "distributed: process 0 of 2" in outs[0] and "distributed: process 1 of 2" in outs[1]
     assert "(4 devices, 2 processes)" in outs[0]
     two = losses(two_dir)
     assert sorted(two) == [1, 2, 3, 4]  # one writer: process 0, each step once
-    np.testing.assert_allclose([two[s] for s in range(1, 5)], [ref[s] for s in range(1, 5)],
-                               rtol=LOSS_RTOL)
+    np.testing.assert_allclose(
+        [two[s] for s in range(1, 5)], [ref[s] for s in range(1, 5)], rtol=LOSS_RTOL
+    )
     assert (two_dir / "report.md").exists() and (two_dir / "loss.png").exists()
 
     # resume the two-process run in one process, on another mesh (data=2 x tensor=2)
-    out, = finish(launch(two_dir, 4, "train.steps=6", "mesh.data=2", "mesh.tensor=2", "--resume"))
+    (out,) = finish(launch(two_dir, 4, "train.steps=6", "mesh.data=2", "mesh.tensor=2", "--resume"))
     assert "resuming from the checkpoint at step 4" in out
     assert "data=2 fsdp=1 tensor=2 (4 devices, 1 process)" in out
     resumed = losses(two_dir)
     assert sorted(resumed) == [1, 2, 3, 4, 5, 6]
-    np.testing.assert_allclose([resumed[s] for s in (5, 6)], [ref[s] for s in (5, 6)],
-                               rtol=LOSS_RTOL)
+    np.testing.assert_allclose(
+        [resumed[s] for s in (5, 6)], [ref[s] for s in (5, 6)], rtol=LOSS_RTOL
+    )
 
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs JAX_NUM_CPU_DEVICES=8")
@@ -112,14 +138,14 @@ def test_saved_with_fsdp8_continues_with_data2_tensor4(tmp_path, capsys):
     assert main([f"run.dir={whole}", *TINY, "train.steps=6", "mesh.fsdp=-1"]) == 0
     assert main([f"run.dir={split}", *TINY, "train.steps=4", "mesh.fsdp=-1"]) == 0
     capsys.readouterr()
-    assert main([f"run.dir={split}", *TINY, "train.steps=6", "mesh.data=2",
-                 "mesh.tensor=4"]) == 0
+    assert main([f"run.dir={split}", *TINY, "train.steps=6", "mesh.data=2", "mesh.tensor=4"]) == 0
     out = capsys.readouterr().out
     assert "resuming from the checkpoint at step 4" in out and "data=2 fsdp=1 tensor=4" in out
     a, b = losses(whole), losses(split)
     assert sorted(a) == sorted(b) == [1, 2, 3, 4, 5, 6]
-    np.testing.assert_allclose([b[s] for s in range(1, 7)], [a[s] for s in range(1, 7)],
-                               rtol=LOSS_RTOL)
+    np.testing.assert_allclose(
+        [b[s] for s in range(1, 7)], [a[s] for s in range(1, 7)], rtol=LOSS_RTOL
+    )
 
 
 # ---------------------------------------------------------------------------- launching
@@ -134,17 +160,27 @@ def fake_initialize(monkeypatch):
     """Record jax.distributed.initialize calls instead of starting a runtime."""
     calls = []
     monkeypatch.setattr(jax.distributed, "initialize", lambda *a, **k: calls.append((a, k)))
-    for var in ("SLURM_STEP_NUM_TASKS", "OMPI_COMM_WORLD_SIZE", "TPU_WORKER_HOSTNAMES",
-                "JAX_COORDINATOR_ADDRESS"):
+    for var in (
+        "SLURM_STEP_NUM_TASKS",
+        "OMPI_COMM_WORLD_SIZE",
+        "TPU_WORKER_HOSTNAMES",
+        "JAX_COORDINATOR_ADDRESS",
+    ):
         monkeypatch.delenv(var, raising=False)
     return calls
 
 
-@pytest.mark.parametrize("argv, message", [
-    (("--num_processes", "2", "--process_id", "0"), "go together"),
-    (("--coordinator_address", "h:1", "--num_processes", "2", "--process_id", "2"), "is not in"),
-    (("--coordinator_address", "h", "--num_processes", "2", "--process_id", "0"), "no port"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (("--num_processes", "2", "--process_id", "0"), "go together"),
+        (
+            ("--coordinator_address", "h:1", "--num_processes", "2", "--process_id", "2"),
+            "is not in",
+        ),
+        (("--coordinator_address", "h", "--num_processes", "2", "--process_id", "0"), "no port"),
+    ],
+)
 def test_bad_distributed_flags_are_refused_before_starting(fake_initialize, argv, message):
     from diffjax.config import ConfigError
     from diffjax.train.cli import init_distributed
@@ -158,16 +194,23 @@ def test_distributed_start_from_flags_or_a_detected_cluster(fake_initialize, mon
     from diffjax.train.cli import init_distributed
 
     assert init_distributed(parse()) is None  # a single process: nothing started
-    assert init_distributed(parse("--coordinator_address", "h:1", "--num_processes", "1",
-                                  "--process_id", "0")) is None
+    assert (
+        init_distributed(
+            parse("--coordinator_address", "h:1", "--num_processes", "1", "--process_id", "0")
+        )
+        is None
+    )
     assert fake_initialize == []
-    how = init_distributed(parse("--coordinator_address", "10.0.0.1:1234", "--num_processes",
-                                 "4", "--process_id", "3"))
+    how = init_distributed(
+        parse("--coordinator_address", "10.0.0.1:1234", "--num_processes", "4", "--process_id", "3")
+    )
     assert fake_initialize[-1][0] == ("10.0.0.1:1234", 4, 3) and "process 3 of 4" in how
     monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "localhost")  # a single-host TPU VM
     assert init_distributed(parse()) is None
-    for var, value, name in (("TPU_WORKER_HOSTNAMES", "w0,w1", "TPU pod"),
-                             ("SLURM_STEP_NUM_TASKS", "8", "SLURM")):
+    for var, value, name in (
+        ("TPU_WORKER_HOSTNAMES", "w0,w1", "TPU pod"),
+        ("SLURM_STEP_NUM_TASKS", "8", "SLURM"),
+    ):
         monkeypatch.setenv(var, value)
         assert name in init_distributed(parse())
         assert fake_initialize[-1] == ((), {})  # JAX reads the cluster itself

@@ -95,22 +95,30 @@ def test_count_matches_closed_form(name):
 
 def test_hand_count_small_diff_v1():
     # V=10, D=8, one layer, h=1 DIFF head -> d = 8 / 2 = 4, FFN width 16.
-    c = ModelConfig(vocab_size=10, d_model=8, num_layers=1, num_heads=1, ffn_dim=16,
-                    attention="diff_v1")
-    embedding = 10 * 8                  # 80
-    q = k = v = out = 8 * 8             # 64 each (h_kv = h: n_rep = 1)
-    lambdas = 4 * 4                     # lambda_q1, k1, q2, k2 of width d = 4
-    subln = 2 * 4                       # per-head RMSNorm over 2d
-    ffn = 3 * 8 * 16                    # 384
-    norms = 8 + 8 + 8                   # attn_norm, ffn_norm, final norm
-    lm_head = 8 * 10                    # 80
+    c = ModelConfig(
+        vocab_size=10, d_model=8, num_layers=1, num_heads=1, ffn_dim=16, attention="diff_v1"
+    )
+    embedding = 10 * 8  # 80
+    q = k = v = out = 8 * 8  # 64 each (h_kv = h: n_rep = 1)
+    lambdas = 4 * 4  # lambda_q1, k1, q2, k2 of width d = 4
+    subln = 2 * 4  # per-head RMSNorm over 2d
+    ffn = 3 * 8 * 16  # 384
+    norms = 8 + 8 + 8  # attn_norm, ffn_norm, final norm
+    lm_head = 8 * 10  # 80
     total = embedding + q + k + v + out + lambdas + subln + ffn + norms + lm_head
     assert total == 848
     count = count_params(c)
     assert count.total == 848
     assert count.parts == {
-        "embedding": 80, "attn.q_proj": 64, "attn.k_proj": 64, "attn.v_proj": 64,
-        "attn.out_proj": 64, "attn.lambda": 16, "attn.subln": 8, "ffn": 384, "norms": 24,
+        "embedding": 80,
+        "attn.q_proj": 64,
+        "attn.k_proj": 64,
+        "attn.v_proj": 64,
+        "attn.out_proj": 64,
+        "attn.lambda": 16,
+        "attn.subln": 8,
+        "ffn": 384,
+        "norms": 24,
         "lm_head": 80,
     }
     assert count_params(twin(c)).total == 848 - 16 - 8
@@ -119,12 +127,19 @@ def test_hand_count_small_diff_v1():
 
 def test_hand_count_small_diff_v2_gqa():
     # V=10, D=8, one layer, h=2 output heads (4 query heads) of width d=4, h_kv=1.
-    c = ModelConfig(vocab_size=10, d_model=8, num_layers=1, num_heads=2, num_kv_heads=1,
-                    ffn_dim=16, attention="diff_v2")
-    q = 8 * (2 * 2 * 4)                 # 128: D -> 2h d
-    k = v = 8 * (1 * 4)                 # 32 each: D -> h_kv d
-    o = (2 * 4) * 8                     # 64: h d -> D
-    lam = 8 * 2                         # lambda_proj: D -> h
+    c = ModelConfig(
+        vocab_size=10,
+        d_model=8,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        ffn_dim=16,
+        attention="diff_v2",
+    )
+    q = 8 * (2 * 2 * 4)  # 128: D -> 2h d
+    k = v = 8 * (1 * 4)  # 32 each: D -> h_kv d
+    o = (2 * 4) * 8  # 64: h d -> D
+    lam = 8 * 2  # lambda_proj: D -> h
     total = 80 + q + k + v + o + lam + 384 + 24 + 80
     assert count_params(c).total == total == 840
     # The twin lacks the Q2 half of q_proj and lambda_proj.
@@ -132,14 +147,17 @@ def test_hand_count_small_diff_v2_gqa():
 
 
 # ----------------------------------------------------------------------------- twins
-@pytest.mark.parametrize("kw", [
-    dict(d_model=64, num_heads=2),
-    dict(d_model=64, num_heads=2, num_kv_heads=1),
-    dict(d_model=256, num_heads=4, num_kv_heads=2, num_layers=3),
-    dict(d_model=128, num_heads=8, num_layers=1, vocab_size=259),
-    dict(d_model=64, num_heads=2, diff_norm=False),
-    dict(d_model=64, num_heads=4, lambda_init=0.5, tie_embeddings=True),
-])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(d_model=64, num_heads=2),
+        dict(d_model=64, num_heads=2, num_kv_heads=1),
+        dict(d_model=256, num_heads=4, num_kv_heads=2, num_layers=3),
+        dict(d_model=128, num_heads=8, num_layers=1, vocab_size=259),
+        dict(d_model=64, num_heads=2, diff_norm=False),
+        dict(d_model=64, num_heads=4, lambda_init=0.5, tie_embeddings=True),
+    ],
+)
 def test_v1_total_is_twin_plus_lambdas_and_subln(kw):
     c = cfg(attention="diff_v1", **kw)
     t = twin(c)
@@ -156,13 +174,16 @@ def test_v1_total_is_twin_plus_lambdas_and_subln(kw):
             assert a.parts[part] == b.parts[part], part
 
 
-@pytest.mark.parametrize("kw", [
-    dict(d_model=64, num_heads=2),
-    dict(d_model=64, num_heads=4, num_kv_heads=2),
-    dict(d_model=256, num_heads=4, num_kv_heads=1, num_layers=3),
-    dict(d_model=96, num_heads=3, num_kv_heads=3, head_dim=16),
-    dict(d_model=64, num_heads=2, tie_embeddings=True),
-])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(d_model=64, num_heads=2),
+        dict(d_model=64, num_heads=4, num_kv_heads=2),
+        dict(d_model=256, num_heads=4, num_kv_heads=1, num_layers=3),
+        dict(d_model=96, num_heads=3, num_kv_heads=3, head_dim=16),
+        dict(d_model=64, num_heads=2, tie_embeddings=True),
+    ],
+)
 def test_v2_total_is_twin_plus_q2_and_lambda_proj(kw):
     c = cfg(attention="diff_v2", **kw)
     t = twin(c)
@@ -172,8 +193,15 @@ def test_v2_total_is_twin_plus_q2_and_lambda_proj(kw):
     assert a.parts["attn.q_proj"] == 2 * b.parts["attn.q_proj"] == L * D * 2 * h * d
     assert a.parts["attn.lambda"] == L * D * h and b.parts["attn.lambda"] == 0
     assert a.parts["attn.subln"] == 0
-    for part in ("embedding", "attn.k_proj", "attn.v_proj", "attn.out_proj", "ffn", "norms",
-                 "lm_head"):
+    for part in (
+        "embedding",
+        "attn.k_proj",
+        "attn.v_proj",
+        "attn.out_proj",
+        "ffn",
+        "norms",
+        "lm_head",
+    ):
         assert a.parts[part] == b.parts[part], part
 
 
@@ -195,21 +223,53 @@ def test_tied_embeddings_remove_lm_head():
     assert n_elements(built("diff_v1_tied")) == tied.total
 
 
-@pytest.mark.parametrize("name, shapes", [
-    # D=64, h=2, d=16: q [D, D], k/v [D, D/n_rep], out [D, D], lambdas [d], subln [2d].
-    ("diff_v1", {"q_proj": (64, 64), "k_proj": (64, 64), "v_proj": (64, 64),
-                 "out_proj": (64, 64), "lambda_q1": (16,), "lambda_k2": (16,),
-                 "subln": (32,)}),
-    ("diff_v1_gqa", {"q_proj": (64, 64), "k_proj": (64, 32), "v_proj": (64, 32),
-                     "out_proj": (64, 64)}),
-    # D=64, h=4 (8 query heads), h_kv=2, d=16.
-    ("diff_v2_gqa", {"q_proj": (64, 128), "k_proj": (64, 32), "v_proj": (64, 32),
-                     "o_proj": (64, 64), "lambda_proj": (64, 4)}),
-    ("diff_v2_head_dim", {"q_proj": (64, 96), "k_proj": (64, 16), "v_proj": (64, 16),
-                          "o_proj": (48, 64), "lambda_proj": (64, 3)}),
-    ("standard_gqa", {"q_proj": (64, 64), "k_proj": (64, 32), "v_proj": (64, 32),
-                      "out_proj": (64, 64)}),
-])
+@pytest.mark.parametrize(
+    "name, shapes",
+    [
+        # D=64, h=2, d=16: q [D, D], k/v [D, D/n_rep], out [D, D], lambdas [d], subln [2d].
+        (
+            "diff_v1",
+            {
+                "q_proj": (64, 64),
+                "k_proj": (64, 64),
+                "v_proj": (64, 64),
+                "out_proj": (64, 64),
+                "lambda_q1": (16,),
+                "lambda_k2": (16,),
+                "subln": (32,),
+            },
+        ),
+        (
+            "diff_v1_gqa",
+            {"q_proj": (64, 64), "k_proj": (64, 32), "v_proj": (64, 32), "out_proj": (64, 64)},
+        ),
+        # D=64, h=4 (8 query heads), h_kv=2, d=16.
+        (
+            "diff_v2_gqa",
+            {
+                "q_proj": (64, 128),
+                "k_proj": (64, 32),
+                "v_proj": (64, 32),
+                "o_proj": (64, 64),
+                "lambda_proj": (64, 4),
+            },
+        ),
+        (
+            "diff_v2_head_dim",
+            {
+                "q_proj": (64, 96),
+                "k_proj": (64, 16),
+                "v_proj": (64, 16),
+                "o_proj": (48, 64),
+                "lambda_proj": (64, 3),
+            },
+        ),
+        (
+            "standard_gqa",
+            {"q_proj": (64, 64), "k_proj": (64, 32), "v_proj": (64, 32), "out_proj": (64, 64)},
+        ),
+    ],
+)
 def test_projection_shapes(name, shapes):
     model = nnx.eval_shape(lambda: TransformerLM(CONFIGS[name], rngs=nnx.Rngs(0)))
     found = {}
@@ -223,16 +283,19 @@ def test_projection_shapes(name, shapes):
 
 # ----------------------------------------------------------------------------- table
 def _rows(table: str) -> list[list[str]]:
-    return [[cell.strip() for cell in line.strip().strip("|").split("|")]
-            for line in table.strip().splitlines()]
+    return [
+        [cell.strip() for cell in line.strip().strip("|").split("|")]
+        for line in table.strip().splitlines()
+    ]
 
 
 def _num(cell: str) -> int:
     return int(cell.replace("*", "").replace(",", ""))
 
 
-@pytest.mark.parametrize("name", ["diff_v1", "diff_v1_gqa", "diff_v2", "diff_v2_head_dim",
-                                  "diff_v1_tied"])
+@pytest.mark.parametrize(
+    "name", ["diff_v1", "diff_v1_gqa", "diff_v2", "diff_v2_head_dim", "diff_v1_tied"]
+)
 def test_compare_params_table(name):
     c = CONFIGS[name]
     table = compare_params(c)
@@ -247,14 +310,16 @@ def test_compare_params_table(name):
     for part in PARTS:
         if a.parts[part] or b.parts[part]:
             x, y, diff = body[part]
-            assert (_num(x), _num(y), _num(diff)) == (a.parts[part], b.parts[part],
-                                                      a.parts[part] - b.parts[part])
+            assert (_num(x), _num(y), _num(diff)) == (
+                a.parts[part],
+                b.parts[part],
+                a.parts[part] - b.parts[part],
+            )
         else:
             assert part not in body
     total = rows[-1]
     assert total[0] == "**total**"
-    assert (_num(total[1]), _num(total[2]), _num(total[3])) == (a.total, b.total,
-                                                                a.total - b.total)
+    assert (_num(total[1]), _num(total[2]), _num(total[3])) == (a.total, b.total, a.total - b.total)
     assert total[3].strip("*").startswith("+")  # DIFF adds parameters
     assert f"{a.total:,}" in total[1]
 
@@ -279,11 +344,18 @@ def diff_configs(draw):
     d = 2 * draw(st.integers(1, 8))
     D = 2 * h * d if kind == "diff_v1" else h * d
     head_dim = None if kind == "diff_v1" or draw(st.booleans()) else 2 * draw(st.integers(1, 8))
-    return ModelConfig(attention=kind, vocab_size=draw(st.integers(1, 50)), d_model=D,
-                       num_layers=draw(st.integers(1, 3)), num_heads=h, num_kv_heads=hkv,
-                       head_dim=head_dim, tie_embeddings=draw(st.booleans()),
-                       ffn_multiple_of=draw(st.sampled_from([1, 8, 64])),
-                       diff_norm=True if kind == "diff_v2" else draw(st.booleans()))
+    return ModelConfig(
+        attention=kind,
+        vocab_size=draw(st.integers(1, 50)),
+        d_model=D,
+        num_layers=draw(st.integers(1, 3)),
+        num_heads=h,
+        num_kv_heads=hkv,
+        head_dim=head_dim,
+        tie_embeddings=draw(st.booleans()),
+        ffn_multiple_of=draw(st.sampled_from([1, 8, 64])),
+        diff_norm=True if kind == "diff_v2" else draw(st.booleans()),
+    )
 
 
 @settings(max_examples=12, deadline=None, derandomize=True)

@@ -52,17 +52,34 @@ EXPECTED_AXES = {
     "ffn/w3/kernel": ("embed", "mlp"),
     "ffn/w2/kernel": ("mlp", "embed"),
     "scale": ("norm",),
-    "lambda_q1": ("head_dim",), "lambda_k1": ("head_dim",),
-    "lambda_q2": ("head_dim",), "lambda_k2": ("head_dim",),
+    "lambda_q1": ("head_dim",),
+    "lambda_k1": ("head_dim",),
+    "lambda_q2": ("head_dim",),
+    "lambda_k2": ("head_dim",),
 }
 # The mesh axes each logical name may use (the layout), in order.
-EXPECTED_MESH_AXES = {"embed": ("fsdp",), "vocab": ("tensor",), "heads": ("tensor",),
-                      "kv_heads": ("tensor",), "mlp": ("tensor",), "norm": (), "head_dim": ()}
+EXPECTED_MESH_AXES = {
+    "embed": ("fsdp",),
+    "vocab": ("tensor",),
+    "heads": ("tensor",),
+    "kv_heads": ("tensor",),
+    "mlp": ("tensor",),
+    "norm": (),
+    "head_dim": (),
+}
 
 
 def tiny(attention="diff_v1", **kw) -> ModelConfig:
-    base = dict(vocab_size=256, d_model=64, num_layers=1, num_heads=4, num_kv_heads=2,
-                attention=attention, max_seq_len=32, ffn_multiple_of=32)
+    base = dict(
+        vocab_size=256,
+        d_model=64,
+        num_layers=1,
+        num_heads=4,
+        num_kv_heads=2,
+        attention=attention,
+        max_seq_len=32,
+        ffn_multiple_of=32,
+    )
     base.update(kw)
     return ModelConfig(**base)
 
@@ -97,17 +114,24 @@ def shards_equal(a: NamedSharding, spec: P, ndim: int) -> bool:
 
 
 def var_leaves(tree):
-    return [(path_str(p), v) for p, v in jax.tree_util.tree_flatten_with_path(
-        tree, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]]
+    return [
+        (path_str(p), v)
+        for p, v in jax.tree_util.tree_flatten_with_path(
+            tree, is_leaf=lambda x: isinstance(x, nnx.Variable)
+        )[0]
+    ]
 
 
 # ---------------------------------------------------------------------------- the mesh config
-@pytest.mark.parametrize("kw, message", [
-    (dict(data=0), "mesh.data"),
-    (dict(fsdp=-2), "mesh.fsdp"),
-    (dict(data=-1, fsdp=-1), "at most one axis"),
-    (dict(tensor=True), "mesh.tensor"),
-])
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        (dict(data=0), "mesh.data"),
+        (dict(fsdp=-2), "mesh.fsdp"),
+        (dict(data=-1, fsdp=-1), "at most one axis"),
+        (dict(tensor=True), "mesh.tensor"),
+    ],
+)
 def test_mesh_config_rejects_bad_sizes(kw, message):
     with pytest.raises(ConfigError, match=message):
         MeshConfig(**kw)
@@ -152,8 +176,9 @@ def test_check_model_mesh_refuses_splitting_a_diff_pair_and_uneven_batches():
 def test_train_cli_refuses_a_bad_mesh_before_compute(tmp_path, capsys):
     from diffjax.train.cli import EXIT_BAD_INPUT, main
 
-    code = main([f"run.dir={tmp_path / 'run'}", "mesh.tensor=4", "mesh.data=-1",
-                 "train.progress=false"])  # the default DIFF model has 2 heads
+    code = main(
+        [f"run.dir={tmp_path / 'run'}", "mesh.tensor=4", "mesh.data=-1", "train.progress=false"]
+    )  # the default DIFF model has 2 heads
     assert code == EXIT_BAD_INPUT
     err = capsys.readouterr().err
     assert "mesh.tensor=4" in err and "Fix:" in err
@@ -174,8 +199,12 @@ def sharded_state(model_cfg, mesh, tcfg=None):
 @pytest.mark.parametrize("attention", ["diff_v1", "diff_v2", "standard"])
 @pytest.mark.parametrize("mesh_name", list(MESHES))
 def test_every_parameter_is_placed_as_annotated(attention, mesh_name):
-    cfg = tiny(attention, num_heads=8 if attention == "standard" else 4,
-               num_kv_heads=4 if attention == "standard" else 2, tie_embeddings=False)
+    cfg = tiny(
+        attention,
+        num_heads=8 if attention == "standard" else 4,
+        num_kv_heads=4 if attention == "standard" else 2,
+        tie_embeddings=False,
+    )
     mesh = make_mesh(MESHES[mesh_name])
     state, _, _ = sharded_state(cfg, mesh)
     params = var_leaves(state["params"])
@@ -187,8 +216,10 @@ def test_every_parameter_is_placed_as_annotated(attention, mesh_name):
         spec = expected_spec(axes, arr.shape, mesh)
         assert shards_equal(arr.sharding, spec, arr.ndim), (path, arr.sharding.spec, spec)
         sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
-        want = tuple(d // math.prod(sizes[a] for a in ((s,) if isinstance(s, str) else s or ()))
-                     for d, s in zip(arr.shape, tuple(spec) + (None,) * arr.ndim))
+        want = tuple(
+            d // math.prod(sizes[a] for a in ((s,) if isinstance(s, str) else s or ()))
+            for d, s in zip(arr.shape, tuple(spec) + (None,) * arr.ndim)
+        )
         assert arr.addressable_shards[0].data.shape == want, path
     # the Adam moments (mu, nu) are sharded exactly like the parameters
     by_path = {p: v.get_value().sharding for p, v in params}
@@ -196,8 +227,9 @@ def test_every_parameter_is_placed_as_annotated(attention, mesh_name):
     assert len(moments) >= 2 * len(params)
     for path, var in moments:
         param_path = next(p for p in by_path if path.endswith(p))
-        assert var.get_value().sharding.is_equivalent_to(by_path[param_path],
-                                                         var.get_value().ndim), path
+        assert var.get_value().sharding.is_equivalent_to(
+            by_path[param_path], var.get_value().ndim
+        ), path
 
 
 @pytest.mark.parametrize("attention", ["diff_v1", "diff_v2"])
@@ -250,10 +282,11 @@ def one_step(model_cfg, mesh, batch, tcfg, tx=None):
     graphdef = nnx.graphdef(nnx.eval_shape(lambda: TransformerLM(model_cfg, rngs=nnx.Rngs(0))))
     with jax.set_mesh(mesh), nnx.logical_axis_rules(DEFAULT_RULES):
         gb = sharding.global_batch(batch, mesh, batch["inputs"].shape[0])
-        step = jax.jit(functools.partial(train_step, graphdef=graphdef, rest=rest, tx=tx,
-                                         schedule=schedule),
-                       in_shardings=(shardings, {k: v.sharding for k, v in gb.items()}),
-                       out_shardings=(shardings, NamedSharding(mesh, P())))
+        step = jax.jit(
+            functools.partial(train_step, graphdef=graphdef, rest=rest, tx=tx, schedule=schedule),
+            in_shardings=(shardings, {k: v.sharding for k, v in gb.items()}),
+            out_shardings=(shardings, NamedSharding(mesh, P())),
+        )
         new, metrics = step(state, gb)
     params = {p: np.asarray(v.get_value()) for p, v in var_leaves(new["params"])}
     return float(metrics["loss"]), float(metrics["grad_norm"]), params
@@ -262,8 +295,11 @@ def one_step(model_cfg, mesh, batch, tcfg, tx=None):
 def random_batch(cfg, b=8, t=32, seed=0):
     rng = np.random.default_rng(seed)
     tokens = rng.integers(0, cfg.vocab_size, (b, t + 1)).astype(np.int32)
-    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
-            "weights": np.ones((b, t), np.float32)}
+    return {
+        "inputs": tokens[:, :-1],
+        "targets": tokens[:, 1:],
+        "weights": np.ones((b, t), np.float32),
+    }
 
 
 # Tolerances. A mesh only reorders float32 sums (across devices), so:
@@ -280,17 +316,25 @@ SGD = optax.sgd(1.0)
 # DIFF V1 on all four meshes (and a plain gradient step on the 3-axis one); V2 and the twin on
 # the two tensor-parallel meshes; the Pallas kernels per shard on the 3-axis mesh.
 TENSOR_MESHES = ("fsdp_x_tensor", "data_x_fsdp_x_tensor")
-STEP_CASES = [("diff_v1", "xla", tuple(MESHES), True), ("diff_v2", "xla", TENSOR_MESHES, False),
-              ("standard", "xla", TENSOR_MESHES, False),
-              ("diff_v1", "pallas", ("data_x_fsdp_x_tensor",), False),
-              ("diff_v2", "pallas", ("data_x_fsdp_x_tensor",), False)]
+STEP_CASES = [
+    ("diff_v1", "xla", tuple(MESHES), True),
+    ("diff_v2", "xla", TENSOR_MESHES, False),
+    ("standard", "xla", TENSOR_MESHES, False),
+    ("diff_v1", "pallas", ("data_x_fsdp_x_tensor",), False),
+    ("diff_v2", "pallas", ("data_x_fsdp_x_tensor",), False),
+]
 
 
-@pytest.mark.parametrize("attention, impl, meshes, check_sgd", STEP_CASES,
-                         ids=[f"{a}-{i}" for a, i, *_ in STEP_CASES])
+@pytest.mark.parametrize(
+    "attention, impl, meshes, check_sgd", STEP_CASES, ids=[f"{a}-{i}" for a, i, *_ in STEP_CASES]
+)
 def test_one_step_on_each_mesh_equals_one_device(attention, impl, meshes, check_sgd):
-    cfg = tiny(attention, attention_impl=impl, num_heads=8 if attention == "standard" else 4,
-               num_kv_heads=4 if attention == "standard" else 2)
+    cfg = tiny(
+        attention,
+        attention_impl=impl,
+        num_heads=8 if attention == "standard" else 4,
+        num_kv_heads=4 if attention == "standard" else 2,
+    )
     tcfg = TrainConfig(lr=1e-2, warmup_steps=0, weight_decay=0.1, seed=3)
     batch = random_batch(cfg)
     one = make_mesh(MeshConfig(data=1), devices=jax.devices()[:1])
@@ -309,8 +353,9 @@ def test_one_step_on_each_mesh_equals_one_device(attention, impl, meshes, check_
         if check_sgd and name == "data_x_fsdp_x_tensor":
             _, _, stepped = one_step(cfg, mesh, batch, tcfg, sgd)
             for p in stepped:
-                np.testing.assert_allclose(stepped[p], ref_sgd[p], atol=SGD_ATOL, rtol=0,
-                                           err_msg=f"{name}: {p}")
+                np.testing.assert_allclose(
+                    stepped[p], ref_sgd[p], atol=SGD_ATOL, rtol=0, err_msg=f"{name}: {p}"
+                )
 
 
 # ---------------------------------------------------------------------------- Pallas per shard
@@ -331,8 +376,13 @@ def test_pallas_runs_per_shard_and_matches_xla(shared_key):
 
     grad = jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5), has_aux=True)
     with jax.set_mesh(mesh):
-        args = [jax.device_put(x, NamedSharding(mesh, s)) for x, s in zip(
-            (q1, k1, q2, k2, v, lam), (P("data", None, "tensor"),) * 5 + (P("data", None, "tensor"),))]
+        args = [
+            jax.device_put(x, NamedSharding(mesh, s))
+            for x, s in zip(
+                (q1, k1, q2, k2, v, lam),
+                (P("data", None, "tensor"),) * 5 + (P("data", None, "tensor"),),
+            )
+        ]
         jaxpr = str(jax.make_jaxpr(lambda *a: loss(*a, "pallas"))(*args))
         assert "shard_map" in jaxpr and "pallas_call" in jaxpr
         gp, op = jax.jit(lambda *a: grad(*a, "pallas"))(*args)

@@ -120,10 +120,16 @@ def test_tensor_that_splits_diff_pairs_is_skipped_with_the_reason(rows_125m):
 
 def test_replicated_list_names_norms_and_lambdas(rows_125m):
     diff = {g["name"]: g for g in _row(rows_125m, "diff", "fsdp=4 x tensor=2")["replicated"]}
-    assert set(diff) == {"layers.*.attn_norm.scale", "layers.*.ffn_norm.scale", "norm.scale",
-                         "layers.*.attn.subln.scale", "layers.*.attn.lambda_q1",
-                         "layers.*.attn.lambda_k1", "layers.*.attn.lambda_q2",
-                         "layers.*.attn.lambda_k2"}
+    assert set(diff) == {
+        "layers.*.attn_norm.scale",
+        "layers.*.ffn_norm.scale",
+        "norm.scale",
+        "layers.*.attn.subln.scale",
+        "layers.*.attn.lambda_q1",
+        "layers.*.attn.lambda_k1",
+        "layers.*.attn.lambda_q2",
+        "layers.*.attn.lambda_k2",
+    }
     assert all(g["copies"] == 8 for g in diff.values())
     assert diff["layers.*.attn.lambda_q1"]["leaves"] == 12
     twin = {g["name"] for g in _row(rows_125m, "standard", "fsdp=8")["replicated"]}
@@ -136,8 +142,11 @@ def test_other_device_count_uses_abstract_meshes_and_says_so(bench):
     vocabulary does not divide over tensor: split over fsdp only, 2 copies."""
     rows = bench.report(CONFIG_DEFAULT, 4)
     assert rows[0]["note"] and "JAX_NUM_CPU_DEVICES=4" in rows[0]["note"]
-    assert [r["mesh"] for r in rows if r["model"] == "diff"] == ["data=4", "fsdp=4",
-                                                                 "fsdp=2 x tensor=2"]
+    assert [r["mesh"] for r in rows if r["model"] == "diff"] == [
+        "data=4",
+        "fsdp=4",
+        "fsdp=2 x tensor=2",
+    ]
     exp = load_config(CONFIG_DEFAULT)
     cfg = exp.model
     r = _row(rows, "diff", "fsdp=4")
@@ -166,9 +175,21 @@ def test_script_sets_the_device_count_before_jax_starts():
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "JAX_NUM_CPU_DEVICES"}
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "sharding_memory.py"),
-                          "--config", CONFIG_DEFAULT, "--devices", "2"], env=env, cwd=ROOT,
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "benchmarks", "sharding_memory.py"),
+            "--config",
+            CONFIG_DEFAULT,
+            "--devices",
+            "2",
+        ],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     assert "2 devices" in out.stdout and "fsdp=2 " in out.stdout
     assert "note:" not in out.stdout

@@ -14,8 +14,12 @@ from diffjax.data import ByteTokenizer
 
 tokenizers = pytest.importorskip("tokenizers")
 
-DOCS = ["def add(a, b):\n    return a + b\n", "class Point:\n    x: int = 0\n    y: int = 0\n",
-        "for i in range(10):\n    print(i * i)\n", "héllo wörld, naïve café\n"]
+DOCS = [
+    "def add(a, b):\n    return a + b\n",
+    "class Point:\n    x: int = 0\n    y: int = 0\n",
+    "for i in range(10):\n    print(i * i)\n",
+    "héllo wörld, naïve café\n",
+]
 
 
 @pytest.fixture(scope="module")
@@ -27,12 +31,16 @@ def tok_dir(tmp_path_factory):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>", "<pad>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<s>", "</s>", "<pad>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(DOCS * 20, trainer)
     tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": "<s>", "eos_token": {"content": "</s>"}, "pad_token": "<pad>"}))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<s>", "eos_token": {"content": "</s>"}, "pad_token": "<pad>"})
+    )
     return path
 
 
@@ -65,20 +73,30 @@ def test_missing_or_bad_tokenizer_file(tmp_path):
 def test_text_corpus_is_tokenized_with_it(tmp_path, tok_dir):
     for i, doc in enumerate(DOCS):
         (tmp_path / f"doc{i}.txt").write_text(doc * 3)
-    cfg = DataConfig(source="text", path=str(tmp_path / "*.txt"), seq_len=8, val_fraction=0.0,
-                     tokenizer=str(tok_dir))
+    cfg = DataConfig(
+        source="text",
+        path=str(tmp_path / "*.txt"),
+        seq_len=8,
+        val_fraction=0.0,
+        tokenizer=str(tok_dir),
+    )
     tok = HFTokenizer(str(tok_dir))
     expected = np.concatenate([tok.encode(d * 3, add_bos=True, add_eos=True) for d in DOCS])
     stream = load_corpus(cfg).train
     np.testing.assert_array_equal(stream.read(0, len(stream)), expected)
     assert check_data(cfg, vocab_size=tok.vocab_size).train_examples == (len(expected) - 1) // 8
-    with pytest.raises(DataError, match=rf"has {tok.vocab_size} ids but the model's vocab_size is "
-                                        r"259.*model\.vocab_size >="):
+    with pytest.raises(
+        DataError,
+        match=rf"has {tok.vocab_size} ids but the model's vocab_size is "
+        r"259.*model\.vocab_size >=",
+    ):
         check_data(cfg, vocab_size=259)
 
 
 def test_tokenizer_only_for_text_sources(tok_dir):
-    with pytest.raises(ConfigError, match=r"DataConfig\.tokenizer: source='mqar' does not tokenize"):
+    with pytest.raises(
+        ConfigError, match=r"DataConfig\.tokenizer: source='mqar' does not tokenize"
+    ):
         DataConfig(source="mqar", tokenizer=str(tok_dir))
     with pytest.raises(ConfigError, match=r"DataConfig\.tokenizer: source='tokens'"):
         DataConfig(source="tokens", path="x.bin", tokenizer=str(tok_dir))
@@ -93,17 +111,49 @@ def test_init_from_uses_the_checkpoints_tokenizer(tmp_path, tok_dir):
 
     ckpt = tmp_path / "ckpt"
     shutil.copytree(tok_dir, ckpt)
-    (ckpt / "config.json").write_text(json.dumps(dict(
-        model_type="llama", vocab_size=300, hidden_size=32, intermediate_size=64,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=512)))
-    exp = resolve_init_from(apply_overrides(default_config(), [
-        f"train.init_from={ckpt}", "compare=false", "train.num_seeds=1", "model.dtype=bfloat16"]))
+    (ckpt / "config.json").write_text(
+        json.dumps(
+            dict(
+                model_type="llama",
+                vocab_size=300,
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                max_position_embeddings=512,
+            )
+        )
+    )
+    exp = resolve_init_from(
+        apply_overrides(
+            default_config(),
+            [
+                f"train.init_from={ckpt}",
+                "compare=false",
+                "train.num_seeds=1",
+                "model.dtype=bfloat16",
+            ],
+        )
+    )
     assert exp.data.tokenizer == str(ckpt)
     assert (exp.model.attention, exp.model.d_model, exp.model.vocab_size, exp.model.dtype) == (
-        "standard", 32, 300, "bfloat16")
-    kept = resolve_init_from(apply_overrides(default_config(), [
-        f"train.init_from={ckpt}", "compare=false", "train.num_seeds=1", "data.tokenizer=byte"]))
+        "standard",
+        32,
+        300,
+        "bfloat16",
+    )
+    kept = resolve_init_from(
+        apply_overrides(
+            default_config(),
+            [
+                f"train.init_from={ckpt}",
+                "compare=false",
+                "train.num_seeds=1",
+                "data.tokenizer=byte",
+            ],
+        )
+    )
     assert kept.data.tokenizer == "byte"
 
 
@@ -115,8 +165,9 @@ def test_sample_reads_a_hugging_face_directory_with_its_tokenizer(tmp_path, tok_
     import diffjax
     from diffjax import sample
 
-    cfg = diffjax.ModelConfig(vocab_size=300, d_model=32, num_layers=1, num_heads=2,
-                              max_seq_len=64, norm_eps=1e-5)
+    cfg = diffjax.ModelConfig(
+        vocab_size=300, d_model=32, num_layers=1, num_heads=2, max_seq_len=64, norm_eps=1e-5
+    )
     model = diffjax.TransformerLM(cfg, rngs=nnx.Rngs(3))
     out = tmp_path / "hf"
     diffjax.save_pretrained(model, str(out), tokenizer_from=str(tok_dir))
@@ -126,10 +177,11 @@ def test_sample_reads_a_hugging_face_directory_with_its_tokenizer(tmp_path, tok_
     assert "HFTokenizer" in captured.err and "Hugging Face checkpoint" in captured.err
     tok = HFTokenizer(str(tok_dir))
     ids = np.asarray(tok.encode("def add"))[None]
-    expect = np.asarray(diffjax.generate(diffjax.from_pretrained(str(out)), ids, 6,
-                                         eos_id=tok.eos_id))[0, ids.shape[1]:]
+    expect = np.asarray(
+        diffjax.generate(diffjax.from_pretrained(str(out)), ids, 6, eos_id=tok.eos_id)
+    )[0, ids.shape[1] :]
     if (hits := np.flatnonzero(expect == tok.eos_id)).size:
-        expect = expect[:hits[0]]
+        expect = expect[: hits[0]]
     assert captured.out.strip("\n") == ("def add" + tok.decode(expect)).strip("\n")
     assert sample.main([str(out), "--prompt", "x", "--tokenizer", str(tmp_path / "nope")]) == 2
     assert "does not exist" in capsys.readouterr().err

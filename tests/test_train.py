@@ -21,18 +21,37 @@ from flax import nnx
 
 import diffjax
 from diffjax.config import ConfigError
-from diffjax.train import (ExperimentConfig, TrainConfig, apply_overrides, config_keys,
-                           decay_mask, default_config, learning_rate_schedule, load_config)
+from diffjax.train import (
+    ExperimentConfig,
+    TrainConfig,
+    apply_overrides,
+    config_keys,
+    decay_mask,
+    default_config,
+    learning_rate_schedule,
+    load_config,
+)
 from diffjax.train.cli import main
 from diffjax.train.metrics import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # A tiny experiment: seconds per model on CPU.
-TINY = ["model.d_model=32", "model.num_layers=1", "model.num_heads=1", "model.max_seq_len=32",
-        "data.seq_len=16", "data.max_files=12", "train.batch_size=8", "train.eval_batches=2",
-        "train.warmup_steps=2", "train.progress=false", "train.num_seeds=1",
-        "train.quick_eval=false", "train.throughput_rounds=0"]
+TINY = [
+    "model.d_model=32",
+    "model.num_layers=1",
+    "model.num_heads=1",
+    "model.max_seq_len=32",
+    "data.seq_len=16",
+    "data.max_files=12",
+    "train.batch_size=8",
+    "train.eval_batches=2",
+    "train.warmup_steps=2",
+    "train.progress=false",
+    "train.num_seeds=1",
+    "train.quick_eval=false",
+    "train.throughput_rounds=0",
+]
 
 
 def run_main(tmp_path, *extra, name="run"):
@@ -51,16 +70,35 @@ def test_every_key_is_listed_in_help(capsys):
     out = capsys.readouterr().out
     for key, _, _ in config_keys(default_config()):
         assert key in out, key
-    for key in ("run.dir", "data.path", "data.seq_len", "train.steps", "train.batch_size",
-                "train.checkpoint_every", "train.eval_every", "model.attention",
-                "model.num_layers", "model.d_model", "compare"):
+    for key in (
+        "run.dir",
+        "data.path",
+        "data.seq_len",
+        "train.steps",
+        "train.batch_size",
+        "train.checkpoint_every",
+        "train.eval_every",
+        "model.attention",
+        "model.num_layers",
+        "model.d_model",
+        "compare",
+    ):
         assert f"  {key} " in out
 
 
 def test_overrides_are_parsed_by_type():
-    cfg = apply_overrides(default_config(), [
-        "train.steps=7", "train.lr=3e-4", "model.attention=diff_v2", "compare=false",
-        "model.num_kv_heads=none", "data.seq_len=64", "run.dir=/tmp/x"])
+    cfg = apply_overrides(
+        default_config(),
+        [
+            "train.steps=7",
+            "train.lr=3e-4",
+            "model.attention=diff_v2",
+            "compare=false",
+            "model.num_kv_heads=none",
+            "data.seq_len=64",
+            "run.dir=/tmp/x",
+        ],
+    )
     assert cfg.train.steps == 7 and cfg.train.lr == 3e-4 and cfg.compare is False
     assert cfg.model.attention == "diff_v2" and cfg.model.num_kv_heads is None
     assert cfg.data.seq_len == 64 and cfg.run.path == "/tmp/x"
@@ -69,18 +107,21 @@ def test_overrides_are_parsed_by_type():
     assert default_config().models["standard"] == diffjax.twin(default_config().model)
 
 
-@pytest.mark.parametrize("override, message", [
-    ("train.stpes=3", r"unknown config key 'train.stpes'.*did you mean train.steps"),
-    ("nonsense=3", r"unknown config key 'nonsense'"),
-    ("train.steps=many", r"train.steps: bad value 'many'.*integer"),
-    ("compare=maybe", r"compare: bad value 'maybe'"),
-    ("train.steps=0", r"TrainConfig.steps: must be >= 1"),
-    ("train.schedule=exp", r"TrainConfig.schedule: unknown schedule 'exp'"),
-    ("train.lr=-1", r"TrainConfig.lr: must be > 0"),
-    ("model.num_heads=3", r"ModelConfig"),
-    ("data.seq_len=4096", r"data.seq_len: 4096 is longer than the model takes"),
-    ("train.steps", r"not key=value"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("train.stpes=3", r"unknown config key 'train.stpes'.*did you mean train.steps"),
+        ("nonsense=3", r"unknown config key 'nonsense'"),
+        ("train.steps=many", r"train.steps: bad value 'many'.*integer"),
+        ("compare=maybe", r"compare: bad value 'maybe'"),
+        ("train.steps=0", r"TrainConfig.steps: must be >= 1"),
+        ("train.schedule=exp", r"TrainConfig.schedule: unknown schedule 'exp'"),
+        ("train.lr=-1", r"TrainConfig.lr: must be > 0"),
+        ("model.num_heads=3", r"ModelConfig"),
+        ("data.seq_len=4096", r"data.seq_len: 4096 is longer than the model takes"),
+        ("train.steps", r"not key=value"),
+    ],
+)
 def test_bad_overrides_name_the_key_and_the_fix(override, message):
     with pytest.raises(ConfigError, match=message):
         apply_overrides(default_config(), [override])
@@ -118,8 +159,12 @@ def test_config_files_load(name):
         n = diffjax.count_params(cfg.model).total
         low, high = (110e6, 140e6) if name == "diff_125m" else (320e6, 380e6)
         assert low < n < high and low < diffjax.count_params(diffjax.twin(cfg.model)).total < high
-        assert (cfg.train.b1, cfg.train.b2, cfg.train.weight_decay, cfg.train.warmup_steps) == \
-            (0.9, 0.98, 0.05, 375)
+        assert (cfg.train.b1, cfg.train.b2, cfg.train.weight_decay, cfg.train.warmup_steps) == (
+            0.9,
+            0.98,
+            0.05,
+            375,
+        )
 
 
 def test_missing_config_file_is_a_clear_error():
@@ -131,22 +176,30 @@ def test_missing_config_file_is_a_clear_error():
 def test_schedule_warms_up_then_decays():
     cfg = TrainConfig(steps=100, lr=1e-3, warmup_steps=10, schedule="linear", min_lr_ratio=0.1)
     s = learning_rate_schedule(cfg)
-    np.testing.assert_allclose([s(0), s(5), s(10), s(55), s(100)],
-                               [0.0, 5e-4, 1e-3, 1e-3 - 0.5 * 0.9e-3, 1e-4], rtol=1e-5, atol=1e-9)
-    cos = learning_rate_schedule(TrainConfig(steps=100, lr=1e-3, warmup_steps=0,
-                                             schedule="cosine", min_lr_ratio=0.0))
+    np.testing.assert_allclose(
+        [s(0), s(5), s(10), s(55), s(100)],
+        [0.0, 5e-4, 1e-3, 1e-3 - 0.5 * 0.9e-3, 1e-4],
+        rtol=1e-5,
+        atol=1e-9,
+    )
+    cos = learning_rate_schedule(
+        TrainConfig(steps=100, lr=1e-3, warmup_steps=0, schedule="cosine", min_lr_ratio=0.0)
+    )
     np.testing.assert_allclose(float(cos(50)), 0.5e-3, rtol=1e-5)
 
 
 def test_weight_decay_skips_norms_lambdas_and_vectors():
     for attention in ("diff_v1", "diff_v2"):
-        model = diffjax.TransformerLM(diffjax.ModelConfig(d_model=32, num_layers=1, num_heads=1,
-                                                          attention=attention),
-                                      rngs=nnx.Rngs(0))
+        model = diffjax.TransformerLM(
+            diffjax.ModelConfig(d_model=32, num_layers=1, num_heads=1, attention=attention),
+            rngs=nnx.Rngs(0),
+        )
         params = nnx.state(model, nnx.Param)
         mask = decay_mask(params)
-        flat = {"/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path): v
-                for path, v in jax.tree_util.tree_flatten_with_path(mask)[0]}
+        flat = {
+            "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path): v
+            for path, v in jax.tree_util.tree_flatten_with_path(mask)[0]
+        }
         assert flat["embed/embedding/value"] and flat["layers/0/attn/q_proj/kernel/value"]
         assert flat["layers/0/ffn/w1/kernel/value"]
         for name, decays in flat.items():
@@ -164,8 +217,16 @@ def test_weight_decay_skips_norms_lambdas_and_vectors():
 
 # ---------------------------------------------------------------------------- command line
 def test_comparison_smoke(tmp_path, capsys):
-    assert run_main(tmp_path, "train.steps=4", "train.eval_every=2",
-                    "train.checkpoint_every=2", "train.num_seeds=1") == 0
+    assert (
+        run_main(
+            tmp_path,
+            "train.steps=4",
+            "train.eval_every=2",
+            "train.checkpoint_every=2",
+            "train.num_seeds=1",
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     run = tmp_path / "run"
     for label in ("diff", "standard"):
@@ -177,15 +238,16 @@ def test_comparison_smoke(tmp_path, capsys):
         assert any(f.startswith("events") for f in os.listdir(run / label / "seed_0" / "tb"))
     assert "lambda" in read_metrics(str(run / "diff" / "seed_0" / "metrics.jsonl"))[0]
     report = (run / "report.md").read_text()
-    assert "| | diff (diff_v1) | standard (standard) | DIFF − twin [95% CI] |" \
-        in report
-    assert "final validation loss" in report and "no confidence interval can be given from one seed" in report
+    assert "| | diff (diff_v1) | standard (standard) | DIFF − twin [95% CI] |" in report
+    assert (
+        "final validation loss" in report
+        and "no confidence interval can be given from one seed" in report
+    )
     assert "dtype float32, init std 0.02 (both models); the twin:" in report  # init decides MQAR
     assert (run / "loss.png").stat().st_size > 10_000
     assert "| parameters |" in out
     # same data, same order, same init seed: the two models saw the same tokens
-    d, s = (read_metrics(str(run / x / "seed_0" / "metrics.jsonl"))
-            for x in ("diff", "standard"))
+    d, s = (read_metrics(str(run / x / "seed_0" / "metrics.jsonl")) for x in ("diff", "standard"))
     assert [r["tokens"] for r in d] == [r["tokens"] for r in s]
 
 
@@ -240,18 +302,29 @@ def test_killed_and_resumed_run_equals_uninterrupted_bit_for_bit(tmp_path, kill_
     """SIGKILL a run right after step 6 (the step-4 checkpoint committed) or right after step 8
     (its checkpoint save issued, maybe not committed), rerun it with --resume: the losses of all
     10 steps equal those of an uninterrupted run exactly."""
-    config = [*TINY, "compare=false", "train.steps=10", "train.eval_every=4",
-              "train.checkpoint_every=4"]
+    config = [
+        *TINY,
+        "compare=false",
+        "train.steps=10",
+        "train.eval_every=4",
+        "train.checkpoint_every=4",
+    ]
     args = [sys.executable, os.path.join(ROOT, "train.py"), *config]
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     subprocess.run(args + [f"run.dir={straight}"], check=True, env=env, capture_output=True)
-    out = subprocess.run([sys.executable, "-c", KILLED_TRAIN_PY, str(kill_at), "4", *config,
-                          f"run.dir={killed}"], capture_output=True, text=True, env=env, cwd=ROOT)
+    out = subprocess.run(
+        [sys.executable, "-c", KILLED_TRAIN_PY, str(kill_at), "4", *config, f"run.dir={killed}"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
     assert out.returncode == -signal.SIGKILL, out.stderr
     assert len(losses(killed / "diff" / "seed_0")) < 10  # it really was interrupted
-    out = subprocess.run(args + [f"run.dir={killed}", "--resume"], env=env, capture_output=True,
-                         text=True)
+    out = subprocess.run(
+        args + [f"run.dir={killed}", "--resume"], env=env, capture_output=True, text=True
+    )
     assert out.returncode == 0, out.stderr
     assert "resuming from the checkpoint at step" in out.stdout
     a, b = losses(straight / "diff" / "seed_0"), losses(killed / "diff" / "seed_0")
@@ -260,14 +333,17 @@ def test_killed_and_resumed_run_equals_uninterrupted_bit_for_bit(tmp_path, kill_
 
 
 # ---------------------------------------------------------------------------- bad input
-@pytest.mark.parametrize("extra, message", [
-    (["data.path=/no/such/dir/*.txt", "data.source=text"], r"/no/such/dir"),
-    (["data.source=nope"], r"DataConfig.source"),
-    (["data.seq_len=64"], r"data.seq_len: 64 is longer than the model takes"),
-    (["train.batchsize=2"], r"unknown config key 'train.batchsize'"),
-    (["train.steps=-1"], r"TrainConfig.steps"),
-    (["model.num_layers=two"], r"model.num_layers: bad value"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["data.path=/no/such/dir/*.txt", "data.source=text"], r"/no/such/dir"),
+        (["data.source=nope"], r"DataConfig.source"),
+        (["data.seq_len=64"], r"data.seq_len: 64 is longer than the model takes"),
+        (["train.batchsize=2"], r"unknown config key 'train.batchsize'"),
+        (["train.steps=-1"], r"TrainConfig.steps"),
+        (["model.num_layers=two"], r"model.num_layers: bad value"),
+    ],
+)
 def test_bad_input_stops_before_training(tmp_path, capsys, extra, message):
     import re
 
@@ -301,15 +377,25 @@ def test_resume_flag_without_checkpoint_is_an_error(tmp_path, capsys):
 
 def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, capsys):
     # an absurd learning rate blows the weights up within a few steps
-    code = run_main(tmp_path, "compare=false", "train.steps=30", "train.lr=1e12",
-                    "train.warmup_steps=0", "train.grad_clip=0", "train.checkpoint_every=1",
-                    "train.eval_every=1")
+    code = run_main(
+        tmp_path,
+        "compare=false",
+        "train.steps=30",
+        "train.lr=1e12",
+        "train.warmup_steps=0",
+        "train.grad_clip=0",
+        "train.checkpoint_every=1",
+        "train.eval_every=1",
+    )
     err = capsys.readouterr().err
     assert code == 3, err
     assert "the training loss is nan at step" in err or "the training loss is inf at step" in err
     step = int(err.split(" at step ")[1].split(";")[0])
-    ckpts = sorted(int(x) for x in os.listdir(tmp_path / "run" / "diff" / "seed_0" / "checkpoints")
-                   if x.isdigit())
+    ckpts = sorted(
+        int(x)
+        for x in os.listdir(tmp_path / "run" / "diff" / "seed_0" / "checkpoints")
+        if x.isdigit()
+    )
     assert ckpts and max(ckpts) == step - 1
     assert f"last good checkpoint (step {step - 1})" in err
 
@@ -344,11 +430,18 @@ def test_half_written_checkpoint_is_ignored(tmp_path):
 
 
 def test_diff_v2_single_model_records_mean_lambda(tmp_path):
-    assert run_main(tmp_path, "model.attention=diff_v2", "model.num_layers=2", "compare=false",
-                    "train.steps=2") == 0
+    assert (
+        run_main(
+            tmp_path,
+            "model.attention=diff_v2",
+            "model.num_layers=2",
+            "compare=false",
+            "train.steps=2",
+        )
+        == 0
+    )
     records = read_metrics(str(tmp_path / "run" / "diff" / "seed_0" / "metrics.jsonl"))
-    assert all(len(r["lambda"]) == 2 and all(0.0 < x < 1.0 for x in r["lambda"])
-               for r in records)
+    assert all(len(r["lambda"]) == 2 and all(0.0 < x < 1.0 for x in r["lambda"]) for r in records)
     assert not (tmp_path / "run" / "standard").exists()
     assert "| | diff (diff_v2) |" in (tmp_path / "run" / "report.md").read_text()
 
@@ -396,23 +489,39 @@ def test_the_best_checkpoint_survives_a_resume(tmp_path):
 def test_load_model_reads_the_saved_parameters(tmp_path):
     from diffjax.train import Checkpointer, load_model
 
-    assert run_main(tmp_path, "train.steps=4", "train.checkpoint_every=2", "train.eval_every=2",
-                    "compare=false") == 0
+    assert (
+        run_main(
+            tmp_path,
+            "train.steps=4",
+            "train.checkpoint_every=2",
+            "train.eval_every=2",
+            "compare=false",
+        )
+        == 0
+    )
     run = tmp_path / "run" / "diff" / "seed_0"
-    vals = {r["step"]: r["val_loss"] for r in read_metrics(str(run / "metrics.jsonl"))
-            if "val_loss" in r}
+    vals = {
+        r["step"]: r["val_loss"]
+        for r in read_metrics(str(run / "metrics.jsonl"))
+        if "val_loss" in r
+    }
     best = min(vals, key=vals.get)
     ck = Checkpointer(str(run / "checkpoints"), async_save=False)
     raw = ck.manager.restore(best)  # the whole state as Orbax saved it, no target
     ck.close()
     model = load_model(str(run))  # "best"
-    assert model.config == diffjax.ModelConfig(**json.loads(
-        (tmp_path / "run" / "config.json").read_text())["model"])
+    assert model.config == diffjax.ModelConfig(
+        **json.loads((tmp_path / "run" / "config.json").read_text())["model"]
+    )
     _, params = nnx.split(model, nnx.Param)
 
     def flat(tree):  # path of plain names -> array (Orbax writes layer indices as strings)
-        return {tuple(str(getattr(k, "key", k)) for k in path if getattr(k, "key", k) != "value"):
-                np.asarray(v) for path, v in jax.tree_util.tree_leaves_with_path(tree)}
+        return {
+            tuple(
+                str(getattr(k, "key", k)) for k in path if getattr(k, "key", k) != "value"
+            ): np.asarray(v)
+            for path, v in jax.tree_util.tree_leaves_with_path(tree)
+        }
 
     loaded, saved = flat(nnx.to_pure_dict(params)), flat(raw["state"]["params"])
     assert loaded.keys() == saved.keys() and len(loaded) > 5
@@ -462,22 +571,42 @@ def test_clopper_pearson_and_the_seed_count_of_a_retrieval_run():
     from diffjax.train.stats import clopper_pearson
 
     # the edges in closed form: 0 of n -> [0, 1 - (a/2)^(1/n)], n of n -> [(a/2)^(1/n), 1]
-    assert clopper_pearson(0, 2) == (0.0, pytest.approx(1 - 0.025 ** 0.5))
-    assert clopper_pearson(4, 4) == (pytest.approx(0.025 ** 0.25), 1.0)
+    assert clopper_pearson(0, 2) == (0.0, pytest.approx(1 - 0.025**0.5))
+    assert clopper_pearson(4, 4) == (pytest.approx(0.025**0.25), 1.0)
     # inside: the bounds are where the binomial tails equal 2.5%
     low, high = clopper_pearson(2, 4)
-    tail = lambda p, ks: sum(comb(4, k) * p ** k * (1 - p) ** (4 - k) for k in ks)  # noqa: E731
-    assert tail(low, (2, 3, 4)) == pytest.approx(0.025) and tail(high, (0, 1, 2)) == pytest.approx(0.025)
+    tail = lambda p, ks: sum(comb(4, k) * p**k * (1 - p) ** (4 - k) for k in ks)  # noqa: E731
+    assert tail(low, (2, 3, 4)) == pytest.approx(0.025) and tail(high, (0, 1, 2)) == pytest.approx(
+        0.025
+    )
     assert (round(low, 3), round(high, 3)) == (0.068, 0.932)
     with pytest.raises(ValueError, match="0 <= k <= n"):
         clopper_pearson(3, 2)
 
     def result(label, seed, acc):
-        return diffjax.train.TrainResult(label, label, "", 1, 1, 1, 1.0, 1.0, 1.0, 1.0, None, "",
-                                         seed=seed, val_query_accuracy=acc)
+        return diffjax.train.TrainResult(
+            label,
+            label,
+            "",
+            1,
+            1,
+            1,
+            1.0,
+            1.0,
+            1.0,
+            1.0,
+            None,
+            "",
+            seed=seed,
+            val_query_accuracy=acc,
+        )
 
-    rs = [result("diff", 0, 0.85), result("diff", 1, 0.70), result("standard", 0, 0.26),
-          result("standard", 1, 0.63)]
+    rs = [
+        result("diff", 0, 0.85),
+        result("diff", 1, 0.70),
+        result("standard", 0, 0.26),
+        result("standard", 1, 0.63),
+    ]
     text = " ".join(learned_counts(rs, 0.25))
     assert "above 0.625, halfway from the no-retrieval level 0.250 to 1" in text
     assert "diff 2 of 2 seeds (95% Clopper-Pearson interval for the rate: 16%-100%)" in text
@@ -488,16 +617,21 @@ def test_clopper_pearson_and_the_seed_count_of_a_retrieval_run():
 
     rs[0] = dataclasses.replace(rs[0], val_accuracy=0.01)
     table = per_seed_table(rs)
-    assert "| seed | diff val loss | standard val loss | diff query accuracy | standard query " \
+    assert (
+        "| seed | diff val loss | standard val loss | diff query accuracy | standard query "
         "accuracy |" in table
+    )
     assert "| 0 | 1.0000 | 1.0000 | 0.850 | 0.260 |" in table and "0.010" not in table
-    plain = per_seed_table([dataclasses.replace(r, val_query_accuracy=None, val_accuracy=0.5)
-                            for r in rs])
+    plain = per_seed_table(
+        [dataclasses.replace(r, val_query_accuracy=None, val_accuracy=0.5) for r in rs]
+    )
     assert "diff accuracy" in plain and "| 1 | 1.0000 | 1.0000 | 0.500 | 0.500 |" in plain
     # with the first query's accuracy the count uses it and its own level: the diff seeds above
     # copy earlier queries (0.85 and 0.70 on all queries) but stay at 0.26-0.30 on the first
-    first = [dataclasses.replace(r, val_first_query_accuracy=f)
-             for r, f in zip(rs, (0.30, 0.26, 0.95, 0.27))]
+    first = [
+        dataclasses.replace(r, val_first_query_accuracy=f)
+        for r, f in zip(rs, (0.30, 0.26, 0.95, 0.27))
+    ]
     text = " ".join(learned_counts(first, 0.25, 0.25))
     assert "final first-query accuracy" in text and "above 0.625" in text
     assert "diff 0 of 2 seeds" in text and "standard 1 of 2 seeds" in text
@@ -509,8 +643,14 @@ def test_clopper_pearson_and_the_seed_count_of_a_retrieval_run():
 def test_side_by_side_summary():
     from diffjax.train.throughput import SideBySide
 
-    s = SideBySide(("diff", "standard"), {"diff": [90.0, 80.0, 100.0], "standard": [100.0] * 3},
-                   [0.9, 0.8, 1.0], 3, 4, 128)
+    s = SideBySide(
+        ("diff", "standard"),
+        {"diff": [90.0, 80.0, 100.0], "standard": [100.0] * 3},
+        [0.9, 0.8, 1.0],
+        3,
+        4,
+        128,
+    )
     assert s.median_ratio == pytest.approx(0.9) and s.spread == (0.8, 1.0)
     assert "0.90x standard's" in s.describe() and "0.80 .. 1.00" in s.describe()
 
@@ -521,14 +661,21 @@ def test_seeds_are_paired_and_resumed(tmp_path, capsys):
     report gives an interval; a resume continues only the unfinished seed."""
     import shutil
 
-    common = ("train.steps=4", "train.eval_every=2", "train.checkpoint_every=2",
-              "train.tensorboard=false", "train.throughput_rounds=1")
+    common = (
+        "train.steps=4",
+        "train.eval_every=2",
+        "train.checkpoint_every=2",
+        "train.tensorboard=false",
+        "train.throughput_rounds=1",
+    )
     assert run_main(tmp_path, *common, "train.num_seeds=2") == 0
     run = tmp_path / "run"
     for label in ("diff", "standard"):
         for seed in (0, 1):
-            assert json.loads((run / label / f"seed_{seed}" / "result.json").read_text())[
-                "seed"] == seed
+            assert (
+                json.loads((run / label / f"seed_{seed}" / "result.json").read_text())["seed"]
+                == seed
+            )
     assert losses(run / "diff" / "seed_0") != losses(run / "diff" / "seed_1")
     assert run_main(tmp_path, *common, "train.seed=1", "compare=false", name="alone") == 0
     assert losses(tmp_path / "alone" / "diff" / "seed_1") == losses(run / "diff" / "seed_1")
@@ -543,8 +690,9 @@ def test_seeds_are_paired_and_resumed(tmp_path, capsys):
     assert main(["--resume", f"run.dir={run}", *TINY, *common, "train.num_seeds=2"]) == 0
     out = capsys.readouterr().out
     assert "resuming from the checkpoint at step 2" in out
-    assert {(m, s): losses(run / m / f"seed_{s}") for m in ("diff", "standard")
-            for s in (0, 1)} == first
+    assert {
+        (m, s): losses(run / m / f"seed_{s}") for m in ("diff", "standard") for s in (0, 1)
+    } == first
 
 
 def test_every_seed_reuses_one_compiled_init_and_gets_the_constant_seed_state():
@@ -556,23 +704,34 @@ def test_every_seed_reuses_one_compiled_init_and_gets_the_constant_seed_state():
     from diffjax import sharding
     from diffjax.train.loop import make_state_init, model_setup
 
-    exp = apply_overrides(ExperimentConfig(), ["model.d_model=32", "model.num_layers=1",
-                                               "model.num_heads=1", "model.max_seq_len=32",
-                                               "data.seq_len=16"])
+    exp = apply_overrides(
+        ExperimentConfig(),
+        [
+            "model.d_model=32",
+            "model.num_layers=1",
+            "model.num_heads=1",
+            "model.max_seq_len=32",
+            "data.seq_len=16",
+        ],
+    )
     mesh = sharding.make_mesh(exp.mesh)
     with jax.set_mesh(mesh), nnx.logical_axis_rules(sharding.current_rules()):
-        setups = [model_setup(exp.model, dataclasses.replace(exp.train, seed=s), mesh)
-                  for s in (0, 1)]
+        setups = [
+            model_setup(exp.model, dataclasses.replace(exp.train, seed=s), mesh) for s in (0, 1)
+        ]
         assert setups[0].jitted_init is setups[1].jitted_init
         states = [s.fresh_state()[0] for s in setups]
         assert setups[0].jitted_init._cache_size() == 1  # one compile for both seeds
         for seed, state in zip((0, 1), states):
-            want = jax.jit(make_state_init(exp.model, dataclasses.replace(exp.train,
-                                                                           seed=seed)))()[0]
+            want = jax.jit(make_state_init(exp.model, dataclasses.replace(exp.train, seed=seed)))()[
+                0
+            ]
             for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(want)):
                 np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    assert not all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(states[0]["params"]),
-                                                        jax.tree.leaves(states[1]["params"])))
+    assert not all(
+        np.array_equal(a, b)
+        for a, b in zip(jax.tree.leaves(states[0]["params"]), jax.tree.leaves(states[1]["params"]))
+    )
 
 
 def test_a_run_in_the_old_layout_is_not_silently_restarted(tmp_path, capsys):
@@ -596,8 +755,7 @@ def test_report_leaves_the_matplotlib_backend_alone(tmp_path):
     before = matplotlib.get_backend()
     matplotlib.use("pdf")  # stands in for a notebook's backend
     try:
-        assert run_main(tmp_path, "train.steps=2", "compare=false",
-                        "train.tensorboard=false") == 0
+        assert run_main(tmp_path, "train.steps=2", "compare=false", "train.tensorboard=false") == 0
         assert matplotlib.get_backend() == "pdf"
         assert (tmp_path / "run" / "loss.png").read_bytes()[:4] == b"\x89PNG"
     finally:
@@ -614,10 +772,18 @@ def test_validation_splits_first_and_repeated_queries():
     from diffjax.data import DataConfig, make_source, query_kinds
     from diffjax.train import loop
 
-    d = DataConfig(source="needle", seq_len=128, num_needles=4, num_queries=16,
-                   query_replacement=True, key_len=1, value_len=1,
-                   needle_template="{key}{value}", query_template="{key}{value}",
-                   num_val_examples=8)
+    d = DataConfig(
+        source="needle",
+        seq_len=128,
+        num_needles=4,
+        num_queries=16,
+        query_replacement=True,
+        key_len=1,
+        value_len=1,
+        needle_template="{key}{value}",
+        query_template="{key}{value}",
+        num_val_examples=8,
+    )
     src = make_source(d, "validation")
     batch = {k: np.stack([src[i][k] for i in range(8)]) for k in src[0]}
     first, repeat = query_kinds(batch)

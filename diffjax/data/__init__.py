@@ -11,21 +11,64 @@ pre-tokenized files), synthetic retrieval tasks (multi-needle, MQAR) and the gra
 """
 
 from .config import SOURCES, TOKEN_DTYPES, DataConfig, DataError
-from .pipeline import (DataSummary, check_data, describe, make_dataset, make_source,
-                       num_examples, num_tokens, steps_per_epoch)
-from .sources import (TokenStream, WindowSource, is_validation_file, load_corpus,
-                      stdlib_files, stdlib_root)
-from .synthetic import (MQARSource, NeedleSource, answer_accuracy, answer_correct,
-                        query_correct, query_kinds)
+from .pipeline import (
+    DataSummary,
+    check_data,
+    describe,
+    make_dataset,
+    make_source,
+    num_examples,
+    num_tokens,
+    steps_per_epoch,
+)
+from .sources import (
+    TokenStream,
+    WindowSource,
+    is_validation_file,
+    load_corpus,
+    stdlib_files,
+    stdlib_root,
+)
+from .synthetic import (
+    MQARSource,
+    NeedleSource,
+    answer_accuracy,
+    answer_correct,
+    query_correct,
+    query_kinds,
+)
 from .tokenizer import BOS, EOS, PAD, VOCAB_SIZE, ByteTokenizer, HFTokenizer, load_tokenizer
 
 __all__ = [
-    "BOS", "EOS", "PAD", "SOURCES", "TOKEN_DTYPES", "VOCAB_SIZE", "ByteTokenizer", "DataConfig",
-    "HFTokenizer", "load_tokenizer",
-    "DataError", "DataSummary", "MQARSource", "NeedleSource", "TokenStream", "WindowSource",
-    "answer_accuracy", "answer_correct", "check_data", "describe", "is_validation_file",
-    "load_corpus", "make_dataset", "make_source", "num_examples", "num_tokens", "query_correct",
+    "BOS",
+    "EOS",
+    "PAD",
+    "SOURCES",
+    "TOKEN_DTYPES",
+    "VOCAB_SIZE",
+    "ByteTokenizer",
+    "DataConfig",
+    "HFTokenizer",
+    "load_tokenizer",
+    "DataError",
+    "DataSummary",
+    "MQARSource",
+    "NeedleSource",
+    "TokenStream",
+    "WindowSource",
+    "answer_accuracy",
+    "answer_correct",
+    "check_data",
+    "describe",
+    "is_validation_file",
+    "load_corpus",
+    "make_dataset",
+    "make_source",
+    "num_examples",
+    "num_tokens",
+    "query_correct",
     "query_kinds",
     "stdlib_files",
-    "stdlib_root", "steps_per_epoch",
+    "stdlib_root",
+    "steps_per_epoch",
 ]

@@ -130,58 +130,102 @@ class DataConfig:
     # ------------------------------------------------------------------ validation
     def _check_values(self) -> None:
         if self.source not in SOURCES:
-            _fail("source", f"unknown source {self.source!r}",
-                  f"use one of {', '.join(map(repr, SOURCES))}")
+            _fail(
+                "source",
+                f"unknown source {self.source!r}",
+                f"use one of {', '.join(map(repr, SOURCES))}",
+            )
         if self.path is not None and not self.path.strip():
             _fail("path", "is an empty string", "give a file, directory or glob, or leave it None")
         if self.source in ("text", "tokens") and self.path is None:
             what = "text files" if self.source == "text" else ".npy/.bin token files"
-            _fail("path", f"source={self.source!r} reads {what} from `path`, which is None",
-                  "set data.path to a file, directory or glob (comma-separated for several)")
+            _fail(
+                "path",
+                f"source={self.source!r} reads {what} from `path`, which is None",
+                "set data.path to a file, directory or glob (comma-separated for several)",
+            )
         if self.source in ("stdlib", "mqar") and self.path is not None:
-            _fail("path", f"source={self.source!r} does not read files, but path={self.path!r}",
-                  "leave path=None, or use source='text' (or 'tokens') to read these files")
+            _fail(
+                "path",
+                f"source={self.source!r} does not read files, but path={self.path!r}",
+                "leave path=None, or use source='text' (or 'tokens') to read these files",
+            )
         if self.tokenizer not in (None, "byte") and self.source not in ("stdlib", "text"):
-            _fail("tokenizer", f"source={self.source!r} does not tokenize text (its ids are "
-                  f"{'read from files' if self.source == 'tokens' else 'byte-level by construction'})",
-                  "leave data.tokenizer unset, or use source='stdlib' or 'text'")
+            _fail(
+                "tokenizer",
+                f"source={self.source!r} does not tokenize text (its ids are "
+                f"{'read from files' if self.source == 'tokens' else 'byte-level by construction'})",
+                "leave data.tokenizer unset, or use source='stdlib' or 'text'",
+            )
         if self.tokenizer is not None and not self.tokenizer.strip():
             _fail("tokenizer", "is an empty string", "give a tokenizer.json path, or 'byte'")
         if self.seq_len < 8:
             _fail("seq_len", f"must be >= 8, got {self.seq_len}", "use e.g. seq_len=256")
         if not 0.0 <= self.val_fraction < 1.0:
-            _fail("val_fraction", f"must be in [0, 1), got {self.val_fraction}",
-                  "use e.g. 0.05 (0 disables the validation split)")
+            _fail(
+                "val_fraction",
+                f"must be in [0, 1), got {self.val_fraction}",
+                "use e.g. 0.05 (0 disables the validation split)",
+            )
         if not 0 <= self.seed < 2**32:
-            _fail("seed", f"must be in [0, 2**32), got {self.seed}", "use a non-negative 32-bit seed")
+            _fail(
+                "seed", f"must be in [0, 2**32), got {self.seed}", "use a non-negative 32-bit seed"
+            )
         if self.token_dtype not in TOKEN_DTYPES:
-            _fail("token_dtype", f"unknown dtype {self.token_dtype!r}",
-                  f"use one of {', '.join(map(repr, TOKEN_DTYPES))}")
+            _fail(
+                "token_dtype",
+                f"unknown dtype {self.token_dtype!r}",
+                f"use one of {', '.join(map(repr, TOKEN_DTYPES))}",
+            )
         if self.max_files is not None and self.max_files < 1:
-            _fail("max_files", f"must be >= 1 or None, got {self.max_files}",
-                  "use a positive integer, or None for every file")
-        for name in ("num_needles", "num_queries", "key_len", "value_len", "num_pairs",
-                     "num_val_examples"):
+            _fail(
+                "max_files",
+                f"must be >= 1 or None, got {self.max_files}",
+                "use a positive integer, or None for every file",
+            )
+        for name in (
+            "num_needles",
+            "num_queries",
+            "key_len",
+            "value_len",
+            "num_pairs",
+            "num_val_examples",
+        ):
             if getattr(self, name) < 1:
                 _fail(name, f"must be >= 1, got {getattr(self, name)}", "use a positive integer")
         if self.needle_depths is not None:
             if self.source != "needle":
-                _fail("needle_depths", f"is a needle-task setting but source={self.source!r}",
-                      "leave needle_depths=None or set source='needle'")
+                _fail(
+                    "needle_depths",
+                    f"is a needle-task setting but source={self.source!r}",
+                    "leave needle_depths=None or set source='needle'",
+                )
             if len(self.needle_depths) != self.num_needles:
-                _fail("needle_depths", f"has {len(self.needle_depths)} depths for "
-                      f"num_needles={self.num_needles}",
-                      f"give exactly {self.num_needles} depths (or None for random depths)")
+                _fail(
+                    "needle_depths",
+                    f"has {len(self.needle_depths)} depths for num_needles={self.num_needles}",
+                    f"give exactly {self.num_needles} depths (or None for random depths)",
+                )
             bad = [d for d in self.needle_depths if not 0.0 <= d <= 1.0]
             if bad:
-                _fail("needle_depths", f"depths must be fractions in [0, 1], got {bad}",
-                      "use e.g. (0.0, 0.25, 0.5, 1.0)")
+                _fail(
+                    "needle_depths",
+                    f"depths must be fractions in [0, 1], got {bad}",
+                    "use e.g. (0.0, 0.25, 0.5, 1.0)",
+                )
         if self.source != "needle":
-            for name in ("needle_template", "query_template", "needle_key_letters",
-                         "needle_num_key_letters"):
+            for name in (
+                "needle_template",
+                "query_template",
+                "needle_key_letters",
+                "needle_num_key_letters",
+            ):
                 if getattr(self, name) != getattr(DataConfig, name):
-                    _fail(name, f"is a needle-task setting but source={self.source!r}",
-                          f"leave {name} at its default or set source='needle'")
+                    _fail(
+                        name,
+                        f"is a needle-task setting but source={self.source!r}",
+                        f"leave {name} at its default or set source='needle'",
+                    )
         if self.source == "needle":
             self._check_needle()
         if self.source == "mqar":
@@ -190,71 +234,120 @@ class DataConfig:
 
     def _check_curriculum(self) -> None:
         if self.curriculum_steps < 0:
-            _fail("curriculum_steps", f"must be >= 0, got {self.curriculum_steps}",
-                  "use 0 (off) or the number of train steps over which the context grows")
+            _fail(
+                "curriculum_steps",
+                f"must be >= 0, got {self.curriculum_steps}",
+                "use 0 (off) or the number of train steps over which the context grows",
+            )
         if self.curriculum_steps > 0 and not self.is_synthetic:
-            _fail("curriculum_steps", f"is a needle/mqar setting but source={self.source!r}",
-                  "leave curriculum_steps=0, or use source='needle' or 'mqar'")
+            _fail(
+                "curriculum_steps",
+                f"is a needle/mqar setting but source={self.source!r}",
+                "leave curriculum_steps=0, or use source='needle' or 'mqar'",
+            )
         if self.curriculum_start_len is None:
             return
         if self.curriculum_steps == 0:
-            _fail("curriculum_start_len", "is set but curriculum_steps=0 (no curriculum)",
-                  "set curriculum_steps > 0, or leave curriculum_start_len=None")
+            _fail(
+                "curriculum_start_len",
+                "is set but curriculum_steps=0 (no curriculum)",
+                "set curriculum_steps > 0, or leave curriculum_start_len=None",
+            )
         low, high = self.task_min_seq_len, self.seq_len
         if not low <= self.curriculum_start_len <= high:
-            _fail("curriculum_start_len", f"must be in [{low}, seq_len={high}] (the shortest "
-                  f"example that holds the task, up to full length), got {self.curriculum_start_len}",
-                  f"use a length in [{low}, {high}], or None for {low}")
+            _fail(
+                "curriculum_start_len",
+                f"must be in [{low}, seq_len={high}] (the shortest "
+                f"example that holds the task, up to full length), got {self.curriculum_start_len}",
+                f"use a length in [{low}, {high}], or None for {low}",
+            )
 
     def _check_needle(self) -> None:
         n, r = self.num_needles, self.num_queries
         for name in ("needle_template", "query_template"):
             problem = template_problem(getattr(self, name))
             if problem:
-                _fail(name, f"{getattr(self, name)!r} {problem}",
-                      "write it like 'The magic number for {key} is {value}.'")
+                _fail(
+                    name,
+                    f"{getattr(self, name)!r} {problem}",
+                    "write it like 'The magic number for {key} is {value}.'",
+                )
         letters = self.needle_key_letters
-        if (not letters or not letters.isascii() or len(set(letters)) != len(letters)
-                or any(ch.isdigit() for ch in letters)):
-            _fail("needle_key_letters", f"{letters!r} must be non-empty ASCII characters, each "
-                  "once, and no digits (the values are digits)", "use e.g. 'abcdefghij' or 'JQZXYKVW'")
+        if (
+            not letters
+            or not letters.isascii()
+            or len(set(letters)) != len(letters)
+            or any(ch.isdigit() for ch in letters)
+        ):
+            _fail(
+                "needle_key_letters",
+                f"{letters!r} must be non-empty ASCII characters, each "
+                "once, and no digits (the values are digits)",
+                "use e.g. 'abcdefghij' or 'JQZXYKVW'",
+            )
         if not 1 <= self.needle_num_key_letters <= 26:
-            _fail("needle_num_key_letters", f"must be in [1, 26], got "
-                  f"{self.needle_num_key_letters}", "use 1..26 (the first characters of "
-                  "needle_key_letters that keys are drawn from)")
+            _fail(
+                "needle_num_key_letters",
+                f"must be in [1, 26], got {self.needle_num_key_letters}",
+                "use 1..26 (the first characters of needle_key_letters that keys are drawn from)",
+            )
         if r > n and not self.query_replacement:
-            _fail("num_queries", f"{r} queries but only num_needles={n} needles",
-                  f"set num_queries <= {n} (or more needles, or query_replacement=True)")
+            _fail(
+                "num_queries",
+                f"{r} queries but only num_needles={n} needles",
+                f"set num_queries <= {n} (or more needles, or query_replacement=True)",
+            )
         if len(self.key_alphabet) ** min(self.key_len, 12) < n:
-            _fail("key_len", f"{self.key_len} of {len(self.key_alphabet)} letters give "
-                  f"fewer than {n} distinct keys",
-                  "use a longer key_len (or more needle_num_key_letters, or fewer needles)")
+            _fail(
+                "key_len",
+                f"{self.key_len} of {len(self.key_alphabet)} letters give "
+                f"fewer than {n} distinct keys",
+                "use a longer key_len (or more needle_num_key_letters, or fewer needles)",
+            )
         if 9 * 10 ** (min(self.value_len, 12) - 1) < n:
-            _fail("value_len", f"{self.value_len} digits give fewer than {n} distinct values",
-                  "use a longer value_len")
+            _fail(
+                "value_len",
+                f"{self.value_len} digits give fewer than {n} distinct values",
+                "use a longer value_len",
+            )
         need = self.needle_min_seq_len
         if self.seq_len < need:
-            _fail("seq_len", f"{self.seq_len} is too short for {n} needles of "
-                  f"{self.needle_bytes} bytes and {r} queries of "
-                  f"{self.query_bytes} bytes (needs >= {need})",
-                  f"set seq_len >= {need} (a haystack needs more), or fewer needles/queries")
+            _fail(
+                "seq_len",
+                f"{self.seq_len} is too short for {n} needles of "
+                f"{self.needle_bytes} bytes and {r} queries of "
+                f"{self.query_bytes} bytes (needs >= {need})",
+                f"set seq_len >= {need} (a haystack needs more), or fewer needles/queries",
+            )
 
     def _check_mqar(self) -> None:
         p, r = self.num_pairs, self.num_queries
         for name in ("mqar_num_keys", "mqar_num_values"):
             if not 1 <= getattr(self, name) <= MQAR_MAX_PAIRS:
-                _fail(name, f"must be in [1, {MQAR_MAX_PAIRS}], got {getattr(self, name)}",
-                      f"use 1..{MQAR_MAX_PAIRS} (keys are byte ids 0..127, values 128..255)")
+                _fail(
+                    name,
+                    f"must be in [1, {MQAR_MAX_PAIRS}], got {getattr(self, name)}",
+                    f"use 1..{MQAR_MAX_PAIRS} (keys are byte ids 0..127, values 128..255)",
+                )
         if p > self.mqar_num_keys:
-            _fail("num_pairs", f"{p} pairs, but mqar_num_keys={self.mqar_num_keys} distinct keys",
-                  f"use num_pairs <= {self.mqar_num_keys} (or more keys, at most {MQAR_MAX_PAIRS})")
+            _fail(
+                "num_pairs",
+                f"{p} pairs, but mqar_num_keys={self.mqar_num_keys} distinct keys",
+                f"use num_pairs <= {self.mqar_num_keys} (or more keys, at most {MQAR_MAX_PAIRS})",
+            )
         if r > p and not self.query_replacement:
-            _fail("num_queries", f"{r} queries but only num_pairs={p} pairs",
-                  f"set num_queries <= {p} (or query_replacement=True)")
+            _fail(
+                "num_queries",
+                f"{r} queries but only num_pairs={p} pairs",
+                f"set num_queries <= {p} (or query_replacement=True)",
+            )
         need = 2 * p + 2 * r
         if self.seq_len < need:
-            _fail("seq_len", f"{self.seq_len} is too short for {p} pairs and {r} queries "
-                  f"(needs >= {need})", f"set seq_len >= {need} or fewer pairs/queries")
+            _fail(
+                "seq_len",
+                f"{self.seq_len} is too short for {p} pairs and {r} queries (needs >= {need})",
+                f"set seq_len >= {need} or fewer pairs/queries",
+            )
 
     # ------------------------------------------------------------------ derived values
     @property
@@ -285,7 +378,7 @@ class DataConfig:
     def key_alphabet(self) -> str:
         """The characters needle keys are drawn from: the first ``needle_num_key_letters`` of
         ``needle_key_letters`` (all of them when it has fewer)."""
-        return self.needle_key_letters[:self.needle_num_key_letters]
+        return self.needle_key_letters[: self.needle_num_key_letters]
 
     @property
     def needle_bytes(self) -> int:

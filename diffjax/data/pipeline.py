@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from .config import DataConfig, DataError
-from .sources import (Corpus, WindowSource, check_token_ids, load_corpus, stdlib_root)
+from .sources import Corpus, WindowSource, check_token_ids, load_corpus, stdlib_root
 from .synthetic import SYNTHETIC_TRAIN_EXAMPLES, MQARSource, NeedleSource
 from .tokenizer import PAD, VOCAB_SIZE
 
@@ -40,7 +40,9 @@ DEFAULT_PREFETCH = 8  # batches
 
 def _check_split(split: str) -> None:
     if split not in SPLITS:
-        hint = " ('val' is spelled 'validation')" if split in ("val", "valid", "eval", "test") else ""
+        hint = (
+            " ('val' is spelled 'validation')" if split in ("val", "valid", "eval", "test") else ""
+        )
         raise DataError(f"split: unknown split {split!r}{hint}. Fix: use 'train' or 'validation'")
 
 
@@ -58,8 +60,9 @@ def _haystack(config: DataConfig, split: str) -> tuple[Corpus, Any]:
     return corpus, stream
 
 
-def make_source(config: DataConfig, split: str, *, seed: int | None = None,
-                global_batch: int | None = None):
+def make_source(
+    config: DataConfig, split: str, *, seed: int | None = None, global_batch: int | None = None
+):
     """The random-access source of one split (``len``, ``[i]`` -> dict of numpy arrays).
 
     ``seed`` (default ``config.seed``) picks the synthetic *train* examples; synthetic validation
@@ -70,9 +73,11 @@ def make_source(config: DataConfig, split: str, *, seed: int | None = None,
     _check_split(split)
     seed = config.seed if seed is None or split == "validation" else int(seed)
     if config.curriculum_steps > 0 and split == "train" and global_batch is None:
-        raise DataError("make_source: data.curriculum_steps > 0 sizes each train example by its "
-                        "step, which needs the global batch size. Fix: pass global_batch=G "
-                        "(examples per step over all processes)")
+        raise DataError(
+            "make_source: data.curriculum_steps > 0 sizes each train example by its "
+            "step, which needs the global batch size. Fix: pass global_batch=G "
+            "(examples per step over all processes)"
+        )
     if config.source == "mqar":
         n = SYNTHETIC_TRAIN_EXAMPLES if split == "train" else config.num_val_examples
         return MQARSource(config, split, seed, n, global_batch)
@@ -124,9 +129,18 @@ class _PadSource:
 
 
 # ============================================================================ the dataset
-def make_dataset(config: DataConfig, split: str, *, batch_size: int, seed: int | None = None,
-                 process_index: int = 0, process_count: int = 1, num_epochs: int | None = None,
-                 vocab_size: int | None = None, read_options=None):
+def make_dataset(
+    config: DataConfig,
+    split: str,
+    *,
+    batch_size: int,
+    seed: int | None = None,
+    process_index: int = 0,
+    process_count: int = 1,
+    num_epochs: int | None = None,
+    vocab_size: int | None = None,
+    read_options=None,
+):
     """A ``grain.IterDataset`` of batches: dicts of numpy arrays ``inputs`` [B, T] int32,
     ``targets`` [B, T] int32, ``weights`` [B, T] float32 (1 where the target counts), plus the
     synthetic tasks' extras (see :mod:`diffjax.data.synthetic`).
@@ -153,31 +167,43 @@ def make_dataset(config: DataConfig, split: str, *, batch_size: int, seed: int |
     _check_split(split)
     for name, value, low in (("batch_size", batch_size, 1), ("process_count", process_count, 1)):
         if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < low:
-            raise DataError(f"make_dataset: {name} must be an integer >= {low}, got {value!r}. "
-                            f"Fix: pass a positive {name}")
+            raise DataError(
+                f"make_dataset: {name} must be an integer >= {low}, got {value!r}. "
+                f"Fix: pass a positive {name}"
+            )
     if not 0 <= process_index < process_count:
-        raise DataError(f"make_dataset: process_index {process_index} is not in [0, "
-                        f"{process_count}). Fix: pass jax.process_index() and jax.process_count()")
+        raise DataError(
+            f"make_dataset: process_index {process_index} is not in [0, "
+            f"{process_count}). Fix: pass jax.process_index() and jax.process_count()"
+        )
     if num_epochs is not None and (not isinstance(num_epochs, (int, np.integer)) or num_epochs < 1):
-        raise DataError(f"make_dataset: num_epochs must be None or >= 1, got {num_epochs!r}. "
-                        f"Fix: pass None (train: forever; validation: one pass) or a positive int")
+        raise DataError(
+            f"make_dataset: num_epochs must be None or >= 1, got {num_epochs!r}. "
+            f"Fix: pass None (train: forever; validation: one pass) or a positive int"
+        )
     batch_size, pi, pc = int(batch_size), int(process_index), int(process_count)
     if vocab_size is not None:
         check_data(config, vocab_size)
     train_seed = config.seed if seed is None else int(seed)
     if not 0 <= train_seed < 2**32:
-        raise DataError(f"make_dataset: seed must be in [0, 2**32), got {seed}. Fix: pass a "
-                        f"non-negative 32-bit seed")
+        raise DataError(
+            f"make_dataset: seed must be in [0, 2**32), got {seed}. Fix: pass a "
+            f"non-negative 32-bit seed"
+        )
     src = make_source(config, split, seed=train_seed, global_batch=pc * batch_size)
     n = len(src)
     if n == 0:
         if split == "validation" and config.val_fraction == 0:
-            raise DataError("DataConfig.val_fraction: is 0, so there is no validation split. "
-                            "Fix: set data.val_fraction > 0 (e.g. 0.05)")
+            raise DataError(
+                "DataConfig.val_fraction: is 0, so there is no validation split. "
+                "Fix: set data.val_fraction > 0 (e.g. 0.05)"
+            )
         where = config.path if config.path is not None else str(stdlib_root())
-        raise DataError(f"DataConfig.seq_len: the {split} split of {where!r} holds fewer than "
-                        f"seq_len + 1 = {config.seq_len + 1} tokens, so no example. Fix: use a "
-                        f"shorter seq_len, more data, or another val_fraction")
+        raise DataError(
+            f"DataConfig.seq_len: the {split} split of {where!r} holds fewer than "
+            f"seq_len + 1 = {config.seq_len + 1} tokens, so no example. Fix: use a "
+            f"shorter seq_len, more data, or another val_fraction"
+        )
     ds = grain.MapDataset.source(src)
     shuffle = config.shuffle and not config.is_synthetic  # synthetic examples are i.i.d. already
     if split == "train":
@@ -185,7 +211,8 @@ def make_dataset(config: DataConfig, split: str, *, batch_size: int, seed: int |
             raise DataError(
                 f"make_dataset: the train split has {n} examples, fewer than one global batch "
                 f"of {pc} x {batch_size} in {num_epochs or 1} epoch(s). Fix: use a smaller "
-                f"batch_size or seq_len, more epochs, or more data")
+                f"batch_size or seq_len, more epochs, or more data"
+            )
         if shuffle:
             ds = ds.shuffle(seed=train_seed)
         ds = ds.repeat(num_epochs)
@@ -204,13 +231,15 @@ def make_dataset(config: DataConfig, split: str, *, batch_size: int, seed: int |
             ds = ds.repeat(num_epochs)
         ds = ds.batch(batch_size, drop_remainder=True)
     if read_options is None:
-        read_options = grain.ReadOptions(num_threads=DEFAULT_NUM_THREADS,
-                                         prefetch_buffer_size=DEFAULT_PREFETCH)
+        read_options = grain.ReadOptions(
+            num_threads=DEFAULT_NUM_THREADS, prefetch_buffer_size=DEFAULT_PREFETCH
+        )
     return ds.to_iter_dataset(read_options)
 
 
-def steps_per_epoch(config: DataConfig, split: str, *, batch_size: int,
-                    process_count: int = 1) -> int:
+def steps_per_epoch(
+    config: DataConfig, split: str, *, batch_size: int, process_count: int = 1
+) -> int:
     """Batches per process in one pass of ``split`` (validation counts the padded last batch)."""
     n = num_examples(config, split)
     if split == "train":
@@ -250,8 +279,9 @@ def _fmt(n: int) -> str:
 
 def _corpus_words(corpus: Corpus, config: DataConfig) -> str:
     files = f"{len(corpus.files):,} file{'s' if len(corpus.files) != 1 else ''}"
-    tokens = (f"{_fmt(len(corpus.train))} train tokens, "
-              f"{_fmt(len(corpus.validation))} validation tokens")
+    tokens = (
+        f"{_fmt(len(corpus.train))} train tokens, {_fmt(len(corpus.validation))} validation tokens"
+    )
     how = ""
     if corpus.split_by == "stream" and corpus.kind != "tokens" and config.val_fraction > 0:
         how = " (split by position: too few files to split by file)"
@@ -274,38 +304,63 @@ def check_data(config: DataConfig, vocab_size: int = VOCAB_SIZE) -> DataSummary:
 
         tok = HFTokenizer(config.tokenizer)
         if tok.vocab_size > vocab_size:
-            raise DataError(f"DataConfig.tokenizer: {tok.path!r} has {tok.vocab_size:,} ids but the "
-                            f"model's vocab_size is {vocab_size:,}. Fix: set model.vocab_size >= "
-                            f"{tok.vocab_size} (or use the tokenizer of this model's checkpoint)")
+            raise DataError(
+                f"DataConfig.tokenizer: {tok.path!r} has {tok.vocab_size:,} ids but the "
+                f"model's vocab_size is {vocab_size:,}. Fix: set model.vocab_size >= "
+                f"{tok.vocab_size} (or use the tokenizer of this model's checkpoint)"
+            )
     elif config.source != "tokens" and vocab_size < VOCAB_SIZE:
-        raise DataError(f"DataConfig.source: {config.source!r} uses the byte tokenizer (ids up "
-                        f"to {VOCAB_SIZE - 1}) but the model's vocab_size is {vocab_size}. Fix: "
-                        f"set model.vocab_size={VOCAB_SIZE}")
+        raise DataError(
+            f"DataConfig.source: {config.source!r} uses the byte tokenizer (ids up "
+            f"to {VOCAB_SIZE - 1}) but the model's vocab_size is {vocab_size}. Fix: "
+            f"set model.vocab_size={VOCAB_SIZE}"
+        )
     T = config.seq_len
     if config.is_synthetic:
         if config.source == "needle":
             corpus, _ = _haystack(config, "train")
-            hay = ("the stdlib corpus" if corpus.kind == "stdlib"
-                   else f"{len(corpus.files):,} text file(s) {config.path!r}")
+            hay = (
+                "the stdlib corpus"
+                if corpus.kind == "stdlib"
+                else f"{len(corpus.files):,} text file(s) {config.path!r}"
+            )
             F = config.seq_len - config.needle_min_seq_len
             fill = dict(key="k" * config.key_len, value="0" * config.value_len)
-            desc = (f"needle retrieval: {config.num_needles} needles "
-                    f"{config.needle_template.format(**fill)!r}, {config.num_queries} queries "
-                    f"{config.query_template.format(**fill)!r} (keys: {config.key_len} of "
-                    f"{config.key_alphabet!r}), seq_len {T} ({F:,} haystack bytes per example "
-                    f"from {hay})")
+            desc = (
+                f"needle retrieval: {config.num_needles} needles "
+                f"{config.needle_template.format(**fill)!r}, {config.num_queries} queries "
+                f"{config.query_template.format(**fill)!r} (keys: {config.key_len} of "
+                f"{config.key_alphabet!r}), seq_len {T} ({F:,} haystack bytes per example "
+                f"from {hay})"
+            )
             files, secs = len(corpus.files), corpus.seconds
         else:
-            desc = (f"MQAR: {config.num_pairs} key-value pairs, {config.num_queries} queries, "
-                    f"seq_len {T}")
+            desc = (
+                f"MQAR: {config.num_pairs} key-value pairs, {config.num_queries} queries, "
+                f"seq_len {T}"
+            )
             files, secs = 0, 0.0
         ntr, nva = SYNTHETIC_TRAIN_EXAMPLES, config.num_val_examples
         desc += f", {nva:,} validation examples"
         if config.curriculum_steps:
-            desc += (f"; curriculum: train examples grow from {config.context_len(0)} to {T} "
-                     f"tokens over the first {config.curriculum_steps:,} steps (PAD after each)")
-        return DataSummary(config.source, desc, T, files, files, files, ntr * (T + 1),
-                           nva * (T + 1), ntr, nva, "synthetic", secs)
+            desc += (
+                f"; curriculum: train examples grow from {config.context_len(0)} to {T} "
+                f"tokens over the first {config.curriculum_steps:,} steps (PAD after each)"
+            )
+        return DataSummary(
+            config.source,
+            desc,
+            T,
+            files,
+            files,
+            files,
+            ntr * (T + 1),
+            nva * (T + 1),
+            ntr,
+            nva,
+            "synthetic",
+            secs,
+        )
     corpus = load_corpus(config)
     if config.source == "tokens":
         check_token_ids(corpus.files, config.token_dtype, vocab_size)
@@ -313,16 +368,31 @@ def check_data(config: DataConfig, vocab_size: int = VOCAB_SIZE) -> DataSummary:
     nva = max(0, (len(corpus.validation) - 1) // T)
     where = config.path if config.path is not None else str(stdlib_root())
     if ntr == 0:
-        raise DataError(f"DataConfig.seq_len: the train split of {where!r} holds "
-                        f"{len(corpus.train):,} tokens, fewer than seq_len + 1 = {T + 1}. Fix: "
-                        f"use a shorter seq_len, more data or a smaller val_fraction")
+        raise DataError(
+            f"DataConfig.seq_len: the train split of {where!r} holds "
+            f"{len(corpus.train):,} tokens, fewer than seq_len + 1 = {T + 1}. Fix: "
+            f"use a shorter seq_len, more data or a smaller val_fraction"
+        )
     if nva == 0 and config.val_fraction > 0:
-        raise DataError(f"DataConfig.val_fraction: the validation split of {where!r} holds "
-                        f"{len(corpus.validation):,} tokens, fewer than seq_len + 1 = {T + 1}. "
-                        f"Fix: raise val_fraction, use a shorter seq_len or more data")
-    return DataSummary(config.source, _corpus_words(corpus, config), T, len(corpus.files),
-                       corpus.train_files, corpus.validation_files, len(corpus.train),
-                       len(corpus.validation), ntr, nva, corpus.split_by, corpus.seconds)
+        raise DataError(
+            f"DataConfig.val_fraction: the validation split of {where!r} holds "
+            f"{len(corpus.validation):,} tokens, fewer than seq_len + 1 = {T + 1}. "
+            f"Fix: raise val_fraction, use a shorter seq_len or more data"
+        )
+    return DataSummary(
+        config.source,
+        _corpus_words(corpus, config),
+        T,
+        len(corpus.files),
+        corpus.train_files,
+        corpus.validation_files,
+        len(corpus.train),
+        len(corpus.validation),
+        ntr,
+        nva,
+        corpus.split_by,
+        corpus.seconds,
+    )
 
 
 def describe(config: DataConfig) -> str:

@@ -63,7 +63,9 @@ def _stdlib_files(root: str, include_tests: bool) -> tuple[tuple[str, str], ...]
     return tuple(sorted(found))
 
 
-def stdlib_files(*, include_tests: bool = False, max_files: int | None = None) -> list[pathlib.Path]:
+def stdlib_files(
+    *, include_tests: bool = False, max_files: int | None = None
+) -> list[pathlib.Path]:
     """The stdlib corpus's files: every ``.py`` under the interpreter's stdlib directory, except
     ``site-packages``, ``dist-packages``, ``__pycache__`` (and the test packages unless
     ``include_tests``), sorted by relative POSIX path; the first ``max_files`` if given."""
@@ -93,19 +95,24 @@ def _expand(path: str, *, field: str, want) -> list[tuple[str, str]]:
         if glob.has_magic(expanded):
             matches = sorted(glob.glob(expanded, recursive=True))
             if not matches:
-                raise DataError(f"DataConfig.{field}: the glob {pattern!r} matches nothing "
-                                f"(working directory {os.getcwd()}). Fix: check the pattern, "
-                                f"or give a file or directory")
+                raise DataError(
+                    f"DataConfig.{field}: the glob {pattern!r} matches nothing "
+                    f"(working directory {os.getcwd()}). Fix: check the pattern, "
+                    f"or give a file or directory"
+                )
         elif not os.path.exists(expanded):
-            raise DataError(f"DataConfig.{field}: {pattern!r} does not exist (working directory "
-                            f"{os.getcwd()}). Fix: give an existing file, directory or glob")
+            raise DataError(
+                f"DataConfig.{field}: {pattern!r} does not exist (working directory "
+                f"{os.getcwd()}). Fix: give an existing file, directory or glob"
+            )
         else:
             matches = [expanded]
         for m in matches:
             if os.path.isdir(m):
                 for dirpath, dirnames, filenames in os.walk(m):
-                    dirnames[:] = sorted(d for d in dirnames
-                                         if d not in SKIPPED_TEXT_DIRS and not d.startswith("."))
+                    dirnames[:] = sorted(
+                        d for d in dirnames if d not in SKIPPED_TEXT_DIRS and not d.startswith(".")
+                    )
                     for name in filenames:
                         full = os.path.join(dirpath, name)
                         if not name.startswith(".") and want(name) and os.path.isfile(full):
@@ -115,8 +122,10 @@ def _expand(path: str, *, field: str, want) -> list[tuple[str, str]]:
                 out.setdefault(os.path.realpath(m), pathlib.Path(os.path.normpath(m)).as_posix())
     files = sorted(((key, full) for full, key in out.items()))
     if not files:
-        raise DataError(f"DataConfig.{field}: {path!r} holds no usable files. Fix: point it at "
-                        f"files, a directory with files, or a glob that matches files")
+        raise DataError(
+            f"DataConfig.{field}: {path!r} holds no usable files. Fix: point it at "
+            f"files, a directory with files, or a glob that matches files"
+        )
     return files
 
 
@@ -239,7 +248,7 @@ def _concat_documents(datas: Sequence[bytes]) -> np.ndarray:
     for d in datas:
         n = len(d)
         out[pos] = BOS
-        out[pos + 1:pos + 1 + n] = np.frombuffer(d, dtype=np.uint8)
+        out[pos + 1 : pos + 1 + n] = np.frombuffer(d, dtype=np.uint8)
         out[pos + 1 + n] = EOS
         pos += n + 2
     return out
@@ -264,12 +273,17 @@ def _encode_documents(datas: Sequence[bytes], tokenizer: str) -> np.ndarray:
         if tok.eos_id is not None:
             pieces.append(np.array([tok.eos_id], np.int64))
     out = np.concatenate(pieces) if pieces else np.zeros((0,), np.int64)
-    return out.astype(np.uint16 if tok.vocab_size <= 2 ** 16 else np.uint32)
+    return out.astype(np.uint16 if tok.vocab_size <= 2**16 else np.uint32)
 
 
 @functools.lru_cache(maxsize=8)
-def _load_text(kind: str, path: str | None, files: tuple[tuple[str, str, int, int], ...],
-               val_fraction: float, tokenizer: tuple[str, int, int] | None = None) -> Corpus:
+def _load_text(
+    kind: str,
+    path: str | None,
+    files: tuple[tuple[str, str, int, int], ...],
+    val_fraction: float,
+    tokenizer: tuple[str, int, int] | None = None,
+) -> Corpus:
     """Read, tokenize and split. ``files`` = ((key, full path, size, mtime_ns), ...) so that a
     changed file is a cache miss."""
     t0 = time.perf_counter()
@@ -287,9 +301,13 @@ def _load_text(kind: str, path: str | None, files: tuple[tuple[str, str, int, in
         raise DataError(
             f"DataConfig.path: the {len(files)} file(s) of {where!r} hold no text (all are empty, "
             f"or binary: they contain NUL bytes). Fix: point data.path at UTF-8 text files; for "
-            f"pre-tokenized .npy/.bin files use data.source='tokens'")
-    concat = (_concat_documents if tokenizer is None
-              else functools.partial(_encode_documents, tokenizer=tokenizer[0]))
+            f"pre-tokenized .npy/.bin files use data.source='tokens'"
+        )
+    concat = (
+        _concat_documents
+        if tokenizer is None
+        else functools.partial(_encode_documents, tokenizer=tokenizer[0])
+    )
     if val_fraction > 0 and (not train or not val):
         # Too few files for a split by file (e.g. a single file): split the stream instead.
         stream = concat(train + val)
@@ -300,11 +318,17 @@ def _load_text(kind: str, path: str | None, files: tuple[tuple[str, str, int, in
         split_by, n_train, n_val = "file", len(train), len(val)
     for arr in (train_arr, val_arr):
         arr.setflags(write=False)
-    return Corpus(kind=kind, path=path, files=tuple(f[1] for f in files),
-                  train=TokenStream([_ArrayPiece(train_arr)]),
-                  validation=TokenStream([_ArrayPiece(val_arr)]),
-                  train_files=n_train, validation_files=n_val, split_by=split_by,
-                  seconds=time.perf_counter() - t0)
+    return Corpus(
+        kind=kind,
+        path=path,
+        files=tuple(f[1] for f in files),
+        train=TokenStream([_ArrayPiece(train_arr)]),
+        validation=TokenStream([_ArrayPiece(val_arr)]),
+        train_files=n_train,
+        validation_files=n_val,
+        split_by=split_by,
+        seconds=time.perf_counter() - t0,
+    )
 
 
 def _stat_key(files: Sequence[tuple[str, str]]) -> tuple[tuple[str, str, int, int], ...]:
@@ -321,13 +345,15 @@ def text_files(config: DataConfig) -> list[tuple[str, str]]:
     if config.path is None:
         files = list(_stdlib_files(str(stdlib_root()), config.stdlib_tests))
         if not files:
-            raise DataError(f"DataConfig.source: no .py files under {str(stdlib_root())!r} "
-                            f"(this Python ships without its stdlib sources). Fix: use "
-                            f"source='text' with data.path=<your text files>")
+            raise DataError(
+                f"DataConfig.source: no .py files under {str(stdlib_root())!r} "
+                f"(this Python ships without its stdlib sources). Fix: use "
+                f"source='text' with data.path=<your text files>"
+            )
     else:
         files = _expand(config.path, field="path", want=lambda name: True)
     if config.max_files is not None:
-        files = files[:config.max_files]
+        files = files[: config.max_files]
     return files
 
 
@@ -342,8 +368,9 @@ def load_text_corpus(config: DataConfig) -> Corpus:
         file = os.path.abspath(HFTokenizer(config.tokenizer).path)
         st = os.stat(file)  # a changed tokenizer file is a cache miss
         tokenizer = (file, st.st_size, st.st_mtime_ns)
-    return _load_text(kind, config.path, _stat_key(text_files(config)), config.val_fraction,
-                      tokenizer)
+    return _load_text(
+        kind, config.path, _stat_key(text_files(config)), config.val_fraction, tokenizer
+    )
 
 
 # ============================================================================ token files
@@ -363,32 +390,44 @@ def open_token_file(path: str, dtype: str) -> np.ndarray:
 def _check_token_file(path: str, dtype: str) -> int:
     """The file's token count, after checking its format. Raises DataError."""
     if not path.endswith(TOKEN_EXTENSIONS):
-        raise DataError(f"DataConfig.path: {path!r} is not a token file. Fix: give .npy files "
-                        f"(any integer dtype) or raw .bin files of data.token_dtype")
+        raise DataError(
+            f"DataConfig.path: {path!r} is not a token file. Fix: give .npy files "
+            f"(any integer dtype) or raw .bin files of data.token_dtype"
+        )
     size = os.path.getsize(path)
     if size == 0:
-        raise DataError(f"DataConfig.path: the token file {path!r} is empty (0 bytes). Fix: "
-                        f"remove it from data.path or regenerate it")
+        raise DataError(
+            f"DataConfig.path: the token file {path!r} is empty (0 bytes). Fix: "
+            f"remove it from data.path or regenerate it"
+        )
     if path.endswith(".npy"):
         try:
             arr = np.load(path, mmap_mode="r", allow_pickle=False)
         except Exception as e:  # noqa: BLE001 - any unreadable file
-            raise DataError(f"DataConfig.path: {path!r} is not a readable .npy file ({e}). Fix: "
-                            f"write it with np.save(path, tokens)") from None
+            raise DataError(
+                f"DataConfig.path: {path!r} is not a readable .npy file ({e}). Fix: "
+                f"write it with np.save(path, tokens)"
+            ) from None
         if not np.issubdtype(arr.dtype, np.integer):
-            raise DataError(f"DataConfig.path: {path!r} holds {arr.dtype} values, not token ids. "
-                            f"Fix: save integer token ids (e.g. tokens.astype(np.uint16))")
+            raise DataError(
+                f"DataConfig.path: {path!r} holds {arr.dtype} values, not token ids. "
+                f"Fix: save integer token ids (e.g. tokens.astype(np.uint16))"
+            )
         n = int(arr.size)
     else:
         item = np.dtype(dtype).itemsize
         if size % item:
-            raise DataError(f"DataConfig.token_dtype: {path!r} has {size} bytes, not a multiple "
-                            f"of {item} ({dtype}). Fix: set data.token_dtype to the dtype the "
-                            f"file was written with (uint16, uint32 or int32)")
+            raise DataError(
+                f"DataConfig.token_dtype: {path!r} has {size} bytes, not a multiple "
+                f"of {item} ({dtype}). Fix: set data.token_dtype to the dtype the "
+                f"file was written with (uint16, uint32 or int32)"
+            )
         n = size // item
     if n == 0:
-        raise DataError(f"DataConfig.path: the token file {path!r} is empty. Fix: remove it "
-                        f"from data.path or regenerate it")
+        raise DataError(
+            f"DataConfig.path: the token file {path!r} is empty. Fix: remove it "
+            f"from data.path or regenerate it"
+        )
     return n
 
 
@@ -399,7 +438,7 @@ def _token_range(path: str, dtype: str, size: int, mtime_ns: int) -> tuple[int, 
     lo, hi, where = None, None, 0
     chunk = 1 << 24
     for start in range(0, len(arr), chunk):
-        block = np.asarray(arr[start:start + chunk])
+        block = np.asarray(arr[start : start + chunk])
         bmin, bmax = int(block.min()), int(block.max())
         lo = bmin if lo is None else min(lo, bmin)
         if hi is None or bmax > hi:
@@ -416,11 +455,13 @@ def check_token_ids(files: Sequence[str], dtype: str, vocab_size: int) -> None:
             raise DataError(
                 f"DataConfig.path: the token file {path!r} holds id {hi} (at position {where}), "
                 f"but the model's vocab_size is {vocab_size}. Fix: set model.vocab_size >= {hi + 1}, "
-                f"or check data.token_dtype ({dtype}) and the tokenizer that wrote the file")
+                f"or check data.token_dtype ({dtype}) and the tokenizer that wrote the file"
+            )
         if lo < 0:
             raise DataError(
                 f"DataConfig.path: the token file {path!r} holds the negative id {lo}. Fix: "
-                f"write non-negative token ids")
+                f"write non-negative token ids"
+            )
 
 
 def load_token_corpus(config: DataConfig) -> Corpus:
@@ -429,16 +470,25 @@ def load_token_corpus(config: DataConfig) -> Corpus:
     t0 = time.perf_counter()
     files = _expand(config.path, field="path", want=lambda name: name.endswith(TOKEN_EXTENSIONS))
     if config.max_files is not None:
-        files = files[:config.max_files]
-    pieces = [_FilePiece(full, config.token_dtype, _check_token_file(full, config.token_dtype))
-              for _, full in files]
+        files = files[: config.max_files]
+    pieces = [
+        _FilePiece(full, config.token_dtype, _check_token_file(full, config.token_dtype))
+        for _, full in files
+    ]
     stream = TokenStream(pieces)
     n = len(stream)
     cut = n - int(round(config.val_fraction * n))
-    return Corpus(kind="tokens", path=config.path, files=tuple(f[1] for f in files),
-                  train=stream.sub(0, cut), validation=stream.sub(cut, n),
-                  train_files=len(files), validation_files=len(files) if cut < n else 0,
-                  split_by="stream", seconds=time.perf_counter() - t0)
+    return Corpus(
+        kind="tokens",
+        path=config.path,
+        files=tuple(f[1] for f in files),
+        train=stream.sub(0, cut),
+        validation=stream.sub(cut, n),
+        train_files=len(files),
+        validation_files=len(files) if cut < n else 0,
+        split_by="stream",
+        seconds=time.perf_counter() - t0,
+    )
 
 
 def load_corpus(config: DataConfig) -> Corpus:

@@ -84,8 +84,15 @@ class NeedleSource:
     stream (document markers become newlines). Under a context-length curriculum a short train
     example has a shorter haystack and is PAD after its last query."""
 
-    def __init__(self, config: DataConfig, split: str, seed: int, haystack: TokenStream,
-                 length: int, global_batch: int | None = None):
+    def __init__(
+        self,
+        config: DataConfig,
+        split: str,
+        seed: int,
+        haystack: TokenStream,
+        length: int,
+        global_batch: int | None = None,
+    ):
         self.config, self.split, self.seed = config, split, int(seed)
         self.haystack, self._len = haystack, int(length)
         self.global_batch = global_batch
@@ -128,10 +135,18 @@ class NeedleSource:
         c = self.config
         N, R, T = c.num_needles, c.num_queries, self.T
         rng = _rng(self.seed, self.split, index)
-        keys = _distinct_rows(rng, N, lambda g, k: self._key_letters[
-            g.integers(0, len(self._key_letters), (k, self.K))])
-        values = _distinct_rows(rng, N, lambda g, k: np.concatenate(
-            [_DIGITS[g.integers(1, 10, (k, 1))], _DIGITS[g.integers(0, 10, (k, self.V - 1))]], 1))
+        keys = _distinct_rows(
+            rng,
+            N,
+            lambda g, k: self._key_letters[g.integers(0, len(self._key_letters), (k, self.K))],
+        )
+        values = _distinct_rows(
+            rng,
+            N,
+            lambda g, k: np.concatenate(
+                [_DIGITS[g.integers(1, 10, (k, 1))], _DIGITS[g.integers(0, 10, (k, self.V - 1))]], 1
+            ),
+        )
         if c.needle_depths is not None:
             depths = np.asarray(c.needle_depths, np.float64)
         else:
@@ -146,11 +161,11 @@ class NeedleSource:
         cursor, used = 0, 0
         for i in np.argsort(pos, kind="stable"):
             gap = int(pos[i]) - cursor
-            hay[cursor:cursor + gap] = filler[used:used + gap]
+            hay[cursor : cursor + gap] = filler[used : used + gap]
             used += gap
-            hay[pos[i]:pos[i] + self.nl] = self._needle(keys[i].tobytes(), values[i].tobytes())
+            hay[pos[i] : pos[i] + self.nl] = self._needle(keys[i].tobytes(), values[i].tobytes())
             cursor = int(pos[i]) + self.nl
-        hay[cursor:] = filler[used:used + H - cursor]
+        hay[cursor:] = filler[used : used + H - cursor]
 
         queries = [self._query(keys[i].tobytes(), values[i].tobytes()) for i in asked]
         pad = np.full((T - L,), PAD, np.int32)  # a curriculum's short example: PAD after it
@@ -163,7 +178,7 @@ class NeedleSource:
         for r in range(R):
             a = q0 + r * self.ql + self.query_value_at  # first answer digit, as a w position
             answer_spans[r] = (a - 1, a - 1 + self.V)  # target positions
-            weights[a - 1:a - 1 + self.V] = 1.0
+            weights[a - 1 : a - 1 + self.V] = 1.0
         starts = 1 + pos
         needle_spans = np.stack([starts, starts + self.nl], 1).astype(np.int32)
         value_starts = starts + self.needle_value_at
@@ -184,8 +199,10 @@ class NeedleSource:
 
     def __repr__(self) -> str:
         c = self.config
-        return (f"NeedleSource({self.split}, {self._len} examples, {c.num_needles} needles, "
-                f"{c.num_queries} queries, seq_len {c.seq_len}, {self.F} filler bytes)")
+        return (
+            f"NeedleSource({self.split}, {self._len} examples, {c.num_needles} needles, "
+            f"{c.num_queries} queries, seq_len {c.seq_len}, {self.F} filler bytes)"
+        )
 
 
 def context_len(config: DataConfig, split: str, index: int, global_batch: int | None) -> int:
@@ -196,9 +213,11 @@ def context_len(config: DataConfig, split: str, index: int, global_batch: int | 
     if config.curriculum_steps == 0 or split != "train":
         return config.seq_len
     if global_batch is None:
-        raise ValueError("a context-length curriculum (data.curriculum_steps > 0) needs the "
-                         "global batch size to know each train example's step: build the source "
-                         "with make_source(..., global_batch=G) (make_dataset does)")
+        raise ValueError(
+            "a context-length curriculum (data.curriculum_steps > 0) needs the "
+            "global batch size to know each train example's step: build the source "
+            "with make_source(..., global_batch=G) (make_dataset does)"
+        )
     return config.context_len(int(index) // int(global_batch))
 
 
@@ -220,8 +239,14 @@ class MQARSource:
     distance grows with ``seq_len``. Only the queried values carry weight. Under a context-length
     curriculum a short train example ends with its queries and is PAD after them."""
 
-    def __init__(self, config: DataConfig, split: str, seed: int, length: int,
-                 global_batch: int | None = None):
+    def __init__(
+        self,
+        config: DataConfig,
+        split: str,
+        seed: int,
+        length: int,
+        global_batch: int | None = None,
+    ):
         self.config, self.split, self.seed, self._len = config, split, int(seed), int(length)
         self.global_batch = global_batch
 
@@ -237,11 +262,11 @@ class MQARSource:
         asked = rng.choice(P, size=R, replace=c.query_replacement)
         w = np.full((T + 1,), PAD, np.int32)
         w[0] = BOS
-        w[1:1 + 2 * P:2] = keys
-        w[2:2 + 2 * P:2] = values
+        w[1 : 1 + 2 * P : 2] = keys
+        w[2 : 2 + 2 * P : 2] = values
         qs = context_len(c, self.split, index, self.global_batch) + 1 - 2 * R  # PAD after it
-        w[qs:qs + 2 * R:2] = keys[asked]
-        w[qs + 1:qs + 2 * R:2] = values[asked]
+        w[qs : qs + 2 * R : 2] = keys[asked]
+        w[qs + 1 : qs + 2 * R : 2] = values[asked]
         weights = np.zeros((T,), np.float32)
         answer_at = qs + 2 * np.arange(R)  # target positions of the queried values
         weights[answer_at] = 1.0
@@ -257,8 +282,10 @@ class MQARSource:
 
     def __repr__(self) -> str:
         c = self.config
-        return (f"MQARSource({self.split}, {self._len} examples, {c.num_pairs} pairs, "
-                f"{c.num_queries} queries, seq_len {c.seq_len})")
+        return (
+            f"MQARSource({self.split}, {self._len} examples, {c.num_pairs} pairs, "
+            f"{c.num_queries} queries, seq_len {c.seq_len})"
+        )
 
 
 # ============================================================================ chance levels
@@ -282,6 +309,7 @@ def query_chance(config: DataConfig) -> dict[str, float]:
       ``1 / P + (1 - 1 / P) / M``): nothing precedes it, nothing is eliminated or copied. This
       is the level that ``val_first_query_accuracy`` must beat to show retrieval.
     """
+
     def left(n: int, i: int) -> int:  # needles/pairs a no-retrieval guess picks from at query i
         return n if config.query_replacement else n - i
 
@@ -294,10 +322,15 @@ def query_chance(config: DataConfig) -> dict[str, float]:
         uniform = 1.0 / m
         per_query = [1.0 / left(p, i) + (1.0 - 1.0 / left(p, i)) / m for i in range(r)]
     else:
-        raise ValueError(f"query_chance: data.source={config.source!r} has no queries; it is "
-                         f"defined for 'needle' and 'mqar'")
-    return {"uniform": uniform, "no_retrieval": max(float(np.mean(per_query)), uniform),
-            "no_retrieval_first": max(per_query[0], uniform)}
+        raise ValueError(
+            f"query_chance: data.source={config.source!r} has no queries; it is "
+            f"defined for 'needle' and 'mqar'"
+        )
+    return {
+        "uniform": uniform,
+        "no_retrieval": max(float(np.mean(per_query)), uniform),
+        "no_retrieval_first": max(per_query[0], uniform),
+    }
 
 
 def query_kinds(batch: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
@@ -314,14 +347,16 @@ def query_kinds(batch: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
     time after others were asked, which also admits elimination.)"""
     key = "query_needle" if "query_needle" in batch else "query_pair"
     if key not in batch:
-        raise ValueError("query_kinds: the batch has no 'query_needle' or 'query_pair' field; "
-                         "it is defined for the needle and MQAR tasks (data.source needle/mqar)")
+        raise ValueError(
+            "query_kinds: the batch has no 'query_needle' or 'query_pair' field; "
+            "it is defined for the needle and MQAR tasks (data.source needle/mqar)"
+        )
     asked = np.asarray(batch[key])
     first = np.zeros(asked.shape, bool)
     first[:, 0] = True
     repeat = np.zeros(asked.shape, bool)
     for r in range(1, asked.shape[1]):
-        repeat[:, r] = (asked[:, :r] == asked[:, r:r + 1]).any(1)
+        repeat[:, r] = (asked[:, :r] == asked[:, r : r + 1]).any(1)
     return first, repeat
 
 
@@ -345,8 +380,10 @@ def answer_correct(preds_or_logits, batch: dict[str, Any]):
     if preds.ndim == 3:
         preds = xp.argmax(preds, axis=-1)
     if preds.shape != xp.asarray(targets).shape:
-        raise ValueError(f"answer_accuracy: predictions of shape {preds.shape} (after argmax) do "
-                         f"not match targets {xp.asarray(targets).shape}")
+        raise ValueError(
+            f"answer_accuracy: predictions of shape {preds.shape} (after argmax) do "
+            f"not match targets {xp.asarray(targets).shape}"
+        )
     counts = xp.asarray(weights) > 0
     ok = (preds == xp.asarray(targets)) | ~counts
     return xp.all(ok, axis=-1), xp.any(counts, axis=-1)
@@ -363,8 +400,10 @@ def query_correct(preds_or_logits, batch: dict[str, Any]) -> tuple[np.ndarray, n
         preds = preds.argmax(-1)
     targets, spans = np.asarray(batch["targets"]), np.asarray(batch["answer_spans"])
     if preds.shape != targets.shape:
-        raise ValueError(f"query_correct: predictions of shape {preds.shape} (after argmax) do "
-                         f"not match targets {targets.shape}")
+        raise ValueError(
+            f"query_correct: predictions of shape {preds.shape} (after argmax) do "
+            f"not match targets {targets.shape}"
+        )
     t = np.arange(targets.shape[1])
     in_span = (t >= spans[..., :1]) & (t < spans[..., 1:])  # [B, R, T]
     wrong = (preds != targets)[:, None, :]

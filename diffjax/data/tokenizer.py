@@ -27,7 +27,9 @@ class ByteTokenizer:
     def vocab_size(self) -> int:
         return VOCAB_SIZE
 
-    def encode(self, text: str | bytes, *, add_bos: bool = False, add_eos: bool = False) -> np.ndarray:
+    def encode(
+        self, text: str | bytes, *, add_bos: bool = False, add_eos: bool = False
+    ) -> np.ndarray:
         """``text`` (``str`` is UTF-8 encoded) as an int32 array of byte ids, optionally
         framed by ``BOS`` / ``EOS``."""
         if isinstance(text, str):
@@ -78,19 +80,25 @@ class HFTokenizer:
         path = os.fspath(path)
         file = os.path.join(path, TOKENIZER_JSON) if os.path.isdir(path) else path
         if not os.path.isfile(file):
-            raise DataError(f"DataConfig.tokenizer: {file!r} does not exist. Fix: pass a "
-                            f"tokenizer.json file or a directory holding one (a local Hugging Face "
-                            f"checkpoint; nothing is downloaded), or 'byte'")
+            raise DataError(
+                f"DataConfig.tokenizer: {file!r} does not exist. Fix: pass a "
+                f"tokenizer.json file or a directory holding one (a local Hugging Face "
+                f"checkpoint; nothing is downloaded), or 'byte'"
+            )
         try:
             from tokenizers import Tokenizer
         except ImportError as e:  # pragma: no cover - a dependency of diffjax
-            raise DataError(f"DataConfig.tokenizer: reading {file!r} needs the 'tokenizers' "
-                            f"package ({e}). Fix: pip install tokenizers") from None
+            raise DataError(
+                f"DataConfig.tokenizer: reading {file!r} needs the 'tokenizers' "
+                f"package ({e}). Fix: pip install tokenizers"
+            ) from None
         try:
             self._tok = Tokenizer.from_file(file)
         except Exception as e:  # noqa: BLE001 - the tokenizers error types are not public
-            raise DataError(f"DataConfig.tokenizer: {file!r} is not a tokenizer.json ({e}). Fix: "
-                            f"pass the tokenizer.json of a Hugging Face checkpoint") from None
+            raise DataError(
+                f"DataConfig.tokenizer: {file!r} is not a tokenizer.json ({e}). Fix: "
+                f"pass the tokenizer.json of a Hugging Face checkpoint"
+            ) from None
         self.path = file
         special: dict = {}
         cfg_file = os.path.join(os.path.dirname(file), "tokenizer_config.json")
@@ -104,16 +112,20 @@ class HFTokenizer:
                 tok = tok.get("content")
             return None if tok is None else self._tok.token_to_id(tok)
 
-        self.bos_id, self.eos_id, self.pad_id = (token_id("bos_token"), token_id("eos_token"),
-                                                 token_id("pad_token"))
+        self.bos_id, self.eos_id, self.pad_id = (
+            token_id("bos_token"),
+            token_id("eos_token"),
+            token_id("pad_token"),
+        )
 
     @property
     def vocab_size(self) -> int:
         """Ids run from 0 to ``vocab_size - 1`` (added tokens included)."""
         return self._tok.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str | bytes, *, add_bos: bool = False, add_eos: bool = False
-               ) -> np.ndarray:
+    def encode(
+        self, text: str | bytes, *, add_bos: bool = False, add_eos: bool = False
+    ) -> np.ndarray:
         """``text`` as int32 ids (no special tokens of the tokenizer's template), optionally
         framed by ``bos_id`` / ``eos_id`` when the tokenizer has them."""
         if isinstance(text, (bytes, bytearray, memoryview)):
@@ -129,8 +141,10 @@ class HFTokenizer:
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         """Each text's ids (int32), encoded in parallel."""
-        return [np.asarray(e.ids, np.int32)
-                for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+        return [
+            np.asarray(e.ids, np.int32)
+            for e in self._tok.encode_batch(texts, add_special_tokens=False)
+        ]
 
     def decode(self, ids) -> str:
         """The text of ``ids`` (any integer array-like, flattened), special tokens skipped."""
@@ -138,8 +152,10 @@ class HFTokenizer:
         return self._tok.decode(arr.tolist(), skip_special_tokens=True)
 
     def __repr__(self) -> str:
-        return (f"HFTokenizer({self.path!r}, vocab_size={self.vocab_size}, bos_id={self.bos_id}, "
-                f"eos_id={self.eos_id})")
+        return (
+            f"HFTokenizer({self.path!r}, vocab_size={self.vocab_size}, bos_id={self.bos_id}, "
+            f"eos_id={self.eos_id})"
+        )
 
 
 def load_tokenizer(spec: str | None) -> ByteTokenizer | HFTokenizer:

@@ -11,25 +11,63 @@ RUN_DIR [--quick]`` for a whole run (see docs/evaluation.md).
 - :func:`evaluate_run`: every analysis on every model of a run, into ``eval.md``.
 """
 
-from .allocation import (CATEGORIES, Allocation, attention_allocation, best_head, category_mass,
-                         measured_noise_floor, position_categories)
+from .allocation import (
+    CATEGORIES,
+    Allocation,
+    attention_allocation,
+    best_head,
+    category_mass,
+    measured_noise_floor,
+    position_categories,
+)
 from .noise_floor import noise_floor_closed_form, noise_floor_streamed
 from .outliers import activation_outliers, top_magnitudes
 from .positions import corpus_for_positions, loss_by_position, validation_examples, validation_loss
 from .probe import layer_attention_maps, losses_and_predictions
 from .quantize import absmax_quantize, quantization_sweep, with_quantized_logits
-from .retrieval import (RetrievalGrid, multi_needle_retrieval, needle_task, query_correct,
-                        query_depths, task_examples)
+from .retrieval import (
+    RetrievalGrid,
+    multi_needle_retrieval,
+    needle_task,
+    query_correct,
+    query_depths,
+    task_examples,
+)
 from .run import EvalSettings, ModelEntry, discover_models, evaluate_model, evaluate_run
 
 __all__ = [
-    "Allocation", "CATEGORIES", "EvalSettings", "ModelEntry", "PairedInterval",
-    "RetrievalGrid", "absmax_quantize", "activation_outliers", "attention_allocation",
-    "best_head", "category_mass", "corpus_for_positions", "discover_models", "eval_paired_t_interval",
-    "evaluate_model", "evaluate_run", "loss_by_position", "losses_and_predictions", "mean_std",
+    "Allocation",
+    "CATEGORIES",
+    "EvalSettings",
+    "ModelEntry",
+    "PairedInterval",
+    "RetrievalGrid",
+    "absmax_quantize",
+    "activation_outliers",
+    "attention_allocation",
+    "best_head",
+    "category_mass",
+    "corpus_for_positions",
+    "discover_models",
+    "eval_paired_t_interval",
+    "evaluate_model",
+    "evaluate_run",
+    "loss_by_position",
+    "losses_and_predictions",
+    "mean_std",
     "layer_attention_maps",
-    "measured_noise_floor", "multi_needle_retrieval", "needle_task", "noise_floor_closed_form",
-    "noise_floor_streamed", "position_categories", "quantization_sweep", "query_correct",
-    "query_depths", "task_examples", "top_magnitudes", "validation_examples", "validation_loss",
+    "measured_noise_floor",
+    "multi_needle_retrieval",
+    "needle_task",
+    "noise_floor_closed_form",
+    "noise_floor_streamed",
+    "position_categories",
+    "quantization_sweep",
+    "query_correct",
+    "query_depths",
+    "task_examples",
+    "top_magnitudes",
+    "validation_examples",
+    "validation_loss",
     "with_quantized_logits",
 ]

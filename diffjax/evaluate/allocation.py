@@ -58,10 +58,12 @@ def position_categories(batch: dict) -> np.ndarray:
     hay_end = np.asarray(batch["query_spans"])[:, 0, 0]  # [B] first query position
     cats = np.full((b, r, t), CATEGORIES.index("rest"), np.int32)
     for i in range(b):
-        cats[i, :, 1:hay_end[i]] = CATEGORIES.index("noise context")
+        cats[i, :, 1 : hay_end[i]] = CATEGORIES.index("noise context")
         for j in range(r):
             for n, (s, e) in enumerate(spans[i]):
-                cats[i, j, s:e] = CATEGORIES.index("needle" if n == asked[i, j] else "other needles")
+                cats[i, j, s:e] = CATEGORIES.index(
+                    "needle" if n == asked[i, j] else "other needles"
+                )
             vs, ve = values[i, asked[i, j]]
             cats[i, j, vs:ve] = CATEGORIES.index("answer")
     return cats
@@ -83,8 +85,11 @@ def row_category_mass(w: jax.Array, rows: jax.Array, onehot: jax.Array):
     b = w.shape[0]
     sel = w[jnp.arange(b)[:, None, None], :, rows]  # [B, R, V, H, S]
     raw = jnp.einsum("brvhs,brsc->bhrvc", sel, onehot)
-    return (raw, jnp.transpose(jnp.abs(sel).sum(-1), (0, 3, 1, 2)),
-            jnp.transpose(sel.sum(-1), (0, 3, 1, 2)))
+    return (
+        raw,
+        jnp.transpose(jnp.abs(sel).sum(-1), (0, 3, 1, 2)),
+        jnp.transpose(sel.sum(-1), (0, 3, 1, 2)),
+    )
 
 
 def normalize_shares(raw, abs_mass, row_sum, normalize: str):
@@ -115,8 +120,12 @@ def category_mass(model, batch: dict):
     check_model(model)
     cats = position_categories(batch)
     onehot = np.eye(len(CATEGORIES), dtype=np.float32)[cats]
-    raw, absm, tot = _category_mass(model, jnp.asarray(batch["inputs"], jnp.int32),
-                                    jnp.asarray(answer_rows(batch)), jnp.asarray(onehot))
+    raw, absm, tot = _category_mass(
+        model,
+        jnp.asarray(batch["inputs"], jnp.int32),
+        jnp.asarray(answer_rows(batch)),
+        jnp.asarray(onehot),
+    )
     return np.asarray(raw), np.asarray(absm), np.asarray(tot)
 
 
@@ -127,8 +136,10 @@ def best_head(per_example: np.ndarray, category: int = 0) -> dict:
     and measured on that one (``held_out`` False). NaN shares (rows with no mass) are skipped."""
     pe = np.asarray(per_example, np.float64)
     if pe.ndim != 4 or pe.shape[1] == 0:
-        raise ValueError(f"best_head: expected per-example shares [layers, examples, heads, "
-                         f"categories] with at least one example, got shape {pe.shape}")
+        raise ValueError(
+            f"best_head: expected per-example shares [layers, examples, heads, "
+            f"categories] with at least one example, got shape {pe.shape}"
+        )
     held_out = pe.shape[1] >= 2
     pick, measure = (pe[:, 0::2], pe[:, 1::2]) if held_out else (pe, pe)
     with _quiet_nanmean():
@@ -137,8 +148,12 @@ def best_head(per_example: np.ndarray, category: int = 0) -> dict:
     if not np.isfinite(chosen).any():
         return {"layer": None, "head": None, "share": float("nan"), "held_out": held_out}
     layer, head = np.unravel_index(int(np.nanargmax(chosen)), chosen.shape)
-    return {"layer": int(layer), "head": int(head), "share": float(measured[layer, head]),
-            "held_out": held_out}
+    return {
+        "layer": int(layer),
+        "head": int(head),
+        "share": float(measured[layer, head]),
+        "held_out": held_out,
+    }
 
 
 @contextlib.contextmanager
@@ -170,16 +185,22 @@ class Allocation:
         return np.nansum(self.shares * w[:, None], 0)
 
     def to_dict(self) -> dict:
-        return {"depths": self.depths, "categories": list(CATEGORIES),
-                "shares": self.shares.tolist(), "count": self.count.tolist(),
-                "per_layer": self.per_layer.tolist(), "normalize": self.normalize,
-                "map": self.map_kind,
-                "per_head": None if self.per_head is None else self.per_head.tolist(),
-                "retrieval_head": self.retrieval_head}
+        return {
+            "depths": self.depths,
+            "categories": list(CATEGORIES),
+            "shares": self.shares.tolist(),
+            "count": self.count.tolist(),
+            "per_layer": self.per_layer.tolist(),
+            "normalize": self.normalize,
+            "map": self.map_kind,
+            "per_head": None if self.per_head is None else self.per_head.tolist(),
+            "retrieval_head": self.retrieval_head,
+        }
 
 
-def attention_allocation(model, batch: dict, *, normalize: str = "abs", num_depth_bins: int = 5,
-                         batch_size: int = 8) -> Allocation:
+def attention_allocation(
+    model, batch: dict, *, normalize: str = "abs", num_depth_bins: int = 5, batch_size: int = 8
+) -> Allocation:
     """The share of attention the answer-producing positions put on each category
     (:data:`CATEGORIES`), by depth of the asked needle (see the module docstring)."""
     if normalize not in NORMALIZATIONS:
@@ -187,7 +208,7 @@ def attention_allocation(model, batch: dict, *, normalize: str = "abs", num_dept
     n = len(batch["inputs"])
     per_query, per_example = [], []  # [L, B, R, C] mean over heads and rows; [L, B, H, C]
     for i in range(0, n, batch_size):
-        chunk = {k: v[i:i + batch_size] for k, v in batch.items()}
+        chunk = {k: v[i : i + batch_size] for k, v in batch.items()}
         raw, absm, tot = category_mass(model, chunk)
         shares = normalize_shares(raw, absm, tot, normalize)  # [L, B, H, R, V, C]
         with _quiet_nanmean():
@@ -208,9 +229,16 @@ def attention_allocation(model, batch: dict, *, normalize: str = "abs", num_dept
     kind = "differential" if model.config.is_diff else "softmax"
     with _quiet_nanmean():
         per_head = np.nanmean(per_example, axis=1)  # [L, H, C]
-    return Allocation([float(c) for c in centres], shares, count,
-                      per_query.mean(axis=(1, 2)), normalize, kind, per_head,
-                      best_head(per_example, CATEGORIES.index("answer")))
+    return Allocation(
+        [float(c) for c in centres],
+        shares,
+        count,
+        per_query.mean(axis=(1, 2)),
+        normalize,
+        kind,
+        per_head,
+        best_head(per_example, CATEGORIES.index("answer")),
+    )
 
 
 def _num_distractors(batch) -> float:
@@ -229,14 +257,17 @@ def measured_noise_floor(model, batch: dict, *, batch_size: int = 8) -> dict[str
     raws, norms = [], []
     a, o, nc = (CATEGORIES.index(c) for c in ("answer", "other needles", "noise context"))
     for i in range(0, n, batch_size):
-        chunk = {k: v[i:i + batch_size] for k, v in batch.items()}
+        chunk = {k: v[i : i + batch_size] for k, v in batch.items()}
         raw, absm, tot = category_mass(model, chunk)
         raws.append(raw.reshape(-1, raw.shape[-1]))
         norms.append(normalize_shares(raw, absm, tot, "abs").reshape(-1, raw.shape[-1]))
     raw, norm = np.concatenate(raws), np.concatenate(norms)
-    out = {"signal": float(raw[:, a].mean()), "distractors": float((raw[:, o] + raw[:, nc]).mean()),
-           "signal_share": float(np.nanmean(norm[:, a])),
-           "distractor_share": float(np.nanmean(norm[:, o] + norm[:, nc])),
-           "num_distractors": _num_distractors(batch)}
+    out = {
+        "signal": float(raw[:, a].mean()),
+        "distractors": float((raw[:, o] + raw[:, nc]).mean()),
+        "signal_share": float(np.nanmean(norm[:, a])),
+        "distractor_share": float(np.nanmean(norm[:, o] + norm[:, nc])),
+        "num_distractors": _num_distractors(batch),
+    }
     out["snr"] = out["signal"] / abs(out["distractors"]) if out["distractors"] else float("inf")
     return out

@@ -49,8 +49,9 @@ def _check(num_distractors, lam):
     return n
 
 
-def noise_floor_closed_form(num_distractors, margin: float, lam: float = 0.8,
-                            margin2: float = 0.0) -> dict[str, np.ndarray]:
+def noise_floor_closed_form(
+    num_distractors, margin: float, lam: float = 0.8, margin2: float = 0.0
+) -> dict[str, np.ndarray]:
     """Signal weight and total distractor weight of a softmax map and of a differential map
     (see the module docstring), for each ``N`` in ``num_distractors`` (float64 arrays).
 
@@ -62,14 +63,26 @@ def noise_floor_closed_form(num_distractors, margin: float, lam: float = 0.8,
     s1, d1 = expit(margin - log_n), expit(log_n - margin)
     s2, d2 = expit(margin2 - log_n), expit(log_n - margin2)
     ds, dd = s1 - lam * s2, d1 - lam * d2
-    return {"num_distractors": n, "softmax_signal": s1, "softmax_distractors": d1,
-            "diff_signal": ds, "diff_distractors": dd,
-            "softmax_snr": s1 / d1, "diff_snr": ds / np.abs(dd)}
+    return {
+        "num_distractors": n,
+        "softmax_signal": s1,
+        "softmax_distractors": d1,
+        "diff_signal": ds,
+        "diff_distractors": dd,
+        "softmax_snr": s1 / d1,
+        "diff_snr": ds / np.abs(dd),
+    }
 
 
-def noise_floor_streamed(num_distractors: int, margin: float, lam: float = 0.8,
-                         margin2: float = 0.0, sigma: float = 0.0, rho: float = 1.0,
-                         seed: int = 0) -> dict[str, float]:
+def noise_floor_streamed(
+    num_distractors: int,
+    margin: float,
+    lam: float = 0.8,
+    margin2: float = 0.0,
+    sigma: float = 0.0,
+    rho: float = 1.0,
+    seed: int = 0,
+) -> dict[str, float]:
     """One query row with random distractor logits: ``z1 ~ N(0, sigma^2)`` for ``A1``, ``z2 =
     rho z1 + sqrt(1 - rho^2) N(0, sigma^2)`` for ``A2``; signal logits ``margin`` and
     ``margin2``. Returns the signal weight, the signed total and the absolute total
@@ -85,6 +98,10 @@ def noise_floor_streamed(num_distractors: int, margin: float, lam: float = 0.8,
     w1, w2 = np.exp(z1 - lz1), np.exp(z2 - lz2)
     s1, s2 = float(np.exp(margin - lz1)), float(np.exp(margin2 - lz2))
     wd = w1 - lam * w2
-    return {"softmax_signal": s1, "softmax_distractors": float(w1.sum()),
-            "diff_signal": s1 - lam * s2, "diff_distractors": float(wd.sum()),
-            "diff_distractors_abs": float(np.abs(wd).sum())}
+    return {
+        "softmax_signal": s1,
+        "softmax_distractors": float(w1.sum()),
+        "diff_signal": s1 - lam * s2,
+        "diff_distractors": float(wd.sum()),
+        "diff_distractors_abs": float(np.abs(wd).sum()),
+    }

@@ -29,7 +29,7 @@ def top_magnitudes(values, ks: Sequence[int] = KS, mask=None) -> dict[str, float
     mag = mag.ravel()
     out: dict[str, float] = {}
     kmax = min(max(ks), mag.size)
-    top = -np.sort(-np.partition(mag, mag.size - kmax)[mag.size - kmax:]) if kmax else mag[:0]
+    top = -np.sort(-np.partition(mag, mag.size - kmax)[mag.size - kmax :]) if kmax else mag[:0]
     for k in ks:
         out[f"top-{k}"] = float(top[k - 1]) if k <= top.size else float("nan")
     out["median"] = float(np.median(mag)) if mag.size else float("nan")
@@ -53,17 +53,20 @@ def _activations(model, tokens):
     return stacked, jnp.stack(outs)
 
 
-def activation_outliers(model, tokens, *, batch_size: int = 4, ks: Sequence[int] = KS
-                        ) -> dict[str, dict[str, float]]:
+def activation_outliers(
+    model, tokens, *, batch_size: int = 4, ks: Sequence[int] = KS
+) -> dict[str, dict[str, float]]:
     """Top-k and median magnitudes of ``model``'s attention logits and hidden states over the
     ``tokens`` ``[B, T]`` given (the token budget is ``B * T``)."""
     check_model(model)
     tokens = np.asarray(check_tokens(model, tokens))
     logit_mags, hidden = [], []
     for i in range(0, len(tokens), batch_size):
-        lg, hs = _activations(model, jnp.asarray(tokens[i:i + batch_size], jnp.int32))
+        lg, hs = _activations(model, jnp.asarray(tokens[i : i + batch_size], jnp.int32))
         lg = np.asarray(lg)
         logit_mags.append(lg[lg >= 0])
         hidden.append(np.abs(np.asarray(hs)).ravel())
-    return {"attention logits": top_magnitudes(np.concatenate(logit_mags), ks),
-            "hidden states": top_magnitudes(np.concatenate(hidden), ks)}
+    return {
+        "attention logits": top_magnitudes(np.concatenate(logit_mags), ks),
+        "hidden states": top_magnitudes(np.concatenate(hidden), ks),
+    }

@@ -22,14 +22,16 @@ def _save(fig, path: str) -> str:
     return path
 
 
-def retrieval_heatmaps(grids: dict[str, tuple[list[int], list[float], np.ndarray]], title: str,
-                       path: str) -> str:
+def retrieval_heatmaps(
+    grids: dict[str, tuple[list[int], list[float], np.ndarray]], title: str, path: str
+) -> str:
     """One heatmap per model: accuracy over (context length, depth)."""
     fig, axes = _figure(4.2 * len(grids), 3.2, len(grids))
     im = None
     for ax, (label, (lengths, depths, acc)) in zip(axes, grids.items()):
-        im = ax.imshow(np.asarray(acc, float), vmin=0, vmax=1, cmap="viridis", aspect="auto",
-                       origin="lower")
+        im = ax.imshow(
+            np.asarray(acc, float), vmin=0, vmax=1, cmap="viridis", aspect="auto", origin="lower"
+        )
         ax.set_xticks(range(len(depths)), [f"{d:.0%}" for d in depths])
         ax.set_yticks(range(len(lengths)), [str(x) for x in lengths])
         ax.set_xlabel("needle depth")
@@ -38,17 +40,33 @@ def retrieval_heatmaps(grids: dict[str, tuple[list[int], list[float], np.ndarray
         for i in range(len(lengths)):
             for j in range(len(depths)):
                 v = np.asarray(acc, float)[i, j]
-                ax.text(j, i, "-" if np.isnan(v) else f"{v:.2f}", ha="center", va="center",
-                        color="w" if np.isnan(v) or v < 0.6 else "k", fontsize=8)
+                ax.text(
+                    j,
+                    i,
+                    "-" if np.isnan(v) else f"{v:.2f}",
+                    ha="center",
+                    va="center",
+                    color="w" if np.isnan(v) or v < 0.6 else "k",
+                    fontsize=8,
+                )
     if im is not None:
         fig.colorbar(im, ax=axes, shrink=0.8, label="accuracy")
     fig.suptitle(title)
     return _save(fig, path)
 
 
-def lines(series: dict[str, tuple[np.ndarray, np.ndarray]], *, xlabel: str, ylabel: str,
-          title: str, path: str, logx: bool = False, logy: bool = False,
-          symlog_threshold: float | None = None, styles: dict[str, str] | None = None) -> str:
+def lines(
+    series: dict[str, tuple[np.ndarray, np.ndarray]],
+    *,
+    xlabel: str,
+    ylabel: str,
+    title: str,
+    path: str,
+    logx: bool = False,
+    logy: bool = False,
+    symlog_threshold: float | None = None,
+    styles: dict[str, str] | None = None,
+) -> str:
     """Line plots; ``symlog_threshold``: a symmetric log y axis, linear within +/- it (shows
     negative values, e.g. a differential map's signed weights)."""
     fig, (ax,) = _figure(6, 4)
@@ -68,8 +86,9 @@ def lines(series: dict[str, tuple[np.ndarray, np.ndarray]], *, xlabel: str, ylab
     return _save(fig, path)
 
 
-def allocation_bars(alloc: dict[str, tuple[list[float], np.ndarray]], categories, path: str,
-                    title: str) -> str:
+def allocation_bars(
+    alloc: dict[str, tuple[list[float], np.ndarray]], categories, path: str, title: str
+) -> str:
     """Per model: stacked shares of each category by depth."""
     fig, axes = _figure(4.2 * len(alloc), 3.4, len(alloc))
     for ax, (label, (depths, shares)) in zip(axes, alloc.items()):

@@ -15,9 +15,14 @@ def corpus_for_positions(data: DataConfig, seq_len: int) -> DataConfig | None:
     if data.source in ("stdlib", "text", "tokens"):
         return data.replace(seq_len=seq_len)
     if data.source == "needle":
-        return DataConfig(source="stdlib" if data.path is None else "text", path=data.path,
-                          seq_len=seq_len, val_fraction=data.val_fraction,
-                          max_files=data.max_files, stdlib_tests=data.stdlib_tests)
+        return DataConfig(
+            source="stdlib" if data.path is None else "text",
+            path=data.path,
+            seq_len=seq_len,
+            val_fraction=data.val_fraction,
+            max_files=data.max_files,
+            stdlib_tests=data.stdlib_tests,
+        )
     return None
 
 
@@ -28,8 +33,10 @@ def validation_examples(config: DataConfig, num: int) -> dict[str, np.ndarray]:
 
     src = make_source(config, "validation")
     if len(src) == 0:
-        raise DataError(f"the validation split of {config.source!r} holds no example of "
-                        f"{config.seq_len + 1} tokens. Fix: use a shorter length or more data")
+        raise DataError(
+            f"the validation split of {config.source!r} holds no example of "
+            f"{config.seq_len + 1} tokens. Fix: use a shorter length or more data"
+        )
     idx = np.unique(np.linspace(0, len(src) - 1, min(num, len(src))).astype(int))
     rows = [src[int(i)] for i in idx]
     return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
@@ -44,8 +51,9 @@ def validation_loss(losses: np.ndarray, weights: np.ndarray) -> tuple[float, flo
     return loss, math.exp(min(loss, 50.0))
 
 
-def loss_by_position(losses: np.ndarray, weights: np.ndarray, num_buckets: int = 16
-                     ) -> tuple[np.ndarray, np.ndarray]:
+def loss_by_position(
+    losses: np.ndarray, weights: np.ndarray, num_buckets: int = 16
+) -> tuple[np.ndarray, np.ndarray]:
     """Mean loss in ``num_buckets`` equal position buckets: ``(bucket end positions, loss)``
     (weighted by ``weights``; NaN for a bucket with no weight)."""
     t = losses.shape[1]
@@ -54,7 +62,9 @@ def loss_by_position(losses: np.ndarray, weights: np.ndarray, num_buckets: int =
     w = np.asarray(weights, np.float64)
     out = np.full(num_buckets, np.nan)
     for i in range(num_buckets):
-        ws = w[:, edges[i]:edges[i + 1]].sum()
+        ws = w[:, edges[i] : edges[i + 1]].sum()
         if ws > 0:
-            out[i] = float((losses[:, edges[i]:edges[i + 1]] * w[:, edges[i]:edges[i + 1]]).sum() / ws)
+            out[i] = float(
+                (losses[:, edges[i] : edges[i + 1]] * w[:, edges[i] : edges[i + 1]]).sum() / ws
+            )
     return edges[1:], out

@@ -16,19 +16,22 @@ def check_model(model) -> None:
     from diffjax.model import TransformerLM
 
     if not isinstance(model, TransformerLM):
-        raise TypeError(f"expected a diffjax.TransformerLM, got {type(model).__name__}. Fix: "
-                        f"build one with diffjax.TransformerLM(config) or load one with "
-                        f"diffjax.train.load_model(run_folder)")
+        raise TypeError(
+            f"expected a diffjax.TransformerLM, got {type(model).__name__}. Fix: "
+            f"build one with diffjax.TransformerLM(config) or load one with "
+            f"diffjax.train.load_model(run_folder)"
+        )
 
 
 def check_tokens(model, tokens) -> jax.Array:
     tokens = jnp.asarray(tokens)
     if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
-        raise ValueError(f"expected integer tokens [batch, seq], got {tokens.dtype} "
-                         f"{tokens.shape}")
+        raise ValueError(f"expected integer tokens [batch, seq], got {tokens.dtype} {tokens.shape}")
     if tokens.shape[1] > model.config.max_seq_len:
-        raise ValueError(f"sequence length {tokens.shape[1]} exceeds the model's max_seq_len "
-                         f"{model.config.max_seq_len}. Fix: use shorter inputs")
+        raise ValueError(
+            f"sequence length {tokens.shape[1]} exceeds the model's max_seq_len "
+            f"{model.config.max_seq_len}. Fix: use shorter inputs"
+        )
     return tokens
 
 
@@ -61,8 +64,10 @@ def layer_attention_maps(model, tokens, layer: int = -1) -> dict[str, np.ndarray
     tokens = check_tokens(model, tokens)
     n = len(model.layers)
     if not isinstance(layer, (int, np.integer)) or not -n <= layer < n:
-        raise ValueError(f"layer_attention_maps: layer must be an int in [{-n}, {n - 1}] for a "
-                         f"model of {n} layers, got {layer!r}")
+        raise ValueError(
+            f"layer_attention_maps: layer must be an int in [{-n}, {n - 1}] for a "
+            f"model of {n} layers, got {layer!r}"
+        )
     maps = _layer_maps(model, tokens.astype(jnp.int32), int(layer) % n)
     return {k: np.asarray(v) for k, v in maps.items()}
 
@@ -74,8 +79,9 @@ def _losses_and_predictions(model, inputs, targets):
     return loss, jnp.argmax(logits, axis=-1)
 
 
-def losses_and_predictions(model, batch: dict, batch_size: int = 8
-                           ) -> tuple[np.ndarray, np.ndarray]:
+def losses_and_predictions(
+    model, batch: dict, batch_size: int = 8
+) -> tuple[np.ndarray, np.ndarray]:
     """Per-token cross-entropy ``[B, T]`` (nats, float64) and greedy predictions ``[B, T]`` of
     ``model`` on ``batch["inputs"]`` / ``batch["targets"]``, in fixed-size batches (the last one
     padded), so each model and length compiles once for every analysis that uses it."""
@@ -84,14 +90,15 @@ def losses_and_predictions(model, batch: dict, batch_size: int = 8
     y_all = np.asarray(batch["targets"])
     losses, preds = [], []
     for i in range(0, len(x_all), batch_size):
-        x, y = x_all[i:i + batch_size], y_all[i:i + batch_size]
+        x, y = x_all[i : i + batch_size], y_all[i : i + batch_size]
         pad = batch_size - len(x)
         if pad:
             x = np.concatenate([x, np.repeat(x[-1:], pad, 0)])
             y = np.concatenate([y, np.repeat(y[-1:], pad, 0)])
-        loss, pred = _losses_and_predictions(model, jnp.asarray(x, jnp.int32),
-                                             jnp.asarray(y, jnp.int32))
+        loss, pred = _losses_and_predictions(
+            model, jnp.asarray(x, jnp.int32), jnp.asarray(y, jnp.int32)
+        )
         loss, pred = jax.device_get((loss, pred))
-        losses.append(np.asarray(loss, np.float64)[:batch_size - pad])
-        preds.append(np.asarray(pred)[:batch_size - pad])
+        losses.append(np.asarray(loss, np.float64)[: batch_size - pad])
+        preds.append(np.asarray(pred)[: batch_size - pad])
     return np.concatenate(losses), np.concatenate(preds)

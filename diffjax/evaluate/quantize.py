@@ -38,13 +38,21 @@ def with_quantized_logits(model: nnx.Module, bits: int | None) -> nnx.Module:
             module.logit_bits = None if bits is None else int(bits)
             found += 1
     if not found:
-        raise ValueError(f"with_quantized_logits: {type(model).__name__} has no diffjax "
-                         f"attention layer (no module with a logit_bits attribute)")
+        raise ValueError(
+            f"with_quantized_logits: {type(model).__name__} has no diffjax "
+            f"attention layer (no module with a logit_bits attribute)"
+        )
     return copy
 
 
-def quantization_sweep(model: nnx.Module, val_batch: dict, needle_batch: dict | None = None, *,
-                       bits=PAPER_BITS, batch_size: int = 8) -> list[dict]:
+def quantization_sweep(
+    model: nnx.Module,
+    val_batch: dict,
+    needle_batch: dict | None = None,
+    *,
+    bits=PAPER_BITS,
+    batch_size: int = 8,
+) -> list[dict]:
     """Validation loss (weighted by ``val_batch["weights"]``) and, with ``needle_batch``, query
     retrieval accuracy of ``model`` with full-precision logits (``bits=None``, first row) and
     with logits quantized to each width in ``bits``."""

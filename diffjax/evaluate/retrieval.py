@@ -22,27 +22,51 @@ from .probe import check_model, losses_and_predictions
 PAPER_SETTINGS = ((1, 1), (2, 2), (4, 2), (6, 2))  # (N needles, R queried), Table 2
 
 
-def needle_task(base: DataConfig | None = None, *, seq_len: int, num_needles: int,
-                num_queries: int, num_examples: int = 64, seed: int = 0,
-                query_replacement: bool = False) -> DataConfig:
+def needle_task(
+    base: DataConfig | None = None,
+    *,
+    seq_len: int,
+    num_needles: int,
+    num_queries: int,
+    num_examples: int = 64,
+    seed: int = 0,
+    query_replacement: bool = False,
+) -> DataConfig:
     """A needle-task ``DataConfig``: the keys, values, templates and haystack text of ``base``
     when it is a needle task (the haystack's ``path`` too when it is a text corpus), the stdlib
     corpus otherwise; ``query_replacement`` as in ``DataConfig`` (False: the paper's R distinct
     needles). Validated: a ``seq_len`` too short for the needles raises ``ConfigError``."""
     kw: dict = {}
     if base is not None and base.source == "needle":
-        kw = dict(path=base.path, key_len=base.key_len, value_len=base.value_len,
-                  needle_template=base.needle_template, query_template=base.query_template,
-                  needle_key_letters=base.needle_key_letters,
-                  needle_num_key_letters=base.needle_num_key_letters,
-                  val_fraction=base.val_fraction, max_files=base.max_files,
-                  stdlib_tests=base.stdlib_tests)
+        kw = dict(
+            path=base.path,
+            key_len=base.key_len,
+            value_len=base.value_len,
+            needle_template=base.needle_template,
+            query_template=base.query_template,
+            needle_key_letters=base.needle_key_letters,
+            needle_num_key_letters=base.needle_num_key_letters,
+            val_fraction=base.val_fraction,
+            max_files=base.max_files,
+            stdlib_tests=base.stdlib_tests,
+        )
     elif base is not None and base.source in ("stdlib", "text"):
-        kw = dict(path=base.path, val_fraction=base.val_fraction, max_files=base.max_files,
-                  stdlib_tests=base.stdlib_tests)
-    return DataConfig(source="needle", seq_len=seq_len, num_needles=num_needles,
-                      num_queries=num_queries, num_val_examples=num_examples, seed=seed,
-                      query_replacement=query_replacement, **kw)
+        kw = dict(
+            path=base.path,
+            val_fraction=base.val_fraction,
+            max_files=base.max_files,
+            stdlib_tests=base.stdlib_tests,
+        )
+    return DataConfig(
+        source="needle",
+        seq_len=seq_len,
+        num_needles=num_needles,
+        num_queries=num_queries,
+        num_val_examples=num_examples,
+        seed=seed,
+        query_replacement=query_replacement,
+        **kw,
+    )
 
 
 def task_examples(config: DataConfig, num: int | None = None) -> dict[str, np.ndarray]:
@@ -101,16 +125,29 @@ class RetrievalGrid:
         return float(self.correct.sum() / max(self.total.sum(), 1))
 
     def to_dict(self) -> dict:
-        return {"lengths": self.lengths, "depths": self.depths, "num_needles": self.num_needles,
-                "num_queries": self.num_queries, "correct": self.correct.tolist(),
-                "total": self.total.tolist()}
+        return {
+            "lengths": self.lengths,
+            "depths": self.depths,
+            "num_needles": self.num_needles,
+            "num_queries": self.num_queries,
+            "correct": self.correct.tolist(),
+            "total": self.total.tolist(),
+        }
 
 
-def multi_needle_retrieval(model, *, lengths: Sequence[int], num_needles: int,
-                           num_queries: int, data: DataConfig | None = None,
-                           num_examples: int = 64, num_depth_bins: int = 5,
-                           batch_size: int = 8, seed: int = 0,
-                           query_replacement: bool = False) -> RetrievalGrid:
+def multi_needle_retrieval(
+    model,
+    *,
+    lengths: Sequence[int],
+    num_needles: int,
+    num_queries: int,
+    data: DataConfig | None = None,
+    num_examples: int = 64,
+    num_depth_bins: int = 5,
+    batch_size: int = 8,
+    seed: int = 0,
+    query_replacement: bool = False,
+) -> RetrievalGrid:
     """Retrieval accuracy of ``model`` on the needle task, per context length and needle depth.
 
     ``data``: the run's data config (keys, values and haystack text are taken from it when it
@@ -121,19 +158,28 @@ def multi_needle_retrieval(model, *, lengths: Sequence[int], num_needles: int,
     lengths = [int(x) for x in lengths]
     too_long = [x for x in lengths if x > model.config.max_seq_len]
     if too_long:
-        raise ValueError(f"multi_needle_retrieval: lengths {too_long} exceed the model's "
-                         f"max_seq_len {model.config.max_seq_len}. Fix: drop them")
+        raise ValueError(
+            f"multi_needle_retrieval: lengths {too_long} exceed the model's "
+            f"max_seq_len {model.config.max_seq_len}. Fix: drop them"
+        )
     correct = np.zeros((len(lengths), num_depth_bins), int)
     total = np.zeros_like(correct)
     for li, length in enumerate(lengths):
-        cfg = needle_task(data, seq_len=length, num_needles=num_needles, num_queries=num_queries,
-                          num_examples=num_examples, seed=seed,
-                          query_replacement=query_replacement)
+        cfg = needle_task(
+            data,
+            seq_len=length,
+            num_needles=num_needles,
+            num_queries=num_queries,
+            num_examples=num_examples,
+            seed=seed,
+            query_replacement=query_replacement,
+        )
         batch = task_examples(cfg)
         ok = query_correct(losses_and_predictions(model, batch, batch_size)[1], batch)
         bins = depth_bins(query_depths(batch), num_depth_bins)
         np.add.at(correct[li], bins.ravel(), ok.ravel().astype(int))
         np.add.at(total[li], bins.ravel(), 1)
     centres = list(np.linspace(0, 1, num_depth_bins)) if num_depth_bins > 1 else [0.5]
-    return RetrievalGrid(lengths, [float(c) for c in centres], num_needles, num_queries,
-                         correct, total)
+    return RetrievalGrid(
+        lengths, [float(c) for c in centres], num_needles, num_queries, correct, total
+    )

@@ -42,22 +42,35 @@ def kernel_module(backend: str | None = None, *, interpret: Any = False):
                 raise ValueError(
                     "the Pallas kernels compile only for GPU and TPU, and this process runs on CPU. "
                     "Fix: pass interpret=True to run them interpreted (slow; for tests), or use "
-                    "the XLA path (attention_impl='xla' / impl='xla').")
+                    "the XLA path (attention_impl='xla' / impl='xla')."
+                )
             platform = "gpu"
         backend = platform
     name = _ALIASES.get(backend)
     if name is None:
-        raise ValueError(f"no Pallas kernel for backend {backend!r}. Fix: use one of "
-                         f"{', '.join(map(repr, KERNEL_BACKENDS))}, or None for the current one.")
+        raise ValueError(
+            f"no Pallas kernel for backend {backend!r}. Fix: use one of "
+            f"{', '.join(map(repr, KERNEL_BACKENDS))}, or None for the current one."
+        )
     return importlib.import_module(f"{__name__}.{name}")
 
 
-def differential_flash_attention(q1: jax.Array, k1: jax.Array, q2: jax.Array, k2: jax.Array,
-                         v: jax.Array, lam: jax.Array | float, *, causal: bool = True,
-                         segment_ids: jax.Array | None = None,
-                         kv_segment_ids: jax.Array | None = None,
-                         sm_scale: float | None = None, block_sizes: Any = None,
-                         interpret: Any = False, backend: str | None = None) -> jax.Array:
+def differential_flash_attention(
+    q1: jax.Array,
+    k1: jax.Array,
+    q2: jax.Array,
+    k2: jax.Array,
+    v: jax.Array,
+    lam: jax.Array | float,
+    *,
+    causal: bool = True,
+    segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+    sm_scale: float | None = None,
+    block_sizes: Any = None,
+    interpret: Any = False,
+    backend: str | None = None,
+) -> jax.Array:
     """Fused differential attention, ``[B, T, Hq, Dv]`` in ``q1.dtype``.
 
     q1, q2 ``[B,T,Hq,Dqk]``; k1, k2 ``[B,S,Hkv,Dqk]`` (pass the same array twice, as V2 does, and
@@ -71,26 +84,59 @@ def differential_flash_attention(q1: jax.Array, k1: jax.Array, q2: jax.Array, k2
     # model's rule for V's width (against k1's: q/k mismatches are the modules' to name).
     dqk, dv = k1.shape[-1], v.shape[-1]
     if dv not in (dqk, 2 * dqk):
-        raise ValueError(f"differential_flash_attention: v's head dim must equal q/k's ({dqk}) "
-                         f"or be twice it ({2 * dqk}), got {dv}")
+        raise ValueError(
+            f"differential_flash_attention: v's head dim must equal q/k's ({dqk}) "
+            f"or be twice it ({2 * dqk}), got {dv}"
+        )
     module = kernel_module(backend, interpret=interpret)
-    return module.differential_flash_attention(q1, k1, q2, k2, v, lam, causal=causal,
-                                       segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
-                                       sm_scale=sm_scale, block_sizes=block_sizes,
-                                       interpret=interpret)
+    return module.differential_flash_attention(
+        q1,
+        k1,
+        q2,
+        k2,
+        v,
+        lam,
+        causal=causal,
+        segment_ids=segment_ids,
+        kv_segment_ids=kv_segment_ids,
+        sm_scale=sm_scale,
+        block_sizes=block_sizes,
+        interpret=interpret,
+    )
 
 
-def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
-                    segment_ids: jax.Array | None = None,
-                    kv_segment_ids: jax.Array | None = None, sm_scale: float | None = None,
-                    block_sizes: Any = None, interpret: Any = False,
-                    backend: str | None = None) -> jax.Array:
+def flash_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    causal: bool = True,
+    segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+    sm_scale: float | None = None,
+    block_sizes: Any = None,
+    interpret: Any = False,
+    backend: str | None = None,
+) -> jax.Array:
     """Standard (MHA/GQA/MQA) flash attention through the same kernels, ``[B, T, Hq, Dv]``."""
     module = kernel_module(backend, interpret=interpret)
-    return module.flash_attention(q, k, v, causal=causal, segment_ids=segment_ids,
-                                  kv_segment_ids=kv_segment_ids, sm_scale=sm_scale,
-                                  block_sizes=block_sizes, interpret=interpret)
+    return module.flash_attention(
+        q,
+        k,
+        v,
+        causal=causal,
+        segment_ids=segment_ids,
+        kv_segment_ids=kv_segment_ids,
+        sm_scale=sm_scale,
+        block_sizes=block_sizes,
+        interpret=interpret,
+    )
 
 
-__all__ = ["KERNEL_BACKENDS", "differential_flash_attention", "flash_attention", "kernel_module",
-           "reference"]
+__all__ = [
+    "KERNEL_BACKENDS",
+    "differential_flash_attention",
+    "flash_attention",
+    "kernel_module",
+    "reference",
+]

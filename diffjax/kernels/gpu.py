@@ -81,8 +81,13 @@ from .reference import MASK_VALUE, check_differential, check_qkv
 _MIN_BLOCK = 16  # Triton: every block dim a power of two, and dots need >= 16
 _SQ = getattr(pl, "squeezed", None)  # a squeezed block dimension (None on older jax)
 
-__all__ = ["BlockSizes", "default_block_sizes", "differential_flash_attention", "flash_attention",
-           "shared_memory_bytes"]
+__all__ = [
+    "BlockSizes",
+    "default_block_sizes",
+    "differential_flash_attention",
+    "flash_attention",
+    "shared_memory_bytes",
+]
 
 
 # ---------------------------------------------------------------------------- block sizes
@@ -134,29 +139,41 @@ class BlockSizes:
 
     def __post_init__(self):
         check_block_fields(
-            self, ("block_q", "block_k", "block_q_dkv", "block_k_dkv", "block_q_dq", "block_k_dq"),
+            self,
+            ("block_q", "block_k", "block_q_dkv", "block_k_dkv", "block_q_dq", "block_k_dq"),
             lambda b: b >= _MIN_BLOCK and _is_pow2(b),
             f"a power of two >= {_MIN_BLOCK} (16, 32, 64, 128, ...): the Triton lowering needs "
-            "power-of-two block shapes and dots of at least 16 rows")
+            "power-of-two block shapes and dots of at least 16 rows",
+        )
         for f in ("num_warps", "num_warps_dkv", "num_warps_dq"):
             w = getattr(self, f)
-            if w is not None and (isinstance(w, bool) or not isinstance(w, int) or not _is_pow2(w)
-                                  or w > 32):
-                raise ValueError(f"BlockSizes.{f} must be None or one of 1, 2, 4, 8, 16, 32; "
-                                 f"got {w!r}")
+            if w is not None and (
+                isinstance(w, bool) or not isinstance(w, int) or not _is_pow2(w) or w > 32
+            ):
+                raise ValueError(
+                    f"BlockSizes.{f} must be None or one of 1, 2, 4, 8, 16, 32; got {w!r}"
+                )
         s = self.num_stages
         if s is not None and (isinstance(s, bool) or not isinstance(s, int) or s < 1):
             raise ValueError(f"BlockSizes.num_stages must be None or an int >= 1; got {s!r}")
         for f in ("split_forward", "dkv_key_major"):
             if getattr(self, f) not in (None, True, False):
-                raise ValueError(f"BlockSizes.{f} must be None, True or False; got "
-                                 f"{getattr(self, f)!r}")
+                raise ValueError(
+                    f"BlockSizes.{f} must be None, True or False; got {getattr(self, f)!r}"
+                )
 
 
 # Opt-in shared memory per block by compute capability (CUDA programming guide, table of
 # technical specifications): what a kernel's pipelined tiles must fit in.
-SHARED_MEMORY_BYTES = {(8, 0): 166912, (8, 6): 101376, (8, 7): 166912, (8, 9): 101376,
-                       (9, 0): 232448, (10, 0): 232448, (12, 0): 101376}
+SHARED_MEMORY_BYTES = {
+    (8, 0): 166912,
+    (8, 6): 101376,
+    (8, 7): 166912,
+    (8, 9): 101376,
+    (9, 0): 232448,
+    (10, 0): 232448,
+    (12, 0): 101376,
+}
 
 
 def _device_capability() -> tuple[int, int]:
@@ -170,9 +187,14 @@ def _device_capability() -> tuple[int, int]:
         return 9, 0
 
 
-def default_block_sizes(head_dim: int, v_head_dim: int | None = None, *,
-                        differential: bool = True, shared_keys: bool = False,
-                        compute_capability: tuple[int, int] | None = None) -> BlockSizes:
+def default_block_sizes(
+    head_dim: int,
+    v_head_dim: int | None = None,
+    *,
+    differential: bool = True,
+    shared_keys: bool = False,
+    compute_capability: tuple[int, int] | None = None,
+) -> BlockSizes:
     """The block sizes the wrappers use when given none, for a target (default: this GPU).
 
     Chosen with ``benchmarks/compile_kernels.py`` so that every kernel compiles without register
@@ -207,13 +229,27 @@ def default_block_sizes(head_dim: int, v_head_dim: int | None = None, *,
         bs = dataclasses.replace(bs, block_q_dkv=16)  # 32 spills
     split = _default_split(n_branch, d_pad, dv_pad, cc)
     return dataclasses.replace(
-        bs, **_default_warps(n_branch, d_pad, dv_pad, cc, split, bs.block_q_dq, bs.block_k_dq,
-                             key_major), split_forward=split, dkv_key_major=key_major)
+        bs,
+        **_default_warps(
+            n_branch, d_pad, dv_pad, cc, split, bs.block_q_dq, bs.block_k_dq, key_major
+        ),
+        split_forward=split,
+        dkv_key_major=key_major,
+    )
 
 
-def shared_memory_bytes(kernel: str, block_q: int, block_k: int, head_dim: int,
-                        v_head_dim: int, *, n_branch: int = 2, n_keys: int = 2,
-                        itemsize: int = 2, num_stages: int = 2) -> int:
+def shared_memory_bytes(
+    kernel: str,
+    block_q: int,
+    block_k: int,
+    head_dim: int,
+    v_head_dim: int,
+    *,
+    n_branch: int = 2,
+    n_keys: int = 2,
+    itemsize: int = 2,
+    num_stages: int = 2,
+) -> int:
     """Shared memory Triton gives the forward or dQ kernel on sm_90: the streamed key/value
     tiles once per pipeline stage plus the resident query-side tiles. Matches what XLA reports
     for every case of ``benchmarks/compile_kernels.py`` (docs/kernels.md); ``n_keys`` is 1 for
@@ -226,8 +262,16 @@ def shared_memory_bytes(kernel: str, block_q: int, block_k: int, head_dim: int,
     raise ValueError(f"no shared-memory model for kernel {kernel!r} (have 'fwd' and 'dq')")
 
 
-def _check_fits(bs: BlockSizes, d: int, dv: int, n_branch: int, n_keys: int, itemsize: int,
-                cc: tuple[int, int], split_forward: bool = False):
+def _check_fits(
+    bs: BlockSizes,
+    d: int,
+    dv: int,
+    n_branch: int,
+    n_keys: int,
+    itemsize: int,
+    cc: tuple[int, int],
+    split_forward: bool = False,
+):
     """Refuse given block sizes whose forward or dQ tiles exceed the GPU's shared memory
     (before compiling; sm_90 and newer, where :func:`shared_memory_bytes` is exact). A split
     forward holds one branch per program."""
@@ -240,25 +284,41 @@ def _check_fits(bs: BlockSizes, d: int, dv: int, n_branch: int, n_keys: int, ite
         one = kernel == "fwd" and split_forward
 
         def need(k):
-            return shared_memory_bytes(kernel, bq, k, d, dv, n_branch=1 if one else n_branch,
-                                       n_keys=1 if one else n_keys, itemsize=itemsize,
-                                       num_stages=stages)
+            return shared_memory_bytes(
+                kernel,
+                bq,
+                k,
+                d,
+                dv,
+                n_branch=1 if one else n_branch,
+                n_keys=1 if one else n_keys,
+                itemsize=itemsize,
+                num_stages=stages,
+            )
 
         if need(bk) > limit:
             fit = bk
             while fit > _MIN_BLOCK and need(fit) > limit:
                 fit //= 2
-            hint = (f"{fk}={fit}" if need(fit) <= limit else
-                    f"a smaller {fq} (or num_stages=1)")
+            hint = f"{fk}={fit}" if need(fit) <= limit else f"a smaller {fq} (or num_stages=1)"
             raise ValueError(
                 f"BlockSizes({fq}={bq}, {fk}={bk}) needs {need(bk)} bytes of shared memory in "
                 f"the {kernel} kernel at head dims {d}/{dv}, more than this GPU's {limit} "
                 f"(compute capability {cc[0]}.{cc[1]}). Fix: use {hint}, or block_sizes=None "
-                f"for the defaults of this GPU.")
+                f"for the defaults of this GPU."
+            )
 
 
-def _default_warps(n_branch: int, d: int, dv: int, cc: tuple[int, int], split_forward: bool,
-                   block_q_dq: int, block_k_dq: int, dkv_key_major: bool) -> dict[str, int]:
+def _default_warps(
+    n_branch: int,
+    d: int,
+    dv: int,
+    cc: tuple[int, int],
+    split_forward: bool,
+    block_q_dq: int,
+    block_k_dq: int,
+    dkv_key_major: bool,
+) -> dict[str, int]:
     """Warps per kernel. On sm_90: 4 (one warpgroup, so a 64-row tile's dots are issued once)
     where the float32 accumulators fit its registers (always, for a split forward's one
     branch, and for dQ streaming 16 keys), else 8 (two warpgroups; Triton then issues the
@@ -271,12 +331,16 @@ def _default_warps(n_branch: int, d: int, dv: int, cc: tuple[int, int], split_fo
         return {"num_warps": 8, "num_warps_dq": 4 if small else 8, "num_warps_dkv": 8}
     one_warpgroup = split_forward or _fused_forward_fits_one_warpgroup(n_branch, d, dv)
     dq_one = _dq_fits_one_warpgroup(n_branch, d, dv) or block_k_dq <= 16
-    return {"num_warps": 4 if one_warpgroup else 8, "num_warps_dq": 4 if dq_one else 8,
-            "num_warps_dkv": 4 if dkv_key_major else 8}
+    return {
+        "num_warps": 4 if one_warpgroup else 8,
+        "num_warps_dq": 4 if dq_one else 8,
+        "num_warps_dkv": 4 if dkv_key_major else 8,
+    }
 
 
-def _default_key_major(n_branch: int, shared_keys: bool, d: int, dv: int,
-                       cc: tuple[int, int]) -> bool:
+def _default_key_major(
+    n_branch: int, shared_keys: bool, d: int, dv: int, cc: tuple[int, int]
+) -> bool:
     """Key-major dK/dV on one warpgroup (sm_90) where its float32 dK and dV accumulators (64
     key rows) fit: at most 256 columns in all. V1 at d=128, Dv=256 (two dK and a wide dV)
     stays query-major on two warpgroups."""
@@ -313,9 +377,9 @@ class _Config:
     shared_k: bool
     causal: bool
     segmented: bool
-    q_len: int        # unpadded T
-    kv_len: int       # unpadded S
-    kv_padded: bool   # padded keys exist and must be masked
+    q_len: int  # unpadded T
+    kv_len: int  # unpadded S
+    kv_padded: bool  # padded keys exist and must be masked
     scale: float  # the softmax scale (sm_scale of the public functions)
     block_q: int
     block_k: int
@@ -362,8 +426,9 @@ def _mask(cfg: _Config, q_idx, k_idx, q_seg, k_seg, keys_first: bool = False):
     if cfg.kv_padded:
         mask = _and(mask, jnp.broadcast_to(k_ < cfg.kv_len, shape))
     if cfg.segmented:
-        qs, ks = (q_seg[None, :], k_seg[:, None]) if keys_first else (q_seg[:, None],
-                                                                       k_seg[None, :])
+        qs, ks = (
+            (q_seg[None, :], k_seg[:, None]) if keys_first else (q_seg[:, None], k_seg[None, :])
+        )
         mask = _and(mask, qs == ks)
     return mask
 
@@ -429,8 +494,22 @@ def _q_block_start(cfg: _Config, k_block, block_k: int, block_q: int):
 
 
 # ---------------------------------------------------------------------------- forward kernel
-def _fwd_kernel(q1_ref, k1_ref, q2_ref, k2_ref, v_ref, lam_ref, qseg_ref, kseg_ref,
-                o_ref, lse1_ref, lse2_ref, o2_ref, *, cfg: _Config):
+def _fwd_kernel(
+    q1_ref,
+    k1_ref,
+    q2_ref,
+    k2_ref,
+    v_ref,
+    lam_ref,
+    qseg_ref,
+    kseg_ref,
+    o_ref,
+    lse1_ref,
+    lse2_ref,
+    o2_ref,
+    *,
+    cfg: _Config,
+):
     """One query block of one head. Operands a configuration does not use are None: q2, k2,
     lam, lse2, o2 for the standard kernel, k2 for shared keys, the segment ids when unpacked."""
     bq, bk = cfg.block_q, cfg.block_k
@@ -459,8 +538,11 @@ def _fwd_kernel(q1_ref, k1_ref, q2_ref, k2_ref, v_ref, lam_ref, qseg_ref, kseg_r
         start = kj * bk
         ks = pl.ds(start, bk)
         k_idx = start + jnp.arange(bk, dtype=jnp.int32)
-        mask = (_mask(cfg, q_idx, k_idx, q_seg, None if kseg_ref is None else kseg_ref[ks])
-                if masked else None)
+        mask = (
+            _mask(cfg, q_idx, k_idx, q_seg, None if kseg_ref is None else kseg_ref[ks])
+            if masked
+            else None
+        )
         v = v_ref[ks, :]
         k1 = k1_ref[ks, :]
         new = [update(_dot_nt(q1, k1) * scale, mask, *carry[0], v)]
@@ -469,8 +551,14 @@ def _fwd_kernel(q1_ref, k1_ref, q2_ref, k2_ref, v_ref, lam_ref, qseg_ref, kseg_r
             new.append(update(_dot_nt(q2, k2) * scale, mask, *carry[1], v))
         return tuple(new)
 
-    init = tuple((jnp.full((bq,), MASK_VALUE, jnp.float32), jnp.zeros((bq,), jnp.float32),
-                  jnp.zeros((bq, dv), jnp.float32)) for _ in range(1 + (q2 is not None)))
+    init = tuple(
+        (
+            jnp.full((bq,), MASK_VALUE, jnp.float32),
+            jnp.zeros((bq,), jnp.float32),
+            jnp.zeros((bq, dv), jnp.float32),
+        )
+        for _ in range(1 + (q2 is not None))
+    )
     hi = _kv_block_bound(cfg, qi, bq, bk)
     lo = _unmasked_kv_blocks(cfg, qi, bq, bk, hi)
     states = lax.fori_loop(0, lo, functools.partial(body, masked=False), init)
@@ -520,14 +608,24 @@ def _forward(cfg: _Config, q1, k1, q2, k2, v, lam, qseg, kseg):
     def opt(cond, x):
         return x if cond else None
 
-    in_specs = [q_spec, k_spec, opt(diff, q_spec), opt(k2 is not None, k_spec),
-                _spec((None, s, None, dv), kv_map), opt(diff, row_spec),
-                opt(seg, _spec((None, bq), lambda i, bi, h: (bi, _q_block_index(cfg, i, n_q)))),
-                opt(seg, _spec((None, s), lambda i, bi, h: (bi, 0)))]
+    in_specs = [
+        q_spec,
+        k_spec,
+        opt(diff, q_spec),
+        opt(k2 is not None, k_spec),
+        _spec((None, s, None, dv), kv_map),
+        opt(diff, row_spec),
+        opt(seg, _spec((None, bq), lambda i, bi, h: (bi, _q_block_index(cfg, i, n_q)))),
+        opt(seg, _spec((None, s), lambda i, bi, h: (bi, 0))),
+    ]
     out_spec = _spec((None, bq, None, dv), q_map)
     rows = jax.ShapeDtypeStruct((b, hq, t), jnp.float32)
-    out_shape = [jax.ShapeDtypeStruct((b, t, hq, dv), q1.dtype), rows, opt(diff, rows),
-                 opt(diff, jax.ShapeDtypeStruct((b, t, hq, dv), cfg.o2_dtype))]
+    out_shape = [
+        jax.ShapeDtypeStruct((b, t, hq, dv), q1.dtype),
+        rows,
+        opt(diff, rows),
+        opt(diff, jax.ShapeDtypeStruct((b, t, hq, dv), cfg.o2_dtype)),
+    ]
     out_specs = [out_spec, row_spec, opt(diff, row_spec), opt(diff, out_spec)]
     out, lse1, lse2, o2 = pl.pallas_call(
         functools.partial(_fwd_kernel, cfg=cfg),
@@ -568,21 +666,32 @@ def _forward_split(cfg: _Config, q1, k1, q2, k2, v, lam, qseg, kseg):
         return (bi, z, _q_block_index(cfg, i, n_q))
 
     seg = cfg.segmented
-    in_specs = [_spec((None, bq, None, d), q_map),
-                _spec((None, s, None, d), lambda i, bi, z: (bi, 0, k_head(z), 0)), None, None,
-                _spec((None, s, None, dv), lambda i, bi, z: (bi, 0, lax.div(lax.div(z, 2), rep),
-                                                             0)), None,
-                _spec((None, bq), lambda i, bi, z: (bi, _q_block_index(cfg, i, n_q))) if seg
-                else None,
-                _spec((None, s), lambda i, bi, z: (bi, 0)) if seg else None]
+    in_specs = [
+        _spec((None, bq, None, d), q_map),
+        _spec((None, s, None, d), lambda i, bi, z: (bi, 0, k_head(z), 0)),
+        None,
+        None,
+        _spec((None, s, None, dv), lambda i, bi, z: (bi, 0, lax.div(lax.div(z, 2), rep), 0)),
+        None,
+        _spec((None, bq), lambda i, bi, z: (bi, _q_block_index(cfg, i, n_q))) if seg else None,
+        _spec((None, s), lambda i, bi, z: (bi, 0)) if seg else None,
+    ]
     o12, lse12, _, _ = pl.pallas_call(
         functools.partial(_fwd_kernel, cfg=cfg),
         grid=(n_q, b, 2 * hq),
         in_specs=in_specs,
-        out_specs=[_spec((None, bq, None, dv), q_map), _spec((None, None, bq), row_map), None,
-                   None],
-        out_shape=[jax.ShapeDtypeStruct((b, t, 2 * hq, dv), jnp.float32),
-                   jax.ShapeDtypeStruct((b, 2 * hq, t), jnp.float32), None, None],
+        out_specs=[
+            _spec((None, bq, None, dv), q_map),
+            _spec((None, None, bq), row_map),
+            None,
+            None,
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((b, t, 2 * hq, dv), jnp.float32),
+            jax.ShapeDtypeStruct((b, 2 * hq, t), jnp.float32),
+            None,
+            None,
+        ],
         compiler_params=cfg.params(),
         interpret=cfg.interpret,
         name="diff_flash_fwd_split",
@@ -608,9 +717,27 @@ def _probs_t(cfg, k, q, lse, mask):
     return p if mask is None else jnp.where(mask, p, 0.0)
 
 
-def _dkv_kernel(q1_ref, k1_ref, q2_ref, k2_ref, v_ref, lam_ref, qseg_ref, kseg_ref, do_ref,
-                lse1_ref, delta1_ref, lse2_ref, delta2_ref, dk1_ref, dk2_ref, dv_ref, *,
-                cfg: _Config, rep: int):
+def _dkv_kernel(
+    q1_ref,
+    k1_ref,
+    q2_ref,
+    k2_ref,
+    v_ref,
+    lam_ref,
+    qseg_ref,
+    kseg_ref,
+    do_ref,
+    lse1_ref,
+    delta1_ref,
+    lse2_ref,
+    delta2_ref,
+    dk1_ref,
+    dk2_ref,
+    dv_ref,
+    *,
+    cfg: _Config,
+    rep: int,
+):
     """dK (dK1, dK2, or their sum for shared keys) and dV of one key block of one kv head,
     looping over the query heads of its GQA group and their query blocks. The q/dO/row refs
     hold the whole sequence of the group's ``rep`` heads."""
@@ -631,8 +758,13 @@ def _dkv_kernel(q1_ref, k1_ref, q2_ref, k2_ref, v_ref, lam_ref, qseg_ref, kseg_r
     tile = (bk, bq) if km else (bq, bk)
     # Below the diagonal band only the key padding needs a mask (padded keys' rows are sliced
     # off, but masking keeps them finite).
-    pad_mask = (jnp.broadcast_to((k_idx < cfg.kv_len)[:, None] if km else
-                                 (k_idx < cfg.kv_len)[None, :], tile) if cfg.kv_padded else None)
+    pad_mask = (
+        jnp.broadcast_to(
+            (k_idx < cfg.kv_len)[:, None] if km else (k_idx < cfg.kv_len)[None, :], tile
+        )
+        if cfg.kv_padded
+        else None
+    )
 
     def per_query(x):  # a per-query-row vector, broadcast over the tile's key axis
         return x[None, :] if km else x[:, None]
@@ -648,8 +780,13 @@ def _dkv_kernel(q1_ref, k1_ref, q2_ref, k2_ref, v_ref, lam_ref, qseg_ref, kseg_r
         start = qi * bq
         qs = pl.ds(start, bq)
         q_idx = start + jnp.arange(bq, dtype=jnp.int32)
-        mask = (_mask(cfg, q_idx, k_idx, None if qseg_ref is None else qseg_ref[qs], k_seg,
-                      keys_first=km) if masked else pad_mask)
+        mask = (
+            _mask(
+                cfg, q_idx, k_idx, None if qseg_ref is None else qseg_ref[qs], k_seg, keys_first=km
+            )
+            if masked
+            else pad_mask
+        )
         q1 = q1_ref[qs, h, :]
         do = do_ref[qs, h, :]
         p1 = probs(q1, k1, lse1_ref[h, qs], mask)
@@ -684,8 +821,11 @@ def _dkv_kernel(q1_ref, k1_ref, q2_ref, k2_ref, v_ref, lam_ref, qseg_ref, kseg_r
 
     d, dvw = k1.shape[-1], v.shape[-1]
     zeros_k = jnp.zeros((bk, d), jnp.float32)
-    init = (zeros_k, zeros_k if dk2_ref is not None else jnp.zeros((), jnp.float32),
-            jnp.zeros((bk, dvw), jnp.float32))
+    init = (
+        zeros_k,
+        zeros_k if dk2_ref is not None else jnp.zeros((), jnp.float32),
+        jnp.zeros((bk, dvw), jnp.float32),
+    )
     dk1, dk2, dv = lax.fori_loop(0, rep, head_body, init)
     dk1_ref[...] = (dk1 * cfg.scale).astype(dk1_ref.dtype)
     if dk2_ref is not None:
@@ -693,8 +833,25 @@ def _dkv_kernel(q1_ref, k1_ref, q2_ref, k2_ref, v_ref, lam_ref, qseg_ref, kseg_r
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _dq_kernel(q1_ref, k1_ref, q2_ref, k2_ref, v_ref, lam_ref, qseg_ref, kseg_ref, do_ref,
-               lse1_ref, delta1_ref, lse2_ref, delta2_ref, dq1_ref, dq2_ref, *, cfg: _Config):
+def _dq_kernel(
+    q1_ref,
+    k1_ref,
+    q2_ref,
+    k2_ref,
+    v_ref,
+    lam_ref,
+    qseg_ref,
+    kseg_ref,
+    do_ref,
+    lse1_ref,
+    delta1_ref,
+    lse2_ref,
+    delta2_ref,
+    dq1_ref,
+    dq2_ref,
+    *,
+    cfg: _Config,
+):
     """dQ1 (and dQ2) of one query block of one head, streaming its kv head's keys."""
     bq, bk = cfg.block_q_dq, cfg.block_k_dq
     qi = _q_block_id(cfg, bq)
@@ -712,8 +869,11 @@ def _dq_kernel(q1_ref, k1_ref, q2_ref, k2_ref, v_ref, lam_ref, qseg_ref, kseg_re
         start = kj * bk
         ks = pl.ds(start, bk)
         k_idx = start + jnp.arange(bk, dtype=jnp.int32)
-        mask = (_mask(cfg, q_idx, k_idx, q_seg, None if kseg_ref is None else kseg_ref[ks])
-                if masked else None)
+        mask = (
+            _mask(cfg, q_idx, k_idx, q_seg, None if kseg_ref is None else kseg_ref[ks])
+            if masked
+            else None
+        )
         k1 = k1_ref[ks, :]
         v = v_ref[ks, :]
         p1 = _probs(cfg, q1, k1, lse1, mask)
@@ -728,8 +888,10 @@ def _dq_kernel(q1_ref, k1_ref, q2_ref, k2_ref, v_ref, lam_ref, qseg_ref, kseg_re
         return dq1, dq2
 
     d = q1.shape[-1]
-    init = (jnp.zeros((bq, d), jnp.float32),
-            jnp.zeros((bq, d) if differential else (), jnp.float32))
+    init = (
+        jnp.zeros((bq, d), jnp.float32),
+        jnp.zeros((bq, d) if differential else (), jnp.float32),
+    )
     hi = _kv_block_bound(cfg, qi, bq, bk)
     lo = _unmasked_kv_blocks(cfg, qi, bq, bk, hi)
     carry = lax.fori_loop(0, lo, functools.partial(body, masked=False), init)
@@ -739,8 +901,9 @@ def _dq_kernel(q1_ref, k1_ref, q2_ref, k2_ref, v_ref, lam_ref, qseg_ref, kseg_re
         dq2_ref[...] = (dq2 * cfg.scale).astype(dq2_ref.dtype)
 
 
-def _backward_kernels(cfg: _Config, q1, k1, q2, k2, v, lam, qseg, kseg, do, lse1, delta1,
-                      lse2, delta2):
+def _backward_kernels(
+    cfg: _Config, q1, k1, q2, k2, v, lam, qseg, kseg, do, lse1, delta1, lse2, delta2
+):
     b, t, hq, d = q1.shape
     s, hkv = k1.shape[1], k1.shape[2]
     dvw = v.shape[-1]
@@ -753,29 +916,48 @@ def _backward_kernels(cfg: _Config, q1, k1, q2, k2, v, lam, qseg, kseg, do, lse1
 
     def in_specs(q_spec, k_spec, v_spec, do_spec, row_spec, qseg_spec, kseg_spec):
         """In the kernels' operand order; None where the configuration has no such operand."""
-        return [q_spec, k_spec, opt(diff, q_spec), opt(sep_k2, k_spec), v_spec,
-                opt(diff, row_spec), opt(seg, qseg_spec), opt(seg, kseg_spec), do_spec,
-                row_spec, row_spec, opt(diff, row_spec), opt(diff, row_spec)]
+        return [
+            q_spec,
+            k_spec,
+            opt(diff, q_spec),
+            opt(sep_k2, k_spec),
+            v_spec,
+            opt(diff, row_spec),
+            opt(seg, qseg_spec),
+            opt(seg, kseg_spec),
+            do_spec,
+            row_spec,
+            row_spec,
+            opt(diff, row_spec),
+            opt(diff, row_spec),
+        ]
 
     # dK, dV: grid (key block, batch, kv head); the program loops over its group's q heads.
     bq, bk = cfg.block_q_dkv, cfg.block_k_dkv
     group = lambda j, bi, g: (bi, 0, g, 0)  # noqa: E731  (the rep heads g*rep .. g*rep+rep-1)
     kblk = lambda j, bi, g: (bi, j, g, 0)  # noqa: E731
     specs = in_specs(
-        _spec((None, t, rep, d), group), _spec((None, bk, None, d), kblk),
-        _spec((None, bk, None, dvw), kblk), _spec((None, t, rep, dvw), group),
+        _spec((None, t, rep, d), group),
+        _spec((None, bk, None, d), kblk),
+        _spec((None, bk, None, dvw), kblk),
+        _spec((None, t, rep, dvw), group),
         _spec((None, rep, t), lambda j, bi, g: (bi, g, 0)),
-        _spec((None, t), lambda j, bi, g: (bi, 0)), _spec((None, bk), lambda j, bi, g: (bi, j)))
+        _spec((None, t), lambda j, bi, g: (bi, 0)),
+        _spec((None, bk), lambda j, bi, g: (bi, j)),
+    )
     k_out = _spec((None, bk, None, d), kblk)
     dk1, dk2, dv = pl.pallas_call(
         functools.partial(_dkv_kernel, cfg=cfg, rep=rep),
         grid=(s // bk, b, hkv),
         in_specs=specs,
         out_specs=[k_out, opt(sep_k2, k_out), _spec((None, bk, None, dvw), kblk)],
-        out_shape=[jax.ShapeDtypeStruct(k1.shape, k1.dtype),
-                   opt(sep_k2, jax.ShapeDtypeStruct(k1.shape, k1.dtype)),
-                   jax.ShapeDtypeStruct(v.shape, v.dtype)],
-        compiler_params=cfg.params("dkv"), interpret=cfg.interpret,
+        out_shape=[
+            jax.ShapeDtypeStruct(k1.shape, k1.dtype),
+            opt(sep_k2, jax.ShapeDtypeStruct(k1.shape, k1.dtype)),
+            jax.ShapeDtypeStruct(v.shape, v.dtype),
+        ],
+        compiler_params=cfg.params("dkv"),
+        interpret=cfg.interpret,
         name="diff_flash_bwd_dkv" if diff else "flash_bwd_dkv",
     )(*operands)
 
@@ -786,19 +968,26 @@ def _backward_kernels(cfg: _Config, q1, k1, q2, k2, v, lam, qseg, kseg, do, lse1
     qblk = lambda i, bi, h: (bi, qb(i), h, 0)  # noqa: E731
     kvh = lambda i, bi, h: (bi, 0, lax.div(h, rep), 0)  # noqa: E731
     specs = in_specs(
-        _spec((None, bq, None, d), qblk), _spec((None, s, None, d), kvh),
-        _spec((None, s, None, dvw), kvh), _spec((None, bq, None, dvw), qblk),
+        _spec((None, bq, None, d), qblk),
+        _spec((None, s, None, d), kvh),
+        _spec((None, s, None, dvw), kvh),
+        _spec((None, bq, None, dvw), qblk),
         _spec((None, None, bq), lambda i, bi, h: (bi, h, qb(i))),
-        _spec((None, bq), lambda i, bi, h: (bi, qb(i))), _spec((None, s), lambda i, bi, h: (bi, 0)))
+        _spec((None, bq), lambda i, bi, h: (bi, qb(i))),
+        _spec((None, s), lambda i, bi, h: (bi, 0)),
+    )
     q_out = _spec((None, bq, None, d), qblk)
     dq1, dq2 = pl.pallas_call(
         functools.partial(_dq_kernel, cfg=cfg),
         grid=(t // bq, b, hq),
         in_specs=specs,
         out_specs=[q_out, opt(diff, q_out)],
-        out_shape=[jax.ShapeDtypeStruct(q1.shape, q1.dtype),
-                   opt(diff, jax.ShapeDtypeStruct(q1.shape, q1.dtype))],
-        compiler_params=cfg.params("dq"), interpret=cfg.interpret,
+        out_shape=[
+            jax.ShapeDtypeStruct(q1.shape, q1.dtype),
+            opt(diff, jax.ShapeDtypeStruct(q1.shape, q1.dtype)),
+        ],
+        compiler_params=cfg.params("dq"),
+        interpret=cfg.interpret,
         name="diff_flash_bwd_dq" if diff else "flash_bwd_dq",
     )(*operands)
     return dq1, dk1, dq2, dk2, dv
@@ -832,8 +1021,9 @@ def _attention_bwd(cfg, res, g):
         delta1 = to_rows(jnp.sum(g32 * out32, axis=-1))
         delta2 = dlam = None
     do = g.astype(q1.dtype)
-    dq1, dk1, dq2, dk2, dv = _backward_kernels(cfg, q1, k1, q2, k2, v, lam, qseg, kseg, do,
-                                               lse1, delta1, lse2, delta2)
+    dq1, dk1, dq2, dk2, dv = _backward_kernels(
+        cfg, q1, k1, q2, k2, v, lam, qseg, kseg, do, lse1, delta1, lse2, delta2
+    )
     return dq1, dk1, dq2, dk2, dv, dlam, None, None
 
 
@@ -849,34 +1039,66 @@ def _pad_axis(x, axis: int, size: int, value=0):
     return jnp.pad(x, widths, constant_values=value)
 
 
-def _run(differential, q1, k1, q2, k2, v, lam, *, causal, segment_ids, kv_segment_ids,
-         sm_scale, block_sizes, interpret, o2_dtype=jnp.float32):
+def _run(
+    differential,
+    q1,
+    k1,
+    q2,
+    k2,
+    v,
+    lam,
+    *,
+    causal,
+    segment_ids,
+    kv_segment_ids,
+    sm_scale,
+    block_sizes,
+    interpret,
+    o2_dtype=jnp.float32,
+):
     b, t, hq, d = q1.shape
     s = k1.shape[1]
     dv = v.shape[-1]
-    bs = (default_block_sizes(d, dv, differential=differential,
-                              shared_keys=differential and k1 is k2) if block_sizes is None
-          else block_sizes)
+    bs = (
+        default_block_sizes(d, dv, differential=differential, shared_keys=differential and k1 is k2)
+        if block_sizes is None
+        else block_sizes
+    )
     if not isinstance(bs, BlockSizes):
         raise TypeError(f"block_sizes must be a BlockSizes or None, got {type(bs).__name__}")
     n_branch = 2 if differential else 1
     cc = _device_capability()
     d_pad, dv_pad = max(_MIN_BLOCK, _next_pow2(d)), max(_MIN_BLOCK, _next_pow2(dv))
-    split = differential and (bs.split_forward if bs.split_forward is not None else
-                              _default_split(n_branch, d_pad, dv_pad, cc))
-    key_major = (bs.dkv_key_major if bs.dkv_key_major is not None else _default_key_major(
-        n_branch, differential and k1 is k2, d_pad, dv_pad, cc))
+    split = differential and (
+        bs.split_forward
+        if bs.split_forward is not None
+        else _default_split(n_branch, d_pad, dv_pad, cc)
+    )
+    key_major = (
+        bs.dkv_key_major
+        if bs.dkv_key_major is not None
+        else _default_key_major(n_branch, differential and k1 is k2, d_pad, dv_pad, cc)
+    )
     if block_sizes is not None and not interpret and jax.default_backend() == "gpu":
         n_keys = 2 if differential and k2 is not k1 else 1
-        _check_fits(bs, max(_MIN_BLOCK, _next_pow2(d)), max(_MIN_BLOCK, _next_pow2(dv)),
-                    n_branch, n_keys, jnp.dtype(q1.dtype).itemsize, _device_capability(), split)
+        _check_fits(
+            bs,
+            max(_MIN_BLOCK, _next_pow2(d)),
+            max(_MIN_BLOCK, _next_pow2(dv)),
+            n_branch,
+            n_keys,
+            jnp.dtype(q1.dtype).itemsize,
+            _device_capability(),
+            split,
+        )
     if sm_scale is None:
-        sm_scale = d ** -0.5
+        sm_scale = d**-0.5
     try:
         sm_scale = float(sm_scale)
     except (TypeError, jax.errors.ConcretizationTypeError) as e:
-        raise TypeError("sm_scale must be a static python number (it is compiled into the "
-                        "kernel)") from e
+        raise TypeError(
+            "sm_scale must be a static python number (it is compiled into the kernel)"
+        ) from e
 
     # Effective blocks: clamped to the sequence (rounded to a power of two >= 16).
     t_cap, s_cap = max(_MIN_BLOCK, _next_pow2(t)), max(_MIN_BLOCK, _next_pow2(s))
@@ -887,8 +1109,9 @@ def _run(differential, q1, k1, q2, k2, v, lam, *, causal, segment_ids, kv_segmen
     s_pad = _round_up(s, max(bk, bk_dkv, bk_dq))
 
     shared_k = differential and k1 is k2
-    warps = _default_warps(n_branch, d_pad, dv_pad, cc, split, bs.block_q_dq, bs.block_k_dq,
-                           key_major)
+    warps = _default_warps(
+        n_branch, d_pad, dv_pad, cc, split, bs.block_q_dq, bs.block_k_dq, key_major
+    )
     for f in warps:  # given warps win; num_warps also sets the backward's unless they are given
         warps[f] = getattr(bs, f) or bs.num_warps or warps[f]
     # Triton dots need matching operand types: compute in the inputs' common type (a no-op for
@@ -901,13 +1124,29 @@ def _run(differential, q1, k1, q2, k2, v, lam, *, causal, segment_ids, kv_segmen
         k2 = k1 if shared_k else k2.astype(common)
     segmented = segment_ids is not None
     cfg = _Config(
-        differential=differential, shared_k=shared_k, causal=bool(causal), segmented=segmented,
-        q_len=t, kv_len=s, kv_padded=s_pad != s, scale=sm_scale,
-        block_q=bq, block_k=bk, block_q_dkv=bq_dkv, block_k_dkv=bk_dkv,
-        block_q_dq=bq_dq, block_k_dq=bk_dq,
-        num_stages=bs.num_stages or 2, interpret=bool(interpret), o2_dtype=jnp.dtype(o2_dtype),
-        num_warps=warps["num_warps"], num_warps_dkv=warps["num_warps_dkv"],
-        num_warps_dq=warps["num_warps_dq"], split_forward=split, dkv_key_major=key_major)
+        differential=differential,
+        shared_k=shared_k,
+        causal=bool(causal),
+        segmented=segmented,
+        q_len=t,
+        kv_len=s,
+        kv_padded=s_pad != s,
+        scale=sm_scale,
+        block_q=bq,
+        block_k=bk,
+        block_q_dkv=bq_dkv,
+        block_k_dkv=bk_dkv,
+        block_q_dq=bq_dq,
+        block_k_dq=bk_dq,
+        num_stages=bs.num_stages or 2,
+        interpret=bool(interpret),
+        o2_dtype=jnp.dtype(o2_dtype),
+        num_warps=warps["num_warps"],
+        num_warps_dkv=warps["num_warps_dkv"],
+        num_warps_dq=warps["num_warps_dq"],
+        split_forward=split,
+        dkv_key_major=key_major,
+    )
 
     def pad_q(x):
         return None if x is None else _pad_axis(_pad_axis(x, 3, d_pad), 1, t_pad)
@@ -934,9 +1173,22 @@ def _run(differential, q1, k1, q2, k2, v, lam, *, causal, segment_ids, kv_segmen
     return out.astype(out_dtype)
 
 
-def differential_flash_attention(q1, k1, q2, k2, v, lam, *, causal=True, segment_ids=None,
-                         kv_segment_ids=None, sm_scale=None, block_sizes=None,
-                         interpret=False, o2_dtype=jnp.float32) -> jax.Array:
+def differential_flash_attention(
+    q1,
+    k1,
+    q2,
+    k2,
+    v,
+    lam,
+    *,
+    causal=True,
+    segment_ids=None,
+    kv_segment_ids=None,
+    sm_scale=None,
+    block_sizes=None,
+    interpret=False,
+    o2_dtype=jnp.float32,
+) -> jax.Array:
     """Fused ``softmax(q1 k1^T s) v - lam * softmax(q2 k2^T s) v``, ``[B, T, Hq, Dv]`` in q1.dtype.
 
     q1, q2 ``[B,T,Hq,D]``; k1, k2 ``[B,S,Hkv,D]``; v ``[B,S,Hkv,Dv]``; ``lam`` a scalar (V1) or
@@ -947,20 +1199,56 @@ def differential_flash_attention(q1, k1, q2, k2, v, lam, *, causal=True, segment
     second-branch output (a backward residual, ``B*T*Hq*Dv`` elements per layer); bfloat16
     halves it, at the cost in d(lam) stated in docs/kernels.md.
     """
-    check_differential(q1, k1, q2, k2, v, lam, segment_ids, kv_segment_ids,
-                       what="differential_flash_attention")
-    return _run(True, q1, k1, q2, k2, v, lam, causal=causal, segment_ids=segment_ids,
-                kv_segment_ids=kv_segment_ids, sm_scale=sm_scale, block_sizes=block_sizes,
-                interpret=interpret, o2_dtype=o2_dtype)
+    check_differential(
+        q1, k1, q2, k2, v, lam, segment_ids, kv_segment_ids, what="differential_flash_attention"
+    )
+    return _run(
+        True,
+        q1,
+        k1,
+        q2,
+        k2,
+        v,
+        lam,
+        causal=causal,
+        segment_ids=segment_ids,
+        kv_segment_ids=kv_segment_ids,
+        sm_scale=sm_scale,
+        block_sizes=block_sizes,
+        interpret=interpret,
+        o2_dtype=o2_dtype,
+    )
 
 
-def flash_attention(q, k, v, *, causal=True, segment_ids=None, kv_segment_ids=None,
-                    sm_scale=None, block_sizes=None, interpret=False) -> jax.Array:
+def flash_attention(
+    q,
+    k,
+    v,
+    *,
+    causal=True,
+    segment_ids=None,
+    kv_segment_ids=None,
+    sm_scale=None,
+    block_sizes=None,
+    interpret=False,
+) -> jax.Array:
     """Standard fused softmax attention ``softmax(q k^T s) v`` with the same kernels (one branch).
 
     q ``[B,T,Hq,D]``, k ``[B,S,Hkv,D]``, v ``[B,S,Hkv,Dv]``; returns ``[B,T,Hq,Dv]`` in q.dtype.
     """
     check_qkv(q, k, v, segment_ids, kv_segment_ids, what="flash_attention")
-    return _run(False, q, k, None, None, v, None, causal=causal, segment_ids=segment_ids,
-                kv_segment_ids=kv_segment_ids, sm_scale=sm_scale, block_sizes=block_sizes,
-                interpret=interpret)
+    return _run(
+        False,
+        q,
+        k,
+        None,
+        None,
+        v,
+        None,
+        causal=causal,
+        segment_ids=segment_ids,
+        kv_segment_ids=kv_segment_ids,
+        sm_scale=sm_scale,
+        block_sizes=block_sizes,
+        interpret=interpret,
+    )

@@ -33,18 +33,22 @@ MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 
 
 # ---------------------------------------------------------------------------- input checks
-def check_qkv(q, k, v, segment_ids=None, kv_segment_ids=None, *, what: str, qname: str = "q",
-              kname: str = "k") -> None:
+def check_qkv(
+    q, k, v, segment_ids=None, kv_segment_ids=None, *, what: str, qname: str = "q", kname: str = "k"
+) -> None:
     """Raise a ValueError naming the problem when q ``[B,T,Hq,D]``, k ``[B,S,Hkv,D]``, v
     ``[B,S,Hkv,Dv]`` and the segment ids ``[B,T]`` / ``[B,S]`` do not fit together."""
     for name, x in ((qname, q), (kname, k), ("v", v)):
         if x.ndim != 4:
-            raise ValueError(f"{what}: {name} must be [batch, seq, heads, dim], got shape {x.shape}")
+            raise ValueError(
+                f"{what}: {name} must be [batch, seq, heads, dim], got shape {x.shape}"
+            )
     b, t, hq, d = q.shape
     bk, s, hkv, dk = k.shape
     if bk != b or v.shape[0] != b:
-        raise ValueError(f"{what}: batch sizes differ: {qname} {q.shape}, {kname} {k.shape}, "
-                         f"v {v.shape}")
+        raise ValueError(
+            f"{what}: batch sizes differ: {qname} {q.shape}, {kname} {k.shape}, v {v.shape}"
+        )
     if dk != d:
         raise ValueError(f"{what}: {qname} and {kname} head dims differ: {d} vs {dk}")
     if v.shape[1] != s or v.shape[2] != hkv:
@@ -53,45 +57,63 @@ def check_qkv(q, k, v, segment_ids=None, kv_segment_ids=None, *, what: str, qnam
         raise ValueError(f"{what}: {hkv} kv heads do not divide {hq} query heads")
     if segment_ids is not None:
         if segment_ids.shape != (b, t):
-            raise ValueError(f"{what}: segment_ids must be [batch, seq] = [{b}, {t}], got "
-                             f"{segment_ids.shape}")
+            raise ValueError(
+                f"{what}: segment_ids must be [batch, seq] = [{b}, {t}], got {segment_ids.shape}"
+            )
         kv_seg = segment_ids if kv_segment_ids is None else kv_segment_ids
         if kv_seg.shape != (b, s):
             raise ValueError(
                 f"{what}: key segment ids must be [batch, kv_seq] = [{b}, {s}], got {kv_seg.shape}"
-                + ("; pass kv_segment_ids when the key length differs"
-                   if kv_segment_ids is None else ""))
+                + (
+                    "; pass kv_segment_ids when the key length differs"
+                    if kv_segment_ids is None
+                    else ""
+                )
+            )
     elif kv_segment_ids is not None:
         raise ValueError(f"{what}: kv_segment_ids given without segment_ids")
 
 
-def check_differential(q1, k1, q2, k2, v, lam, segment_ids=None, kv_segment_ids=None, *,
-                       what: str) -> None:
+def check_differential(
+    q1, k1, q2, k2, v, lam, segment_ids=None, kv_segment_ids=None, *, what: str
+) -> None:
     """:func:`check_qkv` for both branches, plus lambda: a scalar (V1) or ``[B, T, Hq]`` (V2)."""
     check_qkv(q1, k1, v, segment_ids, kv_segment_ids, what=what, qname="q1", kname="k1")
     if q2.shape != q1.shape:
-        raise ValueError(f"{what}: q1 and q2 must have the same shape, got {q1.shape} and "
-                         f"{q2.shape}")
+        raise ValueError(
+            f"{what}: q1 and q2 must have the same shape, got {q1.shape} and {q2.shape}"
+        )
     if k2.shape != k1.shape:
-        raise ValueError(f"{what}: k1 and k2 must have the same shape, got {k1.shape} and "
-                         f"{k2.shape}")
+        raise ValueError(
+            f"{what}: k1 and k2 must have the same shape, got {k1.shape} and {k2.shape}"
+        )
     b, t, hq, _ = q1.shape
     if jnp.shape(lam) not in ((), (b, t, hq)):
-        raise ValueError(f"{what}: lam must be a scalar or [batch, seq, heads] = [{b}, {t}, {hq}], "
-                         f"got shape {jnp.shape(lam)}")
+        raise ValueError(
+            f"{what}: lam must be a scalar or [batch, seq, heads] = [{b}, {t}, {hq}], "
+            f"got shape {jnp.shape(lam)}"
+        )
 
 
 def check_logit_bits(bits) -> None:
-    if bits is not None and (not isinstance(bits, int) or isinstance(bits, bool)
-                             or not 2 <= bits <= 24):
-        raise ValueError(f"absmax quantization: bits must be an integer in [2, 24], got "
-                         f"{bits!r}. Fix: use e.g. 16, 8, 6 or 4 (or None for no quantization)")
+    if bits is not None and (
+        not isinstance(bits, int) or isinstance(bits, bool) or not 2 <= bits <= 24
+    ):
+        raise ValueError(
+            f"absmax quantization: bits must be an integer in [2, 24], got "
+            f"{bits!r}. Fix: use e.g. 16, 8, 6 or 4 (or None for no quantization)"
+        )
 
 
 # ---------------------------------------------------------------------------- masks
-def attention_mask(q_len: int, kv_len: int, *, causal: bool = True,
-                   segment_ids: jax.Array | None = None,
-                   kv_segment_ids: jax.Array | None = None) -> jax.Array | None:
+def attention_mask(
+    q_len: int,
+    kv_len: int,
+    *,
+    causal: bool = True,
+    segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+) -> jax.Array | None:
     """Boolean ``[batch or 1, q_len, kv_len]`` mask (True = may attend), or None for no mask.
 
     Causal masking aligns the last query with the last key (query ``i`` sees keys
@@ -112,8 +134,9 @@ def attention_mask(q_len: int, kv_len: int, *, causal: bool = True,
 
 
 # ---------------------------------------------------------------------------- quantization
-def absmax_quantize(x: jax.Array, bits: int, *, mask: jax.Array | None = None,
-                    axis=(-2, -1)) -> jax.Array:
+def absmax_quantize(
+    x: jax.Array, bits: int, *, mask: jax.Array | None = None, axis=(-2, -1)
+) -> jax.Array:
     """``x`` rounded to a symmetric ``bits``-bit grid whose step is ``absmax / (2^(bits-1)-1)``,
     the absmax taken over ``axis`` among the entries where ``mask`` is True (all if None).
     A block whose absmax is 0 is returned unchanged. Float32 in the arithmetic."""
@@ -164,13 +187,24 @@ def _group_mask(mask: jax.Array | None, r: int) -> jax.Array | None:
 def _grouped_logits(q: jax.Array, k: jax.Array, scale: float) -> jax.Array:
     """``q k^T * scale`` as ``[B, Hkv, R*T, S]`` float32, for q ``[B,T,Hq,D]``, k ``[B,S,Hkv,D]``."""
     hkv = k.shape[2]
-    logits = jnp.einsum("bgqd,bgsd->bgqs", _group_queries(q, hkv), k.transpose(0, 2, 1, 3),
-                        preferred_element_type=jnp.float32)
+    logits = jnp.einsum(
+        "bgqd,bgsd->bgqs",
+        _group_queries(q, hkv),
+        k.transpose(0, 2, 1, 3),
+        preferred_element_type=jnp.float32,
+    )
     return logits * jnp.float32(scale)
 
 
-def _grouped_probs(q: jax.Array, k: jax.Array, mask: jax.Array | None, scale: float,
-                   logit_bits: int | None = None, *, zero_masked: bool = True) -> jax.Array:
+def _grouped_probs(
+    q: jax.Array,
+    k: jax.Array,
+    mask: jax.Array | None,
+    scale: float,
+    logit_bits: int | None = None,
+    *,
+    zero_masked: bool = True,
+) -> jax.Array:
     """Softmax probabilities ``[B, Hkv, R*T, S]`` in float32. ``zero_masked=False`` leaves the
     masked entries of a row with no visible key uniform (the caller zeroes them)."""
     b, t, hq, _ = q.shape
@@ -180,8 +214,10 @@ def _grouped_probs(q: jax.Array, k: jax.Array, mask: jax.Array | None, scale: fl
     gmask = _group_mask(mask, r)
     if logit_bits is not None:  # absmax blocks per query head: [.., R, T, S]
         logits = absmax_quantize(
-            logits.reshape(b, hkv, r, t, s), logit_bits,
-            mask=None if mask is None else mask[:, None, None]).reshape(b, hkv, r * t, s)
+            logits.reshape(b, hkv, r, t, s),
+            logit_bits,
+            mask=None if mask is None else mask[:, None, None],
+        ).reshape(b, hkv, r * t, s)
     if gmask is None:
         return jax.nn.softmax(logits, axis=-1)
     probs = jax.nn.softmax(jnp.where(gmask, logits, MASK_VALUE), axis=-1)
@@ -192,8 +228,12 @@ def _grouped_probs(q: jax.Array, k: jax.Array, mask: jax.Array | None, scale: fl
 
 def _attend(probs: jax.Array, v: jax.Array, t: int) -> jax.Array:
     """``probs`` ``[B,Hkv,R*T,S]`` times v ``[B,S,Hkv,Dv]`` -> ``[B,T,Hkv*R,Dv]`` in float32."""
-    out = jnp.einsum("bgqs,bgsd->bgqd", probs.astype(v.dtype), v.transpose(0, 2, 1, 3),
-                     preferred_element_type=jnp.float32)
+    out = jnp.einsum(
+        "bgqs,bgsd->bgqd",
+        probs.astype(v.dtype),
+        v.transpose(0, 2, 1, 3),
+        preferred_element_type=jnp.float32,
+    )
     return _ungroup_queries(out, t)
 
 
@@ -201,45 +241,74 @@ def _default_scale(q: jax.Array, scale: float | None) -> float:
     return q.shape[-1] ** -0.5 if scale is None else scale
 
 
-def attention_logits(q: jax.Array, k: jax.Array, *, causal: bool = True,
-                     segment_ids: jax.Array | None = None,
-                     kv_segment_ids: jax.Array | None = None,
-                     scale: float | None = None) -> tuple[jax.Array, jax.Array | None]:
+def attention_logits(
+    q: jax.Array,
+    k: jax.Array,
+    *,
+    causal: bool = True,
+    segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+    scale: float | None = None,
+) -> tuple[jax.Array, jax.Array | None]:
     """The pre-softmax logits ``q k^T * scale`` ``[B, Hq, T, S]`` (float32) and the boolean mask
     ``[B or 1, T, S]`` (True = may attend; None when nothing is masked). Masked entries keep
     their raw value: read them through the mask."""
     b, t, hq, _ = q.shape
     logits = _grouped_logits(q, k, _default_scale(q, scale)).reshape(b, hq, t, k.shape[1])
-    mask = attention_mask(t, k.shape[1], causal=causal, segment_ids=segment_ids,
-                          kv_segment_ids=kv_segment_ids)
+    mask = attention_mask(
+        t, k.shape[1], causal=causal, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids
+    )
     return logits, mask
 
 
-def attention_weights(q: jax.Array, k: jax.Array, *, causal: bool = True,
-                      segment_ids: jax.Array | None = None,
-                      kv_segment_ids: jax.Array | None = None,
-                      scale: float | None = None) -> jax.Array:
+def attention_weights(
+    q: jax.Array,
+    k: jax.Array,
+    *,
+    causal: bool = True,
+    segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+    scale: float | None = None,
+) -> jax.Array:
     """The softmax attention map ``[B, Hq, T, S]`` (float32)."""
     b, t, hq, _ = q.shape
-    mask = attention_mask(t, k.shape[1], causal=causal, segment_ids=segment_ids,
-                          kv_segment_ids=kv_segment_ids)
+    mask = attention_mask(
+        t, k.shape[1], causal=causal, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids
+    )
     probs = _grouped_probs(q, k, mask, _default_scale(q, scale))
     return probs.reshape(b, hq, t, k.shape[1])
 
 
-def dot_product_attention(q, k, v, *, causal=True, segment_ids=None, kv_segment_ids=None,
-                          scale=None, logit_bits=None):
+def dot_product_attention(
+    q, k, v, *, causal=True, segment_ids=None, kv_segment_ids=None, scale=None, logit_bits=None
+):
     """``softmax(q k^T s) v``: ``[B, T, Hq, Dv]`` in ``q.dtype``. ``scale`` defaults to
     ``D ** -0.5``."""
-    mask = attention_mask(q.shape[1], k.shape[1], causal=causal, segment_ids=segment_ids,
-                          kv_segment_ids=kv_segment_ids)
-    out = _attend(_grouped_probs(q, k, mask, _default_scale(q, scale), logit_bits), v,
-                  q.shape[1])
+    mask = attention_mask(
+        q.shape[1],
+        k.shape[1],
+        causal=causal,
+        segment_ids=segment_ids,
+        kv_segment_ids=kv_segment_ids,
+    )
+    out = _attend(_grouped_probs(q, k, mask, _default_scale(q, scale), logit_bits), v, q.shape[1])
     return out.astype(q.dtype)
 
 
-def differential_attention(q1, k1, q2, k2, v, lam, *, causal=True, segment_ids=None,
-                           kv_segment_ids=None, scale=None, logit_bits=None):
+def differential_attention(
+    q1,
+    k1,
+    q2,
+    k2,
+    v,
+    lam,
+    *,
+    causal=True,
+    segment_ids=None,
+    kv_segment_ids=None,
+    scale=None,
+    logit_bits=None,
+):
     """``softmax(q1 k1^T s) v - lam * softmax(q2 k2^T s) v``: ``[B, T, Hq, Dv]`` in
     ``q1.dtype``. ``lam`` a scalar (V1) or ``[B, T, Hq]`` (V2).
 
@@ -251,8 +320,9 @@ def differential_attention(q1, k1, q2, k2, v, lam, *, causal=True, segment_ids=N
     _, t, hq, _ = q1.shape
     hkv = k1.shape[2]
     scale = _default_scale(q1, scale)
-    mask = attention_mask(t, k1.shape[1], causal=causal, segment_ids=segment_ids,
-                          kv_segment_ids=kv_segment_ids)
+    mask = attention_mask(
+        t, k1.shape[1], causal=causal, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids
+    )
     p1 = _grouped_probs(q1, k1, mask, scale, logit_bits, zero_masked=False)
     p2 = _grouped_probs(q2, k2, mask, scale, logit_bits, zero_masked=False)
     lam = jnp.asarray(lam, jnp.float32)

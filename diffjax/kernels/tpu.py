@@ -106,8 +106,9 @@ class BlockSizes:
     block_k_dq: int = 512
 
     def __post_init__(self):
-        check_block_fields(self, [f.name for f in dataclasses.fields(self)], lambda b: b >= 1,
-                           "a positive int")
+        check_block_fields(
+            self, [f.name for f in dataclasses.fields(self)], lambda b: b >= 1, "a positive int"
+        )
 
     @property
     def q_blocks(self) -> tuple[int, int, int]:
@@ -118,8 +119,9 @@ class BlockSizes:
         return (self.block_k, self.block_k_dkv, self.block_k_dq)
 
 
-def _effective_blocks(length: int, blocks: tuple[int, ...], names: tuple[str, ...],
-                      hardware: bool) -> tuple[int, tuple[int, ...]]:
+def _effective_blocks(
+    length: int, blocks: tuple[int, ...], names: tuple[str, ...], hardware: bool
+) -> tuple[int, tuple[int, ...]]:
     """Clamp ``blocks`` to the sequence and return ``(padded_length, clamped_blocks)``.
 
     A block larger than the sequence is clamped to the power of two (at least 8) that covers it,
@@ -239,8 +241,9 @@ def _run_tile(run, masked, body):
     pl.when(_and(run, jnp.logical_not(masked)))(lambda: body(False))
 
 
-def _tile_mask(cfg: _Config, q_start, k_start, nq: int, nk: int, *, transposed: bool,
-               use_mask: bool, seg):
+def _tile_mask(
+    cfg: _Config, q_start, k_start, nq: int, nk: int, *, transposed: bool, use_mask: bool, seg
+):
     """Boolean visibility of a tile, ``[nq, nk]`` (``[nk, nq]`` if transposed), or None.
 
     ``seg``: ``(q_ids, k_ids)`` already shaped to broadcast against the tile, or None.
@@ -292,9 +295,28 @@ def _q_index_dkv(cfg: _Config, kj, qi, bq: int, bk: int):
 
 
 # ============================================================================ forward kernel
-def _fwd_kernel(q1_ref, k1_ref, q2_ref, k2_ref, v_ref, lam_ref, qseg_ref, kseg_ref,
-                o_ref, lse1_ref, lse2_ref, o2_ref, m1_ref, l1_ref, acc1_ref, m2_ref, l2_ref,
-                acc2_ref, *, cfg: _Config):
+def _fwd_kernel(
+    q1_ref,
+    k1_ref,
+    q2_ref,
+    k2_ref,
+    v_ref,
+    lam_ref,
+    qseg_ref,
+    kseg_ref,
+    o_ref,
+    lse1_ref,
+    lse2_ref,
+    o2_ref,
+    m1_ref,
+    l1_ref,
+    acc1_ref,
+    m2_ref,
+    l2_ref,
+    acc2_ref,
+    *,
+    cfg: _Config,
+):
     """One query block of one head against key block ``kj``. Operands a configuration does not
     use are None: q2, k2, lam, lse2, o2 and the second branch's scratch (m2, l2, acc2) for the
     standard kernel, k2 for shared keys, the segment ids when unpacked, the residuals (lse1,
@@ -314,8 +336,9 @@ def _fwd_kernel(q1_ref, k1_ref, q2_ref, k2_ref, v_ref, lam_ref, qseg_ref, kseg_r
 
     def body(use_mask: bool):
         seg = None if qseg_ref is None else (_col(qseg_ref), kseg_ref[...])
-        mask = _tile_mask(cfg, qi * bq, kj * bk, bq, bk, transposed=False, use_mask=use_mask,
-                          seg=seg)
+        mask = _tile_mask(
+            cfg, qi * bq, kj * bk, bq, bk, transposed=False, use_mask=use_mask, seg=seg
+        )
         v = v_ref[...]
         k1 = k1_ref[...]
         pairs = [(q1_ref[...], k1)]
@@ -333,8 +356,7 @@ def _fwd_kernel(q1_ref, k1_ref, q2_ref, k2_ref, v_ref, lam_ref, qseg_ref, kseg_r
             alpha = jnp.exp(m_prev - m_next)
             l_ref[...] = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
             m_ref[...] = m_next
-            acc_ref[...] = (acc_ref[...] * _lanes(alpha, cfg.dv)
-                            + _dot_nn(p.astype(v.dtype), v))
+            acc_ref[...] = acc_ref[...] * _lanes(alpha, cfg.dv) + _dot_nn(p.astype(v.dtype), v)
 
     _run_tile(*_block_conditions(cfg, qi, kj, bq, bk), body)
 
@@ -360,9 +382,29 @@ def _fwd_kernel(q1_ref, k1_ref, q2_ref, k2_ref, v_ref, lam_ref, qseg_ref, kseg_r
 
 
 # ============================================================================ dK/dV kernel
-def _dkv_kernel(q1_ref, k1_ref, q2_ref, k2_ref, v_ref, lam_ref, qseg_ref, kseg_ref, do_ref,
-                lse1_ref, delta1_ref, lse2_ref, delta2_ref, dk1_ref, dk2_ref, dv_ref,
-                dk1_acc, dk2_acc, dv_acc, *, cfg: _Config):
+def _dkv_kernel(
+    q1_ref,
+    k1_ref,
+    q2_ref,
+    k2_ref,
+    v_ref,
+    lam_ref,
+    qseg_ref,
+    kseg_ref,
+    do_ref,
+    lse1_ref,
+    delta1_ref,
+    lse2_ref,
+    delta2_ref,
+    dk1_ref,
+    dk2_ref,
+    dv_ref,
+    dk1_acc,
+    dk2_acc,
+    dv_acc,
+    *,
+    cfg: _Config,
+):
     """dK (dK1, dK2, or their sum for shared keys: dk2_ref and dk2_acc None) and dV of one key
     block of one kv head, accumulated over the query heads of its group and their query blocks.
     Transposed tiles: keys on sublanes, queries on lanes."""
@@ -377,8 +419,9 @@ def _dkv_kernel(q1_ref, k1_ref, q2_ref, k2_ref, v_ref, lam_ref, qseg_ref, kseg_r
 
     def body(use_mask: bool):
         seg = None if qseg_ref is None else (qseg_ref[...], _col(kseg_ref))  # [1, bq] vs [bk, 1]
-        mask = _tile_mask(cfg, qi * bq, kj * bk, bq, bk, transposed=True, use_mask=use_mask,
-                          seg=seg)
+        mask = _tile_mask(
+            cfg, qi * bq, kj * bk, bq, bk, transposed=True, use_mask=use_mask, seg=seg
+        )
         v, do = v_ref[...], do_ref[...]
         k1, q1 = k1_ref[...], q1_ref[...]
         dp_t = _dot_nt(v, do)  # [bk, bq] = (dO V^T)^T
@@ -418,9 +461,27 @@ def _dkv_kernel(q1_ref, k1_ref, q2_ref, k2_ref, v_ref, lam_ref, qseg_ref, kseg_r
 
 
 # ============================================================================ dQ kernel
-def _dq_kernel(q1_ref, k1_ref, q2_ref, k2_ref, v_ref, lam_ref, qseg_ref, kseg_ref, do_ref,
-               lse1_ref, delta1_ref, lse2_ref, delta2_ref, dq1_ref, dq2_ref, dq1_acc, dq2_acc,
-               *, cfg: _Config):
+def _dq_kernel(
+    q1_ref,
+    k1_ref,
+    q2_ref,
+    k2_ref,
+    v_ref,
+    lam_ref,
+    qseg_ref,
+    kseg_ref,
+    do_ref,
+    lse1_ref,
+    delta1_ref,
+    lse2_ref,
+    delta2_ref,
+    dq1_ref,
+    dq2_ref,
+    dq1_acc,
+    dq2_acc,
+    *,
+    cfg: _Config,
+):
     """dQ1 (and dQ2) of one query block of one head, accumulated over the key blocks."""
     bq, bk = cfg.blocks.block_q_dq, cfg.blocks.block_k_dq
     qi, kj = pl.program_id(2), pl.program_id(3)
@@ -433,8 +494,9 @@ def _dq_kernel(q1_ref, k1_ref, q2_ref, k2_ref, v_ref, lam_ref, qseg_ref, kseg_re
 
     def body(use_mask: bool):
         seg = None if qseg_ref is None else (_col(qseg_ref), kseg_ref[...])
-        mask = _tile_mask(cfg, qi * bq, kj * bk, bq, bk, transposed=False, use_mask=use_mask,
-                          seg=seg)
+        mask = _tile_mask(
+            cfg, qi * bq, kj * bk, bq, bk, transposed=False, use_mask=use_mask, seg=seg
+        )
         v, do = v_ref[...], do_ref[...]
         k1, q1 = k1_ref[...], q1_ref[...]
         dp = _dot_nt(do, v)  # [bq, bk]
@@ -461,8 +523,8 @@ def _dq_kernel(q1_ref, k1_ref, q2_ref, k2_ref, v_ref, lam_ref, qseg_ref, kseg_re
 
 
 # ============================================================================ pallas calls
-_DEFAULT_SCOPED_VMEM = 16 * 2 ** 20  # the smallest default scoped VMEM limit (v5e)
-_MAX_VMEM_LIMIT = 48 * 2 ** 20  # below every current chip's physical VMEM per core
+_DEFAULT_SCOPED_VMEM = 16 * 2**20  # the smallest default scoped VMEM limit (v5e)
+_MAX_VMEM_LIMIT = 48 * 2**20  # below every current chip's physical VMEM per core
 
 
 def _tile_bytes(shape, itemsize: int) -> int:
@@ -482,8 +544,9 @@ def _vmem_estimate(specs, arrays, scratch, tile_shape, n_tiles: int) -> int:
             continue
         shape = [b for b in spec.block_shape if b is not None]
         total += 2 * _tile_bytes(shape, jnp.dtype(x.dtype).itemsize)
-    total += sum(_tile_bytes(sc.shape, jnp.dtype(sc.dtype).itemsize) for sc in scratch
-                 if sc is not None)
+    total += sum(
+        _tile_bytes(sc.shape, jnp.dtype(sc.dtype).itemsize) for sc in scratch if sc is not None
+    )
     return total + n_tiles * _tile_bytes(tile_shape, 4)
 
 
@@ -494,7 +557,8 @@ def _compiler_params(n_parallel: int, n_arbitrary: int, vmem_bytes: int):
         limit = min(max(int(vmem_bytes * 1.5), _DEFAULT_SCOPED_VMEM), _MAX_VMEM_LIMIT)
     return pltpu.CompilerParams(
         dimension_semantics=("parallel",) * n_parallel + ("arbitrary",) * n_arbitrary,
-        vmem_limit_bytes=limit)
+        vmem_limit_bytes=limit,
+    )
 
 
 def _kernel_name(cfg: _Config, what: str) -> str:
@@ -517,8 +581,22 @@ def _nbytes(arrays) -> int:
     return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in arrays if x is not None)
 
 
-def _call(cfg: _Config, kernel, what: str, *, grid, operands, in_specs, out_shape, out_specs,
-          scratch, n_arbitrary: int, tile, n_tiles: int, cost=None):
+def _call(
+    cfg: _Config,
+    kernel,
+    what: str,
+    *,
+    grid,
+    operands,
+    in_specs,
+    out_shape,
+    out_specs,
+    scratch,
+    n_arbitrary: int,
+    tile,
+    n_tiles: int,
+    cost=None,
+):
     """One ``pl.pallas_call``; the kernel takes operands, outputs and scratch as named refs, in
     that order. A None operand, output shape or scratch shape (one the configuration lacks)
     reaches the kernel as None and gets no block spec and no buffer."""
@@ -526,9 +604,15 @@ def _call(cfg: _Config, kernel, what: str, *, grid, operands, in_specs, out_shap
     out_specs = [None if x is None else s for x, s in zip(out_shape, out_specs)]
     vmem = _vmem_estimate(in_specs + out_specs, [*operands, *out_shape], scratch, tile, n_tiles)
     return pl.pallas_call(
-        functools.partial(kernel, cfg=cfg), grid=grid, in_specs=in_specs, out_specs=out_specs,
-        out_shape=out_shape, scratch_shapes=scratch, interpret=cfg.interpret,
-        cost_estimate=cost, name=_kernel_name(cfg, what),
+        functools.partial(kernel, cfg=cfg),
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        scratch_shapes=scratch,
+        interpret=cfg.interpret,
+        cost_estimate=cost,
+        name=_kernel_name(cfg, what),
         compiler_params=_compiler_params(len(grid) - n_arbitrary, n_arbitrary, vmem),
     )(*operands)
 
@@ -555,8 +639,9 @@ def _q_major_specs(cfg: _Config, bq: int, bk: int, d: int, dv: int):
         v=pl.BlockSpec((None, None, bk, dv), kv_map),
         row=pl.BlockSpec((None, None, 1, bq), row_map),
         qseg=pl.BlockSpec((None, 1, bq), lambda bi, h, qi, kj: (bi, 0, qi)),
-        kseg=pl.BlockSpec((None, 1, bk),
-                           lambda bi, h, qi, kj: (bi, 0, _kv_index(cfg, qi, kj, bq, bk))),
+        kseg=pl.BlockSpec(
+            (None, 1, bk), lambda bi, h, qi, kj: (bi, 0, _kv_index(cfg, qi, kj, bq, bk))
+        ),
     )
 
 
@@ -567,27 +652,52 @@ def _forward(cfg: _Config, q1, k1, q2, k2, v, lam, qseg, kseg, *, save_residuals
     dv, diff = cfg.dv, cfg.differential
     sp = _q_major_specs(cfg, bq, bk, d, dv)
     operands = (q1, k1, q2, k2, v, lam, qseg, kseg)
-    in_specs = [sp["q"], sp["k"], sp["q"], sp["k"], sp["v"], _lam_spec(cfg, sp["row"]),
-                sp["qseg"], sp["kseg"]]
+    in_specs = [
+        sp["q"],
+        sp["k"],
+        sp["q"],
+        sp["k"],
+        sp["v"],
+        _lam_spec(cfg, sp["row"]),
+        sp["qseg"],
+        sp["kseg"],
+    ]
     lse = jax.ShapeDtypeStruct((b, hq, tp, NUM_LANES), _F32)  # lane-replicated
     lse_spec = pl.BlockSpec((None, None, bq, NUM_LANES), sp["q_map"])
     o_spec = pl.BlockSpec((None, None, bq, dv), sp["q_map"])
     saved, saved2 = save_residuals, save_residuals and diff
-    out_shape = [jax.ShapeDtypeStruct((b, hq, tp, dv), q1.dtype), _opt(saved, lse),
-                 _opt(saved2, lse), _opt(saved2, jax.ShapeDtypeStruct((b, hq, tp, dv), _F32))]
+    out_shape = [
+        jax.ShapeDtypeStruct((b, hq, tp, dv), q1.dtype),
+        _opt(saved, lse),
+        _opt(saved2, lse),
+        _opt(saved2, jax.ShapeDtypeStruct((b, hq, tp, dv), _F32)),
+    ]
     row, acc = pltpu.VMEM((bq, NUM_LANES), _F32), pltpu.VMEM((bq, dv), _F32)
     scratch = [row, row, acc, _opt(diff, row), _opt(diff, row), _opt(diff, acc)]  # m, l, acc
 
     nbr = 2 if diff else 1
     pairs = b * hq * cfg.q_len * cfg.kv_len * (0.5 if cfg.causal else 1.0)
-    cost = pl.CostEstimate(flops=int(2 * nbr * (d + dv) * pairs),
-                           transcendentals=int(nbr * pairs),
-                           bytes_accessed=_nbytes([*operands, *out_shape]))
+    cost = pl.CostEstimate(
+        flops=int(2 * nbr * (d + dv) * pairs),
+        transcendentals=int(nbr * pairs),
+        bytes_accessed=_nbytes([*operands, *out_shape]),
+    )
 
     out, lse1, lse2, o2 = _call(
-        cfg, _fwd_kernel, "fwd", grid=(b, hq, tp // bq, cfg.s_pad // bk), operands=operands,
-        in_specs=in_specs, out_shape=out_shape, out_specs=[o_spec, lse_spec, lse_spec, o_spec],
-        scratch=scratch, n_arbitrary=1, tile=(bq, bk), n_tiles=4 * nbr, cost=cost)
+        cfg,
+        _fwd_kernel,
+        "fwd",
+        grid=(b, hq, tp // bq, cfg.s_pad // bk),
+        operands=operands,
+        in_specs=in_specs,
+        out_shape=out_shape,
+        out_specs=[o_spec, lse_spec, lse_spec, o_spec],
+        scratch=scratch,
+        n_arbitrary=1,
+        tile=(bq, bk),
+        n_tiles=4 * nbr,
+        cost=cost,
+    )
 
     def first_lane(x):  # keep one lane, as a [B, H, 1, Tp] row for the backward pass
         return None if x is None else x[..., 0][:, :, None, :]
@@ -595,8 +705,7 @@ def _forward(cfg: _Config, q1, k1, q2, k2, v, lam, qseg, kseg, *, save_residuals
     return out, first_lane(lse1), first_lane(lse2), o2
 
 
-def _backward(cfg: _Config, q1, k1, q2, k2, v, lam, qseg, kseg, do, lse1, delta1, lse2,
-              delta2):
+def _backward(cfg: _Config, q1, k1, q2, k2, v, lam, qseg, kseg, do, lse1, delta1, lse2, delta2):
     """``(dq1, dk1, dq2, dk2, dv)``: the dK/dV kernel, then the dQ kernel. The per-query rows
     (lse, delta) are ``[B, H, 1, Tp]``; dq2 is None for the standard kernel and dk2 None when
     there is no separate k2 (standard kernel, shared keys)."""
@@ -628,23 +737,36 @@ def _backward(cfg: _Config, q1, k1, q2, k2, v, lam, qseg, kseg, do, lse1, delta1
         return (bi, g, kj, 0)
 
     specs = in_specs(
-        pl.BlockSpec((None, None, bq, d), q_map), pl.BlockSpec((None, None, bk, d), kv_map),
+        pl.BlockSpec((None, None, bq, d), q_map),
+        pl.BlockSpec((None, None, bk, d), kv_map),
         pl.BlockSpec((None, None, bk, dv), kv_map),
-        pl.BlockSpec((None, None, 1, bq),
-                     lambda bi, g, kj, rep, qi: (bi, g * grp + rep, 0, q_index(kj, qi))),
+        pl.BlockSpec(
+            (None, None, 1, bq), lambda bi, g, kj, rep, qi: (bi, g * grp + rep, 0, q_index(kj, qi))
+        ),
         pl.BlockSpec((None, 1, bq), lambda bi, g, kj, rep, qi: (bi, 0, q_index(kj, qi))),
-        pl.BlockSpec((None, 1, bk), lambda bi, g, kj, rep, qi: (bi, 0, kv_index(kj))))
+        pl.BlockSpec((None, 1, bk), lambda bi, g, kj, rep, qi: (bi, 0, kv_index(kj))),
+    )
     dk_shape = jax.ShapeDtypeStruct(k1.shape, k1.dtype)
     dk_spec = pl.BlockSpec((None, None, bk, d), out_map)
     dk_acc = pltpu.VMEM((bk, d), _F32)
     dk1, dk2, dv_ = _call(
-        cfg, _dkv_kernel, "dkv", grid=(b, cfg.hkv, cfg.s_pad // bk, grp, tp // bq),
-        operands=operands, in_specs=specs,
-        out_shape=[dk_shape, _opt(k2 is not None, dk_shape),
-                   jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        cfg,
+        _dkv_kernel,
+        "dkv",
+        grid=(b, cfg.hkv, cfg.s_pad // bk, grp, tp // bq),
+        operands=operands,
+        in_specs=specs,
+        out_shape=[
+            dk_shape,
+            _opt(k2 is not None, dk_shape),
+            jax.ShapeDtypeStruct(v.shape, v.dtype),
+        ],
         out_specs=[dk_spec, dk_spec, pl.BlockSpec((None, None, bk, dv), out_map)],
         scratch=[dk_acc, _opt(k2 is not None, dk_acc), pltpu.VMEM((bk, dv), _F32)],
-        n_arbitrary=2, tile=(bk, bq), n_tiles=10)
+        n_arbitrary=2,
+        tile=(bk, bq),
+        n_tiles=10,
+    )
 
     # dQ: grid (batch, q head, query block, key block), streaming keys like the forward pass.
     bq, bk = cfg.blocks.block_q_dq, cfg.blocks.block_k_dq
@@ -652,11 +774,19 @@ def _backward(cfg: _Config, q1, k1, q2, k2, v, lam, qseg, kseg, do, lse1, delta1
     dq_shape = jax.ShapeDtypeStruct(q1.shape, q1.dtype)
     dq_acc = pltpu.VMEM((bq, d), _F32)
     dq1, dq2 = _call(
-        cfg, _dq_kernel, "dq", grid=(b, hq, tp // bq, cfg.s_pad // bk), operands=operands,
+        cfg,
+        _dq_kernel,
+        "dq",
+        grid=(b, hq, tp // bq, cfg.s_pad // bk),
+        operands=operands,
         in_specs=in_specs(sp["q"], sp["k"], sp["v"], sp["row"], sp["qseg"], sp["kseg"]),
-        out_shape=[dq_shape, _opt(cfg.differential, dq_shape)], out_specs=[sp["q"], sp["q"]],
-        scratch=[dq_acc, _opt(cfg.differential, dq_acc)], n_arbitrary=1, tile=(bq, bk),
-        n_tiles=8)
+        out_shape=[dq_shape, _opt(cfg.differential, dq_shape)],
+        out_specs=[sp["q"], sp["q"]],
+        scratch=[dq_acc, _opt(cfg.differential, dq_acc)],
+        n_arbitrary=1,
+        tile=(bq, bk),
+        n_tiles=8,
+    )
     return dq1, dk1, dq2, dk2, dv_
 
 
@@ -687,8 +817,9 @@ def _attention_bwd(cfg: _Config, res, dout):
         delta2 = d2[:, :, None, :]
         dlam = (-jnp.sum(d2)).reshape(1) if cfg.lam_mode == "scalar" else -delta2
     do = dout.astype(cfg.compute_dtype)
-    dq1, dk1, dq2, dk2, dv = _backward(cfg, q1, k1, q2, k2, v, lam, qseg, kseg, do, lse1,
-                                       delta1[:, :, None, :], lse2, delta2)
+    dq1, dk1, dq2, dk2, dv = _backward(
+        cfg, q1, k1, q2, k2, v, lam, qseg, kseg, do, lse1, delta1[:, :, None, :], lse2, delta2
+    )
     return dq1, dk1, dq2, dk2, dv, dlam, None, None
 
 
@@ -709,11 +840,27 @@ def _compute_dtype(*xs):
     return jnp.dtype(dt)
 
 
-def _run(what, q1, k1, q2, k2, v, lam, *, differential, causal, segment_ids, kv_segment_ids,
-         sm_scale, block_sizes, interpret):
+def _run(
+    what,
+    q1,
+    k1,
+    q2,
+    k2,
+    v,
+    lam,
+    *,
+    differential,
+    causal,
+    segment_ids,
+    kv_segment_ids,
+    sm_scale,
+    block_sizes,
+    interpret,
+):
     if q1.shape[1] < 1 or k1.shape[1] < 1:
-        raise ValueError(f"{what}: empty sequence (q length {q1.shape[1]}, kv length "
-                         f"{k1.shape[1]})")
+        raise ValueError(
+            f"{what}: empty sequence (q length {q1.shape[1]}, kv length {k1.shape[1]})"
+        )
     shared_k = differential and (k1 is k2)
     b, t, hq, d = q1.shape
     s, hkv, dv = k1.shape[1], k1.shape[2], v.shape[3]
@@ -723,14 +870,19 @@ def _run(what, q1, k1, q2, k2, v, lam, *, differential, causal, segment_ids, kv_
         raise ValueError(f"{what}: block_sizes must be a BlockSizes, got {type(block_sizes)}")
     hardware = interpret is False or interpret is None
     tp, (bq, bq_dkv, bq_dq) = _effective_blocks(
-        t, block_sizes.q_blocks, ("block_q", "block_q_dkv", "block_q_dq"), hardware)
+        t, block_sizes.q_blocks, ("block_q", "block_q_dkv", "block_q_dq"), hardware
+    )
     sp, (bk, bk_dkv, bk_dq) = _effective_blocks(
-        s, block_sizes.k_blocks, ("block_k", "block_k_dkv", "block_k_dq"), hardware)
+        s, block_sizes.k_blocks, ("block_k", "block_k_dkv", "block_k_dq"), hardware
+    )
     eff = BlockSizes(bq, bk, bq_dkv, bk_dkv, bq_dq, bk_dq)
-    scale = float(d ** -0.5 if sm_scale is None else sm_scale)
+    scale = float(d**-0.5 if sm_scale is None else sm_scale)
 
-    arrays = [q1, k1, v] + ([q2] if differential else []) + (
-        [k2] if differential and not shared_k else [])
+    arrays = (
+        [q1, k1, v]
+        + ([q2] if differential else [])
+        + ([k2] if differential and not shared_k else [])
+    )
     cdt = _compute_dtype(*arrays)
 
     lam_mode, lam_in = None, None
@@ -740,7 +892,9 @@ def _run(what, q1, k1, q2, k2, v, lam, *, differential, causal, segment_ids, kv_
             lam_mode, lam_in = "scalar", lam_arr.reshape(1)
         else:  # [B, T, Hq] (checked)
             lam_mode = "row"
-            lam_in = jnp.pad(jnp.swapaxes(lam_arr, 1, 2), ((0, 0), (0, 0), (0, tp - t)))[:, :, None, :]
+            lam_in = jnp.pad(jnp.swapaxes(lam_arr, 1, 2), ((0, 0), (0, 0), (0, tp - t)))[
+                :, :, None, :
+            ]
 
     qseg = kseg = None
     if segment_ids is not None:
@@ -748,22 +902,57 @@ def _run(what, q1, k1, q2, k2, v, lam, *, differential, causal, segment_ids, kv_
         qseg = jnp.pad(segment_ids.astype(jnp.int32), ((0, 0), (0, tp - t)))[:, None, :]
         kseg = jnp.pad(kv.astype(jnp.int32), ((0, 0), (0, sp - s)))[:, None, :]
 
-    cfg = _Config(differential=differential, shared_k=shared_k, lam_mode=lam_mode,
-                  segmented=segment_ids is not None, causal=bool(causal), scale=scale, q_len=t,
-                  kv_len=s, t_pad=tp, s_pad=sp, hq=hq, hkv=hkv, dv=dv, blocks=eff,
-                  compute_dtype=cdt, interpret=interpret)
+    cfg = _Config(
+        differential=differential,
+        shared_k=shared_k,
+        lam_mode=lam_mode,
+        segmented=segment_ids is not None,
+        causal=bool(causal),
+        scale=scale,
+        q_len=t,
+        kv_len=s,
+        t_pad=tp,
+        s_pad=sp,
+        hq=hq,
+        hkv=hkv,
+        dv=dv,
+        blocks=eff,
+        compute_dtype=cdt,
+        interpret=interpret,
+    )
 
     def prep(x, length):
         return None if x is None else _to_internal(x.astype(cdt), length)
 
-    out = _attention(cfg, prep(q1, tp), prep(k1, sp), prep(q2, tp),
-                     None if shared_k else prep(k2, sp), prep(v, sp), lam_in, qseg, kseg)
+    out = _attention(
+        cfg,
+        prep(q1, tp),
+        prep(k1, sp),
+        prep(q2, tp),
+        None if shared_k else prep(k2, sp),
+        prep(v, sp),
+        lam_in,
+        qseg,
+        kseg,
+    )
     return jnp.swapaxes(out[:, :, :t], 1, 2).astype(q1.dtype)
 
 
-def differential_flash_attention(q1, k1, q2, k2, v, lam, *, causal=True, segment_ids=None,
-                         kv_segment_ids=None, sm_scale=None, block_sizes=None,
-                         interpret=False) -> jax.Array:
+def differential_flash_attention(
+    q1,
+    k1,
+    q2,
+    k2,
+    v,
+    lam,
+    *,
+    causal=True,
+    segment_ids=None,
+    kv_segment_ids=None,
+    sm_scale=None,
+    block_sizes=None,
+    interpret=False,
+) -> jax.Array:
     """Fused ``softmax(q1 k1^T s) v - lam * softmax(q2 k2^T s) v``, ``[B, T, Hq, Dv]`` in q1's dtype.
 
     q1, q2 ``[B, T, Hq, D]``; k1, k2 ``[B, S, Hkv, D]`` (pass the same array twice for a shared
@@ -772,17 +961,54 @@ def differential_flash_attention(q1, k1, q2, k2, v, lam, *, causal=True, segment
     ``D ** -0.5``. Causal masking is bottom-right aligned. ``interpret``: False for TPU hardware,
     True or a ``pltpu.InterpretParams`` to run in interpret mode (e.g. on CPU).
     """
-    check_differential(q1, k1, q2, k2, v, lam, segment_ids, kv_segment_ids,
-                       what="differential_flash_attention")
-    return _run("differential_flash_attention", q1, k1, q2, k2, v, lam, differential=True,
-                causal=causal, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
-                sm_scale=sm_scale, block_sizes=block_sizes, interpret=interpret)
+    check_differential(
+        q1, k1, q2, k2, v, lam, segment_ids, kv_segment_ids, what="differential_flash_attention"
+    )
+    return _run(
+        "differential_flash_attention",
+        q1,
+        k1,
+        q2,
+        k2,
+        v,
+        lam,
+        differential=True,
+        causal=causal,
+        segment_ids=segment_ids,
+        kv_segment_ids=kv_segment_ids,
+        sm_scale=sm_scale,
+        block_sizes=block_sizes,
+        interpret=interpret,
+    )
 
 
-def flash_attention(q, k, v, *, causal=True, segment_ids=None, kv_segment_ids=None,
-                    sm_scale=None, block_sizes=None, interpret=False) -> jax.Array:
+def flash_attention(
+    q,
+    k,
+    v,
+    *,
+    causal=True,
+    segment_ids=None,
+    kv_segment_ids=None,
+    sm_scale=None,
+    block_sizes=None,
+    interpret=False,
+) -> jax.Array:
     """Standard flash attention ``softmax(q k^T s) v`` with the same kernels (one branch)."""
     check_qkv(q, k, v, segment_ids, kv_segment_ids, what="flash_attention")
-    return _run("flash_attention", q, k, None, None, v, None, differential=False,
-                causal=causal, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
-                sm_scale=sm_scale, block_sizes=block_sizes, interpret=interpret)
+    return _run(
+        "flash_attention",
+        q,
+        k,
+        None,
+        None,
+        v,
+        None,
+        differential=False,
+        causal=causal,
+        segment_ids=segment_ids,
+        kv_segment_ids=kv_segment_ids,
+        sm_scale=sm_scale,
+        block_sizes=block_sizes,
+        interpret=interpret,
+    )

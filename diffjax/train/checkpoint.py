@@ -36,22 +36,37 @@ class CheckpointError(RuntimeError):
 class Checkpointer:
     def __init__(self, directory: str, *, keep: int = 3, async_save: bool = True):
         self.directory = os.path.abspath(directory)
-        policy = cm.AnyPreservationPolicy([
-            cm.LatestN(n=keep),
-            cm.BestN(get_metric_fn=lambda m: m["val_loss"], reverse=True, n=1,
-                     keep_checkpoints_without_metrics=False),
-        ])
+        policy = cm.AnyPreservationPolicy(
+            [
+                cm.LatestN(n=keep),
+                cm.BestN(
+                    get_metric_fn=lambda m: m["val_loss"],
+                    reverse=True,
+                    n=1,
+                    keep_checkpoints_without_metrics=False,
+                ),
+            ]
+        )
         # best_fn is what makes Orbax write each step's metrics to disk: without it they live
         # only in this manager's memory, and after a resume BestN sees none and deletes the
         # best checkpoint. (Preservation itself is decided by ``policy`` alone.)
         options = ocp.CheckpointManagerOptions(
-            preservation_policy=policy, best_fn=lambda m: m["val_loss"], best_mode="min",
-            enable_async_checkpointing=async_save, cleanup_tmp_directories=True, create=True)
+            preservation_policy=policy,
+            best_fn=lambda m: m["val_loss"],
+            best_mode="min",
+            enable_async_checkpointing=async_save,
+            cleanup_tmp_directories=True,
+            create=True,
+        )
         self.manager = ocp.CheckpointManager(
-            self.directory, options=options,
-            item_handlers={"state": ocp.StandardCheckpointHandler(),
-                           "data": ocp.JsonCheckpointHandler(),
-                           "meta": ocp.JsonCheckpointHandler()})
+            self.directory,
+            options=options,
+            item_handlers={
+                "state": ocp.StandardCheckpointHandler(),
+                "data": ocp.JsonCheckpointHandler(),
+                "meta": ocp.JsonCheckpointHandler(),
+            },
+        )
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -61,19 +76,34 @@ class Checkpointer:
 
     def best_step(self) -> int | None:
         """The step with the lowest recorded validation loss (the latest if none recorded)."""
-        return self.manager.best_step() if self.manager.best_step() is not None else self.latest_step()
+        return (
+            self.manager.best_step() if self.manager.best_step() is not None else self.latest_step()
+        )
 
-    def save(self, step: int, state: Any, data_state: Any, meta: dict[str, Any],
-             val_loss: float | None = None) -> None:
+    def save(
+        self,
+        step: int,
+        state: Any,
+        data_state: Any,
+        meta: dict[str, Any],
+        val_loss: float | None = None,
+    ) -> None:
         metrics = None if val_loss is None else {"val_loss": float(val_loss)}
-        self.manager.save(step, metrics=metrics, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state),
-            data=ocp.args.JsonSave(json.loads(json.dumps(data_state))),  # a snapshot now
-            meta=ocp.args.JsonSave(meta)))
+        self.manager.save(
+            step,
+            metrics=metrics,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state),
+                data=ocp.args.JsonSave(json.loads(json.dumps(data_state))),  # a snapshot now
+                meta=ocp.args.JsonSave(meta),
+            ),
+        )
 
     def read_meta(self, step: int) -> dict[str, Any]:
         try:
-            return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+            return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))[
+                "meta"
+            ]
         except Exception as e:  # noqa: BLE001 - any failure to read is a bad checkpoint
             raise CheckpointError(_unreadable(self.directory, step, e)) from e
 
@@ -81,9 +111,12 @@ class Checkpointer:
         """The state at ``step``, placed like ``abstract_state`` (``ShapeDtypeStruct``s with
         shardings: any mesh); sets ``data_iterator``'s position in place."""
         try:
-            out = self.manager.restore(step, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract_state),
-                data=ocp.args.JsonRestore()))
+            out = self.manager.restore(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()
+                ),
+            )
             data_iterator.set_state(out["data"])
         except Exception as e:  # noqa: BLE001
             raise CheckpointError(_unreadable(self.directory, step, e)) from e
@@ -101,15 +134,20 @@ def committed_steps(directory: str) -> list[int]:
     a step by renaming its temporary directory to the bare step number."""
     if not os.path.isdir(directory):
         return []
-    return sorted(int(n) for n in os.listdir(directory)
-                  if n.isdigit() and os.path.isdir(os.path.join(directory, n)))
+    return sorted(
+        int(n)
+        for n in os.listdir(directory)
+        if n.isdigit() and os.path.isdir(os.path.join(directory, n))
+    )
 
 
 def _unreadable(directory: str, step: int, error: Exception) -> str:
-    return (f"the checkpoint at step {step} in {directory} cannot be read "
-            f"({type(error).__name__}: {str(error)[:300]}). Nothing was changed. Fix: move "
-            f"{os.path.join(directory, str(step))} aside to resume from an earlier checkpoint, "
-            f"or set run.dir to a new directory to start over.")
+    return (
+        f"the checkpoint at step {step} in {directory} cannot be read "
+        f"({type(error).__name__}: {str(error)[:300]}). Nothing was changed. Fix: move "
+        f"{os.path.join(directory, str(step))} aside to resume from an earlier checkpoint, "
+        f"or set run.dir to a new directory to start over."
+    )
 
 
 def check_same_model(saved: dict[str, Any], current: dict[str, Any], directory: str) -> None:
@@ -117,13 +155,18 @@ def check_same_model(saved: dict[str, Any], current: dict[str, Any], directory: 
     does not record (written before the field existed) counts as its default."""
     defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
     saved = {**{k: v for k, v in defaults.items() if k in current}, **saved}
-    diffs = [f"{k}: checkpoint has {saved.get(k)!r}, config has {current.get(k)!r}"
-             for k in sorted(set(saved) | set(current)) if saved.get(k) != current.get(k)]
+    diffs = [
+        f"{k}: checkpoint has {saved.get(k)!r}, config has {current.get(k)!r}"
+        for k in sorted(set(saved) | set(current))
+        if saved.get(k) != current.get(k)
+    ]
     if diffs:
         raise ConfigError(
             f"the checkpoint in {directory} was written by a different model config ("
-            + "; ".join(diffs) + "). Fix: use the same model.* settings to resume it, or set "
-            "run.dir (or run.name) to a new directory for a new run.")
+            + "; ".join(diffs)
+            + "). Fix: use the same model.* settings to resume it, or set "
+            "run.dir (or run.name) to a new directory for a new run."
+        )
 
 
 def abstract_like(tree: Any, sharding: Any = None) -> Any:
@@ -133,8 +176,9 @@ def abstract_like(tree: Any, sharding: Any = None) -> Any:
     leaf; leaves left without one get the first local device."""
     default = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     if sharding is not None and not isinstance(sharding, jax.sharding.Sharding):
-        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                            tree, sharding)
+        return jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, sharding
+        )
 
     def one(x):
         s = sharding or getattr(x, "sharding", None) or default
@@ -159,14 +203,18 @@ def load_model(directory: str, step: int | str = "best", *, mesh: jax.sharding.M
     from diffjax.model import TransformerLM
 
     directory = os.path.abspath(directory)
-    ckpt_dir = directory if os.path.basename(directory) == "checkpoints" else os.path.join(
-        directory, "checkpoints")
+    ckpt_dir = (
+        directory
+        if os.path.basename(directory) == "checkpoints"
+        else os.path.join(directory, "checkpoints")
+    )
     steps = committed_steps(ckpt_dir)
     if not steps:
         raise CheckpointError(
             f"{directory} holds no committed checkpoint (looked in {ckpt_dir}). Fix: pass the "
             f"folder of one model and seed of a run written by train.py (e.g. "
-            f"runs/default/diff/seed_0), after at least one checkpoint was saved.")
+            f"runs/default/diff/seed_0), after at least one checkpoint was saved."
+        )
     ckpt = Checkpointer(ckpt_dir, async_save=False)
     try:
         if step == "best":
@@ -174,8 +222,10 @@ def load_model(directory: str, step: int | str = "best", *, mesh: jax.sharding.M
         elif step == "latest":
             step = ckpt.latest_step()
         elif not isinstance(step, int) or step not in steps:
-            raise CheckpointError(f"no checkpoint at step {step!r} in {ckpt_dir}. Fix: use "
-                                  f"'best', 'latest' or one of {steps}.")
+            raise CheckpointError(
+                f"no checkpoint at step {step!r} in {ckpt_dir}. Fix: use "
+                f"'best', 'latest' or one of {steps}."
+            )
         meta = ckpt.read_meta(step)
     finally:
         ckpt.close()
@@ -185,7 +235,8 @@ def load_model(directory: str, step: int | str = "best", *, mesh: jax.sharding.M
         raise CheckpointError(
             f"the checkpoint at step {step} in {ckpt_dir} holds no diffjax model config that "
             f"this version can read ({type(e).__name__}: {e}). Fix: load it with the diffjax "
-            f"version that wrote it.") from e
+            f"version that wrote it."
+        ) from e
 
     abstract = nnx.eval_shape(lambda: TransformerLM(config, rngs=nnx.Rngs(0)))
     graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
@@ -198,9 +249,14 @@ def load_model(directory: str, step: int | str = "best", *, mesh: jax.sharding.M
     try:
         with ocp.PyTreeCheckpointer() as reader:
             item = {"params": target}
-            params = reader.restore(path, args=ocp.args.PyTreeRestore(
-                item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
-                partial_restore=True))["params"]
+            params = reader.restore(
+                path,
+                args=ocp.args.PyTreeRestore(
+                    item=item,
+                    restore_args=ocp.checkpoint_utils.construct_restore_args(item),
+                    partial_restore=True,
+                ),
+            )["params"]
     except Exception as e:  # noqa: BLE001 - any failure to read is a bad checkpoint
         raise CheckpointError(_unreadable(ckpt_dir, step, e)) from e
     rest = jax.tree.map(lambda x: jax.numpy.zeros(x.shape, x.dtype), rest)

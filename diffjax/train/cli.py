@@ -22,8 +22,7 @@ from diffjax import data as data_lib
 from diffjax.config import ConfigError
 
 from .checkpoint import CheckpointError, committed_steps
-from .config import (apply_overrides, config_keys, load_config, model_directory,
-                     resolve_init_from)
+from .config import apply_overrides, config_keys, load_config, model_directory, resolve_init_from
 from .loop import AfterStep, TrainingDiverged, TrainResult, describe_mesh, train_model
 from .report import results_table, write_report
 from .throughput import side_by_side_throughput
@@ -40,22 +39,34 @@ def _keys_help() -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="train.py", formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog="train.py",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Train a Differential Transformer and its standard-attention twin on the "
-                    "same data, in the same order, from the same seed, and compare them.",
+        "same data, in the same order, from the same seed, and compare them.",
         epilog=_keys_help() + "\n\nexample: python train.py --config configs/needle.py "
-                              "train.steps=200 model.num_layers=4")
-    parser.add_argument("--config", help="a Python config file with get_config() "
-                                         "(default: the built-in default comparison)")
-    parser.add_argument("--resume", action="store_true",
-                        help="resume the run in run.dir (an error if it holds no checkpoint); "
-                             "without it, a run directory with checkpoints resumes anyway")
+        "train.steps=200 model.num_layers=4",
+    )
+    parser.add_argument(
+        "--config",
+        help="a Python config file with get_config() (default: the built-in default comparison)",
+    )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="resume the run in run.dir (an error if it holds no checkpoint); "
+        "without it, a run directory with checkpoints resumes anyway",
+    )
     dist = parser.add_argument_group(
-        "multi-host", "one process per host, all with the same config; process 0 writes the "
-                      "report. Left out on TPU pods / SLURM / Open MPI, where JAX detects the "
-                      "cluster.")
-    dist.add_argument("--coordinator_address", metavar="HOST:PORT",
-                      help="address of process 0 (jax.distributed.initialize)")
+        "multi-host",
+        "one process per host, all with the same config; process 0 writes the "
+        "report. Left out on TPU pods / SLURM / Open MPI, where JAX detects the "
+        "cluster.",
+    )
+    dist.add_argument(
+        "--coordinator_address",
+        metavar="HOST:PORT",
+        help="address of process 0 (jax.distributed.initialize)",
+    )
     dist.add_argument("--num_processes", type=int, metavar="N", help="number of processes")
     dist.add_argument("--process_id", type=int, metavar="I", help="this process, 0 .. N-1")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
@@ -63,8 +74,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # environment variables that mean "one of several processes of a cluster JAX can detect"
-_CLUSTER_ENV = {"SLURM_STEP_NUM_TASKS": "SLURM", "OMPI_COMM_WORLD_SIZE": "Open MPI",
-                "TPU_WORKER_HOSTNAMES": "TPU pod", "JAX_COORDINATOR_ADDRESS": "JAX"}
+_CLUSTER_ENV = {
+    "SLURM_STEP_NUM_TASKS": "SLURM",
+    "OMPI_COMM_WORLD_SIZE": "Open MPI",
+    "TPU_WORKER_HOSTNAMES": "TPU pod",
+    "JAX_COORDINATOR_ADDRESS": "JAX",
+}
 
 
 def _detected_cluster() -> str | None:
@@ -89,16 +104,22 @@ def init_distributed(args: argparse.Namespace) -> str | None:
     flags = (args.coordinator_address, args.num_processes, args.process_id)
     if any(f is not None for f in flags):
         if any(f is None for f in flags):
-            raise ConfigError("--coordinator_address, --num_processes and --process_id go "
-                              "together. Fix: give all three (the same address and count to "
-                              "every process, process ids 0 .. N-1), or none.")
+            raise ConfigError(
+                "--coordinator_address, --num_processes and --process_id go "
+                "together. Fix: give all three (the same address and count to "
+                "every process, process ids 0 .. N-1), or none."
+            )
         n, i = args.num_processes, args.process_id
         if n < 1 or not 0 <= i < n:
-            raise ConfigError(f"--process_id {i} is not in [0, --num_processes={n}). Fix: number "
-                              f"the processes 0 .. {max(n, 1) - 1}.")
+            raise ConfigError(
+                f"--process_id {i} is not in [0, --num_processes={n}). Fix: number "
+                f"the processes 0 .. {max(n, 1) - 1}."
+            )
         if ":" not in args.coordinator_address:
-            raise ConfigError(f"--coordinator_address {args.coordinator_address!r} has no port. "
-                              f"Fix: give HOST:PORT, e.g. 10.0.0.1:1234.")
+            raise ConfigError(
+                f"--coordinator_address {args.coordinator_address!r} has no port. "
+                f"Fix: give HOST:PORT, e.g. 10.0.0.1:1234."
+            )
         if n == 1:
             return None
         jax.distributed.initialize(args.coordinator_address, n, i)
@@ -141,21 +162,32 @@ def main(argv: list[str] | None = None, *, after_step: AfterStep | None = None) 
     print(f"run directory: {run_dir}")
     print(f"data: {description}")
     print(f"mesh: {describe_mesh(mesh)}")
-    dirs = {(label, seed): model_directory(run_dir, label, seed)
-            for seed in exp.seeds for label in exp.models}
-    old_layout = [label for label in exp.models
-                  if committed_steps(os.path.join(run_dir, label, "checkpoints"))]
+    dirs = {
+        (label, seed): model_directory(run_dir, label, seed)
+        for seed in exp.seeds
+        for label in exp.models
+    }
+    old_layout = [
+        label
+        for label in exp.models
+        if committed_steps(os.path.join(run_dir, label, "checkpoints"))
+    ]
     if old_layout:
-        _error(f"{run_dir} holds checkpoints in the layout before multi-seed runs "
-               f"({', '.join(os.path.join(run_dir, x, 'checkpoints') for x in old_layout)}). "
-               f"Fix: move each {os.path.join(run_dir, '<label>')}/{{metrics.jsonl,tb,checkpoints,"
-               f"result.json}} into {os.path.join(run_dir, '<label>', f'seed_{exp.train.seed}')}/ "
-               f"to resume it, or set run.dir to a new directory.")
+        _error(
+            f"{run_dir} holds checkpoints in the layout before multi-seed runs "
+            f"({', '.join(os.path.join(run_dir, x, 'checkpoints') for x in old_layout)}). "
+            f"Fix: move each {os.path.join(run_dir, '<label>')}/{{metrics.jsonl,tb,checkpoints,"
+            f"result.json}} into {os.path.join(run_dir, '<label>', f'seed_{exp.train.seed}')}/ "
+            f"to resume it, or set run.dir to a new directory."
+        )
         return EXIT_CHECKPOINT
-    if args.resume and not any(committed_steps(os.path.join(d, "checkpoints"))
-                               for d in dirs.values()):
-        _error(f"--resume was given but {run_dir} holds no checkpoint. Fix: drop --resume to "
-               f"start a new run, or set run.dir to the run to resume.")
+    if args.resume and not any(
+        committed_steps(os.path.join(d, "checkpoints")) for d in dirs.values()
+    ):
+        _error(
+            f"--resume was given but {run_dir} holds no checkpoint. Fix: drop --resume to "
+            f"start a new run, or set run.dir to the run to resume."
+        )
         return EXIT_CHECKPOINT
 
     if main_process:  # after the checks: a refused run leaves the old config.json as it was
@@ -175,16 +207,20 @@ def main(argv: list[str] | None = None, *, after_step: AfterStep | None = None) 
 
     side = None
     if exp.compare and exp.train.throughput_rounds:
-        print(f"\nthroughput side by side: {exp.train.throughput_rounds} rounds, the two "
-              f"compiled steps alternated on the same batches")
+        print(
+            f"\nthroughput side by side: {exp.train.throughput_rounds} rounds, the two "
+            f"compiled steps alternated on the same batches"
+        )
         side = side_by_side_throughput(exp, exp.models, mesh, rounds=exp.train.throughput_rounds)
     if main_process:
         write_report(run_dir, exp, results, description, throughput=side)
         print("\n" + results_table(results))
         if side is not None:
             print(side.describe())
-        print(f"\nreport: {os.path.join(run_dir, 'report.md')}, plot: "
-              f"{os.path.join(run_dir, 'loss.png')}")
+        print(
+            f"\nreport: {os.path.join(run_dir, 'report.md')}, plot: "
+            f"{os.path.join(run_dir, 'loss.png')}"
+        )
         if exp.train.quick_eval:
             quick_evaluation(run_dir)
     return 0
@@ -198,25 +234,37 @@ def quick_evaluation(run_dir: str) -> None:
     text = evaluate_run(run_dir, quick=True, log=print)
     body = text.split("\n", 1)[1] if text.startswith("# ") else text  # its own title dropped
     with open(os.path.join(run_dir, "report.md"), "a") as f:
-        f.write("\n## Quick evaluation (`python -m diffjax.evaluate --quick`)\n\n"
-                "Also in eval.md, with its plots (eval_*.png).\n" + body)
+        f.write(
+            "\n## Quick evaluation (`python -m diffjax.evaluate --quick`)\n\n"
+            "Also in eval.md, with its plots (eval_*.png).\n" + body
+        )
     print(f"evaluation: {os.path.join(run_dir, 'eval.md')}")
 
 
-def train_seeds(exp, run_dir: str, mesh, *, after_step: AfterStep | None = None
-                ) -> list[TrainResult]:
+def train_seeds(
+    exp, run_dir: str, mesh, *, after_step: AfterStep | None = None
+) -> list[TrainResult]:
     """Train every model of ``exp`` (DIFF and, with compare, its twin) from every init seed of
     ``exp.seeds``, seed by seed, each in ``RUN_DIR/<label>/seed_<seed>/`` (resuming what a
     checkpoint there holds); every run sees the same batches in the same order."""
     results = []
     for seed in exp.seeds:
         for label, model_cfg in exp.models.items():
-            print(f"\n== {label} (seed {seed}): {model_cfg.attention}, {model_cfg.num_layers} "
-                  f"layers, d_model {model_cfg.d_model}, {model_cfg.num_heads} heads")
+            print(
+                f"\n== {label} (seed {seed}): {model_cfg.attention}, {model_cfg.num_layers} "
+                f"layers, d_model {model_cfg.d_model}, {model_cfg.num_heads} heads"
+            )
             try:
-                results.append(train_model(exp.with_seed(seed), model_cfg, label,
-                                           model_directory(run_dir, label, seed), mesh=mesh,
-                                           after_step=after_step))
+                results.append(
+                    train_model(
+                        exp.with_seed(seed),
+                        model_cfg,
+                        label,
+                        model_directory(run_dir, label, seed),
+                        mesh=mesh,
+                        after_step=after_step,
+                    )
+                )
             except TrainingDiverged as e:
                 e.args = (f"[{label}, seed {seed}] {e}",)
                 raise

@@ -69,29 +69,76 @@ class TrainConfig:
     def __post_init__(self):
         check_fields(self)
         c = "TrainConfig"
-        for name in ("steps", "batch_size", "eval_every", "eval_batches", "checkpoint_every",
-                     "keep_checkpoints", "log_every", "num_seeds"):
+        for name in (
+            "steps",
+            "batch_size",
+            "eval_every",
+            "eval_batches",
+            "checkpoint_every",
+            "keep_checkpoints",
+            "log_every",
+            "num_seeds",
+        ):
             if getattr(self, name) < 1:
-                fail(c, name, f"must be >= 1, got {getattr(self, name)}", f"set train.{name} to a positive integer")
+                fail(
+                    c,
+                    name,
+                    f"must be >= 1, got {getattr(self, name)}",
+                    f"set train.{name} to a positive integer",
+                )
         if self.warmup_steps < 0:
-            fail(c, "warmup_steps", f"must be >= 0, got {self.warmup_steps}", "set train.warmup_steps=0 or more")
+            fail(
+                c,
+                "warmup_steps",
+                f"must be >= 0, got {self.warmup_steps}",
+                "set train.warmup_steps=0 or more",
+            )
         if not self.lr > 0:
-            fail(c, "lr", f"must be > 0, got {self.lr}", "set train.lr to a positive learning rate, e.g. 1e-3")
+            fail(
+                c,
+                "lr",
+                f"must be > 0, got {self.lr}",
+                "set train.lr to a positive learning rate, e.g. 1e-3",
+            )
         if self.schedule not in SCHEDULES:
-            fail(c, "schedule", f"unknown schedule {self.schedule!r}", f"use one of {', '.join(map(repr, SCHEDULES))}")
+            fail(
+                c,
+                "schedule",
+                f"unknown schedule {self.schedule!r}",
+                f"use one of {', '.join(map(repr, SCHEDULES))}",
+            )
         if not 0.0 <= self.min_lr_ratio <= 1.0:
-            fail(c, "min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}", "set train.min_lr_ratio between 0 and 1")
+            fail(
+                c,
+                "min_lr_ratio",
+                f"must be in [0, 1], got {self.min_lr_ratio}",
+                "set train.min_lr_ratio between 0 and 1",
+            )
         for name in ("b1", "b2"):
             if not 0.0 <= getattr(self, name) < 1.0:
-                fail(c, name, f"must be in [0, 1), got {getattr(self, name)}", f"set train.{name} to e.g. 0.9")
+                fail(
+                    c,
+                    name,
+                    f"must be in [0, 1), got {getattr(self, name)}",
+                    f"set train.{name} to e.g. 0.9",
+                )
         for name in ("eps", "weight_decay", "grad_clip"):
             if getattr(self, name) < 0:
-                fail(c, name, f"must be >= 0, got {getattr(self, name)}", f"set train.{name} to 0 or more")
+                fail(
+                    c,
+                    name,
+                    f"must be >= 0, got {getattr(self, name)}",
+                    f"set train.{name} to 0 or more",
+                )
         if self.seed < 0:
             fail(c, "seed", f"must be >= 0, got {self.seed}", "use a non-negative seed")
         if self.throughput_rounds < 0:
-            fail(c, "throughput_rounds", f"must be >= 0, got {self.throughput_rounds}",
-                  "set train.throughput_rounds=0 to skip the side-by-side timing, or more")
+            fail(
+                c,
+                "throughput_rounds",
+                f"must be >= 0, got {self.throughput_rounds}",
+                "set train.throughput_rounds=0 to skip the side-by-side timing, or more",
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,8 +151,12 @@ class RunConfig:
     def __post_init__(self):
         check_fields(self)
         if not self.name or os.sep in self.name:
-            fail("RunConfig", "name", f"must be a plain non-empty name, got {self.name!r}",
-                  "use a name like 'diff-vs-twin' (set run.dir for a path)")
+            fail(
+                "RunConfig",
+                "name",
+                f"must be a plain non-empty name, got {self.name!r}",
+                "use a name like 'diff-vs-twin' (set run.dir for a path)",
+            )
 
     @property
     def path(self) -> str:
@@ -127,30 +178,52 @@ class ExperimentConfig:
     def __post_init__(self):
         check_fields(self)
         if self.twin_init_std is not None and not self.compare:
-            fail("ExperimentConfig", "twin_init_std",
-                 f"is {self.twin_init_std:g} but compare=false trains no twin",
-                 "leave twin_init_std unset (None), or set compare=true")
+            fail(
+                "ExperimentConfig",
+                "twin_init_std",
+                f"is {self.twin_init_std:g} but compare=false trains no twin",
+                "leave twin_init_std unset (None), or set compare=true",
+            )
         if self.twin_init_std is not None and not self.twin_init_std > 0:
-            fail("ExperimentConfig", "twin_init_std", f"must be > 0, got {self.twin_init_std:g}",
-                 "use e.g. 0.02, or None for model.init_std")
+            fail(
+                "ExperimentConfig",
+                "twin_init_std",
+                f"must be > 0, got {self.twin_init_std:g}",
+                "use e.g. 0.02, or None for model.init_std",
+            )
         if self.compare and not self.model.is_diff:
-            fail("ExperimentConfig", "compare",
-                  f"compare=true trains a DIFF model and its standard twin, but model.attention is "
-                  f"{self.model.attention!r}", "set model.attention=diff_v1 or diff_v2, or compare=false")
+            fail(
+                "ExperimentConfig",
+                "compare",
+                f"compare=true trains a DIFF model and its standard twin, but model.attention is "
+                f"{self.model.attention!r}",
+                "set model.attention=diff_v1 or diff_v2, or compare=false",
+            )
         if self.train.init_from is not None and self.compare:
-            fail("ExperimentConfig", "compare",
-                  f"train.init_from={self.train.init_from!r} starts one model from a checkpoint, "
-                  f"and its twin would start from random weights", "set compare=false")
+            fail(
+                "ExperimentConfig",
+                "compare",
+                f"train.init_from={self.train.init_from!r} starts one model from a checkpoint, "
+                f"and its twin would start from random weights",
+                "set compare=false",
+            )
         if self.train.init_from is not None and self.train.num_seeds > 1:
-            fail("ExperimentConfig", "train.num_seeds",
-                  f"train.init_from={self.train.init_from!r} starts every seed from the same "
-                  f"checkpoint weights, so {self.train.num_seeds} seeds would train one model "
-                  f"{self.train.num_seeds} times", "set train.num_seeds=1")
+            fail(
+                "ExperimentConfig",
+                "train.num_seeds",
+                f"train.init_from={self.train.init_from!r} starts every seed from the same "
+                f"checkpoint weights, so {self.train.num_seeds} seeds would train one model "
+                f"{self.train.num_seeds} times",
+                "set train.num_seeds=1",
+            )
         if self.data.seq_len > self.model.max_seq_len:
-            fail("ExperimentConfig", "data.seq_len",
-                  f"{self.data.seq_len} is longer than the model takes (model.max_seq_len="
-                  f"{self.model.max_seq_len})",
-                  f"set data.seq_len <= {self.model.max_seq_len} or model.max_seq_len >= {self.data.seq_len}")
+            fail(
+                "ExperimentConfig",
+                "data.seq_len",
+                f"{self.data.seq_len} is longer than the model takes (model.max_seq_len="
+                f"{self.model.max_seq_len})",
+                f"set data.seq_len <= {self.model.max_seq_len} or model.max_seq_len >= {self.data.seq_len}",
+            )
 
     @property
     def models(self) -> dict[str, ModelConfig]:
@@ -169,8 +242,9 @@ class ExperimentConfig:
 
     def with_seed(self, seed: int) -> "ExperimentConfig":
         """This experiment with init seed ``seed`` (the data order is unchanged)."""
-        return dataclasses.replace(self, train=dataclasses.replace(self.train, seed=seed,
-                                                                   num_seeds=1))
+        return dataclasses.replace(
+            self, train=dataclasses.replace(self.train, seed=seed, num_seeds=1)
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -182,8 +256,13 @@ def model_directory(run_dir: str, label: str, seed: int) -> str:
     return os.path.join(run_dir, label, f"seed_{seed}")
 
 
-SECTIONS = {"run": RunConfig, "model": ModelConfig, "data": DataConfig, "train": TrainConfig,
-            "mesh": MeshConfig}
+SECTIONS = {
+    "run": RunConfig,
+    "model": ModelConfig,
+    "data": DataConfig,
+    "train": TrainConfig,
+    "mesh": MeshConfig,
+}
 
 
 # ---------------------------------------------------------------------------- keys and overrides
@@ -208,15 +287,18 @@ def apply_overrides(config: ExperimentConfig, overrides: list[str]) -> Experimen
     top: dict[str, Any] = {}
     for item in overrides:
         if "=" not in item:
-            raise ConfigError(f"override {item!r} is not key=value. Fix: write it like "
-                              f"train.steps=200 (see --help for every key).")
+            raise ConfigError(
+                f"override {item!r} is not key=value. Fix: write it like "
+                f"train.steps=200 (see --help for every key)."
+            )
         key, raw = item.split("=", 1)
         key = key.strip()
         if key not in known:
             close = difflib.get_close_matches(key, list(known), n=3)
             hint = f"did you mean {', '.join(close)}? " if close else ""
-            raise ConfigError(f"unknown config key {key!r}. Fix: {hint}run train.py --help for "
-                              f"the list of keys.")
+            raise ConfigError(
+                f"unknown config key {key!r}. Fix: {hint}run train.py --help for the list of keys."
+            )
         section, _, name = key.rpartition(".")
         try:
             value = convert(field_types(sections[section or key])[name], raw, text=True)
@@ -236,21 +318,26 @@ def load_config(path: str | None) -> ExperimentConfig:
     if path is None:
         return default_config()
     if not os.path.isfile(path):
-        raise ConfigError(f"config file {path!r} does not exist. Fix: pass a file such as "
-                          f"configs/default.py.")
+        raise ConfigError(
+            f"config file {path!r} does not exist. Fix: pass a file such as configs/default.py."
+        )
     spec = importlib.util.spec_from_file_location("_diffjax_config", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     if not hasattr(module, "get_config"):
-        raise ConfigError(f"config file {path!r} has no get_config(). Fix: define "
-                          f"get_config() returning diffjax.train.ExperimentConfig.")
+        raise ConfigError(
+            f"config file {path!r} has no get_config(). Fix: define "
+            f"get_config() returning diffjax.train.ExperimentConfig."
+        )
     try:
         config = module.get_config()
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}") from None
     if not isinstance(config, ExperimentConfig):
-        raise ConfigError(f"{path}: get_config() returned {type(config).__name__}. Fix: return "
-                          f"a diffjax.train.ExperimentConfig.")
+        raise ConfigError(
+            f"{path}: get_config() returned {type(config).__name__}. Fix: return "
+            f"a diffjax.train.ExperimentConfig."
+        )
     return config
 
 
@@ -265,11 +352,15 @@ def resolve_init_from(config: ExperimentConfig) -> ExperimentConfig:
 
     keep = {k: getattr(config.model, k) for k in ("dtype", "param_dtype", "attention_impl")}
     data = config.data
-    if (data.tokenizer is None and data.source in ("stdlib", "text")
-            and os.path.isfile(os.path.join(config.train.init_from, "tokenizer.json"))):
+    if (
+        data.tokenizer is None
+        and data.source in ("stdlib", "text")
+        and os.path.isfile(os.path.join(config.train.init_from, "tokenizer.json"))
+    ):
         data = data.replace(tokenizer=config.train.init_from)  # the checkpoint's own ids
-    return dataclasses.replace(config, data=data,
-                               model=hf.config_from_pretrained(config.train.init_from, **keep))
+    return dataclasses.replace(
+        config, data=data, model=hf.config_from_pretrained(config.train.init_from, **keep)
+    )
 
 
 def default_config() -> ExperimentConfig:
@@ -279,12 +370,29 @@ def default_config() -> ExperimentConfig:
     estimate), quick evaluation included."""
     return ExperimentConfig(
         run=RunConfig(name="default"),
-        model=ModelConfig(vocab_size=259, d_model=128, num_layers=4, num_heads=2,
-                          attention="diff_v1", max_seq_len=256),
+        model=ModelConfig(
+            vocab_size=259,
+            d_model=128,
+            num_layers=4,
+            num_heads=2,
+            attention="diff_v1",
+            max_seq_len=256,
+        ),
         data=DataConfig(source="stdlib", seq_len=128),
-        train=TrainConfig(steps=200, batch_size=16, lr=2e-3, warmup_steps=20,
-                          schedule="cosine", min_lr_ratio=0.1, b2=0.95, weight_decay=0.1,
-                          eval_every=50, eval_batches=8, checkpoint_every=100, num_seeds=2,
-                          quick_eval=True),
+        train=TrainConfig(
+            steps=200,
+            batch_size=16,
+            lr=2e-3,
+            warmup_steps=20,
+            schedule="cosine",
+            min_lr_ratio=0.1,
+            b2=0.95,
+            weight_decay=0.1,
+            eval_every=50,
+            eval_batches=8,
+            checkpoint_every=100,
+            num_seeds=2,
+            quick_eval=True,
+        ),
         compare=True,
     )

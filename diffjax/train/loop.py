@@ -47,11 +47,16 @@ class TrainingDiverged(RuntimeError):
 
     def __init__(self, step: int, loss: float, last_checkpoint: int | None, directory: str):
         self.step, self.loss, self.last_checkpoint = step, loss, last_checkpoint
-        kept = (f"the last good checkpoint (step {last_checkpoint}) is kept in {directory}"
-                if last_checkpoint is not None else "no checkpoint had been written yet")
-        super().__init__(f"the training loss is {loss} at step {step}; stopped, and {kept}. Fix: "
-                         f"lower train.lr, raise train.warmup_steps or set train.grad_clip, then "
-                         f"rerun (it resumes from the last good checkpoint).")
+        kept = (
+            f"the last good checkpoint (step {last_checkpoint}) is kept in {directory}"
+            if last_checkpoint is not None
+            else "no checkpoint had been written yet"
+        )
+        super().__init__(
+            f"the training loss is {loss} at step {step}; stopped, and {kept}. Fix: "
+            f"lower train.lr, raise train.warmup_steps or set train.grad_clip, then "
+            f"rerun (it resumes from the last good checkpoint)."
+        )
 
 
 @dataclasses.dataclass
@@ -92,8 +97,9 @@ def weighted_cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.A
 
 
 def _call(model, batch) -> jax.Array:
-    return model(batch["inputs"], **{k: batch[k] for k in ("segment_ids", "positions")
-                                     if k in batch})
+    return model(
+        batch["inputs"], **{k: batch[k] for k in ("segment_ids", "positions") if k in batch}
+    )
 
 
 def loss_fn(params, batch, graphdef, rest) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -109,12 +115,17 @@ def loss_fn(params, batch, graphdef, rest) -> tuple[jax.Array, dict[str, jax.Arr
 
 def train_step(state, batch, *, graphdef, rest, tx: optax.GradientTransformation, schedule):
     """One optimizer step: ``(new state, metrics)``; the state is donated by the jit."""
-    (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"], batch,
-                                                                  graphdef, rest)
+    (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+        state["params"], batch, graphdef, rest
+    )
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
-    metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
-               "lr": schedule(state["step"]), **aux}
+    metrics = {
+        "loss": loss,
+        "grad_norm": optax.tree.norm(grads),
+        "lr": schedule(state["step"]),
+        **aux,
+    }
     return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
 
 
@@ -152,8 +163,9 @@ class ModelSetup:
         return self.jitted_init(jax.random.key(self.seed))
 
 
-def seeded_state_init(model_cfg: ModelConfig, tx: optax.GradientTransformation
-                      ) -> Callable[[Any], tuple[dict[str, Any], Any]]:
+def seeded_state_init(
+    model_cfg: ModelConfig, tx: optax.GradientTransformation
+) -> Callable[[Any], tuple[dict[str, Any], Any]]:
     """``init(key) -> (state, rest)``: the train state ``{"step", "params", "opt_state"}``
     (every leaf of params and of the Adam moments a ``nnx.Variable`` carrying its logical axes)
     and the model's non-parameter state, from ``key = jax.random.key(seed)`` (what
@@ -169,8 +181,9 @@ def seeded_state_init(model_cfg: ModelConfig, tx: optax.GradientTransformation
     return init_state
 
 
-def make_state_init(model_cfg: ModelConfig, tcfg, tx: optax.GradientTransformation | None = None
-                    ) -> Callable[[], tuple[dict[str, Any], Any]]:
+def make_state_init(
+    model_cfg: ModelConfig, tcfg, tx: optax.GradientTransformation | None = None
+) -> Callable[[], tuple[dict[str, Any], Any]]:
     """``init() -> (state, rest)``: :func:`seeded_state_init` from ``tcfg.seed``.
     ``jax.eval_shape(init)`` describes it without allocating; ``jax.jit(init, out_shardings=...)``
     creates it already sharded."""
@@ -188,8 +201,9 @@ def model_setup(model_cfg: ModelConfig, tcfg, mesh) -> ModelSetup:
     Built once per process for a model, train config up to the seed, mesh and logical-axis
     rules: the seeds of a multi-seed run (and the throughput measurement) share its compiled
     init."""
-    setup = _model_setup(model_cfg, dataclasses.replace(tcfg, seed=0, num_seeds=1), mesh,
-                         sharding.current_rules())
+    setup = _model_setup(
+        model_cfg, dataclasses.replace(tcfg, seed=0, num_seeds=1), mesh, sharding.current_rules()
+    )
     return dataclasses.replace(setup, seed=tcfg.seed)
 
 
@@ -202,8 +216,18 @@ def _model_setup(model_cfg: ModelConfig, tcfg, mesh, rules) -> ModelSetup:
     abstract, abstract_rest = jax.eval_shape(init, jax.random.key(0))
     state_sh = sharding.tree_shardings(abstract, mesh)
     rest_sh = sharding.tree_shardings(abstract_rest, mesh)
-    return ModelSetup(graphdef, tx, learning_rate_schedule(tcfg), init, abstract, abstract_rest,
-                      state_sh, rest_sh, mesh, jax.jit(init, out_shardings=(state_sh, rest_sh)))
+    return ModelSetup(
+        graphdef,
+        tx,
+        learning_rate_schedule(tcfg),
+        init,
+        abstract,
+        abstract_rest,
+        state_sh,
+        rest_sh,
+        mesh,
+        jax.jit(init, out_shardings=(state_sh, rest_sh)),
+    )
 
 
 def compile_steps(setup: ModelSetup, state, rest, batch) -> tuple[Any, Callable]:
@@ -212,19 +236,25 @@ def compile_steps(setup: ModelSetup, state, rest, batch) -> tuple[Any, Callable]
     replicated = jax.sharding.NamedSharding(setup.mesh, jax.sharding.PartitionSpec())
     batch_sh = {k: v.sharding for k, v in batch.items()}
     model = dict(graphdef=setup.graphdef, rest=rest)
-    train = jax.jit(functools.partial(train_step, tx=setup.tx, schedule=setup.schedule, **model),
-                    donate_argnums=0, compiler_options=cpu_compile_options(),
-                    in_shardings=(setup.state_sh, batch_sh),
-                    out_shardings=(setup.state_sh, replicated))
-    evaluate_fn = jax.jit(functools.partial(eval_step, **model),
-                          compiler_options=cpu_compile_options(),
-                          in_shardings=(setup.state_sh["params"], batch_sh),
-                          out_shardings=(replicated, replicated, batch_sh["inputs"]))
+    train = jax.jit(
+        functools.partial(train_step, tx=setup.tx, schedule=setup.schedule, **model),
+        donate_argnums=0,
+        compiler_options=cpu_compile_options(),
+        in_shardings=(setup.state_sh, batch_sh),
+        out_shardings=(setup.state_sh, replicated),
+    )
+    evaluate_fn = jax.jit(
+        functools.partial(eval_step, **model),
+        compiler_options=cpu_compile_options(),
+        in_shardings=(setup.state_sh["params"], batch_sh),
+        out_shardings=(replicated, replicated, batch_sh["inputs"]),
+    )
     return train.lower(state, batch).compile(), evaluate_fn
 
 
-def pretrained_state(path: str, model_cfg: ModelConfig, setup: ModelSetup
-                     ) -> tuple[dict[str, Any], Any]:
+def pretrained_state(
+    path: str, model_cfg: ModelConfig, setup: ModelSetup
+) -> tuple[dict[str, Any], Any]:
     """The train state at step 0 with the parameters of the Hugging Face checkpoint ``path``
     (``train.init_from``), read onto the mesh as :meth:`ModelSetup.fresh_state`'s would be."""
     from diffjax import hf
@@ -232,12 +262,17 @@ def pretrained_state(path: str, model_cfg: ModelConfig, setup: ModelSetup
     keep = {k: getattr(model_cfg, k) for k in hf.OVERRIDABLE}
     model = hf.from_pretrained(path, mesh=setup.mesh, **keep)
     if model.config != model_cfg:
-        diffs = [f"{k}: checkpoint {v!r}, config {getattr(model_cfg, k)!r}"
-                 for k, v in model.config.to_dict().items() if getattr(model_cfg, k) != v]
-        raise ConfigError(f"train.init_from={path!r}: the model config differs from the "
-                          f"checkpoint's ({'; '.join(diffs)}). Fix: take the model config from "
-                          f"the checkpoint (diffjax.train.config.resolve_init_from; train.py "
-                          f"does).")
+        diffs = [
+            f"{k}: checkpoint {v!r}, config {getattr(model_cfg, k)!r}"
+            for k, v in model.config.to_dict().items()
+            if getattr(model_cfg, k) != v
+        ]
+        raise ConfigError(
+            f"train.init_from={path!r}: the model config differs from the "
+            f"checkpoint's ({'; '.join(diffs)}). Fix: take the model config from "
+            f"the checkpoint (diffjax.train.config.resolve_init_from; train.py "
+            f"does)."
+        )
     _, params, rest = nnx.split(model, nnx.Param, ...)
     params = jax.device_put(params, setup.state_sh["params"])
     rest = jax.device_put(rest, setup.rest_sh)
@@ -248,50 +283,83 @@ def pretrained_state(path: str, model_cfg: ModelConfig, setup: ModelSetup
 
 def model_inputs(batch: dict[str, np.ndarray], mesh, global_rows: int) -> dict[str, jax.Array]:
     """The global arrays a step reads (:data:`MODEL_INPUTS`) from this process's batch rows."""
-    return sharding.global_batch({k: v for k, v in batch.items() if k in MODEL_INPUTS}, mesh,
-                                 global_rows)
+    return sharding.global_batch(
+        {k: v for k, v in batch.items() if k in MODEL_INPUTS}, mesh, global_rows
+    )
 
 
 def process_stream(exp: ExperimentConfig, split: str, mesh) -> Iterator[dict[str, np.ndarray]]:
     """This process's rows of every global batch of ``split``: the same global batches in the
     same order for every model of the experiment and every mesh."""
     share, shares = sharding.process_batch_share(mesh, exp.train.batch_size)
-    return iter(data_lib.make_dataset(exp.data, split, batch_size=exp.train.batch_size // shares,
-                                      process_index=share, process_count=shares))
+    return iter(
+        data_lib.make_dataset(
+            exp.data,
+            split,
+            batch_size=exp.train.batch_size // shares,
+            process_index=share,
+            process_count=shares,
+        )
+    )
 
 
-def _open_run(exp: ExperimentConfig, model_cfg: ModelConfig, label: str, directory: str,
-              require_checkpoint: bool, log) -> tuple[Checkpointer, int | None, dict[str, Any]]:
+def _open_run(
+    exp: ExperimentConfig,
+    model_cfg: ModelConfig,
+    label: str,
+    directory: str,
+    require_checkpoint: bool,
+    log,
+) -> tuple[Checkpointer, int | None, dict[str, Any]]:
     """The run's checkpointer, its latest step (None: a new run) and the metadata each
     checkpoint records; refuses a checkpoint of another model, notes a changed data config."""
     os.makedirs(directory, exist_ok=True)
     ckpt = Checkpointer(os.path.join(directory, "checkpoints"), keep=exp.train.keep_checkpoints)
     latest = ckpt.latest_step()
     if require_checkpoint and latest is None:
-        raise CheckpointError(f"--resume was given but {directory} holds no checkpoint. Fix: drop "
-                              f"--resume to start a new run, or point run.dir at the run to resume.")
+        raise CheckpointError(
+            f"--resume was given but {directory} holds no checkpoint. Fix: drop "
+            f"--resume to start a new run, or point run.dir at the run to resume."
+        )
     meta = {"model": model_cfg.to_dict(), "label": label, "data": dataclasses.asdict(exp.data)}
     if latest is not None:
         saved = ckpt.read_meta(latest)
         check_same_model(saved["model"], meta["model"], directory)
-        changed = sorted(k for k in set(saved.get("data", {})) | set(meta["data"])
-                         if saved.get("data", {}).get(k) != meta["data"].get(k))
+        changed = sorted(
+            k
+            for k in set(saved.get("data", {})) | set(meta["data"])
+            if saved.get("data", {}).get(k) != meta["data"].get(k)
+        )
         if changed:
-            log(f"[{label}] note: the data config differs from the checkpoint's ({', '.join(changed)}); "
-                f"the resumed run will not see the batches an uninterrupted run would have seen")
+            log(
+                f"[{label}] note: the data config differs from the checkpoint's ({', '.join(changed)}); "
+                f"the resumed run will not see the batches an uninterrupted run would have seen"
+            )
     return ckpt, latest, meta
 
 
-def initial_state(setup: ModelSetup, model_cfg: ModelConfig, tcfg, ckpt: Checkpointer,
-                  latest: int | None, train_iter, log, label: str):
+def initial_state(
+    setup: ModelSetup,
+    model_cfg: ModelConfig,
+    tcfg,
+    ckpt: Checkpointer,
+    latest: int | None,
+    train_iter,
+    log,
+    label: str,
+):
     """``(state, rest)`` to start from: the latest checkpoint's (which also moves ``train_iter``
     to where it was), ``train.init_from``'s parameters, or a fresh initialisation."""
     if latest is not None:
-        rest = jax.jit(lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype),
-                                            setup.abstract_rest), out_shardings=setup.rest_sh)()
+        rest = jax.jit(
+            lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), setup.abstract_rest),
+            out_shardings=setup.rest_sh,
+        )()
         state = ckpt.restore(latest, abstract_like(setup.abstract, setup.state_sh), train_iter)
-        log(f"[{label}] resuming from the checkpoint at step {int(state['step'])} in "
-            f"{ckpt.directory} on the mesh {describe_mesh(setup.mesh)}")
+        log(
+            f"[{label}] resuming from the checkpoint at step {int(state['step'])} in "
+            f"{ckpt.directory} on the mesh {describe_mesh(setup.mesh)}"
+        )
         return state, rest
     if tcfg.init_from is not None:
         log(f"[{label}] parameters from the Hugging Face checkpoint {tcfg.init_from}")
@@ -300,8 +368,9 @@ def initial_state(setup: ModelSetup, model_cfg: ModelConfig, tcfg, ckpt: Checkpo
 
 
 # ---------------------------------------------------------------------------- evaluation
-def evaluate(eval_fn: Callable, params, batches: list[dict[str, np.ndarray]], mesh,
-             global_rows: int) -> dict[str, float]:
+def evaluate(
+    eval_fn: Callable, params, batches: list[dict[str, np.ndarray]], mesh, global_rows: int
+) -> dict[str, float]:
     """Validation loss and perplexity over ``batches`` (this process's rows); with answer spans
     (the retrieval tasks), the share of examples whose answers are all right and of queries."""
     total = weight = 0.0
@@ -315,11 +384,10 @@ def evaluate(eval_fn: Callable, params, batches: list[dict[str, np.ndarray]], me
         if "answer_spans" in b:  # this process's rows; summed over processes below
             ok, has = data_lib.answer_correct(sharding.local_rows(p), b)
             q_ok, q_has = data_lib.query_correct(sharding.local_rows(p), b)
-            counts[:4] += [int((ok & has).sum()), int(has.sum()), int(q_ok.sum()),
-                           int(q_has.sum())]
+            counts[:4] += [int((ok & has).sum()), int(has.sum()), int(q_ok.sum()), int(q_has.sum())]
             if "query_needle" in b or "query_pair" in b:
                 for i, kind in zip((4, 6), data_lib.query_kinds(b)):
-                    counts[i:i + 2] += [int((q_ok & kind).sum()), int((q_has & kind).sum())]
+                    counts[i : i + 2] += [int((q_ok & kind).sum()), int((q_has & kind).sum())]
     out = {"val_loss": total / max(weight, 1.0)}
     out["val_ppl"] = math.exp(min(out["val_loss"], 50.0))
     if "answer_spans" in batches[0]:
@@ -328,8 +396,12 @@ def evaluate(eval_fn: Callable, params, batches: list[dict[str, np.ndarray]], me
 
             counts = multihost_utils.process_allgather(counts).reshape(-1, 8).sum(0)
         # an example counts when all its answers are right; a query when its answer is
-        names = ("val_answer_accuracy", "val_query_accuracy", "val_first_query_accuracy",
-                 "val_repeat_query_accuracy")
+        names = (
+            "val_answer_accuracy",
+            "val_query_accuracy",
+            "val_first_query_accuracy",
+            "val_repeat_query_accuracy",
+        )
         for i, name in enumerate(names):
             right, n = counts[2 * i], counts[2 * i + 1]
             if n or i < 2:
@@ -338,16 +410,22 @@ def evaluate(eval_fn: Callable, params, batches: list[dict[str, np.ndarray]], me
 
 
 # ---------------------------------------------------------------------------- recording
-def step_record(step: int, host: dict[str, np.ndarray], step_time: float, tokens_per_step: int,
-                timed: bool) -> dict[str, Any]:
+def step_record(
+    step: int, host: dict[str, np.ndarray], step_time: float, tokens_per_step: int, timed: bool
+) -> dict[str, Any]:
     """The ``metrics.jsonl`` record of one step from its metrics on the host."""
     loss = float(host["loss"])
-    record = {"step": step, "loss": loss,
-              "ppl": math.exp(min(loss, 50.0)) if math.isfinite(loss) else loss,
-              "lr": float(host["lr"]), "grad_norm": float(host["grad_norm"]),
-              "tokens": step * tokens_per_step, "step_time": step_time,
-              "tokens_per_s": tokens_per_step / step_time if step_time > 0 else None,
-              "timed": timed}
+    record = {
+        "step": step,
+        "loss": loss,
+        "ppl": math.exp(min(loss, 50.0)) if math.isfinite(loss) else loss,
+        "lr": float(host["lr"]),
+        "grad_norm": float(host["grad_norm"]),
+        "tokens": step * tokens_per_step,
+        "step_time": step_time,
+        "tokens_per_s": tokens_per_step / step_time if step_time > 0 else None,
+        "timed": timed,
+    }
     if host["lambda"].size:
         record["lambda"] = [float(x) for x in host["lambda"]]
     return record
@@ -382,8 +460,11 @@ class _Recorder:
     def write_evaluated(self, record: dict[str, Any]) -> None:
         self.writer.write(record)
         if self.bar is not None:
-            self.bar.set_postfix(loss=f"{record['loss']:.3f}", val=f"{record['val_loss']:.3f}",
-                                 tok_s=f"{record['tokens_per_s']:.0f}")
+            self.bar.set_postfix(
+                loss=f"{record['loss']:.3f}",
+                val=f"{record['val_loss']:.3f}",
+                tok_s=f"{record['tokens_per_s']:.0f}",
+            )
 
     def close(self) -> None:
         if self.bar is not None:
@@ -400,8 +481,9 @@ class _Recorder:
             raise TrainingDiverged(step, record["loss"], self.last_good, self.ckpt_dir)
         if self.bar is not None:
             self.bar.update(1)
-            self.bar.set_postfix(loss=f"{record['loss']:.3f}",
-                                 tok_s=f"{record['tokens_per_s']:.0f}")
+            self.bar.set_postfix(
+                loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}"
+            )
         return record
 
 
@@ -415,8 +497,12 @@ def memory_estimate(compiled) -> int | None:
     """XLA's estimate of the compiled step's memory: arguments + outputs + temporaries - aliased."""
     try:
         m = compiled.memory_analysis()
-        return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-                   - m.alias_size_in_bytes)
+        return int(
+            m.argument_size_in_bytes
+            + m.output_size_in_bytes
+            + m.temp_size_in_bytes
+            - m.alias_size_in_bytes
+        )
     except Exception:  # noqa: BLE001 - not every backend reports it
         return None
 
@@ -430,18 +516,27 @@ def device_peak_memory() -> int | None:
 
 def describe_mesh(mesh) -> str:
     sizes = " ".join(f"{n}={s}" for n, s in zip(mesh.axis_names, mesh.devices.shape))
-    return (f"{sizes} ({mesh.devices.size} device{'s' * (mesh.devices.size > 1)}, "
-            f"{jax.process_count()} process{'es' * (jax.process_count() > 1)})")
+    return (
+        f"{sizes} ({mesh.devices.size} device{'s' * (mesh.devices.size > 1)}, "
+        f"{jax.process_count()} process{'es' * (jax.process_count() > 1)})"
+    )
 
 
 # ---------------------------------------------------------------------------- the loop
 AfterStep = Callable[[int, Checkpointer], None]
 
 
-def train_model(exp: ExperimentConfig, model_cfg: ModelConfig, label: str, directory: str, *,
-                require_checkpoint: bool = False, log: Callable[[str], None] = print,
-                mesh: jax.sharding.Mesh | None = None,
-                after_step: AfterStep | None = None) -> TrainResult:
+def train_model(
+    exp: ExperimentConfig,
+    model_cfg: ModelConfig,
+    label: str,
+    directory: str,
+    *,
+    require_checkpoint: bool = False,
+    log: Callable[[str], None] = print,
+    mesh: jax.sharding.Mesh | None = None,
+    after_step: AfterStep | None = None,
+) -> TrainResult:
     """Train ``model_cfg`` on ``exp.data`` with ``exp.train`` on ``mesh`` (default: built from
     ``exp.mesh`` over every device of every process) in ``directory``, resuming from its latest
     checkpoint if it has one (saved on any mesh), and return the summary. With several
@@ -453,32 +548,46 @@ def train_model(exp: ExperimentConfig, model_cfg: ModelConfig, label: str, direc
     mesh = sharding.make_mesh(exp.mesh) if mesh is None else mesh
     sharding.check_model_mesh(model_cfg, mesh, exp.train.batch_size)
     with jax.set_mesh(mesh), nnx.logical_axis_rules(sharding.current_rules()):
-        return _train_model(exp, model_cfg, label, directory, require_checkpoint, log, mesh,
-                            after_step)
+        return _train_model(
+            exp, model_cfg, label, directory, require_checkpoint, log, mesh, after_step
+        )
 
 
-def _train_model(exp: ExperimentConfig, model_cfg: ModelConfig, label: str, directory: str,
-                 require_checkpoint: bool, log: Callable[[str], None], mesh,
-                 after_step: AfterStep | None) -> TrainResult:
+def _train_model(
+    exp: ExperimentConfig,
+    model_cfg: ModelConfig,
+    label: str,
+    directory: str,
+    require_checkpoint: bool,
+    log: Callable[[str], None],
+    mesh,
+    after_step: AfterStep | None,
+) -> TrainResult:
     tcfg, main = exp.train, jax.process_index() == 0
     ckpt, latest, meta = _open_run(exp, model_cfg, label, directory, require_checkpoint, log)
     train_iter = process_stream(exp, "train", mesh)
-    val_batches = list(itertools.islice(process_stream(exp, "validation", mesh),
-                                        tcfg.eval_batches))
+    val_batches = list(itertools.islice(process_stream(exp, "validation", mesh), tcfg.eval_batches))
     if not val_batches:
         local_batch = tcfg.batch_size // sharding.process_batch_share(mesh, tcfg.batch_size)[1]
         raise data_lib.DataError(
             f"the validation split of {exp.data.source!r} data holds no batch of "
             f"{local_batch} x {exp.data.seq_len} tokens. Fix: add data, or lower "
-            f"train.batch_size or data.seq_len, or raise data.val_fraction.")
+            f"train.batch_size or data.seq_len, or raise data.val_fraction."
+        )
     setup = model_setup(model_cfg, tcfg, mesh)
     state, rest = initial_state(setup, model_cfg, tcfg, ckpt, latest, train_iter, log, label)
     start = int(state["step"])
     # compiled for a validation batch's shapes: no training batch is consumed
-    train_fn, eval_fn = compile_steps(setup, state, rest,
-                                      model_inputs(val_batches[0], mesh, tcfg.batch_size))
-    writer = (MetricsWriter(directory, resume_step=start, tensorboard=tcfg.tensorboard,
-                            log_every=tcfg.log_every) if main else MetricsCollector())
+    train_fn, eval_fn = compile_steps(
+        setup, state, rest, model_inputs(val_batches[0], mesh, tcfg.batch_size)
+    )
+    writer = (
+        MetricsWriter(
+            directory, resume_step=start, tensorboard=tcfg.tensorboard, log_every=tcfg.log_every
+        )
+        if main
+        else MetricsCollector()
+    )
     bar = _progress_bar(tcfg.steps, start, label) if tcfg.progress and main else None
     recorder = _Recorder(writer, tcfg.batch_size * exp.data.seq_len, bar, latest, ckpt.directory)
     try:
@@ -489,8 +598,9 @@ def _train_model(exp: ExperimentConfig, model_cfg: ModelConfig, label: str, dire
             save = step % tcfg.checkpoint_every == 0 or step == tcfg.steps
             if save or step % tcfg.eval_every == 0:
                 record = recorder.pop()
-                record.update(evaluate(eval_fn, state["params"], val_batches, mesh,
-                                       tcfg.batch_size))
+                record.update(
+                    evaluate(eval_fn, state["params"], val_batches, mesh, tcfg.batch_size)
+                )
                 recorder.write_evaluated(record)
                 if save:
                     ckpt.save(step, state, train_iter.get_state(), meta, record["val_loss"])
@@ -504,8 +614,15 @@ def _train_model(exp: ExperimentConfig, model_cfg: ModelConfig, label: str, dire
         ckpt.close()
 
     records = read_metrics(os.path.join(directory, "metrics.jsonl")) if main else writer.records
-    result = summarize(label, model_cfg, directory, records, count_params(model_cfg).total,
-                       memory_estimate(train_fn), latest)
+    result = summarize(
+        label,
+        model_cfg,
+        directory,
+        records,
+        count_params(model_cfg).total,
+        memory_estimate(train_fn),
+        latest,
+    )
     result.mesh, result.seed = describe_mesh(mesh), tcfg.seed
     if main:
         with open(os.path.join(directory, "result.json"), "w") as f:
@@ -513,31 +630,43 @@ def _train_model(exp: ExperimentConfig, model_cfg: ModelConfig, label: str, dire
     return result
 
 
-def summarize(label: str, model_cfg: ModelConfig, directory: str, records: list[dict],
-              n_params: int, memory: int | None, resumed_from: int | None) -> TrainResult:
+def summarize(
+    label: str,
+    model_cfg: ModelConfig,
+    directory: str,
+    records: list[dict],
+    n_params: int,
+    memory: int | None,
+    resumed_from: int | None,
+) -> TrainResult:
     """A :class:`TrainResult` from the run's metrics records."""
     timed = [r for r in records if r.get("timed") and r.get("step_time")]
     step_time = float(np.median([r["step_time"] for r in timed])) if timed else float("nan")
     last = records[-1] if records else {}
-    tail = [r["loss"] for r in records[-max(1, len(records) // 20):]]
+    tail = [r["loss"] for r in records[-max(1, len(records) // 20) :]]
     evals = [r for r in records if "val_loss" in r]
     device_peak = device_peak_memory()
     tokens_per_step = last.get("tokens", 0) / max(last.get("step", 1), 1)
     return TrainResult(
-        label=label, attention=model_cfg.attention, directory=directory, params=n_params,
-        steps=int(last.get("step", 0)), tokens_seen=int(last.get("tokens", 0)),
+        label=label,
+        attention=model_cfg.attention,
+        directory=directory,
+        params=n_params,
+        steps=int(last.get("step", 0)),
+        tokens_seen=int(last.get("tokens", 0)),
         final_train_loss=float(np.mean(tail)) if tail else float("nan"),
         final_val_loss=evals[-1]["val_loss"] if evals else None,
         tokens_per_s=tokens_per_step / step_time if timed else float("nan"),
         step_time_s=step_time,
         peak_memory_bytes=memory,
         memory_source="XLA's estimate for the compiled train step (arguments + outputs + "
-                      "temporaries - donated), per device; the same measure on every backend, "
-                      "and not affected by the other model trained in the same process",
+        "temporaries - donated), per device; the same measure on every backend, "
+        "and not affected by the other model trained in the same process",
         device_peak_bytes=device_peak,
         lambdas=last.get("lambda"),
         val_accuracy=evals[-1].get("val_answer_accuracy") if evals else None,
         val_query_accuracy=evals[-1].get("val_query_accuracy") if evals else None,
         val_first_query_accuracy=evals[-1].get("val_first_query_accuracy") if evals else None,
         val_repeat_query_accuracy=evals[-1].get("val_repeat_query_accuracy") if evals else None,
-        resumed_from=resumed_from)
+        resumed_from=resumed_from,
+    )

@@ -42,8 +42,9 @@ def read_metrics(path: str) -> list[dict[str, Any]]:
 class MetricsWriter:
     """Appends step records to ``<dir>/metrics.jsonl`` and scalars to TensorBoard (``<dir>/tb``)."""
 
-    def __init__(self, directory: str, *, resume_step: int = 0, tensorboard: bool = True,
-                 log_every: int = 1):
+    def __init__(
+        self, directory: str, *, resume_step: int = 0, tensorboard: bool = True, log_every: int = 1
+    ):
         os.makedirs(directory, exist_ok=True)
         self.path = os.path.join(directory, "metrics.jsonl")
         kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= resume_step]

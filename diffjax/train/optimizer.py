@@ -34,9 +34,11 @@ def learning_rate_schedule(cfg: TrainConfig) -> optax.Schedule:
 
 def decay_mask(params):
     """True for the parameters that get weight decay: matrices whose path names no lambda."""
+
     def keep(path, x):
         name = jax.tree_util.keystr(path, simple=True, separator="/").lower()
         return x.ndim >= 2 and not any(n in name for n in NO_DECAY_NAMES)
+
     return jax.tree_util.tree_map_with_path(keep, params)
 
 
@@ -44,6 +46,14 @@ def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
     parts = []
     if cfg.grad_clip > 0:
         parts.append(optax.clip_by_global_norm(cfg.grad_clip))
-    parts.append(optax.adamw(learning_rate_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
-                             weight_decay=cfg.weight_decay, mask=decay_mask))
+    parts.append(
+        optax.adamw(
+            learning_rate_schedule(cfg),
+            b1=cfg.b1,
+            b2=cfg.b2,
+            eps=cfg.eps,
+            weight_decay=cfg.weight_decay,
+            mask=decay_mask,
+        )
+    )
     return optax.chain(*parts)

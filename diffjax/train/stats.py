@@ -71,34 +71,46 @@ def t_interval(diffs: Sequence[float], confidence: float = 0.95) -> tuple[float,
     return float(d.mean()), t * float(d.std(ddof=1)) / math.sqrt(d.size)
 
 
-def paired_difference(a: Sequence[float | None], b: Sequence[float | None],
-                      confidence: float = 0.95) -> PairedDifference:
+def paired_difference(
+    a: Sequence[float | None], b: Sequence[float | None], confidence: float = 0.95
+) -> PairedDifference:
     """The per-seed differences ``a[i] - b[i]`` (pairs with a missing or non-finite value are
     dropped) and their t-interval."""
     if len(a) != len(b):
         raise ValueError(f"paired_difference: {len(a)} values against {len(b)}; pair them by seed")
-    diffs = [x - y for x, y in zip(a, b) if x is not None and y is not None
-             and math.isfinite(x) and math.isfinite(y)]
+    diffs = [
+        x - y
+        for x, y in zip(a, b)
+        if x is not None and y is not None and math.isfinite(x) and math.isfinite(y)
+    ]
     mean, half = t_interval(diffs, confidence)
     if half is None:
         return PairedDifference(mean, None, None, len(diffs), confidence)
     return PairedDifference(mean, mean - half, mean + half, len(diffs), confidence)
 
 
-def describe_difference(d: PairedDifference, what: str, a: str = "DIFF", b: str = "the twin",
-                        spec: str = "{:+.4f}") -> str:
+def describe_difference(
+    d: PairedDifference, what: str, a: str = "DIFF", b: str = "the twin", spec: str = "{:+.4f}"
+) -> str:
     """One sentence: the mean difference, its interval, and whether the interval excludes zero."""
     pct = f"{d.confidence:.0%}"
     if d.n == 0:
         return f"{what}: no seed has both values; no difference can be given."
     if d.low is None:
-        return (f"{what}, {a} minus {b}: {spec.format(d.mean)} from one seed; no confidence "
-                f"interval can be given from one seed (set train.num_seeds=2 or more).")
-    where = (f"the interval excludes zero: over these {d.n} seeds {a} is "
-             f"{'higher' if d.low > 0 else 'lower'}" if d.excludes_zero else
-             f"the interval includes zero: these {d.n} seeds cannot tell the two apart")
-    return (f"{what}, {a} minus {b}: {spec.format(d.mean)}, {pct} t-interval "
-            f"[{spec.format(d.low)}, {spec.format(d.high)}] over {d.n} paired seeds; {where}.")
+        return (
+            f"{what}, {a} minus {b}: {spec.format(d.mean)} from one seed; no confidence "
+            f"interval can be given from one seed (set train.num_seeds=2 or more)."
+        )
+    where = (
+        f"the interval excludes zero: over these {d.n} seeds {a} is "
+        f"{'higher' if d.low > 0 else 'lower'}"
+        if d.excludes_zero
+        else f"the interval includes zero: these {d.n} seeds cannot tell the two apart"
+    )
+    return (
+        f"{what}, {a} minus {b}: {spec.format(d.mean)}, {pct} t-interval "
+        f"[{spec.format(d.low)}, {spec.format(d.high)}] over {d.n} paired seeds; {where}."
+    )
 
 
 def clopper_pearson(k: int, n: int, confidence: float = 0.95) -> tuple[float, float]:

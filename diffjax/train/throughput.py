@@ -50,19 +50,30 @@ class SideBySide:
     def describe(self) -> str:
         a, b = self.labels
         lo, hi = self.spread
-        return (f"{a} throughput is {self.median_ratio:.2f}x {b}'s (median over {self.rounds} "
-                f"rounds of {self.steps_per_round} steps each, the two compiled train steps "
-                f"alternated on the same batches; per-round ratios {lo:.2f} .. {hi:.2f}; "
-                f"{a} {self.median_tokens_per_s(a):,.0f} tokens/s, {b} "
-                f"{self.median_tokens_per_s(b):,.0f} tokens/s)")
+        return (
+            f"{a} throughput is {self.median_ratio:.2f}x {b}'s (median over {self.rounds} "
+            f"rounds of {self.steps_per_round} steps each, the two compiled train steps "
+            f"alternated on the same batches; per-round ratios {lo:.2f} .. {hi:.2f}; "
+            f"{a} {self.median_tokens_per_s(a):,.0f} tokens/s, {b} "
+            f"{self.median_tokens_per_s(b):,.0f} tokens/s)"
+        )
 
     def to_dict(self) -> dict:
-        return {**dataclasses.asdict(self), "median_ratio": self.median_ratio,
-                "spread": self.spread}
+        return {
+            **dataclasses.asdict(self),
+            "median_ratio": self.median_ratio,
+            "spread": self.spread,
+        }
 
 
-def side_by_side_throughput(exp: ExperimentConfig, models: dict[str, ModelConfig], mesh=None, *,
-                            rounds: int = 5, steps: int = 4) -> SideBySide:
+def side_by_side_throughput(
+    exp: ExperimentConfig,
+    models: dict[str, ModelConfig],
+    mesh=None,
+    *,
+    rounds: int = 5,
+    steps: int = 4,
+) -> SideBySide:
     """Alternate the compiled train steps of the two ``models`` (``{label: config}``, the first
     is the numerator) for ``rounds`` rounds of ``steps`` steps each on the same ``steps`` batches
     of ``exp.data``'s training stream; one warm-up step each first. The states are fresh
@@ -74,8 +85,10 @@ def side_by_side_throughput(exp: ExperimentConfig, models: dict[str, ModelConfig
     mesh = sharding.make_mesh(exp.mesh) if mesh is None else mesh
     tcfg = exp.train
     with jax.set_mesh(mesh), nnx.logical_axis_rules(sharding.current_rules()):
-        batches = [model_inputs(b, mesh, tcfg.batch_size)
-                   for b in itertools.islice(process_stream(exp, "train", mesh), steps)]
+        batches = [
+            model_inputs(b, mesh, tcfg.batch_size)
+            for b in itertools.islice(process_stream(exp, "train", mesh), steps)
+        ]
         compiled = {}
         for label, cfg in models.items():
             # the train step compiled as the loop compiles it, on a fresh state
@@ -89,7 +102,7 @@ def side_by_side_throughput(exp: ExperimentConfig, models: dict[str, ModelConfig
         tokens = tcfg.batch_size * exp.data.seq_len
         tps: dict[str, list[float]] = {label: [] for label in labels}
         for r in range(rounds):
-            for label in (labels if r % 2 == 0 else labels[::-1]):
+            for label in labels if r % 2 == 0 else labels[::-1]:
                 fn, state = compiled[label]
                 t0 = time.perf_counter()
                 for b in batches:
