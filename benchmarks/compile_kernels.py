@@ -173,7 +173,7 @@ def _loss_fn(module, case: Case, block_sizes):
         if case.kind == "std":
             o = module.flash_attention(q1, k1, v, causal=True, block_sizes=block_sizes)
         else:
-            k2_ = k1 if case.kind == "v2" else k2
+            k2_ = None if case.kind == "v2" else k2
             o = module.differential_flash_attention(
                 q1, k1, q2, k2_, v, lam, causal=True, block_sizes=block_sizes
             )

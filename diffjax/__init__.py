@@ -1,7 +1,13 @@
 """diffjax: the Differential Transformer (DIFF V1 and V2) and its standard twin in JAX/Flax NNX."""
 
 from . import decode, hf, interop, ops
-from .attention import MultiheadAttention, MultiheadDiffAttn, MultiheadDiffAttnV2
+from .attention import (
+    AttentionLayer,
+    MultiheadAttention,
+    MultiheadDiffAttn,
+    MultiheadDiffAttnV2,
+    Projection,
+)
 from .compile_options import cpu_compile_options
 from .config import ConfigError, ModelConfig, lambda_init_fn, twin
 from .decode import KVCache, generate
@@ -15,6 +21,8 @@ from .param_count import ParamCount, compare_params, count_params
 __version__ = "0.1.0"
 
 __all__ = [
+    "AttentionLayer",
+    "Projection",
     "Block",
     "ConfigError",
     "KVCache",

@@ -4,25 +4,34 @@
 - :class:`MultiheadDiffAttn`: DIFF V1, as ``multihead_flashdiff_1.py`` (its head pairing).
 - :class:`MultiheadDiffAttnV2`: DIFF V2, as ``multihead_flashdiffv2.py``.
 
-All are called as ``module(x, positions=None, segment_ids=None)`` with ``x`` ``[batch, seq,
-embed]`` and are causal unless built with ``causal=False``. The attention math itself is in
-:mod:`diffjax.ops` (one dispatch point, ``attention_impl``). For decoding, ``extend`` runs the
-same layer against a KV cache (``cache_layout()`` says what it holds; :mod:`diffjax.decode`).
+One API for all three (:class:`AttentionLayer`): built as ``Layer(embed_dim, depth, num_heads,
+num_kv_heads=None, ...)``, called as ``layer(x, positions=None, segment_ids=None)`` with ``x``
+``[batch, seq, embed_dim]``, causal unless built with ``causal=False``. Each layer is three
+steps::
+
+    p = layer.project(x, positions)   # Projection: q/k/v after rotary, and lambda
+    o = attention(p)                  # diffjax.ops: the one dispatch point (attention_impl)
+    y = layer.output(o)               # (V1: per-head norm) and out_proj
+
+``project`` is also what analyses read (maps and logits are computed from it with
+:mod:`diffjax.kernels.reference`). For decoding, ``extend`` runs the same body against a KV
+cache (``cache_layout()`` says what it holds; :mod:`diffjax.decode`).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from . import ops
-from .config import lambda_init_fn
+from .config import RopeScaling, lambda_init_fn
 from .layers import (
     Dtype,
     Linear,
     RMSNorm,
-    RopeScaling,
     apply_rotary,
     as_dtype,
     default_positions,
@@ -35,30 +44,52 @@ from .sharding import constrain, param, param_init
 # "heads" (query side) or "kv_heads"; activations [B, T, heads, d] are constrained by head.
 _Q_ACT = ("act_batch", "act_seq", "act_heads", None)
 _KV_ACT = ("act_batch", "act_seq", "act_kv_heads", None)
+CACHE_AXES = ("act_batch", None, "act_kv_heads", None)  # a KV cache [B, L, H_kv, width]
 
 
-def _check_input(x: jax.Array, embed_dim: int, name: str) -> None:
-    if x.ndim != 3 or x.shape[-1] != embed_dim:
-        raise ValueError(f"{name} expects x of shape [batch, seq, {embed_dim}], got {x.shape}")
+class Projection(NamedTuple):
+    """A layer's attention inputs, after the projections and rotary (float32 lambda).
+
+    Standard attention fills ``q, k, v``; DIFF adds the second map's ``q2`` and ``lam``, and
+    V1 its own second key ``k2`` (DIFF V2's two maps read the one key ``k``: ``k2`` is None).
+    """
+
+    q: jax.Array  # [B, T, H, d]: queries (DIFF: Q1 of each pair)
+    k: jax.Array  # [B, S, H_kv, d]: keys (DIFF V1: K1; DIFF V2: the key both maps read)
+    v: jax.Array  # [B, S, H_kv, dv]: values (DIFF V1: 2d wide)
+    q2: jax.Array | None = None  # [B, T, H, d]: DIFF: Q2 of each pair
+    k2: jax.Array | None = None  # [B, S, H_kv, d]: DIFF V1: K2
+    lam: jax.Array | None = None  # DIFF: lambda, V1 a scalar, V2 [B, T, H]
 
 
-def _rotate(
-    q: jax.Array,
-    k: jax.Array,
-    x: jax.Array,
-    positions: jax.Array | None,
-    theta: float,
-    scaling: RopeScaling | None = None,
-) -> tuple[jax.Array, jax.Array]:
+def attend(p: Projection, *, scale: float, impl, **masks) -> jax.Array:
+    """``[B, T, H, dv]``: softmax attention of ``p`` (differential when it has ``q2``)."""
+    if p.q2 is None:
+        return ops.dot_product_attention(p.q, p.k, p.v, scale=scale, impl=impl, **masks)
+    return ops.differential_attention(
+        p.q, p.k, p.q2, p.k2, p.v, p.lam, scale=scale, impl=impl, **masks
+    )
+
+
+def _rotate(q, k, positions, x, theta: float, scaling: RopeScaling | None):
     """Interleaved rotary on every raw q and k head (rotary dim = head dim)."""
-    positions = default_positions(x, positions)
-    cos, sin = rotary_angles(positions, q.shape[-1], theta, scaling)
+    cos, sin = rotary_angles(default_positions(x, positions), q.shape[-1], theta, scaling)
     return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
 
+def _pair_halves(x: jax.Array, axes) -> tuple[jax.Array, jax.Array]:
+    """``x [B, T, 2n, d]`` -> raw heads ``2i`` and ``2i + 1``, each ``[B, T, n, d]``. Viewed
+    pair-major ``[.., n, 2, d]``: slicing the pair axis (not a stride over the sharded head
+    axis) keeps every pair on one device."""
+    b, t, n2, d = x.shape
+    x = x.reshape(b, t, n2 // 2, 2, d)
+    return constrain(x[:, :, :, 0], *axes), constrain(x[:, :, :, 1], *axes)
+
+
 # ---------------------------------------------------------------------------- KV cache
-# Decoding (diffjax.decode) calls ``extend`` instead of ``__call__``: the layer's keys and values
-# go into a per-layer cache ``{name: [B, L, kv_heads, width]}`` at slot ``index``. Two cases:
+# Decoding (diffjax.decode) calls ``extend``: the layer's keys and values go into a per-layer
+# cache ``{name: [B, L, kv_heads, width]}`` (names: the Projection fields k, v and V1's k2) at
+# slot ``index``. Two cases:
 #
 # - T > 1 (prefill, into an empty cache at slot 0): attention over the new tokens themselves,
 #   causal, with ``segment_ids`` [B, T] (0 on left padding, 1 on the prompt) so that a prompt
@@ -67,61 +98,39 @@ def _rotate(
 #   the whole cache with ``kv_segment_ids`` [B, L] (1 on the slots that hold this row's tokens,
 #   0 on padding and empty slots) against ``segment_ids`` [B, 1] of ones: the "kv lengths" mask,
 #   which the fused kernels take as segment ids.
-_CACHE_ACT = ("act_batch", None, "act_kv_heads", None)
-
-
-def _update_cache(
-    cache: dict[str, jax.Array], new: dict[str, jax.Array], index
-) -> tuple[dict[str, jax.Array], dict[str, jax.Array], dict]:
-    """``(arrays to attend to, the updated cache, the mask keywords of ops)``."""
+def _with_cache(p: Projection, cache: dict[str, jax.Array], index, kv_segment_ids):
+    """``(projection to attend with, updated cache, mask keywords)``."""
+    new = {n: getattr(p, n) for n in ("k", "k2", "v") if getattr(p, n) is not None}
     if set(cache) != set(new):
         raise ValueError(
-            f"KV cache entries {sorted(cache)} do not match this layer's "
-            f"{sorted(new)}: the cache was built for another attention kind"
+            f"KV cache entries {sorted(cache)} do not match this layer's {sorted(new)}: the "
+            f"cache was built for another attention kind"
         )
-    t = next(iter(new.values())).shape[1]
-    updated = {
-        n: constrain(
-            jax.lax.dynamic_update_slice_in_dim(
-                cache[n], new[n].astype(cache[n].dtype), index, axis=1
-            ),
-            *_CACHE_ACT,
-        )
-        for n in cache
-    }
-    if t == 1:
-        return updated, updated, dict(causal=False)
-    return {n: new[n].astype(cache[n].dtype) for n in new}, updated, dict(causal=True)
+    new = {n: a.astype(cache[n].dtype) for n, a in new.items()}
+    update = jax.lax.dynamic_update_slice_in_dim
+    cache = {n: constrain(update(cache[n], new[n], index, axis=1), *CACHE_AXES) for n in cache}
+    if p.q.shape[1] == 1:  # one token: attend to the whole cache
+        return p._replace(**cache), cache, dict(causal=False, kv_segment_ids=kv_segment_ids)
+    return p._replace(**new), cache, dict(causal=True)
 
 
-def _check_extend(module, x, segment_ids, kv_segment_ids):
-    if not module.causal:
-        raise ValueError(
-            f"{type(module).__name__}.extend: decoding with a KV cache needs a causal "
-            f"layer (built with causal=False)"
-        )
-    if x.shape[1] == 1 and kv_segment_ids is None:
-        raise ValueError(
-            f"{type(module).__name__}.extend: one decoded token needs kv_segment_ids "
-            f"[batch, cache length] (which cache slots hold this row's tokens)"
-        )
-    return dict(segment_ids=segment_ids, kv_segment_ids=kv_segment_ids if x.shape[1] == 1 else None)
-
-
-class _AttentionLayer(nnx.Module):
-    """Shared constructor pieces: head bookkeeping and its checks, bias-free linears."""
+class AttentionLayer(nnx.Module):
+    """What the three layers share: head bookkeeping and its checks, bias-free linears, and
+    the one body of the plain and the cached call. A layer defines ``project`` (q/k/v and
+    lambda), ``output`` and ``cache_layout``."""
 
     def _init_heads(
         self,
         embed_dim: int,
+        depth: int,
         num_heads: int,
         num_kv_heads: int | None,
         head_dim: int,
         *,
         rope_theta: float,
+        rope_scaling: RopeScaling | None,
         causal: bool,
-        attention_impl: str,
-        rope_scaling: RopeScaling | None = None,
+        attention_impl,
         kv_note: str = "",
     ) -> None:
         """Check and store the head layout; ``num_kv_heads=None`` means MHA."""
@@ -134,26 +143,13 @@ class _AttentionLayer(nnx.Module):
         if head_dim % 2:
             raise ValueError(f"{name}: head width {head_dim} must be even for rotary")
         ops.check_impl(attention_impl)  # an unknown implementation fails here, at construction
-        self.embed_dim = embed_dim
+        self.embed_dim, self.depth = embed_dim, depth
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.n_rep = num_heads // num_kv_heads
-        self.scaling = head_dim**-0.5
-        self.rope_theta, self.causal, self.attention_impl = rope_theta, causal, attention_impl
-        self.rope_scaling = rope_scaling
-        # Simulated absmax quantization of the logits (XLA path; the quantization analysis sets
-        # it on a copy of the model: diffjax.evaluate.quantize.with_quantized_logits).
-        self.logit_bits: int | None = None
+        self.scale = head_dim**-0.5
+        self.rope_theta, self.rope_scaling = rope_theta, rope_scaling
+        self.causal, self.attention_impl = causal, attention_impl
 
-    def _linear(
-        self,
-        n_in: int,
-        n_out: int,
-        dtype,
-        param_dtype,
-        kernel_init,
-        rngs,
-        axes: tuple[str, str] = ("embed", "heads"),
-    ):
+    def _linear(self, n_in, n_out, dtype, param_dtype, kernel_init, rngs, axes=("embed", "heads")):
         """A bias-free linear whose kernel carries the logical ``axes`` (in, out)."""
         return Linear(
             n_in,
@@ -165,8 +161,73 @@ class _AttentionLayer(nnx.Module):
             rngs=rngs,
         )
 
+    def _split_heads(self, x: jax.Array, positions, q_heads: int, k_heads: int, v_width: int):
+        """q ``[B, T, q_heads, d]``, k ``[B, T, k_heads, d]`` (both rotated) and v ``[B, T,
+        H_kv, v_width]`` from ``x [B, T, D]``."""
+        if x.ndim != 3 or x.shape[-1] != self.embed_dim:
+            raise ValueError(
+                f"{type(self).__name__} expects x of shape [batch, seq, {self.embed_dim}], "
+                f"got {x.shape}"
+            )
+        b, t, _ = x.shape
+        d = self.head_dim
+        q = constrain(self.q_proj(x).reshape(b, t, q_heads, d), *_Q_ACT)
+        k = constrain(self.k_proj(x).reshape(b, t, k_heads, d), *_KV_ACT)
+        v = constrain(self.v_proj(x).reshape(b, t, self.num_kv_heads, v_width), *_KV_ACT)
+        q, k = _rotate(q, k, positions, x, self.rope_theta, self.rope_scaling)
+        return constrain(q, *_Q_ACT), constrain(k, *_KV_ACT), v
 
-class MultiheadAttention(_AttentionLayer):
+    def __call__(
+        self, x: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None
+    ) -> jax.Array:
+        return self._forward(x, positions, segment_ids)[0]
+
+    def extend(
+        self,
+        x: jax.Array,
+        positions: jax.Array,
+        cache: dict[str, jax.Array],
+        *,
+        index,
+        segment_ids: jax.Array,
+        kv_segment_ids: jax.Array | None = None,
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """Decoding: ``(output, updated cache)`` for ``x`` ``[B, T, D]`` written at slot
+        ``index`` (see the KV cache notes above; :mod:`diffjax.decode` drives it)."""
+        name = type(self).__name__
+        if not self.causal:
+            raise ValueError(
+                f"{name}.extend: decoding with a KV cache needs a causal layer (built with "
+                f"causal=False)"
+            )
+        if x.shape[1] == 1 and kv_segment_ids is None:
+            raise ValueError(
+                f"{name}.extend: one decoded token needs kv_segment_ids [batch, cache length] "
+                f"(which cache slots hold this row's tokens)"
+            )
+        return self._forward(x, positions, segment_ids, (cache, index, kv_segment_ids))
+
+    def _forward(self, x, positions, segment_ids, cached=None):
+        """The one body: ``(output, updated cache or None)``."""
+        p = self.project(x, positions)
+        masks, cache = dict(causal=self.causal), None
+        if cached is not None:
+            p, cache, masks = _with_cache(p, *cached)
+        elif p.lam is not None:
+            _sow_lambda(self, p.lam)
+        o = attend(p, scale=self.scale, impl=self.attention_impl, segment_ids=segment_ids, **masks)
+        return self.output(o), cache
+
+    def project(self, x: jax.Array, positions: jax.Array | None = None) -> Projection:
+        raise NotImplementedError
+
+    def output(self, o: jax.Array) -> jax.Array:
+        """``out_proj`` of the heads ``o [B, T, H, dv]`` concatenated."""
+        b, t, h, dv = o.shape
+        return self.out_proj(o.reshape(b, t, h * dv))
+
+
+class MultiheadAttention(AttentionLayer):
     """Standard multi-head attention (MHA, GQA with ``num_kv_heads``, MQA with 1).
 
     Parameters ``q_proj [D, H d]``, ``k_proj``/``v_proj [D, H_kv d]``, ``out_proj [H d, D]``, as
@@ -185,7 +246,7 @@ class MultiheadAttention(_AttentionLayer):
         rope_theta: float = 10000.0,
         rope_scaling: RopeScaling | None = None,
         causal: bool = True,
-        attention_impl: str = "auto",
+        attention_impl="auto",
         dtype: Dtype = jnp.float32,
         param_dtype: Dtype = jnp.float32,
         kernel_init=torch_linear_init,
@@ -200,6 +261,7 @@ class MultiheadAttention(_AttentionLayer):
             head_dim = embed_dim // num_heads
         self._init_heads(
             embed_dim,
+            depth,
             num_heads,
             num_kv_heads,
             head_dim,
@@ -208,7 +270,6 @@ class MultiheadAttention(_AttentionLayer):
             causal=causal,
             attention_impl=attention_impl,
         )
-        self.depth = depth
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         args = (dtype, param_dtype, kernel_init, rngs)
         self.q_proj = self._linear(embed_dim, h * d, *args)
@@ -216,89 +277,18 @@ class MultiheadAttention(_AttentionLayer):
         self.v_proj = self._linear(embed_dim, hkv * d, *args, axes=("embed", "kv_heads"))
         self.out_proj = self._linear(h * d, embed_dim, *args, axes=("heads", "embed"))
 
-    def _qkv(self, x, positions):
-        """(q, k, v) after rotary, ``[B, T, heads, head_dim]``."""
-        _check_input(x, self.embed_dim, type(self).__name__)
-        b, t, _ = x.shape
-        q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
-        q, k = _rotate(q, k, x, positions, self.rope_theta, self.rope_scaling)
-        return constrain(q, *_Q_ACT), constrain(k, *_KV_ACT), constrain(v, *_KV_ACT)
-
-    def attention_maps(
-        self, x: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None
-    ) -> dict[str, jax.Array]:
-        """The softmax map ``a`` ``[B, heads, T, S]`` (float32), for analysis."""
-        q, k, _ = self._qkv(x, positions)
-        return {
-            "a": ops.attention_weights(
-                q, k, causal=self.causal, segment_ids=segment_ids, scale=self.scaling
-            )
-        }
-
-    def attention_logits(
-        self, x: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None
-    ) -> dict[str, jax.Array]:
-        """The pre-softmax logits ``logits`` ``[B, heads, T, S]`` (``q k^T / sqrt(d)``, float32)
-        and ``mask`` (``[B or 1, T, S]``, True = may attend, or None), for analysis."""
-        q, k, _ = self._qkv(x, positions)
-        logits, mask = ops.attention_logits(
-            q, k, causal=self.causal, segment_ids=segment_ids, scale=self.scaling
+    def project(self, x: jax.Array, positions: jax.Array | None = None) -> Projection:
+        """q ``[B, T, H, d]``, k and v ``[B, T, H_kv, d]``, after rotary."""
+        return Projection(
+            *self._split_heads(x, positions, self.num_heads, self.num_kv_heads, self.head_dim)
         )
-        return {"logits": logits, "mask": mask}
-
-    def __call__(
-        self, x: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None
-    ) -> jax.Array:
-        q, k, v = self._qkv(x, positions)
-        b, t = x.shape[:2]
-        o = ops.dot_product_attention(
-            q,
-            k,
-            v,
-            causal=self.causal,
-            segment_ids=segment_ids,
-            scale=self.scaling,
-            impl=self.attention_impl,
-            logit_bits=self.logit_bits,
-        )
-        return self.out_proj(o.reshape(b, t, self.num_heads * self.head_dim))
 
     def cache_layout(self) -> dict[str, tuple[int, int]]:
         """The KV cache entries of this layer: name -> (kv heads, width) per token."""
         return {"k": (self.num_kv_heads, self.head_dim), "v": (self.num_kv_heads, self.head_dim)}
 
-    def extend(
-        self,
-        x: jax.Array,
-        positions: jax.Array,
-        cache: dict[str, jax.Array],
-        *,
-        index,
-        segment_ids: jax.Array,
-        kv_segment_ids: jax.Array | None = None,
-    ) -> tuple[jax.Array, dict[str, jax.Array]]:
-        """Decoding: ``(output, updated cache)`` for ``x`` ``[B, T, D]`` written at slot ``index``
-        (see the KV cache notes above; :mod:`diffjax.decode` drives it)."""
-        mask = _check_extend(self, x, segment_ids, kv_segment_ids)
-        q, k, v = self._qkv(x, positions)
-        kv, cache, kw = _update_cache(cache, dict(k=k, v=v), index)
-        b, t = x.shape[:2]
-        o = ops.dot_product_attention(
-            q,
-            kv["k"],
-            kv["v"],
-            scale=self.scaling,
-            impl=self.attention_impl,
-            logit_bits=self.logit_bits,
-            **kw,
-            **mask,
-        )
-        return self.out_proj(o.reshape(b, t, self.num_heads * self.head_dim)), cache
 
-
-class MultiheadDiffAttn(_AttentionLayer):
+class MultiheadDiffAttn(AttentionLayer):
     """Differential attention V1 (the paper), with the pairing of ``multihead_flashdiff_1.py``.
 
     ``num_heads`` = h DIFF heads (half the baseline's heads); ``num_kv_heads`` = h_kv (half the
@@ -329,7 +319,7 @@ class MultiheadDiffAttn(_AttentionLayer):
         rope_theta: float = 10000.0,
         rope_scaling: RopeScaling | None = None,
         causal: bool = True,
-        attention_impl: str = "auto",
+        attention_impl="auto",
         dtype: Dtype = jnp.float32,
         param_dtype: Dtype = jnp.float32,
         kernel_init=torch_linear_init,
@@ -344,6 +334,7 @@ class MultiheadDiffAttn(_AttentionLayer):
         head_dim = embed_dim // num_heads // 2
         self._init_heads(
             embed_dim,
+            depth,
             num_heads,
             num_kv_heads,
             head_dim,
@@ -352,20 +343,16 @@ class MultiheadDiffAttn(_AttentionLayer):
             causal=causal,
             attention_impl=attention_impl,
         )
-        self.depth = depth
         self.lambda_init = float(lambda_init_fn(depth) if lambda_init is None else lambda_init)
+        n_rep = self.num_heads // self.num_kv_heads
         args = (dtype, param_dtype, kernel_init, rngs)
         self.q_proj = self._linear(embed_dim, embed_dim, *args)
-        self.k_proj = self._linear(
-            embed_dim, embed_dim // self.n_rep, *args, axes=("embed", "kv_heads")
-        )
-        self.v_proj = self._linear(
-            embed_dim, embed_dim // self.n_rep, *args, axes=("embed", "kv_heads")
-        )
+        kv = ("embed", "kv_heads")
+        self.k_proj = self._linear(embed_dim, embed_dim // n_rep, *args, axes=kv)
+        self.v_proj = self._linear(embed_dim, embed_dim // n_rep, *args, axes=kv)
         self.out_proj = self._linear(embed_dim, embed_dim, *args, axes=("heads", "embed"))
         init = nnx.initializers.normal(0.1)
-        key = rngs.params()
-        k1, k2, k3, k4 = jax.random.split(key, 4)
+        k1, k2, k3, k4 = jax.random.split(rngs.params(), 4)
         self.lambda_q1 = param(init(k1, (head_dim,), jnp.float32), "head_dim")
         self.lambda_k1 = param(init(k2, (head_dim,), jnp.float32), "head_dim")
         self.lambda_q2 = param(init(k3, (head_dim,), jnp.float32), "head_dim")
@@ -382,110 +369,107 @@ class MultiheadDiffAttn(_AttentionLayer):
             self.lambda_init,
         )
 
-    def _qkv(self, x, positions):
-        """(q1, k1, q2, k2, v) after rotary, in the flash_1 pairing."""
-        _check_input(x, self.embed_dim, type(self).__name__)
-        b, t, _ = x.shape
+    def project(self, x: jax.Array, positions: jax.Array | None = None) -> Projection:
+        """Q1, Q2 ``[B, T, h, d]``, K1, K2 ``[B, T, h_kv, d]``, V ``[B, T, h_kv, 2d]`` (after
+        rotary, in the flash_1 pairing) and the scalar lambda."""
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        q = constrain(self.q_proj(x).reshape(b, t, 2 * h, d), *_Q_ACT)
-        k = constrain(self.k_proj(x).reshape(b, t, 2 * hkv, d), *_KV_ACT)
-        v = constrain(self.v_proj(x).reshape(b, t, hkv, 2 * d), *_KV_ACT)
-        q, k = _rotate(q, k, x, positions, self.rope_theta, self.rope_scaling)
-        # pair-major views [.., h, 2, d]: raw heads 2i, 2i+1 form DIFF head i; slicing the pair
-        # axis (not a stride over the sharded head axis) keeps every pair on one device
-        q = q.reshape(b, t, h, 2, d)
-        k = k.reshape(b, t, hkv, 2, d)
-        q1, q2 = constrain(q[:, :, :, 0], *_Q_ACT), constrain(q[:, :, :, 1], *_Q_ACT)
-        k1, k2 = constrain(k[:, :, :, 0], *_KV_ACT), constrain(k[:, :, :, 1], *_KV_ACT)
-        return q1, k1, q2, k2, v
+        q, k, v = self._split_heads(x, positions, 2 * h, 2 * hkv, 2 * d)
+        (q1, q2), (k1, k2) = _pair_halves(q, _Q_ACT), _pair_halves(k, _KV_ACT)
+        return Projection(q1, k1, v, q2=q2, k2=k2, lam=self.lambda_full())
 
-    def attention_maps(
-        self, x: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None
-    ) -> dict[str, jax.Array]:
-        """The two softmax maps ``a1``, ``a2`` ``[B, h, T, S]``, ``lam`` and the differential map
-        ``diff = a1 - lam * a2`` (float32), for analysis. Materialises ``T x S`` maps."""
-        q1, k1, q2, k2, _ = self._qkv(x, positions)
-        kw = dict(causal=self.causal, segment_ids=segment_ids, scale=self.scaling)
-        a1 = ops.attention_weights(q1, k1, **kw)
-        a2 = ops.attention_weights(q2, k2, **kw)
-        lam = self.lambda_full()
-        return {"a1": a1, "a2": a2, "lam": lam, "diff": a1 - lam * a2}
-
-    def attention_logits(
-        self, x: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None
-    ) -> dict[str, jax.Array]:
-        """The pre-softmax logits of both maps, ``logits1``/``logits2`` ``[B, h, T, S]``
-        (``q_i k_i^T / sqrt(d)``, float32), and ``mask`` (``[B or 1, T, S]`` or None)."""
-        q1, k1, q2, k2, _ = self._qkv(x, positions)
-        kw = dict(causal=self.causal, segment_ids=segment_ids, scale=self.scaling)
-        l1, mask = ops.attention_logits(q1, k1, **kw)
-        l2, _ = ops.attention_logits(q2, k2, **kw)
-        return {"logits1": l1, "logits2": l2, "mask": mask}
-
-    def __call__(
-        self, x: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None
-    ) -> jax.Array:
-        q1, k1, q2, k2, v = self._qkv(x, positions)
-        b, t = x.shape[:2]
-        h, d = self.num_heads, self.head_dim
-        lam = self.lambda_full()
-        _sow_lambda(self, lam)
-        o = ops.differential_attention(
-            q1,
-            k1,
-            q2,
-            k2,
-            v,
-            lam,
-            causal=self.causal,
-            segment_ids=segment_ids,
-            scale=self.scaling,
-            impl=self.attention_impl,
-            logit_bits=self.logit_bits,
-        )
+    def output(self, o: jax.Array) -> jax.Array:
+        """The per-head RMSNorm times ``1 - lambda_init`` (unless built with ``norm=False``),
+        then ``out_proj``."""
         if self.subln is not None:
             o = self.subln(o) * jnp.asarray(1.0 - self.lambda_init, o.dtype)
-        return self.out_proj(o.reshape(b, t, h * 2 * d))
+        return super().output(o)
 
     def cache_layout(self) -> dict[str, tuple[int, int]]:
         """The KV cache entries of this layer: name -> (kv heads, width) per token. The raw key
         heads K1 (2g) and K2 (2g+1) of each kv group, and its value, 2d wide."""
         hkv, d = self.num_kv_heads, self.head_dim
-        return {"k1": (hkv, d), "k2": (hkv, d), "v": (hkv, 2 * d)}
+        return {"k": (hkv, d), "k2": (hkv, d), "v": (hkv, 2 * d)}
 
-    def extend(
+
+class MultiheadDiffAttnV2(AttentionLayer):
+    """Differential attention V2, as ``multihead_flashdiffv2.py`` with ``use_diff_v2=True``.
+
+    ``num_heads`` = h output heads over 2h query heads of width ``head_dim`` = d (default
+    ``embed_dim // num_heads``); query heads 2i and 2i+1 form pair i and share kv group
+    ``i // (h / h_kv)``. ``q_proj: D -> 2h d``, ``k_proj``/``v_proj: D -> h_kv d``,
+    ``out_proj: h d -> D`` (the official file's ``o_proj``), ``lambda_proj: D -> h``;
+    ``O_i = O_{2i} - sigmoid(lambda_proj(x))_i O_{2i+1}`` (lambda per token and head, in
+    float32). No per-head norm.
+    """
+
+    def __init__(
         self,
-        x: jax.Array,
-        positions: jax.Array,
-        cache: dict[str, jax.Array],
+        embed_dim: int,
+        depth: int,
+        num_heads: int,
+        num_kv_heads: int | None = None,
         *,
-        index,
-        segment_ids: jax.Array,
-        kv_segment_ids: jax.Array | None = None,
-    ) -> tuple[jax.Array, dict[str, jax.Array]]:
-        """Decoding: ``(output, updated cache)`` for ``x`` ``[B, T, D]`` written at slot ``index``
-        (see the KV cache notes above; :mod:`diffjax.decode` drives it)."""
-        mask = _check_extend(self, x, segment_ids, kv_segment_ids)
-        q1, k1, q2, k2, v = self._qkv(x, positions)
-        kv, cache, kw = _update_cache(cache, dict(k1=k1, k2=k2, v=v), index)
-        b, t = x.shape[:2]
-        h, d = self.num_heads, self.head_dim
-        o = ops.differential_attention(
-            q1,
-            kv["k1"],
-            q2,
-            kv["k2"],
-            kv["v"],
-            self.lambda_full(),
-            scale=self.scaling,
-            impl=self.attention_impl,
-            logit_bits=self.logit_bits,
-            **kw,
-            **mask,
+        head_dim: int | None = None,
+        rope_theta: float = 10000.0,
+        rope_scaling: RopeScaling | None = None,
+        causal: bool = True,
+        attention_impl="auto",
+        dtype: Dtype = jnp.float32,
+        param_dtype: Dtype = jnp.float32,
+        kernel_init=torch_linear_init,
+        lambda_proj_init=torch_linear_init,
+        rngs: nnx.Rngs,
+    ):
+        if head_dim is None:
+            if embed_dim % num_heads:
+                raise ValueError(
+                    f"MultiheadDiffAttnV2: embed_dim={embed_dim} is not divisible by "
+                    f"num_heads={num_heads}; pass head_dim explicitly"
+                )
+            head_dim = embed_dim // num_heads
+        self._init_heads(
+            embed_dim,
+            depth,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            causal=causal,
+            attention_impl=attention_impl,
+            kv_note=", or the query pairs (2i, 2i+1) straddle kv groups",
         )
-        if self.subln is not None:
-            o = self.subln(o) * jnp.asarray(1.0 - self.lambda_init, o.dtype)
-        return self.out_proj(o.reshape(b, t, h * 2 * d)), cache
+        h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        args = (dtype, param_dtype, kernel_init, rngs)
+        self.q_proj = self._linear(embed_dim, 2 * h * d, *args)
+        self.k_proj = self._linear(embed_dim, hkv * d, *args, axes=("embed", "kv_heads"))
+        self.v_proj = self._linear(embed_dim, hkv * d, *args, axes=("embed", "kv_heads"))
+        self.out_proj = self._linear(h * d, embed_dim, *args, axes=("heads", "embed"))
+        # lambda is computed in float32 whatever the activation dtype.
+        # (``lambda_proj_init``: torch's default Linear init, as the official code leaves it.)
+        self.lambda_proj = self._linear(
+            embed_dim, h, jnp.float32, param_dtype, lambda_proj_init, rngs
+        )
+
+    def lambda_values(self, x: jax.Array) -> jax.Array:
+        """Per-token, per-head lambda ``sigmoid(lambda_proj(x))``, ``[batch, seq, h]`` float32."""
+        lam = jax.nn.sigmoid(self.lambda_proj(x.astype(jnp.float32)))
+        return constrain(lam, "act_batch", "act_seq", "act_heads")
+
+    def project(self, x: jax.Array, positions: jax.Array | None = None) -> Projection:
+        """Q1, Q2 ``[B, T, h, d]`` (query heads 2i and 2i+1, pair-major, so a head-sharded q
+        splits into whole pairs), the shared key K and V ``[B, T, h_kv, d]`` (after rotary),
+        and lambda ``[B, T, h]``."""
+        q, k, v = self._split_heads(
+            x, positions, 2 * self.num_heads, self.num_kv_heads, self.head_dim
+        )
+        q1, q2 = _pair_halves(q, _Q_ACT)
+        return Projection(q1, k, v, q2=q2, lam=self.lambda_values(x))
+
+    def cache_layout(self) -> dict[str, tuple[int, int]]:
+        """The KV cache entries of this layer: name -> (kv heads, width) per token. One key and
+        one value per kv head, read once for both maps of every pair."""
+        return {"k": (self.num_kv_heads, self.head_dim), "v": (self.num_kv_heads, self.head_dim)}
 
 
 def _sow_lambda(layer: nnx.Module, lam: jax.Array) -> None:
@@ -519,174 +503,12 @@ def differential_lambda(
     )
 
 
-class MultiheadDiffAttnV2(_AttentionLayer):
-    """Differential attention V2, as ``multihead_flashdiffv2.py`` with ``use_diff_v2=True``.
-
-    ``num_heads`` = h output heads over 2h query heads of width ``head_dim`` = d; query heads 2i
-    and 2i+1 form pair i and share kv group ``i // (h / h_kv)``. ``q_proj: D -> 2h d``,
-    ``k_proj``/``v_proj: D -> h_kv d``, ``o_proj: h d -> D``, ``lambda_proj: D -> h``;
-    ``O_i = O_{2i} - sigmoid(lambda_proj(x))_i O_{2i+1}`` (lambda per token and head, in float32).
-    No per-head norm.
-    """
-
-    def __init__(
-        self,
-        d_model: int,
-        num_heads: int,
-        num_kv_heads: int | None,
-        head_dim: int,
-        *,
-        rope_theta: float = 10000.0,
-        rope_scaling: RopeScaling | None = None,
-        causal: bool = True,
-        attention_impl: str = "auto",
-        dtype: Dtype = jnp.float32,
-        param_dtype: Dtype = jnp.float32,
-        kernel_init=torch_linear_init,
-        lambda_proj_init=torch_linear_init,
-        rngs: nnx.Rngs,
-    ):
-        self._init_heads(
-            d_model,
-            num_heads,
-            num_kv_heads,
-            head_dim,
-            rope_theta=rope_theta,
-            rope_scaling=rope_scaling,
-            causal=causal,
-            attention_impl=attention_impl,
-            kv_note=", or the query pairs (2i, 2i+1) straddle kv groups",
-        )
-        self.d_model = d_model
-        self.num_q_heads = 2 * num_heads
-        num_kv_heads = self.num_kv_heads
-        args = (dtype, param_dtype, kernel_init, rngs)
-        self.q_proj = self._linear(d_model, self.num_q_heads * head_dim, *args)
-        self.k_proj = self._linear(
-            d_model, num_kv_heads * head_dim, *args, axes=("embed", "kv_heads")
-        )
-        self.v_proj = self._linear(
-            d_model, num_kv_heads * head_dim, *args, axes=("embed", "kv_heads")
-        )
-        self.o_proj = self._linear(num_heads * head_dim, d_model, *args, axes=("heads", "embed"))
-        # lambda is computed in float32 whatever the activation dtype.
-        # (``lambda_proj_init``: torch's default Linear init, as the official code leaves it.)
-        self.lambda_proj = self._linear(
-            d_model, num_heads, jnp.float32, param_dtype, lambda_proj_init, rngs
-        )
-
-    def lambda_values(self, x: jax.Array) -> jax.Array:
-        """Per-token, per-head lambda ``sigmoid(lambda_proj(x))``, ``[batch, seq, h]`` float32."""
-        lam = jax.nn.sigmoid(self.lambda_proj(x.astype(jnp.float32)))
-        return constrain(lam, "act_batch", "act_seq", "act_heads")
-
-    def _qkv(self, x, positions):
-        """(q, k, v) after rotary: q ``[B, T, 2h, d]``, k and v ``[B, S, h_kv, d]``."""
-        _check_input(x, self.d_model, type(self).__name__)
-        b, t, _ = x.shape
-        h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        q = constrain(self.q_proj(x).reshape(b, t, 2 * h, d), *_Q_ACT)
-        k = constrain(self.k_proj(x).reshape(b, t, hkv, d), *_KV_ACT)
-        v = constrain(self.v_proj(x).reshape(b, t, hkv, d), *_KV_ACT)
-        q, k = _rotate(q, k, x, positions, self.rope_theta, self.rope_scaling)
-        return q, k, v
-
-    def _pairs(self, q):
-        """(q1, q2) ``[B, T, h, d]``: query heads 2i and 2i+1 of output head i (pair-major, so
-        a head-sharded q splits into whole pairs)."""
-        b, t = q.shape[:2]
-        q = q.reshape(b, t, self.num_heads, 2, self.head_dim)
-        return constrain(q[:, :, :, 0], *_Q_ACT), constrain(q[:, :, :, 1], *_Q_ACT)
-
-    def attention_maps(
-        self, x: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None
-    ) -> dict[str, jax.Array]:
-        """``a1``, ``a2`` ``[B, h, T, S]``, ``lam`` ``[B, T, h]`` and ``diff = a1 - lam * a2``
-        (float32), for analysis. Materialises ``T x S`` maps."""
-        q, k, _ = self._qkv(x, positions)
-        q1, q2 = self._pairs(q)
-        kw = dict(causal=self.causal, segment_ids=segment_ids, scale=self.scaling)
-        a1 = ops.attention_weights(q1, k, **kw)
-        a2 = ops.attention_weights(q2, k, **kw)
-        lam = self.lambda_values(x)
-        return {
-            "a1": a1,
-            "a2": a2,
-            "lam": lam,
-            "diff": a1 - jnp.transpose(lam, (0, 2, 1))[..., None] * a2,
-        }
-
-    def attention_logits(
-        self, x: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None
-    ) -> dict[str, jax.Array]:
-        """The pre-softmax logits of both maps, ``logits1``/``logits2`` ``[B, h, T, S]``
-        (float32), and ``mask`` (``[B or 1, T, S]`` or None)."""
-        q, k, _ = self._qkv(x, positions)
-        q1, q2 = self._pairs(q)
-        kw = dict(causal=self.causal, segment_ids=segment_ids, scale=self.scaling)
-        l1, mask = ops.attention_logits(q1, k, **kw)
-        l2, _ = ops.attention_logits(q2, k, **kw)
-        return {"logits1": l1, "logits2": l2, "mask": mask}
-
-    def __call__(
-        self, x: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None
-    ) -> jax.Array:
-        q, k, v = self._qkv(x, positions)
-        b, t = x.shape[:2]
-        lam = self.lambda_values(x)
-        _sow_lambda(self, lam)
-        q1, q2 = self._pairs(q)
-        o = ops.differential_attention(
-            q1,
-            k,
-            q2,
-            k,
-            v,
-            lam,
-            causal=self.causal,
-            segment_ids=segment_ids,
-            scale=self.scaling,
-            impl=self.attention_impl,
-            logit_bits=self.logit_bits,
-        )
-        return self.o_proj(o.reshape(b, t, self.num_heads * self.head_dim))
-
-    def cache_layout(self) -> dict[str, tuple[int, int]]:
-        """The KV cache entries of this layer: name -> (kv heads, width) per token. One key and
-        one value per kv head, read once for both maps of every pair."""
-        return {"k": (self.num_kv_heads, self.head_dim), "v": (self.num_kv_heads, self.head_dim)}
-
-    def extend(
-        self,
-        x: jax.Array,
-        positions: jax.Array,
-        cache: dict[str, jax.Array],
-        *,
-        index,
-        segment_ids: jax.Array,
-        kv_segment_ids: jax.Array | None = None,
-    ) -> tuple[jax.Array, dict[str, jax.Array]]:
-        """Decoding: ``(output, updated cache)`` for ``x`` ``[B, T, D]`` written at slot ``index``
-        (see the KV cache notes above; :mod:`diffjax.decode` drives it)."""
-        mask = _check_extend(self, x, segment_ids, kv_segment_ids)
-        q, k, v = self._qkv(x, positions)
-        kv, cache, kw = _update_cache(cache, dict(k=k, v=v), index)
-        b, t = x.shape[:2]
-        q1, q2 = self._pairs(q)
-        o = ops.differential_attention(
-            q1,
-            kv["k"],
-            q2,
-            kv["k"],
-            kv["v"],
-            self.lambda_values(x),
-            scale=self.scaling,
-            impl=self.attention_impl,
-            logit_bits=self.logit_bits,
-            **kw,
-            **mask,
-        )
-        return self.o_proj(o.reshape(b, t, self.num_heads * self.head_dim)), cache
-
-
-__all__ = ["MultiheadAttention", "MultiheadDiffAttn", "MultiheadDiffAttnV2", "differential_lambda"]
+__all__ = [
+    "AttentionLayer",
+    "MultiheadAttention",
+    "MultiheadDiffAttn",
+    "MultiheadDiffAttnV2",
+    "Projection",
+    "attend",
+    "differential_lambda",
+]

@@ -41,15 +41,14 @@ import numpy as np
 from flax import nnx, struct
 
 from .compile_options import lazy_jit
+from .attention import CACHE_AXES
 from .config import ModelConfig
-from .model import TransformerLM
+from .model import TransformerLM, make_attention
 from .sharding import constrain
 
 # Number of times each compiled piece was traced (a trace precedes each compilation): what a
 # test or a user checks to see that decoding is not recompiled per token or per prompt.
 TRACE_COUNTS: collections.Counter = collections.Counter()
-
-_CACHE_ACT = ("act_batch", None, "act_kv_heads", None)
 
 
 @struct.dataclass
@@ -88,8 +87,6 @@ def cache_layout(model_or_config) -> list[dict[str, tuple[int, int]]]:
     if isinstance(model_or_config, TransformerLM):
         return [block.attn.cache_layout() for block in model_or_config.layers]
     if isinstance(model_or_config, ModelConfig):
-        from .model import make_attention
-
         layer = nnx.eval_shape(lambda: make_attention(model_or_config, 0, rngs=nnx.Rngs(0)))
         return [layer.cache_layout()] * model_or_config.num_layers  # the same at every depth
     raise TypeError(
@@ -114,7 +111,7 @@ def init_cache(
     dtype = jnp.dtype(model.config.dtype)
     layers = tuple(
         {
-            n: constrain(jnp.zeros((batch_size, max_length, h, w), dtype), *_CACHE_ACT)
+            n: constrain(jnp.zeros((batch_size, max_length, h, w), dtype), *CACHE_AXES)
             for n, (h, w) in layer.items()
         }
         for layer in cache_layout(model)
@@ -252,10 +249,6 @@ def _decode_jit(
 
 
 # ---------------------------------------------------------------------------- generate
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
-
-
 def _as_key(rng):
     if isinstance(rng, (int, np.integer)) and not isinstance(rng, bool):
         return jax.random.key(int(rng))
@@ -393,8 +386,12 @@ def generate(
 
     # Left-pad to the bucket: drop the columns that are padding in every row, then pad again
     # up to a bucket boundary (never past what max_seq_len allows).
-    slots_p = min(_round_up(longest, length_bucket), cfg.max_seq_len - max_new_tokens)
-    slots = min(_round_up(slots_p + max_new_tokens, length_bucket), cfg.max_seq_len)
+    slots_p = min(
+        math.ceil(longest / length_bucket) * length_bucket, cfg.max_seq_len - max_new_tokens
+    )
+    slots = min(
+        math.ceil((slots_p + max_new_tokens) / length_bucket) * length_bucket, cfg.max_seq_len
+    )
     padded = np.zeros((b, slots_p), np.int32)
     padded[:, slots_p - longest :] = tokens[:, p - longest :]
     start = (slots_p - lengths).astype(np.int32)

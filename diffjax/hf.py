@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from . import sharding
 from .config import ConfigError, ModelConfig
 from .model import TransformerLM
 
@@ -523,8 +524,6 @@ def from_pretrained(
     ``attention_impl``, ``max_seq_len``. Raises :class:`PretrainedError` (a
     :class:`diffjax.ConfigError`) naming the file, tensor or field, before anything is placed.
     """
-    from . import sharding
-
     path = os.fspath(path)
     config = config_from_pretrained(path, **overrides)
     abstract = nnx.eval_shape(lambda: TransformerLM(config, rngs=nnx.Rngs(0)))

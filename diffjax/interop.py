@@ -23,19 +23,20 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .attention import MultiheadAttention, MultiheadDiffAttn, MultiheadDiffAttnV2
+from .attention import AttentionLayer, MultiheadAttention, MultiheadDiffAttn, MultiheadDiffAttnV2
 
 
 def _param_table(module: nnx.Module) -> dict[str, tuple[nnx.Param, bool]]:
     """Official name -> (diffjax parameter, transpose?) for one attention module."""
-    if isinstance(module, MultiheadDiffAttnV2):
-        names = ("q_proj", "k_proj", "v_proj", "o_proj", "lambda_proj")
-        return {f"{n}.weight": (getattr(module, n).kernel, True) for n in names}
-    if isinstance(module, (MultiheadAttention, MultiheadDiffAttn)):
+    if isinstance(module, AttentionLayer):
+        # the output projection is ``out_proj`` in diffjax, ``o_proj`` in the official V2 file
+        out_name = "o_proj" if isinstance(module, MultiheadDiffAttnV2) else "out_proj"
         table = {
-            f"{n}.weight": (getattr(module, n).kernel, True)
-            for n in ("q_proj", "k_proj", "v_proj", "out_proj")
+            f"{n}.weight": (getattr(module, n).kernel, True) for n in ("q_proj", "k_proj", "v_proj")
         }
+        table[f"{out_name}.weight"] = (module.out_proj.kernel, True)
+        if isinstance(module, MultiheadDiffAttnV2):
+            table["lambda_proj.weight"] = (module.lambda_proj.kernel, True)
         if isinstance(module, MultiheadDiffAttn):
             for n in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
                 table[n] = (getattr(module, n), False)

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from .attention import MultiheadAttention, MultiheadDiffAttn, MultiheadDiffAttnV2
+from .attention import AttentionLayer, MultiheadAttention, MultiheadDiffAttn, MultiheadDiffAttnV2
 from .config import ModelConfig
 from .layers import Linear, RMSNorm, SwiGLU, as_dtype
 from .sharding import constrain, param_init
@@ -14,8 +14,9 @@ from .sharding import constrain, param_init
 _ACT = ("act_batch", "act_seq", "act_embed")
 
 
-def make_attention(config: ModelConfig, depth: int, *, rngs: nnx.Rngs) -> nnx.Module:
+def make_attention(config: ModelConfig, depth: int, *, rngs: nnx.Rngs) -> AttentionLayer:
     """The attention layer of block ``depth`` for ``config.attention``."""
+    args = (config.d_model, depth, config.num_heads, config.kv_heads)
     common = dict(
         rope_theta=config.rope_theta,
         rope_scaling=config.rope_scaling_spec,
@@ -26,29 +27,17 @@ def make_attention(config: ModelConfig, depth: int, *, rngs: nnx.Rngs) -> nnx.Mo
         rngs=rngs,
     )
     if config.attention == "standard":
-        return MultiheadAttention(
-            config.d_model,
-            depth,
-            config.num_heads,
-            config.kv_heads,
-            head_dim=config.resolved_head_dim,
-            **common,
-        )
+        return MultiheadAttention(*args, head_dim=config.resolved_head_dim, **common)
     if config.attention == "diff_v1":
         return MultiheadDiffAttn(
-            config.d_model,
-            depth,
-            config.num_heads,
-            config.kv_heads,
+            *args,
             lambda_init=config.lambda_init,
             norm=config.diff_norm,
             norm_eps=config.diff_norm_eps,
             **common,
         )
     if config.attention == "diff_v2":
-        return MultiheadDiffAttnV2(
-            config.d_model, config.num_heads, config.kv_heads, config.resolved_head_dim, **common
-        )
+        return MultiheadDiffAttnV2(*args, head_dim=config.resolved_head_dim, **common)
     raise AssertionError(config.attention)  # unreachable: ModelConfig validates the kind
 
 

@@ -4,47 +4,64 @@ Layout everywhere: ``[batch, seq, heads, dim]``.
 
 - :func:`dot_product_attention`: standard (MHA/GQA/MQA) softmax attention.
 - :func:`differential_attention`: ``softmax(q1 k1^T s) v - lam * softmax(q2 k2^T s) v``, each
-  branch normalised by its own softmax denominator.
+  branch normalised by its own softmax denominator (``k2=None``: both maps read ``k1``).
 
 ``impl`` picks the implementation:
 
 - ``"xla"``: the plain ``jax.numpy`` math of :mod:`diffjax.kernels.reference`;
 - ``"pallas"``: the fused kernels of :mod:`diffjax.kernels` (interpreted on CPU), run per shard
   under ``jax.shard_map`` when a mesh is set with ``jax.set_mesh``;
-- ``"auto"``: ``"pallas"`` on GPU and TPU, ``"xla"`` elsewhere.
-
-``logit_bits`` (XLA only) simulates absmax quantization of the logits, for the quantization
-analysis (:mod:`diffjax.evaluate.quantize`).
+- ``"auto"``: ``"pallas"`` on GPU and TPU, ``"xla"`` elsewhere;
+- or any object with the two functions ``dot_product_attention(q, k, v, *, causal,
+  segment_ids, kv_segment_ids, scale)`` and ``differential_attention(q1, k1, q2, k2, v, lam,
+  *, ...)`` (called after the shape checks; a layer keeps it as a static attribute, so make it
+  hashable, e.g. a frozen dataclass).
 """
 
 from __future__ import annotations
 
+import types
+
 import jax
 from jax.sharding import PartitionSpec as P
 
-from diffjax.kernels import reference
-from diffjax.kernels.reference import MASK_VALUE, attention_mask  # noqa: F401  (re-exported)
+from . import kernels, sharding
+from .config import ATTENTION_IMPLS
+from .kernels import reference
 
-IMPLS = ("auto", "xla", "pallas")
 
-
-def check_impl(impl: str, logit_bits: int | None = None) -> str:
-    """The concrete implementation (``"xla"`` or ``"pallas"``) for ``impl``; a ValueError that
-    names the fix for an unknown one or for ``logit_bits`` with the kernels."""
-    if impl not in IMPLS:
+def check_impl(impl):
+    """The concrete implementation for ``impl``: ``"xla"``, ``"pallas"`` or the given object. A
+    ValueError that names the fix for an unknown name or an object without the two functions."""
+    if isinstance(impl, str):
+        if impl not in ATTENTION_IMPLS:
+            raise ValueError(
+                f"unknown attention impl {impl!r}. Fix: use one of "
+                f"{', '.join(map(repr, ATTENTION_IMPLS))}, or an object with "
+                f"dot_product_attention and differential_attention."
+            )
+        if impl == "auto":
+            return "pallas" if jax.default_backend() in ("gpu", "tpu") else "xla"
+        return impl
+    missing = [f for f in _FUNCTIONS if not callable(getattr(impl, f, None))]
+    if missing:
         raise ValueError(
-            f"unknown attention impl {impl!r}. Fix: use one of {', '.join(map(repr, IMPLS))}."
+            f"attention impl {impl!r} has no {' or '.join(missing)}. Fix: pass one of "
+            f"{', '.join(map(repr, ATTENTION_IMPLS))}, or an object with both functions."
         )
-    reference.check_logit_bits(logit_bits)
-    if impl == "auto":
-        impl = "pallas" if jax.default_backend() in ("gpu", "tpu") else "xla"
-        if logit_bits is not None:
-            impl = "xla"  # the simulated quantization exists in the reference math only
-    if impl == "pallas" and logit_bits is not None:
-        raise ValueError(
-            "logit_bits (simulated quantization of the logits) runs on the XLA path "
-            "only. Fix: use impl='xla' (or 'auto')."
-        )
+    return impl
+
+
+_FUNCTIONS = ("dot_product_attention", "differential_attention")
+
+
+def _implementation(impl):
+    """The object whose two functions run the attention for ``impl``."""
+    impl = check_impl(impl)
+    if impl == "xla":
+        return reference
+    if impl == "pallas":
+        return _PALLAS
     return impl
 
 
@@ -58,8 +75,7 @@ def dot_product_attention(
     segment_ids: jax.Array | None = None,
     kv_segment_ids: jax.Array | None = None,
     scale: float | None = None,
-    impl: str = "auto",
-    logit_bits: int | None = None,
+    impl="auto",
 ) -> jax.Array:
     """Standard softmax attention. q ``[B,T,Hq,D]``, k ``[B,S,Hkv,D]``, v ``[B,S,Hkv,Dv]``.
 
@@ -67,21 +83,22 @@ def dot_product_attention(
     """
     reference.check_qkv(q, k, v, segment_ids, kv_segment_ids, what="dot_product_attention")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    masks = dict(causal=causal, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids)
-    match check_impl(impl, logit_bits):
-        case "xla":
-            return reference.dot_product_attention(
-                q, k, v, scale=scale, logit_bits=logit_bits, **masks
-            )
-        case "pallas":
-            return _pallas_standard(q, k, v, scale=scale, **masks)
+    return _implementation(impl).dot_product_attention(
+        q,
+        k,
+        v,
+        causal=causal,
+        segment_ids=segment_ids,
+        kv_segment_ids=kv_segment_ids,
+        scale=scale,
+    )
 
 
 def differential_attention(
     q1: jax.Array,
     k1: jax.Array,
     q2: jax.Array,
-    k2: jax.Array,
+    k2: jax.Array | None,
     v: jax.Array,
     lam: jax.Array | float,
     *,
@@ -89,65 +106,29 @@ def differential_attention(
     segment_ids: jax.Array | None = None,
     kv_segment_ids: jax.Array | None = None,
     scale: float | None = None,
-    impl: str = "auto",
-    logit_bits: int | None = None,
+    impl="auto",
 ) -> jax.Array:
     """``softmax(q1 k1^T s) v - lam * softmax(q2 k2^T s) v``, ``[B, T, Hq, Dv]``.
 
-    q1, q2 ``[B,T,Hq,D]``; k1, k2 ``[B,S,Hkv,D]`` (V2 passes one key array twice); v
-    ``[B,S,Hkv,Dv]``; ``lam`` a scalar (V1) or ``[B, T, Hq]`` (V2). ``scale`` defaults to
-    ``D ** -0.5``.
+    q1, q2 ``[B,T,Hq,D]``; k1, k2 ``[B,S,Hkv,D]`` (``k2=None``: both maps read ``k1``, as DIFF
+    V2's do; the kernels then load each key tile once); v ``[B,S,Hkv,Dv]``; ``lam`` a scalar
+    (V1) or ``[B, T, Hq]`` (V2). ``scale`` defaults to ``D ** -0.5``.
     """
     reference.check_differential(
         q1, k1, q2, k2, v, lam, segment_ids, kv_segment_ids, what="differential_attention"
     )
     scale = q1.shape[-1] ** -0.5 if scale is None else scale
-    masks = dict(causal=causal, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids)
-    match check_impl(impl, logit_bits):
-        case "xla":
-            return reference.differential_attention(
-                q1, k1, q2, k2, v, lam, scale=scale, logit_bits=logit_bits, **masks
-            )
-        case "pallas":
-            return _pallas_differential(q1, k1, q2, k2, v, lam, scale=scale, **masks)
-
-
-def attention_weights(
-    q: jax.Array,
-    k: jax.Array,
-    *,
-    causal: bool = True,
-    segment_ids: jax.Array | None = None,
-    kv_segment_ids: jax.Array | None = None,
-    scale: float | None = None,
-) -> jax.Array:
-    """The softmax attention map ``[B, Hq, T, S]`` (float32), for analysis and plots.
-
-    q ``[B,T,Hq,D]``, k ``[B,S,Hkv,D]``; query head ``i`` reads kv head ``i // (Hq // Hkv)``.
-    Materialises the whole map: meant for inspection, not for training.
-    """
-    reference.check_qkv(q, k, k, segment_ids, kv_segment_ids, what="attention_weights")
-    return reference.attention_weights(
-        q, k, causal=causal, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, scale=scale
-    )
-
-
-def attention_logits(
-    q: jax.Array,
-    k: jax.Array,
-    *,
-    causal: bool = True,
-    segment_ids: jax.Array | None = None,
-    kv_segment_ids: jax.Array | None = None,
-    scale: float | None = None,
-) -> tuple[jax.Array, jax.Array | None]:
-    """The pre-softmax logits ``q k^T * scale`` ``[B, Hq, T, S]`` (float32) and the boolean mask
-    ``[B or 1, T, S]`` (True = may attend; None when nothing is masked), for analysis (outliers,
-    quantization). Masked entries keep their raw value: read them through the mask. Query head
-    ``i`` reads kv head ``i // (Hq // Hkv)``. Materialises the whole ``T x S`` block."""
-    reference.check_qkv(q, k, k, segment_ids, kv_segment_ids, what="attention_logits")
-    return reference.attention_logits(
-        q, k, causal=causal, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, scale=scale
+    return _implementation(impl).differential_attention(
+        q1,
+        k1,
+        q2,
+        k2,
+        v,
+        lam,
+        causal=causal,
+        segment_ids=segment_ids,
+        kv_segment_ids=kv_segment_ids,
+        scale=scale,
     )
 
 
@@ -158,8 +139,6 @@ def attention_logits(
 # together), sequence and head width whole. On CPU the kernels run interpreted (tests).
 def _mesh_axes(batch: int, kv_heads: int):
     """``(mesh, batch axes, head axes)`` under the context mesh, or ``(None, None, None)``."""
-    from diffjax import sharding
-
     mesh = sharding.context_mesh()
     if mesh is None or mesh.size == 1:
         return None, None, None
@@ -168,9 +147,18 @@ def _mesh_axes(batch: int, kv_heads: int):
     return mesh, (bspec[0] if len(bspec) else None), (hspec[0] if len(hspec) else None)
 
 
-def _pallas_standard(q, k, v, *, causal, segment_ids, kv_segment_ids, scale):
-    from diffjax import kernels
+def _per_shard(run, args, specs, batch: int, kv_heads: int):
+    """``run(*args)``, under a mesh inside ``jax.shard_map`` with ``specs(b, h)`` (the in
+    specs for batch axes ``b`` and head axes ``h``; a None argument gets a None spec)."""
+    mesh, b, h = _mesh_axes(batch, kv_heads)
+    if mesh is None:
+        return run(*args)
+    in_specs = tuple(None if a is None else s for a, s in zip(args, specs(b, h), strict=True))
+    out = P(b, None, h, None)
+    return jax.shard_map(run, mesh=mesh, in_specs=in_specs, out_specs=out, check_vma=False)(*args)
 
+
+def _pallas_standard(q, k, v, *, causal, segment_ids, kv_segment_ids, scale):
     def run(q, k, v, segment_ids, kv_segment_ids):
         return kernels.flash_attention(
             q,
@@ -183,32 +171,19 @@ def _pallas_standard(q, k, v, *, causal, segment_ids, kv_segment_ids, scale):
             interpret=jax.default_backend() == "cpu",
         )
 
-    mesh, b, h = _mesh_axes(q.shape[0], k.shape[2])
-    if mesh is None:
-        return run(q, k, v, segment_ids, kv_segment_ids)
-    seg = None if segment_ids is None else P(b, None)
-    kv_seg = None if kv_segment_ids is None else P(b, None)
-    heads = P(b, None, h, None)
-    return jax.shard_map(
-        run,
-        mesh=mesh,
-        in_specs=(heads, heads, heads, seg, kv_seg),
-        out_specs=heads,
-        check_vma=False,
-    )(q, k, v, segment_ids, kv_segment_ids)
+    def specs(b, h):
+        return (P(b, None, h, None),) * 3 + (P(b, None),) * 2
+
+    return _per_shard(run, (q, k, v, segment_ids, kv_segment_ids), specs, q.shape[0], k.shape[2])
 
 
 def _pallas_differential(q1, k1, q2, k2, v, lam, *, causal, segment_ids, kv_segment_ids, scale):
-    from diffjax import kernels
-
-    shared = k1 is k2  # DIFF V2: one key for both maps (the kernel then loads it once)
-
     def run(q1, k1, q2, k2, v, lam, segment_ids, kv_segment_ids):
         return kernels.differential_flash_attention(
             q1,
             k1,
             q2,
-            k1 if shared else k2,
+            k2,
             v,
             lam,
             causal=causal,
@@ -218,15 +193,16 @@ def _pallas_differential(q1, k1, q2, k2, v, lam, *, causal, segment_ids, kv_segm
             interpret=jax.default_backend() == "cpu",
         )
 
-    k2 = None if shared else k2
-    mesh, b, h = _mesh_axes(q1.shape[0], k1.shape[2])
-    if mesh is None:
-        return run(q1, k1, q2, k2, v, lam, segment_ids, kv_segment_ids)
-    heads = P(b, None, h, None)
-    lam_spec = P() if jax.numpy.ndim(lam) == 0 else P(b, None, h)  # V1 scalar, V2 [B, T, Hq]
-    seg = None if segment_ids is None else P(b, None)
-    kv_seg = None if kv_segment_ids is None else P(b, None)
-    in_specs = (heads, heads, heads, None if shared else heads, heads, lam_spec, seg, kv_seg)
-    return jax.shard_map(run, mesh=mesh, in_specs=in_specs, out_specs=heads, check_vma=False)(
-        q1, k1, q2, k2, v, lam, segment_ids, kv_segment_ids
-    )
+    def specs(b, h):
+        heads = P(b, None, h, None)
+        lam_spec = P() if jax.numpy.ndim(lam) == 0 else P(b, None, h)  # V1 scalar, V2 [B, T, Hq]
+        return (heads,) * 5 + (lam_spec, P(b, None), P(b, None))
+
+    args = (q1, k1, q2, k2, v, lam, segment_ids, kv_segment_ids)
+    return _per_shard(run, args, specs, q1.shape[0], k1.shape[2])
+
+
+# The "pallas" implementation: the two functions above.
+_PALLAS = types.SimpleNamespace(
+    dot_product_attention=_pallas_standard, differential_attention=_pallas_differential
+)

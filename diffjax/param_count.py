@@ -9,6 +9,7 @@ import jax
 from flax import nnx
 
 from .config import ModelConfig, twin
+from .model import TransformerLM
 
 # Parts, in report order, keyed by the last path components that identify them.
 PARTS = (
@@ -33,10 +34,8 @@ def _part(path: tuple) -> str:
         return "lm_head"
     if "attn" in keys:
         name = keys[keys.index("attn") + 1]
-        if name in ("q_proj", "k_proj", "v_proj"):
+        if name in ("q_proj", "k_proj", "v_proj", "out_proj"):
             return f"attn.{name}"
-        if name in ("out_proj", "o_proj"):
-            return "attn.out_proj"
         if name.startswith("lambda"):
             return "attn.lambda"
         if name == "subln":
@@ -59,8 +58,6 @@ class ParamCount:
 
 def count_params(config_or_model: ModelConfig | nnx.Module) -> ParamCount:
     """Count a model's parameters by part. A config is counted from abstract shapes only."""
-    from .model import TransformerLM
-
     if isinstance(config_or_model, ModelConfig):
         model = nnx.eval_shape(lambda: TransformerLM(config_or_model, rngs=nnx.Rngs(0)))
     else:

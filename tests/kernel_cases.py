@@ -139,8 +139,8 @@ def check_differential(kernel, case, tol, *, causal=True, sm_scale=None, shared=
     """``kernel(q1, k1, q2, k2, v, lam, causal=, sm_scale=, segment_ids=, kv_segment_ids=)``
     (a kernel module's ``differential_flash_attention`` with its block sizes and interpret mode
     bound) against ``reference.differential_attention`` in float32: the output, its dtype and
-    shape, and the gradients of q1, k1, q2, k2, v and lam (k1 only, passed twice, when
-    ``shared``). Returns ``(out, grads)``."""
+    shape, and the gradients of q1, k1, q2, k2, v and lam (``k2=None`` when ``shared``:
+    both maps read k1). Returns ``(out, grads)``."""
     kw = dict(causal=causal, **masks(case))
     d = case["q1"].shape[-1]
     names = ("q1", "k1", "q2", "k2", "v", "lam")
@@ -149,7 +149,7 @@ def check_differential(kernel, case, tol, *, causal=True, sm_scale=None, shared=
 
     def run(impl):
         def fn(q1, k1, q2, k2, v, lam):
-            return impl(q1, k1, q2, k1 if shared else k2, v, lam)
+            return impl(q1, k1, q2, None if shared else k2, v, lam)
 
         return fn
 

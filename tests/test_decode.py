@@ -104,7 +104,7 @@ def test_cache_layout_is_what_each_kind_caches():
     """V1: raw key heads K1, K2 of width d per kv group and a 2d-wide value; V2 and the twin: one
     key and one value per kv head."""
     v1 = make_model("v1_gqa")  # 4 DIFF heads, 2 kv heads, d = 32 / 8 = 4
-    assert decode.cache_layout(v1)[0] == {"k1": (2, 4), "k2": (2, 4), "v": (2, 8)}
+    assert decode.cache_layout(v1)[0] == {"k": (2, 4), "k2": (2, 4), "v": (2, 8)}
     v2 = make_model("v2_gqa")  # 4 heads, 2 kv heads, d = 8
     assert decode.cache_layout(v2)[0] == {"k": (2, 8), "v": (2, 8)}
     cache = decode.init_cache(v1, 2, 8)
@@ -319,7 +319,7 @@ TINY_RUN = [
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
-    from diffjax.train.cli import main as train_main
+    from diffjax.compare.cli import main as train_main
 
     run_dir = tmp_path_factory.mktemp("sample") / "run"
     assert train_main([f"run.dir={run_dir}", *TINY_RUN]) == 0

@@ -540,7 +540,7 @@ def test_train_py_starts_from_a_checkpoint(tmp_path):
     """``train.init_from``: the model config and the parameters come from the checkpoint (with a
     learning rate of 1e-9 the trained model still gives transformers' logits)."""
     from diffjax.train.checkpoint import load_model
-    from diffjax.train.cli import main
+    from diffjax.compare.cli import main
 
     ref_model = hf_model("diffllama", heads=4, kv_heads=2, hidden=32, layers=1, vocab=259)
     ref_model.save_pretrained(tmp_path / "hf")

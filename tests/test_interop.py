@@ -56,7 +56,9 @@ def build(kind: str, seed: int = 0):
     if kind == "v1":
         return diffjax.MultiheadDiffAttn(EMBED, 3, 4, 2, kernel_init=ZEROS, rngs=nnx.Rngs(seed))
     if kind == "v2":
-        return diffjax.MultiheadDiffAttnV2(EMBED, 4, 2, 16, kernel_init=ZEROS, rngs=nnx.Rngs(seed))
+        return diffjax.MultiheadDiffAttnV2(
+            EMBED, 0, 4, 2, head_dim=16, kernel_init=ZEROS, rngs=nnx.Rngs(seed)
+        )
     raise AssertionError(kind)
 
 
@@ -294,7 +296,9 @@ def test_torch_tensors_are_accepted():
 
 
 def test_export_of_bfloat16_module_is_float32_and_writable():
-    m = diffjax.MultiheadDiffAttnV2(64, 2, 1, 16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    m = diffjax.MultiheadDiffAttnV2(
+        64, 0, 2, 1, head_dim=16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0)
+    )
     sd = diffjax.unilm_state_dict(m)
     for name, a in sd.items():
         assert a.dtype == np.float32, name

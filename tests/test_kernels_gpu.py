@@ -237,7 +237,7 @@ def test_shared_keys_use_the_single_key_kernel():
     def kernel_inputs(shared):
         def loss(q1, k1, q2, k2, v, lam):
             o = gpu.differential_flash_attention(
-                q1, k1, q2, k1 if shared else k2, v, lam, interpret=INTERPRET
+                q1, k1, q2, None if shared else k2, v, lam, interpret=INTERPRET
             )
             return jnp.sum(o * ct)
 
@@ -436,7 +436,7 @@ def test_lowers_through_triton():
 
     def loss(q1, k1, q2, k2, v, lam, seg, kv_seg, shared):
         o = gpu.differential_flash_attention(
-            q1, k1, q2, k1 if shared else k2, v, lam, segment_ids=seg, kv_segment_ids=kv_seg
+            q1, k1, q2, None if shared else k2, v, lam, segment_ids=seg, kv_segment_ids=kv_seg
         )
         return jnp.sum(o.astype(jnp.float32)) + jnp.sum(
             gpu.flash_attention(q1, k1, v[..., :64], causal=False).astype(jnp.float32)

@@ -116,13 +116,13 @@ def _kernel_names(fn, *args) -> set[str]:
 
 
 def test_shared_k_equals_copy():
-    """``k1 is k2`` takes the one-K kernels (dK = dK1 + dK2) and agrees with passing a copy."""
+    """``k2=None`` takes the one-K kernels (dK = dK1 + dK2) and agrees with passing a copy."""
     case = make_inputs(4, b=2, t=40, s=40, hq=4, hkv=2, lam="token")
     bs = blocks(16, 16, 16, 8)
 
     def shared(q1, k, q2, v, lam):
         return tpu.differential_flash_attention(
-            q1, k, q2, k, v, lam, block_sizes=bs, interpret=True
+            q1, k, q2, None, v, lam, block_sizes=bs, interpret=True
         )
 
     def copied(q1, k, q2, v, lam):
@@ -305,7 +305,7 @@ def test_lowers_for_tpu(differential, shared_k, lam_kind, dtype, segments, causa
         if not differential:
             return tpu.flash_attention(q1, k1, v, causal=causal, segment_ids=seg)
         return tpu.differential_flash_attention(
-            q1, k1, q2, k1 if shared_k else k2, v, lam, causal=causal, segment_ids=seg
+            q1, k1, q2, None if shared_k else k2, v, lam, causal=causal, segment_ids=seg
         )
 
     def fwd_bwd(q1, k1, q2, k2, v, lam, seg, ct):

@@ -338,7 +338,7 @@ EXPECTED_PARAMS = {
         "lambda_k2",
         "subln",
     },
-    "diff_v2": {"q_proj", "k_proj", "v_proj", "o_proj", "lambda_proj"},
+    "diff_v2": {"q_proj", "k_proj", "v_proj", "out_proj", "lambda_proj"},
 }
 
 

@@ -73,8 +73,8 @@ def differential_flash_attention(
 ) -> jax.Array:
     """Fused differential attention, ``[B, T, Hq, Dv]`` in ``q1.dtype``.
 
-    q1, q2 ``[B,T,Hq,Dqk]``; k1, k2 ``[B,S,Hkv,Dqk]`` (pass the same array twice, as V2 does, and
-    each key tile is loaded once); v ``[B,S,Hkv,Dv]`` with ``Dv`` = ``Dqk`` or ``2*Dqk``; ``lam``
+    q1, q2 ``[B,T,Hq,Dqk]``; k1, k2 ``[B,S,Hkv,Dqk]`` (``k2=None``: both maps read
+    ``k1``, as in V2, and each key tile is loaded once); v ``[B,S,Hkv,Dv]`` with ``Dv`` = ``Dqk`` or ``2*Dqk``; ``lam``
     a scalar (V1) or ``[B,T,Hq]`` (V2). Query head ``i`` reads kv head ``i // (Hq // Hkv)``.
     Causal masking is bottom-right aligned; ``segment_ids`` ``[B,T]`` separate packed sequences
     (keys use ``kv_segment_ids`` ``[B,S]`` when given). ``sm_scale`` defaults to ``Dqk**-0.5``.

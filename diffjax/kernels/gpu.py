@@ -49,7 +49,7 @@ of the standard kernel, ``k2`` when keys are shared, segment ids) are passed as 
 Block sizes and warps per kernel and GPU: :func:`default_block_sizes` (chosen with
 ``benchmarks/compile_kernels.py``; docs/kernels.md).
 
-Shared keys: when ``k1 is k2`` (DIFF V2 passes the same key array twice) a kernel variant with
+Shared keys: with ``k2=None`` (DIFF V2: both maps read one key array) a kernel variant with
 a single K input loads each key block once, and the backward accumulates ``dK1 + dK2`` into
 one accumulator and returns it as the gradient of that one array.
 
@@ -206,7 +206,7 @@ def default_block_sizes(
     per block (sm_86/sm_89/sm_120) the dK/dV and dQ tiles are smaller at the widest heads. On
     sm_90 the dK/dV kernel runs key-major on one warpgroup where its accumulators fit (16
     queries per step at the widest heads), else query-major on two. ``head_dim``/
-    ``v_head_dim``: q/k and v widths; ``shared_keys``: k1 is k2 (DIFF V2), one dK accumulator.
+    ``v_head_dim``: q/k and v widths; ``shared_keys``: k2 None (DIFF V2), one dK accumulator.
     """
     cc = tuple(compute_capability or _device_capability())
     smem = SHARED_MEMORY_BYTES.get(cc, 101376)
@@ -1060,7 +1060,9 @@ def _run(
     s = k1.shape[1]
     dv = v.shape[-1]
     bs = (
-        default_block_sizes(d, dv, differential=differential, shared_keys=differential and k1 is k2)
+        default_block_sizes(
+            d, dv, differential=differential, shared_keys=differential and k2 is None
+        )
         if block_sizes is None
         else block_sizes
     )
@@ -1077,10 +1079,10 @@ def _run(
     key_major = (
         bs.dkv_key_major
         if bs.dkv_key_major is not None
-        else _default_key_major(n_branch, differential and k1 is k2, d_pad, dv_pad, cc)
+        else _default_key_major(n_branch, differential and k2 is None, d_pad, dv_pad, cc)
     )
     if block_sizes is not None and not interpret and jax.default_backend() == "gpu":
-        n_keys = 2 if differential and k2 is not k1 else 1
+        n_keys = 2 if differential and k2 is not None else 1
         _check_fits(
             bs,
             max(_MIN_BLOCK, _next_pow2(d)),
@@ -1108,7 +1110,7 @@ def _run(
     t_pad = _round_up(t, max(bq, bq_dkv, bq_dq))  # powers of two: the max is the lcm
     s_pad = _round_up(s, max(bk, bk_dkv, bk_dq))
 
-    shared_k = differential and k1 is k2
+    shared_k = differential and k2 is None
     warps = _default_warps(
         n_branch, d_pad, dv_pad, cc, split, bs.block_q_dq, bs.block_k_dq, key_major
     )
@@ -1192,9 +1194,9 @@ def differential_flash_attention(
     """Fused ``softmax(q1 k1^T s) v - lam * softmax(q2 k2^T s) v``, ``[B, T, Hq, Dv]`` in q1.dtype.
 
     q1, q2 ``[B,T,Hq,D]``; k1, k2 ``[B,S,Hkv,D]``; v ``[B,S,Hkv,Dv]``; ``lam`` a scalar (V1) or
-    ``[B,T,Hq]`` (V2); query head ``h`` reads kv head ``h // (Hq // Hkv)``. Passing the same
-    array as ``k1`` and ``k2`` selects the shared-key kernels (each key block loaded once).
-    ``sm_scale`` (a python number) defaults to ``D ** -0.5``. Differentiable in q1, k1, q2, k2,
+    ``[B,T,Hq]`` (V2); query head ``h`` reads kv head ``h // (Hq // Hkv)``. ``k2=None`` (both
+    maps read ``k1``, DIFF V2) selects the shared-key kernels (each key block loaded once).
+    ``sm_scale`` (a python number) defaults to ``D ** -0.5``. Differentiable in q1, k1, q2, k2 (when given),
     v and lam. ``interpret=True`` runs the kernels on CPU. ``o2_dtype``: the dtype of the saved
     second-branch output (a backward residual, ``B*T*Hq*Dv`` elements per layer); bfloat16
     halves it, at the cost in d(lam) stated in docs/kernels.md.

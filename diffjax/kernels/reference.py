@@ -77,13 +77,14 @@ def check_qkv(
 def check_differential(
     q1, k1, q2, k2, v, lam, segment_ids=None, kv_segment_ids=None, *, what: str
 ) -> None:
-    """:func:`check_qkv` for both branches, plus lambda: a scalar (V1) or ``[B, T, Hq]`` (V2)."""
+    """:func:`check_qkv` for both branches (``k2`` None: both read ``k1``), plus lambda: a
+    scalar (V1) or ``[B, T, Hq]`` (V2)."""
     check_qkv(q1, k1, v, segment_ids, kv_segment_ids, what=what, qname="q1", kname="k1")
     if q2.shape != q1.shape:
         raise ValueError(
             f"{what}: q1 and q2 must have the same shape, got {q1.shape} and {q2.shape}"
         )
-    if k2.shape != k1.shape:
+    if k2 is not None and k2.shape != k1.shape:
         raise ValueError(
             f"{what}: k1 and k2 must have the same shape, got {k1.shape} and {k2.shape}"
         )
@@ -310,7 +311,8 @@ def differential_attention(
     logit_bits=None,
 ):
     """``softmax(q1 k1^T s) v - lam * softmax(q2 k2^T s) v``: ``[B, T, Hq, Dv]`` in
-    ``q1.dtype``. ``lam`` a scalar (V1) or ``[B, T, Hq]`` (V2).
+    ``q1.dtype``. ``lam`` a scalar (V1) or ``[B, T, Hq]`` (V2); ``k2=None``: both maps read
+    ``k1`` (DIFF V2's shared key).
 
     Computed as one value product on the differential map, ``(A1 - lam A2) v``: lambda is
     constant along each map row, so this is the same sum as ``A1 v - lam A2 v`` with one
@@ -324,7 +326,7 @@ def differential_attention(
         t, k1.shape[1], causal=causal, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids
     )
     p1 = _grouped_probs(q1, k1, mask, scale, logit_bits, zero_masked=False)
-    p2 = _grouped_probs(q2, k2, mask, scale, logit_bits, zero_masked=False)
+    p2 = _grouped_probs(q2, k1 if k2 is None else k2, mask, scale, logit_bits, zero_masked=False)
     lam = jnp.asarray(lam, jnp.float32)
     if lam.ndim:  # [B, T, Hq] per-token, per-head lambda (V2): one value per map row
         lam = _group_rows(lam, hkv)

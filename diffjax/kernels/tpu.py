@@ -49,7 +49,7 @@ names (``q1_ref, k1_ref, q2_ref, k2_ref, v_ref, lam_ref, qseg_ref, kseg_ref``, t
 lacks (the second branch of the standard kernel, ``k2`` for shared keys, segment ids, the
 residuals of a forward pass without backward) are passed as None and get no block spec.
 
-When ``k1 is k2`` (DIFF V2 passes one key array twice) a shared-K variant loads each key block
+With ``k2=None`` (DIFF V2: both maps read one key array) a shared-K variant loads each key block
 once and returns ``dK = dK1 + dK2`` for it.
 
 Everything accumulates in float32: logits and products use ``preferred_element_type=float32``;
@@ -861,7 +861,7 @@ def _run(
         raise ValueError(
             f"{what}: empty sequence (q length {q1.shape[1]}, kv length {k1.shape[1]})"
         )
-    shared_k = differential and (k1 is k2)
+    shared_k = differential and k2 is None
     b, t, hq, d = q1.shape
     s, hkv, dv = k1.shape[1], k1.shape[2], v.shape[3]
     if block_sizes is None:
@@ -955,7 +955,7 @@ def differential_flash_attention(
 ) -> jax.Array:
     """Fused ``softmax(q1 k1^T s) v - lam * softmax(q2 k2^T s) v``, ``[B, T, Hq, Dv]`` in q1's dtype.
 
-    q1, q2 ``[B, T, Hq, D]``; k1, k2 ``[B, S, Hkv, D]`` (pass the same array twice for a shared
+    q1, q2 ``[B, T, Hq, D]``; k1, k2 ``[B, S, Hkv, D]`` (``k2=None`` for a shared
     key: it is then loaded once per tile); v ``[B, S, Hkv, Dv]``; ``lam`` a scalar or
     ``[B, T, Hq]``. Query head ``h`` reads kv head ``h // (Hq // Hkv)``. ``s = sm_scale`` or
     ``D ** -0.5``. Causal masking is bottom-right aligned. ``interpret``: False for TPU hardware,
