@@ -1,27 +1,36 @@
-"""The analyses of diffjax.evaluate: each metric on hand-built inputs with a known answer, the
-quantized forward (tolerances, and no leak into later jitted calls), the closed-form noise
-floor against a brute-force softmax, the seed statistics on hand-made numbers, run discovery
-in both layouts, and ``python -m diffjax.evaluate`` on tiny trained runs."""
+"""The analyses of diffjax.evaluate: a layer's maps and logits against numpy, each metric on
+hand-built inputs with a known answer, the quantized forward (tolerances, and no leak into later
+jitted calls), the closed-form noise floor against a brute-force softmax, the seed statistics on
+hand-made numbers, run discovery in both layouts, and ``python -m diffjax.evaluate`` on tiny
+trained runs."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 import shutil
 
+import chex
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
 import diffjax
+from diffjax import ops
+from diffjax.compare.cli import main as train_main
 from diffjax.config import ConfigError
 from diffjax.data import ByteTokenizer, DataConfig
 from diffjax.data.config import needle_len, query_len
 from diffjax.evaluate import (
     CATEGORIES,
+    QuantizedLogits,
     absmax_quantize,
+    activation_outliers,
+    attention_logits,
+    attention_maps,
     discover_models,
     evaluate_run,
     layer_attention_maps,
@@ -37,11 +46,137 @@ from diffjax.evaluate import (
     with_quantized_logits,
 )
 from diffjax.evaluate import allocation as alloc_lib
+from diffjax.evaluate import run as run_lib
+from diffjax.evaluate.__main__ import main as evaluate_main
 from diffjax.evaluate.positions import loss_by_position
 from diffjax.evaluate.retrieval import depth_bins
 from diffjax.evaluate.run import EvalSettings
+from diffjax.evaluate.stats import describe_difference, fmt_mean_std, mean_std, paired_difference
+from diffjax.kernels import reference
+from oracle import (
+    np_diff_v1_lambda,
+    np_lambda_init,
+    np_linear,
+    np_mask,
+    np_rotary,
+    np_softmax_probs,
+)
 
 TOK = ByteTokenizer()
+
+
+# ---------------------------------------------------------------------------- maps and logits
+# A layer's maps against the numpy oracle (tests/oracle.py): weights in torch layout loaded with
+# load_unilm_state_dict, as tests/test_attention.py builds its modules.
+def _normal(rng, shape, std):
+    return (rng.standard_normal(shape) * std).astype(np.float32)
+
+
+def _standard_sd(rng, embed, num_heads, num_kv_heads, head_dim, std=0.1):
+    return {
+        "q_proj.weight": _normal(rng, (num_heads * head_dim, embed), std),
+        "k_proj.weight": _normal(rng, (num_kv_heads * head_dim, embed), std),
+        "v_proj.weight": _normal(rng, (num_kv_heads * head_dim, embed), std),
+        "out_proj.weight": _normal(rng, (embed, num_heads * head_dim), std),
+    }
+
+
+def _diff_v1_sd(rng, embed, num_heads, num_kv_heads, std=0.1):
+    n_rep = num_heads // num_kv_heads
+    d = embed // num_heads // 2
+    sd = {
+        "q_proj.weight": _normal(rng, (embed, embed), std),
+        "k_proj.weight": _normal(rng, (embed // n_rep, embed), std),
+        "v_proj.weight": _normal(rng, (embed // n_rep, embed), std),
+        "out_proj.weight": _normal(rng, (embed, embed), std),
+        "subln.weight": (1.0 + _normal(rng, (2 * d,), 0.3)).astype(np.float32),
+    }
+    for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
+        sd[name] = _normal(rng, (d,), 0.3)
+    return sd
+
+
+def _diff_v2_sd(rng, embed, num_heads, num_kv_heads, head_dim, std=0.1):
+    return {
+        "q_proj.weight": _normal(rng, (2 * num_heads * head_dim, embed), std),
+        "k_proj.weight": _normal(rng, (num_kv_heads * head_dim, embed), std),
+        "v_proj.weight": _normal(rng, (num_kv_heads * head_dim, embed), std),
+        "o_proj.weight": _normal(rng, (embed, num_heads * head_dim), std),
+        "lambda_proj.weight": _normal(rng, (num_heads, embed), 0.2),
+    }
+
+
+def _assert_close(actual, expected, tol=1e-5):
+    np.testing.assert_allclose(np.asarray(actual, np.float64), expected, atol=tol, rtol=tol)
+
+
+def _np_maps(q, k, n_rep, mask, d):
+    """Softmax maps [B, Hq, T, S] for query heads q [B,T,Hq,d] over k [B,S,Hkv,d]."""
+    return np.stack(
+        [
+            np_softmax_probs(q[:, :, i], k[:, :, i // n_rep], d**-0.5, mask)
+            for i in range(q.shape[2])
+        ],
+        axis=1,
+    )
+
+
+@pytest.mark.parametrize("kind", ["standard", "v1", "v2"])
+def test_attention_maps_match_numpy(kind):
+    """``attention_maps``: a1 / a2 / diff in the module's own pairing, vs numpy."""
+    rng = np.random.default_rng(8)
+    b, t = 2, 10
+    x = rng.standard_normal((b, t, 64)).astype(np.float32)
+    xf = x.astype(np.float64)
+    pos = np.broadcast_to(np.arange(t), (b, t))
+    mask = np_mask(t, t, True)
+    zeros = nnx.initializers.zeros_init()
+    if kind == "standard":
+        sd = _standard_sd(rng, 64, 8, 2, 8)
+        layer = diffjax.MultiheadAttention(64, 0, 8, 2, kernel_init=zeros, rngs=nnx.Rngs(0))
+        m = diffjax.load_unilm_state_dict(layer, sd)
+        q = np_rotary(np_linear(xf, sd["q_proj.weight"]).reshape(b, t, 8, 8), pos)
+        k = np_rotary(np_linear(xf, sd["k_proj.weight"]).reshape(b, t, 2, 8), pos)
+        maps = nnx.jit(attention_maps)(m, jnp.asarray(x))
+        _assert_close(maps["a"], _np_maps(q, k, 4, mask, 8))
+        return
+    if kind == "v1":
+        h, hkv, d = 4, 2, 8
+        sd = _diff_v1_sd(rng, 64, h, hkv)
+        layer = diffjax.MultiheadDiffAttn(64, 2, h, hkv, kernel_init=zeros, rngs=nnx.Rngs(0))
+        m = diffjax.load_unilm_state_dict(layer, sd)
+        q = np_rotary(np_linear(xf, sd["q_proj.weight"]).reshape(b, t, 2 * h, d), pos)
+        k = np_rotary(np_linear(xf, sd["k_proj.weight"]).reshape(b, t, 2 * hkv, d), pos)
+        a1 = _np_maps(q[:, :, 0::2], k[:, :, 0::2], h // hkv, mask, d)
+        a2 = _np_maps(q[:, :, 1::2], k[:, :, 1::2], h // hkv, mask, d)
+        lam = np_diff_v1_lambda(sd, np_lambda_init(2))
+        diff = a1 - lam * a2
+    else:
+        h, hkv, d = 4, 2, 16
+        sd = _diff_v2_sd(rng, 64, h, hkv, d)
+        layer = diffjax.MultiheadDiffAttnV2(
+            64, 0, h, hkv, head_dim=d, kernel_init=zeros, rngs=nnx.Rngs(0)
+        )
+        m = diffjax.load_unilm_state_dict(layer, sd)
+        q = np_rotary(np_linear(xf, sd["q_proj.weight"]).reshape(b, t, 2 * h, d), pos)
+        k = np_rotary(np_linear(xf, sd["k_proj.weight"]).reshape(b, t, hkv, d), pos)
+        a_all = _np_maps(q, k, 2 * h // hkv, mask, d)  # one attention over all 2h q heads
+        a1, a2 = a_all[:, 0::2], a_all[:, 1::2]
+        lam = 1 / (1 + np.exp(-np_linear(xf, sd["lambda_proj.weight"])))  # [B, T, h]
+        diff = a1 - lam.transpose(0, 2, 1)[..., None] * a2
+    maps = nnx.jit(attention_maps)(m, jnp.asarray(x))
+    chex.assert_shape([maps["a1"], maps["a2"], maps["diff"]], (b, h, t, t))
+    _assert_close(maps["a1"], a1)
+    _assert_close(maps["a2"], a2)
+    _assert_close(maps["lam"], lam)
+    _assert_close(maps["diff"], diff)
+    # and the module output is (diff @ V) through the rest of the layer: rows of a1 sum to 1
+    np.testing.assert_allclose(np.asarray(maps["a1"]).sum(-1), 1.0, atol=1e-5)
+
+
+def test_attention_maps_need_an_attention_layer():
+    with pytest.raises(TypeError, match="expected a diffjax attention layer"):
+        attention_maps(nnx.Linear(4, 4, rngs=nnx.Rngs(0)), jnp.zeros((1, 2, 4)))
 
 
 # ---------------------------------------------------------------------------- allocation
@@ -102,8 +237,6 @@ def test_position_categories_follow_custom_templates():
 def test_the_runs_own_setting_keeps_its_query_replacement():
     """A run trained with more queries than needles (drawn with replacement) is evaluated on its
     own setting; the paper's settings still ask R distinct needles."""
-    from diffjax.evaluate import run as run_lib
-
     data = DataConfig(
         source="needle",
         seq_len=64,
@@ -194,7 +327,7 @@ def test_attention_allocation_on_a_model_matches_its_own_maps():
     batch = _needle_batch()
     a = alloc_lib.attention_allocation(model, batch, batch_size=4)
     x = model.layers[0].attn_norm(model.embed(jnp.asarray(batch["inputs"])))
-    diff = np.asarray(model.layers[0].attn.attention_maps(x)["diff"])  # [B, H, T, S]
+    diff = np.asarray(attention_maps(model.layers[0].attn, x)["diff"])  # [B, H, T, S]
     cats = position_categories(batch)
     rows = alloc_lib.answer_rows(batch)
     expect = []
@@ -283,8 +416,6 @@ def test_activation_outliers_read_the_logits_the_model_uses():
     )
     model = diffjax.TransformerLM(cfg, rngs=nnx.Rngs(0))
     tokens = np.random.default_rng(0).integers(0, 259, (2, 16))
-    from diffjax.evaluate import activation_outliers
-
     got = activation_outliers(model, tokens, batch_size=2)
     attn = model.layers[0].attn
     x = model.layers[0].attn_norm(model.embed(jnp.asarray(tokens)))
@@ -303,8 +434,8 @@ def test_activation_outliers_read_the_logits_the_model_uses():
 
 @pytest.mark.parametrize("attention", ["standard", "diff_v1", "diff_v2"])
 def test_attention_logits_are_the_maps_before_the_softmax(attention):
-    """``attention_logits`` (added beside ``attention_maps``): the masked softmax of each logit
-    block is the module's own map, in the module's head pairing (GQA: 2 kv groups)."""
+    """``attention_logits``: the masked softmax of each logit block is the layer's own map
+    (``attention_maps``), in the module's head pairing (GQA: 2 kv groups)."""
     cfg = diffjax.ModelConfig(
         vocab_size=259,
         d_model=64,
@@ -317,7 +448,7 @@ def test_attention_logits_are_the_maps_before_the_softmax(attention):
     )
     attn = diffjax.TransformerLM(cfg, rngs=nnx.Rngs(0)).layers[0].attn
     x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 8, 64)), jnp.float32)
-    logits, maps = attn.attention_logits(x), attn.attention_maps(x)
+    logits, maps = attention_logits(attn, x), attention_maps(attn, x)
     mask = np.asarray(logits["mask"])[:, None]
     pairs = [("logits", "a")] if attention == "standard" else [("logits1", "a1"), ("logits2", "a2")]
     for lk, mk in pairs:
@@ -380,18 +511,20 @@ def test_quantized_logits_change_the_loss_as_stated_and_do_not_leak():
     again = validation_loss(losses_and_predictions(model, batch, 4)[0], batch["weights"])[0]
     assert again == base
     assert model.layers[0].attn.attention_impl == "auto"
-    assert model.layers[0].attn.logit_bits is None
+    assert with_quantized_logits(model, 4).layers[0].attn.attention_impl == QuantizedLogits(4)
+    assert with_quantized_logits(model, None).layers[0].attn.attention_impl == "xla"
 
 
 def test_quantized_standard_attention_against_numpy():
     """The standard path of the quantized implementation (GQA, causal) against numpy: quantize
-    the visible logits per example and head, softmax, times v."""
-    from diffjax import ops
-
+    the visible logits per example and head, softmax, times v. Run through ops with the
+    implementation object, as a layer does, and through the reference math directly."""
     rng = np.random.default_rng(0)
     q, k, v = (rng.normal(size=(2, 6, h, 8)).astype(np.float32) * 2 for h in (4, 2, 2))
-    got = np.asarray(
-        ops.dot_product_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), logit_bits=4)
+    qkv = (jnp.asarray(q), jnp.asarray(k), jnp.asarray(v))
+    got = np.asarray(ops.dot_product_attention(*qkv, impl=QuantizedLogits(4)))
+    np.testing.assert_array_equal(
+        got, np.asarray(reference.dot_product_attention(*qkv, logit_bits=4))
     )
     kr, vr = np.repeat(k, 2, axis=2), np.repeat(v, 2, axis=2)  # query head i reads kv head i//2
     logits = np.einsum("bthd,bshd->bhts", q, kr) / np.sqrt(8)
@@ -401,6 +534,28 @@ def test_quantized_standard_attention_against_numpy():
     p = np.exp(z - z.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
     np.testing.assert_allclose(got, np.einsum("bhts,bshd->bthd", p, vr), rtol=1e-4, atol=1e-5)
+
+
+def test_quantized_differential_attention_with_a_shared_key():
+    """DIFF V2 passes one key for both maps (``k2=None``): the same as passing it twice; and a
+    width outside [2, 24] fails when the implementation is built."""
+    rng = np.random.default_rng(1)
+    q1, q2 = (jnp.asarray(rng.normal(size=(2, 6, 4, 8)).astype(np.float32) * 2) for _ in "ab")
+    k, v = (jnp.asarray(rng.normal(size=(2, 6, 2, 8)).astype(np.float32)) for _ in "ab")
+    lam = jnp.asarray(rng.uniform(size=(2, 6, 4)).astype(np.float32))
+    impl = QuantizedLogits(4)
+    kw = dict(causal=True, segment_ids=None, kv_segment_ids=None, scale=8**-0.5)
+    shared = impl.differential_attention(q1, k, q2, None, v, lam, **kw)
+    np.testing.assert_array_equal(
+        np.asarray(shared), np.asarray(impl.differential_attention(q1, k, q2, k, v, lam, **kw))
+    )
+    np.testing.assert_array_equal(
+        np.asarray(shared),
+        np.asarray(reference.differential_attention(q1, k, q2, k, v, lam, logit_bits=4)),
+    )
+    assert hash(QuantizedLogits(4)) == hash(QuantizedLogits(4))
+    with pytest.raises(ValueError, match="bits must be an integer"):
+        QuantizedLogits(1)
 
 
 # ---------------------------------------------------------------------------- noise floor
@@ -462,10 +617,7 @@ def test_loss_by_position_and_validation_loss():
 
 # ---------------------------------------------------------------------------- seeds
 def test_seed_statistics_of_the_evaluation_tables_on_hand_made_numbers():
-    """The evaluation report uses diffjax.train.stats (shared with the training report)."""
-    from diffjax.evaluate.stats import fmt_mean_std
-    from diffjax.train.stats import describe_difference, mean_std, paired_difference
-
+    """The evaluation report uses diffjax.evaluate.stats (shared with the training report)."""
     assert mean_std([1.0, 2.0, 3.0]) == (2.0, 1.0, 3)
     m, s, n = mean_std([4.0])
     assert m == 4.0 and s is None and n == 1
@@ -546,12 +698,12 @@ TINY_NEEDLE = [
 
 @pytest.fixture(scope="module")
 def tiny_runs(tmp_path_factory):
-    from diffjax.train.cli import main
-
     root = tmp_path_factory.mktemp("evalruns")
     # train.py ends with the quick evaluation when train.quick_eval is on (the default run's)
     assert (
-        main([f"run.dir={root / 's0'}", "compare=false", *TINY_NEEDLE, "train.quick_eval=true"])
+        train_main(
+            [f"run.dir={root / 's0'}", "compare=false", *TINY_NEEDLE, "train.quick_eval=true"]
+        )
         == 0
     )
     # The per-seed layout RUN/<label>/seed_<n>/checkpoints, built from copies of that one model
@@ -570,8 +722,6 @@ def tiny_runs(tmp_path_factory):
 def test_evaluate_command_on_a_tiny_run(tiny_runs, capsys):
     import matplotlib
 
-    from diffjax.evaluate.__main__ import main
-
     backend = matplotlib.get_backend()
     run = tiny_runs / "s0"
     report = (run / "report.md").read_text()  # train.py appended the quick evaluation
@@ -580,7 +730,7 @@ def test_evaluate_command_on_a_tiny_run(tiny_runs, capsys):
         "**Seeds that learned the lookup** (final first-query accuracy (the query only the"
         in report
     )
-    assert main([str(run), "--quick"]) == 0
+    assert evaluate_main([str(run), "--quick"]) == 0
     assert matplotlib.get_backend() == backend  # the caller's backend is left alone
     text = (run / "eval.md").read_text()
     for heading in (
@@ -620,12 +770,12 @@ def test_evaluate_command_on_a_tiny_run(tiny_runs, capsys):
     data = json.loads((run / "eval.json").read_text())
     assert [m["label"] for m in data["models"]] == ["diff"]  # a run without a twin
     assert [q["bits"] for q in data["models"][0]["quantization"]] == [None, 16, 8, 6, 4]
-    assert main([str(tiny_runs / "nothing-here")]) == 2
+    assert evaluate_main([str(tiny_runs / "nothing-here")]) == 2
     assert "does not exist" in capsys.readouterr().err
 
 
 def test_evaluate_run_aggregates_seeds(tiny_runs):
-    settings = dataclasses_replace(
+    settings = dataclasses.replace(
         EvalSettings.for_run(True), bits=(4,), retrieval_examples=8, val_examples=8
     )
     text = evaluate_run(str(tiny_runs / "multi"), settings=settings, log=lambda *_: None)
@@ -649,12 +799,6 @@ def test_evaluate_run_bad_input(tmp_path):
         evaluate_run(str(tmp_path))
 
 
-def dataclasses_replace(obj, **kw):
-    import dataclasses
-
-    return dataclasses.replace(obj, **kw)
-
-
 @pytest.mark.parametrize("attention", ["diff_v1", "diff_v2"])
 def test_layer_attention_maps_are_the_maps_of_the_blocks_own_input(attention):
     """Block l's maps inside the model against the model run block by block by hand."""
@@ -665,7 +809,7 @@ def test_layer_attention_maps_are_the_maps_of_the_blocks_own_input(attention):
     tokens = np.random.default_rng(0).integers(0, 259, (2, 12))
     x = model.embed(jnp.asarray(tokens))
     x = model.layers[0](x)
-    expect = model.layers[1].attn.attention_maps(model.layers[1].attn_norm(x))
+    expect = attention_maps(model.layers[1].attn, model.layers[1].attn_norm(x))
     got = layer_attention_maps(model, tokens, layer=-1)
     assert set(got) == set(expect)
     for k in expect:
@@ -673,8 +817,8 @@ def test_layer_attention_maps_are_the_maps_of_the_blocks_own_input(attention):
     assert not np.allclose(
         got["a1"],
         np.asarray(
-            model.layers[0].attn.attention_maps(
-                model.layers[0].attn_norm(model.embed(jnp.asarray(tokens)))
+            attention_maps(
+                model.layers[0].attn, model.layers[0].attn_norm(model.embed(jnp.asarray(tokens)))
             )["a1"]
         ),
     )  # not layer 0's

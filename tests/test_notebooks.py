@@ -9,6 +9,8 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
+from diffjax.evaluate import plots
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 EXPECTED = {
@@ -92,8 +94,6 @@ def test_evaluation_plots_leave_the_matplotlib_backend_alone(tmp_path):
     matplotlib.use("pdf")
     try:
         import matplotlib.pyplot as plt
-
-        from diffjax.evaluate import plots
 
         open_figures = plt.get_fignums()
         plots.lines(

@@ -8,7 +8,10 @@ RUN_DIR [--quick]`` for a whole run (see docs/evaluation.md).
   :func:`noise_floor_streamed` / :func:`measured_noise_floor` (the noise floor),
   :func:`loss_by_position` / :func:`validation_loss`, :func:`layer_attention_maps` (one block's
   maps inside a model, for plots);
-- :func:`evaluate_run`: every analysis on every model of a run, into ``eval.md``.
+- :func:`attention_maps` / :func:`attention_logits`: an attention layer's maps and logits on its
+  input, from ``layer.project`` and the reference math;
+- :func:`evaluate_run`: every analysis on every model of a run, into ``eval.md`` (its sections:
+  :mod:`.report`; the paper's numbers beside ours: :mod:`.paper`).
 """
 
 from .allocation import (
@@ -23,8 +26,8 @@ from .allocation import (
 from .noise_floor import noise_floor_closed_form, noise_floor_streamed
 from .outliers import activation_outliers, top_magnitudes
 from .positions import corpus_for_positions, loss_by_position, validation_examples, validation_loss
-from .probe import layer_attention_maps, losses_and_predictions
-from .quantize import absmax_quantize, quantization_sweep, with_quantized_logits
+from .probe import attention_logits, attention_maps, layer_attention_maps, losses_and_predictions
+from .quantize import QuantizedLogits, absmax_quantize, quantization_sweep, with_quantized_logits
 from .retrieval import (
     RetrievalGrid,
     multi_needle_retrieval,
@@ -33,23 +36,26 @@ from .retrieval import (
     query_depths,
     task_examples,
 )
-from .run import EvalSettings, ModelEntry, discover_models, evaluate_model, evaluate_run
+from .run import ModelEntry, discover_models, evaluate_model, evaluate_run
+from .settings import EvalSettings
+from .stats import mean_std
 
 __all__ = [
     "Allocation",
     "CATEGORIES",
     "EvalSettings",
     "ModelEntry",
-    "PairedInterval",
+    "QuantizedLogits",
     "RetrievalGrid",
     "absmax_quantize",
     "activation_outliers",
     "attention_allocation",
+    "attention_logits",
+    "attention_maps",
     "best_head",
     "category_mass",
     "corpus_for_positions",
     "discover_models",
-    "eval_paired_t_interval",
     "evaluate_model",
     "evaluate_run",
     "loss_by_position",

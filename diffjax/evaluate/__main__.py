@@ -5,6 +5,11 @@ from __future__ import annotations
 import argparse
 import sys
 
+from diffjax.config import ConfigError
+from diffjax.train.checkpoint import CheckpointError
+
+from .run import evaluate_run
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
@@ -22,11 +27,6 @@ def main(argv: list[str] | None = None) -> int:
         "minute of CPU time for the default comparison)",
     )
     args = parser.parse_args(argv)
-    from diffjax.config import ConfigError
-    from diffjax.train.checkpoint import CheckpointError
-
-    from .run import evaluate_run
-
     try:
         evaluate_run(args.run_dir, quick=args.quick)
     except (ConfigError, CheckpointError) as e:

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .probe import capture_layers, check_model
+from .probe import attention_maps, capture_layers, check_model
 from .retrieval import depth_bins, query_depths
 
 CATEGORIES = ("answer", "needle", "other needles", "noise context", "rest")
@@ -108,7 +108,7 @@ def _category_mass(model, tokens, rows, onehot):
     _, attn_in, _ = capture_layers(model, tokens)
     out = []
     for block, h in zip(model.layers, attn_in):
-        maps = block.attn.attention_maps(h)
+        maps = attention_maps(block.attn, h)
         out.append(row_category_mass(maps["diff"] if "diff" in maps else maps["a"], rows, onehot))
     return [jnp.stack(x) for x in zip(*out)]  # each [L, ...]
 

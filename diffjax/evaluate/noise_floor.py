@@ -38,6 +38,10 @@ import numpy as np
 from scipy.special import expit, logsumexp
 
 DEFAULT_NS = tuple(2**k for k in range(10, 19))  # 1K .. 256K
+# The closed form eval.md shows: the signal key's logit margin, and lambda (the depth schedule's
+# deep-layer value).
+REPORT_MARGIN = 5.0
+REPORT_LAMBDA = 0.8
 
 
 def _check(num_distractors, lam):

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .probe import capture_layers, check_model, check_tokens
+from .probe import attention_logits, capture_layers, check_model, check_tokens
 
 KS = (1, 2, 3, 10, 100)
 
@@ -42,7 +42,7 @@ def _activations(model, tokens):
     logits = []
     mask = None
     for block, h in zip(model.layers, attn_in):
-        got = block.attn.attention_logits(h)
+        got = attention_logits(block.attn, h)
         mask = got["mask"]
         logits += [got[k] for k in ("logits", "logits1", "logits2") if k in got]
     stacked = jnp.stack(logits)  # [L * maps, B, H, T, S]

@@ -1,9 +1,17 @@
 """PNG plots with an explicit Figure and the Agg canvas (the caller's matplotlib backend and
-pyplot state are never touched)."""
+pyplot state are never touched): three kinds of chart (:func:`retrieval_heatmaps`,
+:func:`lines`, :func:`allocation_bars`), and one figure per section of ``eval.md``, drawn from
+the run's results grouped by label (each returns the PNG's file name in ``run_dir``)."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
+
+from .outliers import KS
+from .results import diff_shares, get, model_name, seed_mean
+from .retrieval import RetrievalGrid
 
 
 def _figure(width: float, height: float, ncols: int = 1):
@@ -109,3 +117,164 @@ def allocation_bars(
     axes[-1].legend(fontsize=7)
     fig.suptitle(title)
     return _save(fig, path)
+
+
+# ---------------------------------------------------------------------------- eval.md's figures
+def retrieval_figures(run_dir: str, groups: dict, settings_nr: list[str]) -> dict[str, str]:
+    """Per needle setting ``"N,R"``: accuracy heatmaps by context length and depth, mean over
+    seeds, one panel per model. Returns ``{setting: file name}`` for the settings drawn."""
+    out = {}
+    for s in settings_nr:
+        grids = {}
+        for lab, rs in groups.items():
+            gs = [r["retrieval"][s] for r in rs if s in r.get("retrieval", {})]
+            if gs:
+                acc = seed_mean(
+                    [
+                        RetrievalGrid(
+                            g["lengths"],
+                            g["depths"],
+                            0,
+                            0,
+                            np.asarray(g["correct"]),
+                            np.asarray(g["total"]),
+                        ).accuracy
+                        for g in gs
+                    ]
+                )
+                grids[model_name(lab, rs)] = (gs[0]["lengths"], gs[0]["depths"], acc)
+        if grids:
+            n, r = s.split(",")
+            out[s] = f"eval_retrieval_N{n}_R{r}.png"
+            retrieval_heatmaps(
+                grids,
+                f"retrieval accuracy, N={n} needles, R={r} queried",
+                os.path.join(run_dir, out[s]),
+            )
+    return out
+
+
+def allocation_figure(run_dir: str, groups: dict, depths, categories) -> str:
+    """Stacked shares of each category by depth, mean over seeds, one panel per model."""
+    bars = {}
+    for lab, rs in groups.items():
+        sh = [np.asarray(r["allocation"]["shares"], float) for r in rs if "allocation" in r]
+        if sh:
+            bars[model_name(lab, rs)] = (depths, seed_mean(sh))
+    name = "eval_allocation.png"
+    allocation_bars(
+        bars,
+        categories,
+        os.path.join(run_dir, name),
+        "attention allocation of the answer-producing positions",
+    )
+    return name
+
+
+def outliers_figure(run_dir: str, groups: dict) -> str:
+    """Top-k magnitudes against k, mean over seeds."""
+    ks = np.array(KS, float)
+    series = {
+        f"{lab}: {kind}": (
+            ks,
+            np.array([np.mean([get(r, "outliers", kind, f"top-{k}") for r in rs]) for k in KS]),
+        )
+        for kind in ("attention logits", "hidden states")
+        for lab, rs in groups.items()
+    }
+    name = "eval_outliers.png"
+    lines(
+        series,
+        xlabel="k (top-k magnitude)",
+        ylabel="magnitude",
+        logx=True,
+        logy=True,
+        title="activation outliers (mean over seeds)",
+        path=os.path.join(run_dir, name),
+    )
+    return name
+
+
+def quantization_figure(run_dir: str, groups: dict, widths: list) -> str:
+    """Validation loss against the logit bit width (32 = float32), mean over seeds."""
+    xs = np.asarray([b or 32 for b in widths])
+    series = {
+        model_name(lab, rs): (
+            xs,
+            np.asarray(
+                [
+                    seed_mean([get(r, "quantization", i, "val_loss") for r in rs])
+                    for i in range(len(widths))
+                ]
+            ),
+        )
+        for lab, rs in groups.items()
+    }
+    name = "eval_quantization.png"
+    lines(
+        series,
+        xlabel="logit bits (32 = float32)",
+        ylabel="validation loss",
+        title="quantized attention logits",
+        path=os.path.join(run_dir, name),
+        logx=True,
+    )
+    return name
+
+
+def noise_floor_figure(run_dir: str, groups: dict, noise: dict, margin: float, lam: float) -> str:
+    """The closed-form shares against the number of distractors, and the shares measured on
+    the models' maps against their number of distractor positions."""
+    ns = noise["num_distractors"]
+    diff_signal, diff_distractors = diff_shares(noise)
+    series = {
+        "softmax: signal": (ns, noise["softmax_signal"]),
+        "softmax: distractors": (ns, noise["softmax_distractors"]),
+        "diff (normalised): signal": (ns, diff_signal),
+        "diff (normalised): distractors": (ns, diff_distractors),
+    }
+    for lab, rs in groups.items():
+        pts = [m for r in rs for m in r.get("noise_measured", [])]
+        if pts:
+            x = np.asarray([m["num_distractors"] for m in pts])
+            series[f"{lab} measured: signal"] = (x, np.asarray([m["signal_share"] for m in pts]))
+            series[f"{lab} measured: distractors"] = (
+                x,
+                np.asarray([m["distractor_share"] for m in pts]),
+            )
+    styles = {
+        k: ("x" if k.endswith("measured: signal") else "+" if "measured" in k else "-")
+        for k in series
+    }
+    name = "eval_noise_floor.png"
+    lines(
+        series,
+        xlabel="distractors N (measured: distractor positions)",
+        ylabel="share of the row's absolute attention",
+        title=f"noise floor (margin {margin:g}, λ={lam})",
+        path=os.path.join(run_dir, name),
+        logx=True,
+        symlog_threshold=1e-4,
+        styles=styles,
+    )
+    return name
+
+
+def loss_by_position_figure(run_dir: str, groups: dict, positions: dict) -> str:
+    """Loss by position bucket, mean over seeds; ``positions``: one model's ``positions``
+    result (the bucket ends and the lengths)."""
+    series = {}
+    for lab, rs in groups.items():
+        ps = [np.asarray(r["positions"]["loss"]) for r in rs if "positions" in r]
+        if ps:
+            series[model_name(lab, rs)] = (np.asarray(positions["ends"]), seed_mean(ps))
+    name = "eval_loss_by_position.png"
+    lines(
+        series,
+        xlabel="position (bucket end)",
+        ylabel="loss (nats/token)",
+        title=f"loss by position at context {positions['length']} "
+        f"(trained at {positions['trained_length']})",
+        path=os.path.join(run_dir, name),
+    )
+    return name

@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 
-from diffjax.data import DataConfig, make_source
+from diffjax.data import DataConfig, DataError, make_source
 
 
 def corpus_for_positions(data: DataConfig, seq_len: int) -> DataConfig | None:
@@ -29,8 +29,6 @@ def corpus_for_positions(data: DataConfig, seq_len: int) -> DataConfig | None:
 def validation_examples(config: DataConfig, num: int) -> dict[str, np.ndarray]:
     """``num`` validation examples spread evenly over the split (all when it has fewer),
     stacked. Raises ``DataError`` with the fix when the split holds none."""
-    from diffjax.data import DataError
-
     src = make_source(config, "validation")
     if len(src) == 0:
         raise DataError(
@@ -38,7 +36,12 @@ def validation_examples(config: DataConfig, num: int) -> dict[str, np.ndarray]:
             f"{config.seq_len + 1} tokens. Fix: use a shorter length or more data"
         )
     idx = np.unique(np.linspace(0, len(src) - 1, min(num, len(src))).astype(int))
-    rows = [src[int(i)] for i in idx]
+    return stack_examples(src, idx)
+
+
+def stack_examples(src, indices) -> dict[str, np.ndarray]:
+    """Examples ``indices`` of a data source, each field stacked into ``[len(indices), ...]``."""
+    rows = [src[int(i)] for i in indices]
     return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
 
 

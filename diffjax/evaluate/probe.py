@@ -1,7 +1,9 @@
 """Reading a :class:`diffjax.TransformerLM`'s inside without changing it: each block's attention
 input (the output of ``attn_norm``) and output (the hidden state after both residuals), captured
-with ``nnx.capture(..., method_outputs=nnx.Intermediate)``; the attention layers' own
-``attention_maps`` / ``attention_logits`` then recompute maps and logits from those inputs."""
+with ``nnx.capture(..., method_outputs=nnx.Intermediate)``; :func:`attention_maps` and
+:func:`attention_logits` then recompute a layer's maps and logits from its input, from the
+layer's projections (``layer.project``) and the reference math
+(:mod:`diffjax.kernels.reference`)."""
 
 from __future__ import annotations
 
@@ -11,10 +13,12 @@ import numpy as np
 import optax
 from flax import nnx
 
+from diffjax.attention import AttentionLayer, Projection
+from diffjax.kernels import reference
+from diffjax.model import TransformerLM
+
 
 def check_model(model) -> None:
-    from diffjax.model import TransformerLM
-
     if not isinstance(model, TransformerLM):
         raise TypeError(
             f"expected a diffjax.TransformerLM, got {type(model).__name__}. Fix: "
@@ -48,16 +52,64 @@ def capture_layers(model, tokens: jax.Array) -> tuple[jax.Array, list[jax.Array]
     return logits, attn_in, outs
 
 
+def _project(layer, x, positions) -> Projection:
+    if not isinstance(layer, AttentionLayer):
+        raise TypeError(
+            f"expected a diffjax attention layer (MultiheadAttention, MultiheadDiffAttn or "
+            f"MultiheadDiffAttnV2), got {type(layer).__name__}. Fix: pass model.layers[i].attn"
+        )
+    return layer.project(x, positions)
+
+
+def _masking(layer, segment_ids) -> dict:
+    return dict(causal=layer.causal, segment_ids=segment_ids, scale=layer.scale)
+
+
+def attention_maps(
+    layer, x: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None
+) -> dict[str, jax.Array]:
+    """The softmax maps of an attention ``layer`` on its input ``x`` ``[B, T, D]`` (float32,
+    ``[B, heads, T, S]``), for analysis: standard attention ``a``; DIFF the two maps ``a1``,
+    ``a2`` of each pair, ``lam`` (V1 a scalar, V2 ``[B, T, h]``) and the differential map
+    ``diff = a1 - lam * a2``. Traceable; materialises ``T x S`` maps."""
+    p = _project(layer, x, positions)
+    kw = _masking(layer, segment_ids)
+    if p.q2 is None:
+        return {"a": reference.attention_weights(p.q, p.k, **kw)}
+    a1 = reference.attention_weights(p.q, p.k, **kw)
+    a2 = reference.attention_weights(p.q2, p.k if p.k2 is None else p.k2, **kw)
+    lam = p.lam
+    row_lam = lam if jnp.ndim(lam) == 0 else jnp.transpose(lam, (0, 2, 1))[..., None]
+    return {"a1": a1, "a2": a2, "lam": lam, "diff": a1 - row_lam * a2}
+
+
+def attention_logits(
+    layer, x: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None
+) -> dict[str, jax.Array]:
+    """The pre-softmax logits ``q k^T * scale`` of an attention ``layer`` on ``x`` (float32,
+    ``[B, heads, T, S]``): standard attention ``logits``, DIFF ``logits1`` and ``logits2`` (both
+    maps of each pair), and ``mask`` (``[B or 1, T, S]``, True = may attend, or None). Masked
+    entries keep their raw value: read them through the mask. Traceable."""
+    p = _project(layer, x, positions)
+    kw = _masking(layer, segment_ids)
+    if p.q2 is None:
+        logits, mask = reference.attention_logits(p.q, p.k, **kw)
+        return {"logits": logits, "mask": mask}
+    l1, mask = reference.attention_logits(p.q, p.k, **kw)
+    l2, _ = reference.attention_logits(p.q2, p.k if p.k2 is None else p.k2, **kw)
+    return {"logits1": l1, "logits2": l2, "mask": mask}
+
+
 @nnx.jit(static_argnames="layer")
 def _layer_maps(model, tokens, layer):
     _, attn_in, _ = capture_layers(model, tokens)
-    return model.layers[layer].attn.attention_maps(attn_in[layer])
+    return attention_maps(model.layers[layer].attn, attn_in[layer])
 
 
 def layer_attention_maps(model, tokens, layer: int = -1) -> dict[str, np.ndarray]:
     """The attention maps of block ``layer`` (negative: from the last) of ``model`` on
-    ``tokens`` ``[B, T]``, as numpy: what that layer's ``attention_maps`` gives on the input it
-    sees inside the model. Standard attention: ``a`` ``[B, heads, T, T]``; DIFF: ``a1``, ``a2``,
+    ``tokens`` ``[B, T]``, as numpy: what :func:`attention_maps` gives for that layer on the input
+    it sees inside the model. Standard attention: ``a`` ``[B, heads, T, T]``; DIFF: ``a1``, ``a2``,
     ``lam`` (V1 a scalar, V2 ``[B, T, h]``) and ``diff = a1 - lam * a2``. Materialises ``T x T``
     maps: for inspection and plots."""
     check_model(model)

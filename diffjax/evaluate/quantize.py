@@ -8,40 +8,93 @@ usual. A large outlier sets a coarse step for every other logit of its head, whi
 outliers hurt low-bit attention.
 
 The quantized forward is the reference math with ``logit_bits`` set
-(:func:`diffjax.kernels.reference.absmax_quantize` on the logits); :func:`with_quantized_logits`
-returns a copy of a model whose attention layers use it. ``logit_bits`` is a static attribute
-of the modules, so a jitted function traced for the quantized copy is a different cache entry
-from the original model's: nothing leaks into later calls.
+(:func:`diffjax.kernels.reference.absmax_quantize` on the logits), packaged as the attention
+implementation :class:`QuantizedLogits`; :func:`with_quantized_logits` returns a copy of a model
+whose attention layers use it. ``attention_impl`` is a static attribute of the layers, so a
+jitted function traced for the quantized copy is a different cache entry from the original
+model's: nothing leaks into later calls.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
+import numpy as np
 from flax import nnx
 
+from diffjax.attention import AttentionLayer
+from diffjax.kernels import reference
 from diffjax.kernels.reference import absmax_quantize, check_logit_bits
 
-__all__ = ["PAPER_BITS", "absmax_quantize", "quantization_sweep", "with_quantized_logits"]
+from .paper import QUANTIZATION_BITS as PAPER_BITS
+from .positions import validation_loss
+from .probe import losses_and_predictions
+from .retrieval import query_correct
 
-PAPER_BITS = (16, 8, 6, 4)
+__all__ = [
+    "PAPER_BITS",
+    "QuantizedLogits",
+    "absmax_quantize",
+    "quantization_sweep",
+    "with_quantized_logits",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedLogits:
+    """An attention implementation (a value for a layer's ``attention_impl``, or ``impl=`` of
+    :mod:`diffjax.ops`): the reference math with every map's logits absmax-quantized to
+    ``bits`` bits before the softmax. Frozen, so it hashes by value as a static attribute."""
+
+    bits: int
+
+    def __post_init__(self):
+        check_logit_bits(self.bits)
+
+    def dot_product_attention(self, q, k, v, *, causal, segment_ids, kv_segment_ids, scale):
+        return reference.dot_product_attention(
+            q,
+            k,
+            v,
+            causal=causal,
+            segment_ids=segment_ids,
+            kv_segment_ids=kv_segment_ids,
+            scale=scale,
+            logit_bits=self.bits,
+        )
+
+    def differential_attention(
+        self, q1, k1, q2, k2, v, lam, *, causal, segment_ids, kv_segment_ids, scale
+    ):
+        return reference.differential_attention(
+            q1,
+            k1,
+            q2,
+            k2,
+            v,
+            lam,
+            causal=causal,
+            segment_ids=segment_ids,
+            kv_segment_ids=kv_segment_ids,
+            scale=scale,
+            logit_bits=self.bits,
+        )
 
 
 def with_quantized_logits(model: nnx.Module, bits: int | None) -> nnx.Module:
     """A copy of ``model`` (sharing its parameter arrays) whose attention layers quantize their
-    logits to ``bits`` (None: an unchanged copy using the plain XLA path). ``model`` itself is
-    not modified."""
+    logits to ``bits`` (:class:`QuantizedLogits`; None: an unchanged copy using the plain XLA
+    path). ``model`` itself is not modified."""
     check_logit_bits(bits)
     copy = nnx.merge(*nnx.split(model))
-    found = 0
-    for _, module in nnx.iter_graph(copy):
-        if isinstance(module, nnx.Module) and hasattr(module, "logit_bits"):
-            module.attention_impl = "xla"
-            module.logit_bits = None if bits is None else int(bits)
-            found += 1
-    if not found:
+    layers = [m for _, m in nnx.iter_graph(copy) if isinstance(m, AttentionLayer)]
+    if not layers:
         raise ValueError(
-            f"with_quantized_logits: {type(model).__name__} has no diffjax "
-            f"attention layer (no module with a logit_bits attribute)"
+            f"with_quantized_logits: {type(model).__name__} has no diffjax attention layer "
+            f"(MultiheadAttention, MultiheadDiffAttn or MultiheadDiffAttnV2)"
         )
+    for layer in layers:
+        layer.attention_impl = "xla" if bits is None else QuantizedLogits(int(bits))
     return copy
 
 
@@ -56,12 +109,6 @@ def quantization_sweep(
     """Validation loss (weighted by ``val_batch["weights"]``) and, with ``needle_batch``, query
     retrieval accuracy of ``model`` with full-precision logits (``bits=None``, first row) and
     with logits quantized to each width in ``bits``."""
-    import numpy as np
-
-    from .positions import validation_loss
-    from .probe import losses_and_predictions
-    from .retrieval import query_correct
-
     rows = []
     for b in (None, *bits):
         q = model if b is None else with_quantized_logits(model, b)

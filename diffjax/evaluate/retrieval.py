@@ -17,9 +17,8 @@ import numpy as np
 from diffjax.data import DataConfig, make_source
 from diffjax.data import query_correct as data_query_correct
 
+from .positions import stack_examples
 from .probe import check_model, losses_and_predictions
-
-PAPER_SETTINGS = ((1, 1), (2, 2), (4, 2), (6, 2))  # (N needles, R queried), Table 2
 
 
 def needle_task(
@@ -74,8 +73,7 @@ def task_examples(config: DataConfig, num: int | None = None) -> dict[str, np.nd
     stacked into ``[num, ...]`` numpy arrays."""
     src = make_source(config, "validation")
     num = len(src) if num is None else min(int(num), len(src))
-    rows = [src[i] for i in range(num)]
-    return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+    return stack_examples(src, range(num))
 
 
 def query_correct(preds_or_logits, batch: dict) -> np.ndarray:

@@ -1,12 +1,53 @@
-"""Formatting a value over seeds for the evaluation tables. The statistics themselves (mean and
-standard deviation over seeds, the paired DIFF - twin t-interval) are
-:mod:`diffjax.train.stats`, shared with the training report."""
+"""Statistics of a multi-seed comparison, for the comparison report (:mod:`diffjax.compare`) and
+the evaluation tables: results grouped by model, mean and spread over seeds, and the paired
+difference DIFF - twin with a Student-t confidence interval on the per-seed differences.
+
+Pairing: seed ``s`` of both models starts from the same init seed and sees the same batches in
+the same order, so the per-seed difference removes what the two share (the data order, the
+init seed's luck) and the interval is on ``d_s = DIFF_s - twin_s``:
+
+    mean(d) +/- t_{(1 + c) / 2, n - 1} * std(d, ddof=1) / sqrt(n)
+
+With one seed no interval exists (no spread to estimate); the functions say so with ``None``.
+"""
 
 from __future__ import annotations
 
-from typing import Sequence
+import dataclasses
+import math
+from typing import Any, Mapping, Sequence, TypeVar
 
-from diffjax.train.stats import mean_std
+import numpy as np
+
+
+R = TypeVar("R")
+
+
+def _field(result: Any, name: str) -> Any:
+    return result[name] if isinstance(result, Mapping) else getattr(result, name)
+
+
+def group_by_label(results: Sequence[R]) -> dict[str, list[R]]:
+    """``{label: [result of each seed, in seed order]}``, the labels in the order they first
+    appear. A result is an object with ``label`` and ``seed`` attributes (a
+    :class:`diffjax.train.TrainResult`) or a mapping with those keys."""
+    out: dict[str, list[R]] = {}
+    for r in results:
+        out.setdefault(_field(r, "label"), []).append(r)
+    return {k: sorted(v, key=lambda r: _field(r, "seed")) for k, v in out.items()}
+
+
+def _finite(values: Sequence[float | None]) -> np.ndarray:
+    return np.array([v for v in values if v is not None and math.isfinite(v)], np.float64)
+
+
+def mean_std(values: Sequence[float | None]) -> tuple[float, float | None, int]:
+    """``(mean, sample standard deviation (ddof=1), n)`` of the finite values; the standard
+    deviation is None for fewer than two values, the mean NaN for none."""
+    x = _finite(values)
+    if x.size == 0:
+        return float("nan"), None, 0
+    return float(x.mean()), (float(x.std(ddof=1)) if x.size > 1 else None), int(x.size)
 
 
 def fmt_mean_std(values: Sequence[float | None], spec: str = "{:.3f}") -> str:
@@ -15,3 +56,99 @@ def fmt_mean_std(values: Sequence[float | None], spec: str = "{:.3f}") -> str:
     if n == 0:
         return "n/a"
     return spec.format(m) if s is None else f"{spec.format(m)} ± {spec.format(s)}"
+
+
+@dataclasses.dataclass(frozen=True)
+class PairedDifference:
+    """``a - b`` paired by seed: the mean difference, its t-interval (None with one pair) and
+    the number of pairs."""
+
+    mean: float
+    low: float | None
+    high: float | None
+    n: int
+    confidence: float
+
+    @property
+    def half_width(self) -> float | None:
+        return None if self.low is None else (self.high - self.low) / 2
+
+    @property
+    def excludes_zero(self) -> bool | None:
+        """True when the interval lies on one side of zero; None when there is no interval."""
+        if self.low is None:
+            return None
+        return self.low > 0 or self.high < 0
+
+
+def t_interval(diffs: Sequence[float], confidence: float = 0.95) -> tuple[float, float | None]:
+    """``(mean, half width)`` of the Student-t interval of the mean of ``diffs``; the half width
+    is None for fewer than two values (NaN mean for none)."""
+    if not 0.0 < confidence < 1.0:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence}")
+    d = _finite(diffs)
+    if d.size == 0:
+        return float("nan"), None
+    if d.size == 1:
+        return float(d[0]), None
+    from scipy import stats
+
+    t = float(stats.t.ppf((1.0 + confidence) / 2.0, d.size - 1))
+    return float(d.mean()), t * float(d.std(ddof=1)) / math.sqrt(d.size)
+
+
+def paired_difference(
+    a: Sequence[float | None], b: Sequence[float | None], confidence: float = 0.95
+) -> PairedDifference:
+    """The per-seed differences ``a[i] - b[i]`` (pairs with a missing or non-finite value are
+    dropped) and their t-interval."""
+    if len(a) != len(b):
+        raise ValueError(f"paired_difference: {len(a)} values against {len(b)}; pair them by seed")
+    diffs = [
+        x - y
+        for x, y in zip(a, b)
+        if x is not None and y is not None and math.isfinite(x) and math.isfinite(y)
+    ]
+    mean, half = t_interval(diffs, confidence)
+    if half is None:
+        return PairedDifference(mean, None, None, len(diffs), confidence)
+    return PairedDifference(mean, mean - half, mean + half, len(diffs), confidence)
+
+
+def describe_difference(
+    d: PairedDifference, what: str, a: str = "DIFF", b: str = "the twin", spec: str = "{:+.4f}"
+) -> str:
+    """One sentence: the mean difference, its interval, and whether the interval excludes zero."""
+    pct = f"{d.confidence:.0%}"
+    if d.n == 0:
+        return f"{what}: no seed has both values; no difference can be given."
+    if d.low is None:
+        return (
+            f"{what}, {a} minus {b}: {spec.format(d.mean)} from one seed; no confidence "
+            f"interval can be given from one seed (set train.num_seeds=2 or more)."
+        )
+    where = (
+        f"the interval excludes zero: over these {d.n} seeds {a} is "
+        f"{'higher' if d.low > 0 else 'lower'}"
+        if d.excludes_zero
+        else f"the interval includes zero: these {d.n} seeds cannot tell the two apart"
+    )
+    return (
+        f"{what}, {a} minus {b}: {spec.format(d.mean)}, {pct} t-interval "
+        f"[{spec.format(d.low)}, {spec.format(d.high)}] over {d.n} paired seeds; {where}."
+    )
+
+
+def clopper_pearson(k: int, n: int, confidence: float = 0.95) -> tuple[float, float]:
+    """The exact (Clopper-Pearson) interval for a rate from ``k`` successes in ``n`` trials,
+    e.g. the share of seeds in which a model learns a task: ``(low, high)``, both in [0, 1]."""
+    if not 0.0 < confidence < 1.0:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence}")
+    if not (isinstance(k, int) and isinstance(n, int) and 0 <= k <= n and n >= 1):
+        raise ValueError(f"clopper_pearson needs integers 0 <= k <= n, n >= 1; got k={k}, n={n}")
+    from scipy import stats
+
+    a = (1.0 - confidence) / 2.0
+    low = 0.0 if k == 0 else float(stats.beta.ppf(a, k, n - k + 1))
+    high = 1.0 if k == n else float(stats.beta.ppf(1.0 - a, k + 1, n - k))
+    return low, high
