@@ -4,11 +4,13 @@
 python train.py                                   # the default comparison (~5 min on 2 CPU cores)
 python train.py --config configs/needle.py train.steps=200 model.num_layers=4
 python train.py --help                            # every config key with its default
+
+The same as ``python -m diffjax.compare`` (:func:`diffjax.compare.main`).
 """
 
 import sys
 
-from diffjax.train.cli import main
+from diffjax.compare import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import numbers
 import types
 import typing
@@ -27,6 +28,7 @@ import numpy as np
 ATTENTION_KINDS = ("standard", "diff_v1", "diff_v2")
 ATTENTION_IMPLS = ("auto", "xla", "pallas")
 DTYPES = ("float32", "bfloat16", "float16")
+ROPE_SCALINGS = ("none", "linear", "llama3")
 
 
 class ConfigError(ValueError):
@@ -133,6 +135,28 @@ def check_fields(config: Any) -> None:
 
 def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """A rescaling of the rotary frequencies (Hugging Face's ``rope_type``), applied by
+    :func:`diffjax.layers.scale_inv_freq`.
+
+    - ``"linear"``: every frequency divided by ``factor`` (position interpolation).
+    - ``"llama3"``: Llama 3.1's: wavelengths longer than ``original_max_len / low_freq_factor``
+      divided by ``factor``, shorter than ``original_max_len / high_freq_factor`` kept, a smooth
+      blend between.
+    """
+
+    kind: str
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_len: int = 8192
+
+    def __post_init__(self):
+        if self.kind not in ROPE_SCALINGS[1:]:
+            raise ValueError(f"RopeScaling.kind: unknown {self.kind!r}; use 'linear' or 'llama3'")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -295,8 +319,6 @@ class ModelConfig:
             )
 
     def _check_rope_scaling(self) -> None:
-        from .layers import ROPE_SCALINGS
-
         if self.rope_scaling not in ROPE_SCALINGS:
             self._fail(
                 "rope_scaling",
@@ -331,10 +353,8 @@ class ModelConfig:
 
     # ------------------------------------------------------------------ derived values
     @property
-    def rope_scaling_spec(self):
-        """The :class:`diffjax.layers.RopeScaling` of this config, or None."""
-        from .layers import RopeScaling
-
+    def rope_scaling_spec(self) -> RopeScaling | None:
+        """The :class:`RopeScaling` of this config, or None."""
         if self.rope_scaling == "none":
             return None
         return RopeScaling(
@@ -382,8 +402,6 @@ class ModelConfig:
 
 def lambda_init_fn(depth: int) -> float:
     """The paper's lambda_init schedule, ``0.8 - 0.6 * exp(-0.3 * depth)`` (0-based depth)."""
-    import math
-
     return 0.8 - 0.6 * math.exp(-0.3 * depth)
 
 

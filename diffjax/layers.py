@@ -7,7 +7,6 @@ the NNX modules only hold parameters and call them.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any
 
@@ -15,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from .config import RopeScaling
 from .sharding import constrain, param, param_init
 
 Dtype = Any
@@ -77,30 +77,6 @@ class RMSNorm(nnx.Module):
 
 
 # ---------------------------------------------------------------------------- rotary
-ROPE_SCALINGS = ("none", "linear", "llama3")
-
-
-@dataclasses.dataclass(frozen=True)
-class RopeScaling:
-    """A rescaling of the rotary frequencies (Hugging Face's ``rope_type``).
-
-    - ``"linear"``: every frequency divided by ``factor`` (position interpolation).
-    - ``"llama3"``: Llama 3.1's: wavelengths longer than ``original_max_len / low_freq_factor``
-      divided by ``factor``, shorter than ``original_max_len / high_freq_factor`` kept, a smooth
-      blend between.
-    """
-
-    kind: str
-    factor: float
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_len: int = 8192
-
-    def __post_init__(self):
-        if self.kind not in ROPE_SCALINGS[1:]:
-            raise ValueError(f"RopeScaling.kind: unknown {self.kind!r}; use 'linear' or 'llama3'")
-
-
 def scale_inv_freq(inv_freq: jax.Array, scaling: RopeScaling | None) -> jax.Array:
     """``inv_freq`` (float32) rescaled by ``scaling`` (None: unchanged), as transformers'
     ``_compute_linear_scaling_rope_parameters`` / ``_compute_llama3_parameters``."""

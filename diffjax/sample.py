@@ -30,7 +30,12 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
+from .config import ConfigError
+from .data.config import DataError
 from .data.tokenizer import ByteTokenizer, load_tokenizer
+from .decode import generate, pad_prompts
+from .hf import from_pretrained
+from .train.checkpoint import CheckpointError, load_model
 
 _SEED = re.compile(r"seed_(\d+)$")
 
@@ -110,8 +115,6 @@ def sample(
     """The generated continuation (text after the prompt) of each prompt, stopped at the
     tokenizer's ``eos_id`` when it has one. ``tokenizer``: anything with ``encode(str) -> ids``
     and ``decode(ids) -> str`` (default the byte tokenizer)."""
-    from .decode import generate, pad_prompts
-
     tokenizer = ByteTokenizer() if tokenizer is None else tokenizer
     vocab = getattr(tokenizer, "vocab_size", None)
     if vocab is not None and vocab > model.config.vocab_size:
@@ -217,10 +220,6 @@ def find_tokenizer(run_dir: str, model_dir: str) -> str | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from .config import ConfigError
-    from .data.config import DataError
-    from .train.checkpoint import CheckpointError, load_model
-
     step: Any = args.step
     if step not in ("best", "latest"):
         try:
@@ -233,8 +232,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
     try:
         if is_hf_checkpoint(args.run_dir):
-            from .hf import from_pretrained
-
             path, note = os.path.abspath(args.run_dir), f"Hugging Face checkpoint: {args.run_dir}"
             model = from_pretrained(path)
         else:

@@ -137,7 +137,7 @@ def test_lookup_attention_masks_shares_and_swap():
 
 
 def test_retrieval_scripts_on_a_tiny_needle_run(tmp_path, capsys):
-    from diffjax.train.cli import main
+    from diffjax.compare.cli import main
 
     run = tmp_path / "run"
     assert (

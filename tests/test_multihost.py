@@ -22,7 +22,7 @@ import jax
 import numpy as np
 import pytest
 
-from diffjax.train.cli import main
+from diffjax.compare.cli import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOSS_RTOL = 1e-5
@@ -132,6 +132,44 @@ def test_two_processes_equal_one_and_resume_on_another_mesh_and_process_count(tm
     )
 
 
+def test_task_metrics_are_summed_over_processes(tmp_path):
+    """The validation metrics a task declares (here the needle task's answer and query
+    accuracies) count each process's rows and sum the counts over processes: two processes of
+    one device give the numbers of one process with two."""
+    needle = [
+        "data.source=needle",
+        "data.seq_len=32",
+        "data.num_needles=2",
+        "data.num_queries=4",
+        "data.query_replacement=true",
+        "data.key_len=1",
+        "data.value_len=1",
+        "data.needle_template={key}{value}",
+        "data.query_template={key}{value}",
+        "data.num_val_examples=12",  # padded to 16: the last batch's rows differ per process
+        "train.steps=2",
+        "train.eval_batches=2",
+    ]
+    one_dir, two_dir = tmp_path / "one", tmp_path / "two"
+    finish(launch(one_dir, 2, *needle))
+    port = free_port()
+    finish(*[launch(two_dir, 1, *needle, process=(port, 2, i)) for i in range(2)])
+
+    def final_eval(run_dir):
+        with open(os.path.join(run_dir, "diff", "seed_0", "metrics.jsonl")) as f:
+            return [r for r in map(json.loads, f) if "val_loss" in r][-1]
+
+    one, two = final_eval(one_dir), final_eval(two_dir)
+    keys = {"val_answer_accuracy", "val_query_accuracy", "val_first_query_accuracy"}
+    assert keys <= set(one) and set(k for k in one if k.endswith("accuracy")) == set(
+        k for k in two if k.endswith("accuracy")
+    )
+    for k in keys | {"val_loss"}:
+        assert two[k] == pytest.approx(one[k], rel=LOSS_RTOL), k
+    result = json.loads((two_dir / "diff" / "seed_0" / "result.json").read_text())
+    assert result["metrics"]["val_query_accuracy"] == two["val_query_accuracy"]
+
+
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs JAX_NUM_CPU_DEVICES=8")
 def test_saved_with_fsdp8_continues_with_data2_tensor4(tmp_path, capsys):
     whole, split = tmp_path / "whole", tmp_path / "split"
@@ -150,7 +188,7 @@ def test_saved_with_fsdp8_continues_with_data2_tensor4(tmp_path, capsys):
 
 # ---------------------------------------------------------------------------- launching
 def parse(*argv):
-    from diffjax.train.cli import build_parser
+    from diffjax.compare.cli import build_parser
 
     return build_parser().parse_args(list(argv))
 
@@ -183,7 +221,7 @@ def fake_initialize(monkeypatch):
 )
 def test_bad_distributed_flags_are_refused_before_starting(fake_initialize, argv, message):
     from diffjax.config import ConfigError
-    from diffjax.train.cli import init_distributed
+    from diffjax.compare.cli import init_distributed
 
     with pytest.raises(ConfigError, match=message):
         init_distributed(parse(*argv))
@@ -191,7 +229,7 @@ def test_bad_distributed_flags_are_refused_before_starting(fake_initialize, argv
 
 
 def test_distributed_start_from_flags_or_a_detected_cluster(fake_initialize, monkeypatch):
-    from diffjax.train.cli import init_distributed
+    from diffjax.compare.cli import init_distributed
 
     assert init_distributed(parse()) is None  # a single process: nothing started
     assert (
@@ -218,7 +256,7 @@ def test_distributed_start_from_flags_or_a_detected_cluster(fake_initialize, mon
 
 
 def test_cli_reports_bad_distributed_flags(capsys):
-    from diffjax.train.cli import EXIT_BAD_INPUT
+    from diffjax.compare.cli import EXIT_BAD_INPUT
 
     assert main(["--num_processes", "2"]) == EXIT_BAD_INPUT
     assert "go together" in capsys.readouterr().err

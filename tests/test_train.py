@@ -20,6 +20,7 @@ import pytest
 from flax import nnx
 
 import diffjax
+from diffjax.compare.cli import main
 from diffjax.config import ConfigError
 from diffjax.train import (
     ExperimentConfig,
@@ -31,7 +32,6 @@ from diffjax.train import (
     learning_rate_schedule,
     load_config,
 )
-from diffjax.train.cli import main
 from diffjax.train.metrics import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -84,6 +84,18 @@ def test_every_key_is_listed_in_help(capsys):
         "compare",
     ):
         assert f"  {key} " in out
+
+
+def test_python_m_diffjax_compare_is_train_py():
+    """``python -m diffjax.compare`` and ``python train.py`` are one command line."""
+    outs = [
+        subprocess.run(
+            [sys.executable, *cmd, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=300
+        )
+        for cmd in (["-m", "diffjax.compare"], ["train.py"])
+    ]
+    assert [p.returncode for p in outs] == [0, 0], [p.stderr[-2000:] for p in outs]
+    assert outs[0].stdout == outs[1].stdout and "config keys" in outs[0].stdout
 
 
 def test_overrides_are_parsed_by_type():
@@ -282,7 +294,7 @@ def test_resume_from_an_earlier_checkpoint_equals_uninterrupted(tmp_path, capsys
 # step it lands after the earlier saves have committed.
 KILLED_TRAIN_PY = """
 import os, signal, sys
-from diffjax.train.cli import main
+from diffjax.compare.cli import main
 
 kill_at, checkpoint_every = int(sys.argv[1]), int(sys.argv[2])
 
@@ -539,7 +551,7 @@ def test_load_model_reads_the_saved_parameters(tmp_path):
 
 # ---------------------------------------------------------------------------- seeds and report
 def test_paired_t_interval_on_hand_made_numbers():
-    from diffjax.train.stats import describe_difference, mean_std, paired_difference, t_interval
+    from diffjax.evaluate.stats import describe_difference, mean_std, paired_difference, t_interval
 
     mean, half = t_interval([1.0, 2.0, 3.0])
     assert mean == 2.0 and half == pytest.approx(4.302652729911275 * 1.0 / np.sqrt(3), rel=1e-9)
@@ -567,8 +579,8 @@ def test_paired_t_interval_on_hand_made_numbers():
 def test_clopper_pearson_and_the_seed_count_of_a_retrieval_run():
     from math import comb
 
-    from diffjax.train.report import learned_counts
-    from diffjax.train.stats import clopper_pearson
+    from diffjax.compare.report import learned_counts
+    from diffjax.evaluate.stats import clopper_pearson
 
     # the edges in closed form: 0 of n -> [0, 1 - (a/2)^(1/n)], n of n -> [(a/2)^(1/n), 1]
     assert clopper_pearson(0, 2) == (0.0, pytest.approx(1 - 0.025**0.5))
@@ -598,7 +610,7 @@ def test_clopper_pearson_and_the_seed_count_of_a_retrieval_run():
             None,
             "",
             seed=seed,
-            val_query_accuracy=acc,
+            metrics={} if acc is None else {"val_query_accuracy": acc},
         )
 
     rs = [
@@ -613,9 +625,9 @@ def test_clopper_pearson_and_the_seed_count_of_a_retrieval_run():
     assert "standard 1 of 2 seeds (95% Clopper-Pearson interval for the rate: 1%-99%)" in text
     assert learned_counts([result("diff", 0, None)], 0.25) == []
     # the per-seed table shows the query accuracy (not the near-0 example accuracy) of a query task
-    from diffjax.train.report import per_seed_table
+    from diffjax.compare.report import per_seed_table
 
-    rs[0] = dataclasses.replace(rs[0], val_accuracy=0.01)
+    rs[0] = dataclasses.replace(rs[0], metrics={**rs[0].metrics, "val_answer_accuracy": 0.01})
     table = per_seed_table(rs)
     assert (
         "| seed | diff val loss | standard val loss | diff query accuracy | standard query "
@@ -623,13 +635,13 @@ def test_clopper_pearson_and_the_seed_count_of_a_retrieval_run():
     )
     assert "| 0 | 1.0000 | 1.0000 | 0.850 | 0.260 |" in table and "0.010" not in table
     plain = per_seed_table(
-        [dataclasses.replace(r, val_query_accuracy=None, val_accuracy=0.5) for r in rs]
+        [dataclasses.replace(r, metrics={"val_answer_accuracy": 0.5}) for r in rs]
     )
     assert "diff accuracy" in plain and "| 1 | 1.0000 | 1.0000 | 0.500 | 0.500 |" in plain
     # with the first query's accuracy the count uses it and its own level: the diff seeds above
     # copy earlier queries (0.85 and 0.70 on all queries) but stay at 0.26-0.30 on the first
     first = [
-        dataclasses.replace(r, val_first_query_accuracy=f)
+        dataclasses.replace(r, metrics={**r.metrics, "val_first_query_accuracy": f})
         for r, f in zip(rs, (0.30, 0.26, 0.95, 0.27))
     ]
     text = " ".join(learned_counts(first, 0.25, 0.25))
@@ -641,7 +653,7 @@ def test_clopper_pearson_and_the_seed_count_of_a_retrieval_run():
 
 
 def test_side_by_side_summary():
-    from diffjax.train.throughput import SideBySide
+    from diffjax.compare.throughput import SideBySide
 
     s = SideBySide(
         ("diff", "standard"),
@@ -734,20 +746,6 @@ def test_every_seed_reuses_one_compiled_init_and_gets_the_constant_seed_state():
     )
 
 
-def test_a_run_in_the_old_layout_is_not_silently_restarted(tmp_path, capsys):
-    assert run_main(tmp_path, "train.steps=2", "compare=false", "train.tensorboard=false") == 0
-    run = tmp_path / "run"
-    for item in os.listdir(run / "diff" / "seed_0"):  # the layout before multi-seed runs
-        os.rename(run / "diff" / "seed_0" / item, run / "diff" / item)
-    os.rmdir(run / "diff" / "seed_0")
-    config = (run / "config.json").read_text()
-    assert run_main(tmp_path, "train.steps=4", "compare=false") == 4
-    err = capsys.readouterr().err
-    assert "layout before multi-seed runs" in err and "seed_0" in err and "Fix:" in err
-    assert not (run / "diff" / "seed_0").exists()
-    assert (run / "config.json").read_text() == config  # nothing saved is changed
-
-
 def test_report_leaves_the_matplotlib_backend_alone(tmp_path):
     """Library code must not call matplotlib.use: a notebook's inline backend would be lost."""
     import matplotlib
@@ -769,7 +767,7 @@ def test_validation_splits_first_and_repeated_queries():
     import jax.numpy as jnp
 
     from diffjax import sharding
-    from diffjax.data import DataConfig, make_source, query_kinds
+    from diffjax.data import DataConfig, make_source, query_kinds, validation_metrics
     from diffjax.train import loop
 
     d = DataConfig(
@@ -796,7 +794,89 @@ def test_validation_splits_first_and_repeated_queries():
         return jnp.float32(1.0), jnp.float32(1.0), inputs["inputs"] * 0 + jnp.asarray(preds)
 
     mesh = sharding.make_mesh()
-    out = loop.evaluate(eval_fn, None, [batch], mesh, 8)
+    out = loop.evaluate(eval_fn, None, [batch], mesh, 8, validation_metrics(d))
     assert out["val_first_query_accuracy"] == 0.0 and out["val_repeat_query_accuracy"] == 1.0
     assert out["val_query_accuracy"] == pytest.approx(repeat.mean())
     assert repeat.mean() > 0.6 and not repeat[:, 0].any() and first[:, 0].all()
+
+
+def test_a_corpus_declares_no_validation_metric_and_the_loop_computes_none():
+    """The loop sums only what the data declares: a corpus has loss and perplexity alone."""
+    import jax.numpy as jnp
+
+    from diffjax import sharding
+    from diffjax.data import DataConfig, RETRIEVAL_METRICS, make_source, validation_metrics
+    from diffjax.train import loop
+
+    assert validation_metrics(DataConfig(max_files=4)) == {}
+    assert validation_metrics(DataConfig(source="mqar", seq_len=64)) == dict(RETRIEVAL_METRICS)
+    src = make_source(DataConfig(max_files=4, seq_len=16), "validation")
+    batch = {k: np.stack([src[i][k] for i in range(8)]) for k in src[0]}
+
+    def eval_fn(params, inputs):
+        return jnp.float32(2.0), jnp.float32(1.0), inputs["inputs"]
+
+    out = loop.evaluate(eval_fn, None, [batch], sharding.make_mesh(), 8)
+    assert set(out) == {"val_loss", "val_ppl"} and out["val_loss"] == 2.0
+    counted = {"twos": lambda preds, b: (int((preds == 2).sum()), 0)}  # nothing counted: left out
+    assert set(loop.evaluate(eval_fn, None, [batch], sharding.make_mesh(), 8, counted)) == {
+        "val_loss",
+        "val_ppl",
+    }
+
+
+def test_result_json_of_before_the_metrics_mapping_still_loads():
+    """A result.json with the validation metrics as fields of their own (before
+    TrainResult.metrics) loads with them in the mapping; a new one round-trips."""
+    from diffjax.train import TrainResult
+
+    old = {
+        "label": "diff",
+        "attention": "diff_v1",
+        "directory": "runs/x/diff/seed_0",
+        "params": 10,
+        "steps": 2,
+        "tokens_seen": 64,
+        "final_train_loss": 1.5,
+        "final_val_loss": 1.25,
+        "tokens_per_s": 100.0,
+        "step_time_s": 0.1,
+        "peak_memory_bytes": None,
+        "memory_source": "",
+        "lambdas": [0.2],
+        "val_accuracy": 0.125,
+        "seed": 1,
+        "val_query_accuracy": 0.5,
+        "val_first_query_accuracy": 0.25,
+        "val_repeat_query_accuracy": None,
+    }
+    r = TrainResult.from_dict(old)
+    assert r.metrics == {
+        "val_answer_accuracy": 0.125,
+        "val_query_accuracy": 0.5,
+        "val_first_query_accuracy": 0.25,
+    }
+    assert (r.seed, r.final_val_loss, r.lambdas) == (1, 1.25, [0.2])
+    assert TrainResult.from_dict(json.loads(json.dumps(r.to_dict()))) == r
+
+
+def test_report_rows_follow_the_metrics_the_run_produced():
+    """The results table has a row per metric some result has (a metric without a display name
+    under its key), none for the others; group_by_label takes results or dicts."""
+    from diffjax.compare.report import results_table
+    from diffjax.evaluate.stats import group_by_label
+    from diffjax.train import TrainResult
+
+    def result(label, seed, metrics):
+        return TrainResult(
+            label, label, "", 1, 1, 1, 1.0, 1.0, 1.0, 1.0, None, "", seed=seed, metrics=metrics
+        )
+
+    rs = [result("standard", 1, {"val_custom": 0.5}), result("diff", 0, {}), result("diff", 1, {})]
+    table = results_table(rs)
+    assert "| val_custom | 0.500 | n/a | n/a |" in table  # standard first: it came first
+    assert "accuracy" not in table and "final validation loss" in table
+    assert [r.seed for r in group_by_label(rs)["diff"]] == [0, 1]
+    assert list(group_by_label(rs)) == ["standard", "diff"]
+    dicts = [{"label": "a", "seed": 2}, {"label": "b", "seed": 0}, {"label": "a", "seed": 1}]
+    assert group_by_label(dicts) == {"a": [dicts[2], dicts[0]], "b": [dicts[1]]}

@@ -1,5 +1,6 @@
 """Data for diffjax: the byte tokenizer, corpora (the built-in stdlib corpus, text files,
-pre-tokenized files), synthetic retrieval tasks (multi-needle, MQAR) and the grain pipeline.
+pre-tokenized files), synthetic retrieval tasks (multi-needle, MQAR; each declares its
+validation metrics: :func:`validation_metrics`) and the grain pipeline.
 
     from diffjax.data import DataConfig, check_data, make_dataset
 
@@ -20,6 +21,7 @@ from .pipeline import (
     num_examples,
     num_tokens,
     steps_per_epoch,
+    validation_metrics,
 )
 from .sources import (
     TokenStream,
@@ -30,8 +32,10 @@ from .sources import (
     stdlib_root,
 )
 from .synthetic import (
+    RETRIEVAL_METRICS,
     MQARSource,
     NeedleSource,
+    ValidationMetric,
     answer_accuracy,
     answer_correct,
     query_correct,
@@ -43,6 +47,7 @@ __all__ = [
     "BOS",
     "EOS",
     "PAD",
+    "RETRIEVAL_METRICS",
     "SOURCES",
     "TOKEN_DTYPES",
     "VOCAB_SIZE",
@@ -55,6 +60,7 @@ __all__ = [
     "MQARSource",
     "NeedleSource",
     "TokenStream",
+    "ValidationMetric",
     "WindowSource",
     "answer_accuracy",
     "answer_correct",
@@ -71,4 +77,5 @@ __all__ = [
     "stdlib_files",
     "stdlib_root",
     "steps_per_epoch",
+    "validation_metrics",
 ]

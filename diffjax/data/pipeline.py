@@ -29,8 +29,8 @@ import numpy as np
 
 from .config import DataConfig, DataError
 from .sources import Corpus, WindowSource, check_token_ids, load_corpus, stdlib_root
-from .synthetic import SYNTHETIC_TRAIN_EXAMPLES, MQARSource, NeedleSource
-from .tokenizer import PAD, VOCAB_SIZE
+from .synthetic import SYNTHETIC_TRAIN_EXAMPLES, MQARSource, NeedleSource, ValidationMetric
+from .tokenizer import PAD, VOCAB_SIZE, HFTokenizer
 
 SPLITS = ("train", "validation")
 VALIDATION_SHUFFLE_SEED = 0x5EED  # the validation order: one fixed permutation
@@ -87,6 +87,15 @@ def make_source(
         return NeedleSource(config, split, seed, stream, n, global_batch)
     corpus = load_corpus(config)
     return WindowSource(corpus.stream(split), config.seq_len)
+
+
+def validation_metrics(config: DataConfig) -> dict[str, ValidationMetric]:
+    """The validation metrics the data of ``config`` declares beyond loss and perplexity: its
+    source's ``validation_metrics``, name -> ``fn(predictions, batch) -> (right, counted)``
+    (see :mod:`diffjax.data.synthetic`); empty for a corpus."""
+    _check_config(config)
+    source = {"mqar": MQARSource, "needle": NeedleSource}.get(config.source, WindowSource)
+    return dict(source.validation_metrics)
 
 
 def _process_rows(ds, global_batch: int, batch: int, index: int):
@@ -300,8 +309,6 @@ def check_data(config: DataConfig, vocab_size: int = VOCAB_SIZE) -> DataSummary:
     ``ConfigError``) naming the path or field and the fix."""
     _check_config(config)
     if not config.uses_byte_tokenizer and config.source != "tokens":
-        from .tokenizer import HFTokenizer
-
         tok = HFTokenizer(config.tokenizer)
         if tok.vocab_size > vocab_size:
             raise DataError(

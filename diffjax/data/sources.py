@@ -28,7 +28,7 @@ from typing import Sequence
 import numpy as np
 
 from .config import DataConfig, DataError
-from .tokenizer import BOS, EOS
+from .tokenizer import BOS, EOS, HFTokenizer
 
 # Directories never part of the stdlib corpus (third-party packages, bytecode caches).
 STDLIB_EXCLUDED_DIRS = ("site-packages", "dist-packages", "__pycache__")
@@ -262,8 +262,6 @@ def _stream_split(stream: np.ndarray, val_fraction: float) -> tuple[np.ndarray, 
 def _encode_documents(datas: Sequence[bytes], tokenizer: str) -> np.ndarray:
     """``[bos] ids(d0) [eos] [bos] ids(d1) [eos] ...`` with a Hugging Face tokenizer (its BOS/EOS
     where it has them), uint32 (uint16 when every id fits)."""
-    from .tokenizer import HFTokenizer
-
     tok = HFTokenizer(tokenizer)
     pieces = []
     for ids in tok.encode_batch([d.decode("utf-8", errors="replace") for d in datas]):
@@ -363,8 +361,6 @@ def load_text_corpus(config: DataConfig) -> Corpus:
     kind = "stdlib" if config.path is None else "text"
     tokenizer = None
     if config.tokenizer not in (None, "byte"):
-        from .tokenizer import HFTokenizer
-
         file = os.path.abspath(HFTokenizer(config.tokenizer).path)
         st = os.stat(file)  # a changed tokenizer file is a cache miss
         tokenizer = (file, st.st_size, st.st_mtime_ns)
@@ -503,6 +499,8 @@ class WindowSource:
     """Random access to the windows of a stream: example ``i`` is
     ``w = stream[i*T : i*T + T + 1]`` as ``inputs = w[:-1]``, ``targets = w[1:]``, ``weights``
     = 1 (int32 / float32). A grain ``MapDataset`` source (``__len__``, ``__getitem__``)."""
+
+    validation_metrics: dict = {}  # a corpus: validation loss and perplexity only
 
     def __init__(self, stream: TokenStream, seq_len: int):
         self.stream, self.seq_len = stream, int(seq_len)

@@ -15,17 +15,25 @@ only on the answer tokens) plus fixed-shape extras, all in *position* coordinate
 
 :func:`answer_accuracy` scores predictions: an example is correct when every answer token
 (``weights > 0``) is predicted exactly.
+
+Both tasks declare their validation metrics (:data:`RETRIEVAL_METRICS`, the sources'
+``validation_metrics``): name -> ``fn(predictions, batch) -> (right, counted)`` on this process's
+rows of one validation batch; the train loop sums the two counts over batches and processes and
+logs ``val_<name> = right / counted``.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
 from .config import DataConfig
 from .sources import TokenStream
 from .tokenizer import BOS, PAD
+
+# A validation metric: (predictions [B, T] token ids, batch) -> (items right, items counted)
+ValidationMetric = Callable[[np.ndarray, Mapping[str, Any]], tuple[int, int]]
 
 SPLIT_IDS = {"train": 0, "validation": 1}
 SYNTHETIC_TRAIN_EXAMPLES = 2**31  # the train "epoch" of a synthetic task: practically endless
@@ -71,6 +79,48 @@ def place_needles(depths: np.ndarray, haystack_len: int, needle_bytes: int) -> n
     return out
 
 
+# ============================================================================ validation metrics
+def answer_counts(preds, batch: Mapping[str, Any]) -> tuple[int, int]:
+    """``(examples whose answers are all right, examples with an answer)``
+    (:func:`answer_correct`)."""
+    ok, has = answer_correct(np.asarray(preds), batch)
+    return int((ok & has).sum()), int(has.sum())
+
+
+def query_counts(preds, batch: Mapping[str, Any]) -> tuple[int, int]:
+    """``(queries answered exactly, queries)`` (:func:`query_correct`)."""
+    ok, has = query_correct(preds, batch)
+    return int(ok.sum()), int(has.sum())
+
+
+def _kind_counts(preds, batch: Mapping[str, Any], kind: int) -> tuple[int, int]:
+    ok, has = query_correct(preds, batch)
+    of_kind = query_kinds(batch)[kind]
+    return int((ok & of_kind).sum()), int((has & of_kind).sum())
+
+
+def first_query_counts(preds, batch: Mapping[str, Any]) -> tuple[int, int]:
+    """:func:`query_counts` of query 0 alone: only the needles (pairs) hold its answer
+    (:func:`query_kinds`), so it is the query that measures retrieval."""
+    return _kind_counts(preds, batch, 0)
+
+
+def repeat_query_counts(preds, batch: Mapping[str, Any]) -> tuple[int, int]:
+    """:func:`query_counts` of the queries that repeat an earlier one (copyable from it; none
+    without ``query_replacement``: then the metric has nothing to count and is not logged)."""
+    return _kind_counts(preds, batch, 1)
+
+
+# The needle and MQAR tasks' validation metrics: an example counts when all its answers are
+# right, a query when its answer is; then query 0 alone and the repeated queries.
+RETRIEVAL_METRICS: Mapping[str, ValidationMetric] = {
+    "answer_accuracy": answer_counts,
+    "query_accuracy": query_counts,
+    "first_query_accuracy": first_query_counts,
+    "repeat_query_accuracy": repeat_query_counts,
+}
+
+
 class NeedleSource:
     """Multi-needle retrieval. Layout of the ``seq_len + 1`` tokens::
 
@@ -83,6 +133,8 @@ class NeedleSource:
     Only the answer digits carry weight. The haystack is a random span of the split's corpus
     stream (document markers become newlines). Under a context-length curriculum a short train
     example has a shorter haystack and is PAD after its last query."""
+
+    validation_metrics = RETRIEVAL_METRICS
 
     def __init__(
         self,
@@ -238,6 +290,8 @@ class MQARSource:
     queried pairs are distinct (unless ``query_replacement``) and sit at the end, so the recall
     distance grows with ``seq_len``. Only the queried values carry weight. Under a context-length
     curriculum a short train example ends with its queries and is PAD after them."""
+
+    validation_metrics = RETRIEVAL_METRICS
 
     def __init__(
         self,

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import os
+
 import numpy as np
+
+from .config import DataError
 
 BOS = 256  # beginning of a document
 EOS = 257  # end of a document
@@ -72,11 +77,6 @@ class HFTokenizer:
     """
 
     def __init__(self, path: str):
-        import json
-        import os
-
-        from .config import DataError
-
         path = os.fspath(path)
         file = os.path.join(path, TOKENIZER_JSON) if os.path.isdir(path) else path
         if not os.path.isfile(file):

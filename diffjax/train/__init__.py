@@ -1,9 +1,8 @@
-"""Training: configs, optimizer, the loop, Orbax checkpoints, metrics and the comparison report.
+"""Training: the experiment config, the optimizer, the loop of one model (:func:`train_model`,
+its :class:`TrainResult`), Orbax checkpoints and metrics files.
 
-``python train.py`` (:func:`diffjax.train.cli.main`) trains a DIFF model and its standard twin
-on the same data in the same order from each init seed (``train.num_seeds``) and writes
-``runs/<name>/``: ``config.json``, ``report.md``, ``loss.png`` and ``<label>/seed_<seed>/``
-(:func:`model_directory`) per model and seed.
+A model and seed of a run lives in ``<run dir>/<label>/seed_<seed>/`` (:func:`model_directory`):
+``metrics.jsonl``, ``tb/``, ``checkpoints/`` and ``result.json``.
 """
 
 from .checkpoint import Checkpointer, CheckpointError, load_model

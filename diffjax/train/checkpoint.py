@@ -24,9 +24,12 @@ from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from flax import nnx
 from orbax.checkpoint import checkpoint_managers as cm
 
+from diffjax import sharding
 from diffjax.config import ConfigError, ModelConfig
+from diffjax.model import TransformerLM
 
 
 class CheckpointError(RuntimeError):
@@ -197,11 +200,6 @@ def load_model(directory: str, step: int | str = "best", *, mesh: jax.sharding.M
     parameters are placed on it by their logical axes as they are read; otherwise on the first
     local device. Raises :class:`CheckpointError` naming the problem and the fix.
     """
-    from flax import nnx
-
-    from diffjax import sharding
-    from diffjax.model import TransformerLM
-
     directory = os.path.abspath(directory)
     ckpt_dir = (
         directory

@@ -19,7 +19,16 @@ import importlib.util
 import os
 from typing import Any
 
-from diffjax.config import ConfigError, ModelConfig, check_fields, convert, fail, field_types
+from diffjax import hf
+from diffjax.config import (
+    ConfigError,
+    ModelConfig,
+    check_fields,
+    convert,
+    fail,
+    field_types,
+    twin,
+)
 from diffjax.data import DataConfig
 from diffjax.sharding import MeshConfig
 
@@ -228,8 +237,6 @@ class ExperimentConfig:
     @property
     def models(self) -> dict[str, ModelConfig]:
         """``{"diff": model, "standard": twin}`` with compare, else ``{label: model}``."""
-        from diffjax.config import twin
-
         if self.compare:
             std = self.model.init_std if self.twin_init_std is None else self.twin_init_std
             return {"diff": self.model, "standard": twin(self.model).replace(init_std=std)}
@@ -348,8 +355,6 @@ def resolve_init_from(config: ExperimentConfig) -> ExperimentConfig:
     byte`` keeps bytes); otherwise ``config`` unchanged."""
     if config.train.init_from is None:
         return config
-    from diffjax import hf
-
     keep = {k: getattr(config.model, k) for k in ("dtype", "param_dtype", "attention_impl")}
     data = config.data
     if (

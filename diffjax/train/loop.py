@@ -19,16 +19,17 @@ import json
 import math
 import os
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from diffjax import data as data_lib
-from diffjax import sharding
+from diffjax import hf, sharding
 from diffjax.compile_options import cpu_compile_options
 from diffjax.config import ConfigError, ModelConfig
 from diffjax.model import TransformerLM, sown_lambdas
@@ -75,18 +76,28 @@ class TrainResult:
     memory_source: str
     device_peak_bytes: int | None = None  # the device's peak so far in this process (cumulative)
     lambdas: list[float] | None = None
-    val_accuracy: float | None = None
     resumed_from: int | None = None
     mesh: str | None = None  # e.g. "data=1 fsdp=4 tensor=2 (8 devices, 2 processes)"
     seed: int = 0  # the init seed (train.seed)
-    val_query_accuracy: float | None = None  # the share of queries answered exactly
-    # query 0 alone (only the needles hold its answer: retrieval) and the queries that repeat an
-    # earlier one (copyable from it); see diffjax.data.query_kinds
-    val_first_query_accuracy: float | None = None
-    val_repeat_query_accuracy: float | None = None
+    # the final evaluation's metrics beyond loss and perplexity, those the data declares
+    # (diffjax.data.validation_metrics), by their metrics.jsonl key: {"val_<name>": value}
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TrainResult:
+        """The result a ``result.json`` holds. One written before :attr:`metrics` existed (the
+        validation metrics were fields of their own: ``val_accuracy`` for
+        ``val_answer_accuracy``, the others under their metrics.jsonl key) loads with them moved
+        into :attr:`metrics`."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        metrics = dict(d.get("metrics") or {})
+        for key, value in d.items():
+            if key.startswith("val_") and key not in known and value is not None:
+                metrics.setdefault("val_answer_accuracy" if key == "val_accuracy" else key, value)
+        return cls(**{k: v for k, v in d.items() if k in known and k != "metrics"}, metrics=metrics)
 
 
 # ---------------------------------------------------------------------------- the steps
@@ -257,8 +268,6 @@ def pretrained_state(
 ) -> tuple[dict[str, Any], Any]:
     """The train state at step 0 with the parameters of the Hugging Face checkpoint ``path``
     (``train.init_from``), read onto the mesh as :meth:`ModelSetup.fresh_state`'s would be."""
-    from diffjax import hf
-
     keep = {k: getattr(model_cfg, k) for k in hf.OVERRIDABLE}
     model = hf.from_pretrained(path, mesh=setup.mesh, **keep)
     if model.config != model_cfg:
@@ -369,43 +378,34 @@ def initial_state(
 
 # ---------------------------------------------------------------------------- evaluation
 def evaluate(
-    eval_fn: Callable, params, batches: list[dict[str, np.ndarray]], mesh, global_rows: int
+    eval_fn: Callable,
+    params,
+    batches: list[dict[str, np.ndarray]],
+    mesh,
+    global_rows: int,
+    metrics: Mapping[str, data_lib.ValidationMetric] | None = None,
 ) -> dict[str, float]:
-    """Validation loss and perplexity over ``batches`` (this process's rows); with answer spans
-    (the retrieval tasks), the share of examples whose answers are all right and of queries."""
+    """Validation loss and perplexity over ``batches`` (this process's rows), and ``val_<name>``
+    for each of ``metrics`` (``name -> fn(predictions, batch) -> (right, counted)``, what the
+    data declares: :func:`diffjax.data.validation_metrics`): ``right / counted``, both summed
+    over the batches and the processes (left out when nothing was counted)."""
+    metrics = dict(metrics or {})
     total = weight = 0.0
-    # examples right, examples; queries right, queries; the same for the first and the
-    # repeated queries (data_lib.query_kinds: the first needs the needles, a repeat can be
-    # copied from the earlier query)
-    counts = np.zeros(8, np.int64)
+    counts = np.zeros((len(metrics), 2), np.int64)  # per metric: right, counted
     for b in batches:
         t, w, p = eval_fn(params, model_inputs(b, mesh, global_rows))
         total, weight = total + float(t), weight + float(w)
-        if "answer_spans" in b:  # this process's rows; summed over processes below
-            ok, has = data_lib.answer_correct(sharding.local_rows(p), b)
-            q_ok, q_has = data_lib.query_correct(sharding.local_rows(p), b)
-            counts[:4] += [int((ok & has).sum()), int(has.sum()), int(q_ok.sum()), int(q_has.sum())]
-            if "query_needle" in b or "query_pair" in b:
-                for i, kind in zip((4, 6), data_lib.query_kinds(b)):
-                    counts[i : i + 2] += [int((q_ok & kind).sum()), int((q_has & kind).sum())]
+        if metrics:  # this process's rows; summed over processes below
+            preds = np.asarray(sharding.local_rows(p))
+            for i, fn in enumerate(metrics.values()):
+                counts[i] += fn(preds, b)
     out = {"val_loss": total / max(weight, 1.0)}
     out["val_ppl"] = math.exp(min(out["val_loss"], 50.0))
-    if "answer_spans" in batches[0]:
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
-            counts = multihost_utils.process_allgather(counts).reshape(-1, 8).sum(0)
-        # an example counts when all its answers are right; a query when its answer is
-        names = (
-            "val_answer_accuracy",
-            "val_query_accuracy",
-            "val_first_query_accuracy",
-            "val_repeat_query_accuracy",
-        )
-        for i, name in enumerate(names):
-            right, n = counts[2 * i], counts[2 * i + 1]
-            if n or i < 2:
-                out[name] = float(right / n) if n else 0.0
+    if metrics and jax.process_count() > 1:
+        counts = multihost_utils.process_allgather(counts).reshape(-1, len(metrics), 2).sum(0)
+    for name, (right, n) in zip(metrics, counts):
+        if n:
+            out[f"val_{name}"] = float(right / n)
     return out
 
 
@@ -567,6 +567,7 @@ def _train_model(
     ckpt, latest, meta = _open_run(exp, model_cfg, label, directory, require_checkpoint, log)
     train_iter = process_stream(exp, "train", mesh)
     val_batches = list(itertools.islice(process_stream(exp, "validation", mesh), tcfg.eval_batches))
+    val_metrics = data_lib.validation_metrics(exp.data)
     if not val_batches:
         local_batch = tcfg.batch_size // sharding.process_batch_share(mesh, tcfg.batch_size)[1]
         raise data_lib.DataError(
@@ -599,7 +600,9 @@ def _train_model(
             if save or step % tcfg.eval_every == 0:
                 record = recorder.pop()
                 record.update(
-                    evaluate(eval_fn, state["params"], val_batches, mesh, tcfg.batch_size)
+                    evaluate(
+                        eval_fn, state["params"], val_batches, mesh, tcfg.batch_size, val_metrics
+                    )
                 )
                 recorder.write_evaluated(record)
                 if save:
@@ -664,9 +667,10 @@ def summarize(
         "and not affected by the other model trained in the same process",
         device_peak_bytes=device_peak,
         lambdas=last.get("lambda"),
-        val_accuracy=evals[-1].get("val_answer_accuracy") if evals else None,
-        val_query_accuracy=evals[-1].get("val_query_accuracy") if evals else None,
-        val_first_query_accuracy=evals[-1].get("val_first_query_accuracy") if evals else None,
-        val_repeat_query_accuracy=evals[-1].get("val_repeat_query_accuracy") if evals else None,
+        metrics={
+            k: v
+            for k, v in (evals[-1] if evals else {}).items()
+            if k.startswith("val_") and k not in ("val_loss", "val_ppl")
+        },
         resumed_from=resumed_from,
     )

@@ -20,9 +20,8 @@ from flax import nnx
 
 from diffjax import sharding
 from diffjax.config import ModelConfig
-
-from .config import ExperimentConfig
-from .loop import compile_steps, model_inputs, model_setup, process_stream
+from diffjax.train.config import ExperimentConfig
+from diffjax.train.loop import compile_steps, model_inputs, model_setup, process_stream
 
 
 @dataclasses.dataclass

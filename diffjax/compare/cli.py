@@ -1,4 +1,5 @@
-"""``python train.py [--config configs/NAME.py] [--resume] [dotted.key=value ...]``.
+"""``python train.py`` (or ``python -m diffjax.compare``) ``[--config configs/NAME.py] [--resume]
+[dotted.key=value ...]``.
 
 Trains the configured DIFF model and (with ``compare=true``, the default) its standard twin
 one after the other on the same data, from each init seed of ``train.seed ..
@@ -18,12 +19,22 @@ import json
 import os
 import sys
 
-from diffjax import data as data_lib
-from diffjax.config import ConfigError
+import jax
 
-from .checkpoint import CheckpointError, committed_steps
-from .config import apply_overrides, config_keys, load_config, model_directory, resolve_init_from
-from .loop import AfterStep, TrainingDiverged, TrainResult, describe_mesh, train_model
+from diffjax import data as data_lib
+from diffjax import sharding
+from diffjax.config import ConfigError
+from diffjax.evaluate import evaluate_run
+from diffjax.train.checkpoint import CheckpointError, committed_steps
+from diffjax.train.config import (
+    apply_overrides,
+    config_keys,
+    load_config,
+    model_directory,
+    resolve_init_from,
+)
+from diffjax.train.loop import AfterStep, TrainingDiverged, TrainResult, describe_mesh, train_model
+
 from .report import results_table, write_report
 from .throughput import side_by_side_throughput
 
@@ -99,8 +110,6 @@ def _detected_cluster() -> str | None:
 def init_distributed(args: argparse.Namespace) -> str | None:
     """Start JAX's multi-controller runtime when launched as several processes; returns how (or
     None for a single process). Must run before anything touches a device."""
-    import jax
-
     flags = (args.coordinator_address, args.num_processes, args.process_id)
     if any(f is not None for f in flags):
         if any(f is None for f in flags):
@@ -143,10 +152,6 @@ def main(argv: list[str] | None = None, *, after_step: AfterStep | None = None) 
         exp = resolve_init_from(apply_overrides(load_config(args.config), args.overrides))
         description = data_lib.check_data(exp.data, exp.model.vocab_size)
         distributed = init_distributed(args)
-        import jax
-
-        from diffjax import sharding
-
         mesh = sharding.make_mesh(exp.mesh)  # checks the sizes against the devices
         for model_cfg in exp.models.values():
             sharding.check_model_mesh(model_cfg, mesh, exp.train.batch_size)
@@ -162,28 +167,8 @@ def main(argv: list[str] | None = None, *, after_step: AfterStep | None = None) 
     print(f"run directory: {run_dir}")
     print(f"data: {description}")
     print(f"mesh: {describe_mesh(mesh)}")
-    dirs = {
-        (label, seed): model_directory(run_dir, label, seed)
-        for seed in exp.seeds
-        for label in exp.models
-    }
-    old_layout = [
-        label
-        for label in exp.models
-        if committed_steps(os.path.join(run_dir, label, "checkpoints"))
-    ]
-    if old_layout:
-        _error(
-            f"{run_dir} holds checkpoints in the layout before multi-seed runs "
-            f"({', '.join(os.path.join(run_dir, x, 'checkpoints') for x in old_layout)}). "
-            f"Fix: move each {os.path.join(run_dir, '<label>')}/{{metrics.jsonl,tb,checkpoints,"
-            f"result.json}} into {os.path.join(run_dir, '<label>', f'seed_{exp.train.seed}')}/ "
-            f"to resume it, or set run.dir to a new directory."
-        )
-        return EXIT_CHECKPOINT
-    if args.resume and not any(
-        committed_steps(os.path.join(d, "checkpoints")) for d in dirs.values()
-    ):
+    dirs = [model_directory(run_dir, label, seed) for seed in exp.seeds for label in exp.models]
+    if args.resume and not any(committed_steps(os.path.join(d, "checkpoints")) for d in dirs):
         _error(
             f"--resume was given but {run_dir} holds no checkpoint. Fix: drop --resume to "
             f"start a new run, or set run.dir to the run to resume."
@@ -228,8 +213,6 @@ def main(argv: list[str] | None = None, *, after_step: AfterStep | None = None) 
 
 def quick_evaluation(run_dir: str) -> None:
     """``python -m diffjax.evaluate RUN_DIR --quick``, its text appended to ``report.md``."""
-    from diffjax.evaluate import evaluate_run
-
     print("\nquick evaluation (python -m diffjax.evaluate --quick; the full set: without --quick)")
     text = evaluate_run(run_dir, quick=True, log=print)
     body = text.split("\n", 1)[1] if text.startswith("# ") else text  # its own title dropped
