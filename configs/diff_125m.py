@@ -7,6 +7,9 @@ linear decay, no dropout; lr 6e-4 here (GPT-3's value at this size; the paper's 
 data.path; vocab 50304 (GPT-2's 50257 padded to a multiple of 64), tied embeddings.
 
     python train.py --config configs/diff_125m.py data.path='/data/tokens/train_*.bin'
+
+A step toward the paper's scale (its claims are for 830M+ parameters); nothing has been
+measured at this size yet (docs/results.md lists what has).
 """
 
 from diffjax import ModelConfig

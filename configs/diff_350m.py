@@ -7,6 +7,9 @@ tied embeddings) at this size: lr 3e-4 (GPT-3's value at this size; the paper's 
 830M-2.8B), 40000 steps, evaluation every 1000.
 
     python train.py --config configs/diff_350m.py data.path='/data/tokens/train_*.bin'
+
+A step toward the paper's scale (its claims are for 830M+ parameters); nothing has been
+measured at this size yet (docs/results.md lists what has).
 """
 
 import dataclasses

@@ -1,34 +1,28 @@
 """Multi-needle retrieval (the paper's Table 2 task), CPU-sized: DIFF V1 (2 heads) and its twin
 (4 heads), d_model 64, 2 layers, init std 0.04 and lr 3e-3 for both, from scratch, the same
-batches in the same order.
+batches in the same order; batch 128 x 1500 steps, minutes per model and seed on 2 CPU cores.
 
 Task: 4 needles "<K><v>" (a key character right before a one-digit value, nothing around them;
 keys and values distinct within an example) at random depths in 128 bytes of stdlib text (88
 bytes of it haystack), then 16 queries "<K><v>" drawn with replacement, so none follows by
-elimination. The keys are the characters "JQZXYKVW", which are rare in the text: a query's key
-occurs in the haystack outside its needle in about 5% of examples (lowercase letters: about
-half), so, as with the paper's keys, the needle is the one place the key points to, and the
-other three needles are the distractors. The loss and `val_query_accuracy` count the value
-digits only. Chance per query (diffjax.data.synthetic.query_chance): uniform 1/9 = 0.111; "no
-retrieval" 1/4 (the value of a random needle). `model.max_seq_len` is 256, twice the trained
-length, so `python -m diffjax.evaluate` also measures retrieval and loss by position beyond it.
+elimination. The keys are the characters "JQZXYKVW", which are rare in the text, so, as with
+the paper's keys, the needle is the one place the key points to, and the other three needles
+are the distractors (lowercase letters also occur in the text; set
+`data.needle_key_letters=abcdefghijklmnopqrstuvwxyz` to try them). The loss and
+`val_query_accuracy` count the value digits only. Chance per query
+(diffjax.data.synthetic.query_chance): uniform 1/9 = 0.111; "no retrieval" 1/4 (the value of a
+random needle). `model.max_seq_len` is 256, twice the trained length, so
+`python -m diffjax.evaluate` also measures retrieval and loss by position beyond it.
 
 What the accuracy counts: 12 of the 16 queries (75%) repeat a key asked earlier in the example,
 and their answer can be copied from right after that earlier query without reading the needles
 (diffjax.data.query_kinds). Only query 0 must come from the needles: `val_first_query_accuracy`
 (no-retrieval level 0.25) is the retrieval measure, and report.md's seed count uses it.
 
-Measured (2026-12-02, JAX 0.10.2, 2 CPU cores, batch 128 x 1500 steps, 6-7 min per model and
-seed; docs/retrieval.md): first-query accuracy DIFF 0.592, 0.594, 0.625, 0.598, 0.604 (seeds
-0-4: every seed reads the needles, none above the report's 0.625 bar, all still rising; seed
-0 at train.steps=3000 reaches 0.828), its twin 0.964, 0.246, 0.431, 0.880, 0.604 (4 of 5
-seeds read them, 2 of 5 above the bar; seed 1 stayed at the no-retrieval level). Paired DIFF - twin on the first query: -0.022, 95%
-t-interval [-0.402, +0.357] over 5 seeds. Swapping the asked needle's value in the context moves
-the first answer to the new value as often as the model is right (benchmarks/lookup_attention.py:
-DIFF 0.59, twin 0.93, seed 0), so both read the needle. DIFF copies repeated queries better
-(0.95-0.97 in every seed). With lowercase keys (which also occur in the text) the twin read the
-needles in 2 of 3 seeds and DIFF hardly at all (first query 0.29-0.35); with the paper's
-sentences (the default `data.needle_template`) neither model learned the lookup in any pilot."""
+Results (5 paired seeds): docs/results.md; how this setting was found: docs/retrieval.md.
+
+    python train.py --config configs/needle.py train.num_seeds=5
+"""
 
 from diffjax import ModelConfig
 from diffjax.data import DataConfig
