@@ -169,3 +169,43 @@ def np_diff_v2_module(
 
 def np_silu(x):
     return x / (1.0 + np.exp(-x))
+
+
+# ---------------------------------------------------------------------------- weights
+# Random official-layout state dicts (torch layout, ``W [out, in]``) for the three modules.
+def normal(rng, shape, std):
+    return (rng.standard_normal(shape) * std).astype(np.float32)
+
+
+def standard_sd(rng, embed, num_heads, num_kv_heads, head_dim, std=0.1):
+    return {
+        "q_proj.weight": normal(rng, (num_heads * head_dim, embed), std),
+        "k_proj.weight": normal(rng, (num_kv_heads * head_dim, embed), std),
+        "v_proj.weight": normal(rng, (num_kv_heads * head_dim, embed), std),
+        "out_proj.weight": normal(rng, (embed, num_heads * head_dim), std),
+    }
+
+
+def diff_v1_sd(rng, embed, num_heads, num_kv_heads, std=0.1):
+    n_rep = num_heads // num_kv_heads
+    d = embed // num_heads // 2
+    sd = {
+        "q_proj.weight": normal(rng, (embed, embed), std),
+        "k_proj.weight": normal(rng, (embed // n_rep, embed), std),
+        "v_proj.weight": normal(rng, (embed // n_rep, embed), std),
+        "out_proj.weight": normal(rng, (embed, embed), std),
+        "subln.weight": (1.0 + normal(rng, (2 * d,), 0.3)).astype(np.float32),
+    }
+    for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
+        sd[name] = normal(rng, (d,), 0.3)
+    return sd
+
+
+def diff_v2_sd(rng, embed, num_heads, num_kv_heads, head_dim, std=0.1):
+    return {
+        "q_proj.weight": normal(rng, (2 * num_heads * head_dim, embed), std),
+        "k_proj.weight": normal(rng, (num_kv_heads * head_dim, embed), std),
+        "v_proj.weight": normal(rng, (num_kv_heads * head_dim, embed), std),
+        "o_proj.weight": normal(rng, (embed, num_heads * head_dim), std),
+        "lambda_proj.weight": normal(rng, (num_heads, embed), 0.2),
+    }

@@ -23,6 +23,9 @@ import diffjax
 from diffjax import ops
 from diffjax.kernels import reference
 from oracle import (
+    diff_v1_sd,
+    diff_v2_sd,
+    normal,
     THETA,
     np_attention,
     np_diff_v1_lambda,
@@ -36,50 +39,13 @@ from oracle import (
     np_rotary,
     np_softmax_probs,
     np_standard_module,
+    standard_sd,
 )
 
 TOL = 1e-5
 
 
 # ============================================================================ helpers
-def _normal(rng, shape, std):
-    return (rng.standard_normal(shape) * std).astype(np.float32)
-
-
-def standard_sd(rng, embed, num_heads, num_kv_heads, head_dim, std=0.1):
-    return {
-        "q_proj.weight": _normal(rng, (num_heads * head_dim, embed), std),
-        "k_proj.weight": _normal(rng, (num_kv_heads * head_dim, embed), std),
-        "v_proj.weight": _normal(rng, (num_kv_heads * head_dim, embed), std),
-        "out_proj.weight": _normal(rng, (embed, num_heads * head_dim), std),
-    }
-
-
-def diff_v1_sd(rng, embed, num_heads, num_kv_heads, std=0.1):
-    n_rep = num_heads // num_kv_heads
-    d = embed // num_heads // 2
-    sd = {
-        "q_proj.weight": _normal(rng, (embed, embed), std),
-        "k_proj.weight": _normal(rng, (embed // n_rep, embed), std),
-        "v_proj.weight": _normal(rng, (embed // n_rep, embed), std),
-        "out_proj.weight": _normal(rng, (embed, embed), std),
-        "subln.weight": (1.0 + _normal(rng, (2 * d,), 0.3)).astype(np.float32),
-    }
-    for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
-        sd[name] = _normal(rng, (d,), 0.3)
-    return sd
-
-
-def diff_v2_sd(rng, embed, num_heads, num_kv_heads, head_dim, std=0.1):
-    return {
-        "q_proj.weight": _normal(rng, (2 * num_heads * head_dim, embed), std),
-        "k_proj.weight": _normal(rng, (num_kv_heads * head_dim, embed), std),
-        "v_proj.weight": _normal(rng, (num_kv_heads * head_dim, embed), std),
-        "o_proj.weight": _normal(rng, (embed, num_heads * head_dim), std),
-        "lambda_proj.weight": _normal(rng, (num_heads, embed), 0.2),
-    }
-
-
 # Weights are loaded from a state dict in nearly every test, so build with a cheap zero init
 # (random init is eager and compiles per shape; it is tested where it matters).
 ZEROS = nnx.initializers.zeros_init()
@@ -614,7 +580,7 @@ def test_lambda_params_init_statistics():
 def test_v2_lambda_values():
     rng = np.random.default_rng(41)
     sd = diff_v2_sd(rng, 64, 4, 2, 16)
-    sd["lambda_proj.weight"] = _normal(rng, (4, 64), 0.3)  # logits of std ~2.4
+    sd["lambda_proj.weight"] = normal(rng, (4, 64), 0.3)  # logits of std ~2.4
     m = diffjax.load_unilm_state_dict(make_v2(64, 4, 2, 16), sd)
     x = rand_x(rng, 2, 12, 64)
     lam = m.lambda_values(jnp.asarray(x))

@@ -54,12 +54,15 @@ from diffjax.evaluate.run import EvalSettings
 from diffjax.evaluate.stats import describe_difference, fmt_mean_std, mean_std, paired_difference
 from diffjax.kernels import reference
 from oracle import (
+    diff_v1_sd,
+    diff_v2_sd,
     np_diff_v1_lambda,
     np_lambda_init,
     np_linear,
     np_mask,
     np_rotary,
     np_softmax_probs,
+    standard_sd,
 )
 
 TOK = ByteTokenizer()
@@ -68,44 +71,6 @@ TOK = ByteTokenizer()
 # ---------------------------------------------------------------------------- maps and logits
 # A layer's maps against the numpy oracle (tests/oracle.py): weights in torch layout loaded with
 # load_unilm_state_dict, as tests/test_attention.py builds its modules.
-def _normal(rng, shape, std):
-    return (rng.standard_normal(shape) * std).astype(np.float32)
-
-
-def _standard_sd(rng, embed, num_heads, num_kv_heads, head_dim, std=0.1):
-    return {
-        "q_proj.weight": _normal(rng, (num_heads * head_dim, embed), std),
-        "k_proj.weight": _normal(rng, (num_kv_heads * head_dim, embed), std),
-        "v_proj.weight": _normal(rng, (num_kv_heads * head_dim, embed), std),
-        "out_proj.weight": _normal(rng, (embed, num_heads * head_dim), std),
-    }
-
-
-def _diff_v1_sd(rng, embed, num_heads, num_kv_heads, std=0.1):
-    n_rep = num_heads // num_kv_heads
-    d = embed // num_heads // 2
-    sd = {
-        "q_proj.weight": _normal(rng, (embed, embed), std),
-        "k_proj.weight": _normal(rng, (embed // n_rep, embed), std),
-        "v_proj.weight": _normal(rng, (embed // n_rep, embed), std),
-        "out_proj.weight": _normal(rng, (embed, embed), std),
-        "subln.weight": (1.0 + _normal(rng, (2 * d,), 0.3)).astype(np.float32),
-    }
-    for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
-        sd[name] = _normal(rng, (d,), 0.3)
-    return sd
-
-
-def _diff_v2_sd(rng, embed, num_heads, num_kv_heads, head_dim, std=0.1):
-    return {
-        "q_proj.weight": _normal(rng, (2 * num_heads * head_dim, embed), std),
-        "k_proj.weight": _normal(rng, (num_kv_heads * head_dim, embed), std),
-        "v_proj.weight": _normal(rng, (num_kv_heads * head_dim, embed), std),
-        "o_proj.weight": _normal(rng, (embed, num_heads * head_dim), std),
-        "lambda_proj.weight": _normal(rng, (num_heads, embed), 0.2),
-    }
-
-
 def _assert_close(actual, expected, tol=1e-5):
     np.testing.assert_allclose(np.asarray(actual, np.float64), expected, atol=tol, rtol=tol)
 
@@ -132,7 +97,7 @@ def test_attention_maps_match_numpy(kind):
     mask = np_mask(t, t, True)
     zeros = nnx.initializers.zeros_init()
     if kind == "standard":
-        sd = _standard_sd(rng, 64, 8, 2, 8)
+        sd = standard_sd(rng, 64, 8, 2, 8)
         layer = diffjax.MultiheadAttention(64, 0, 8, 2, kernel_init=zeros, rngs=nnx.Rngs(0))
         m = diffjax.load_unilm_state_dict(layer, sd)
         q = np_rotary(np_linear(xf, sd["q_proj.weight"]).reshape(b, t, 8, 8), pos)
@@ -142,7 +107,7 @@ def test_attention_maps_match_numpy(kind):
         return
     if kind == "v1":
         h, hkv, d = 4, 2, 8
-        sd = _diff_v1_sd(rng, 64, h, hkv)
+        sd = diff_v1_sd(rng, 64, h, hkv)
         layer = diffjax.MultiheadDiffAttn(64, 2, h, hkv, kernel_init=zeros, rngs=nnx.Rngs(0))
         m = diffjax.load_unilm_state_dict(layer, sd)
         q = np_rotary(np_linear(xf, sd["q_proj.weight"]).reshape(b, t, 2 * h, d), pos)
@@ -153,7 +118,7 @@ def test_attention_maps_match_numpy(kind):
         diff = a1 - lam * a2
     else:
         h, hkv, d = 4, 2, 16
-        sd = _diff_v2_sd(rng, 64, h, hkv, d)
+        sd = diff_v2_sd(rng, 64, h, hkv, d)
         layer = diffjax.MultiheadDiffAttnV2(
             64, 0, h, hkv, head_dim=d, kernel_init=zeros, rngs=nnx.Rngs(0)
         )
