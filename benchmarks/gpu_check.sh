@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One prepared run for a lent GPU machine (no internet there): the kernel tests on the compiled
+# One prepared run for a GPU machine (no internet needed there): the kernel tests on the compiled
 # Triton kernels, then the attention benchmark; everything it prints lands under $OUT.
 #
 # Prepare here (with internet), then run from the repository root on the GPU machine:
@@ -18,6 +18,10 @@ if [ -d .wheels ]; then
   pip install -q --no-index --find-links .wheels hypothesis pytest pytest-xdist 2>&1 | tail -2
 fi
 pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
+
+# First the kernels' self-check: every case's error against the reference math, the device kind,
+# jax/jaxlib versions and a verdict (docs/results.md records it beside the timings).
+timeout 300 python -m diffjax.kernels.check 2>&1 | tee "$OUT/kernel_check.txt"
 
 # The GPU kernel tests compile the real kernels on a GPU (interpret mode elsewhere).
 timeout 420 python -m pytest -q -p no:cacheprovider tests/test_kernels_gpu.py tests/test_kernels.py \

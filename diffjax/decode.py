@@ -40,8 +40,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from .compile_options import lazy_jit
+from . import ops
 from .attention import CACHE_AXES
+from .compile_options import lazy_jit
 from .config import ModelConfig
 from .model import TransformerLM, make_attention
 from .sharding import constrain
@@ -383,6 +384,7 @@ def generate(
         key = _as_key(rng)
     if max_new_tokens == 0:
         return jnp.asarray(tokens, jnp.int32)
+    ops.check_kernels(cfg)  # with the kernels: checked on this device first (once, cached)
 
     # Left-pad to the bucket: drop the columns that are padding in every row, then pad again
     # up to a bucket boundary (never past what max_seq_len allows).

@@ -21,12 +21,14 @@ Layout everywhere: ``[batch, seq, heads, dim]``.
 from __future__ import annotations
 
 import types
+from typing import Callable
 
 import jax
 from jax.sharding import PartitionSpec as P
 
 from . import kernels, sharding
-from .config import ATTENTION_IMPLS
+from .config import ATTENTION_IMPLS, ConfigError, ModelConfig
+from .kernels import check as kernel_check
 from .kernels import reference
 
 
@@ -130,6 +132,37 @@ def differential_attention(
         kv_segment_ids=kv_segment_ids,
         scale=scale,
     )
+
+
+# ---------------------------------------------------------------------------- kernel check
+def kernel_cases(config: ModelConfig) -> list[kernel_check.Case]:
+    """The kernel check's cases for a model: its attention kind, head and value widths, and
+    its compute dtype (and float32)."""
+    kind = {"diff_v1": "v1", "diff_v2": "v2", "standard": "standard"}[config.attention]
+    d = config.resolved_head_dim
+    return kernel_check.cases_for(kind, d, 2 * d if kind == "v1" else d, config.dtype)
+
+
+def check_kernels(
+    config: ModelConfig, *, interpret: bool = False, log: Callable[[str], None] | None = None
+) -> kernel_check.CheckReport | None:
+    """Before a run: check the Pallas kernels against the reference math for ``config``'s
+    shapes on this device (:func:`diffjax.kernels.check.ensure_checked`: once per device kind,
+    jax version and shape, cached), when the model runs them (``attention_impl`` resolves to
+    "pallas"), or always with ``interpret`` (through the interpreters: tests on CPU). None when
+    nothing needed checking. A failure raises :class:`ConfigError` naming the failing cases and
+    the fix; it never falls back silently."""
+    if not interpret and check_impl(config.attention_impl) != "pallas":
+        return None
+    try:
+        return kernel_check.ensure_checked(kernel_cases(config), interpret=interpret, log=log)
+    except kernel_check.KernelCheckError as e:
+        lines = "\n".join(e.report.lines())
+        raise ConfigError(
+            f"ModelConfig.attention_impl: {e}.\n{lines}\nFix: set model.attention_impl=xla "
+            f"(the XLA path) to run without the kernels, and please report the lines above "
+            f"(python -m diffjax.kernels.check prints them) with your jax and jaxlib versions."
+        ) from e
 
 
 # ---------------------------------------------------------------------------- Pallas

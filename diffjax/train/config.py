@@ -33,6 +33,7 @@ from diffjax.data import DataConfig
 from diffjax.sharding import MeshConfig
 
 SCHEDULES = ("linear", "cosine", "constant")
+KERNEL_CHECKS = ("auto", "off", "interpret")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +73,10 @@ class TrainConfig:
     # run's best checkpoints, written to eval.md and appended to report.md (the default
     # comparison turns it on)
     quick_eval: bool = False
+    # check the Pallas kernels against the reference math before training, once per device
+    # kind, jax version and head widths (cached): "auto" when the run uses them (GPU/TPU),
+    # "off", or "interpret" (through the interpreters, also on CPU; for tests)
+    kernel_check: str = "auto"
     progress: bool = True  # progress bar
     tensorboard: bool = True
 
@@ -108,6 +113,13 @@ class TrainConfig:
                 "lr",
                 f"must be > 0, got {self.lr}",
                 "set train.lr to a positive learning rate, e.g. 1e-3",
+            )
+        if self.kernel_check not in KERNEL_CHECKS:
+            fail(
+                c,
+                "kernel_check",
+                f"unknown setting {self.kernel_check!r}",
+                f"use one of {', '.join(map(repr, KERNEL_CHECKS))}",
             )
         if self.schedule not in SCHEDULES:
             fail(

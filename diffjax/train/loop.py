@@ -29,7 +29,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from diffjax import data as data_lib
-from diffjax import hf, sharding
+from diffjax import hf, ops, sharding
 from diffjax.compile_options import cpu_compile_options
 from diffjax.config import ConfigError, ModelConfig
 from diffjax.model import TransformerLM, sown_lambdas
@@ -564,6 +564,8 @@ def _train_model(
     after_step: AfterStep | None,
 ) -> TrainResult:
     tcfg, main = exp.train, jax.process_index() == 0
+    if tcfg.kernel_check != "off":  # before anything is trained: a failure stops the run
+        ops.check_kernels(model_cfg, interpret=tcfg.kernel_check == "interpret", log=log)
     ckpt, latest, meta = _open_run(exp, model_cfg, label, directory, require_checkpoint, log)
     train_iter = process_stream(exp, "train", mesh)
     val_batches = list(itertools.islice(process_stream(exp, "validation", mesh), tcfg.eval_batches))
