@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -184,3 +185,28 @@ def test_retrieval_scripts_on_a_tiny_needle_run(tmp_path, capsys):
     assert _load("lookup_attention").main([str(run), "--examples", "8"]) == 0
     out = capsys.readouterr().out
     assert "follows the swap" in out and "| diff | 0 |" in out and "| standard | 0 |" in out
+
+
+def test_reproduce_reports_a_changed_number_then_agrees_after_write(tmp_path, capsys, monkeypatch):
+    """benchmarks/reproduce.py: a published value the code does not give is reported (exit 1);
+    ``--write`` records what the code gives, and the same runs then agree (exit 0)."""
+    bench = _load("reproduce")
+    published = tmp_path / "published.json"
+    tiny = (
+        "python train.py model.d_model=32 model.num_layers=1 model.num_heads=1 "
+        "data.seq_len=32 train.steps=4 train.batch_size=8 train.eval_every=2 "
+        "train.eval_batches=1 train.checkpoint_every=4"
+    )
+    entry = dict(command=tiny, date="2000-01-01", jax="0.0", metric="val_loss", digits=4)
+    entry["values"] = {"diff": {"0": 1.0}, "standard": {"0": 1.0}}
+    published.write_text(json.dumps({"tiny": entry}))
+    monkeypatch.setattr(bench, "PUBLISHED", str(published))
+    assert bench.main(["tiny", "--out", str(tmp_path / "a"), "--write"]) == 1
+    out = capsys.readouterr().out
+    assert "| diff | 0 | 1.0000 |" in out and "DIFFERS" in out
+    written = json.loads(published.read_text())["tiny"]
+    assert written["date"] != "2000-01-01" and written["values"]["diff"]["0"] != 1.0
+    assert bench.main(["tiny", "--out", str(tmp_path / "b")]) == 0
+    out = capsys.readouterr().out
+    assert "DIFFERS" not in out and out.count("| same |") == 2
+    assert bench.agrees(2.37391, 2.37394, 4) and not bench.agrees(2.3739, 2.3753, 4)
