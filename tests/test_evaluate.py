@@ -51,7 +51,17 @@ from diffjax.evaluate.__main__ import main as evaluate_main
 from diffjax.evaluate.positions import loss_by_position
 from diffjax.evaluate.retrieval import depth_bins
 from diffjax.evaluate.run import EvalSettings
-from diffjax.evaluate.stats import describe_difference, fmt_mean_std, mean_std, paired_difference
+from diffjax.evaluate import noise_floor as nf
+from diffjax.evaluate import plots
+from diffjax.evaluate import report as report_lib
+from diffjax.evaluate.stats import (
+    clearly_positive,
+    describe_difference,
+    fmt_mean_std,
+    mean_std,
+    paired_difference,
+    ratio_of_means,
+)
 from diffjax.kernels import reference
 from oracle import (
     diff_v1_sd,
@@ -557,6 +567,155 @@ def test_noise_floor_gain_tends_to_one_over_one_minus_lambda():
         noise_floor_closed_form([0], 1.0)
 
 
+def test_closed_form_gain_formula_and_its_two_regimes():
+    """The report's gain column: the exact formula against the computed ratios, its limit
+    (about 1/(1 - lambda)) for many distractors, and the cancellation point N* where the
+    differential distractor total is zero and the gain unbounded (why 1,024 reads 11.70x)."""
+    ns = np.array([100, 588, 590, 1024, 4096, 2**18, 2**30], float)
+    for m, lam, m2 in ((5.0, 0.8, 0.0), (3.0, 0.7, 0.5), (4.0, 0.3, 1.0)):
+        got = noise_floor_closed_form(ns, m, lam, m2)
+        np.testing.assert_allclose(
+            nf.closed_form_gain(ns, m, lam, m2), got["diff_snr"] / got["softmax_snr"], rtol=1e-9
+        )
+        assert nf.closed_form_gain([2**40], m, lam, m2)[0] == pytest.approx(
+            nf.asymptotic_gain(m, lam, m2), rel=1e-6
+        )
+    assert nf.asymptotic_gain(5.0, 0.8) == pytest.approx((math.exp(5) - 0.8) / (0.2 * math.exp(5)))
+    star = nf.cancellation_point(5.0, 0.8)
+    assert star == pytest.approx((0.8 * math.exp(5) - 1) / 0.2)  # 588.65
+    at = noise_floor_closed_form([star], 5.0, 0.8)
+    assert abs(at["diff_distractors"][0]) < 1e-12  # exact cancellation
+    below = noise_floor_closed_form([star / 2], 5.0, 0.8)
+    assert below["diff_distractors"][0] < 0  # below N* the distractor total is negative
+    # the first table row: 11.70x, well above 1/(1 - lambda) = 5, and above the limit 4.97x
+    g1024 = nf.closed_form_gain([1024], 5.0, 0.8)[0]
+    assert g1024 == pytest.approx(11.70, abs=0.005) and g1024 > 2 * nf.asymptotic_gain(5.0, 0.8)
+    assert nf.cancellation_point(1.0, 0.2) is None  # lambda e^m < e^m2 + (1 - lambda)
+    caption = report_lib.noise_floor_caption(5.0, 0.8)
+    assert "4.97x" in caption and "N* = (λe^m − 1)/(1 − λ) = 589" in caption
+
+
+def test_measured_ratio_is_a_ratio_of_means_and_needs_a_positive_denominator():
+    # the case of the report: mean shares 0.0105 / 0.0529 = 0.198, but one seed's distractor
+    # share is negative, so a mean of per-seed ratios (0.08 and -20) would say nothing
+    sig, dis = [0.0084, 0.0126], [0.106425, -0.000625]
+    assert ratio_of_means(sig, dis) is None and not clearly_positive(dis)
+    pts = [{"signal_share": a, "distractor_share": b} for a, b in zip(sig, dis)]
+    assert report_lib.measured_ratio(pts) == "—"
+    # a near-zero mean within its spread: no ratio either
+    assert ratio_of_means([0.01, 0.01, 0.01], [0.02, 1e-4, 0.001]) is None
+    assert ratio_of_means([0.1], [0.0]) is None and ratio_of_means([0.1], [-0.2]) is None
+    # clearly positive: the ratio of the means, not the mean of the ratios (0.25 vs 0.2625)
+    assert ratio_of_means([0.1, 0.3], [0.5, 1.1]) == pytest.approx(0.25)
+    pts = [
+        {"signal_share": 0.1, "distractor_share": 0.5},
+        {"signal_share": 0.3, "distractor_share": 1.1},
+    ]
+    assert report_lib.measured_ratio(pts) == "0.250"
+    assert ratio_of_means([0.2, None], [0.4, 0.1]) == pytest.approx(0.5)  # pairs with a gap drop
+    with pytest.raises(ValueError, match="denominators"):
+        ratio_of_means([1.0], [1.0, 2.0])
+
+
+# ---------------------------------------------------------------------------- report text, plots
+def _visible_texts(fig) -> str:
+    return " ".join(t.get_text() for t in fig.findobj(match=lambda a: hasattr(a, "get_text")))
+
+
+def test_header_names_the_seed_of_each_best_checkpoint():
+    rs = [
+        {"seed": 0, "step": 200, "tokens": 1000},
+        {"seed": 1, "step": 150, "tokens": 750},
+    ]
+    assert report_lib.best_checkpoints(rs) == "best checkpoints: seed 0 step 200, seed 1 step 150"
+    assert report_lib.best_checkpoints(rs[:1]) == "best checkpoint: step 200"
+    assert report_lib._tokens([dict(r, tokens=5) for r in rs]) == "5"  # equal: no "± 0"
+    assert report_lib._tokens(rs) == "875 ± 177"
+
+
+def test_allocation_plot_shares_its_scale_and_says_why_diff_sums_below_one():
+    cats = list(CATEGORIES)
+    diff = np.array([[0.2, 0.1, 0.0, 0.15, 0.03], [np.nan] * 5, [0.25, -0.05, 0.0, 0.1, 0.1]])
+    std = np.array([[0.1, 0.2, 0.05, 0.45, 0.2], [np.nan] * 5, [0.1, 0.2, 0.05, 0.45, 0.2]])
+    fig = plots.draw_allocation_bars(
+        {"diff (diff_v1)": ([0.0, 0.5, 1.0], diff), "standard (standard)": ([0.0, 0.5, 1.0], std)},
+        cats,
+        "allocation",
+    )
+    ax_d, ax_s = fig.axes[:2]
+    assert ax_d.get_ylim() == ax_s.get_ylim()  # one scale for both models
+    lo, hi = ax_d.get_ylim()
+    assert lo < -0.05 and hi >= 1.0  # the negative bar and the twin's full bar both fit
+    # one legend for the figure, naming every category, and none inside a panel
+    assert len(fig.legends) == 1 and ax_d.get_legend() is None and ax_s.get_legend() is None
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == cats
+    text = _visible_texts(fig)
+    assert "diff (diff_v1): the bars sum to 0.44, not 1" in text  # (0.48 + 0.40) / 2
+    assert "negative entries" in text and "drawn below 0" in text
+    assert "standard (standard): the bars sum" not in text  # softmax rows sum to 1
+    # the empty depth bin is labelled, in each panel, and explained
+    assert [t.get_text() for t in ax_d.texts] == ["no queries"]
+    assert "no asked needle fell in that depth bin" in text
+
+
+def test_retrieval_heatmap_drops_an_empty_depth_and_says_so():
+    depths = [0.0, 0.25, 0.5, 0.75, 1.0]
+    acc = np.array([[0.1, 0.5, 0.9, np.nan, np.nan], [0.2, 0.4, 0.7, 0.3, np.nan]])
+    fig = plots.draw_retrieval_heatmaps(
+        {"diff": ([128, 256], depths, acc), "standard": ([128, 256], depths, acc / 2)}, "t"
+    )
+    for ax in fig.axes[:2]:
+        assert [t.get_text() for t in ax.get_xticklabels()] == ["0%", "25%", "50%", "75%"]
+        assert ax.images[0].get_array().shape == (2, 4)
+        assert sum(t.get_text() == "–" for t in ax.texts) == 1  # the one empty cell drawn
+    text = _visible_texts(fig)
+    assert "not drawn: depth 100%" in text and "–: no query's needle fell" in text
+    full = plots.draw_retrieval_heatmaps({"diff": ([128], depths[:2], np.array([[0.5, 1.0]]))}, "t")
+    assert "not drawn" not in _visible_texts(full) and "–:" not in _visible_texts(full)
+
+
+def test_noise_floor_plot_shows_its_data():
+    noise = noise_floor_closed_form(np.array(nf.DEFAULT_NS, float), 5.0, 0.8)
+    measured = [
+        {"num_distractors": 45.0, "signal_share": 0.04, "distractor_share": 0.35},
+        {"num_distractors": 173.0, "signal_share": 0.02, "distractor_share": 0.6},
+    ]
+    groups = {"diff": [{"noise_measured": measured}], "standard": [{"noise_measured": []}]}
+    fig = plots.draw_noise_floor(groups, noise, 5.0, 0.8)
+    closed, meas = fig.axes[:2]
+    # closed form: a log axis (no empty negative half) with room above the lines near 1
+    assert closed.get_yscale() == "log" and closed.get_ylim()[1] >= 1.5
+    lo, hi = closed.get_ylim()
+    assert lo <= noise["softmax_signal"].min()
+    # the measured points have their own axes, spanning their own x range
+    xlo, xhi = meas.get_xlim()
+    assert xlo < 45 and 173 < xhi < 1024
+    assert meas.get_yscale() == "log" and meas.get_ylim()[0] < 0.02
+    # a negative measured share: a symlog axis that stops near the data, not a mirrored half
+    neg = [dict(measured[0], distractor_share=-0.000625), measured[1]]
+    fig = plots.draw_noise_floor({"diff": [{"noise_measured": neg}]}, noise, 5.0, 0.8)
+    meas = fig.axes[1]
+    assert meas.get_yscale() == "symlog"
+    assert -0.01 < meas.get_ylim()[0] < -0.000625 and meas.get_ylim()[1] < 2.0
+    # without measured points: the closed form alone
+    assert len(plots.draw_noise_floor({"diff": [{}]}, noise, 5.0, 0.8).axes) == 1
+
+
+def test_line_plot_ticks_name_the_measured_values():
+    fig = plots.draw_lines(
+        {"a": (np.array([4.0, 6.0, 8.0, 16.0, 32.0]), np.array([3.0, 2.9, 2.8, 2.8, 2.8]))},
+        xlabel="bits",
+        ylabel="loss",
+        title="t",
+        logx=True,
+        xticks=([4, 6, 8, 16, 32], ["4", "6", "8", "16", "float32"]),
+    )
+    fig.canvas.draw()
+    (ax,) = fig.axes
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["4", "6", "8", "16", "float32"]
+    assert ax.get_legend() is None and len(fig.legends) == 1  # outside the axes
+
+
 # ---------------------------------------------------------------------------- retrieval, loss
 def test_query_correct_and_depth_bins():
     batch = {
@@ -605,6 +764,27 @@ def test_seed_statistics_of_the_evaluation_tables_on_hand_made_numbers():
     )
     with pytest.raises(ValueError, match="pair them by seed"):
         paired_difference([1.0, 2.0], [1.0])
+
+
+def test_equal_paired_differences_have_no_interval():
+    """Accuracy 0.00 for both models in every seed: the differences have no spread, so there is
+    no "[+0.0000, +0.0000]" interval and no claim that it includes zero."""
+    zero = paired_difference([0.0, 0.0, 0.0], [0.0, 0.0, 0.0])
+    assert zero.no_spread and zero.n == 3 and zero.mean == 0.0
+    assert zero.low is None and zero.high is None and zero.excludes_zero is None
+    text = describe_difference(zero, "retrieval accuracy")
+    assert "t-interval" not in text and "includes zero" not in text and "[" not in text
+    assert "+0.0000 in each of 3 paired seeds" in text
+    assert "no confidence interval can be given" in text
+    # equal up to float rounding (0.3 - 0.2 != 0.1 in binary): still no spread
+    assert paired_difference([0.3, 0.1], [0.2, 0.0]).no_spread
+    # a constant non-zero difference: no interval either (not "excludes zero")
+    const = paired_difference([0.5, 0.7], [0.4, 0.6])
+    assert const.no_spread and const.excludes_zero is None
+    # one seed is not "no spread", and real spread keeps its interval
+    assert not paired_difference([1.0], [0.0]).no_spread
+    spread = paired_difference([0.1, 0.0], [0.0, 0.0])
+    assert not spread.no_spread and spread.low < 0 < spread.high
 
 
 # ---------------------------------------------------------------------------- runs
@@ -745,7 +925,11 @@ def test_evaluate_run_aggregates_seeds(tiny_runs):
     )
     text = evaluate_run(str(tiny_runs / "multi"), settings=settings, log=lambda *_: None)
     assert "seeds [0, 1]" in text and " ± " in text
-    assert "95% t-interval [" in text and "over 2 paired seeds" in text  # DIFF - twin
+    # DIFF - twin: both labels are copies of one model here, so every paired difference is 0
+    # and there is no interval to give (a spread's interval: test_report.py and the unit tests)
+    assert "in each of 2 paired seeds" in text and "no confidence interval can be given" in text
+    assert "t-interval [+0.0000, +0.0000]" not in text
+    assert "best checkpoints: seed 0 step " in text and ", seed 1 step " in text
     assert "retrieval head's answer share" in text  # its paired difference
     data = json.loads((tiny_runs / "multi" / "eval.json").read_text())
     assert sorted((m["label"], m["seed"]) for m in data["models"]) == [

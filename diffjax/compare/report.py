@@ -23,6 +23,7 @@ import jax
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter, MaxNLocator
 
 from diffjax.data.synthetic import query_chance
 from diffjax.evaluate.stats import (
@@ -135,6 +136,8 @@ def _difference_cell(groups, row: Row) -> str:
     sd = row.spec.replace("{:", "{:+")
     if d.n == 0:
         return "n/a"
+    if d.no_spread:
+        return f"{sd.format(d.mean)} (equal in all {d.n} seeds: no interval)"
     if d.low is None:
         return f"{sd.format(d.mean)} (one seed: no interval)"
     return f"{sd.format(d.mean)} [{sd.format(d.low)}, {sd.format(d.high)}]"
@@ -204,9 +207,16 @@ def _common_mean(curves: list[tuple[np.ndarray, np.ndarray]]):
     return xs, np.mean(ys, axis=0)
 
 
-def plot_losses(run_dir: str, results: Sequence[TrainResult], path: str) -> None:
-    """``loss.png``: validation loss and smoothed training loss against tokens; every seed thin,
-    the mean over seeds thick, one colour per model."""
+def compact_count(x: float, _pos=None) -> str:
+    """A token count as a short tick label: ``0``, ``950``, ``100k``, ``1.5M``, ``2B``."""
+    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= scale:
+            return f"{x / scale:.3g}{suffix}"
+    return f"{x:.3g}"
+
+
+def loss_figure(run_dir: str, results: Sequence[TrainResult]) -> Figure:
+    """The figure of ``loss.png`` (see :func:`plot_losses`), with the Agg canvas attached."""
     fig = Figure(figsize=(11, 4))
     FigureCanvasAgg(fig)
     ax_val, ax_train = fig.subplots(1, 2)
@@ -257,10 +267,19 @@ def plot_losses(run_dir: str, results: Sequence[TrainResult], path: str) -> None
         ax.set_ylabel("loss (nats/token)")
         ax.set_title(title)
         ax.grid(alpha=0.3)
+        # few ticks with short labels (120k, 1.5M): long token counts otherwise run together
+        ax.xaxis.set_major_locator(MaxNLocator(nbins=5))
+        ax.xaxis.set_major_formatter(FuncFormatter(compact_count))
         ax.legend(fontsize=8)
     fig.suptitle(os.path.basename(os.path.abspath(run_dir)))
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    return fig
+
+
+def plot_losses(run_dir: str, results: Sequence[TrainResult], path: str) -> None:
+    """``loss.png``: validation loss and smoothed training loss against tokens; every seed thin,
+    the mean over seeds thick, one colour per model."""
+    loss_figure(run_dir, results).savefig(path, dpi=110)
 
 
 def comparison_sentences(results: Sequence[TrainResult]) -> list[str]:

@@ -252,7 +252,8 @@ def measured_noise_floor(model, batch: dict, *, batch_size: int = 8) -> dict[str
     answer span (signal) and the total weight on the needles' distractors and the haystack
     (``other needles`` + ``noise context``), raw (a differential row sums to ``1 - lambda``)
     and as a share of the row's absolute mass; averaged over rows, heads, layers and examples.
-    ``snr``: mean signal / |mean distractors|."""
+    ``snr``: mean signal / mean distractors, None when the distractor total is not positive
+    (a differential map's can be zero or negative: no ratio means anything there)."""
     n = len(batch["inputs"])
     raws, norms = [], []
     a, o, nc = (CATEGORIES.index(c) for c in ("answer", "other needles", "noise context"))
@@ -269,5 +270,5 @@ def measured_noise_floor(model, batch: dict, *, batch_size: int = 8) -> dict[str
         "distractor_share": float(np.nanmean(norm[:, o] + norm[:, nc])),
         "num_distractors": _num_distractors(batch),
     }
-    out["snr"] = out["signal"] / abs(out["distractors"]) if out["distractors"] else float("inf")
+    out["snr"] = out["signal"] / out["distractors"] if out["distractors"] > 0 else None
     return out

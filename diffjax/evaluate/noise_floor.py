@@ -18,13 +18,26 @@ second map does not single out the signal) gives
     signal      s1 - lambda * s2
     distractors D1 - lambda * D2 = sigmoid(ln N - m1) - lambda * sigmoid(ln N - m2)
 
-(rows sum to ``1 - lambda``). For ``N >> e^m1`` the distractor total tends to ``1 - lambda``
-while the signal tends to ``(e^m1 - lambda e^m2) / N``, so the signal-to-distractor ratio is
-``(e^m1 - lambda e^m2) / ((1 - lambda) N)`` against softmax's ``e^m / N``: the subtraction
-multiplies it by about ``1 / (1 - lambda)`` (5x for lambda = 0.8). The floor still grows with N
-for a fixed lambda; what moves is the context length at which the distractors outweigh the
-signal, from ``N = e^m`` (softmax) to about ``N = e^m (1 + lambda) / (1 - lambda)`` (m2 = 0).
-Cancellation is exact only for ``lambda = D1 / D2``.
+(rows sum to ``1 - lambda``). With ``a = e^m1``, ``b = e^m2`` the ratio of the two
+signal-to-distractor ratios (:func:`closed_form_gain`, the report's "gain") is exactly
+
+    G(N) = (diff s / |diff D|) / (softmax s / D)
+         = (N (a - lambda b) + (1 - lambda) a b) / (a |(1 - lambda) N + b - lambda a|)
+
+- For large N it tends to ``(a - lambda b) / ((1 - lambda) a)`` (:func:`asymptotic_gain`), about
+  ``1 / (1 - lambda)``: 4.97x for m = 5, lambda = 0.8, m2 = 0 (not quite 5, since ``A2`` keeps
+  ``lambda b`` of signal out of ``a``).
+- It is larger at smaller N, and unbounded at ``N* = (lambda a - b) / (1 - lambda)``
+  (:func:`cancellation_point`; 589 for m = 5, lambda = 0.8): there the distractor total
+  ``D1 - lambda D2`` passes through zero (``lambda = D1 / D2``, exact cancellation). Below
+  ``N*`` the distractor total is negative (``A2`` takes away more background than ``A1`` put
+  there). So G(1024) = 11.70x, G(4096) = 5.81x, G(262144) = 4.98x at m = 5, lambda = 0.8: the
+  "1 / (1 - lambda)" figure holds only for ``N >> N*``.
+
+For ``N >> e^m1`` the distractor total tends to ``1 - lambda`` while the signal tends to
+``(a - lambda b) / N``. The floor still grows with N for a fixed lambda; what moves is the
+context length at which the distractors outweigh the signal, from ``N = e^m`` (softmax) to about
+``N = e^m (1 + lambda) / (1 - lambda)`` (m2 = 0).
 
 :func:`noise_floor_streamed` drops the "equal distractors" assumption: distractor logits are
 random (``N(0, sigma^2)`` in ``A1``, correlated ``rho`` with those of ``A2``), one row of
@@ -67,6 +80,8 @@ def noise_floor_closed_form(
     s1, d1 = expit(margin - log_n), expit(log_n - margin)
     s2, d2 = expit(margin2 - log_n), expit(log_n - margin2)
     ds, dd = s1 - lam * s2, d1 - lam * d2
+    with np.errstate(divide="ignore"):  # inf at the cancellation point, where dd = 0
+        diff_snr = ds / np.abs(dd)
     return {
         "num_distractors": n,
         "softmax_signal": s1,
@@ -74,8 +89,41 @@ def noise_floor_closed_form(
         "diff_signal": ds,
         "diff_distractors": dd,
         "softmax_snr": s1 / d1,
-        "diff_snr": ds / np.abs(dd),
+        "diff_snr": diff_snr,
     }
+
+
+def closed_form_gain(
+    num_distractors, margin: float, lam: float = 0.8, margin2: float = 0.0
+) -> np.ndarray:
+    """``G(N)``, the differential map's signal-to-|distractor| ratio over softmax's, from the
+    formula of the module docstring (equal to ``diff_snr / softmax_snr`` of
+    :func:`noise_floor_closed_form`; inf at :func:`cancellation_point`)."""
+    n = _check(num_distractors, lam)
+    a, b = np.exp(margin), np.exp(margin2)
+    with np.errstate(divide="ignore"):
+        return (n * (a - lam * b) + (1.0 - lam) * a * b) / (
+            a * np.abs((1.0 - lam) * n + b - lam * a)
+        )
+
+
+def asymptotic_gain(margin: float, lam: float = 0.8, margin2: float = 0.0) -> float:
+    """The limit of :func:`closed_form_gain` for ``N -> inf``: ``(e^m - lam e^m2) / ((1 - lam)
+    e^m)``, about ``1 / (1 - lam)``."""
+    if not lam < 1.0:
+        raise ValueError(f"asymptotic_gain: lambda must be < 1, got {lam}")
+    a, b = np.exp(margin), np.exp(margin2)
+    return float((a - lam * b) / ((1.0 - lam) * a))
+
+
+def cancellation_point(margin: float, lam: float = 0.8, margin2: float = 0.0) -> float | None:
+    """The number of distractors ``N* = (lam e^m - e^m2) / (1 - lam)`` at which the
+    differential map's distractor total ``D1 - lam D2`` is exactly zero (None when no ``N >= 1``
+    gives zero, e.g. ``lam >= 1`` or a small margin)."""
+    if not lam < 1.0:
+        return None
+    n = (lam * np.exp(margin) - np.exp(margin2)) / (1.0 - lam)
+    return float(n) if n >= 1.0 else None
 
 
 def noise_floor_streamed(

@@ -22,7 +22,13 @@ from .results import (
     retrieval_overall,
 )
 from .settings import EvalSettings
-from .stats import describe_difference, fmt_mean_std, group_by_label, paired_difference
+from .stats import (
+    describe_difference,
+    fmt_mean_std,
+    group_by_label,
+    paired_difference,
+    ratio_of_means,
+)
 
 DOC = "docs/evaluation.md"
 
@@ -77,13 +83,28 @@ def _image(alt: str, name: str) -> list[str]:
     return [f"![{alt}]({name})", ""]
 
 
+def best_checkpoints(rs: list[dict]) -> str:
+    """Which checkpoint each seed was evaluated from, e.g. ``"best checkpoints: seed 0 step 200,
+    seed 1 step 150"`` (``"best checkpoint: step 200"`` for one seed)."""
+    if len(rs) == 1:
+        return f"best checkpoint: step {rs[0]['step']}"
+    return "best checkpoints: " + ", ".join(f"seed {r['seed']} step {r['step']}" for r in rs)
+
+
+def _tokens(rs: list[dict]) -> str:
+    """The training tokens up to each seed's checkpoint: one number when they agree."""
+    tokens = [r["tokens"] for r in rs]
+    if len(set(tokens)) == 1:
+        return f"{tokens[0]:,}"
+    return fmt_mean_std(tokens, "{:,.0f}")
+
+
 # ---------------------------------------------------------------------------- sections
 def header(run: _Run) -> list[str]:
     s, data = run.settings, run.data
     scale = "; ".join(
         f"{lab}: {rs[0]['attention']}, {rs[0]['params']:,} parameters, "
-        f"{fmt_mean_std([r['tokens'] for r in rs], '{:,.0f}')} training tokens (best checkpoint, "
-        f"step {', '.join(str(r['step']) for r in rs)}), seeds {[r['seed'] for r in rs]}"
+        f"{_tokens(rs)} training tokens ({best_checkpoints(rs)}), seeds {[r['seed'] for r in rs]}"
         for lab, rs in run.groups.items()
     )
     L = [
@@ -235,7 +256,8 @@ def allocation(run: _Run) -> list[str]:
         f"Share of the answer-producing positions' attention on the asked needle's value "
         f"(answer) and on the haystack (noise), over heads, layers, rows and examples; queries "
         f"per depth bin: {counts}. DIFF's differential map is normalised by each row's absolute "
-        f"mass (our choice); the other categories are in eval.json and the plot. What it "
+        f"mass (our choice), so its shares are signed and sum to less than 1 (negative entries "
+        f"of A1 − λA2 cancel part of the mass; the plot gives the total); the other categories are in eval.json and the plot. What it "
         f"measures: {DOC}, section 2.",
         "",
     ]
@@ -397,15 +419,30 @@ def noise_floor(run: _Run) -> list[str]:
         rows,
     )
     m, lam = nf.REPORT_MARGIN, nf.REPORT_LAMBDA
-    L += [
-        "",
-        f"Closed form (diffjax.evaluate.noise_floor): one signal key {m:g} logits above N equal "
-        f"distractors, λ = {lam}; shares of the row's absolute mass. What it measures: {DOC}, "
-        f"section 5.",
-        "",
-    ]
+    L += ["", noise_floor_caption(m, lam), ""]
     L += _image("noise floor", plots.noise_floor_figure(run.run_dir, run.groups, noise, m, lam))
     return L + _measured_noise_floor(run)
+
+
+def noise_floor_caption(m: float, lam: float) -> str:
+    """The closed-form table's caption: the setting, and what the gain column is (the exact
+    formula's two regimes: near the cancellation point and for many distractors)."""
+    text = (
+        f"Closed form (diffjax.evaluate.noise_floor): one signal key {m:g} logits above N equal "
+        f"distractors, λ = {lam}, the second map not singling out the signal; shares of the "
+        f"row's absolute mass. The gain is the differential map's signal-to-|distractor| ratio "
+        f"over softmax's, exactly (N(e^m − λ) + (1 − λ)e^m) / (e^m |(1 − λ)N + 1 − λe^m|): "
+        f"for many distractors it tends to (e^m − λ)/((1 − λ)e^m) = "
+        f"{nf.asymptotic_gain(m, lam):.2f}x (about 1/(1 − λ))"
+    )
+    star = nf.cancellation_point(m, lam)
+    if star is not None:
+        text += (
+            f", and it is larger at fewer distractors because the differential distractor total "
+            f"D1 − λD2 passes through zero at N* = (λe^m − 1)/(1 − λ) = {star:,.0f} (exact "
+            f"cancellation; unbounded gain there, and a negative total below it)"
+        )
+    return text + f". What it measures: {DOC}, section 5."
 
 
 def _measured_noise_floor(run: _Run) -> list[str]:
@@ -425,7 +462,7 @@ def _measured_noise_floor(run: _Run) -> list[str]:
                     fmt_mean_std([m["distractors"] for m in ms], "{:.4f}"),
                     fmt_mean_std([m["signal_share"] for m in ms], "{:.4f}"),
                     fmt_mean_std([m["distractor_share"] for m in ms], "{:.4f}"),
-                    fmt_mean_std([m["snr"] for m in ms], "{:.3f}"),
+                    measured_ratio(ms),
                 ]
             )
     L = [
@@ -442,11 +479,27 @@ def _measured_noise_floor(run: _Run) -> list[str]:
             "distractors (raw)",
             "signal share",
             "distractor share",
-            "signal-to-distractor ratio",
+            "signal share / distractor share (ratio of the means)",
         ],
         rows,
     )
+    L += [
+        "",
+        "The ratio is the mean signal share over the mean distractor share (over seeds), not a "
+        "mean of per-seed ratios; it is left out (—) where the distractor share is not clearly "
+        "positive (a seed at or below zero, or a mean within one standard deviation of zero): "
+        "a differential map can cancel its distractors to about zero, and a ratio over that "
+        "says nothing. Compare the two share columns there.",
+    ]
     return L + [""]
+
+
+def measured_ratio(points: list[dict]) -> str:
+    """The measured noise floor's signal-to-distractor cell for the points (seeds) of one
+    model and context: the ratio of the mean shares where the distractor share is clearly
+    positive, else ``—`` (:func:`diffjax.evaluate.stats.ratio_of_means`)."""
+    r = ratio_of_means([m["signal_share"] for m in points], [m["distractor_share"] for m in points])
+    return "—" if r is None else f"{r:.3f}"
 
 
 def loss_by_position(run: _Run) -> list[str]:

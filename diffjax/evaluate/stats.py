@@ -9,6 +9,13 @@ init seed's luck) and the interval is on ``d_s = DIFF_s - twin_s``:
     mean(d) +/- t_{(1 + c) / 2, n - 1} * std(d, ddof=1) / sqrt(n)
 
 With one seed no interval exists (no spread to estimate); the functions say so with ``None``.
+Nor does one exist when every paired difference is the same (e.g. an accuracy of 0 for both
+models in every seed): the sample standard deviation is 0 and a "[x, x]" interval would claim a
+certainty that a handful of seeds cannot give; :attr:`PairedDifference.no_spread` says so.
+
+A ratio of two seed-averaged quantities (:func:`ratio_of_means`) is the ratio of the means, and
+only where the denominator is clearly positive; never a mean of per-seed ratios, which a
+near-zero denominator in one seed blows up.
 """
 
 from __future__ import annotations
@@ -60,8 +67,8 @@ def fmt_mean_std(values: Sequence[float | None], spec: str = "{:.3f}") -> str:
 
 @dataclasses.dataclass(frozen=True)
 class PairedDifference:
-    """``a - b`` paired by seed: the mean difference, its t-interval (None with one pair) and
-    the number of pairs."""
+    """``a - b`` paired by seed: the mean difference, its t-interval (None with one pair, and
+    None when every pair has the same difference: :attr:`no_spread`) and the number of pairs."""
 
     mean: float
     low: float | None
@@ -72,6 +79,12 @@ class PairedDifference:
     @property
     def half_width(self) -> float | None:
         return None if self.low is None else (self.high - self.low) / 2
+
+    @property
+    def no_spread(self) -> bool:
+        """True when there are several pairs but their differences are all equal: the sample
+        standard deviation is 0 and no interval can be estimated."""
+        return self.n >= 2 and self.low is None
 
     @property
     def excludes_zero(self) -> bool | None:
@@ -97,6 +110,12 @@ def t_interval(diffs: Sequence[float], confidence: float = 0.95) -> tuple[float,
     return float(d.mean()), t * float(d.std(ddof=1)) / math.sqrt(d.size)
 
 
+def _all_equal(values: Sequence[float]) -> bool:
+    """True for several values that are equal up to float rounding (relative 1e-12)."""
+    x = np.asarray(values, np.float64)
+    return x.size >= 2 and float(np.ptp(x)) <= 1e-12 * float(np.abs(x).max())
+
+
 def paired_difference(
     a: Sequence[float | None], b: Sequence[float | None], confidence: float = 0.95
 ) -> PairedDifference:
@@ -110,7 +129,7 @@ def paired_difference(
         if x is not None and y is not None and math.isfinite(x) and math.isfinite(y)
     ]
     mean, half = t_interval(diffs, confidence)
-    if half is None:
+    if half is None or _all_equal(diffs):
         return PairedDifference(mean, None, None, len(diffs), confidence)
     return PairedDifference(mean, mean - half, mean + half, len(diffs), confidence)
 
@@ -122,6 +141,12 @@ def describe_difference(
     pct = f"{d.confidence:.0%}"
     if d.n == 0:
         return f"{what}: no seed has both values; no difference can be given."
+    if d.no_spread:
+        return (
+            f"{what}, {a} minus {b}: {spec.format(d.mean)} in each of {d.n} paired seeds; the "
+            f"differences have no spread, so no confidence interval can be given (more seeds, "
+            f"or more evaluation examples, would be needed to tell the two apart)."
+        )
     if d.low is None:
         return (
             f"{what}, {a} minus {b}: {spec.format(d.mean)} from one seed; no confidence "
@@ -152,3 +177,33 @@ def clopper_pearson(k: int, n: int, confidence: float = 0.95) -> tuple[float, fl
     low = 0.0 if k == 0 else float(stats.beta.ppf(a, k, n - k + 1))
     high = 1.0 if k == n else float(stats.beta.ppf(1.0 - a, k + 1, n - k))
     return low, high
+
+
+def clearly_positive(values: Sequence[float | None], min_value: float = 1e-9) -> bool:
+    """True when every value is finite and above ``min_value`` and, with several values, their
+    mean is more than their sample standard deviation (the mean is not within noise of zero).
+    The test a denominator must pass before a ratio is formed."""
+    if any(v is None or not math.isfinite(v) for v in values):
+        return False
+    x = np.asarray(values, np.float64)
+    if x.size == 0 or np.any(x <= min_value):
+        return False
+    return x.size == 1 or float(x.mean()) > float(x.std(ddof=1))
+
+
+def ratio_of_means(
+    num: Sequence[float | None], den: Sequence[float | None], min_value: float = 1e-9
+) -> float | None:
+    """``mean(num) / mean(den)`` over the pairs where both are finite, or None when the
+    denominators are not :func:`clearly_positive` (a ratio near a zero denominator says
+    nothing, and its sign can flip from seed to seed). Never the mean of per-pair ratios."""
+    if len(num) != len(den):
+        raise ValueError(f"ratio_of_means: {len(num)} numerators against {len(den)} denominators")
+    pairs = [
+        (x, y)
+        for x, y in zip(num, den)
+        if x is not None and y is not None and math.isfinite(x) and math.isfinite(y)
+    ]
+    if not pairs or not clearly_positive([y for _, y in pairs], min_value):
+        return None
+    return float(np.mean([x for x, _ in pairs]) / np.mean([y for _, y in pairs]))

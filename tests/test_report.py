@@ -1,0 +1,132 @@
+"""The comparison report (diffjax.compare.report: report.md and loss.png) on hand-made results:
+the paired-difference cell and sentence when the seeds give no spread, and the loss plot's
+tick labels."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from diffjax.compare.report import (
+    comparison_sentences,
+    compact_count,
+    loss_figure,
+    plot_losses,
+    results_table,
+)
+from diffjax.train.loop import TrainResult
+
+
+def _result(directory, label, seed, val_loss, accuracy, records):
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, "metrics.jsonl"), "w") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+    return TrainResult(
+        label=label,
+        attention="diff_v1" if label == "diff" else "standard",
+        directory=str(directory),
+        params=1000,
+        steps=len(records),
+        tokens_seen=records[-1]["tokens"],
+        final_train_loss=records[-1]["loss"],
+        final_val_loss=val_loss,
+        tokens_per_s=1.0,
+        step_time_s=1.0,
+        peak_memory_bytes=None,
+        memory_source="test",
+        seed=seed,
+        metrics={"val_query_accuracy": accuracy},
+    )
+
+
+def _records(steps=40, tokens_per_step=65_536, offset=0.0):
+    """Token counts in the millions (the tick labels that ran together), an evaluation every
+    10 steps."""
+    out = []
+    for s in range(1, steps + 1):
+        r = {"step": s, "loss": 5.0 - 0.05 * s + offset, "tokens": s * tokens_per_step}
+        if s % 10 == 0:
+            r["val_loss"] = 5.1 - 0.05 * s + offset
+        out.append(r)
+    return out
+
+
+def _results(tmp_path, accuracy=(0.0, 0.0, 0.0, 0.0)):
+    """Two seeds per model; ``accuracy``: diff seed 0, diff seed 1, standard seed 0, 1."""
+    out = []
+    for i, (label, seed) in enumerate((("diff", 0), ("diff", 1), ("standard", 0), ("standard", 1))):
+        out.append(
+            _result(
+                tmp_path / label / f"seed_{seed}",
+                label,
+                seed,
+                (3.0, 3.05, 3.2, 3.3)[i],
+                accuracy[i],
+                _records(offset=0.01 * i),
+            )
+        )
+    return out
+
+
+def test_compact_count_labels():
+    assert compact_count(0) == "0"
+    assert compact_count(950) == "950"
+    assert compact_count(100_000) == "100k"
+    assert compact_count(1_500_000) == "1.5M"
+    assert compact_count(2_000_000_000) == "2B"
+
+
+def test_loss_plot_ticks_are_few_and_compact(tmp_path):
+    results = _results(tmp_path)
+    fig = loss_figure(str(tmp_path), results)
+    fig.canvas.draw()
+    ax_val, ax_train = fig.axes[:2]
+    for ax in (ax_val, ax_train):
+        lo, hi = ax.get_xlim()
+        labels = [
+            t.get_text()
+            for t, x in zip(ax.get_xticklabels(), ax.get_xticks())
+            if lo <= x <= hi and t.get_text()
+        ]
+        assert 2 <= len(labels) <= 7, labels
+        # short labels with a unit suffix, never a run of digits such as "1000000"
+        assert all(len(x) <= 5 for x in labels), labels
+        assert any(x.endswith("M") for x in labels), labels
+        # and no two labels overlap on the rendered figure
+        boxes = sorted(
+            (t.get_window_extent() for t in ax.get_xticklabels() if t.get_text()),
+            key=lambda b: b.x0,
+        )
+        boxes = [b for b in boxes if ax.bbox.x0 - 5 <= b.x0 <= ax.bbox.x1 + 5]
+        assert all(a.x1 < b.x0 for a, b in zip(boxes, boxes[1:]))
+    plot_losses(str(tmp_path), results, str(tmp_path / "loss.png"))
+    assert (tmp_path / "loss.png").stat().st_size > 1000
+
+
+def test_equal_paired_differences_give_no_interval(tmp_path):
+    """Accuracy 0 for both models in both seeds: the differences have no spread, so neither the
+    table nor the sentence may print a "[+0.000, +0.000]" interval."""
+    results = _results(tmp_path, accuracy=(0.0, 0.0, 0.0, 0.0))
+    table = results_table(results)
+    row = next(x for x in table.splitlines() if x.startswith("| answer accuracy (validation, q"))
+    assert "(equal in all 2 seeds: no interval)" in row and "[" not in row
+    sentence = next(x for x in comparison_sentences(results) if "Answer accuracy" in x)
+    assert "t-interval" not in sentence and "includes zero" not in sentence
+    assert "+0.000 in each of 2 paired seeds" in sentence
+    assert "no confidence interval can be given" in sentence
+    # the validation losses differ by -0.2 and -0.25: a real interval
+    loss = next(x for x in comparison_sentences(results) if "Final validation loss" in x)
+    assert "95% t-interval [" in loss
+
+
+def test_spread_differences_keep_their_interval(tmp_path):
+    results = _results(tmp_path, accuracy=(0.5, 0.7, 0.1, 0.2))  # differences 0.4, 0.5
+    row = next(
+        x
+        for x in results_table(results).splitlines()
+        if x.startswith("| answer accuracy (validation, q")
+    )
+    assert "+0.450 [" in row and "no interval" not in row
+    sentence = next(x for x in comparison_sentences(results) if "Answer accuracy" in x)
+    assert "95% t-interval [" in sentence and "over 2 paired seeds" in sentence
