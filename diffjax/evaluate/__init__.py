@@ -5,7 +5,8 @@ RUN_DIR [--quick]`` for a whole run (see docs/evaluation.md).
   retrieval head by :func:`best_head`),
   :func:`activation_outliers` (Table 5), :func:`quantization_sweep` /
   :func:`with_quantized_logits` (Fig. 8), :func:`noise_floor_closed_form` /
-  :func:`noise_floor_streamed` / :func:`measured_noise_floor` (the noise floor),
+  :func:`noise_floor_streamed` / :func:`measured_noise_floor` (the noise floor; its gain:
+  :func:`closed_form_gain`, :func:`asymptotic_gain`, :func:`cancellation_point`),
   :func:`loss_by_position` / :func:`validation_loss`, :func:`layer_attention_maps` (one block's
   maps inside a model, for plots);
 - :func:`attention_maps` / :func:`attention_logits`: an attention layer's maps and logits on its
@@ -23,7 +24,13 @@ from .allocation import (
     measured_noise_floor,
     position_categories,
 )
-from .noise_floor import noise_floor_closed_form, noise_floor_streamed
+from .noise_floor import (
+    asymptotic_gain,
+    cancellation_point,
+    closed_form_gain,
+    noise_floor_closed_form,
+    noise_floor_streamed,
+)
 from .outliers import activation_outliers, top_magnitudes
 from .positions import corpus_for_positions, loss_by_position, validation_examples, validation_loss
 from .probe import attention_logits, attention_maps, layer_attention_maps, losses_and_predictions
@@ -67,6 +74,9 @@ __all__ = [
     "needle_task",
     "noise_floor_closed_form",
     "noise_floor_streamed",
+    "asymptotic_gain",
+    "cancellation_point",
+    "closed_form_gain",
     "position_categories",
     "quantization_sweep",
     "query_correct",
