@@ -15,10 +15,15 @@ Head conventions (the paper's and the official code's):
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import functools
+import inspect
+import io
 import math
 import numbers
+import textwrap
+import tokenize
 import types
 import typing
 from typing import Any, NoReturn
@@ -113,6 +118,57 @@ def convert(tp: Any, value: Any, *, text: bool = False) -> Any:
     raise TypeError(f"unsupported config field type {tp!r}")  # a new field's type: add it above
 
 
+def describe_type(tp: Any) -> str:
+    """A field type in words, for messages: ``int`` -> "an integer", ``float | None`` -> "a
+    number or none", ``tuple[float, ...]`` -> "a comma-separated list of numbers"."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        words = [describe_type(a) for a in args if a is not type(None)]
+        return " or ".join(words + (["none"] if type(None) in args else []))
+    if typing.get_origin(tp) is tuple:
+        inner = describe_type(typing.get_args(tp)[0])
+        return "a comma-separated list of " + {"an integer": "integers", "a number": "numbers"}.get(
+            inner, inner
+        )
+    words = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+    if tp in words:
+        return words[tp]
+    return f"a {getattr(tp, '__name__', tp)}"
+
+
+@functools.cache
+def field_comments(cls: type) -> dict[str, str]:
+    """``{field: comment}`` of a config dataclass, read from its source: the ``# ...`` comment
+    beside a field, else the comment lines right above it, joined into one line (``python
+    train.py --help`` prints them). A field without either is left out; so is everything when
+    the source cannot be read."""
+    try:
+        source = textwrap.dedent(inspect.getsource(cls))
+        tokens = list(tokenize.generate_tokens(io.StringIO(source).readline))
+        body = ast.parse(source).body[0].body
+    except (OSError, TypeError, SyntaxError, tokenize.TokenError, IndexError, AttributeError):
+        return {}
+    beside: dict[int, str] = {}  # line -> comment after code on that line
+    alone: dict[int, str] = {}  # line -> a comment line
+    for tok in tokens:
+        if tok.type == tokenize.COMMENT:
+            text = tok.string.lstrip("#").strip()
+            (alone if tok.line.lstrip().startswith("#") else beside)[tok.start[0]] = text
+    out = {}
+    for node in body:
+        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
+            continue
+        lines = [beside[n] for n in range(node.lineno, node.end_lineno + 1) if n in beside]
+        if not lines:
+            n = node.lineno - 1
+            while n in alone:
+                lines.insert(0, alone[n])
+                n -= 1
+        if lines:
+            out[node.target.id] = " ".join(lines)
+    return out
+
+
 def check_fields(config: Any) -> None:
     """Check every field of the frozen config dataclass ``config`` against its annotation and
     store the converted value (see :func:`convert`); a wrong type raises ConfigError
@@ -167,33 +223,40 @@ class ModelConfig:
     :class:`ConfigError` naming the field and the fix before any array is allocated.
     """
 
-    vocab_size: int = 259  # 256 bytes + BOS/EOS/PAD (the byte-level tokenizer)
-    d_model: int = 256
-    num_layers: int = 4
+    vocab_size: int = 259  # token ids; 259 = 256 bytes + BOS/EOS/PAD (the byte tokenizer)
+    d_model: int = 256  # the width of the residual stream
+    num_layers: int = 4  # transformer blocks
+    # attention heads: DIFF V1's DIFF heads (its twin has twice as many), V2's output heads,
+    # standard heads (see the module doc)
     num_heads: int = 4
-    num_kv_heads: int | None = None  # None: same as num_heads (MHA)
-    head_dim: int | None = None  # None: derived from d_model and num_heads (see module doc)
-    attention: str = "diff_v1"
-    max_seq_len: int = 1024
+    num_kv_heads: int | None = None  # key/value heads (GQA); None: as many as num_heads (MHA)
+    # the width of each head; None: derived from d_model and num_heads (see the module doc)
+    head_dim: int | None = None
+    attention: str = "diff_v1"  # standard softmax attention, DIFF V1 or DIFF V2
+    max_seq_len: int = 1024  # the longest sequence the model takes
     dtype: str = "float32"  # compute (activation) dtype
-    param_dtype: str = "float32"
-    attention_impl: str = "auto"  # "auto" | "xla" | "pallas"
-    ffn_dim: int | None = None  # None: 8/3 * d_model rounded up to ffn_multiple_of
-    ffn_multiple_of: int = 64
-    rope_theta: float = 10000.0
+    param_dtype: str = "float32"  # parameter dtype
+    # how attention is computed: "auto" is the Pallas kernels on GPU/TPU and XLA on CPU
+    attention_impl: str = "auto"
+    ffn_dim: int | None = None  # SwiGLU hidden width; None: 8/3 d_model up to ffn_multiple_of
+    ffn_multiple_of: int = 64  # the default ffn_dim is rounded up to a multiple of this
+    rope_theta: float = 10000.0  # the rotary base
     # Rotary frequency scaling (Hugging Face's rope_type): "none", "linear" (every frequency
     # / rope_factor) or "llama3" (Llama 3.1's, with the three fields after rope_factor).
     rope_scaling: str = "none"
-    rope_factor: float = 1.0
+    rope_factor: float = 1.0  # linear and llama3: the frequencies are divided by this
+    # llama3: wavelengths longer than rope_original_max_len / this are divided by rope_factor
     rope_low_freq_factor: float = 1.0
+    # llama3: wavelengths shorter than rope_original_max_len / this are kept
     rope_high_freq_factor: float = 4.0
-    rope_original_max_len: int = 8192
-    norm_eps: float = 1e-5
-    tie_embeddings: bool = False
-    init_std: float = 0.02
-    # DIFF V1 ablations (the paper's Table 6). None: lambda_init(depth) = 0.8 - 0.6 exp(-0.3 depth).
+    rope_original_max_len: int = 8192  # llama3: the context length before scaling
+    norm_eps: float = 1e-5  # RMSNorm epsilon
+    tie_embeddings: bool = False  # the output projection reuses the token embedding
+    init_std: float = 0.02  # standard deviation of the normal weight init
+    # DIFF V1: one lambda_init for every layer (the paper's Table 6 ablation). None:
+    # lambda_init(depth) = 0.8 - 0.6 exp(-0.3 depth).
     lambda_init: float | None = None
-    diff_norm: bool = True  # V1's per-head RMSNorm (subln)
+    diff_norm: bool = True  # DIFF V1's per-head RMSNorm (subln); false: the paper's ablation
     diff_norm_eps: float = 1e-5  # its eps: 1e-5 in the official code; DiffLlama uses norm_eps
 
     def __post_init__(self) -> None:

@@ -79,8 +79,12 @@ class MeshConfig:
     ``tensor`` is ``-1``, then 1: ``MeshConfig(fsdp=-1)`` is pure FSDP.
     """
 
+    # data-parallel devices (parameters replicated); None: -1 (the rest), or 1 if fsdp or
+    # tensor is -1
     data: int | None = None
+    # data-parallel devices with parameters and optimizer state sharded (ZeRO-3); -1: the rest
     fsdp: int = 1
+    # devices that split attention heads and MLP units (keep it within a host); -1: the rest
     tensor: int = 1
 
     def __post_init__(self):

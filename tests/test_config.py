@@ -10,6 +10,7 @@ import pytest
 
 import diffjax
 from diffjax import ConfigError, ModelConfig, lambda_init_fn, twin
+from diffjax.config import describe_type, field_comments
 
 
 def assert_config_error(field: str, *, contains: str | None = None, **kwargs) -> ConfigError:
@@ -438,3 +439,21 @@ def test_every_config_dataclass_checks_its_fields_by_annotation():
         convert(int, "1.5", text=True)
     with pytest.raises(ValueError, match="expected an integer"):
         convert(int, "3")  # not from the command line: a string is not an int
+
+
+# ------------------------------------------------------------------ field comments and types
+def test_field_comments_are_read_beside_or_above_each_field():
+    comments = field_comments(ModelConfig)
+    assert comments["num_kv_heads"].startswith("key/value heads (GQA)")  # beside
+    assert comments["rope_scaling"].startswith("Rotary frequency scaling")  # above, joined
+    assert "\n" not in comments["rope_scaling"] and "#" not in comments["rope_scaling"]
+    assert comments["lambda_init"].endswith("0.8 - 0.6 exp(-0.3 depth).")
+    # every field of the model config has one (train.py --help prints them)
+    assert set(comments) == {f.name for f in dataclasses.fields(ModelConfig)}
+
+
+def test_describe_type_says_the_type_in_words():
+    assert describe_type(int) == "an integer"
+    assert describe_type(float | None) == "a number or none"
+    assert describe_type(bool) == "true or false"
+    assert describe_type(tuple[float, ...] | None) == "a comma-separated list of numbers or none"

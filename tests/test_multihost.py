@@ -1,7 +1,9 @@
 """Several processes and restoring onto another mesh, end to end through ``train.py``.
 
 - two processes with 2 CPU devices each (``jax.distributed.initialize`` on 127.0.0.1, gloo
-  collectives) train the same losses as one process with 4 devices;
+  collectives) train the same losses as one process with 4 devices, then do the default
+  comparison's work after training (side-by-side timing, report, quick evaluation: its
+  checkpoint reads are collective) and both exit 0;
 - that run, resumed by one process on a different mesh, continues with the losses of the
   uninterrupted run;
 - in one process on 8 devices: saved with fsdp=8, resumed with data=2 x tensor=4.
@@ -26,6 +28,8 @@ from diffjax.compare.cli import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOSS_RTOL = 1e-5
+# the single-process reference runs: one model, nothing after training
+ONE_MODEL = ["compare=false", "train.quick_eval=false"]
 
 TINY = [
     "model.d_model=64",
@@ -41,9 +45,8 @@ TINY = [
     "train.checkpoint_every=2",
     "train.progress=false",
     "train.tensorboard=false",
-    "compare=false",
     "train.num_seeds=1",
-    "train.quick_eval=false",
+    "train.throughput_rounds=1",  # the post-training work stays on (compare, quick_eval), small
     # a constant lr after warmup: a run of 4 steps continued to 6 then follows the same
     # schedule as a run of 6 (a decaying schedule depends on train.steps)
     "train.schedule=constant",
@@ -99,11 +102,14 @@ def losses(run_dir) -> dict[int, float]:
 def test_two_processes_equal_one_and_resume_on_another_mesh_and_process_count(tmp_path):
     # the reference: one process, 4 devices (data=2 x fsdp=2), 6 steps uninterrupted
     ref_dir = tmp_path / "one"
-    finish(launch(ref_dir, 4, "train.steps=6", "mesh.fsdp=2"))
+    finish(launch(ref_dir, 4, *ONE_MODEL, "train.steps=6", "mesh.fsdp=2"))
     ref = losses(ref_dir)
     assert sorted(ref) == [1, 2, 3, 4, 5, 6]
 
-    # two processes x 2 devices, the same mesh shape, 4 steps (checkpoints at 2 and 4)
+    # two processes x 2 devices, the same mesh shape, 4 steps (checkpoints at 2 and 4), DIFF
+    # and its twin, then the side-by-side timing, the report and the quick evaluation, as the
+    # default comparison does them (process 0 alone in a collective checkpoint read used to
+    # hang there while process 1 waited at JAX's shutdown barrier: both aborted)
     two_dir = tmp_path / "two"
     port = free_port()
     outs = finish(
@@ -120,9 +126,18 @@ def test_two_processes_equal_one_and_resume_on_another_mesh_and_process_count(tm
         [two[s] for s in range(1, 5)], [ref[s] for s in range(1, 5)], rtol=LOSS_RTOL
     )
     assert (two_dir / "report.md").exists() and (two_dir / "loss.png").exists()
+    assert "diff throughput is" in outs[0]  # the side-by-side timing ran on both processes
+    evaluated = json.loads((two_dir / "eval.json").read_text())["models"]
+    assert [(m["label"], m["seed"]) for m in evaluated] == [("diff", 0), ("standard", 0)]
+    eval_md, report = (two_dir / "eval.md").read_text(), (two_dir / "report.md").read_text()
+    assert "## Quick evaluation" in report and eval_md.split("\n", 1)[1] in report
+    assert outs[0].count("evaluating ") == 2 and "evaluating " not in outs[1]  # process 0 logs
+    assert outs[0].count("eval.md") == 1  # its path printed once
 
     # resume the two-process run in one process, on another mesh (data=2 x tensor=2)
-    (out,) = finish(launch(two_dir, 4, "train.steps=6", "mesh.data=2", "mesh.tensor=2", "--resume"))
+    (out,) = finish(
+        launch(two_dir, 4, *ONE_MODEL, "train.steps=6", "mesh.data=2", "mesh.tensor=2", "--resume")
+    )
     assert "resuming from the checkpoint at step 4" in out
     assert "data=2 fsdp=1 tensor=2 (4 devices, 1 process)" in out
     resumed = losses(two_dir)
@@ -151,9 +166,11 @@ def test_task_metrics_are_summed_over_processes(tmp_path):
         "train.eval_batches=2",
     ]
     one_dir, two_dir = tmp_path / "one", tmp_path / "two"
-    finish(launch(one_dir, 2, *needle))
+    finish(launch(one_dir, 2, *ONE_MODEL, *needle))
     port = free_port()
-    finish(*[launch(two_dir, 1, *needle, process=(port, 2, i)) for i in range(2)])
+    # one model; the quick evaluation after training on, on the needle task
+    finish(*[launch(two_dir, 1, "compare=false", *needle, process=(port, 2, i)) for i in range(2)])
+    assert "val_first_query_accuracy" in (two_dir / "eval.json").read_text()
 
     def final_eval(run_dir):
         with open(os.path.join(run_dir, "diff", "seed_0", "metrics.jsonl")) as f:
@@ -173,10 +190,11 @@ def test_task_metrics_are_summed_over_processes(tmp_path):
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs JAX_NUM_CPU_DEVICES=8")
 def test_saved_with_fsdp8_continues_with_data2_tensor4(tmp_path, capsys):
     whole, split = tmp_path / "whole", tmp_path / "split"
-    assert main([f"run.dir={whole}", *TINY, "train.steps=6", "mesh.fsdp=-1"]) == 0
-    assert main([f"run.dir={split}", *TINY, "train.steps=4", "mesh.fsdp=-1"]) == 0
+    one = [*TINY, *ONE_MODEL]
+    assert main([f"run.dir={whole}", *one, "train.steps=6", "mesh.fsdp=-1"]) == 0
+    assert main([f"run.dir={split}", *one, "train.steps=4", "mesh.fsdp=-1"]) == 0
     capsys.readouterr()
-    assert main([f"run.dir={split}", *TINY, "train.steps=6", "mesh.data=2", "mesh.tensor=4"]) == 0
+    assert main([f"run.dir={split}", *one, "train.steps=6", "mesh.data=2", "mesh.tensor=4"]) == 0
     out = capsys.readouterr().out
     assert "resuming from the checkpoint at step 4" in out and "data=2 fsdp=1 tensor=4" in out
     a, b = losses(whole), losses(split)

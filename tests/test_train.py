@@ -86,6 +86,28 @@ def test_every_key_is_listed_in_help(capsys):
         assert f"  {key} " in out
 
 
+def test_help_describes_every_key_in_one_line_with_its_allowed_values(capsys):
+    """Each key's line is followed by one line of description, the first sentence of its
+    dataclass field's comment, and the allowed values where the key has a fixed set."""
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    lines = capsys.readouterr().out.splitlines()
+    described = {}
+    for key, _, _ in config_keys(default_config()):
+        i = next(n for n, line in enumerate(lines) if line.startswith(f"  {key} "))
+        assert lines[i + 1].startswith("      ") and lines[i + 1].strip(), key
+        assert not lines[i + 2].startswith("      "), key  # one line
+        described[key] = lines[i + 1].strip()
+    assert len(set(described.values())) == len(described)  # each its own
+    assert described["model.attention"].endswith("one of 'standard', 'diff_v1', 'diff_v2'")
+    assert "'cosine'" in described["train.schedule"] and "'mqar'" in described["data.source"]
+    assert "'interpret'" in described["train.kernel_check"]
+    assert described["train.batch_size"] == "global batch (sequences per step)"  # its comment
+    assert described["compare"] == "also train the standard-attention twin of `model`"
+    assert described["train.num_seeds"].startswith("train each model from init seeds")
+    assert all(len(d) <= 170 for d in described.values()), described
+
+
 def test_python_m_diffjax_compare_is_train_py():
     """``python -m diffjax.compare`` and ``python train.py`` are one command line."""
     outs = [
@@ -124,8 +146,11 @@ def test_overrides_are_parsed_by_type():
     [
         ("train.stpes=3", r"unknown config key 'train.stpes'.*did you mean train.steps"),
         ("nonsense=3", r"unknown config key 'nonsense'"),
-        ("train.steps=many", r"train.steps: bad value 'many'.*integer"),
-        ("compare=maybe", r"compare: bad value 'maybe'"),
+        ("train.steps=many", r"train.steps: bad value 'many'.*Fix: give an integer\.$"),
+        ("train.lr=fast", r"train.lr: bad value 'fast'.*Fix: give a number\.$"),
+        ("model.num_kv_heads=x", r"Fix: give an integer or none\.$"),
+        ("data.needle_depths=a,b", r"Fix: give a comma-separated list of numbers or none\.$"),
+        ("compare=maybe", r"compare: bad value 'maybe'.*Fix: give true or false\.$"),
         ("train.steps=0", r"TrainConfig.steps: must be >= 1"),
         ("train.schedule=exp", r"TrainConfig.schedule: unknown schedule 'exp'"),
         ("train.lr=-1", r"TrainConfig.lr: must be > 0"),

@@ -29,6 +29,7 @@ from diffjax.train.checkpoint import CheckpointError, committed_steps
 from diffjax.train.config import (
     apply_overrides,
     config_keys,
+    key_descriptions,
     load_config,
     model_directory,
     resolve_init_from,
@@ -43,8 +44,11 @@ EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_CHECKPOINT = 2, 3, 4
 
 def _keys_help() -> str:
     lines = ["config keys (set as key=value; defaults of the built-in default comparison):"]
+    descriptions = key_descriptions()
     for key, type_str, value in config_keys(load_config(None)):
-        lines.append(f"  {key:<26} {type_str:<24} default: {value!r}")
+        lines.append(f"  {key:<27} {type_str:<24} default: {value!r}")
+        if descriptions.get(key):
+            lines.append(f"      {descriptions[key]}")
     return "\n".join(lines)
 
 
@@ -206,22 +210,32 @@ def main(argv: list[str] | None = None, *, after_step: AfterStep | None = None) 
             f"\nreport: {os.path.join(run_dir, 'report.md')}, plot: "
             f"{os.path.join(run_dir, 'loss.png')}"
         )
-        if exp.train.quick_eval:
-            quick_evaluation(run_dir)
+    if exp.train.quick_eval:  # every process: its checkpoint reads are collective
+        quick_evaluation(run_dir, main_process=main_process)
     return 0
 
 
-def quick_evaluation(run_dir: str) -> None:
-    """``python -m diffjax.evaluate RUN_DIR --quick``, its text appended to ``report.md``."""
-    print("\nquick evaluation (python -m diffjax.evaluate --quick; the full set: without --quick)")
-    text = evaluate_run(run_dir, quick=True, log=print)
+def _quiet(_: str) -> None:
+    pass
+
+
+def quick_evaluation(run_dir: str, *, main_process: bool = True) -> None:
+    """``python -m diffjax.evaluate RUN_DIR --quick``, its text appended to ``report.md``.
+
+    Every process of a multi-process run calls it (Orbax opens and restores checkpoints
+    collectively: process 0 alone would wait there for the others forever, while they wait
+    for it at JAX's shutdown barrier); only the main process prints and writes."""
+    log = print if main_process else _quiet
+    log("\nquick evaluation (python -m diffjax.evaluate --quick; the full set: without --quick)")
+    text = evaluate_run(run_dir, quick=True, log=log, write=main_process)
+    if not main_process:
+        return
     body = text.split("\n", 1)[1] if text.startswith("# ") else text  # its own title dropped
     with open(os.path.join(run_dir, "report.md"), "a") as f:
         f.write(
             "\n## Quick evaluation (`python -m diffjax.evaluate --quick`)\n\n"
             "Also in eval.md, with its plots (eval_*.png).\n" + body
         )
-    print(f"evaluation: {os.path.join(run_dir, 'eval.md')}")
 
 
 def train_seeds(

@@ -68,49 +68,51 @@ class DataConfig:
     :func:`diffjax.data.check_data` (and by :func:`diffjax.data.make_dataset`).
     """
 
-    # "stdlib": this interpreter's standard-library .py sources (built in, nothing to download).
-    # "text": UTF-8 text files under `path`. "tokens": pre-tokenized .npy / .bin files.
-    # "needle": multi-needle retrieval. "mqar": multi-query associative recall.
+    # Where the examples come from. "stdlib": this interpreter's standard-library .py sources
+    # (built in, nothing to download). "text": UTF-8 text files under `path`. "tokens":
+    # pre-tokenized .npy / .bin files. "needle": multi-needle retrieval. "mqar": multi-query
+    # associative recall.
     source: str = "stdlib"
     # A file, a directory or a glob; several separated by commas. Required for "text" and
     # "tokens"; for "needle" the text the haystack is cut from (default: the stdlib corpus).
     path: str | None = None
     seq_len: int = 256  # inputs per example (each example holds seq_len + 1 tokens)
-    # Validation share: by file (a stable hash of the file's path) for stdlib/text, the last
-    # fraction of the token stream for tokens (and for text with too few files to split).
+    # The share held out for validation. By file (a stable hash of the file's path) for
+    # stdlib/text, the last fraction of the token stream for tokens (and for text with too few
+    # files to split).
     val_fraction: float = 0.05
-    seed: int = 0  # shuffle order; synthetic examples
+    seed: int = 0  # the shuffle order and the synthetic examples
     token_dtype: str = "uint16"  # dtype of raw .bin token files (.npy files carry their own)
     shuffle: bool = True  # train: a new permutation every epoch; validation: one fixed permutation
     max_files: int | None = None  # use only the first N files (sorted) of the corpus
     stdlib_tests: bool = False  # include the stdlib's test packages (test/, tests/, idle_test/)
-    # needle: num_needles sentences "The magic number for <key> is <value>." in a haystack,
-    # num_queries of them asked at the end; the loss counts only the answer digits.
+    # needle: how many sentences "The magic number for <key> is <value>." hide in a haystack.
+    # Of them, num_queries are asked at the end; the loss counts only the answer digits.
     num_needles: int = 4
-    num_queries: int = 2  # needle and mqar
-    # needle and mqar: draw the queried needles/pairs with replacement (one may be asked twice,
+    num_queries: int = 2  # needle and mqar: the queries that end each example
+    # needle and mqar: draw the queried needles/pairs with replacement. One may be asked twice,
     # and num_queries may exceed the needles/pairs: more answers to learn from per example, and
-    # no answer follows by elimination); False asks each at most once.
+    # no answer follows by elimination; False asks each at most once.
     query_replacement: bool = False
     needle_depths: tuple[float, ...] | None = None  # one per needle in [0, 1]; None: random
-    key_len: int = 5  # needle keys: lowercase letters
-    value_len: int = 6  # needle values: decimal digits
-    # needle: the sentence each needle is, and each query (its answer is the value); the
-    # defaults are the paper's wording. ASCII, with "{key}" once before "{value}" once.
+    key_len: int = 5  # needle: characters per key (from needle_key_letters)
+    value_len: int = 6  # needle: decimal digits per value
+    # needle: the sentence each needle is. Both templates are ASCII, with "{key}" once before
+    # "{value}" once; the defaults are the paper's wording.
     needle_template: str = NEEDLE_TEMPLATE
-    query_template: str = QUERY_TEMPLATE
+    query_template: str = QUERY_TEMPLATE  # needle: each query (its answer is the value)
     # needle: keys are drawn from the first `needle_num_key_letters` characters of
     # `needle_key_letters` (all of them when it has fewer). ASCII, distinct, no digits.
     # Characters that are rare in the haystack text (e.g. "JQZXYKVW") make a key's only earlier
     # occurrence its needle, as with the paper's keys; lowercase letters also occur in the text.
     needle_key_letters: str = "abcdefghijklmnopqrstuvwxyz"
-    needle_num_key_letters: int = 26
+    needle_num_key_letters: int = 26  # needle: how many of needle_key_letters keys use
     # mqar: num_pairs (key, value) byte pairs, then num_queries keys; the loss counts the values.
     num_pairs: int = 16
-    # mqar: keys are drawn from byte ids 0..mqar_num_keys-1, values from 128..127+mqar_num_values
-    # (a smaller vocabulary is learned in fewer steps; the defaults use all 128 of each)
+    # mqar: keys are drawn from byte ids 0..mqar_num_keys-1. A smaller vocabulary (of keys or
+    # values) is learned in fewer steps; the defaults use all 128 of each.
     mqar_num_keys: int = MQAR_MAX_PAIRS
-    mqar_num_values: int = MQAR_MAX_PAIRS
+    mqar_num_values: int = MQAR_MAX_PAIRS  # mqar: values from byte ids 128..127+mqar_num_values
     num_val_examples: int = 1024  # validation set size of the synthetic tasks
     # needle and mqar, train split: a context-length curriculum. Over the first
     # `curriculum_steps` train steps the examples grow linearly from `curriculum_start_len`
@@ -118,9 +120,10 @@ class DataConfig:
     # seq_len; each is PAD (no weight) after its end, so every batch has one shape. Validation
     # is always full length. 0: off (every example is seq_len long).
     curriculum_steps: int = 0
+    # the curriculum's first length; None: the task's shortest (task_min_seq_len)
     curriculum_start_len: int | None = None
-    # stdlib/text: None or "byte" for the byte tokenizer; else a Hugging Face tokenizer.json or a
-    # directory holding one (a checkpoint's), read with the `tokenizers` package (local only).
+    # stdlib/text: None or "byte" for bytes, else a Hugging Face tokenizer.json or a directory
+    # holding one (a checkpoint's). Read with the `tokenizers` package (local only).
     tokenizer: str | None = None
 
     def __post_init__(self) -> None:

@@ -266,11 +266,17 @@ def evaluate_run(
     quick: bool = False,
     log: Callable[[str], Any] = print,
     settings: EvalSettings | None = None,
+    write: bool = True,
 ) -> str:
     """Evaluate every model of a ``train.py`` run; write ``eval.md``, ``eval.json`` and the
     plots into ``run_dir``; return the markdown. ``quick``: a small subset (one context length,
     few examples: 51 s of CPU time for the default comparison's two models). ``settings``
-    overrides the quick/full choice (e.g. fewer examples or bit widths)."""
+    overrides the quick/full choice (e.g. fewer examples or bit widths).
+
+    Several processes (``train.py`` on many hosts) call it together: the checkpoint reads are
+    collective (every process must open and restore the same checkpoints, in the same order),
+    each process evaluates the models on its first local device, and only the one with
+    ``write=True`` (process 0) writes the files; the others return ``""``."""
     run_dir = os.path.abspath(run_dir)
     if not os.path.isdir(run_dir):
         raise ConfigError(
@@ -299,6 +305,8 @@ def evaluate_run(
             **_scale(e, model, cfg),
         )
         results.append(r)
+    if not write:
+        return ""
     noise = nf.noise_floor_closed_form(nf.DEFAULT_NS, nf.REPORT_MARGIN, nf.REPORT_LAMBDA)
     text = render(run_dir, data, settings, results, noise)
     with open(os.path.join(run_dir, "eval.md"), "w") as f:

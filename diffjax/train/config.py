@@ -17,19 +17,26 @@ import dataclasses
 import difflib
 import importlib.util
 import os
+import re
 from typing import Any
 
 from diffjax import hf
 from diffjax.config import (
+    ATTENTION_IMPLS,
+    ATTENTION_KINDS,
+    DTYPES,
+    ROPE_SCALINGS,
     ConfigError,
     ModelConfig,
     check_fields,
     convert,
+    describe_type,
     fail,
+    field_comments,
     field_types,
     twin,
 )
-from diffjax.data import DataConfig
+from diffjax.data import SOURCES, TOKEN_DTYPES, DataConfig
 from diffjax.sharding import MeshConfig
 
 SCHEDULES = ("linear", "cosine", "constant")
@@ -42,43 +49,43 @@ class TrainConfig:
     (Table 10: AdamW (0.9, 0.98), weight decay 0.05, 375 warmup steps, linear decay, lr 1.5e-4);
     config files scale them to the model at hand."""
 
-    steps: int = 1000
+    steps: int = 1000  # train steps (optimizer updates)
     batch_size: int = 16  # global batch (sequences per step)
-    lr: float = 1.5e-4
-    warmup_steps: int = 375
-    schedule: str = "linear"  # decay after warmup: "linear" | "cosine" | "constant"
+    lr: float = 1.5e-4  # the peak learning rate, reached after warmup
+    warmup_steps: int = 375  # steps of linear warmup to lr
+    schedule: str = "linear"  # the decay after warmup, to lr * min_lr_ratio ("constant": none)
     min_lr_ratio: float = 0.0  # final lr = lr * min_lr_ratio
-    b1: float = 0.9
-    b2: float = 0.98
-    eps: float = 1e-8
+    b1: float = 0.9  # AdamW beta1
+    b2: float = 0.98  # AdamW beta2
+    eps: float = 1e-8  # AdamW epsilon
     weight_decay: float = 0.05  # not applied to norms, lambda parameters and biases
     grad_clip: float = 1.0  # global-norm clipping; 0 turns it off
-    eval_every: int = 100
-    eval_batches: int = 8
-    checkpoint_every: int = 100
+    eval_every: int = 100  # steps between validations
+    eval_batches: int = 8  # validation batches per validation
+    checkpoint_every: int = 100  # steps between checkpoints
     keep_checkpoints: int = 3  # the last K; the best (lowest validation loss) is kept too
     log_every: int = 1  # metrics.jsonl gets every step; TensorBoard every log_every steps
     seed: int = 0  # parameter init (the DIFF model and its twin get the same seed)
-    # train each model from init seeds seed .. seed + num_seeds - 1 (paired: seed s of DIFF and
-    # of its twin start from the same seed; every run sees the same batches, set by data.seed)
+    # train each model from init seeds seed .. seed + num_seeds - 1. Paired: seed s of DIFF and
+    # of its twin start from the same seed; every run sees the same batches, set by data.seed.
     num_seeds: int = 1
-    # after training, alternate the two models' compiled steps for this many rounds to measure
-    # their throughput side by side (0: skip)
+    # rounds of the side-by-side timing after training (0: skip). Each round alternates the two
+    # models' compiled steps to measure their throughput side by side.
     throughput_rounds: int = 5
-    # A Hugging Face checkpoint directory (model_type diffllama or llama) to start from: the
+    # A Hugging Face checkpoint directory (model_type diffllama or llama) to start from. The
     # model config comes from its config.json (model.dtype, param_dtype and attention_impl are
     # kept), the parameters from its weights. A run that holds a checkpoint resumes from that.
     init_from: str | None = None
-    # after training and the report: the quick subset of `python -m diffjax.evaluate` on the
-    # run's best checkpoints, written to eval.md and appended to report.md (the default
-    # comparison turns it on)
+    # after training and the report, the quick subset of `python -m diffjax.evaluate` on the
+    # run's best checkpoints. Written to eval.md and appended to report.md (the default
+    # comparison turns it on).
     quick_eval: bool = False
     # check the Pallas kernels against the reference math before training, once per device
     # kind, jax version and head widths (cached): "auto" when the run uses them (GPU/TPU),
     # "off", or "interpret" (through the interpreters, also on CPU; for tests)
     kernel_check: str = "auto"
-    progress: bool = True  # progress bar
-    tensorboard: bool = True
+    progress: bool = True  # show a progress bar
+    tensorboard: bool = True  # write TensorBoard logs (tb/ in each model's folder)
 
     def __post_init__(self):
         check_fields(self)
@@ -166,8 +173,8 @@ class TrainConfig:
 class RunConfig:
     """Where a run writes: ``dir`` (default ``runs/<name>``)."""
 
-    name: str = "default"
-    dir: str | None = None
+    name: str = "default"  # the run's name: it writes to runs/<name> unless dir is set
+    dir: str | None = None  # where the run writes (None: runs/<name>)
 
     def __post_init__(self):
         check_fields(self)
@@ -284,6 +291,20 @@ SECTIONS = {
 }
 
 
+# the keys whose value is one of a fixed set (each is checked where its dataclass is built)
+CHOICES: dict[str, tuple[str, ...]] = {
+    "model.attention": ATTENTION_KINDS,
+    "model.dtype": DTYPES,
+    "model.param_dtype": DTYPES,
+    "model.attention_impl": ATTENTION_IMPLS,
+    "model.rope_scaling": ROPE_SCALINGS,
+    "data.source": SOURCES,
+    "data.token_dtype": TOKEN_DTYPES,
+    "train.schedule": SCHEDULES,
+    "train.kernel_check": KERNEL_CHECKS,
+}
+
+
 # ---------------------------------------------------------------------------- keys and overrides
 def config_keys(config: ExperimentConfig | None = None) -> list[tuple[str, str, Any]]:
     """Every settable key as ``(key, type, current value)``."""
@@ -296,6 +317,43 @@ def config_keys(config: ExperimentConfig | None = None) -> list[tuple[str, str, 
     keys.append(("compare", "bool", config.compare))
     keys.append(("twin_init_std", "float | None", config.twin_init_std))
     return keys
+
+
+def _summary(comment: str, limit: int = 120) -> str:
+    """A field comment's first sentence, its first letter lowercased (not an acronym's); one
+    over ``limit`` characters up to its first ``:`` or ``;`` outside parentheses."""
+    end = re.search(r"\.\s+(?=[A-Z\"'`])", comment)
+    first = comment[: end.start()] if end else comment.rstrip(".")
+    if len(first) > limit:
+        depth = 0
+        for i, ch in enumerate(first):
+            depth += {"(": 1, ")": -1}.get(ch, 0)
+            if depth == 0 and i >= 30 and first[i : i + 2] in (": ", "; "):
+                first = first[:i]
+                break
+    if first[:2].istitle():
+        first = first[0].lower() + first[1:]
+    return first
+
+
+def key_descriptions() -> dict[str, str]:
+    """``{key: one line}`` for every settable key: the first sentence of the comment beside or
+    above its dataclass field, and its allowed values where it has a fixed set
+    (:data:`CHOICES`). ``python train.py --help`` prints them."""
+    classes = {**{f"{s}.": c for s, c in SECTIONS.items()}, "": ExperimentConfig}
+    out = {}
+    for prefix, cls in classes.items():
+        comments = field_comments(cls)
+        for f in dataclasses.fields(cls):
+            if dataclasses.is_dataclass(field_types(cls)[f.name]):
+                continue  # a section, not a key
+            key = prefix + f.name
+            text = _summary(comments.get(f.name, ""))
+            if key in CHOICES:
+                values = "one of " + ", ".join(map(repr, CHOICES[key]))
+                text = f"{text}; {values}" if text else values
+            out[key] = text
+    return out
 
 
 def apply_overrides(config: ExperimentConfig, overrides: list[str]) -> ExperimentConfig:
@@ -322,7 +380,10 @@ def apply_overrides(config: ExperimentConfig, overrides: list[str]) -> Experimen
         try:
             value = convert(field_types(sections[section or key])[name], raw, text=True)
         except ValueError as e:
-            raise ConfigError(f"{key}: bad value {raw!r}: {e}. Fix: give a {known[key]}.") from None
+            tp = field_types(sections[section or key])[name]
+            raise ConfigError(
+                f"{key}: bad value {raw!r}: {e}. Fix: give {describe_type(tp)}."
+            ) from None
         if section:
             changes.setdefault(section, {})[name] = value
         else:
