@@ -10,6 +10,7 @@ import os
 
 import jax
 import pytest
+from flax import nnx
 
 import diffjax
 from diffjax import ops
@@ -189,3 +190,14 @@ def test_a_failed_check_is_a_config_error_that_names_the_fix(monkeypatch):
     msg = str(e.value)
     assert msg.startswith("ModelConfig.attention_impl: the Pallas kernels disagree")
     assert "FAIL v1 d=64 dv=128 float32" in msg and "Fix: set model.attention_impl=xla" in msg
+
+
+def test_generate_checks_the_kernels_of_its_model(monkeypatch):
+    """``diffjax.generate`` asks for the check of its model's config (a no-op on CPU, where the
+    model runs the XLA path; on a GPU/TPU the kernels' check, once)."""
+    seen = []
+    monkeypatch.setattr(ops, "check_kernels", lambda config, **kw: seen.append(config))
+    cfg = diffjax.ModelConfig(d_model=32, num_layers=1, num_heads=1, max_seq_len=16)
+    model = diffjax.TransformerLM(cfg, rngs=nnx.Rngs(0))
+    diffjax.generate(model, jax.numpy.array([[1, 2, 3]]), 2)
+    assert seen == [cfg]

@@ -22,7 +22,7 @@ import sys
 import jax
 
 from diffjax import data as data_lib
-from diffjax import sharding
+from diffjax import ops, sharding
 from diffjax.config import ConfigError
 from diffjax.evaluate import evaluate_run
 from diffjax.train.checkpoint import CheckpointError, committed_steps
@@ -159,6 +159,13 @@ def main(argv: list[str] | None = None, *, after_step: AfterStep | None = None) 
         mesh = sharding.make_mesh(exp.mesh)  # checks the sizes against the devices
         for model_cfg in exp.models.values():
             sharding.check_model_mesh(model_cfg, mesh, exp.train.batch_size)
+        if exp.train.kernel_check != "off":  # every model's kernels, before anything trains
+            for model_cfg in exp.models.values():
+                ops.check_kernels(
+                    model_cfg,
+                    interpret=exp.train.kernel_check == "interpret",
+                    log=print if jax.process_index() == 0 else None,
+                )
     except (ConfigError, data_lib.DataError) as e:
         _error(str(e))
         return EXIT_BAD_INPUT

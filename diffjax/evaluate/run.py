@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from diffjax import ops
 from diffjax.config import ConfigError
 from diffjax.data import DataConfig, query_kinds
 from diffjax.param_count import count_params
@@ -297,6 +298,7 @@ def evaluate_run(
     for e in entries:
         log(f"evaluating {e.label} (seed {e.seed}) from {e.path}")
         model = load_model(e.path, "best")
+        ops.check_kernels(model.config, log=log)  # with the kernels: checked on this device first
         r = evaluate_model(model, data, settings, log)
         r.update(
             label=e.label,
