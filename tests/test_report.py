@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 
+import jax
+
 from diffjax.compare.report import (
     comparison_sentences,
     compact_count,
@@ -130,3 +132,72 @@ def test_spread_differences_keep_their_interval(tmp_path):
     assert "+0.450 [" in row and "no interval" not in row
     sentence = next(x for x in comparison_sentences(results) if "Answer accuracy" in x)
     assert "95% t-interval [" in sentence and "over 2 paired seeds" in sentence
+
+
+def test_tflops_and_mfu_where_throughput_is_shown(tmp_path):
+    """The results table and the side-by-side throughput give model TFLOP/s per device (the
+    formula of diffjax.flops) and, with a peak, MFU; without one (a CPU), the report says so."""
+    import dataclasses
+
+    import pytest
+
+    from diffjax import flops
+    from diffjax.compare.report import Flops, write_report
+    from diffjax.compare.throughput import SideBySide
+    from diffjax.train.config import apply_overrides, default_config
+
+    mesh = "data=8 fsdp=1 tensor=1 (8 devices, 1 process)"
+    results = [  # (no query accuracy: the default data has no queries)
+        dataclasses.replace(
+            r, tokens_per_s=2e6 if r.label == "diff" else 3e6, mesh=mesh, metrics={}
+        )
+        for r in _results(tmp_path)
+    ]
+    exp = default_config()
+    seq = exp.data.seq_len
+    per_token = {k: flops.train_flops_per_token(m, seq) for k, m in exp.models.items()}
+    tflops = {"diff": per_token["diff"] * 2e6 / 8 / 1e12}
+    tflops["standard"] = per_token["standard"] * 3e6 / 8 / 1e12
+
+    def row(table, name):
+        return next(x for x in table.splitlines() if x.startswith(f"| {name}"))
+
+    # a known peak (the override): TFLOP/s and MFU rows, timing rows (no paired interval)
+    with_peak = Flops.of(apply_overrides(exp, ["train.peak_tflops=0.5"]))
+    assert with_peak.peak == 0.5
+    table = results_table(results, with_peak)
+    cells = row(table, "TFLOP/s per device").split("|")
+    assert f"{tflops['diff']:.3g}" in cells[2] and f"{tflops['standard']:.3g}" in cells[3]
+    assert "see the side-by-side throughput" in cells[4]
+    mfu = row(table, "MFU (during training)")
+    assert f"{tflops['diff'] / 0.5:.1%}" in mfu and f"{tflops['standard'] / 0.5:.1%}" in mfu
+    assert f"| {per_token['diff'] / 1e6:.4g} MFLOP |" in row(table, "model FLOPs per trained token")
+    assert "MFU against 0.5 TFLOP/s per device" in with_peak.note()
+    assert "TFLOP/s" not in results_table(results)  # without the flops context: as before
+
+    # no peak for this device kind: no MFU row, and the note says how to get one
+    cpu = Flops.of(exp)
+    assert cpu.peak is None and cpu.device_kind == jax.devices()[0].device_kind
+    assert "MFU" not in results_table(results, cpu)
+    assert f"no peak for {cpu.device_kind}; set train.peak_tflops" in cpu.note()
+    h100 = Flops.of(exp, device_kind="NVIDIA H100 80GB HBM3")
+    assert h100.peak == 989.0 and "MFU (during training)" in results_table(results, h100)
+
+    # report.md: the side-by-side table (its device count), and the note
+    side = SideBySide(
+        ("diff", "standard"),
+        {"diff": [4e6] * 3, "standard": [5e6] * 3},
+        [0.8] * 3,
+        3,
+        4,
+        16 * seq,
+        devices=4,
+    )
+    text = write_report(str(tmp_path), exp, results, throughput=side)
+    assert "| model | tokens/s (side by side, median) | TFLOP/s per device | MFU |" in text
+    side_row = row(text, "diff (diff_v1) | 4,000,000")
+    assert f"| {per_token['diff'] * 4e6 / 4 / 1e12:.3g} | n/a |" in side_row
+    assert f"{per_token['standard'] * 5e6 / 4 / 1e12:.3g}" in row(text, "standard (standard) |")
+    assert f"no peak for {cpu.device_kind}; set train.peak_tflops" in text
+    assert "TFLOP/s per device (during training)" in text
+    assert per_token["diff"] == pytest.approx(per_token["standard"])  # V1 costs its twin's

@@ -1,5 +1,6 @@
 """The comparison report: ``report.md`` (per metric the mean +/- standard deviation over seeds,
-the paired difference DIFF - twin with its 95% t-interval, the side-by-side throughput) and
+the paired difference DIFF - twin with its 95% t-interval, the side-by-side throughput, with
+model TFLOP/s per device and MFU from :mod:`diffjax.flops`) and
 ``loss.png`` (validation and training curves against tokens: every seed thin, the mean over
 seeds thick) in the run directory.
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 import math
 import os
 import platform
+import re
 from typing import Callable, NamedTuple, Sequence
 
 import jax
@@ -25,6 +27,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, MaxNLocator
 
+from diffjax import flops as flops_lib
+from diffjax.config import ModelConfig
 from diffjax.data.synthetic import query_chance
 from diffjax.evaluate.stats import (
     clopper_pearson,
@@ -102,6 +106,90 @@ TIMING_ROWS = (
 )
 
 
+class Flops(NamedTuple):
+    """What the TFLOP/s and MFU figures need: each model's config (by label), the sequence
+    length, the device kind and its peak dense bf16 TFLOP/s (None: unknown, no MFU)."""
+
+    models: dict[str, ModelConfig]
+    seq_len: int
+    device_kind: str
+    peak: float | None
+
+    @classmethod
+    def of(cls, exp: ExperimentConfig, device_kind: str | None = None) -> "Flops":
+        """For ``exp`` on this machine's devices (or ``device_kind``); the peak from
+        ``train.peak_tflops`` or :data:`diffjax.flops.PEAK_TFLOPS`."""
+        kind = jax.devices()[0].device_kind if device_kind is None else device_kind
+        peak = flops_lib.peak_tflops(kind, exp.train.peak_tflops)
+        return cls(dict(exp.models), exp.data.seq_len, kind, peak)
+
+    def per_token(self, label: str) -> float | None:
+        """Model FLOPs per trained token of the model ``label`` (the formula)."""
+        cfg = self.models.get(label)
+        return None if cfg is None else flops_lib.train_flops_per_token(cfg, self.seq_len)
+
+    def tflops(self, label: str, tokens_per_s: float | None, devices: int) -> float | None:
+        """Model TFLOP/s per device at ``tokens_per_s`` (over ``devices`` devices)."""
+        cfg = self.models.get(label)
+        if cfg is None:
+            return None
+        return flops_lib.tflops_per_device(cfg, self.seq_len, tokens_per_s, devices)
+
+    def mfu(self, label: str, tokens_per_s: float | None, devices: int) -> float | None:
+        return flops_lib.mfu(self.tflops(label, tokens_per_s, devices), self.peak)
+
+    def note(self) -> str:
+        """One sentence: what the TFLOP/s are, and the peak of the MFU or why there is none."""
+        text = (
+            "TFLOP/s per device: model FLOPs (`diffjax.flops.train_flops_per_token`: the "
+            "forward's matmuls x3 for forward and backward, causal attention maps halved, "
+            "rematerialization not counted) x tokens/s / devices; "
+        )
+        if self.peak is None:
+            return text + f"MFU: no peak for {self.device_kind}; set train.peak_tflops."
+        return (
+            text + f"MFU against {self.peak:g} TFLOP/s per device (dense bf16, {self.device_kind})."
+        )
+
+
+def _flop_count(x: float | None) -> str:
+    """``5.704 MFLOP``, ``1.25 GFLOP``: four significant digits."""
+    if x is None:
+        return "n/a"
+    for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if x >= scale:
+            return f"{x / scale:.4g} {prefix}FLOP"
+    return f"{x:.4g} FLOP"
+
+
+def _devices(result: TrainResult) -> int:
+    """The devices a result trained on: its mesh's count, else this process's."""
+    found = re.search(r"\((\d+) devices?", result.mesh or "")
+    return int(found.group(1)) if found else jax.device_count()
+
+
+def flops_rows(f: Flops) -> tuple[Row, ...]:
+    """The timing rows of TFLOP/s per device and (with a peak) MFU during training."""
+    rows = [
+        Row(
+            "TFLOP/s per device (during training)",
+            lambda r: f.tflops(r.label, _nan_to_none(r.tokens_per_s), _devices(r)),
+            "{:.3g}",
+            True,
+        )
+    ]
+    if f.peak is not None:
+        rows.append(
+            Row(
+                "MFU (during training)",
+                lambda r: f.mfu(r.label, _nan_to_none(r.tokens_per_s), _devices(r)),
+                "{:.1%}",
+                True,
+            )
+        )
+    return tuple(rows)
+
+
 def metric_keys(results: Sequence[TrainResult]) -> list[str]:
     """The validation metrics some result has (keys of ``TrainResult.metrics``), in the order
     they first appear."""
@@ -116,9 +204,11 @@ def _metric_row(key: str) -> Row:
     return Row(name, lambda r: r.metrics.get(key), spec)
 
 
-def metric_rows(results: Sequence[TrainResult]) -> list[Row]:
-    """The losses, the validation metrics the results have and the timing."""
-    return [*LOSS_ROWS, *(_metric_row(k) for k in metric_keys(results)), *TIMING_ROWS]
+def metric_rows(results: Sequence[TrainResult], flops: Flops | None = None) -> list[Row]:
+    """The losses, the validation metrics the results have and the timing (with ``flops``,
+    TFLOP/s per device and MFU too)."""
+    timing = (*TIMING_ROWS, *(flops_rows(flops) if flops is not None else ()))
+    return [*LOSS_ROWS, *(_metric_row(k) for k in metric_keys(results)), *timing]
 
 
 def _paired(groups, get):
@@ -143,9 +233,11 @@ def _difference_cell(groups, row: Row) -> str:
     return f"{sd.format(d.mean)} [{sd.format(d.low)}, {sd.format(d.high)}]"
 
 
-def results_table(results: Sequence[TrainResult]) -> str:
+def results_table(results: Sequence[TrainResult], flops: Flops | None = None) -> str:
     """A markdown table, one column per model (mean ± standard deviation over its seeds), and
-    with a DIFF model and its twin a column of the paired difference and its 95% interval."""
+    with a DIFF model and its twin a column of the paired difference and its 95% interval.
+    With ``flops`` (:meth:`Flops.of`), the model FLOPs per token and the TFLOP/s per device
+    and MFU during training too."""
     groups = group_by_label(results)
     paired = "diff" in groups and "standard" in groups
     heads = [f"{label} ({rs[0].attention})" for label, rs in groups.items()]
@@ -159,13 +251,20 @@ def results_table(results: Sequence[TrainResult]) -> str:
         ("tokens seen (each)", lambda rs: f"{rs[0].tokens_seen:,}"),
         ("peak memory (XLA estimate)", lambda rs: _mib(rs[0].peak_memory_bytes)),
     ]
+    if flops is not None:
+        fixed.append(
+            (
+                "model FLOPs per trained token",
+                lambda rs: _flop_count(flops.per_token(rs[0].label)),
+            )
+        )
     for name, get in fixed:
         lines.append(
             f"| {name} | "
             + " | ".join(get(rs) for rs in groups.values())
             + (" | |" if paired else " |")
         )
-    for row in metric_rows(results):
+    for row in metric_rows(results, flops):
         cells = [fmt_mean_std([row.get(r) for r in rs], row.spec) for rs in groups.values()]
         if paired:
             cells.append(_difference_cell(groups, row))
@@ -350,7 +449,9 @@ def _title(exp: ExperimentConfig, groups: dict[str, list[TrainResult]]) -> list[
     ]
 
 
-def _results(results: Sequence[TrainResult], groups, n_seeds: int) -> list[str]:
+def _results(
+    results: Sequence[TrainResult], groups, n_seeds: int, flops: Flops | None = None
+) -> list[str]:
     paired = (
         "; the last column is the paired difference DIFF − twin (seed by seed: the same init "
         "seed and the same batches) and its 95% Student-t interval."
@@ -360,8 +461,9 @@ def _results(results: Sequence[TrainResult], groups, n_seeds: int) -> list[str]:
         f"deviation over seeds (a single value with one seed)"
         + (paired if len(groups) > 1 else "."),
         "",
-        results_table(results),
+        results_table(results, flops),
         "",
+        *([flops.note(), ""] if flops is not None else []),
     ]
 
 
@@ -378,15 +480,36 @@ def _retrieval(exp: ExperimentConfig, results: Sequence[TrainResult]) -> list[st
     return learned_counts(results, chance["no_retrieval"], chance["no_retrieval_first"])
 
 
-def _throughput(throughput: SideBySide | None) -> list[str]:
+def throughput_table(throughput: SideBySide, flops: Flops) -> str:
+    """The side-by-side throughput per model: median tokens/s, model TFLOP/s per device and
+    MFU (``n/a`` without a peak: :meth:`Flops.note`, under the results table, says why)."""
+    devices = throughput.devices or jax.device_count()
+    lines = [
+        "| model | tokens/s (side by side, median) | TFLOP/s per device | MFU |",
+        "|---|---:|---:|---:|",
+    ]
+    for label in throughput.labels:
+        tps = throughput.median_tokens_per_s(label)
+        cfg = flops.models.get(label)
+        name = label if cfg is None else f"{label} ({cfg.attention})"
+        lines.append(
+            f"| {name} | {tps:,.0f} | {_fmt(flops.tflops(label, tps, devices), '{:.3g}')} | "
+            f"{_fmt(flops.mfu(label, tps, devices), '{:.1%}')} |"
+        )
+    return "\n".join(lines)
+
+
+def _throughput(throughput: SideBySide | None, flops: Flops | None = None) -> list[str]:
     if throughput is None:
         return []
+    table = [throughput_table(throughput, flops), ""] if flops else []
     return [
         f"**Throughput, measured side by side:** {throughput.describe()}. The "
         f"tokens/s rows above are medians during each model's own training, one model "
         f"after the other, so whatever else ran on the machine then lands on one model "
         f"only; compare throughput by this side-by-side figure.",
         "",
+        *table,
     ]
 
 
@@ -496,12 +619,13 @@ def write_report(
     plot_losses(run_dir, results, os.path.join(run_dir, "loss.png"))
     groups = group_by_label(results)
     n_seeds = max((len(rs) for rs in groups.values()), default=0)
+    flops = Flops.of(exp)
     sections: list[list[str]] = [
         _title(exp, groups),
-        _results(results, groups, n_seeds),
+        _results(results, groups, n_seeds, flops),
         _comparison(results),
         _retrieval(exp, results),
-        _throughput(throughput),
+        _throughput(throughput, flops),
         _lambdas(groups),
         _per_seed(results, n_seeds),
         _plot(),

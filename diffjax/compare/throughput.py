@@ -34,6 +34,7 @@ class SideBySide:
     rounds: int
     steps_per_round: int
     tokens_per_step: int
+    devices: int | None = None  # the mesh's device count (tokens/s is over all of them)
 
     @property
     def median_ratio(self) -> float:
@@ -110,4 +111,4 @@ def side_by_side_throughput(
                 tps[label].append(tokens * len(batches) / (time.perf_counter() - t0))
                 compiled[label][1] = state
     ratios = [x / y for x, y in zip(tps[labels[0]], tps[labels[1]])]
-    return SideBySide(labels, tps, ratios, rounds, len(batches), tokens)
+    return SideBySide(labels, tps, ratios, rounds, len(batches), tokens, mesh.devices.size)
