@@ -88,11 +88,16 @@ def compare(name: str, entry: dict, seeds: list[int], out: str) -> tuple[list[st
 def main(argv: list[str] | None = None) -> int:
     published = load()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("experiments", nargs="*", default=["default"], choices=sorted(published))
+    # (no ``choices``: argparse checks a list default against them as one value, and fails)
+    p.add_argument("experiments", nargs="*", help=f"of {sorted(published)}; default: default")
     p.add_argument("--seeds", type=int, nargs="+", help="default: every published seed")
     p.add_argument("--out", help="where the runs go (default: a temporary folder)")
     p.add_argument("--write", action="store_true", help="record the new values in published.json")
     args = p.parse_args(argv)
+    unknown = sorted(set(args.experiments) - set(published))
+    if unknown:
+        p.error(f"unknown experiment(s) {unknown}; choose from {sorted(published)}")
+    args.experiments = args.experiments or ["default"]
     out = args.out or tempfile.mkdtemp(prefix="reproduce_")
     all_ok = True
     for name in args.experiments:

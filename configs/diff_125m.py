@@ -30,6 +30,7 @@ def get_config():
             dtype="bfloat16",
             param_dtype="float32",
             tie_embeddings=True,
+            scan_layers=True,  # one compiled block, scanned: compile time flat in depth
         ),
         data=DataConfig(
             source="tokens", path="data/tokens/*.bin", token_dtype="uint16", seq_len=2048

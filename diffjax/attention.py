@@ -24,7 +24,9 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from . import ops
 from .config import RopeScaling, lambda_init_fn
@@ -45,6 +47,25 @@ from .sharding import constrain, param, param_init
 _Q_ACT = ("act_batch", "act_seq", "act_heads", None)
 _KV_ACT = ("act_batch", "act_seq", "act_kv_heads", None)
 CACHE_AXES = ("act_batch", None, "act_kv_heads", None)  # a KV cache [B, L, H_kv, width]
+# the activations named for rematerialization (diffjax.model.remat_policy's "minimal"): the
+# q/k/v projections and the attention output before out_proj
+SAVED_NAMES = ("query_proj", "key_proj", "value_proj", "attn_out")
+
+
+class LambdaInit(nnx.Variable):
+    """DIFF V1's ``lambda_init`` and its output scale ``1 - lambda_init``: per-layer data, not
+    trained. Variables (not Python floats) so that a model with stacked layers holds one value
+    per layer."""
+
+
+def lambda_init_variables(value) -> tuple[LambdaInit, LambdaInit]:
+    """``(lambda_init, 1 - lambda_init)`` as float32 variables, each rounded once from the
+    float64 value (``value``: a number or an array of them, one per stacked layer), as the
+    official code's Python float is when it meets a tensor."""
+    value = np.asarray(value, np.float64)
+    return LambdaInit(jnp.asarray(value, jnp.float32)), LambdaInit(
+        jnp.asarray(1.0 - value, jnp.float32)
+    )
 
 
 class Projection(NamedTuple):
@@ -171,9 +192,12 @@ class AttentionLayer(nnx.Module):
             )
         b, t, _ = x.shape
         d = self.head_dim
-        q = constrain(self.q_proj(x).reshape(b, t, q_heads, d), *_Q_ACT)
-        k = constrain(self.k_proj(x).reshape(b, t, k_heads, d), *_KV_ACT)
-        v = constrain(self.v_proj(x).reshape(b, t, self.num_kv_heads, v_width), *_KV_ACT)
+        q = checkpoint_name(self.q_proj(x), "query_proj")
+        k = checkpoint_name(self.k_proj(x), "key_proj")
+        v = checkpoint_name(self.v_proj(x), "value_proj")
+        q = constrain(q.reshape(b, t, q_heads, d), *_Q_ACT)
+        k = constrain(k.reshape(b, t, k_heads, d), *_KV_ACT)
+        v = constrain(v.reshape(b, t, self.num_kv_heads, v_width), *_KV_ACT)
         q, k = _rotate(q, k, positions, x, self.rope_theta, self.rope_scaling)
         return constrain(q, *_Q_ACT), constrain(k, *_KV_ACT), v
 
@@ -216,7 +240,7 @@ class AttentionLayer(nnx.Module):
         elif p.lam is not None:
             _sow_lambda(self, p.lam)
         o = attend(p, scale=self.scale, impl=self.attention_impl, segment_ids=segment_ids, **masks)
-        return self.output(o), cache
+        return self.output(checkpoint_name(o, "attn_out")), cache
 
     def project(self, x: jax.Array, positions: jax.Array | None = None) -> Projection:
         raise NotImplementedError
@@ -343,7 +367,8 @@ class MultiheadDiffAttn(AttentionLayer):
             causal=causal,
             attention_impl=attention_impl,
         )
-        self.lambda_init = float(lambda_init_fn(depth) if lambda_init is None else lambda_init)
+        value = lambda_init_fn(depth) if lambda_init is None else lambda_init
+        self.lambda_init, self.output_scale = lambda_init_variables(value)
         n_rep = self.num_heads // self.num_kv_heads
         args = (dtype, param_dtype, kernel_init, rngs)
         self.q_proj = self._linear(embed_dim, embed_dim, *args)
@@ -366,7 +391,7 @@ class MultiheadDiffAttn(AttentionLayer):
             self.lambda_k1[...],
             self.lambda_q2[...],
             self.lambda_k2[...],
-            self.lambda_init,
+            self.lambda_init[...],
         )
 
     def project(self, x: jax.Array, positions: jax.Array | None = None) -> Projection:
@@ -381,7 +406,7 @@ class MultiheadDiffAttn(AttentionLayer):
         """The per-head RMSNorm times ``1 - lambda_init`` (unless built with ``norm=False``),
         then ``out_proj``."""
         if self.subln is not None:
-            o = self.subln(o) * jnp.asarray(1.0 - self.lambda_init, o.dtype)
+            o = self.subln(o) * self.output_scale[...].astype(o.dtype)
         return super().output(o)
 
     def cache_layout(self) -> dict[str, tuple[int, int]]:
@@ -492,19 +517,21 @@ def _sow_lambda(layer: nnx.Module, lam: jax.Array) -> None:
 
 
 def differential_lambda(
-    lq1: jax.Array, lk1: jax.Array, lq2: jax.Array, lk2: jax.Array, lambda_init: float
+    lq1: jax.Array, lk1: jax.Array, lq2: jax.Array, lk2: jax.Array, lambda_init
 ) -> jax.Array:
     """DIFF V1's re-parameterised lambda, ``exp(lq1.lk1) - exp(lq2.lk2) + lambda_init``, float32."""
     f32 = jnp.float32
     return (
         jnp.exp(jnp.sum(lq1.astype(f32) * lk1.astype(f32)))
         - jnp.exp(jnp.sum(lq2.astype(f32) * lk2.astype(f32)))
-        + f32(lambda_init)
+        + jnp.asarray(lambda_init, f32)
     )
 
 
 __all__ = [
     "AttentionLayer",
+    "LambdaInit",
+    "lambda_init_variables",
     "MultiheadAttention",
     "MultiheadDiffAttn",
     "MultiheadDiffAttnV2",

@@ -34,6 +34,10 @@ ATTENTION_KINDS = ("standard", "diff_v1", "diff_v2")
 ATTENTION_IMPLS = ("auto", "xla", "pallas")
 DTYPES = ("float32", "bfloat16", "float16")
 ROPE_SCALINGS = ("none", "linear", "llama3")
+# what a block keeps for the backward pass (diffjax.model.remat_policy): everything, nothing
+# (recompute the block), the matmul outputs, the named q/k/v projections and the attention
+# output, or those names moved to host memory
+REMAT_POLICIES = ("none", "full", "dots", "minimal", "minimal_offload")
 
 
 class ConfigError(ValueError):
@@ -258,6 +262,15 @@ class ModelConfig:
     lambda_init: float | None = None
     diff_norm: bool = True  # DIFF V1's per-head RMSNorm (subln); false: the paper's ablation
     diff_norm_eps: float = 1e-5  # its eps: 1e-5 in the official code; DiffLlama uses norm_eps
+    # the blocks' parameters stacked on a leading layer axis and run with one scan: compile
+    # time stays flat with depth. A checkpoint is saved in one layout; diffjax.model's
+    # stack_layers / unstack_layers convert a model between them.
+    scan_layers: bool = False
+    # rematerialization: what each block keeps for the backward pass. "none" keeps every
+    # activation; "full" recomputes the block; "dots" keeps the matmul outputs; "minimal" keeps
+    # the q/k/v projections and the attention output; "minimal_offload" moves those to host
+    # memory (GPU/TPU). The loss and gradients do not depend on it.
+    remat: str = "none"
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -312,6 +325,12 @@ class ModelConfig:
         if not self.diff_norm_eps > 0:
             self._fail("diff_norm_eps", f"must be > 0, got {self.diff_norm_eps}", "use e.g. 1e-5")
         self._check_rope_scaling()
+        if self.remat not in REMAT_POLICIES:
+            self._fail(
+                "remat",
+                f"unknown rematerialization policy {self.remat!r}",
+                f"use one of {', '.join(map(repr, REMAT_POLICIES))}",
+            )
         if not self.init_std > 0:
             self._fail("init_std", f"must be > 0, got {self.init_std}", "use e.g. 0.02")
         if self.lambda_init is not None and self.attention != "diff_v1":

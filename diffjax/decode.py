@@ -57,7 +57,8 @@ class KVCache:
     """The keys and values of every layer, for a left-padded batch.
 
     ``layers``: one dict per layer, ``{name: [B, L, kv_heads, width]}`` (names and widths from
-    the layer's ``cache_layout()``). ``start`` ``[B]`` int32: the slot of each row's first real
+    the layer's ``cache_layout()``); for a model with scanned layers one dict of stacked
+    arrays ``[num_layers, B, L, kv_heads, width]``. ``start`` ``[B]`` int32: the slot of each row's first real
     token (the slots before it are padding). ``index`` int32 scalar: the next slot to write, the
     same for every row. The token in slot ``s`` of row ``b`` has rotary position
     ``s - start[b]``.
@@ -74,7 +75,7 @@ class KVCache:
     @property
     def max_length(self) -> int:
         """L, the number of slots."""
-        return next(iter(self.layers[0].values())).shape[1]
+        return next(iter(self.layers[0].values())).shape[-3]
 
     @property
     def nbytes(self) -> int:
@@ -85,8 +86,9 @@ class KVCache:
 def cache_layout(model_or_config) -> list[dict[str, tuple[int, int]]]:
     """Per layer, the cache entries ``{name: (kv heads, width)}`` (one token, one row), as each
     attention layer's ``cache_layout()`` says (for a config, read from one abstract layer)."""
-    if isinstance(model_or_config, TransformerLM):
+    if isinstance(model_or_config, TransformerLM) and not model_or_config.config.scan_layers:
         return [block.attn.cache_layout() for block in model_or_config.layers]
+    model_or_config = getattr(model_or_config, "config", model_or_config)
     if isinstance(model_or_config, ModelConfig):
         layer = nnx.eval_shape(lambda: make_attention(model_or_config, 0, rngs=nnx.Rngs(0)))
         return [layer.cache_layout()] * model_or_config.num_layers  # the same at every depth
@@ -110,13 +112,17 @@ def init_cache(
     """An empty cache of ``max_length`` slots (zeros, in the model's activation dtype), sharded
     under a mesh. ``start``: each row's first real slot (default 0)."""
     dtype = jnp.dtype(model.config.dtype)
-    layers = tuple(
-        {
-            n: constrain(jnp.zeros((batch_size, max_length, h, w), dtype), *CACHE_AXES)
-            for n, (h, w) in layer.items()
-        }
-        for layer in cache_layout(model)
-    )
+
+    def zeros(layout, *lead):
+        axes = (None,) * len(lead) + CACHE_AXES
+        shapes = {n: (*lead, batch_size, max_length, h, w) for n, (h, w) in layout.items()}
+        return {n: constrain(jnp.zeros(shape, dtype), *axes) for n, shape in shapes.items()}
+
+    layouts = cache_layout(model)
+    if model.config.scan_layers:  # one stacked cache, scanned with the layers
+        layers = (zeros(layouts[0], model.config.num_layers),)
+    else:
+        layers = tuple(zeros(layout) for layout in layouts)
     start = jnp.zeros((batch_size,), jnp.int32) if start is None else jnp.asarray(start, jnp.int32)
     return KVCache(layers=layers, start=start, index=jnp.zeros((), jnp.int32))
 

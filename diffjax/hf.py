@@ -38,13 +38,12 @@ import shutil
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from . import sharding
 from .config import ConfigError, ModelConfig
-from .model import TransformerLM
+from .model import TransformerLM, initial_rest, stack_layers, unstack_layers
 
 MODEL_TYPES = {"diffllama": "diff_v1", "llama": "standard"}
 ARCHITECTURES = {"diffllama": "DiffLlamaForCausalLM", "llama": "LlamaForCausalLM"}
@@ -60,7 +59,7 @@ TOKENIZER_FILES = (
 )
 # ModelConfig fields from_pretrained(..., **overrides) may set: none changes a weight's shape
 # or meaning.
-OVERRIDABLE = ("dtype", "param_dtype", "attention_impl", "max_seq_len")
+OVERRIDABLE = ("dtype", "param_dtype", "attention_impl", "max_seq_len", "scan_layers", "remat")
 # Buffers some older checkpoints carry; they are recomputed, never read.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -526,8 +525,17 @@ def from_pretrained(
     """
     path = os.fspath(path)
     config = config_from_pretrained(path, **overrides)
+    if config.scan_layers:  # read layer by layer, then stacked (and placed again on the mesh)
+        unrolled = from_pretrained(
+            path, mesh=mesh, rules=rules, **{**overrides, "scan_layers": False}
+        )
+        model = stack_layers(unrolled)
+        if mesh is not None:
+            state = nnx.state(model)
+            nnx.update(model, jax.device_put(state, sharding.tree_shardings(state, mesh, rules)))
+        return model
     abstract = nnx.eval_shape(lambda: TransformerLM(config, rngs=nnx.Rngs(0)))
-    graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
+    graphdef, params, _ = nnx.split(abstract, nnx.Param, ...)
     table = {key: (name, kind) for key, name, kind in weight_table(config)}
     with contextlib.ExitStack() as stack:
         reader = _Reader(path, stack)
@@ -586,7 +594,9 @@ def from_pretrained(
                 shardings,
                 is_leaf=is_var,
             )
-    rest = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), rest)
+    rest = initial_rest(config)
+    if mesh is not None:
+        rest = jax.device_put(rest, sharding.tree_shardings(rest, mesh, rules))
     return nnx.merge(graphdef, params, rest)
 
 
@@ -650,6 +660,8 @@ def save_pretrained(
         raise TypeError(
             f"save_pretrained takes a diffjax.TransformerLM, got {type(model).__name__}"
         )
+    if model.config.scan_layers:  # the format has one entry per layer
+        model = unstack_layers(model)
     config = model.config
     hf = hf_config(config)
     path = os.fspath(path)

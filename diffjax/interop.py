@@ -24,6 +24,7 @@ import numpy as np
 from flax import nnx
 
 from .attention import AttentionLayer, MultiheadAttention, MultiheadDiffAttn, MultiheadDiffAttnV2
+from .sharding import logical_axes
 
 
 def _param_table(module: nnx.Module) -> dict[str, tuple[nnx.Param, bool]]:
@@ -58,16 +59,43 @@ def _to_numpy(value: Any) -> np.ndarray:
     return np.asarray(value)
 
 
+def _check_layer(module: nnx.Module, layer: int | None, where: str) -> None:
+    """A module of a scanned model (``model.layers.attn``: every parameter stacked on a leading
+    layer axis) needs ``layer``; any other module refuses one."""
+    kernel = module.q_proj.kernel if isinstance(module, AttentionLayer) else None
+    names = logical_axes(kernel) or () if kernel is not None else ()
+    stacked = bool(names) and names[0] == "layers"
+    if stacked and layer is None:
+        raise ValueError(
+            f"{where}: {type(module).__name__} holds the stacked layers of a scanned model "
+            f"({kernel.shape[0]} layers). Fix: pass layer=i for the official module of layer i."
+        )
+    if stacked and not 0 <= layer < kernel.shape[0]:
+        raise ValueError(f"{where}: layer={layer} is out of range 0..{kernel.shape[0] - 1}")
+    if not stacked and layer is not None:
+        raise ValueError(
+            f"{where}: layer={layer} was given but {type(module).__name__} holds one layer. "
+            f"Fix: leave layer out (it is for model.layers.attn of a scanned model)."
+        )
+
+
 def load_unilm_state_dict(
-    module: nnx.Module, state_dict: Mapping[str, Any], *, prefix: str = "", strict: bool = True
+    module: nnx.Module,
+    state_dict: Mapping[str, Any],
+    *,
+    prefix: str = "",
+    strict: bool = True,
+    layer: int | None = None,
 ) -> nnx.Module:
     """Load official-layout weights into ``module`` in place (and return it).
 
     ``state_dict``: official name -> numpy array (or torch tensor), torch layout. ``prefix`` is
     stripped from every key first (e.g. ``"layers.0.self_attn."``); keys without it are ignored.
     With ``strict`` (default), a missing or unexpected key is an error. A shape mismatch is
-    always an error. Nothing is written unless every check passes.
+    always an error. Nothing is written unless every check passes. ``layer``: for the stacked
+    attention of a scanned model (``model.layers.attn``), the layer to write.
     """
+    _check_layer(module, layer, "load_unilm_state_dict")
     table = _param_table(module)
     given = {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
     if isinstance(module, MultiheadAttention) and "o_proj.weight" in given:
@@ -93,7 +121,7 @@ def load_unilm_state_dict(
                     f"{name}: expected a 2-D [out, in] weight, got shape {array.shape}"
                 )
             array = array.T
-        target = param[...]
+        target = param[...] if layer is None else param[...][layer]
         if array.shape != target.shape:
             expect = target.shape[::-1] if transpose else target.shape
             raise ValueError(
@@ -103,19 +131,21 @@ def load_unilm_state_dict(
             )
         updates.append((param, jnp.asarray(array, dtype=target.dtype)))
     for param, value in updates:
-        param[...] = value
+        param[...] = value if layer is None else param[...].at[layer].set(value)
     return module
 
 
-def unilm_state_dict(module: nnx.Module) -> dict[str, np.ndarray]:
-    """The module's weights under the official names, torch layout, as writable numpy arrays.
+def unilm_state_dict(module: nnx.Module, *, layer: int | None = None) -> dict[str, np.ndarray]:
+    """The module's weights under the official names, torch layout, as writable numpy arrays
+    (``layer``: of that layer of a scanned model's stacked ``model.layers.attn``).
 
     bfloat16 parameters come out as float32 (``torch.from_numpy`` takes no numpy bfloat16);
     ``torch.from_numpy(a).to(torch.bfloat16)`` restores them exactly.
     """
+    _check_layer(module, layer, "unilm_state_dict")
     out = {}
     for name, (param, transpose) in _param_table(module).items():
-        array = np.asarray(param[...])
+        array = np.asarray(param[...] if layer is None else param[...][layer])
         if array.dtype == jnp.bfloat16:
             array = array.astype(np.float32)
         out[name] = np.array(array.T if transpose else array, copy=True)

@@ -1,4 +1,17 @@
-"""The decoder-only language model: embedding, L pre-norm blocks, final norm, output head."""
+"""The decoder-only language model: embedding, L pre-norm blocks, final norm, output head.
+
+Two layouts of the blocks' parameters (``ModelConfig.scan_layers``):
+
+- unrolled: ``model.layers`` is a list of L :class:`Block` s, run one after another;
+- scanned: ``model.layers`` is one :class:`Block` whose every variable has a leading layer
+  axis ``[L, ...]`` (logical axis ``"layers"``), run with one ``nnx.scan``: the step compiles
+  one block, not L, so compile time stays flat with depth.
+
+Both compute the same function; :func:`stack_layers` and :func:`unstack_layers` convert a
+model between them, and :meth:`TransformerLM.blocks` gives each layer as a :class:`Block` in
+either layout (what per-layer analyses read). ``ModelConfig.remat`` chooses what each block
+keeps for the backward pass (:func:`remat_policy`).
+"""
 
 from __future__ import annotations
 
@@ -6,12 +19,45 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from .attention import AttentionLayer, MultiheadAttention, MultiheadDiffAttn, MultiheadDiffAttnV2
-from .config import ModelConfig
+from .attention import (
+    SAVED_NAMES,
+    AttentionLayer,
+    MultiheadAttention,
+    MultiheadDiffAttn,
+    MultiheadDiffAttnV2,
+    lambda_init_variables,
+)
+from .config import ModelConfig, lambda_init_fn
 from .layers import Linear, RMSNorm, SwiGLU, as_dtype
 from .sharding import constrain, param_init
 
 _ACT = ("act_batch", "act_seq", "act_embed")
+
+
+def remat_policy(name: str):
+    """The ``jax.checkpoint`` policy of ``ModelConfig.remat`` (None for ``"none"``: no
+    rematerialization). ``"full"`` saves nothing inside a block; ``"dots"`` saves the outputs of
+    the matmuls with no batch dimension (the projections and the FFN, not the attention maps);
+    ``"minimal"`` saves the named q/k/v projections and attention output
+    (:data:`diffjax.attention.SAVED_NAMES`); ``"minimal_offload"`` moves those to host memory
+    (pinned host) and brings them back for the backward pass."""
+    policies = jax.checkpoint_policies
+    if name == "none":
+        return None
+    if name == "full":
+        return policies.nothing_saveable
+    if name == "dots":
+        return policies.dots_with_no_batch_dims_saveable
+    if name == "minimal":
+        return policies.save_only_these_names(*SAVED_NAMES)
+    if name == "minimal_offload":
+        return policies.save_and_offload_only_these_names(
+            names_which_can_be_saved=[],
+            names_which_can_be_offloaded=list(SAVED_NAMES),
+            offload_src="device",
+            offload_dst="pinned_host",
+        )
+    raise AssertionError(name)  # unreachable: ModelConfig validates the policy
 
 
 def make_attention(config: ModelConfig, depth: int, *, rngs: nnx.Rngs) -> AttentionLayer:
@@ -62,11 +108,48 @@ class Block(nnx.Module):
         x = constrain(x + self.attn(self.attn_norm(x), positions, segment_ids), *_ACT)
         return constrain(x + self.ffn(self.ffn_norm(x)), *_ACT)
 
+    def run(self, x, positions=None, segment_ids=None, *, remat: str = "none"):
+        """``self(x, ...)`` under the rematerialization policy ``remat`` (:func:`remat_policy`).
+        The attention layer's lambda is sown as in a plain call."""
+        if remat == "none":  # the plain call (what nnx.capture's method outputs record)
+            return self(x, positions, segment_ids)
+        graphdef, state = nnx.split(self)
+        y, lam = apply_block(graphdef, state, x, positions, segment_ids, remat, _capturing(self))
+        if lam is not None:
+            self.attn.sow(nnx.Intermediate, "lambda", lam)
+        return y
+
     def extend(self, x, positions, cache, **step):
         """Decoding with a KV cache: ``(x, updated layer cache)`` (see :mod:`diffjax.decode`)."""
         a, cache = self.attn.extend(self.attn_norm(x), positions, cache, **step)
         x = constrain(x + a, *_ACT)
         return constrain(x + self.ffn(self.ffn_norm(x)), *_ACT), cache
+
+
+def _capturing(module: nnx.Module) -> bool:
+    """Whether a call of ``module`` runs under ``nnx.capture`` (see
+    :func:`diffjax.attention._sow_lambda` for this test)."""
+    return hasattr(module, "__captures__")
+
+
+def apply_block(graphdef, state, x, positions, segment_ids, remat: str, capture: bool):
+    """One block as a pure function of its state: ``(output, lambda or None)`` (the attention
+    layer's sown lambda, when ``capture``), under the policy ``remat``. Pure, so it can run
+    under ``jax.checkpoint`` and ``jax.lax.scan`` with a model closed over from outside (NNX's
+    own transforms refuse variables created at another trace level)."""
+
+    def call(state, x):
+        block = nnx.merge(graphdef, state)
+        if not capture:
+            return block(x, positions, segment_ids), None
+        y, sown = nnx.capture(Block.__call__, nnx.Intermediate)(block, x, positions, segment_ids)
+        lam = nnx.to_pure_dict(sown).get("attn", {}).get("lambda")
+        return y, None if lam is None else lam[0]
+
+    policy = remat_policy(remat)
+    if policy is not None:
+        call = jax.checkpoint(call, policy=policy, prevent_cse=False)
+    return call(state, x)
 
 
 class TransformerLM(nnx.Module):
@@ -90,7 +173,10 @@ class TransformerLM(nnx.Module):
             embedding_init=param_init(init, "vocab", "embed"),
             rngs=rngs,
         )
-        self.layers = nnx.List([Block(config, i, rngs=rngs) for i in range(config.num_layers)])
+        if config.scan_layers:
+            self.layers = _stacked_blocks(config, rngs)
+        else:
+            self.layers = nnx.List([Block(config, i, rngs=rngs) for i in range(config.num_layers)])
         self.norm = RMSNorm(config.d_model, eps=config.norm_eps, param_dtype=pdt)
         self.lm_head = (
             None
@@ -130,20 +216,55 @@ class TransformerLM(nnx.Module):
                     f"{name} must have the shape of tokens {tokens.shape}, got {arr.shape}"
                 )
         x = constrain(self._embed(tokens), *_ACT)
-        for block in self.layers:
-            x = block(x, positions, segment_ids)
+        if cfg.scan_layers:
+            graphdef, state = nnx.split(self.layers)
+            capture = _capturing(self.layers)
+
+            def body(x, layer):
+                return apply_block(graphdef, layer, x, positions, segment_ids, cfg.remat, capture)
+
+            x, lams = jax.lax.scan(body, x, state)
+            if lams is not None:  # [L], each layer's, as unrolled layers sow them
+                self.layers.attn.sow(nnx.Intermediate, "lambda", lams)
+        else:
+            for block in self.layers:
+                x = block.run(x, positions, segment_ids, remat=cfg.remat)
         return self._logits(x)
 
     def extend(self, tokens: jax.Array, positions: jax.Array, caches, **step):
         """Decoding: ``(logits [B, T, vocab], updated caches)`` for ``tokens`` ``[B, T]`` at
-        ``positions``, with one cache per layer. Use :func:`diffjax.decode.prefill`,
+        ``positions``, with one cache per layer (scanned layers: one cache whose arrays have a
+        leading layer axis). Use :func:`diffjax.decode.prefill`,
         :func:`diffjax.decode.decode_step` or :func:`diffjax.generate`, which build the masks."""
         x = constrain(self._embed(tokens), *_ACT)
+        if self.config.scan_layers:
+            graphdef, state = nnx.split(self.layers)
+
+            def body(x, layer_and_cache):
+                layer, cache = layer_and_cache
+                return nnx.merge(graphdef, layer).extend(x, positions, cache, **step)
+
+            x, cache = jax.lax.scan(body, x, (state, caches[0]))
+            return self._logits(x), (cache,)
         new = []
         for block, cache in zip(self.layers, caches, strict=True):
             x, cache = block.extend(x, positions, cache, **step)
             new.append(cache)
         return self._logits(x), tuple(new)
+
+    def blocks(self) -> list[Block]:
+        """Each layer as a :class:`Block`, in order: ``model.layers`` itself when unrolled; for
+        scanned layers, one block per layer holding that layer's slice of the stacked
+        parameters (copies: for analyses, not for training)."""
+        if not self.config.scan_layers:
+            return list(self.layers)
+        state = nnx.to_pure_dict(nnx.state(self.layers))
+        out = []
+        for i in range(self.config.num_layers):
+            block = _abstract_block(self.config)
+            nnx.update(block, jax.tree.map(lambda a, i=i: a[i], state))
+            out.append(block)
+        return out
 
     def _logits(self, x: jax.Array) -> jax.Array:
         """Final norm and output head, float32 logits."""
@@ -163,8 +284,74 @@ class TransformerLM(nnx.Module):
         """DIFF V1: each layer's learned lambda (float32 scalars, from the parameters); None for
         the other kinds (DIFF V2's lambda depends on the input: see :func:`sown_lambdas`)."""
         if self.config.attention == "diff_v1":
+            if self.config.scan_layers:
+                graphdef, state = nnx.split(self.layers.attn)
+                return list(jax.vmap(lambda s: nnx.merge(graphdef, s).lambda_full())(state))
             return [block.attn.lambda_full() for block in self.layers]
         return None
+
+
+def initial_rest(config: ModelConfig) -> nnx.State:
+    """The non-parameter state of a new model of ``config`` (DIFF V1's per-layer
+    ``lambda_init``): what goes beside parameters read from a checkpoint. Computed in one jitted
+    function that XLA prunes to these few values (the parameters' initialisers are dropped)."""
+    return jax.jit(lambda: nnx.split(TransformerLM(config, rngs=nnx.Rngs(0)), nnx.Param, ...)[2])()
+
+
+# ---------------------------------------------------------------------------- the two layouts
+def _stacked_blocks(config: ModelConfig, rngs: nnx.Rngs) -> Block:
+    """L blocks as one :class:`Block` with a leading layer axis on every variable (logical
+    axis ``"layers"``), each layer from its own split of ``rngs``; DIFF V1's per-layer
+    ``lambda_init`` is written in afterwards."""
+
+    @nnx.split_rngs(splits=config.num_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def make(rngs):
+        return Block(config, 0, rngs=rngs)
+
+    blocks = make(rngs)
+    if isinstance(blocks.attn, MultiheadDiffAttn):
+        values = [
+            lambda_init_fn(i) if config.lambda_init is None else config.lambda_init
+            for i in range(config.num_layers)
+        ]
+        blocks.attn.lambda_init, blocks.attn.output_scale = lambda_init_variables(values)
+    return blocks
+
+
+def _abstract_block(config: ModelConfig) -> Block:
+    return nnx.eval_shape(lambda: Block(config, 0, rngs=nnx.Rngs(0)))
+
+
+def _convert(model: TransformerLM, scan_layers: bool, layers) -> TransformerLM:
+    """A model of the other layout whose parameters are ``model``'s, blocks replaced by
+    ``layers`` (a pure-dict state in the new layout)."""
+    config = model.config.replace(scan_layers=scan_layers)
+    new = nnx.eval_shape(lambda: TransformerLM(config, rngs=nnx.Rngs(0)))
+    state = nnx.to_pure_dict(nnx.state(model))
+    state["layers"] = layers
+    nnx.update(new, state)
+    return new
+
+
+def stack_layers(model: TransformerLM) -> TransformerLM:
+    """``model`` (unrolled layers) as a model with ``scan_layers=True`` and the same
+    parameters, stacked on a leading layer axis. The same function: outputs and gradients
+    equal the unrolled model's."""
+    if model.config.scan_layers:
+        raise ValueError("stack_layers: the model's layers are already stacked (scan_layers=True)")
+    per_layer = [nnx.to_pure_dict(nnx.state(b)) for b in model.layers]
+    return _convert(model, True, jax.tree.map(lambda *a: jnp.stack(a), *per_layer))
+
+
+def unstack_layers(model: TransformerLM) -> TransformerLM:
+    """``model`` (stacked layers) as a model with ``scan_layers=False`` and the same
+    parameters, one :class:`Block` per layer."""
+    if not model.config.scan_layers:
+        raise ValueError("unstack_layers: the model's layers are not stacked (scan_layers=False)")
+    state = nnx.to_pure_dict(nnx.state(model.layers))
+    layers = {i: jax.tree.map(lambda a, i=i: a[i], state) for i in range(model.config.num_layers)}
+    return _convert(model, False, layers)
 
 
 def sown_lambdas(intermediates: nnx.State) -> list[jax.Array]:
@@ -176,6 +363,8 @@ def sown_lambdas(intermediates: nnx.State) -> list[jax.Array]:
         lambdas = sown_lambdas(intermediates)
     """
     layers = nnx.to_pure_dict(intermediates).get("layers", {})
+    if "attn" in layers:  # scanned layers: one stacked value, [L]
+        return list(layers["attn"]["lambda"][0]) if "lambda" in layers["attn"] else []
     return [
         layers[i]["attn"]["lambda"][0]
         for i in sorted(layers)

@@ -56,6 +56,7 @@ DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
     ("mlp", "tensor"),
     ("norm", None),
     ("head_dim", None),
+    ("layers", None),  # the leading axis of stacked (scanned) layers
     ("act_batch", BATCH_AXES),
     ("act_seq", None),
     ("act_embed", None),

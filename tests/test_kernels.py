@@ -92,10 +92,10 @@ def test_lm_with_pallas_equals_xla_loss_and_gradients(kind):
         model = diffjax.TransformerLM(
             diffjax.ModelConfig(attention_impl=impl, **common), rngs=nnx.Rngs(0)
         )
-        graphdef, params = nnx.split(model, nnx.Param)
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
         def loss(p):
-            m = nnx.merge(graphdef, p)
+            m = nnx.merge(graphdef, p, rest)
             logits = m(tokens[:, :-1], segment_ids=segments[:, :-1])
             return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 

@@ -260,7 +260,7 @@ def test_v1_lambdas_match_reparameterisation():
     assert isinstance(lams, list) and len(lams) == LAYERS
     for depth, (lam, block) in enumerate(zip(lams, model.layers)):
         attn = block.attn
-        assert attn.lambda_init == pytest.approx(lambda_init_fn(depth))
+        assert attn.lambda_init[...] == pytest.approx(lambda_init_fn(depth))
         lq1, lk1, lq2, lk2 = (
             np.asarray(getattr(attn, n)[...], np.float64)
             for n in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")
@@ -271,14 +271,14 @@ def test_v1_lambdas_match_reparameterisation():
         assert jnp.shape(lam) == () and lam.dtype == jnp.float32
         np.testing.assert_allclose(float(lam), expected, rtol=1e-5, atol=1e-6)
     # Depth schedule: 0.2 at layer 0, 0.8 - 0.6 e^-0.3 at layer 1.
-    assert model.layers[0].attn.lambda_init == pytest.approx(0.2)
-    assert model.layers[1].attn.lambda_init == pytest.approx(0.8 - 0.6 * np.exp(-0.3))
+    assert model.layers[0].attn.lambda_init[...] == pytest.approx(0.2)
+    assert model.layers[1].attn.lambda_init[...] == pytest.approx(0.8 - 0.6 * np.exp(-0.3))
 
 
 def test_v1_lambda_equals_lambda_init_when_vectors_vanish():
     model = TransformerLM(make_config("diff_v1", lambda_init=0.5), rngs=nnx.Rngs(0))
     for block in model.layers:
-        assert block.attn.lambda_init == 0.5
+        assert block.attn.lambda_init[...] == 0.5
         block.attn.lambda_q1[...] = jnp.zeros_like(block.attn.lambda_q1[...])
         block.attn.lambda_q2[...] = jnp.zeros_like(block.attn.lambda_q2[...])
     for lam in model.lambdas():

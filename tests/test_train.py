@@ -550,7 +550,7 @@ def test_load_model_reads_the_saved_parameters(tmp_path):
     assert model.config == diffjax.ModelConfig(
         **json.loads((tmp_path / "run" / "config.json").read_text())["model"]
     )
-    _, params = nnx.split(model, nnx.Param)
+    _, params, _ = nnx.split(model, nnx.Param, ...)
 
     def flat(tree):  # path of plain names -> array (Orbax writes layer indices as strings)
         return {

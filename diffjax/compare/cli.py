@@ -7,6 +7,9 @@ train.seed + train.num_seeds - 1`` (``RUN_DIR/<label>/seed_<seed>/``), times the
 side, then writes ``report.md`` and ``loss.png`` in the run directory and prints the table. A
 run directory that holds checkpoints resumes every unfinished model and seed from them.
 
+SIGTERM or SIGINT (Ctrl-C) during training stops it at the next step, saves that step and exits
+with status 75 (EX_TEMPFAIL); running the same command again resumes from there.
+
 Several processes (hosts): start one per host with ``--coordinator_address HOST:PORT
 --num_processes N --process_id I``; on a TPU pod slice, under SLURM or Open MPI the flags may be
 left out (JAX finds the cluster). See docs/scaling.md.
@@ -34,12 +37,22 @@ from diffjax.train.config import (
     model_directory,
     resolve_init_from,
 )
-from diffjax.train.loop import AfterStep, TrainingDiverged, TrainResult, describe_mesh, train_model
+from diffjax.train.loop import (
+    AfterStep,
+    Preempted,
+    TrainingDiverged,
+    TrainResult,
+    check_grad_accum,
+    describe_mesh,
+    preemption_guard,
+    train_model,
+)
 
 from .report import results_table, write_report
 from .throughput import side_by_side_throughput
 
 EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_CHECKPOINT = 2, 3, 4
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped by SIGTERM/SIGINT after saving; rerun to resume
 
 
 def _keys_help() -> str:
@@ -159,6 +172,7 @@ def main(argv: list[str] | None = None, *, after_step: AfterStep | None = None) 
         mesh = sharding.make_mesh(exp.mesh)  # checks the sizes against the devices
         for model_cfg in exp.models.values():
             sharding.check_model_mesh(model_cfg, mesh, exp.train.batch_size)
+        check_grad_accum(exp.train, mesh)
         if exp.train.kernel_check != "off":  # every model's kernels, before anything trains
             for model_cfg in exp.models.values():
                 ops.check_kernels(
@@ -200,6 +214,13 @@ def main(argv: list[str] | None = None, *, after_step: AfterStep | None = None) 
     except TrainingDiverged as e:
         _error(str(e))
         return EXIT_DIVERGED
+    except Preempted as e:
+        print(
+            f"{e.describe()}. Re-running the same command resumes from there.",
+            file=sys.stderr,
+            flush=True,
+        )
+        return EXIT_PREEMPTED
 
     side = None
     if exp.compare and exp.train.throughput_rounds:
@@ -250,26 +271,32 @@ def train_seeds(
 ) -> list[TrainResult]:
     """Train every model of ``exp`` (DIFF and, with compare, its twin) from every init seed of
     ``exp.seeds``, seed by seed, each in ``RUN_DIR/<label>/seed_<seed>/`` (resuming what a
-    checkpoint there holds); every run sees the same batches in the same order."""
+    checkpoint there holds); every run sees the same batches in the same order.
+
+    SIGTERM or SIGINT stops it at the next step boundary with :class:`Preempted` (the step
+    saved; see :func:`diffjax.train.loop.train_model`), also between two models."""
     results = []
-    for seed in exp.seeds:
-        for label, model_cfg in exp.models.items():
-            print(
-                f"\n== {label} (seed {seed}): {model_cfg.attention}, {model_cfg.num_layers} "
-                f"layers, d_model {model_cfg.d_model}, {model_cfg.num_heads} heads"
-            )
-            try:
-                results.append(
-                    train_model(
-                        exp.with_seed(seed),
-                        model_cfg,
-                        label,
-                        model_directory(run_dir, label, seed),
-                        mesh=mesh,
-                        after_step=after_step,
-                    )
+    with preemption_guard() as guard:
+        for seed in exp.seeds:
+            for label, model_cfg in exp.models.items():
+                print(
+                    f"\n== {label} (seed {seed}): {model_cfg.attention}, {model_cfg.num_layers} "
+                    f"layers, d_model {model_cfg.d_model}, {model_cfg.num_heads} heads"
                 )
-            except TrainingDiverged as e:
-                e.args = (f"[{label}, seed {seed}] {e}",)
-                raise
+                try:
+                    results.append(
+                        train_model(
+                            exp.with_seed(seed),
+                            model_cfg,
+                            label,
+                            model_directory(run_dir, label, seed),
+                            mesh=mesh,
+                            after_step=after_step,
+                        )
+                    )
+                except TrainingDiverged as e:
+                    e.args = (f"[{label}, seed {seed}] {e}",)
+                    raise
+        if not guard.synced and guard.requested():  # after the last model's last step
+            raise Preempted(None, run_dir, guard.signal_name)
     return results

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .probe import attention_maps, capture_layers, check_model
+from .probe import attention_maps, capture_layers, for_analysis
 from .retrieval import depth_bins, query_depths
 
 CATEGORIES = ("answer", "needle", "other needles", "noise context", "rest")
@@ -117,7 +117,7 @@ def category_mass(model, batch: dict):
     """Raw per-category weights ``[L, B, H, R, V, C]``, absolute row mass and row sum
     ``[L, B, H, R, V]`` of ``model``'s maps (softmax, or the differential map for DIFF) on a
     needle batch, for the answer-producing rows."""
-    check_model(model)
+    model = for_analysis(model)
     cats = position_categories(batch)
     onehot = np.eye(len(CATEGORIES), dtype=np.float32)[cats]
     raw, absm, tot = _category_mass(

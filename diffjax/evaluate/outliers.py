@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .probe import attention_logits, capture_layers, check_model, check_tokens
+from .probe import attention_logits, capture_layers, check_tokens, for_analysis
 
 KS = (1, 2, 3, 10, 100)
 
@@ -58,7 +58,7 @@ def activation_outliers(
 ) -> dict[str, dict[str, float]]:
     """Top-k and median magnitudes of ``model``'s attention logits and hidden states over the
     ``tokens`` ``[B, T]`` given (the token budget is ``B * T``)."""
-    check_model(model)
+    model = for_analysis(model)
     tokens = np.asarray(check_tokens(model, tokens))
     logit_mags, hidden = [], []
     for i in range(0, len(tokens), batch_size):

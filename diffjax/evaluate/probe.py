@@ -15,7 +15,7 @@ from flax import nnx
 
 from diffjax.attention import AttentionLayer, Projection
 from diffjax.kernels import reference
-from diffjax.model import TransformerLM
+from diffjax.model import TransformerLM, unstack_layers
 
 
 def check_model(model) -> None:
@@ -25,6 +25,20 @@ def check_model(model) -> None:
             f"build one with diffjax.TransformerLM(config) or load one with "
             f"diffjax.train.load_model(run_folder)"
         )
+
+
+def for_analysis(model: TransformerLM) -> TransformerLM:
+    """``model`` as the per-layer analyses read it: one :class:`~diffjax.model.Block` per layer
+    (a scanned model is unstacked; layer i keeps its index) and no rematerialization (nothing
+    is differentiated, and each block's call must be the model's own for ``nnx.capture``).
+    The parameters are shared or sliced, never changed."""
+    check_model(model)
+    if model.config.scan_layers:
+        model = unstack_layers(model)
+    if model.config.remat != "none":
+        model = nnx.merge(*nnx.split(model))
+        model.config = model.config.replace(remat="none")
+    return model
 
 
 def check_tokens(model, tokens) -> jax.Array:
@@ -112,7 +126,7 @@ def layer_attention_maps(model, tokens, layer: int = -1) -> dict[str, np.ndarray
     it sees inside the model. Standard attention: ``a`` ``[B, heads, T, T]``; DIFF: ``a1``, ``a2``,
     ``lam`` (V1 a scalar, V2 ``[B, T, h]``) and ``diff = a1 - lam * a2``. Materialises ``T x T``
     maps: for inspection and plots."""
-    check_model(model)
+    model = for_analysis(model)
     tokens = check_tokens(model, tokens)
     n = len(model.layers)
     if not isinstance(layer, (int, np.integer)) or not -n <= layer < n:

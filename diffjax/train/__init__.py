@@ -16,13 +16,14 @@ from .config import (
     load_config,
     model_directory,
 )
-from .loop import TrainingDiverged, TrainResult, train_model
+from .loop import Preempted, TrainingDiverged, TrainResult, preemption_guard, train_model
 from .optimizer import decay_mask, learning_rate_schedule, make_optimizer
 
 __all__ = [
     "CheckpointError",
     "Checkpointer",
     "ExperimentConfig",
+    "Preempted",
     "RunConfig",
     "TrainConfig",
     "TrainResult",
@@ -36,5 +37,6 @@ __all__ = [
     "load_model",
     "make_optimizer",
     "model_directory",
+    "preemption_guard",
     "train_model",
 ]

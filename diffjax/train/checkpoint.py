@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from typing import Any
 
@@ -29,33 +30,68 @@ from orbax.checkpoint import checkpoint_managers as cm
 
 from diffjax import sharding
 from diffjax.config import ConfigError, ModelConfig
-from diffjax.model import TransformerLM
+from diffjax.model import TransformerLM, initial_rest
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used: unreadable, or written by a different model config."""
 
 
-class Checkpointer:
-    def __init__(self, directory: str, *, keep: int = 3, async_save: bool = True):
-        self.directory = os.path.abspath(directory)
+# the metrics Orbax records with a preemption checkpoint (Checkpointer.save(preempted=True))
+PREEMPTED = "preempted"
+
+
+def _is_preemption(metrics: Any) -> bool:
+    return isinstance(metrics, dict) and PREEMPTED in metrics
+
+
+def _val_loss(metrics: Any) -> float:
+    """The ranking of a checkpoint for "best": its validation loss (a preemption checkpoint,
+    which has none, ranks last)."""
+    return math.inf if _is_preemption(metrics) else metrics["val_loss"]
+
+
+@dataclasses.dataclass
+class KeepPolicy:
+    """Orbax preservation: the last ``keep`` and the best (lowest validation loss) of the
+    regular checkpoints, and a preemption checkpoint while it is the latest checkpoint. A
+    preemption checkpoint is not counted among the last ``keep``, so saving it removes nothing;
+    once training resumed from it and saved a later checkpoint, it goes."""
+
+    keep: int
+
+    def should_preserve(self, checkpoints, *, context) -> list[bool]:
+        regular = [i for i, c in enumerate(checkpoints) if not _is_preemption(c.metrics)]
         policy = cm.AnyPreservationPolicy(
             [
-                cm.LatestN(n=keep),
+                cm.LatestN(n=self.keep),
                 cm.BestN(
-                    get_metric_fn=lambda m: m["val_loss"],
+                    get_metric_fn=_val_loss,
                     reverse=True,
                     n=1,
                     keep_checkpoints_without_metrics=False,
                 ),
             ]
         )
+        kept = policy.should_preserve([checkpoints[i] for i in regular], context=context)
+        out = [False] * len(checkpoints)
+        for i, k in zip(regular, kept):
+            out[i] = bool(k)
+        if checkpoints:
+            last = max(range(len(checkpoints)), key=lambda i: checkpoints[i].step)
+            out[last] = out[last] or _is_preemption(checkpoints[last].metrics)
+        return out
+
+
+class Checkpointer:
+    def __init__(self, directory: str, *, keep: int = 3, async_save: bool = True):
+        self.directory = os.path.abspath(directory)
         # best_fn is what makes Orbax write each step's metrics to disk: without it they live
         # only in this manager's memory, and after a resume BestN sees none and deletes the
         # best checkpoint. (Preservation itself is decided by ``policy`` alone.)
         options = ocp.CheckpointManagerOptions(
-            preservation_policy=policy,
-            best_fn=lambda m: m["val_loss"],
+            preservation_policy=KeepPolicy(keep),
+            best_fn=_val_loss,
             best_mode="min",
             enable_async_checkpointing=async_save,
             cleanup_tmp_directories=True,
@@ -90,8 +126,16 @@ class Checkpointer:
         data_state: Any,
         meta: dict[str, Any],
         val_loss: float | None = None,
+        *,
+        preempted: bool = False,
     ) -> None:
-        metrics = None if val_loss is None else {"val_loss": float(val_loss)}
+        """Save ``step`` (asynchronously: :meth:`wait` for the commit). ``preempted``: a
+        checkpoint written because training was stopped (no validation loss): it removes no
+        earlier checkpoint and is never the best (:class:`KeepPolicy`)."""
+        if preempted:
+            metrics = {PREEMPTED: 1.0}
+        else:
+            metrics = None if val_loss is None else {"val_loss": float(val_loss)}
         self.manager.save(
             step,
             metrics=metrics,
@@ -153,15 +197,31 @@ def _unreadable(directory: str, step: int, error: Exception) -> str:
     )
 
 
+# how a model is run, not what it is: a checkpoint resumes with any of these changed
+EXECUTION_FIELDS = ("attention_impl", "remat")
+
+
 def check_same_model(saved: dict[str, Any], current: dict[str, Any], directory: str) -> None:
     """Stop when a checkpoint was written by a different model config. A field the checkpoint
-    does not record (written before the field existed) counts as its default."""
+    does not record (written before the field existed) counts as its default; the
+    :data:`EXECUTION_FIELDS` may differ. A checkpoint of the other parameter layout
+    (``scan_layers``) is refused with its own message, which names the converter."""
     defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
     saved = {**{k: v for k, v in defaults.items() if k in current}, **saved}
+    if saved.get("scan_layers") != current.get("scan_layers"):
+        layout = {True: "scanned (stacked layers)", False: "unrolled (one entry per layer)"}
+        raise ConfigError(
+            f"the checkpoint in {directory} holds {layout[bool(saved.get('scan_layers'))]} "
+            f"parameters, but model.scan_layers={current.get('scan_layers')}. Fix: resume with "
+            f"model.scan_layers={saved.get('scan_layers')}, or copy the run into the other "
+            f"layout with `python -m diffjax.train.convert {directory} NEW_DIR` "
+            f"(optimizer state included; for a model alone: diffjax.model.stack_layers / "
+            f"unstack_layers)."
+        )
     diffs = [
         f"{k}: checkpoint has {saved.get(k)!r}, config has {current.get(k)!r}"
         for k in sorted(set(saved) | set(current))
-        if saved.get(k) != current.get(k)
+        if saved.get(k) != current.get(k) and k not in EXECUTION_FIELDS
     ]
     if diffs:
         raise ConfigError(
@@ -237,7 +297,7 @@ def load_model(directory: str, step: int | str = "best", *, mesh: jax.sharding.M
         ) from e
 
     abstract = nnx.eval_shape(lambda: TransformerLM(config, rngs=nnx.Rngs(0)))
-    graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
+    graphdef, params, _ = nnx.split(abstract, nnx.Param, ...)
     if mesh is None:
         target = abstract_like(params, jax.sharding.SingleDeviceSharding(jax.local_devices()[0]))
     else:
@@ -257,5 +317,7 @@ def load_model(directory: str, step: int | str = "best", *, mesh: jax.sharding.M
             )["params"]
     except Exception as e:  # noqa: BLE001 - any failure to read is a bad checkpoint
         raise CheckpointError(_unreadable(ckpt_dir, step, e)) from e
-    rest = jax.tree.map(lambda x: jax.numpy.zeros(x.shape, x.dtype), rest)
+    rest = initial_rest(config)  # DIFF V1's lambda_init per layer
+    if mesh is not None:
+        rest = jax.device_put(rest, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
     return nnx.merge(graphdef, params, rest)

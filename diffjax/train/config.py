@@ -51,6 +51,10 @@ class TrainConfig:
 
     steps: int = 1000  # train steps (optimizer updates)
     batch_size: int = 16  # global batch (sequences per step)
+    # split each global batch into this many microbatches, run one after another inside the
+    # one compiled step (their gradients summed): the activations of batch_size /
+    # grad_accum_steps sequences at a time
+    grad_accum_steps: int = 1
     lr: float = 1.5e-4  # the peak learning rate, reached after warmup
     warmup_steps: int = 375  # steps of linear warmup to lr
     schedule: str = "linear"  # the decay after warmup, to lr * min_lr_ratio ("constant": none)
@@ -84,6 +88,9 @@ class TrainConfig:
     # kind, jax version and head widths (cached): "auto" when the run uses them (GPU/TPU),
     # "off", or "interpret" (through the interpreters, also on CPU; for tests)
     kernel_check: str = "auto"
+    # the accelerator's peak dense bf16 TFLOP/s per device, for MFU (model FLOPs utilisation).
+    # None: looked up from the device kind (diffjax.flops.PEAK_TFLOPS); no MFU on CPU unless set
+    peak_tflops: float | None = None
     progress: bool = True  # show a progress bar
     tensorboard: bool = True  # write TensorBoard logs (tb/ in each model's folder)
 
@@ -160,6 +167,31 @@ class TrainConfig:
                 )
         if self.seed < 0:
             fail(c, "seed", f"must be >= 0, got {self.seed}", "use a non-negative seed")
+        if self.grad_accum_steps < 1:
+            fail(
+                c,
+                "grad_accum_steps",
+                f"must be >= 1, got {self.grad_accum_steps}",
+                "set train.grad_accum_steps=1 (no accumulation) or more",
+            )
+        if self.batch_size >= 1 and self.batch_size % self.grad_accum_steps:
+            valid = [k for k in range(1, self.batch_size + 1) if self.batch_size % k == 0]
+            fail(
+                c,
+                "grad_accum_steps",
+                f"{self.grad_accum_steps} microbatches cannot split train.batch_size="
+                f"{self.batch_size} evenly",
+                f"use train.grad_accum_steps in {valid}, or a train.batch_size that is a "
+                f"multiple of {self.grad_accum_steps}",
+            )
+        if self.peak_tflops is not None and not self.peak_tflops > 0:
+            fail(
+                c,
+                "peak_tflops",
+                f"must be > 0, got {self.peak_tflops}",
+                "set train.peak_tflops to the device's peak TFLOP/s, e.g. 989 for an H100, or "
+                "None to look it up from the device kind",
+            )
         if self.throughput_rounds < 0:
             fail(
                 c,

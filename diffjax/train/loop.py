@@ -18,6 +18,8 @@ import itertools
 import json
 import math
 import os
+import signal
+import threading
 import time
 from typing import Any, Callable, Iterator, Mapping
 
@@ -29,6 +31,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from diffjax import data as data_lib
+from diffjax import flops as flops_lib
 from diffjax import hf, ops, sharding
 from diffjax.compile_options import cpu_compile_options
 from diffjax.config import ConfigError, ModelConfig
@@ -60,6 +63,41 @@ class TrainingDiverged(RuntimeError):
         )
 
 
+class Preempted(Exception):
+    """Training stopped on SIGTERM or SIGINT (every process at the same step) after saving a
+    checkpoint of ``step`` in ``directory`` and waiting for its commit; re-running the same
+    command resumes from it. ``step`` is None when the signal came between two models' training
+    (nothing new to save). ``label``/``seed``: the model being trained, where known."""
+
+    def __init__(
+        self,
+        step: int | None,
+        directory: str,
+        signal_name: str = "a signal",
+        label: str | None = None,
+        seed: int | None = None,
+    ):
+        self.step, self.directory, self.signal_name = step, directory, signal_name
+        self.label, self.seed = label, seed
+        super().__init__(self.describe())
+
+    def describe(self) -> str:
+        model = (
+            ""
+            if self.label is None
+            else f" of {self.label}" + ("" if self.seed is None else f" (seed {self.seed})")
+        )
+        if self.step is None:
+            return (
+                f"stopped by {self.signal_name} between training runs{model}; every checkpoint "
+                f"saved so far is kept ({self.directory})"
+            )
+        return (
+            f"stopped by {self.signal_name} at step {self.step}{model}; saved a checkpoint of "
+            f"that step in {self.directory}"
+        )
+
+
 @dataclasses.dataclass
 class TrainResult:
     label: str
@@ -82,6 +120,10 @@ class TrainResult:
     # the final evaluation's metrics beyond loss and perplexity, those the data declares
     # (diffjax.data.validation_metrics), by their metrics.jsonl key: {"val_<name>": value}
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+    # the median over the timed steps of the model TFLOP/s per device (diffjax.flops), and of
+    # the MFU (that / the device's peak; None when the peak is unknown, e.g. on CPU)
+    tflops_per_device: float | None = None
+    mfu: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -113,22 +155,79 @@ def _call(model, batch) -> jax.Array:
     )
 
 
-def loss_fn(params, batch, graphdef, rest) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """The batch's mean weighted cross-entropy, and each layer's lambda as ``aux["lambda"]``
-    (:func:`diffjax.model.sown_lambdas`; empty for standard attention)."""
+def _loss_terms(params, batch, graphdef, rest):
+    """The batch's weighted cross-entropy sum, and ``(weight sum, per-layer lambdas)``."""
     model = nnx.merge(graphdef, params, rest)
     logits, sown = nnx.capture(_call, nnx.Intermediate)(model, batch)
     total, weight = weighted_cross_entropy(logits, batch["targets"], batch["weights"])
     lambdas = sown_lambdas(sown)
-    aux = {"lambda": jnp.stack(lambdas) if lambdas else jnp.zeros((0,), jnp.float32)}
-    return total / jnp.maximum(weight, 1.0), aux
+    return total, (weight, jnp.stack(lambdas) if lambdas else jnp.zeros((0,), jnp.float32))
 
 
-def train_step(state, batch, *, graphdef, rest, tx: optax.GradientTransformation, schedule):
-    """One optimizer step: ``(new state, metrics)``; the state is donated by the jit."""
-    (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-        state["params"], batch, graphdef, rest
+def loss_fn(params, batch, graphdef, rest) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The batch's mean weighted cross-entropy, and each layer's lambda as ``aux["lambda"]``
+    (:func:`diffjax.model.sown_lambdas`; empty for standard attention)."""
+    total, (weight, lambdas) = _loss_terms(params, batch, graphdef, rest)
+    return total / jnp.maximum(weight, 1.0), {"lambda": lambdas}
+
+
+def microbatches(batch: dict[str, jax.Array], k: int) -> dict[str, jax.Array]:
+    """``[B, ...] -> [k, B / k, ...]``: microbatch ``j`` is rows ``j::k`` of the batch, so each
+    data shard's rows split into its own ``k`` microbatches (no rows move between devices),
+    each constrained to the batch's row sharding."""
+
+    def split(x):
+        x = jnp.moveaxis(x.reshape(x.shape[0] // k, k, *x.shape[1:]), 1, 0)
+        return sharding.constrain(x, None, "batch", *(None,) * (x.ndim - 2))
+
+    return {name: split(x) for name, x in batch.items()}
+
+
+def accumulated_loss_and_grads(params, batch, graphdef, rest, accum_steps: int):
+    """``((loss, aux), grads)`` as ``jax.value_and_grad(loss_fn, has_aux=True)`` gives them for
+    the whole batch, computed over ``accum_steps`` microbatches (:func:`microbatches`) in a
+    ``lax.scan``: the weighted cross-entropy sums and their gradients are summed, then divided
+    by the whole batch's weight sum (so unevenly weighted microbatches, e.g. answer-only
+    weights, count by their tokens); the lambdas are averaged over the microbatches."""
+    mbs = microbatches(batch, accum_steps)
+    grad_fn = jax.value_and_grad(_loss_terms, has_aux=True)
+    first = jax.tree.map(lambda x: x[0], mbs)
+    lam_shape = jax.eval_shape(lambda p, b: _loss_terms(p, b, graphdef, rest)[1][1], params, first)
+
+    def body(carry, mb):
+        total, weight, lambdas, grads = carry
+        (t, (w, lam)), g = grad_fn(params, mb, graphdef, rest)
+        grads = jax.tree.map(lambda a, b: a + b.astype(a.dtype), grads, g)
+        return (total + t, weight + w, lambdas + lam, grads), None
+
+    # the sums in float32 (also for bfloat16 parameters), the gradients cast back at the end
+    zero = jnp.zeros((), jnp.float32)
+    init = (
+        zero,
+        zero,
+        jnp.zeros(lam_shape.shape, lam_shape.dtype),
+        jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.promote_types(p.dtype, jnp.float32)), params),
     )
+    (total, weight, lambdas, grads), _ = jax.lax.scan(body, init, mbs)
+    denom = jnp.maximum(weight, 1.0)
+    grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), grads, params)
+    return (total / denom, {"lambda": lambdas / accum_steps}), grads
+
+
+def train_step(
+    state, batch, *, graphdef, rest, tx: optax.GradientTransformation, schedule, accum_steps=1
+):
+    """One optimizer step: ``(new state, metrics)``; the state is donated by the jit.
+    ``accum_steps > 1``: the gradient of the batch accumulated over that many microbatches
+    (:func:`accumulated_loss_and_grads`; the batch rows per data shard must divide by it)."""
+    if accum_steps == 1:
+        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            state["params"], batch, graphdef, rest
+        )
+    else:
+        (loss, aux), grads = accumulated_loss_and_grads(
+            state["params"], batch, graphdef, rest, accum_steps
+        )
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
     metrics = {
@@ -166,6 +265,7 @@ class ModelSetup:
     mesh: jax.sharding.Mesh
     jitted_init: Callable[[jax.Array], tuple[dict[str, Any], Any]]  # ``init``, jitted, sharded
     seed: int = 0
+    accum_steps: int = 1  # microbatches per step (``train.grad_accum_steps``)
 
     def fresh_state(self) -> tuple[dict[str, Any], Any]:
         """A new state from ``seed``, created sharded in one jitted function (one compile, not
@@ -238,6 +338,7 @@ def _model_setup(model_cfg: ModelConfig, tcfg, mesh, rules) -> ModelSetup:
         rest_sh,
         mesh,
         jax.jit(init, out_shardings=(state_sh, rest_sh)),
+        accum_steps=tcfg.grad_accum_steps,
     )
 
 
@@ -248,7 +349,13 @@ def compile_steps(setup: ModelSetup, state, rest, batch) -> tuple[Any, Callable]
     batch_sh = {k: v.sharding for k, v in batch.items()}
     model = dict(graphdef=setup.graphdef, rest=rest)
     train = jax.jit(
-        functools.partial(train_step, tx=setup.tx, schedule=setup.schedule, **model),
+        functools.partial(
+            train_step,
+            tx=setup.tx,
+            schedule=setup.schedule,
+            accum_steps=setup.accum_steps,
+            **model,
+        ),
         donate_argnums=0,
         compiler_options=cpu_compile_options(),
         in_shardings=(setup.state_sh, batch_sh),
@@ -261,6 +368,25 @@ def compile_steps(setup: ModelSetup, state, rest, batch) -> tuple[Any, Callable]
         out_shardings=(replicated, replicated, batch_sh["inputs"]),
     )
     return train.lower(state, batch).compile(), evaluate_fn
+
+
+def check_grad_accum(tcfg, mesh) -> None:
+    """Refuse, before any compute, a ``train.grad_accum_steps`` that does not split every data
+    shard's rows of the batch (each process's too) into whole microbatches."""
+    k, batch = tcfg.grad_accum_steps, tcfg.batch_size
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    shards = sizes.get("data", 1) * sizes.get("fsdp", 1)
+    if k == 1 or batch % shards:  # batch % shards: sharding.check_model_mesh's message
+        return
+    rows = batch // shards
+    if batch % k or rows % k:
+        valid = [d for d in range(1, rows + 1) if rows % d == 0]
+        raise ConfigError(
+            f"train.grad_accum_steps={k} does not divide the {rows} rows of train.batch_size="
+            f"{batch} that each of the data x fsdp = {shards} data shards holds: every shard "
+            f"splits its own rows into the microbatches. Fix: use train.grad_accum_steps in "
+            f"{valid}, or a train.batch_size that is a multiple of {shards * k}."
+        )
 
 
 def pretrained_state(
@@ -360,10 +486,9 @@ def initial_state(
     """``(state, rest)`` to start from: the latest checkpoint's (which also moves ``train_iter``
     to where it was), ``train.init_from``'s parameters, or a fresh initialisation."""
     if latest is not None:
-        rest = jax.jit(
-            lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), setup.abstract_rest),
-            out_shardings=setup.rest_sh,
-        )()
+        # the non-parameter state (DIFF V1's per-layer lambda_init) as a fresh model has it;
+        # XLA drops the parameter initialisers this function does not return
+        rest = jax.jit(lambda: setup.init(jax.random.key(0))[1], out_shardings=setup.rest_sh)()
         state = ckpt.restore(latest, abstract_like(setup.abstract, setup.state_sh), train_iter)
         log(
             f"[{label}] resuming from the checkpoint at step {int(state['step'])} in "
@@ -410,10 +535,45 @@ def evaluate(
 
 
 # ---------------------------------------------------------------------------- recording
+@dataclasses.dataclass(frozen=True)
+class Throughput:
+    """What turns a step time into model TFLOP/s per device and MFU: the model FLOPs of a step
+    (:func:`diffjax.flops.train_flops_per_token` x tokens), the devices, and the device's peak
+    TFLOP/s (None: no MFU)."""
+
+    flops_per_step: float
+    devices: int
+    peak_tflops: float | None = None
+
+    @classmethod
+    def of(cls, model_cfg: ModelConfig, tcfg, seq_len: int, mesh) -> Throughput:
+        tokens = tcfg.batch_size * seq_len
+        kind = mesh.devices.flat[0].device_kind
+        return cls(
+            flops_lib.train_flops_per_token(model_cfg, seq_len) * tokens,
+            mesh.devices.size,
+            flops_lib.peak_tflops(kind, tcfg.peak_tflops),
+        )
+
+    def add_to(self, record: dict[str, Any], step_time: float) -> None:
+        if not step_time > 0:
+            return
+        tflops = self.flops_per_step / step_time / self.devices / 1e12
+        record["tflops_per_device"] = tflops
+        if self.peak_tflops:
+            record["mfu"] = tflops / self.peak_tflops
+
+
 def step_record(
-    step: int, host: dict[str, np.ndarray], step_time: float, tokens_per_step: int, timed: bool
+    step: int,
+    host: dict[str, np.ndarray],
+    step_time: float,
+    tokens_per_step: int,
+    timed: bool,
+    throughput: Throughput | None = None,
 ) -> dict[str, Any]:
-    """The ``metrics.jsonl`` record of one step from its metrics on the host."""
+    """The ``metrics.jsonl`` record of one step from its metrics on the host (with
+    ``throughput``: its model TFLOP/s per device and MFU)."""
     loss = float(host["loss"])
     record = {
         "step": step,
@@ -428,7 +588,19 @@ def step_record(
     }
     if host["lambda"].size:
         record["lambda"] = [float(x) for x in host["lambda"]]
+    if throughput is not None:
+        throughput.add_to(record, step_time)
     return record
+
+
+def _speed(record: dict[str, Any]) -> dict[str, str]:
+    """The progress bar's throughput: tokens/s and the MFU (or model TFLOP/s per device)."""
+    out = {"tok_s": f"{record['tokens_per_s']:.0f}"} if record.get("tokens_per_s") else {}
+    if record.get("mfu") is not None:
+        out["mfu"] = f"{record['mfu']:.1%}"
+    elif record.get("tflops_per_device") is not None:
+        out["tflops"] = f"{record['tflops_per_device']:.3g}"
+    return out
 
 
 class _Recorder:
@@ -436,9 +608,17 @@ class _Recorder:
     ``n + 1`` runs), times the steps, writes the records and draws the progress bar. A
     non-finite loss is written, then raises :class:`TrainingDiverged` naming ``last_good``."""
 
-    def __init__(self, writer, tokens_per_step: int, bar, last_good: int | None, ckpt_dir: str):
+    def __init__(
+        self,
+        writer,
+        tokens_per_step: int,
+        bar,
+        last_good: int | None,
+        ckpt_dir: str,
+        throughput: Throughput | None = None,
+    ):
         self.writer, self.tokens_per_step, self.bar = writer, tokens_per_step, bar
-        self.last_good, self.ckpt_dir = last_good, ckpt_dir
+        self.last_good, self.ckpt_dir, self.throughput = last_good, ckpt_dir, throughput
         self.queued: tuple[int, Any, bool] | None = None
         self.restart_clock()
 
@@ -461,9 +641,7 @@ class _Recorder:
         self.writer.write(record)
         if self.bar is not None:
             self.bar.set_postfix(
-                loss=f"{record['loss']:.3f}",
-                val=f"{record['val_loss']:.3f}",
-                tok_s=f"{record['tokens_per_s']:.0f}",
+                loss=f"{record['loss']:.3f}", val=f"{record['val_loss']:.3f}", **_speed(record)
             )
 
     def close(self) -> None:
@@ -474,16 +652,16 @@ class _Recorder:
     def _read(self, step: int, metrics: Any, timed: bool) -> dict[str, Any]:
         host = jax.device_get(metrics)
         now = time.perf_counter()
-        record = step_record(step, host, now - self.clock, self.tokens_per_step, timed)
+        record = step_record(
+            step, host, now - self.clock, self.tokens_per_step, timed, self.throughput
+        )
         self.clock = now
         if not math.isfinite(record["loss"]):
             self.writer.write(record)
             raise TrainingDiverged(step, record["loss"], self.last_good, self.ckpt_dir)
         if self.bar is not None:
             self.bar.update(1)
-            self.bar.set_postfix(
-                loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}"
-            )
+            self.bar.set_postfix(loss=f"{record['loss']:.3f}", **_speed(record))
         return record
 
 
@@ -522,6 +700,89 @@ def describe_mesh(mesh) -> str:
     )
 
 
+# ---------------------------------------------------------------------------- preemption
+def _preemption_sync_manager():
+    """JAX's preemption sync manager (``jax.distributed.initialize`` starts it; it catches
+    SIGTERM), or None."""
+    from jax._src import distributed
+
+    return getattr(distributed.global_state, "preemption_sync_manager", None)
+
+
+class PreemptionGuard:
+    """Turns SIGTERM and SIGINT into a stop at the next step boundary, the same step on every
+    process (:meth:`stop_at`), while it is entered (re-entrant: the command line holds it over
+    every model and seed, :func:`train_model` over its own loop); the previous handlers are
+    back on exit.
+
+    One process: a Python handler for both signals sets a flag. Several processes: JAX's
+    preemption service (started by ``jax.distributed.initialize``) catches SIGTERM and agrees
+    on a step (``multihost_utils.reached_preemption_sync_point``); SIGINT is passed to it as a
+    SIGTERM to this process. A second SIGINT raises ``KeyboardInterrupt`` at once."""
+
+    def __init__(self):
+        self.depth = 0
+        self.received: str | None = None
+        self.synced = False
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> PreemptionGuard:
+        self.depth += 1
+        if self.depth == 1:
+            self.received = None
+            self._install()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.depth -= 1
+        if self.depth == 0:
+            for sig, handler in self._previous.items():
+                signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+            self._previous = {}
+
+    def _install(self) -> None:
+        self._previous = {}
+        if threading.current_thread() is not threading.main_thread():
+            return  # Python handlers can only be set from the main thread
+        self.synced = jax.process_count() > 1 and _preemption_sync_manager() is not None
+        if jax.process_count() > 1 and not self.synced:
+            return  # the preemption service is off: the processes could not agree on a step
+        sigs = (signal.SIGINT,) if self.synced else (signal.SIGINT, signal.SIGTERM)
+        for sig in sigs:
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        if signum == signal.SIGINT and self.received == "SIGINT":
+            raise KeyboardInterrupt
+        first = self.received is None
+        self.received = signal.Signals(signum).name
+        if self.synced and first:
+            os.kill(os.getpid(), signal.SIGTERM)  # to the preemption service
+
+    @property
+    def signal_name(self) -> str:
+        return self.received or "SIGTERM"
+
+    def requested(self) -> bool:
+        """A stop was asked of this process (not agreed among processes: :meth:`stop_at`)."""
+        return self.received is not None
+
+    def stop_at(self, step: int) -> bool:
+        """Whether to stop after ``step``; every process calls it at every step and gets the
+        same answer."""
+        if self.synced:
+            return multihost_utils.reached_preemption_sync_point(step)
+        return self.received is not None
+
+
+_GUARD = PreemptionGuard()
+
+
+def preemption_guard() -> PreemptionGuard:
+    """The process's :class:`PreemptionGuard` (``with preemption_guard(): ...``)."""
+    return _GUARD
+
+
 # ---------------------------------------------------------------------------- the loop
 AfterStep = Callable[[int, Checkpointer], None]
 
@@ -542,12 +803,17 @@ def train_model(
     checkpoint if it has one (saved on any mesh), and return the summary. With several
     processes every process calls it; only process 0 writes metrics and results.
 
+    SIGTERM or SIGINT stops it at the next step boundary (the same step on every process):
+    that step is saved (model, optimizer and data-iterator state; no earlier checkpoint is
+    removed), the save committed, and :class:`Preempted` raised; calling it again resumes.
+
     ``after_step(step, checkpointer)`` runs after each step's bookkeeping (its evaluation and
     checkpoint save issued, the save maybe still in flight); the resume tests kill the process
     from it."""
     mesh = sharding.make_mesh(exp.mesh) if mesh is None else mesh
     sharding.check_model_mesh(model_cfg, mesh, exp.train.batch_size)
-    with jax.set_mesh(mesh), nnx.logical_axis_rules(sharding.current_rules()):
+    check_grad_accum(exp.train, mesh)
+    with _GUARD, jax.set_mesh(mesh), nnx.logical_axis_rules(sharding.current_rules()):
         return _train_model(
             exp, model_cfg, label, directory, require_checkpoint, log, mesh, after_step
         )
@@ -564,6 +830,9 @@ def _train_model(
     after_step: AfterStep | None,
 ) -> TrainResult:
     tcfg, main = exp.train, jax.process_index() == 0
+    if not _GUARD.synced and _GUARD.requested():  # came before this model started
+        ckpt_dir = os.path.join(os.path.abspath(directory), "checkpoints")
+        raise Preempted(None, ckpt_dir, _GUARD.signal_name, label, tcfg.seed)
     if tcfg.kernel_check != "off":  # before anything is trained: a failure stops the run
         ops.check_kernels(model_cfg, interpret=tcfg.kernel_check == "interpret", log=log)
     ckpt, latest, meta = _open_run(exp, model_cfg, label, directory, require_checkpoint, log)
@@ -592,7 +861,14 @@ def _train_model(
         else MetricsCollector()
     )
     bar = _progress_bar(tcfg.steps, start, label) if tcfg.progress and main else None
-    recorder = _Recorder(writer, tcfg.batch_size * exp.data.seq_len, bar, latest, ckpt.directory)
+    recorder = _Recorder(
+        writer,
+        tcfg.batch_size * exp.data.seq_len,
+        bar,
+        latest,
+        ckpt.directory,
+        Throughput.of(model_cfg, tcfg, exp.data.seq_len, mesh),
+    )
     try:
         for step in range(start + 1, tcfg.steps + 1):
             state, metrics = train_fn(state, model_inputs(next(train_iter), mesh, tcfg.batch_size))
@@ -613,6 +889,14 @@ def _train_model(
                 recorder.restart_clock()
             if after_step is not None:
                 after_step(step, ckpt)
+            if _GUARD.stop_at(step):
+                if recorder.queued is not None:  # this step's record (a NaN loss raises here)
+                    recorder.writer.write(recorder.pop())
+                if not save:  # a checkpoint step is saved already
+                    ckpt.save(step, state, train_iter.get_state(), meta, preempted=True)
+                    recorder.last_good = step
+                ckpt.wait()
+                raise Preempted(step, ckpt.directory, _GUARD.signal_name, label, tcfg.seed)
     finally:
         recorder.close()
         ckpt.wait()
@@ -669,6 +953,8 @@ def summarize(
         "and not affected by the other model trained in the same process",
         device_peak_bytes=device_peak,
         lambdas=last.get("lambda"),
+        tflops_per_device=_median(timed, "tflops_per_device"),
+        mfu=_median(timed, "mfu"),
         metrics={
             k: v
             for k, v in (evals[-1] if evals else {}).items()
@@ -676,3 +962,8 @@ def summarize(
         },
         resumed_from=resumed_from,
     )
+
+
+def _median(records: list[dict], key: str) -> float | None:
+    values = [r[key] for r in records if r.get(key) is not None]
+    return float(np.median(values)) if values else None
