@@ -1,0 +1,214 @@
+"""docs/scaling.md's table of the paper-size configs on TPU slices and a GPU node, from
+``python -m diffjax.plan``'s compiles (run with the ``compile`` extra's python).
+
+For each config (830M, 1.4B, 3B), target (v5e-8, h100-8, v5p-8) and model (DIFF, twin), at
+4096-token sequences, mesh fsdp over every device:
+
+1. the per-device memory of the compiled train step with one sequence per device, for
+   ``model.remat`` none, full and dots;
+2. the largest global batch that fits with remat full: compiled at 1 and 4 sequences per
+   device, the line through the two predicts the largest, which is compiled (and, when it
+   does not fit, one device's worth of rows less, until one fits).
+
+Every compile is appended to ``--out`` (JSON lines) as it finishes, so a run that is stopped
+keeps what it did and a rerun skips it; ``--render`` prints the markdown table of what is there.
+
+    $DIFFJAX_COMPILE_PYTHON benchmarks/plan_table.py --out /tmp/plan_table.jsonl
+    python benchmarks/plan_table.py --out /tmp/plan_table.jsonl --render
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = {"830M": "diff_830m.py", "1.4B": "diff_1_4b.py", "3B": "diff_3b.py"}
+TARGETS = ("v5e-8", "h100-8", "v5p-8")
+LABELS = ("diff", "standard")
+SEQ = 4096
+GIB = 1024**3
+
+
+def _key(size, target, label, remat, batch):
+    return f"{size}|{target}|{label}|{remat}|{batch}"
+
+
+def _load(path):
+    done = {}
+    if os.path.exists(path):
+        for line in open(path):
+            if line.strip():
+                r = json.loads(line)
+                if r.get("accum", 1) != 1:  # the table's cells are without accumulation
+                    continue
+                done[_key(r["size"], r["target"], r["label"], r["remat"], r["batch"])] = r
+    return done
+
+
+def run(out: str, sizes, targets, labels, steps) -> None:
+    import jax
+
+    from diffjax import plan
+
+    plan.compile_only_env()
+    from diffjax.train.config import apply_overrides, load_config
+
+    done = _load(out)
+    for size in sizes:
+        for tname in targets:
+            target = plan.TARGETS[tname]
+            devices = plan.target_devices(target)
+            hbm = target.hbm_gib * GIB
+            for label in labels:
+                exp = apply_overrides(
+                    load_config(os.path.join(ROOT, "configs", CONFIGS[size])),
+                    [f"data.seq_len={SEQ}", "mesh.fsdp=-1"],
+                )
+                cfg = exp.models[label]
+                n = target.devices
+
+                def measure(remat, batch):
+                    k = _key(size, tname, label, remat, batch)
+                    if k in done:
+                        return done[k]
+                    e = dataclasses.replace(
+                        exp,
+                        model=cfg.replace(remat=remat),
+                        train=dataclasses.replace(exp.train, batch_size=batch, grad_accum_steps=1),
+                        compare=False,
+                        twin_init_std=None,
+                    )
+                    t0 = time.time()
+                    try:
+                        m = plan.compile_train_step(e, e.model, devices, target)
+                        rec = dict(dataclasses.asdict(m), fits=m.fits(hbm))
+                    except Exception as exc:  # noqa: BLE001  (recorded, the table says so)
+                        rec = dict(error=f"{type(exc).__name__}: {str(exc)[:300]}", fits=False)
+                    rec.update(
+                        size=size,
+                        target=tname,
+                        label=label,
+                        remat=remat,
+                        batch=batch,
+                        hbm_bytes=hbm,
+                        seconds=round(time.time() - t0, 1),
+                        jax=jax.__version__,
+                    )
+                    with open(out, "a") as f:
+                        f.write(json.dumps(rec) + "\n")
+                    done[k] = rec
+                    print(
+                        f"{size} {tname} {label} remat={remat} batch={batch}: "
+                        f"{rec.get('total_bytes', -1) / GIB:.2f} GiB fits={rec['fits']} "
+                        f"({rec['seconds']} s)",
+                        flush=True,
+                    )
+                    return rec
+
+                if "full1" in steps:  # remat full, one sequence per device
+                    measure("full", n)
+                if "mem" in steps:
+                    for remat in ("full", "none"):
+                        measure(remat, n)
+                if "batch" in steps:
+                    a, b = measure("full", n), measure("full", 4 * n)
+                    if a.get("total_bytes", -1) > 0 and b.get("total_bytes", -1) > 0 and a["fits"]:
+                        per_row = (b["total_bytes"] - a["total_bytes"]) / (3 * n)
+                        best = n + int((hbm - a["total_bytes"]) / per_row) if per_row > 0 else n
+                        best = max(n, best // n * n)
+                        while best > n:
+                            if measure("full", best)["fits"]:
+                                measure("full", best + n)  # the boundary: one row per device more
+                                break
+                            best -= n
+                if "dots" in steps:
+                    measure("dots", n)
+
+
+def _gib(r):
+    if r is None:
+        return "not run"
+    if "error" in r:
+        return "error"
+    if r.get("compiler_oom"):
+        return f"> HBM ({r['total_bytes'] / GIB:.1f})" if r["total_bytes"] > 0 else "> HBM"
+    return f"{r['total_bytes'] / GIB:.1f}"
+
+
+def render(out: str) -> str:
+    done = _load(out)
+    lines = [
+        "| model | target | HBM | params + Adam / device | remat none | remat dots | remat full "
+        "| largest batch (remat full) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for size in CONFIGS:
+        for tname in TARGETS:
+            for label in LABELS:
+                recs = {
+                    (r["remat"], r["batch"]): r
+                    for r in done.values()
+                    if (r["size"], r["target"], r["label"]) == (size, tname, label)
+                }
+                if not recs:
+                    continue
+                n = 4 if tname == "v5p-8" else 8
+                hbm = next(iter(recs.values()))["hbm_bytes"] / GIB
+                state = next(
+                    (r for r in recs.values() if "params_bytes" in r),
+                    None,
+                )
+                st = (
+                    "?"
+                    if state is None
+                    else f"{(state['params_bytes'] + state['opt_bytes']) / GIB:.2f}"
+                )
+                fits_full = [b for (rm, b), r in recs.items() if rm == "full" and r["fits"]]
+                fails_full = [b for (rm, b), r in recs.items() if rm == "full" and not r["fits"]]
+                if (("full", 4 * n) not in recs) and fits_full:
+                    largest = "not searched"
+                elif fits_full:
+                    best = max(fits_full)
+                    above = [b for b in fails_full if b > best]
+                    largest = f"{best}" + (
+                        f" ({min(above)} does not fit)" if above else " (larger not compiled)"
+                    )
+                else:
+                    largest = "none fits" if fails_full else "not run"
+                name = f"{size} {'DIFF' if label == 'diff' else 'twin'}"
+                lines.append(
+                    f"| {name} | {tname} | {hbm:g} GiB | {st} GiB | {_gib(recs.get(('none', n)))} | "
+                    f"{_gib(recs.get(('dots', n)))} | {_gib(recs.get(('full', n)))} | {largest} |"
+                )
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="/tmp/plan_table.jsonl")
+    p.add_argument("--render", action="store_true", help="print the table of what --out holds")
+    p.add_argument("--sizes", default=",".join(CONFIGS))
+    p.add_argument("--targets", default=",".join(TARGETS))
+    p.add_argument("--labels", default=",".join(LABELS))
+    p.add_argument(
+        "--steps",
+        default="mem,batch,dots",
+        help="full1 (remat full), mem (full and none), batch, dots: one sequence per device "
+        "except batch",
+    )
+    a = p.parse_args(argv)
+    if a.render:
+        print(render(a.out))
+        return 0
+    sys.path.insert(0, ROOT)
+    run(a.out, a.sizes.split(","), a.targets.split(","), a.labels.split(","), a.steps.split(","))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

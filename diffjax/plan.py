@@ -1,0 +1,754 @@
+"""Will it fit? Compile the real train step for a machine that is not here, and read its memory.
+
+    python -m diffjax.plan --config configs/diff_830m.py --target v5e-8
+    python -m diffjax.plan --config configs/diff_3b.py --target h100-8 train.batch_size=64
+    python -m diffjax.plan --config configs/diff_125m.py --target v5p-8 --hbm-gib 4
+
+For the config's DIFF model and (``compare=true``) its standard twin (:func:`diffjax.config.twin`)
+this builds the config's mesh (``mesh.data/fsdp/tensor``) over the target's devices, the train
+state abstractly (shapes and shardings only: nothing is allocated) and lowers and compiles
+:func:`diffjax.train.loop.train_step`, with the shardings the loop uses and the model's attention
+(the Pallas kernels on GPU/TPU), with the compiler the target would run: libtpu's for a TPU
+topology (``jax.experimental.topologies``, as MaxText's ``train_compile.py`` does), XLA's CUDA
+compiler for a deviceless GPU. Both come with the ``compile`` extra (``pip install -e
+".[compile]"``), which belongs in a venv of its own (``.ci/run`` makes one; see
+``benchmarks/compile_kernels.py``): run the planner with that venv's python.
+
+Per device, per model, it prints the parameter and optimizer bytes (from the shardings), XLA's
+temporaries and the total (``compiled.memory_analysis()``) against the target's HBM with a
+verdict, the FLOPs per step from XLA (``cost_analysis``: the Pallas kernels' work is not in it)
+and from the formula (:func:`diffjax.flops.train_flops_per_token`), and the step time and
+tokens/s at a stated MFU (``--mfu``). When a model does not fit it compiles the settings that
+trade compute for memory, cheapest first (``model.remat`` policies, ``train.grad_accum_steps``
+doubled), and names the first that fits as the overrides to pass.
+
+Exit status: 0 when every model fits as configured, 1 when one does not (the output names the
+setting that fits, if one does), 2 for bad input or a missing compiler (refused before any
+compile, with the fix).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import functools
+import importlib.util
+import inspect
+import json
+import math
+import os
+import re
+import shutil
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from diffjax import sharding
+from diffjax.config import ConfigError, ModelConfig
+from diffjax.kernels import gpu as gpu_kernels
+from diffjax.param_count import count_params
+from diffjax.train import loop
+from diffjax.train.config import ExperimentConfig, apply_overrides, load_config
+
+try:  # the FLOP formula and the peak table (diffjax.flops)
+    from diffjax import flops as flops_lib
+except ImportError:  # pragma: no cover (an older checkout)
+    flops_lib = None
+
+GIB = 1024**3
+COMPILE_EXTRA = "pip install -e '.[compile]' in a venv of its own (.ci/run makes one), and run the planner with that venv's python"
+
+# ---------------------------------------------------------------------------- targets
+# XLA's device description of a compile-only GPU (the fields the compiler reads), as
+# benchmarks/compile_kernels.py has it. H100 SXM and H200: sm_90, 227 KiB of shared memory per
+# block, 132 SMs; they differ in memory size and bandwidth.
+_GPU_PROTO = """
+gpu_device_info {{ threads_per_block_limit: 1024 threads_per_warp: 32
+  shared_memory_per_block: 49152 shared_memory_per_core: 233472
+  threads_per_core_limit: 2048 core_count: 132 fpus_per_core: 128
+  block_dim_limit_x: 2147483647 block_dim_limit_y: 65535 block_dim_limit_z: 65535
+  memory_bandwidth: {bw} l2_cache_size: 52428800 clock_rate_ghz: 1.98
+  device_memory_size: {mem} shared_memory_per_block_optin: 232448
+  cuda_compute_capability {{ major: 9 minor: 0 }}
+  registers_per_core_limit: 65536 registers_per_block_limit: 65536 }}
+platform_name: "CUDA"
+dnn_version_info {{ major: 9 minor: 12 }}
+runtime_version {{ major: 13 minor: 0 patch: 0 }}
+device_description_str: "{name}"
+"""
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """A machine to plan for: ``devices`` accelerators of ``hbm_gib`` each."""
+
+    name: str
+    platform: str  # "tpu" or "gpu" (what jax.default_backend() would say there)
+    devices: int
+    hbm_gib: float
+    device_kind: str  # what jax.devices()[0].device_kind says on it
+    peak_tflops: float  # dense bf16 per device (a fallback when diffjax.flops lacks it)
+    topology: str  # libtpu's topology name, or the CUDA topology "slices x hosts x devices"
+    note: str = ""
+    gpu_memory_bytes: int = 0
+    gpu_bandwidth: int = 0
+    compute_capability: tuple[int, int] = (9, 0)
+
+    def describe(self) -> str:
+        return f"{self.devices} x {self.device_kind}, {self.hbm_gib:g} GiB HBM each{self.note}"
+
+
+TARGETS = {
+    t.name: t
+    for t in (
+        Target("v5e-8", "tpu", 8, 16, "TPU v5 lite", 197, "v5e:2x4"),
+        Target("v6e-8", "tpu", 8, 32, "TPU v6 lite", 918, "v6e:2x4"),
+        # Cloud TPU names v5p slices by TensorCores: v5p-8 is 4 chips (2 cores each, one device)
+        Target("v5p-8", "tpu", 4, 95, "TPU v5", 459, "v5p:2x2x1", note=" (v5p-8: 8 cores)"),
+        Target(
+            "h100-8",
+            "gpu",
+            8,
+            80,
+            "NVIDIA H100 80GB HBM3",
+            989,
+            "1x1x8",
+            gpu_memory_bytes=80 * GIB,
+            gpu_bandwidth=3_350_000_000_000,
+        ),
+        Target(
+            "h200-8",
+            "gpu",
+            8,
+            141,
+            "NVIDIA H200",
+            989,
+            "1x1x8",
+            gpu_memory_bytes=141 * GIB,
+            gpu_bandwidth=4_800_000_000_000,
+        ),
+    )
+}
+
+# what a remat policy costs in extra compute, as a fraction of a step without it (the search
+# tries settings in this order of cost): "dots" recomputes the elementwise work, "minimal" the
+# FFN and the attention core, "full" the whole forward pass of each block (1/3 of a step). Each
+# doubling of grad_accum_steps is charged 5% (smaller matmuls, weights gathered per microbatch).
+REMAT_COST = {"none": 0.0, "dots": 0.03, "minimal": 0.15, "full": 0.33}
+ACCUM_COST = 0.05
+
+
+class PlanError(Exception):
+    """Bad input, refused before any compile (exit status 2); the message names the fix."""
+
+
+# ---------------------------------------------------------------------------- compilers
+def missing_compiler(target: Target) -> str | None:
+    """Why this interpreter cannot compile for ``target`` (None: it can)."""
+
+    def installed(name: str) -> bool:
+        try:
+            return importlib.util.find_spec(name) is not None
+        except ModuleNotFoundError:
+            return False
+
+    if target.platform == "tpu":
+        if not installed("libtpu"):
+            return f"libtpu is not installed in {sys.executable}. Fix: {COMPILE_EXTRA}."
+        return None
+    if not (installed("jax_plugins.xla_cuda13") or installed("jax_plugins.xla_cuda12")):
+        return f"the CUDA PJRT plugin is not installed in {sys.executable}. Fix: {COMPILE_EXTRA}."
+    if _ptxas() is None:
+        return (
+            f"ptxas (nvidia-cuda-nvcc) is not installed in {sys.executable}. Fix: {COMPILE_EXTRA}."
+        )
+    return None
+
+
+def _ptxas() -> str | None:
+    try:
+        import nvidia  # the namespace package of NVIDIA's wheels
+
+        for p in nvidia.__path__:
+            for sub in sorted(os.listdir(p)):
+                cand = os.path.join(p, sub, "bin", "ptxas")
+                if sub.startswith("cu1") and os.path.isfile(cand):
+                    return cand
+    except (ImportError, OSError):
+        pass
+    return shutil.which("ptxas")
+
+
+def compile_only_env() -> None:
+    """This process runs on CPU and compiles for compile-only devices: jax on the CPU (the
+    compile extra's plugin and libtpu would each try to open a device), and libtpu without its
+    one-process-per-host lock (nothing here touches a TPU; two plans may run at once)."""
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    jax.config.update("jax_platforms", "cpu")
+
+
+def target_devices(target: Target) -> list:
+    """The compile-only devices of ``target``."""
+    from jax.experimental import topologies
+
+    if target.platform == "tpu":
+        topo = topologies.get_topology_desc(target.topology, platform="tpu")
+    else:
+        proto = _GPU_PROTO.format(
+            bw=target.gpu_bandwidth, mem=target.gpu_memory_bytes, name=target.device_kind
+        )
+        topo = topologies.get_topology_desc(
+            platform="cuda", target_config=proto, topology=target.topology
+        )
+    devices = list(topo.devices)
+    if len(devices) != target.devices:
+        raise PlanError(
+            f"the {target.topology} topology has {len(devices)} devices, expected "
+            f"{target.devices} for {target.name}"
+        )
+    return devices
+
+
+@contextlib.contextmanager
+def compiling_for(target: Target):
+    """Trace and lower as on ``target``: this process runs on CPU, so what the library reads
+    from ``jax.default_backend()`` (``attention_impl="auto"`` resolving to the Pallas kernels,
+    which kernel module, interpret mode off) and the GPU kernels' compute capability (their
+    default tiles) are set to the target's while the step is traced."""
+    saved_backend, saved_cc = jax.default_backend, gpu_kernels._device_capability
+    jax.default_backend = lambda: target.platform
+    gpu_kernels._device_capability = lambda: target.compute_capability
+    try:
+        yield
+    finally:
+        jax.default_backend, gpu_kernels._device_capability = saved_backend, saved_cc
+
+
+# ---------------------------------------------------------------------------- one compile
+@dataclasses.dataclass
+class Measure:
+    """One model compiled with one setting: bytes per device and FLOPs."""
+
+    remat: str
+    accum: int
+    params_bytes: int
+    opt_bytes: int
+    args_bytes: int  # everything passed in (state, batch, the non-parameter state)
+    temp_bytes: int  # XLA's temporaries: activations, gradients, collectives' buffers
+    out_bytes: int  # outputs not aliased to a donated input
+    code_bytes: int
+    total_bytes: int
+    xla_flops: float | None  # per device, XLA's count (no Pallas kernel in it)
+    compile_s: float
+    kernel_calls: int = 0  # Pallas kernels (Mosaic / Triton custom calls) in the compiled step
+    compiler_oom: bool = False  # the compiler refused it (over HBM); total_bytes is its count
+
+    def fits(self, hbm_bytes: float) -> bool:
+        return not self.compiler_oom and self.total_bytes <= hbm_bytes
+
+
+_UNITS = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
+
+
+def _compiler_oom_bytes(message: str) -> int | None:
+    """What a compiler that ran out of HBM says the program's temporaries or whole footprint
+    need (libtpu: "the total memory required for HLO temporaries (91.16G) exceeds available HBM
+    (15.75G)", or "Used 20.5G of 15.75G hbm"): bytes, -1 when it gives no number, None for
+    another error."""
+    for pattern in (
+        r"HLO temporaries \(([0-9.]+)([KMGT]?)i?B?\)",
+        r"Used ([0-9.]+)([KMGT]?)i?B? of [0-9.]+[KMGT]?i?B? hbm",
+    ):
+        m = re.search(pattern, message)
+        if m:
+            return int(float(m.group(1)) * _UNITS[m.group(2)])
+    return -1 if "RESOURCE_EXHAUSTED" in message or "Ran out of memory" in message else None
+
+
+def _concrete_rest(setup: loop.ModelSetup):
+    """The model's non-parameter state (DIFF V1's lambda_init per layer) as the loop holds it, a
+    constant of the step (:func:`diffjax.train.loop.compile_steps`), computed here on the CPU
+    (XLA drops the parameter initialisers this does not return) as host arrays."""
+    rest = jax.jit(lambda: setup.init(jax.random.key(0))[1])()
+    return jax.tree.map(np.asarray, rest)
+
+
+def _accepts_accum() -> bool:
+    return "accum_steps" in inspect.signature(loop.train_step).parameters
+
+
+def compile_train_step(
+    exp: ExperimentConfig, model_cfg: ModelConfig, devices, target: Target
+) -> Measure:
+    """Lower and compile the train step of ``model_cfg`` with ``exp``'s train config and mesh
+    on ``devices`` (compile-only); nothing is allocated."""
+    tcfg = exp.train
+    mesh = sharding.make_mesh(exp.mesh, devices)
+    seq, batch = exp.data.seq_len, tcfg.batch_size
+    with nnx.logical_axis_rules(sharding.DEFAULT_RULES):
+        # shapes and shardings (jax.eval_shape; outside jax.set_mesh, whose compile-only devices
+        # cannot hold the init key)
+        setup = loop.model_setup(model_cfg, tcfg, mesh)
+        rest = _concrete_rest(setup)
+    with jax.set_mesh(mesh), nnx.logical_axis_rules(sharding.DEFAULT_RULES):
+        batch_sh = sharding.batch_sharding(mesh, 2)
+        abstract_batch = {
+            "inputs": jax.ShapeDtypeStruct((batch, seq), jnp.int32, sharding=batch_sh),
+            "targets": jax.ShapeDtypeStruct((batch, seq), jnp.int32, sharding=batch_sh),
+            "weights": jax.ShapeDtypeStruct((batch, seq), jnp.float32, sharding=batch_sh),
+        }
+        kwargs = dict(graphdef=setup.graphdef, rest=rest, tx=setup.tx, schedule=setup.schedule)
+        if _accepts_accum():
+            kwargs["accum_steps"] = tcfg.grad_accum_steps
+        replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        jitted = jax.jit(
+            functools.partial(loop.train_step, **kwargs),
+            donate_argnums=0,
+            in_shardings=(setup.state_sh, {k: batch_sh for k in abstract_batch}),
+            out_shardings=(setup.state_sh, replicated),
+        )
+        t0 = time.time()
+        with compiling_for(target):
+            lowered = jitted.trace(setup.abstract, abstract_batch).lower()
+        try:
+            compiled = lowered.compile()
+        except Exception as e:  # noqa: BLE001  (the TPU compiler refuses what exceeds HBM)
+            used = _compiler_oom_bytes(str(e))
+            if used is None:
+                raise
+            compiled = None
+        compile_s = time.time() - t0
+    params_bytes, _ = sharding.bytes_per_device(setup.abstract["params"], mesh)
+    opt_bytes, _ = sharding.bytes_per_device(setup.abstract["opt_state"], mesh)
+    if compiled is None:  # what the compiler said it needed (at least: temporaries + state)
+        return Measure(
+            model_cfg.remat,
+            tcfg.grad_accum_steps,
+            params_bytes,
+            opt_bytes,
+            -1,
+            used,  # the temporaries, or the whole footprint, as the compiler counted it
+            0,
+            0,
+            used + params_bytes + opt_bytes if used > 0 else -1,
+            None,
+            compile_s,
+            0,
+            compiler_oom=True,
+        )
+    mem = compiled.memory_analysis()
+    args = int(mem.argument_size_in_bytes)
+    out = int(mem.output_size_in_bytes) - int(mem.alias_size_in_bytes)
+    temp, code = int(mem.temp_size_in_bytes), int(mem.generated_code_size_in_bytes)
+    cost = compiled.cost_analysis()
+    if isinstance(cost, (list, tuple)):
+        cost = cost[0] if cost else {}
+    xla_flops = (cost or {}).get("flops")
+    text = compiled.as_text() or ""
+    kernels = text.count('custom_call_target="tpu_custom_call"') + text.count(
+        'custom_call_target="__gpu$xla.gpu.triton"'
+    )
+    return Measure(
+        model_cfg.remat,
+        tcfg.grad_accum_steps,
+        params_bytes,
+        opt_bytes,
+        args,
+        temp,
+        max(out, 0),
+        code,
+        args + temp + max(out, 0) + code,
+        None if xla_flops is None else float(xla_flops),
+        compile_s,
+        kernels,
+    )
+
+
+# ---------------------------------------------------------------------------- checks
+def check_plan(exp: ExperimentConfig, target: Target) -> dict[str, ModelConfig]:
+    """Refuse, before any compile, what cannot be compiled: a mesh that does not cover the
+    target's devices, heads the ``tensor`` axis would split, a batch the data axes (times the
+    accumulation) do not divide. Returns ``{label: model config}``."""
+    try:
+        shape = exp.mesh.shape(target.devices)
+    except ConfigError as e:
+        raise PlanError(f"{target.name} has {target.devices} devices: {e}") from None
+    data, fsdp, tensor = shape
+    models = exp.models
+
+    class _Mesh:  # check_model_mesh reads only the axis names and sizes
+        axis_names, axis_sizes = sharding.MESH_AXES, shape
+
+    rows = exp.train.batch_size // max(exp.train.grad_accum_steps, 1)
+    for label, cfg in models.items():
+        try:
+            sharding.check_model_mesh(cfg, _Mesh, exp.train.batch_size)
+        except ConfigError as e:
+            raise PlanError(f"[{label}] on {target.name} (mesh {_fmt_mesh(shape)}): {e}") from None
+    if exp.train.batch_size % exp.train.grad_accum_steps or rows % (data * fsdp):
+        raise PlanError(
+            f"train.batch_size={exp.train.batch_size} in train.grad_accum_steps="
+            f"{exp.train.grad_accum_steps} microbatches of {exp.train.batch_size / exp.train.grad_accum_steps:g} "
+            f"rows: data x fsdp = {data * fsdp} does not divide it. Fix: a batch size that is a "
+            f"multiple of {data * fsdp * exp.train.grad_accum_steps}."
+        )
+    if exp.train.grad_accum_steps > 1 and not _accepts_accum():
+        raise PlanError(
+            "train.grad_accum_steps > 1 but diffjax.train.loop.train_step takes no accum_steps "
+            "in this checkout. Fix: train.grad_accum_steps=1."
+        )
+    return models
+
+
+def _fmt_mesh(shape) -> str:
+    return " ".join(f"{n}={s}" for n, s in zip(sharding.MESH_AXES, shape))
+
+
+# ---------------------------------------------------------------------------- flops
+def formula_flops_per_step(cfg: ModelConfig, seq: int, batch: int) -> float | None:
+    fn = getattr(flops_lib, "train_flops_per_token", None)
+    return None if fn is None else float(fn(cfg, seq)) * seq * batch
+
+
+def peak_tflops(target: Target, override: float | None) -> float:
+    if override is not None:
+        return override
+    fn = getattr(flops_lib, "peak_tflops", None)
+    if fn is not None:
+        try:
+            got = fn(target.device_kind, None)
+        except (KeyError, ValueError, TypeError):
+            got = None
+        if got:
+            return float(got)
+    return target.peak_tflops
+
+
+# ---------------------------------------------------------------------------- search
+def candidates(
+    remat: str, accum: int, batch: int, dp: int, search: str = "all", max_accum: int = 64
+):
+    """Settings that trade compute for memory, beyond ``(remat, accum)``, cheapest first:
+    ``search`` "all", "remat" (the remat policies only) or "accum" (accumulation only)."""
+    out = []
+    a = accum
+    while a <= max_accum and batch % a == 0 and (batch // a) % dp == 0:
+        for r, c in REMAT_COST.items():
+            cost = c + ACCUM_COST * math.log2(a / accum)
+            if (r, a) == (remat, accum) or c < REMAT_COST.get(remat, 0.0):
+                continue
+            if (search == "remat" and a != accum) or (search == "accum" and r != remat):
+                continue
+            out.append((cost, r, a))
+        a *= 2
+    return [(r, a) for _, r, a in sorted(out)]
+
+
+def _keeps_more(remat: str, accum: int, tried_remat: str, tried_accum: int) -> bool:
+    """Whether ``(remat, accum)`` keeps at least the activations of a setting tried (which did
+    not fit): a policy that saves as much or more (none > dots > minimal > full) over
+    microbatches as large or larger."""
+    return REMAT_COST[remat] <= REMAT_COST[tried_remat] and accum <= tried_accum
+
+
+def overrides_for(remat: str, accum: int, base: ExperimentConfig) -> list[str]:
+    out = []
+    if remat != base.model.remat:
+        out.append(f"model.remat={remat}")
+    if accum != base.train.grad_accum_steps:
+        out.append(f"train.grad_accum_steps={accum}")
+    return out
+
+
+def with_setting(exp: ExperimentConfig, remat: str, accum: int) -> ExperimentConfig:
+    return dataclasses.replace(
+        exp,
+        model=exp.model.replace(remat=remat),
+        train=dataclasses.replace(exp.train, grad_accum_steps=accum),
+    )
+
+
+# ---------------------------------------------------------------------------- output
+def _gib(n: float) -> str:
+    if abs(n) < GIB / 10:
+        return f"{n / 1024**2:.1f} MiB"
+    return f"{n / GIB:.2f} GiB"
+
+
+def _seconds(s: float) -> str:
+    if s >= 1:
+        return f"{s:,.2f} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.1f} ms"
+    return f"{s * 1e6:.1f} us"
+
+
+def _flops(x: float | None) -> str:
+    if x is None:
+        return "n/a"
+    for unit, scale in (("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9)):
+        if x >= scale:
+            return f"{x / scale:.2f} {unit}"
+    return f"{x:.3g} FLOP"
+
+
+def model_table(
+    label: str,
+    cfg: ModelConfig,
+    m: Measure,
+    exp: ExperimentConfig,
+    target: Target,
+    hbm: float,
+    mfu: float,
+    peak: float,
+) -> tuple[list[tuple[str, str]], dict]:
+    seq, batch = exp.data.seq_len, exp.train.batch_size
+    tokens = seq * batch
+    formula = formula_flops_per_step(cfg, seq, batch)
+    free = hbm - m.total_bytes
+    if m.compiler_oom:
+        free = min(free, -1)
+        verdict = "DOES NOT FIT (the compiler ran out of HBM" + (
+            f": at least {_gib(m.total_bytes)})" if m.total_bytes > 0 else ")"
+        )
+    else:
+        verdict = (
+            f"FITS ({_gib(free)} free)" if free >= 0 else f"DOES NOT FIT (over by {_gib(-free)})"
+        )
+    unknown = "n/a (the compiler refused the program)"
+    rows = [
+        ("parameters", f"{count_params_total(cfg):,}"),
+        ("remat / grad accumulation", f"{m.remat} / {m.accum}"),
+        (
+            "attention",
+            "? (not compiled)"
+            if m.compiler_oom
+            else f"Pallas ({m.kernel_calls} kernel calls in the step)"
+            if m.kernel_calls
+            else "XLA (no Pallas kernel in the step)",
+        ),
+        ("parameters per device", _gib(m.params_bytes)),
+        ("optimizer state per device", _gib(m.opt_bytes)),
+        (
+            "other inputs (batch, ...)",
+            unknown
+            if m.compiler_oom
+            else _gib(max(m.args_bytes - m.params_bytes - m.opt_bytes, 0)),
+        ),
+        (
+            "XLA temporaries",
+            (f"{_gib(m.temp_bytes)} (the compiler's count)" if m.temp_bytes > 0 else unknown)
+            if m.compiler_oom
+            else _gib(m.temp_bytes),
+        ),
+        (
+            "outputs not donated + code",
+            unknown if m.compiler_oom else _gib(m.out_bytes + m.code_bytes),
+        ),
+        (
+            "total per device",
+            f"{_gib(m.total_bytes) if m.total_bytes > 0 else '?'} of {hbm / GIB:g} GiB",
+        ),
+        ("verdict", verdict),
+        (
+            "FLOPs/step, XLA",
+            "n/a (this compiler reports no cost analysis)"
+            if m.xla_flops is None
+            else f"{_flops(m.xla_flops * target.devices)} ({_flops(m.xla_flops)}/device, "
+            f"no Pallas kernel counted"
+            + (", a scanned loop's body counted once)" if cfg.scan_layers else ")"),
+        ),
+        ("FLOPs/step, formula", _flops(formula)),
+    ]
+    step_s = tok_s = None
+    if formula:
+        step_s = formula / (target.devices * peak * 1e12 * mfu)
+        tok_s = tokens / step_s
+        rows += [
+            (f"step time at MFU {mfu:g}", f"{_seconds(step_s)} ({peak:g} TFLOP/s peak/device)"),
+            (
+                f"tokens/s at MFU {mfu:g}",
+                f"{tok_s:,.0f} ({tok_s / target.devices:,.0f} per device)",
+            ),
+        ]
+    rows.append(("compile time", f"{m.compile_s:.0f} s"))
+    record = dict(
+        label=label,
+        params=count_params_total(cfg),
+        **dataclasses.asdict(m),
+        hbm_bytes=hbm,
+        fits=m.fits(hbm),
+        formula_flops=formula,
+        step_s=step_s,
+        tokens_per_s=tok_s,
+    )
+    return rows, record
+
+
+@functools.lru_cache(maxsize=16)
+def count_params_total(cfg: ModelConfig) -> int:
+    return int(count_params(cfg).total)
+
+
+def print_table(title: str, rows: list[tuple[str, str]], out) -> None:
+    w = max(len(k) for k, _ in rows)
+    print(title, file=out)
+    print("  " + "-" * (w + 2 + max(len(v) for _, v in rows)), file=out)
+    for k, v in rows:
+        print(f"  {k:<{w}}  {v}", file=out)
+
+
+# ---------------------------------------------------------------------------- main
+def plan(
+    exp: ExperimentConfig,
+    target: Target,
+    *,
+    hbm_gib: float | None = None,
+    mfu: float = 0.4,
+    peak: float | None = None,
+    search: str = "all",
+    only: str | None = None,
+    out=sys.stdout,
+) -> tuple[int, list[dict]]:
+    """Plan ``exp`` on ``target``; ``(exit status, one record per model)``."""
+    models = check_plan(exp, target)
+    if only is not None:
+        if only not in models:
+            raise PlanError(f"--model {only!r}: this config has {', '.join(models)}")
+        models = {only: models[only]}
+    why = missing_compiler(target)
+    if why:
+        raise PlanError(f"cannot compile for {target.name}: {why}")
+    devices = target_devices(target)
+    hbm = (target.hbm_gib if hbm_gib is None else hbm_gib) * GIB
+    pk = peak_tflops(target, peak)
+    shape = exp.mesh.shape(target.devices)
+    print(
+        f"target {target.name}: {target.describe()}; mesh {_fmt_mesh(shape)}; global batch "
+        f"{exp.train.batch_size} x {exp.data.seq_len} tokens; jax {jax.__version__}",
+        file=out,
+    )
+    records, status = [], 0
+    for label, cfg in models.items():
+        one = dataclasses.replace(exp, model=cfg, compare=False, twin_init_std=None)
+        m = compile_train_step(one, cfg, devices, target)
+        rows, rec = model_table(label, cfg, m, exp, target, hbm, mfu, pk)
+        print("", file=out)
+        print_table(
+            f"[{label}] {cfg.attention}, {cfg.num_layers} layers, d_model {cfg.d_model}, "
+            f"{cfg.num_heads} heads, attention_impl {cfg.attention_impl}",
+            rows,
+            out,
+        )
+        rec["fix"] = None
+        if not rec["fits"]:
+            status = 1
+            if search != "none":
+                dp = shape[0] * shape[1]
+                tried = []
+                for r, a in candidates(
+                    cfg.remat, exp.train.grad_accum_steps, exp.train.batch_size, dp, search
+                ):
+                    if a > 1 and not _accepts_accum():
+                        continue
+                    if any(_keeps_more(r, a, t["remat"], t["accum"]) for t in tried):
+                        continue  # keeps at least what a setting that did not fit kept
+                    trial = with_setting(one, r, a)
+                    tm = compile_train_step(trial, trial.model, devices, target)
+                    ok = tm.fits(hbm)
+                    tried.append(dict(remat=r, accum=a, total_bytes=tm.total_bytes, fits=ok))
+                    print(
+                        f"  try model.remat={r} train.grad_accum_steps={a}: "
+                        f"{_gib(tm.total_bytes) if tm.total_bytes > 0 else '?'}"
+                        f"{' (compiler: out of HBM)' if tm.compiler_oom else ''} -> "
+                        f"{'fits' if ok else 'does not fit'} "
+                        f"({tm.compile_s:.0f} s)",
+                        file=out,
+                    )
+                    if ok:
+                        rec["fix"] = overrides_for(r, a, one)
+                        break
+                rec["tried"] = tried
+                if rec["fix"]:
+                    print(f"  FIX [{label}]: pass {' '.join(rec['fix'])}", file=out)
+                else:
+                    print(
+                        f"  [{label}] nothing tried fits: use more devices (a larger target or "
+                        f"mesh.fsdp), a smaller train.batch_size or a smaller model",
+                        file=out,
+                    )
+        records.append(rec)
+    fixes = [r for r in records if not r["fits"]]
+    print("", file=out)
+    if not fixes:
+        print(f"plan: every model fits on {target.name}", file=out)
+    else:
+        for r in fixes:
+            fix = " ".join(r["fix"]) if r.get("fix") else "none found"
+            print(f"plan: [{r['label']}] does not fit on {target.name}; fits with: {fix}", file=out)
+    return status, records
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m diffjax.plan",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--config", default=None, help="a config file (default: the defaults)")
+    p.add_argument("--target", required=True, help=f"one of {', '.join(TARGETS)}")
+    p.add_argument(
+        "--hbm-gib", type=float, default=None, help="override the target's HBM per device"
+    )
+    p.add_argument(
+        "--mfu", type=float, default=0.4, help="the MFU the step time assumes (default 0.4)"
+    )
+    p.add_argument("--peak-tflops", type=float, default=None, help="override the peak per device")
+    p.add_argument("--model", default=None, help="plan only this model (diff or standard)")
+    p.add_argument(
+        "--search",
+        choices=("all", "remat", "accum", "none"),
+        default="all",
+        help="when a model does not fit, try remat policies and gradient accumulation (all), "
+        "only one of them, or nothing (default: all)",
+    )
+    p.add_argument("--json", default=None, help="also write the records here")
+    p.add_argument("overrides", nargs="*", metavar="section.key=value")
+    a = p.parse_intermixed_args(argv)  # overrides before or after the options
+    compile_only_env()
+    try:
+        if a.target not in TARGETS:
+            raise PlanError(f"unknown target {a.target!r}. Fix: use one of {', '.join(TARGETS)}.")
+        if not 0 < a.mfu <= 1:
+            raise PlanError(f"--mfu {a.mfu}: must be in (0, 1]. Fix: e.g. --mfu 0.4.")
+        exp = apply_overrides(load_config(a.config), a.overrides)
+        status, records = plan(
+            exp,
+            TARGETS[a.target],
+            hbm_gib=a.hbm_gib,
+            mfu=a.mfu,
+            peak=a.peak_tflops,
+            search=a.search,
+            only=a.model,
+        )
+    except (PlanError, ConfigError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(
+                dict(target=a.target, config=a.config, overrides=a.overrides, models=records),
+                f,
+                indent=1,
+            )
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,160 @@
+"""``python -m diffjax.plan``: the real train step compiled for a TPU slice and a GPU node that
+are not here, its memory against the target's HBM, and the refusals.
+
+Every plan that compiles runs in a child process of ``$DIFFJAX_COMPILE_PYTHON`` (a venv holding
+the ``compile`` extra: the CUDA PJRT plugin, ptxas and libtpu; ``.ci/run`` makes it), as
+tests/test_compile_kernels.py does; without it those tests are skipped, saying so. A tiny model
+(1 layer, width 64) keeps each compile to seconds. The refusals run in this process: they come
+before any compiler is asked for.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import pathlib
+import subprocess
+
+import pytest
+
+from diffjax import plan as planner
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PYTHON = os.environ.get("DIFFJAX_COMPILE_PYTHON")
+needs_compilers = pytest.mark.skipif(
+    not PYTHON,
+    reason="DIFFJAX_COMPILE_PYTHON is unset: the planner needs the compile extra's venv "
+    "(python -m venv --system-site-packages V && V/bin/pip install -e '.[compile]'; .ci/run "
+    "makes one)",
+)
+
+# a tiny DIFF V1 model (2 DIFF heads of 2 x 16) and its twin (4 heads), FSDP over the 8 devices,
+# 16 sequences of 256: activations dominate its memory, so accumulation and remat show
+TINY = [
+    "model.d_model=64",
+    "model.num_layers=1",
+    "model.num_heads=2",
+    "model.max_seq_len=256",
+    "model.vocab_size=256",
+    "data.seq_len=256",
+    "train.batch_size=16",
+    "mesh.fsdp=-1",
+]
+
+
+def plan(*args: str, python: str | None = None, timeout: int = 240):
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        TF_CPP_MIN_LOG_LEVEL="3",
+    )
+    return subprocess.run(
+        [python or PYTHON, "-m", "diffjax.plan", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.fixture(scope="module")
+def h100_plan(tmp_path_factory):
+    out = tmp_path_factory.mktemp("plan") / "h100.json"
+    proc = plan("--target", "h100-8", "--json", str(out), *TINY)
+    return proc, (json.loads(out.read_text()) if out.exists() else None)
+
+
+def _check_both_models(proc, target: str):
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert f"target {target}" in out
+    for label in ("[diff] diff_v1", "[standard] standard"):
+        assert label in out, out
+    assert out.count("FITS (") == 2, out
+    assert out.count("Pallas (") == 2, out  # the kernels, not the XLA path, were compiled
+    assert "tokens/s at MFU 0.4" in out or "FLOPs/step, formula         n/a" in out
+    assert f"plan: every model fits on {target}" in out
+
+
+@needs_compilers
+def test_tiny_plan_on_a_tpu_slice():
+    _check_both_models(plan("--target", "v5e-8", *TINY), "v5e-8")
+
+
+@needs_compilers
+def test_tiny_plan_on_a_gpu_node(h100_plan):
+    proc, rec = h100_plan
+    _check_both_models(proc, "h100-8")
+    diff, std = rec["models"]
+    assert (diff["label"], std["label"]) == ("diff", "standard")
+    for m in (diff, std):
+        assert m["fits"] and m["kernel_calls"] > 0
+        assert 0 < m["params_bytes"] and 2 * m["params_bytes"] <= m["opt_bytes"] + 64
+        assert m["total_bytes"] >= m["params_bytes"] + m["opt_bytes"] + m["temp_bytes"]
+
+
+@needs_compilers
+def test_no_fit_names_a_setting_that_fits(h100_plan, tmp_path):
+    _, rec = h100_plan
+    diff = rec["models"][0]
+    # between what the step needs as configured and what it needs with 2 microbatches
+    hbm = (diff["total_bytes"] - 0.3 * diff["temp_bytes"]) / 1024**3
+    out = tmp_path / "nofit.json"
+    proc = plan(
+        "--target",
+        "h100-8",
+        "--model",
+        "diff",
+        "--search",
+        "accum",  # one try, 2 microbatches (--search all would try remat=dots first)
+        "--hbm-gib",
+        f"{hbm:.6f}",
+        "--json",
+        str(out),
+        *TINY,
+    )
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "DOES NOT FIT (over by" in proc.stdout
+    (m,) = json.loads(out.read_text())["models"]
+    assert not m["fits"] and m["fix"], proc.stdout
+    assert m["tried"][-1]["fits"] and m["tried"][-1]["total_bytes"] <= hbm * 1024**3
+    fix = " ".join(m["fix"])
+    assert fix == "train.grad_accum_steps=2"
+    assert fix == "train.grad_accum_steps=2"
+    assert f"FIX [diff]: pass {fix}" in proc.stdout
+    assert f"plan: [diff] does not fit on h100-8; fits with: {fix}" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--target", "v9x-8"], "unknown target 'v9x-8'. Fix: use one of v5e-8, v6e-8, v5p-8"),
+        # 2 DIFF heads cannot be split 8 ways: refused, naming the tensor sizes that work
+        (
+            ["--target", "v5e-8", "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=8"],
+            "mesh.tensor=8 does not divide the model.num_heads=2 DIFF heads (pairs)",
+        ),
+        # v5p-8 is 4 chips: a mesh of 8 does not cover it
+        (["--target", "v5p-8", "mesh.data=1", "mesh.fsdp=8"], "v5p-8 has 4 devices"),
+        (["--target", "h100-8", "train.batch_size=12"], "Fix: use a batch size that is a multiple"),
+    ],
+)
+def test_bad_input_is_refused_before_compiling(args, message, capsys):
+    """Refused by the checks, before any compiler is asked: in this process, which has none."""
+    assert planner.main([*TINY, *args]) == 2
+    err = capsys.readouterr()
+    assert message in err.err, err.err
+    assert "Fix:" in err.err
+    assert "FITS" not in err.out
+
+
+def test_a_missing_compiler_is_named_with_the_extra_to_install(capsys):
+    """This interpreter (the test environment) has no libtpu: the plan says which extra."""
+    if importlib.util.find_spec("libtpu") is not None:
+        pytest.skip("libtpu is installed in this interpreter")
+    assert planner.main(["--target", "v5e-8", *TINY]) == 2
+    err = capsys.readouterr().err
+    assert "libtpu is not installed" in err
+    assert "pip install -e '.[compile]'" in err
