@@ -8,16 +8,19 @@ lr 1.5e-4, linear decay, no dropout; sequences of 2048 tokens, batch 128 (0.25M 
 (GPT-2's padded): 1.42B parameters, as the paper counts them (tied would be 1.32B). Data:
 pre-tokenized token files at data.path, as configs/diff_125m.py.
 
-Sized for an h100-8 (8 x 80 GiB) with FSDP over the 8 GPUs (mesh.fsdp=-1). As the paper
-trains it (no rematerialization) the step needs 114 GiB per GPU there (the twin 99 GiB);
-``python -m diffjax.plan`` found the cheapest setting that fits, remat "dots" (43.4 GiB per GPU
-for either model, the whole batch at once), which this config sets (2026-12-02, jax 0.10.2;
-docs/scaling.md has the table):
+Sized for an h100-8 (8 x 80 GiB) or a v5p-8 (4 x 95 GiB) with FSDP over every device
+(mesh.fsdp=-1). As the paper trains it (no rematerialization) the step needs 114 GiB per GPU
+on an h100-8 (the twin 99 GiB); ``python -m diffjax.plan`` found remat "dots" enough there
+(43.4 GiB per GPU for either model). On a v5p-8 (4 chips, so twice the rows per chip) remat
+"dots" with the whole batch at once needs 104.4 GiB per chip, and the planner named 2
+microbatches (57.8 GiB); this config sets both, so it fits either target (2026-12-02, jax
+0.10.2; docs/scaling.md has the table):
 
-    python -m diffjax.plan --config configs/diff_1_4b.py --target h100-8
+    python -m diffjax.plan --config configs/diff_1_4b.py --target v5p-8
     python train.py --config configs/diff_1_4b.py data.path='/data/tokens/train_*.bin'
 
-On a v5e-8 plan it again (it will need gradient accumulation as well, as diff_830m.py does).
+On an h100-8, ``train.grad_accum_steps=1`` also fits (one pass per step: a little faster). On a
+v5e-8 plan it again (it will need more accumulation, as diff_830m.py does).
 """
 
 import dataclasses
@@ -49,6 +52,7 @@ def get_config():
             base.train,
             steps=40000,
             batch_size=128,
+            grad_accum_steps=2,  # the planner's choice for v5p-8 (see the docstring)
             lr=1.5e-4,
             warmup_steps=375,
             b1=0.9,
