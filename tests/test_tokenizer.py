@@ -93,13 +93,13 @@ def test_text_corpus_is_tokenized_with_it(tmp_path, tok_dir):
         check_data(cfg, vocab_size=259)
 
 
-def test_tokenizer_only_for_text_sources(tok_dir):
+def test_tokenizer_only_for_text_and_token_sources(tok_dir):
     with pytest.raises(
         ConfigError, match=r"DataConfig\.tokenizer: source='mqar' does not tokenize"
     ):
         DataConfig(source="mqar", tokenizer=str(tok_dir))
-    with pytest.raises(ConfigError, match=r"DataConfig\.tokenizer: source='tokens'"):
-        DataConfig(source="tokens", path="x.bin", tokenizer=str(tok_dir))
+    # token files: the tokenizer their ids came from (checked against a prepared manifest)
+    assert DataConfig(source="tokens", path="x.bin", tokenizer=str(tok_dir)).tokenizer
 
 
 def test_init_from_uses_the_checkpoints_tokenizer(tmp_path, tok_dir):

@@ -123,7 +123,8 @@ class DataConfig:
     # the curriculum's first length; None: the task's shortest (task_min_seq_len)
     curriculum_start_len: int | None = None
     # stdlib/text: None or "byte" for bytes, else a Hugging Face tokenizer.json or a directory
-    # holding one (a checkpoint's). Read with the `tokenizers` package (local only).
+    # holding one (a checkpoint's). Read with the `tokenizers` package (local only). tokens: the
+    # tokenizer the ids were made with, checked against a prepared folder's manifest.
     tokenizer: str | None = None
 
     def __post_init__(self) -> None:
@@ -153,12 +154,12 @@ class DataConfig:
                 f"source={self.source!r} does not read files, but path={self.path!r}",
                 "leave path=None, or use source='text' (or 'tokens') to read these files",
             )
-        if self.tokenizer not in (None, "byte") and self.source not in ("stdlib", "text"):
+        if self.tokenizer not in (None, "byte") and self.source not in ("stdlib", "text", "tokens"):
             _fail(
                 "tokenizer",
-                f"source={self.source!r} does not tokenize text (its ids are "
-                f"{'read from files' if self.source == 'tokens' else 'byte-level by construction'})",
-                "leave data.tokenizer unset, or use source='stdlib' or 'text'",
+                f"source={self.source!r} does not tokenize text (its ids are byte-level by "
+                "construction)",
+                "leave data.tokenizer unset, or use source='stdlib', 'text' or 'tokens'",
             )
         if self.tokenizer is not None and not self.tokenizer.strip():
             _fail("tokenizer", "is an empty string", "give a tokenizer.json path, or 'byte'")

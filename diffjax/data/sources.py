@@ -3,7 +3,8 @@
 - ``stdlib``: this interpreter's standard-library ``.py`` files (nothing to download).
 - ``text``: UTF-8 text files (a file, a directory, a glob; comma-separated for several).
 - ``tokens``: pre-tokenized ``.npy`` (``np.load(mmap_mode="r")``) / raw ``.bin`` (``np.memmap``)
-  files, never read into memory whole.
+  files, never read into memory whole; or a folder written by ``python -m diffjax.data.prepare``
+  (its ``manifest.json`` names the train and validation shards, their dtype and tokenizer).
 
 Text corpora are split by file: a file goes to validation when ``crc32(key) / 2**32 <
 val_fraction``, where ``key`` is its path relative to the corpus root. The split of one file
@@ -18,6 +19,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import glob
+import hashlib
+import json
 import os
 import pathlib
 import sysconfig
@@ -233,7 +236,7 @@ class Corpus:
     validation: TokenStream
     train_files: int
     validation_files: int
-    split_by: str  # "file" | "stream"
+    split_by: str  # "file" | "stream" | "document" (a prepared folder)
     seconds: float  # time to read and tokenize (0 when cached)
 
     def stream(self, split: str) -> TokenStream:
@@ -443,15 +446,21 @@ def _token_range(path: str, dtype: str, size: int, mtime_ns: int) -> tuple[int, 
 
 
 def check_token_ids(files: Sequence[str], dtype: str, vocab_size: int) -> None:
-    """Every id of every token file in ``[0, vocab_size)``; else a DataError naming the file."""
+    """Every id of every token file in ``[0, vocab_size)``; else a DataError naming the file.
+    A shard of a prepared folder is read with its manifest's dtype, and the manifest's
+    ``vocab_size`` must fit the model's."""
+    for directory in sorted({os.path.dirname(p) for p in files if _shard_manifest(p)}):
+        check_manifest_vocab(directory, read_manifest(directory), vocab_size)
     for path in files:
+        manifest = _shard_manifest(path)
+        file_dtype = manifest.dtype if manifest is not None else dtype
         st = os.stat(path)
-        lo, hi, where = _token_range(path, dtype, st.st_size, st.st_mtime_ns)
+        lo, hi, where = _token_range(path, file_dtype, st.st_size, st.st_mtime_ns)
         if hi >= vocab_size:
             raise DataError(
                 f"DataConfig.path: the token file {path!r} holds id {hi} (at position {where}), "
                 f"but the model's vocab_size is {vocab_size}. Fix: set model.vocab_size >= {hi + 1}, "
-                f"or check data.token_dtype ({dtype}) and the tokenizer that wrote the file"
+                f"or check data.token_dtype ({file_dtype}) and the tokenizer that wrote the file"
             )
         if lo < 0:
             raise DataError(
@@ -460,9 +469,228 @@ def check_token_ids(files: Sequence[str], dtype: str, vocab_size: int) -> None:
             )
 
 
+# ============================================================================ prepared folders
+MANIFEST_FILE = "manifest.json"
+MANIFEST_FORMAT = "diffjax.prepared-tokens"
+MANIFEST_VERSION = 1
+BYTE_TOKENIZER = "byte"
+
+
+@dataclasses.dataclass(frozen=True)
+class Shard:
+    """One ``.bin`` shard of a prepared folder: its file name, tokens and the documents that
+    begin in it."""
+
+    file: str
+    tokens: int
+    documents: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Manifest:
+    """What ``manifest.json`` of a prepared folder says about its shards (the fields the
+    reader needs; the file holds more)."""
+
+    vocab_size: int
+    dtype: str
+    tokenizer: str  # "byte", or the sha256 of the tokenizer.json bytes
+    tokenizer_name: str  # "byte", or the tokenizer.json path it was prepared with
+    train: tuple[Shard, ...]
+    validation: tuple[Shard, ...]
+
+
+def file_sha256(path: str) -> str:
+    """The sha256 of a file's bytes (hex)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def tokenizer_identity(spec: str | None) -> str:
+    """``"byte"`` for the byte tokenizer (``None`` or ``"byte"``), else the sha256 of the
+    ``tokenizer.json`` of ``spec`` (a file or a directory holding one)."""
+    if spec in (None, BYTE_TOKENIZER):
+        return BYTE_TOKENIZER
+    return file_sha256(HFTokenizer(spec).path)
+
+
+@functools.lru_cache(maxsize=64)
+def _foreign_manifest(file: str, size: int, mtime_ns: int) -> bool:
+    """Whether ``file`` is valid JSON of another format (an unreadable one counts as ours, so
+    that reading it reports the problem)."""
+    try:
+        with open(file) as fh:
+            raw = json.load(fh)
+    except (OSError, ValueError):
+        return False
+    return not (isinstance(raw, dict) and raw.get("format") == MANIFEST_FORMAT)
+
+
+def is_prepared_dir(path: str) -> bool:
+    """Whether ``path`` is a folder holding a ``manifest.json`` written by
+    ``python -m diffjax.data.prepare`` (a manifest of another format does not count)."""
+    file = os.path.join(path, MANIFEST_FILE)
+    if not (os.path.isdir(path) and os.path.isfile(file)):
+        return False
+    st = os.stat(file)
+    return not _foreign_manifest(os.path.abspath(file), st.st_size, st.st_mtime_ns)
+
+
+def _manifest_error(directory: str, problem: str) -> DataError:
+    return DataError(
+        f"DataConfig.path: {os.path.join(directory, MANIFEST_FILE)!r} {problem}. Fix: prepare "
+        f"the folder again with python -m diffjax.data.prepare (or point data.path elsewhere)"
+    )
+
+
+def _parse_shards(directory: str, raw, split: str) -> tuple[Shard, ...]:
+    try:
+        return tuple(
+            Shard(str(s["file"]), int(s["tokens"]), int(s["documents"])) for s in raw[split]
+        )
+    except (KeyError, TypeError, ValueError):
+        raise _manifest_error(directory, f"has no valid shards.{split} list") from None
+
+
+@functools.lru_cache(maxsize=16)
+def _read_manifest(directory: str, size: int, mtime_ns: int) -> Manifest:
+    file = os.path.join(directory, MANIFEST_FILE)
+    try:
+        with open(file) as fh:
+            raw = json.load(fh)
+    except (OSError, ValueError) as e:
+        raise _manifest_error(directory, f"is not readable JSON ({e})") from None
+    if not isinstance(raw, dict) or raw.get("format") != MANIFEST_FORMAT:
+        raise _manifest_error(directory, f"is not a {MANIFEST_FORMAT} manifest")
+    if raw.get("version") != MANIFEST_VERSION:
+        raise _manifest_error(
+            directory, f"has version {raw.get('version')!r}; this diffjax reads {MANIFEST_VERSION}"
+        )
+    try:
+        tok = raw["tokenizer"]
+        manifest = Manifest(
+            vocab_size=int(raw["vocab_size"]),
+            dtype=str(raw["dtype"]),
+            tokenizer=str(tok.get("sha256") or tok["name"]),
+            tokenizer_name=str(tok.get("path") or tok["name"]),
+            train=_parse_shards(directory, raw["shards"], "train"),
+            validation=_parse_shards(directory, raw["shards"], "val"),
+        )
+    except (KeyError, TypeError, AttributeError, ValueError) as e:
+        raise _manifest_error(directory, f"lacks a field ({e})") from None
+    if manifest.dtype not in ("uint16", "uint32", "int32"):
+        raise _manifest_error(directory, f"names the unknown dtype {manifest.dtype!r}")
+    return manifest
+
+
+def read_manifest(directory: str) -> Manifest:
+    """The manifest of a prepared folder (cached while the file is unchanged). Raises
+    DataError when it is unreadable or of another format."""
+    st = os.stat(os.path.join(directory, MANIFEST_FILE))
+    return _read_manifest(os.path.abspath(directory), st.st_size, st.st_mtime_ns)
+
+
+def _shard_manifest(path: str) -> Manifest | None:
+    """The manifest of the prepared folder that lists the shard ``path``, or None."""
+    directory = os.path.dirname(os.path.abspath(path))
+    if not is_prepared_dir(directory):
+        return None
+    manifest = read_manifest(directory)
+    name = os.path.basename(path)
+    listed = any(s.file == name for s in manifest.train + manifest.validation)
+    return manifest if listed else None
+
+
+def check_manifest_vocab(directory: str, manifest: Manifest, vocab_size: int) -> None:
+    """A model of ``vocab_size`` ids can embed every token of the prepared folder; else a
+    DataError naming model.vocab_size."""
+    if vocab_size < manifest.vocab_size:
+        raise DataError(
+            f"model.vocab_size: {vocab_size} is smaller than the vocab_size "
+            f"{manifest.vocab_size} of the tokenizer {manifest.tokenizer_name!r} that prepared "
+            f"{directory!r} (its {MANIFEST_FILE}). Fix: set model.vocab_size >= "
+            f"{manifest.vocab_size}, or prepare the corpus with this model's tokenizer"
+        )
+
+
+def check_manifest_tokenizer(directory: str, manifest: Manifest, tokenizer: str | None) -> None:
+    """The run's ``data.tokenizer`` (when set) is the tokenizer that prepared the folder,
+    compared by sha256 of the tokenizer.json bytes (or ``"byte"``); else a DataError."""
+    if tokenizer is None:
+        return
+    mine = tokenizer_identity(tokenizer)
+    if mine != manifest.tokenizer:
+        raise DataError(
+            f"DataConfig.tokenizer: the run names {tokenizer!r} ({mine[:12]}), but {directory!r} "
+            f"was prepared with {manifest.tokenizer_name!r} ({manifest.tokenizer[:12]}; its "
+            f"{MANIFEST_FILE}). Fix: set data.tokenizer to the tokenizer that prepared the "
+            f"folder, or prepare the corpus again with --tokenizer {tokenizer}"
+        )
+
+
+def _shard_pieces(directory: str, shards: Sequence[Shard], dtype: str) -> list[_FilePiece]:
+    pieces = []
+    item = np.dtype(dtype).itemsize
+    for shard in shards:
+        full = os.path.join(directory, shard.file)
+        if not os.path.isfile(full) or os.path.getsize(full) != shard.tokens * item:
+            raise _manifest_error(
+                directory,
+                f"lists {shard.file} with {shard.tokens} {dtype} tokens, but the file is "
+                f"{'missing' if not os.path.isfile(full) else 'of another size'}",
+            )
+        pieces.append(_FilePiece(full, dtype, shard.tokens))
+    return pieces
+
+
+def load_prepared_corpus(config: DataConfig, directory: str) -> Corpus:
+    """A prepared folder: its train shards for training and its validation shards for
+    validation (the split is the one ``prepare`` made, by document), in its manifest's dtype.
+    ``max_files`` caps the shards of each split."""
+    t0 = time.perf_counter()
+    manifest = read_manifest(directory)
+    check_manifest_tokenizer(directory, manifest, config.tokenizer)
+    train, val = manifest.train, manifest.validation
+    if config.max_files is not None:
+        train, val = train[: config.max_files], val[: config.max_files]
+    if not train:
+        raise _manifest_error(directory, "lists no train shards")
+    if config.val_fraction > 0 and not val:
+        raise DataError(
+            f"DataConfig.val_fraction: {directory!r} holds no validation shards (prepared with "
+            f"--val-fraction 0, or too few documents). Fix: set data.val_fraction=0, or "
+            f"prepare it again with --val-fraction > 0"
+        )
+    train_pieces = _shard_pieces(directory, train, manifest.dtype)
+    val_pieces = _shard_pieces(directory, val, manifest.dtype)
+    return Corpus(
+        kind="tokens",
+        path=config.path,
+        files=tuple(p.path for p in train_pieces + val_pieces),
+        train=TokenStream(train_pieces),
+        validation=TokenStream(val_pieces),
+        train_files=len(train_pieces),
+        validation_files=len(val_pieces),
+        split_by="document",
+        seconds=time.perf_counter() - t0,
+    )
+
+
 def load_token_corpus(config: DataConfig) -> Corpus:
     """The ``.npy``/``.bin`` files of ``config.path`` as one memory-mapped stream (files in
-    sorted order), split at ``1 - val_fraction`` of its length."""
+    sorted order), split at ``1 - val_fraction`` of its length; or, when ``config.path`` is a
+    prepared folder (it holds ``manifest.json``), its train and validation shards."""
+    patterns = _split_patterns(config.path)
+    prepared = [p for p in patterns if is_prepared_dir(os.path.expanduser(p))]
+    if prepared:
+        if len(patterns) > 1:
+            raise DataError(
+                f"DataConfig.path: {prepared[0]!r} is a prepared folder ({MANIFEST_FILE}), "
+                f"given with other paths. Fix: give the prepared folder alone as data.path"
+            )
+        return load_prepared_corpus(config, os.path.expanduser(prepared[0]))
     t0 = time.perf_counter()
     files = _expand(config.path, field="path", want=lambda name: name.endswith(TOKEN_EXTENSIONS))
     if config.max_files is not None:
