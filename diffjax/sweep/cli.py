@@ -1,0 +1,254 @@
+"""``python -m diffjax.sweep --config FILE [--report-only] [section.field=value ...]``.
+
+``sweep.<field>=value`` overrides set the ladder's scalar fields (``sweep.tokens=4096``).
+
+Runs the comparison of :mod:`diffjax.compare` (DIFF beside its twin, paired seeds) at every size
+of the ladder the config file declares (``SWEEP``, :class:`diffjax.sweep.Ladder`), each into
+``RUN_DIR/size_<d_model>x<num_layers>/``, then writes ``RUN_DIR/sweep.md`` and its plots
+(:mod:`diffjax.sweep.report`). The overrides are train.py's, ``run.dir`` included; the ladder
+sets each size's ``model.d_model``, ``model.num_layers`` (``model.num_heads`` when the size
+gives it), ``train.steps`` and ``train.eval_every`` over them.
+
+Resumable: a finished size (its ``sweep_done.json`` written with the same overrides) is
+skipped; an unfinished one resumes from its checkpoints (the comparison's own resume). SIGTERM
+or SIGINT stops the size in training at the next step, saved, and exits with status 75; the
+same command resumes. Each size's own output goes to ``size_*/train.log``; the terminal gets
+one line per size as it starts and finishes.
+
+One process (any number of local devices): the comparison's multi-host start runs once per
+process, so a multi-host ladder runs each size with ``train.py`` instead (docs/sweep.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import functools
+import json
+import os
+import sys
+import time
+
+from diffjax.compare import cli as compare_cli
+from diffjax.config import ConfigError, ModelConfig
+from diffjax.data import DataError
+from diffjax.param_count import count_params
+from diffjax.train.config import apply_overrides, load_config
+from diffjax.train.loop import AfterStep
+
+from .ladder import Ladder, apply_ladder_overrides, load_ladder, size_name, split_overrides
+from .report import PLAN_FILE, write_sweep_report
+
+EXIT_BAD_INPUT = compare_cli.EXIT_BAD_INPUT
+EXIT_PREEMPTED = compare_cli.EXIT_PREEMPTED
+DONE_FILE = "sweep_done.json"
+
+
+@functools.lru_cache(maxsize=64)
+def non_embedding_params(model: ModelConfig) -> int:
+    """Parameters outside the token embedding and the output projection (counted from
+    abstract shapes, no weights allocated)."""
+    count = count_params(model)
+    return count.total - count.parts["embedding"] - count.parts["lm_head"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SizeRun:
+    """One size of the sweep: its name, folder, the overrides of its comparison, its steps and
+    tokens, and the non-embedding parameters of DIFF and the twin."""
+
+    name: str
+    shape: tuple[int, ...]
+    directory: str
+    overrides: tuple[str, ...]
+    steps: int
+    tokens: int
+    diff_params: int
+    twin_params: int
+    note: str = ""
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def size_overrides(
+    exp, ladder: Ladder, shape: tuple[int, ...], directory: str, user: list[str]
+) -> tuple[list[str], int, str]:
+    """The comparison's overrides for one size (the ladder's for this size, then the user's,
+    then the shape and steps), its steps, and a note on what the ladder changed beyond the
+    shape and steps. ``exp``: the base experiment with this size's and the user's overrides."""
+    model = exp.model.replace(
+        d_model=shape[0], num_layers=shape[1], **({"num_heads": shape[2]} if len(shape) > 2 else {})
+    )
+    tokens_per_step = exp.train.batch_size * exp.data.seq_len
+    steps = ladder.steps(tokens_per_step, non_embedding_params(model), exp.train.steps)
+    extra = [
+        f"run.dir={directory}",
+        f"model.d_model={shape[0]}",
+        f"model.num_layers={shape[1]}",
+        *([f"model.num_heads={shape[2]}"] if len(shape) > 2 else []),
+        f"train.steps={steps}",
+        f"train.eval_every={max(1, steps // ladder.evals)}",
+    ]
+    note = ""
+    if exp.train.warmup_steps >= steps:
+        warmup = steps // 10
+        extra.append(f"train.warmup_steps={warmup}")
+        note = f"warmup {exp.train.warmup_steps} >= {steps} steps: {warmup} used"
+    if not any(o.split("=", 1)[0].strip() == "train.progress" for o in user):
+        extra.append("train.progress=false")
+    own = list(ladder.size_overrides.get(size_name(shape), ()))
+    return [*own, *user, *extra], steps, note
+
+
+def plan_sweep(config: str, overrides: list[str]) -> tuple[str, Ladder, list[SizeRun]]:
+    """The run directory, the ladder (``sweep.*`` overrides applied) and every size's
+    :class:`SizeRun`, each size's config checked (a bad shape stops here, before anything
+    trains)."""
+    mine, overrides = split_overrides(overrides)
+    ladder = apply_ladder_overrides(load_ladder(config), mine)
+    base = load_config(config)
+    exp = apply_overrides(base, overrides)
+    if not exp.compare:
+        raise ConfigError(
+            "the sweep compares DIFF with its twin at every size, but compare=false. Fix: "
+            "drop compare=false."
+        )
+    run_dir = exp.run.path
+    runs = []
+    for shape in ladder.sizes:
+        name = size_name(shape)
+        directory = os.path.join(run_dir, f"size_{name}")
+        try:
+            own = list(ladder.size_overrides.get(name, ()))
+            inner, steps, note = size_overrides(
+                apply_overrides(base, [*own, *overrides]), ladder, shape, directory, overrides
+            )
+            size_exp = apply_overrides(base, inner)
+        except ConfigError as e:
+            raise ConfigError(f"size {name}: {e}") from None
+        runs.append(
+            SizeRun(
+                name,
+                shape,
+                directory,
+                tuple(inner),
+                steps,
+                steps * size_exp.train.batch_size * size_exp.data.seq_len,
+                non_embedding_params(size_exp.models["diff"]),
+                non_embedding_params(size_exp.models["standard"]),
+                note,
+            )
+        )
+    return run_dir, ladder, runs
+
+
+def write_plan(run_dir: str, config: str, ladder: Ladder, runs: list[SizeRun]) -> None:
+    """``RUN_DIR/sweep_plan.json``: the ladder and every size's plan, for the report."""
+    os.makedirs(run_dir, exist_ok=True)
+    plan = {
+        "config": config,
+        "ladder": dataclasses.asdict(ladder),
+        "sizes": [r.to_dict() for r in runs],
+    }
+    with open(os.path.join(run_dir, PLAN_FILE), "w") as f:
+        json.dump(plan, f, indent=1)
+
+
+def is_done(run: SizeRun) -> bool:
+    """Whether ``run`` finished with these same overrides."""
+    path = os.path.join(run.directory, DONE_FILE)
+    if not os.path.isfile(path):
+        return False
+    with open(path) as f:
+        return json.load(f).get("overrides") == list(run.overrides)
+
+
+def run_size(config: str, run: SizeRun, after_step: AfterStep | None = None) -> int:
+    """The comparison of one size (``diffjax.compare``'s command line), its output appended to
+    ``train.log`` in its folder; on success ``sweep_done.json`` is written. Its exit code.
+    ``after_step``: as :func:`diffjax.compare.main`'s."""
+    os.makedirs(run.directory, exist_ok=True)
+    with open(os.path.join(run.directory, "train.log"), "a") as log:
+        with contextlib.redirect_stdout(log):
+            code = compare_cli.main(["--config", config, *run.overrides], after_step=after_step)
+    if code == 0:
+        with open(os.path.join(run.directory, DONE_FILE), "w") as f:
+            json.dump({"overrides": list(run.overrides), "finished": time.time()}, f, indent=1)
+    return code
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m diffjax.sweep",
+        description="Train DIFF and its twin at every size of a ladder (the config file's "
+        "SWEEP), then fit their scaling curves and the parameter-efficiency ratio "
+        "(RUN_DIR/sweep.md). Overrides as train.py's (python train.py --help lists the keys), "
+        "and sweep.<field>=value for the ladder's budget, tokens, tokens_per_param, min_steps, "
+        "evals and curve_size.",
+    )
+    parser.add_argument("--config", required=True, help="a config file with get_config() and SWEEP")
+    parser.add_argument(
+        "--report-only",
+        action="store_true",
+        help="train nothing: write sweep.md from the sizes finished so far",
+    )
+    parser.add_argument("overrides", nargs="*", metavar="key=value")
+    return parser
+
+
+def summary_section(markdown: str) -> str:
+    """The body of the ``## Summary`` section of ``sweep.md``."""
+    body = markdown.split("\n## Summary\n", 1)[-1]
+    return body.split("\n## ", 1)[0].strip()
+
+
+def _say(text: str) -> None:
+    print(text, flush=True)
+
+
+def main(argv: list[str] | None = None, *, after_step: AfterStep | None = None) -> int:
+    """The sweep's command line; returns the exit code. ``after_step``: passed to every size's
+    comparison (:func:`diffjax.compare.main`; the resume test stops a run from it)."""
+    args = build_parser().parse_args(argv)
+    try:
+        run_dir, ladder, runs = plan_sweep(args.config, args.overrides)
+    except (ConfigError, DataError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    write_plan(run_dir, args.config, ladder, runs)
+    _say(f"sweep: {len(runs)} sizes into {run_dir}")
+    total = len(runs)
+    for i, run in enumerate(runs, 1):
+        if args.report_only:
+            break
+        where = f"[size {i}/{total}] {run.name}"
+        if is_done(run):
+            _say(f"{where}: finished earlier, skipped")
+            continue
+        _say(
+            f"{where}: training DIFF ({run.diff_params:,} non-embedding parameters) and the twin "
+            f"({run.twin_params:,}), {run.steps} steps, {run.tokens:,} tokens each"
+            + (f" ({run.note})" if run.note else "")
+            + f"; log: {os.path.join(run.directory, 'train.log')}"
+        )
+        start = time.time()
+        code = run_size(args.config, run, after_step)
+        if code == EXIT_PREEMPTED:
+            _say(
+                f"{where}: stopped and saved; re-run the same command to resume (finished sizes "
+                f"are skipped)"
+            )
+            return code
+        if code != 0:
+            print(
+                f"error: {where} failed (exit {code}); see {run.directory}/train.log",
+                file=sys.stderr,
+            )
+            return code
+        _say(f"{where}: done in {time.time() - start:.0f} s")
+    text = write_sweep_report(run_dir)
+    _say(summary_section(text))
+    _say(f"report: {os.path.join(run_dir, 'sweep.md')}")
+    return 0

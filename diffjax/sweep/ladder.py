@@ -1,0 +1,236 @@
+"""The ladder of a sweep: which model shapes to train and for how many tokens.
+
+A sweep config file is an ordinary config file (``get_config()`` gives the base experiment:
+data, recipe, seeds) with a module-level ``SWEEP``, a :class:`Ladder` or a dict of its fields::
+
+    SWEEP = Ladder(sizes=[(64, 2), (128, 2), (128, 4)], budget="fixed", tokens=400_000)
+
+* ``sizes``: ``(d_model, num_layers)`` or ``(d_model, num_layers, num_heads)`` per size, from
+  small to large (without heads: the base config's ``model.num_heads``).
+* ``budget``: ``"fixed"``, every size trains on ``tokens`` tokens (None: the base config's
+  ``train.steps``); or ``"proportional"``, each on ``tokens_per_param`` x its DIFF model's
+  non-embedding parameters. Steps = tokens / (``train.batch_size`` x ``data.seq_len``),
+  rounded up, at least ``min_steps``.
+* ``evals``: validation points per run (the learning curves of the tokens ratio):
+  ``train.eval_every`` = steps / evals.
+* ``curve_size``: the index in ``sizes`` whose learning curves give the tokens ratio (None:
+  the largest).
+* ``size_overrides``: ``{size name: ["section.field=value", ...]}``, settings of one size only
+  (e.g. the microbatches or remat a large size needs, found with ``python -m diffjax.plan``);
+  the size name is ``"<d_model>x<num_layers>"`` (:func:`size_name`). The command line's
+  overrides come after them, the ladder's shape and steps last.
+
+A bad declaration stops with :class:`diffjax.config.ConfigError` naming the field and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import math
+import os
+from typing import Any, Mapping
+
+from diffjax.config import ConfigError, convert, describe_type, field_types
+
+BUDGETS = ("fixed", "proportional")
+
+
+def _fail(field: str, problem: str, fix: str):
+    raise ConfigError(f"SWEEP.{field}: {problem}. Fix: {fix}.")
+
+
+def _size(entry: Any, i: int) -> tuple[int, ...]:
+    """One ``sizes`` entry as a tuple of 2 or 3 positive ints."""
+    if not isinstance(entry, (tuple, list)) or len(entry) not in (2, 3):
+        _fail(
+            "sizes",
+            f"entry {i} is {entry!r}",
+            "give (d_model, num_layers) or (d_model, num_layers, num_heads), e.g. (64, 2)",
+        )
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in entry):
+        _fail("sizes", f"entry {i} is {entry!r}", "use positive integers")
+    return tuple(entry)
+
+
+@dataclasses.dataclass(frozen=True)
+class Ladder:
+    """The sizes of a sweep and its token budget; checked at construction (see the module)."""
+
+    sizes: tuple[tuple[int, ...], ...]
+    budget: str = "fixed"
+    tokens: int | None = None
+    tokens_per_param: float | None = None
+    min_steps: int = 10
+    evals: int = 8
+    curve_size: int | None = None
+    size_overrides: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        if not isinstance(self.sizes, (tuple, list)) or len(self.sizes) < 1:
+            _fail("sizes", f"got {self.sizes!r}", "give a list of (d_model, num_layers) pairs")
+        sizes = tuple(_size(s, i) for i, s in enumerate(self.sizes))
+        object.__setattr__(self, "sizes", sizes)
+        names = [size_name(s) for s in sizes]
+        if len(set(names)) != len(names):
+            _fail(
+                "sizes",
+                f"a (d_model, num_layers) is listed twice: {names}",
+                "list each shape once",
+            )
+        if self.budget not in BUDGETS:
+            _fail(
+                "budget",
+                f"unknown budget {self.budget!r}",
+                f"use one of {', '.join(map(repr, BUDGETS))}",
+            )
+        if self.budget == "proportional":
+            if self.tokens_per_param is None or not self.tokens_per_param > 0:
+                _fail(
+                    "tokens_per_param",
+                    f"budget 'proportional' needs a positive tokens_per_param, got "
+                    f"{self.tokens_per_param!r}",
+                    "set e.g. tokens_per_param=20 (tokens per non-embedding parameter)",
+                )
+            if self.tokens is not None:
+                _fail(
+                    "tokens",
+                    "budget 'proportional' sets each size's tokens from tokens_per_param",
+                    "leave tokens unset, or use budget='fixed'",
+                )
+        else:
+            if self.tokens_per_param is not None:
+                _fail(
+                    "tokens_per_param",
+                    "budget 'fixed' trains every size on the same tokens",
+                    "leave tokens_per_param unset, or use budget='proportional'",
+                )
+            if self.tokens is not None and not (isinstance(self.tokens, int) and self.tokens >= 1):
+                _fail("tokens", f"got {self.tokens!r}", "give a positive integer, or None")
+        for name in ("min_steps", "evals"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                _fail(name, f"got {getattr(self, name)!r}", "give a positive integer")
+        if self.curve_size is not None and not -len(sizes) <= self.curve_size < len(sizes):
+            _fail(
+                "curve_size",
+                f"index {self.curve_size} is not one of the {len(sizes)} sizes",
+                f"give an index 0 .. {len(sizes) - 1}, or None for the largest",
+            )
+
+        if not isinstance(self.size_overrides, Mapping):
+            _fail(
+                "size_overrides",
+                f"got {type(self.size_overrides).__name__}",
+                "give a dict {size name: [key=value, ...]}",
+            )
+        for name, items in self.size_overrides.items():
+            if name not in names:
+                _fail(
+                    "size_overrides",
+                    f"{name!r} is not a size of the ladder",
+                    f"use one of {', '.join(names)}",
+                )
+            if isinstance(items, str) or not all(isinstance(o, str) and "=" in o for o in items):
+                _fail(
+                    "size_overrides",
+                    f"{name!r}: {items!r} is not a list of key=value strings",
+                    "give e.g. ['train.grad_accum_steps=4']",
+                )
+        object.__setattr__(
+            self, "size_overrides", {k: tuple(v) for k, v in self.size_overrides.items()}
+        )
+
+    @classmethod
+    def of(cls, value: Any) -> "Ladder":
+        """A :class:`Ladder` from a config file's ``SWEEP`` (a Ladder or a dict of its fields)."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, Mapping):
+            known = {f.name for f in dataclasses.fields(cls)}
+            unknown = sorted(set(value) - known)
+            if unknown:
+                _fail(
+                    unknown[0],
+                    "unknown field",
+                    f"use only {', '.join(f.name for f in dataclasses.fields(cls))}",
+                )
+            if "sizes" not in value:
+                _fail("sizes", "missing", "give a list of (d_model, num_layers) pairs")
+            return cls(**value)
+        raise ConfigError(
+            f"SWEEP is a {type(value).__name__}. Fix: set SWEEP to a diffjax.sweep.Ladder or a "
+            f"dict such as {{'sizes': [(64, 2), (128, 2)], 'budget': 'fixed'}}."
+        )
+
+    def steps(self, tokens_per_step: int, non_embedding_params: int, base_steps: int) -> int:
+        """The train steps of one size (see the module)."""
+        if self.budget == "proportional":
+            tokens = self.tokens_per_param * non_embedding_params
+        elif self.tokens is not None:
+            tokens = self.tokens
+        else:
+            return max(base_steps, self.min_steps)
+        return max(math.ceil(tokens / tokens_per_step), self.min_steps)
+
+    @property
+    def curve_index(self) -> int:
+        """The index of the size whose learning curves give the tokens ratio."""
+        return len(self.sizes) - 1 if self.curve_size is None else self.curve_size % len(self.sizes)
+
+
+# the fields a command line may set as sweep.<field>=value
+SCALAR_FIELDS = ("budget", "tokens", "tokens_per_param", "min_steps", "evals", "curve_size")
+
+
+def split_overrides(overrides: list[str]) -> tuple[list[str], list[str]]:
+    """``(sweep.* overrides, the others)``."""
+    mine = [o for o in overrides if o.strip().startswith("sweep.")]
+    return mine, [o for o in overrides if not o.strip().startswith("sweep.")]
+
+
+def apply_ladder_overrides(ladder: Ladder, overrides: list[str]) -> Ladder:
+    """``ladder`` with ``["sweep.tokens=4096", ...]`` applied (:data:`SCALAR_FIELDS`), checked
+    once all are applied."""
+    types = field_types(Ladder)
+    changes = {}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        name = key.strip()[len("sweep.") :]
+        if not sep or name not in SCALAR_FIELDS:
+            raise ConfigError(
+                f"override {item!r}: not a sweep setting. Fix: use sweep.<field>=value with "
+                f"field one of {', '.join(SCALAR_FIELDS)} (the sizes are set in the config file)."
+            )
+        try:
+            changes[name] = convert(types[name], raw, text=True)
+        except ValueError as e:
+            raise ConfigError(
+                f"sweep.{name}: bad value {raw!r}: {e}. Fix: give {describe_type(types[name])}."
+            ) from None
+    return dataclasses.replace(ladder, **changes) if changes else ladder
+
+
+def size_name(size: tuple[int, ...]) -> str:
+    """``"<d_model>x<num_layers>"``: the size's folder is ``size_<name>``."""
+    return f"{size[0]}x{size[1]}"
+
+
+def load_ladder(path: str) -> Ladder:
+    """The ``SWEEP`` of the config file at ``path`` as a :class:`Ladder`."""
+    if not os.path.isfile(path):
+        raise ConfigError(
+            f"config file {path!r} does not exist. Fix: pass a sweep config such as "
+            f"configs/scaling_cpu.py."
+        )
+    spec = importlib.util.spec_from_file_location("_diffjax_sweep_config", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not hasattr(module, "SWEEP"):
+        raise ConfigError(
+            f"{path} declares no SWEEP. Fix: add a module-level SWEEP = diffjax.sweep.Ladder("
+            f"sizes=[(d_model, num_layers), ...], budget='fixed', tokens=...) (see docs/sweep.md)."
+        )
+    try:
+        return Ladder.of(module.SWEEP)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
