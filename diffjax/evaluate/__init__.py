@@ -3,6 +3,9 @@ RUN_DIR [--quick]`` for a whole run (see docs/evaluation.md).
 
 - :func:`multi_needle_retrieval` (Table 2), :func:`attention_allocation` (Table 3; per head, and the
   retrieval head by :func:`best_head`),
+  :func:`contribution_by_ablation` (what one head's attention to each category adds to the
+  answer's log-probability, by removing it; the head that matters most by
+  :func:`best_ablation_head`),
   :func:`activation_outliers` (Table 5), :func:`quantization_sweep` /
   :func:`with_quantized_logits` (Fig. 8), :func:`noise_floor_closed_form` /
   :func:`noise_floor_streamed` / :func:`measured_noise_floor` (the noise floor; its gain:
@@ -15,6 +18,7 @@ RUN_DIR [--quick]`` for a whole run (see docs/evaluation.md).
   :mod:`.report`; the paper's numbers beside ours: :mod:`.paper`).
 """
 
+from .ablation import Ablation, best_ablation_head, contribution_by_ablation
 from .allocation import (
     CATEGORIES,
     Allocation,
@@ -48,6 +52,7 @@ from .settings import EvalSettings
 from .stats import mean_std
 
 __all__ = [
+    "Ablation",
     "Allocation",
     "CATEGORIES",
     "EvalSettings",
@@ -59,6 +64,7 @@ __all__ = [
     "attention_allocation",
     "attention_logits",
     "attention_maps",
+    "best_ablation_head",
     "best_head",
     "category_mass",
     "corpus_for_positions",
@@ -77,6 +83,7 @@ __all__ = [
     "asymptotic_gain",
     "cancellation_point",
     "closed_form_gain",
+    "contribution_by_ablation",
     "position_categories",
     "quantization_sweep",
     "query_correct",

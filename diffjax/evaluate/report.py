@@ -328,6 +328,99 @@ def retrieval_head(run: _Run, ia: int) -> list[str]:
     return L + ([""] + line if line else []) + ["", caveat, ""]
 
 
+def _ablation_head(r: dict) -> dict | None:
+    """The ablation's chosen head of one model's result, None when there is none."""
+    h = get(r, "ablation", "best_head")
+    return h if h and h.get("layer") is not None else None
+
+
+def ablation_head_delta(r: dict) -> float | None:
+    """The ablation head's held-out answer-category Δ log p, None without one."""
+    h = _ablation_head(r)
+    return None if h is None or not np.isfinite(h["delta"]) else float(h["delta"])
+
+
+def ablation_layer_sum(r: dict, layer: int) -> float | None:
+    """The answer-category Δ log p of ``layer``, summed over its heads (each ablated alone)."""
+    return get(r, "ablation", "answer_layer_sums", layer)
+
+
+def ablation_head_share(r: dict) -> float | None:
+    """The allocation's answer share (over every example) of the ablation's chosen head."""
+    h = _ablation_head(r)
+    if h is None:
+        return None
+    ia = r["ablation"]["categories"].index("answer")
+    return get(r, "allocation", "per_head", h["layer"], h["head"], ia)
+
+
+def ablation(run: _Run) -> list[str]:
+    """Per model, the answer-category contribution by ablation: the chosen head's held-out
+    Δ log p beside its answer share, and each layer's Δ log p summed over heads."""
+    found = {lab: [r for r in rs if _ablation_head(r)] for lab, rs in run.groups.items()}
+    if not any(found.values()):
+        return []
+    num_layers = max(len(r["ablation"]["delta"]) for rs in found.values() for r in rs)
+    rows = []
+    for rs in found.values():
+        if not rs:
+            continue
+        heads = ", ".join(f"L{_ablation_head(r)['layer']}.H{_ablation_head(r)['head']}" for r in rs)
+        nheads = np.asarray(rs[0]["ablation"]["delta"], float).shape[:2]
+        rows.append(
+            [
+                model_name(rs[0]["label"], rs),
+                f"{nheads[0]} x {nheads[1]}",
+                heads,
+                fmt_mean_std([ablation_head_delta(r) for r in rs], "{:.3f}"),
+                fmt_mean_std([ablation_head_share(r) for r in rs], "{:.3f}"),
+            ]
+            + [
+                fmt_mean_std([ablation_layer_sum(r, i) for r in rs], "{:.3f}")
+                for i in range(num_layers)
+            ]
+        )
+    held = all(_ablation_head(r)["held_out"] for rs in found.values() for r in rs)
+    L = [
+        "**Contribution by ablation.** The change in the answer's log-probability (nats, summed "
+        "over its tokens, mean over queries and examples) when one head's attention to the "
+        "asked needle's value is removed at the answer-producing positions: those columns of "
+        "the head's map (softmax, or A1 − λA2 for DIFF) set to 0 without renormalising, the "
+        "head's output then computed as the model computes it (DIFF V1: through its per-head "
+        "norm), negative where the value supported the answer; per seed the head with the "
+        "largest |Δ| "
+        + (
+            "chosen on the even examples and measured on the odd ones"
+            if held
+            else "chosen and measured on the same examples (too few to hold any out)"
+        )
+        + ", beside its answer share (section 2's normalisation, every example), and each "
+        "layer's Δ summed over its heads (each ablated alone; every category per head is in "
+        f"eval.json). What it measures: {DOC}, section 2.",
+        "",
+    ]
+    L += _table(
+        [
+            "model",
+            "layers x heads",
+            "head per seed",
+            "its Δ log p (held out)",
+            "its answer share",
+        ]
+        + [f"Σ heads Δ log p, layer {i}" for i in range(num_layers)],
+        rows,
+    )
+    lines_ = _paired(run.groups, ablation_head_delta, "ablation head's Δ log p", "nats")
+    for i in range(num_layers):
+        lines_ += _paired(
+            run.groups,
+            lambda r, i=i: ablation_layer_sum(r, i),
+            f"layer {i}'s Δ log p summed over heads",
+            "nats",
+        )
+    return L + ([""] + lines_ if lines_ else []) + [""]
+
+
 def outliers(run: _Run) -> list[str]:
     L = ["## 3. Activation outliers (paper Table 5)", ""]
     columns = ["activation", "statistic"] + run.names()
@@ -563,6 +656,7 @@ SECTIONS = (
     validation,
     retrieval,
     allocation,
+    ablation,
     outliers,
     quantization,
     noise_floor,

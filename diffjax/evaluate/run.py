@@ -22,6 +22,7 @@ from diffjax.data import DataConfig, query_kinds
 from diffjax.param_count import count_params
 from diffjax.train.checkpoint import Checkpointer, committed_steps, load_model
 
+from . import ablation as abl_lib
 from . import allocation as alloc_lib
 from . import noise_floor as nf
 from . import outliers as outl
@@ -222,6 +223,13 @@ def evaluate_model(
             m = alloc_lib.measured_noise_floor(model, b, batch_size=bs)
             out["noise_measured"].append({"length": x, **m})
     log(f"    attention allocation and noise floor ({time.perf_counter() - t0:.1f}s)")
+
+    # contribution by ablation, on the allocation's examples (a run trained on the needle task)
+    if "allocation" in out and data.source == "needle":
+        t0 = time.perf_counter()
+        ab = abl_lib.contribution_by_ablation(model, batch, batch_size=bs)
+        out["ablation"] = ab.to_dict()
+        log(f"    contribution by ablation ({time.perf_counter() - t0:.1f}s)")
 
     # 3. activation outliers
     t0 = time.perf_counter()
