@@ -1,10 +1,31 @@
 """The whole suite runs on 8 CPU devices (``JAX_NUM_CPU_DEVICES=8``, set before JAX starts),
 so the sharded paths (meshes, global batches, Pallas under ``shard_map``) are the ones tested.
-Set ``JAX_NUM_CPU_DEVICES`` yourself to run it on another count."""
+Set ``JAX_NUM_CPU_DEVICES`` yourself to run it on another count.
+
+Compiled programs go to JAX's persistent compilation cache (a folder under the system's temp
+directory, shared by pytest's workers and the ``train.py`` processes the tests start), so the
+many runs of the same tiny configs compile once. Set ``JAX_COMPILATION_CACHE_DIR`` to use another
+folder.
+
+XLA's CPU backend compiles the suite's programs at optimisation level 0
+(``--xla_backend_optimization_level=0``, added to ``XLA_FLAGS``): the suite is mostly compiling
+tiny programs, which then compile about twice as fast. The numbers are compared with
+tolerances against references, or bit for bit between runs compiled with the same flags; the
+speed and memory figures come from the benchmarks, which do not set it."""
 
 import os
+import tempfile
 
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
+os.environ.setdefault(
+    "JAX_COMPILATION_CACHE_DIR",
+    os.path.join(tempfile.gettempdir(), f"diffjax-test-jax-cache-{os.getuid()}"),
+)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+_FAST_COMPILE = "--xla_backend_optimization_level=0"
+if _FAST_COMPILE not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FAST_COMPILE}".strip()
 
 import jax  # noqa: E402
 

@@ -54,7 +54,7 @@ def _plant(monkeypatch, error: str) -> None:
         raise AssertionError(error)
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive  # by default: the command's 3 cases and the planted errors below
 def test_every_standard_case_passes_interpreted():
     report = check.run_check(interpret=True)
     assert report.passed, "\n".join(report.lines())

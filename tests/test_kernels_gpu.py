@@ -159,7 +159,7 @@ def test_diff_grid_bfloat16(case):
     _run_case(case)
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive  # by default: the float32 and bfloat16 grids above
 @settings(
     max_examples=4,
     deadline=None,

@@ -248,7 +248,7 @@ def test_grid_standard(cfg):
     )
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive  # by default: test_grid_differential's cases
 @settings(max_examples=5, **_GRID)
 @given(grid_cases(large=True))
 def test_grid_differential_large(cfg):

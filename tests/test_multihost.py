@@ -62,7 +62,9 @@ def free_port() -> int:
 def launch(run_dir, devices: int, *args, process: tuple[int, int, int] | None = None):
     """Start ``train.py`` with ``devices`` CPU devices; ``process`` = (port, n, id)."""
     env = dict(os.environ, JAX_NUM_CPU_DEVICES=str(devices), PYTHONUNBUFFERED="1")
-    env.pop("XLA_FLAGS", None)
+    # the suite's compiler flags, without a device count that would override the one above
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    env["XLA_FLAGS"] = " ".join(f for f in flags if "device_count" not in f)
     cmd = [sys.executable, "train.py", f"run.dir={run_dir}", *TINY, *args]
     if process is not None:
         port, n, i = process

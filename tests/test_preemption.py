@@ -45,7 +45,7 @@ TINY = [
 # (steps, checkpoint and evaluation interval, signal once this step is logged: after the first
 # checkpoint). Many short steps: the signal lands mid-run.
 ONE_PROCESS = (300, 40, 45)
-TWO_PROCESSES = (100, 20, 25)  # a step takes ~5x longer (gloo)
+TWO_PROCESSES = (60, 20, 25)  # a step takes ~5x longer (gloo)
 
 
 def schedule(steps: int, every: int, _: int) -> list[str]:
@@ -60,7 +60,9 @@ def free_port() -> int:
 
 def launch(run_dir, plan=ONE_PROCESS, *, process: tuple[int, int, int] | None = None):
     env = dict(os.environ, JAX_NUM_CPU_DEVICES="1", PYTHONUNBUFFERED="1")
-    env.pop("XLA_FLAGS", None)
+    # the suite's compiler flags, without a device count that would override the one above
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    env["XLA_FLAGS"] = " ".join(f for f in flags if "device_count" not in f)
     cmd = [sys.executable, "train.py", f"run.dir={run_dir}", *TINY, *schedule(*plan)]
     if process is not None:
         port, n, i = process
@@ -150,6 +152,7 @@ def check_stopped(run, rc: int, err: str, sig_name: str, plan=ONE_PROCESS) -> in
     return step
 
 
+@pytest.mark.xdist_group("preemption")  # one worker: the uninterrupted run is made once
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_signal_stops_saves_and_resumes_bit_for_bit(tmp_path, straight, sig):
     ref, ref_ckpts = straight

@@ -61,7 +61,11 @@ def _stacked(tree, n):
     return jax.tree.map(lambda *a: np.stack(a), *[tree[i] for i in range(n)])
 
 
-@pytest.mark.parametrize("kind,heads,kv", KINDS)
+@pytest.mark.parametrize(
+    "kind,heads,kv",
+    # V1 MHA, V2 GQA, the twin GQA by default; V1 GQA with -m exhaustive
+    [KINDS[0], pytest.param(*KINDS[1], marks=pytest.mark.exhaustive), *KINDS[2:]],
+)
 def test_scanned_model_is_the_unrolled_model(kind, heads, kv):
     unrolled = TransformerLM(_config(kind, heads, kv), rngs=nnx.Rngs(0))
     scanned = stack_layers(unrolled)

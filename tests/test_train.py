@@ -333,23 +333,38 @@ sys.exit(main(sys.argv[3:], after_step=kill))
 """
 
 
+KILLED_CONFIG = [
+    *TINY,
+    "compare=false",
+    "train.steps=10",
+    "train.eval_every=4",
+    "train.checkpoint_every=4",
+]
+
+
+@pytest.fixture(scope="module")
+def straight_losses(tmp_path_factory):
+    """The losses of the uninterrupted ``train.py`` run of :data:`KILLED_CONFIG`."""
+    run = tmp_path_factory.mktemp("straight")
+    args = [sys.executable, os.path.join(ROOT, "train.py"), *KILLED_CONFIG, f"run.dir={run}"]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    subprocess.run(args, check=True, env=env, capture_output=True)
+    return losses(run / "diff" / "seed_0")
+
+
 @pytest.mark.slow
+@pytest.mark.xdist_group("killed")  # one worker: the uninterrupted run is made once
 @pytest.mark.parametrize("kill_at", [6, 8])
-def test_killed_and_resumed_run_equals_uninterrupted_bit_for_bit(tmp_path, kill_at):
+def test_killed_and_resumed_run_equals_uninterrupted_bit_for_bit(
+    tmp_path, kill_at, straight_losses
+):
     """SIGKILL a run right after step 6 (the step-4 checkpoint committed) or right after step 8
     (its checkpoint save issued, maybe not committed), rerun it with --resume: the losses of all
     10 steps equal those of an uninterrupted run exactly."""
-    config = [
-        *TINY,
-        "compare=false",
-        "train.steps=10",
-        "train.eval_every=4",
-        "train.checkpoint_every=4",
-    ]
+    config = KILLED_CONFIG
     args = [sys.executable, os.path.join(ROOT, "train.py"), *config]
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    straight, killed = tmp_path / "straight", tmp_path / "killed"
-    subprocess.run(args + [f"run.dir={straight}"], check=True, env=env, capture_output=True)
+    killed = tmp_path / "killed"
     out = subprocess.run(
         [sys.executable, "-c", KILLED_TRAIN_PY, str(kill_at), "4", *config, f"run.dir={killed}"],
         capture_output=True,
@@ -364,7 +379,7 @@ def test_killed_and_resumed_run_equals_uninterrupted_bit_for_bit(tmp_path, kill_
     )
     assert out.returncode == 0, out.stderr
     assert "resuming from the checkpoint at step" in out.stdout
-    a, b = losses(straight / "diff" / "seed_0"), losses(killed / "diff" / "seed_0")
+    a, b = straight_losses, losses(killed / "diff" / "seed_0")
     assert len(a) == len(b) == 10
     assert a == b  # bit for bit (JSON floats round-trip exactly)
 
