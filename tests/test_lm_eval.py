@@ -28,6 +28,7 @@ import diffjax  # noqa: E402
 from diffjax.config import ConfigError  # noqa: E402
 from diffjax.data.tokenizer import ByteTokenizer, HFTokenizer  # noqa: E402
 from diffjax.lm_eval import DiffJaxLM, scoring  # noqa: E402
+from diffjax.lm_eval.run import HEADING, evaluate_run_tasks, render_section  # noqa: E402
 from diffjax.train.checkpoint import Checkpointer  # noqa: E402
 from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
@@ -365,3 +366,78 @@ def test_command_line_writes_the_output_path(export, tmp_path, monkeypatch):
     assert results and samples, sorted(str(p) for p in out.rglob("*"))
     acc = json.loads(results[0].read_text())["results"]["djx_mc"]["acc,none"]
     assert 0.0 <= acc <= 1.0
+
+
+# ---------------------------------------------------------------------------- a whole run
+def _write_run(run) -> dict:
+    """A train.py run of DIFF and its twin, seeds 0 and 1 each (tiny byte-level models)."""
+    saved = {}
+    for label, attention in (("diff", "diff_v1"), ("standard", "standard")):
+        for seed in (0, 1):
+            cfg = diffjax.ModelConfig(
+                vocab_size=259,
+                d_model=16,
+                num_layers=1,
+                num_heads=1,
+                max_seq_len=32,
+                attention=attention,
+                init_std=0.2,
+            )
+            model = diffjax.TransformerLM(cfg, rngs=nnx.Rngs(seed + 10))
+            path = run / label / f"seed_{seed}" / "checkpoints"
+            ckpt = Checkpointer(str(path), async_save=False)
+            state = {"params": nnx.state(model, nnx.Param)}
+            ckpt.save(1, state, {}, {"model": cfg.to_dict()}, 1.0)
+            ckpt.wait()
+            ckpt.close()
+            saved[label, seed] = model
+    (run / "config.json").write_text(
+        json.dumps({"model": {}, "data": {"tokenizer": "byte"}, "train": {"seed": 0}})
+    )
+    return saved
+
+
+def test_a_whole_run_gives_every_model_and_seed_beside_its_twin(export, tmp_path):
+    run = tmp_path / "run"
+    _write_run(run)
+    (run / "eval.md").write_text("# Evaluation\n\n## 1. Retrieval\n\nkept\n")
+    kw = dict(include_path=str(export), include_defaults=False, limit=3, batch_size=4)
+    data = evaluate_run_tasks(str(run), ["djx_mc"], log=lambda s: None, **kw)
+    stored = json.loads((run / "lm_eval.json").read_text())
+    assert stored == json.loads(json.dumps(data))
+    got = {(m["label"], m["seed"]): m["metrics"]["djx_mc"]["acc,none"] for m in stored["models"]}
+    assert set(got) == {("diff", 0), ("diff", 1), ("standard", 0), ("standard", 1)}
+    # one model on its own: the same accuracy
+    direct = lm_eval.simple_evaluate(
+        model=DiffJaxLM(path=str(run), model="standard", seed=1, batch_size=4),
+        tasks=["djx_mc"],
+        task_manager=TaskManager(include_path=str(export), include_defaults=False),
+        limit=3,
+    )
+    assert got["standard", 1] == direct["results"]["djx_mc"]["acc,none"]
+    # run again: the section is replaced, not repeated; the rest of eval.md is kept
+    evaluate_run_tasks(str(run), ["djx_mc"], log=lambda s: None, **kw)
+    text = (run / "eval.md").read_text()
+    assert text.count(HEADING) == 1 and "## 1. Retrieval\n\nkept" in text
+    assert "djx_mc acc ↑, DIFF minus the twin:" in text and "| `djx_mc` | acc ↑ |" in text
+    assert "paired seeds" in text or "no spread" in text
+    # the paper's columns, where a number is recorded
+    lines = render_section(data, paper={("djx_mc", "acc,none"): (0.5, 0.625)})
+    assert any(x.startswith("| `djx_mc` | acc") and x.endswith("| 0.500 | 0.625 |") for x in lines)
+
+
+def test_the_run_command_line_rejects_bad_input_before_compute(export, tmp_path, capsys):
+    # imported here: runpy warns when the command-line test runs a module already imported
+    from diffjax.lm_eval.__main__ import main
+
+    (tmp_path / "empty").mkdir()
+    tasks = ["--include_path", str(export), "--no-default-tasks"]
+    assert main(["--run", str(tmp_path / "empty"), "--tasks", "djx_mc", *tasks]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "holds no model" in err and "\n" not in err
+    run = tmp_path / "run"
+    _write_run(run)
+    assert main(["--run", str(run), "--tasks", "djx_mc,djx_nope", *tasks]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "unknown lm-eval task(s): djx_nope" in err and "\n" not in err
+    assert not (run / "lm_eval.json").exists()
