@@ -301,3 +301,14 @@ def test_sweep_stopped_in_its_second_size_resumes_and_reports(tmp_path, capsys):
     assert [s["steps"] for s in plan["sizes"]] == [6, 6]
     assert main([*argv, "--report-only"]) == 0  # rebuilt from the files, nothing trained
     assert "training" not in capsys.readouterr().out
+
+
+def test_the_fit_reads_no_ratio_outside_diffs_measured_losses():
+    """A smooth fit can pass below DIFF's measured points; a twin loss that no measured DIFF
+    size reaches gets no ratio from the fit either (measured CPU-ladder numbers)."""
+    sizes = [53_632, 213_568, 886_272, 3_215_104]
+    diff = [2.7753, 2.5849, 2.4004, 2.3936]
+    assert fit.parameter_ratio(sizes, diff, [3_213_568], [2.3933], method="fit") == [None]
+    assert fit.parameter_ratio(sizes, diff, [3_213_568], [2.3933]) == [None]
+    (inside,) = fit.parameter_ratio(sizes, diff, [213_376], [2.4561], method="fit")
+    assert inside is not None and 1.0 < inside < 5.0

@@ -228,8 +228,9 @@ def parameter_ratio(
     x = np.log(n)
     out = []
     for n_twin, target in zip(twin_sizes, twin_means):
+        inside = _matched(n, x, y, float(target)) is not None  # within DIFF's measured losses
         if method == "fit":
-            n_diff = None if f is None else fitted_size(f, float(target))
+            n_diff = None if f is None or not inside else fitted_size(f, float(target))
         else:
             n_diff = _matched(n, x, y, float(target))
         out.append(None if n_diff is None else n_diff / float(n_twin))
