@@ -28,5 +28,14 @@ if _FAST_COMPILE not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FAST_COMPILE}".strip()
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", int(os.environ["JAX_NUM_CPU_DEVICES"]))
+
+
+@pytest.fixture
+def optimizing_compiler(monkeypatch):
+    """``XLA_FLAGS`` without the suite's optimisation level 0, for tests whose child processes
+    compile for real GPUs/TPUs and read registers, spills and memory from the compiler."""
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if f != _FAST_COMPILE]
+    monkeypatch.setenv("XLA_FLAGS", " ".join(flags))

@@ -22,6 +22,9 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
 compile_kernels = importlib.import_module("compile_kernels")
 
+# the compilers' own optimisation levels; one xdist worker runs every test that starts the
+# compile venv's jax (libtpu lets one process at a time hold its lock file)
+pytestmark = [pytest.mark.usefixtures("optimizing_compiler"), pytest.mark.xdist_group("compile")]
 WHY = compile_kernels.available()
 REQUIRED = bool(os.environ.get(compile_kernels.PYTHON_ENV))  # CI: must run, not skip
 CASES = list(compile_kernels.CASES)

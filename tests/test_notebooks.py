@@ -29,6 +29,9 @@ def _kernel_env() -> dict[str, str]:
         for k, v in os.environ.items()
         if k not in ("MPLBACKEND", "JAX_NUM_CPU_DEVICES", "XLA_FLAGS")
     }
+    # the suite's compiler flags (tests/conftest.py), without a device count
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    env["XLA_FLAGS"] = " ".join(f for f in flags if "device_count" not in f)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env["DIFFJAX_NOTEBOOK_SIZE"] = "quick"
     env["JAX_PLATFORMS"] = "cpu"

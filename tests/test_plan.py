@@ -21,6 +21,9 @@ import pytest
 from diffjax import plan as planner
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+# one xdist worker runs every test that starts the compile venv's jax (libtpu lets one process
+# at a time hold its lock file)
+pytestmark = pytest.mark.xdist_group("compile")
 PYTHON = os.environ.get("DIFFJAX_COMPILE_PYTHON")
 needs_compilers = pytest.mark.skipif(
     not PYTHON,
@@ -48,6 +51,10 @@ def plan(*args: str, python: str | None = None, timeout: int = 240):
         os.environ,
         PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
         TF_CPP_MIN_LOG_LEVEL="3",
+        # the compilers' own optimisation levels, not the suite's level 0 (tests/conftest.py)
+        XLA_FLAGS=" ".join(
+            f for f in os.environ.get("XLA_FLAGS", "").split() if "optimization_level" not in f
+        ),
     )
     return subprocess.run(
         [python or PYTHON, "-m", "diffjax.plan", *args],

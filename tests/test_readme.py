@@ -33,6 +33,8 @@ def run_block(block: str) -> dict:
     """Run ``block`` in a fresh ``python`` (from the repository root, nothing else defined);
     the shapes of the arrays it leaves (and ``cfg.vocab_size``)."""
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+    flags = os.environ.get("XLA_FLAGS", "").split()  # the suite's, without a device count
+    env["XLA_FLAGS"] = " ".join(f for f in flags if "device_count" not in f)
     p = subprocess.run(
         [sys.executable, "-c", block + REPORT],
         cwd=ROOT,

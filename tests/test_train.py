@@ -336,6 +336,7 @@ sys.exit(main(sys.argv[3:], after_step=kill))
 KILLED_CONFIG = [
     *TINY,
     "compare=false",
+    "train.tensorboard=false",  # tensorboardX imports torch: seconds per process
     "train.steps=10",
     "train.eval_every=4",
     "train.checkpoint_every=4",
