@@ -12,6 +12,7 @@ import json
 import os
 import sys
 import textwrap
+import types
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -28,7 +29,9 @@ import diffjax  # noqa: E402
 from diffjax.config import ConfigError  # noqa: E402
 from diffjax.data.tokenizer import ByteTokenizer, HFTokenizer  # noqa: E402
 from diffjax.lm_eval import DiffJaxLM, scoring  # noqa: E402
-from diffjax.lm_eval.run import HEADING, evaluate_run_tasks, render_section  # noqa: E402
+from diffjax.evaluate import report  # noqa: E402
+from diffjax.evaluate.lm_eval_run import evaluate_run_tasks  # noqa: E402
+from diffjax.evaluate.lm_tasks import HEADING, render_section  # noqa: E402
 from diffjax.train.checkpoint import Checkpointer  # noqa: E402
 from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
@@ -415,10 +418,19 @@ def test_a_whole_run_gives_every_model_and_seed_beside_its_twin(export, tmp_path
         limit=3,
     )
     assert got["standard", 1] == direct["results"]["djx_mc"]["acc,none"]
-    # run again: the section is replaced, not repeated; the rest of eval.md is kept
-    evaluate_run_tasks(str(run), ["djx_mc"], log=lambda s: None, **kw)
+    # again from the command line: the section is replaced, not repeated; the rest is kept
+    from diffjax.evaluate.__main__ import main
+
+    args = [str(run), "--lm-eval-only", "--lm-eval-tasks", "djx_mc", "--lm-eval-limit", "3"]
+    args += ["--lm-eval-include-path", str(export), "--lm-eval-no-default-tasks"]
+    assert main([*args, "--lm-eval-batch-size", "4"]) == 0
+    assert json.loads((run / "lm_eval.json").read_text()) == stored
     text = (run / "eval.md").read_text()
     assert text.count(HEADING) == 1 and "## 1. Retrieval\n\nkept" in text
+    # the analyses' report (python -m diffjax.evaluate without --lm-eval-only) keeps the section
+    kept = report.lm_eval_tasks(types.SimpleNamespace(run_dir=str(run)))
+    assert kept == render_section(stored) and "\n".join(kept) in text
+    assert report.lm_eval_tasks(types.SimpleNamespace(run_dir=str(tmp_path))) == []
     assert "djx_mc acc ↑, DIFF minus the twin:" in text and "| `djx_mc` | acc ↑ |" in text
     assert "paired seeds" in text or "no spread" in text
     # the paper's columns, where a number is recorded
@@ -426,18 +438,40 @@ def test_a_whole_run_gives_every_model_and_seed_beside_its_twin(export, tmp_path
     assert any(x.startswith("| `djx_mc` | acc") and x.endswith("| 0.500 | 0.625 |") for x in lines)
 
 
-def test_the_run_command_line_rejects_bad_input_before_compute(export, tmp_path, capsys):
+def test_evaluate_rejects_bad_lm_eval_input_before_compute(export, tmp_path, capsys):
     # imported here: runpy warns when the command-line test runs a module already imported
-    from diffjax.lm_eval.__main__ import main
+    from diffjax.evaluate.__main__ import main
+    from diffjax.lm_eval.__main__ import main as lm_eval_main
 
     (tmp_path / "empty").mkdir()
-    tasks = ["--include_path", str(export), "--no-default-tasks"]
-    assert main(["--run", str(tmp_path / "empty"), "--tasks", "djx_mc", *tasks]) == 2
+    tasks = ["--lm-eval-include-path", str(export), "--lm-eval-no-default-tasks"]
+    assert main([str(tmp_path / "empty"), "--lm-eval-tasks", "djx_mc", *tasks]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "holds no model" in err and "\n" not in err
     run = tmp_path / "run"
     _write_run(run)
-    assert main(["--run", str(run), "--tasks", "djx_mc,djx_nope", *tasks]) == 2
+    # an unknown task: refused before the analyses run (no eval.md) or any model is loaded
+    assert main([str(run), "--lm-eval-tasks", "djx_mc,djx_nope", *tasks]) == 2
     err = capsys.readouterr().err.strip()
     assert "unknown lm-eval task(s): djx_nope" in err and "\n" not in err
-    assert not (run / "lm_eval.json").exists()
+    assert not (run / "lm_eval.json").exists() and not (run / "eval.md").exists()
+    assert main([str(run), "--lm-eval-only"]) == 2
+    assert "--lm-eval-tasks" in capsys.readouterr().err
+    assert main([str(run), "--lm-eval-tasks", "djx_mc", "--lm-eval-no-default-tasks"]) == 2
+    assert "--lm-eval-include-path" in capsys.readouterr().err
+    # the run mode moved: lm-eval's command line says where
+    assert lm_eval_main(["--run", str(run), "--tasks", "djx_mc"]) == 2
+    assert "python -m diffjax.evaluate RUN_DIR --lm-eval-tasks" in capsys.readouterr().err
+
+
+def test_the_analyses_and_the_comparison_do_not_import_lm_eval():
+    """lm-eval is the `eval` extra: importing the comparison or the analyses leaves it out."""
+    import subprocess
+
+    code = (
+        "import sys, diffjax.compare, diffjax.evaluate, diffjax.sweep; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'lm_eval'"
+        " or m.startswith('diffjax.lm_eval') or m == 'diffjax.evaluate.lm_eval_run'))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout

@@ -1,4 +1,5 @@
-"""``python -m diffjax.evaluate RUN_DIR [--quick]``: the paper's analyses on a train.py run."""
+"""``python -m diffjax.evaluate RUN_DIR [--quick] [--lm-eval-tasks t1,t2 ...]``: the paper's
+analyses on a train.py run, and lm-eval tasks on its models."""
 
 from __future__ import annotations
 
@@ -8,27 +9,87 @@ import sys
 from diffjax.config import ConfigError
 from diffjax.train.checkpoint import CheckpointError
 
+from . import lm_eval_run
 from .run import evaluate_run
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+def _limit(text: str) -> int | float:
+    value = float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"--lm-eval-limit {text} must be > 0")
+    return int(value) if value >= 1 and value == int(value) else value
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
         prog="python -m diffjax.evaluate",
         description="Run the paper's analyses (multi-needle retrieval, attention allocation, "
-        "activation outliers, logit quantization, the noise floor, loss by "
-        "position) on every model of a train.py run directory; writes "
-        "RUN_DIR/eval.md, eval.json and eval_*.png.",
+        "contribution by ablation, activation outliers, logit quantization, the noise floor, "
+        "loss by position) on every model of a train.py run directory; writes "
+        "RUN_DIR/eval.md, eval.json and eval_*.png. With --lm-eval-tasks also lm-eval tasks "
+        "on every model (the `eval` extra): RUN_DIR/lm_eval.json and a section of eval.md.",
     )
-    parser.add_argument("run_dir", help="a directory written by train.py (e.g. runs/needle)")
-    parser.add_argument(
+    p.add_argument("run_dir", help="a directory written by train.py (e.g. runs/needle)")
+    p.add_argument(
         "--quick",
         action="store_true",
         help="a small subset: one context length, few examples (under a "
         "minute of CPU time for the default comparison)",
     )
-    args = parser.parse_args(argv)
+    g = p.add_argument_group("lm-evaluation-harness tasks")
+    g.add_argument("--lm-eval-tasks", default=None, help="lm-eval task names, comma-separated")
+    g.add_argument(
+        "--lm-eval-only",
+        action="store_true",
+        help="only the lm-eval tasks: eval.md keeps its analyses, its lm-eval section is replaced",
+    )
+    g.add_argument("--lm-eval-include-path", default=None, help="a folder of task YAML files")
+    g.add_argument(
+        "--lm-eval-no-default-tasks",
+        dest="lm_eval_defaults",
+        action="store_false",
+        help="only the tasks of --lm-eval-include-path (skips indexing lm-eval's own tasks)",
+    )
+    g.add_argument(
+        "--lm-eval-limit",
+        type=_limit,
+        default=None,
+        help="at most N examples per task (<1: a fraction)",
+    )
+    g.add_argument(
+        "--lm-eval-batch-size", default=str(lm_eval_run.DEFAULT_BATCH_SIZE), help="rows per batch"
+    )
+    g.add_argument(
+        "--lm-eval-num-fewshot", type=int, default=None, help="shots (default: each task's)"
+    )
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    tasks = args.lm_eval_tasks.split(",") if args.lm_eval_tasks else None
     try:
-        evaluate_run(args.run_dir, quick=args.quick)
+        if args.lm_eval_only and not tasks:
+            raise ConfigError("--lm-eval-only runs no task. Fix: add --lm-eval-tasks t1,t2")
+        if tasks:  # every input check before any compute
+            lm_eval_run.prepare(
+                args.run_dir,
+                tasks,
+                include_path=args.lm_eval_include_path,
+                include_defaults=args.lm_eval_defaults,
+            )
+        if not args.lm_eval_only:
+            evaluate_run(args.run_dir, quick=args.quick)
+        if tasks:
+            lm_eval_run.evaluate_run_tasks(
+                args.run_dir,
+                tasks,
+                include_path=args.lm_eval_include_path,
+                include_defaults=args.lm_eval_defaults,
+                limit=args.lm_eval_limit,
+                batch_size=args.lm_eval_batch_size,
+                num_fewshot=args.lm_eval_num_fewshot,
+            )
     except (ConfigError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -11,6 +11,7 @@ import numpy as np
 
 from diffjax.data import DataConfig
 
+from . import lm_tasks
 from . import noise_floor as nf
 from . import paper, plots
 from .outliers import KS
@@ -651,6 +652,13 @@ def footer(run: _Run) -> list[str]:
     return L
 
 
+def lm_eval_tasks(run: _Run) -> list[str]:
+    """The lm-eval section from ``lm_eval.json``, where an earlier
+    ``python -m diffjax.evaluate --lm-eval-tasks`` wrote one (kept when the analyses rerun)."""
+    data = lm_tasks.read_results(run.run_dir)
+    return [] if data is None else lm_tasks.render_section(data)
+
+
 SECTIONS = (
     header,
     validation,
@@ -662,6 +670,7 @@ SECTIONS = (
     noise_floor,
     loss_by_position,
     footer,
+    lm_eval_tasks,
 )
 
 

@@ -1,44 +1,26 @@
-"""``python -m diffjax.lm_eval --run RUN_DIR --tasks t1,t2``: lm-eval tasks on every model of a
-``train.py`` run (DIFF and its twin, each seed), the seeds' mean ± sd, the paired DIFF - twin
-difference with its 95% t-interval, and the paper's number where the paper gives one.
-
-:func:`evaluate_run_tasks` finds the models with :func:`diffjax.evaluate.run.discover_models`,
-runs ``lm_eval.simple_evaluate`` on each (the best checkpoint, through :class:`DiffJaxLM`),
-writes ``RUN_DIR/lm_eval.json`` and puts its section (``## LM Eval Harness tasks``) into
-``RUN_DIR/eval.md``: appended, or in place of the section an earlier call wrote."""
+"""The lm-eval section of ``eval.md`` (``## LM Eval Harness tasks``) from ``RUN_DIR/lm_eval.json``:
+per task and metric the seeds' mean ± sd of each model, the paired DIFF - twin difference with its
+95% t-interval, and the paper's number where the paper gives one. Pure: reads JSON, imports no
+lm-eval (:mod:`.lm_eval_run` runs the tasks and writes the JSON)."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
-import time
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
-import lm_eval
-from lm_eval.tasks import TaskManager
-
-from diffjax.config import ConfigError
-from diffjax.evaluate.results import model_name
-from diffjax.evaluate.run import ModelEntry, discover_models
-from diffjax.evaluate.stats import (
-    describe_difference,
-    fmt_mean_std,
-    group_by_label,
-    paired_difference,
-)
-
-from .model import DEFAULT_BATCH_SIZE, DiffJaxLM
+from .results import model_name
+from .stats import describe_difference, fmt_mean_std, group_by_label, paired_difference
 
 __all__ = [
     "HEADING",
     "PAPER_SCALE",
     "PAPER_TASKS",
-    "check_tasks",
-    "evaluate_run_tasks",
+    "higher_is_better",
     "main_metrics",
+    "read_results",
     "render_section",
-    "run_models",
     "replace_section",
 ]
 
@@ -55,48 +37,6 @@ PAPER_SCALE = "3B"
 # empty and the table's paper columns stay blank. An entry, e.g.
 # ("arc_easy", "acc,none"): (T, DIFF), shows on that task's row for that metric.
 PAPER_TASKS: dict[tuple[str, str], tuple[float | None, float | None]] = {}
-
-
-# ---------------------------------------------------------------------------- input checks
-def run_models(run_dir: str) -> list[ModelEntry]:
-    """The models of ``run_dir`` (:func:`discover_models`, the default seed from its
-    ``config.json``), or a :class:`ConfigError` when it holds none."""
-    run_dir = os.path.abspath(run_dir)
-    if not os.path.isdir(run_dir):
-        raise ConfigError(
-            f"run directory {run_dir} does not exist. Fix: pass the folder train.py wrote "
-            f"(e.g. runs/default)"
-        )
-    seed = 0
-    cfg_file = os.path.join(run_dir, "config.json")
-    if os.path.isfile(cfg_file):
-        with open(cfg_file) as f:
-            cfg = json.load(f)
-        seed = int(cfg.get("train", {}).get("seed", 0)) if isinstance(cfg, dict) else 0
-    entries = discover_models(run_dir, default_seed=seed)
-    if not entries:
-        raise ConfigError(
-            f"{run_dir} holds no model with a committed checkpoint (looked for "
-            f"*/checkpoints/<step>). Fix: train first (python train.py), or pass the run's "
-            f"own folder"
-        )
-    return entries
-
-
-def check_tasks(tasks: Sequence[str], manager: TaskManager) -> list[str]:
-    """The task names (globs allowed, as lm-eval's command line takes them), or a
-    :class:`ConfigError` naming those lm-eval does not know."""
-    tasks = [t.strip() for t in tasks if t and t.strip()]
-    if not tasks:
-        raise ConfigError("no task given. Fix: --tasks t1,t2 (lm-eval task names)")
-    missing = [t for t in tasks if not manager.match_tasks([t])]
-    if missing:
-        raise ConfigError(
-            f"unknown lm-eval task(s): {', '.join(missing)}. Fix: check the names "
-            f"(python -m diffjax.lm_eval ls tasks lists them), or pass --include_path with "
-            f"the folder of your task YAML files"
-        )
-    return tasks
 
 
 # ---------------------------------------------------------------------------- results
@@ -117,7 +57,7 @@ def main_metrics(results: dict[str, Any]) -> dict[str, dict[str, float]]:
     return out
 
 
-def _higher_is_better(results: dict[str, Any]) -> dict[str, dict[str, bool]]:
+def higher_is_better(results: dict[str, Any]) -> dict[str, dict[str, bool]]:
     return {
         task: {k: bool(v) for k, v in hib.items() if v is not None}
         for task, hib in results.get("higher_is_better", {}).items()
@@ -146,7 +86,7 @@ def render_section(
     limit, shots = data.get("limit"), data.get("num_fewshot")
     L = [HEADING, ""]
     L += [
-        f"lm-eval {data.get('lm_eval_version', '?')} (`python -m diffjax.lm_eval --run`) on "
+        f"lm-eval {data.get('lm_eval_version', '?')} (`python -m diffjax.evaluate --lm-eval-tasks`) on "
         f"every model of the run, the best checkpoint of each; tasks: "
         f"{', '.join(f'`{t}`' for t in data['tasks'])}; "
         + (f"at most {limit} examples per task" if limit is not None else "every example")
@@ -163,7 +103,7 @@ def render_section(
         f"The paper's columns are its {PAPER_SCALE}-size Transformer and DIFF models, trained "
         f"on hundreds of billions of tokens: far beyond a small run, so they show the paper's "
         f"scale, not a target. They are filled only where the paper's numbers are recorded "
-        f"(diffjax.lm_eval.run.PAPER_TASKS)"
+        f"(diffjax.evaluate.lm_tasks.PAPER_TASKS)"
         + ("; none is recorded for these tasks." if not paper else "."),
         "",
     ]
@@ -227,89 +167,10 @@ def replace_section(text: str, section: str) -> str:
     return out + ("\n" + after + "\n" if after else "")
 
 
-# ---------------------------------------------------------------------------- the run
-def evaluate_run_tasks(
-    run_dir: str,
-    tasks: Sequence[str],
-    *,
-    include_path: str | None = None,
-    include_defaults: bool = True,
-    limit: int | float | None = None,
-    batch_size: int | str | None = DEFAULT_BATCH_SIZE,
-    num_fewshot: int | None = None,
-    log: Callable[[str], Any] = print,
-) -> dict[str, Any]:
-    """Run lm-eval ``tasks`` on every model of a ``train.py`` run; write
-    ``RUN_DIR/lm_eval.json`` and the section ``## LM Eval Harness tasks`` of
-    ``RUN_DIR/eval.md`` (appended, or in place of an earlier one); return the JSON's content.
-
-    ``include_path``: a folder of task YAML files besides lm-eval's own (``include_defaults``
-    False: only those, which skips indexing lm-eval's ~15,000 task files). ``limit``: at most
-    that many examples per task (a float below 1: that fraction). Bad input (no model in the
-    run, an unknown task) raises :class:`ConfigError` before any model is loaded."""
-    run_dir = os.path.abspath(run_dir)
-    entries = run_models(run_dir)
-    manager = TaskManager(include_path=include_path, include_defaults=include_defaults)
-    tasks = check_tasks(tasks, manager)
-    models, hib = [], {}
-    for e in entries:
-        log(f"lm-eval {','.join(tasks)}: {e.label} (seed {e.seed}) from {e.path}")
-        t0 = time.perf_counter()
-        # the model's own folder: RUN/<label>/seed_<n>/, RUN/<label>/ or the run folder itself
-        lm = DiffJaxLM(path=e.path, model=e.label, seed=e.seed, batch_size=batch_size)
-        out = lm_eval.simple_evaluate(
-            model=lm,
-            tasks=list(tasks),
-            task_manager=manager,
-            limit=limit,
-            num_fewshot=num_fewshot,
-            log_samples=False,
-        )
-        metrics = main_metrics(out)
-        for task, h in _higher_is_better(out).items():
-            hib.setdefault(task, {}).update(h)
-        models.append(
-            {
-                "label": e.label,
-                "seed": e.seed,
-                "path": os.path.relpath(e.path, run_dir),
-                "attention": lm.model.config.attention,
-                "metrics": metrics,
-                "n_samples": {
-                    t: v.get("effective", v.get("original"))
-                    for t, v in out.get("n-samples", {}).items()
-                },
-            }
-        )
-        log(
-            f"    {'; '.join(f'{t} {k} {v:.4g}' for t, ms in metrics.items() for k, v in ms.items())}"
-            f" ({time.perf_counter() - t0:.1f}s)"
-        )
-    data = {
-        "lm_eval_version": getattr(lm_eval, "__version__", "?"),
-        "tasks": list(tasks),
-        "include_path": include_path,
-        "limit": limit,
-        "num_fewshot": num_fewshot,
-        "higher_is_better": hib,
-        "models": models,
-        "paper": {
-            "scale": PAPER_SCALE,
-            "tasks": [
-                {"task": t, "metric": m, "transformer": v[0], "diff": v[1]}
-                for (t, m), v in PAPER_TASKS.items()
-            ],
-        },
-    }
-    json_path = os.path.join(run_dir, "lm_eval.json")
-    with open(json_path, "w") as f:
-        json.dump(data, f, indent=1)
-    md_path = os.path.join(run_dir, "eval.md")
-    old = ""
-    if os.path.isfile(md_path):
-        with open(md_path) as f:
-            old = f.read()
-    with open(md_path, "w") as f:
-        f.write(replace_section(old, "\n".join(render_section(data))))
-    log(f"lm-eval: {json_path}, section {HEADING!r} of {md_path}")
-    return data
+def read_results(run_dir: str) -> dict[str, Any] | None:
+    """``RUN_DIR/lm_eval.json`` (what :func:`.lm_eval_run.evaluate_run_tasks` wrote), or None."""
+    path = os.path.join(run_dir, "lm_eval.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)

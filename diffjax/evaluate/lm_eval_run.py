@@ -1,0 +1,203 @@
+"""lm-eval tasks on every model of a ``train.py`` run (DIFF and its twin, each seed):
+``python -m diffjax.evaluate RUN_DIR --lm-eval-tasks t1,t2``.
+
+:func:`evaluate_run_tasks` finds the models with :func:`.run.discover_models`, runs
+``lm_eval.simple_evaluate`` on each (the best checkpoint, through
+:class:`diffjax.lm_eval.DiffJaxLM`), writes ``RUN_DIR/lm_eval.json`` and puts its section
+(:mod:`.lm_tasks`) into ``RUN_DIR/eval.md``: appended, or in place of the section an earlier call
+wrote. lm-eval is the ``eval`` extra: without it :data:`AVAILABLE` is False and the functions
+raise a :class:`ConfigError` that says how to install it; the analyses never need it."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any, Callable, Sequence
+
+from diffjax.config import ConfigError
+
+from .lm_tasks import (
+    HEADING,
+    PAPER_SCALE,
+    PAPER_TASKS,
+    higher_is_better,
+    main_metrics,
+    render_section,
+    replace_section,
+)
+from .run import ModelEntry, discover_models
+
+try:  # the `eval` extra
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from diffjax.lm_eval.model import DEFAULT_BATCH_SIZE, DiffJaxLM
+except ImportError as e:  # pragma: no cover - the test extra installs lm-eval
+    AVAILABLE, _MISSING = False, e
+    DEFAULT_BATCH_SIZE = 16
+else:
+    AVAILABLE, _MISSING = True, None
+
+__all__ = ["AVAILABLE", "check_tasks", "evaluate_run_tasks", "prepare", "run_models"]
+
+
+def _require() -> None:
+    if not AVAILABLE:
+        raise ConfigError(
+            f"lm-eval tasks need lm-evaluation-harness ({_MISSING}). Fix: pip install -e "
+            f'".[eval]" (or pip install "lm-eval>=0.4.5,<0.5"), or leave out --lm-eval-tasks'
+        )
+
+
+# ---------------------------------------------------------------------------- input checks
+def run_models(run_dir: str) -> list[ModelEntry]:
+    """The models of ``run_dir`` (:func:`discover_models`, the default seed from its
+    ``config.json``), or a :class:`ConfigError` when it holds none."""
+    run_dir = os.path.abspath(run_dir)
+    if not os.path.isdir(run_dir):
+        raise ConfigError(
+            f"run directory {run_dir} does not exist. Fix: pass the folder train.py wrote "
+            f"(e.g. runs/default)"
+        )
+    seed = 0
+    cfg_file = os.path.join(run_dir, "config.json")
+    if os.path.isfile(cfg_file):
+        with open(cfg_file) as f:
+            cfg = json.load(f)
+        seed = int(cfg.get("train", {}).get("seed", 0)) if isinstance(cfg, dict) else 0
+    entries = discover_models(run_dir, default_seed=seed)
+    if not entries:
+        raise ConfigError(
+            f"{run_dir} holds no model with a committed checkpoint (looked for "
+            f"*/checkpoints/<step>). Fix: train first (python train.py), or pass the run's "
+            f"own folder"
+        )
+    return entries
+
+
+def check_tasks(tasks: Sequence[str], manager: TaskManager) -> list[str]:
+    """The task names (globs allowed, as lm-eval's command line takes them), or a
+    :class:`ConfigError` naming those lm-eval does not know."""
+    _require()
+    tasks = [t.strip() for t in tasks if t and t.strip()]
+    if not tasks:
+        raise ConfigError("no lm-eval task given. Fix: --lm-eval-tasks t1,t2 (lm-eval task names)")
+    missing = [t for t in tasks if not manager.match_tasks([t])]
+    if missing:
+        raise ConfigError(
+            f"unknown lm-eval task(s): {', '.join(missing)}. Fix: check the names "
+            f"(python -m diffjax.lm_eval ls tasks lists them), or pass --lm-eval-include-path "
+            f"with the folder of your task YAML files"
+        )
+    return tasks
+
+
+def prepare(
+    run_dir: str,
+    tasks: Sequence[str],
+    *,
+    include_path: str | None = None,
+    include_defaults: bool = True,
+) -> tuple[list[ModelEntry], TaskManager, list[str]]:
+    """The run's models, the task manager and the checked task names: every input check of
+    :func:`evaluate_run_tasks`, before any model is loaded (lm-eval missing, no model in the
+    run, an unknown task: :class:`ConfigError`)."""
+    _require()
+    if not include_defaults and not include_path:
+        raise ConfigError(
+            "only the tasks of an include path were asked for, but none is given (no task "
+            "would be known). Fix: pass --lm-eval-include-path DIR, or drop "
+            "--lm-eval-no-default-tasks"
+        )
+    entries = run_models(run_dir)
+    manager = TaskManager(include_path=include_path, include_defaults=include_defaults)
+    return entries, manager, check_tasks(tasks, manager)
+
+
+# ---------------------------------------------------------------------------- the run
+def evaluate_run_tasks(
+    run_dir: str,
+    tasks: Sequence[str],
+    *,
+    include_path: str | None = None,
+    include_defaults: bool = True,
+    limit: int | float | None = None,
+    batch_size: int | str | None = DEFAULT_BATCH_SIZE,
+    num_fewshot: int | None = None,
+    log: Callable[[str], Any] = print,
+) -> dict[str, Any]:
+    """Run lm-eval ``tasks`` on every model of a ``train.py`` run; write
+    ``RUN_DIR/lm_eval.json`` and the section ``## LM Eval Harness tasks`` of
+    ``RUN_DIR/eval.md`` (appended, or in place of an earlier one); return the JSON's content.
+
+    ``include_path``: a folder of task YAML files besides lm-eval's own (``include_defaults``
+    False: only those, which skips indexing lm-eval's ~15,000 task files). ``limit``: at most
+    that many examples per task (a float below 1: that fraction). Bad input (no model in the
+    run, an unknown task) raises :class:`ConfigError` before any model is loaded."""
+    run_dir = os.path.abspath(run_dir)
+    entries, manager, tasks = prepare(
+        run_dir, tasks, include_path=include_path, include_defaults=include_defaults
+    )
+    models, hib = [], {}
+    for e in entries:
+        log(f"lm-eval {','.join(tasks)}: {e.label} (seed {e.seed}) from {e.path}")
+        t0 = time.perf_counter()
+        # the model's own folder: RUN/<label>/seed_<n>/, RUN/<label>/ or the run folder itself
+        lm = DiffJaxLM(path=e.path, model=e.label, seed=e.seed, batch_size=batch_size)
+        out = lm_eval.simple_evaluate(
+            model=lm,
+            tasks=list(tasks),
+            task_manager=manager,
+            limit=limit,
+            num_fewshot=num_fewshot,
+            log_samples=False,
+        )
+        metrics = main_metrics(out)
+        for task, h in higher_is_better(out).items():
+            hib.setdefault(task, {}).update(h)
+        models.append(
+            {
+                "label": e.label,
+                "seed": e.seed,
+                "path": os.path.relpath(e.path, run_dir),
+                "attention": lm.model.config.attention,
+                "metrics": metrics,
+                "n_samples": {
+                    t: v.get("effective", v.get("original"))
+                    for t, v in out.get("n-samples", {}).items()
+                },
+            }
+        )
+        log(
+            f"    {'; '.join(f'{t} {k} {v:.4g}' for t, ms in metrics.items() for k, v in ms.items())}"
+            f" ({time.perf_counter() - t0:.1f}s)"
+        )
+    data = {
+        "lm_eval_version": getattr(lm_eval, "__version__", "?"),
+        "tasks": list(tasks),
+        "include_path": include_path,
+        "limit": limit,
+        "num_fewshot": num_fewshot,
+        "higher_is_better": hib,
+        "models": models,
+        "paper": {
+            "scale": PAPER_SCALE,
+            "tasks": [
+                {"task": t, "metric": m, "transformer": v[0], "diff": v[1]}
+                for (t, m), v in PAPER_TASKS.items()
+            ],
+        },
+    }
+    json_path = os.path.join(run_dir, "lm_eval.json")
+    with open(json_path, "w") as f:
+        json.dump(data, f, indent=1)
+    md_path = os.path.join(run_dir, "eval.md")
+    old = ""
+    if os.path.isfile(md_path):
+        with open(md_path) as f:
+            old = f.read()
+    with open(md_path, "w") as f:
+        f.write(replace_section(old, "\n".join(render_section(data))))
+    log(f"lm-eval: {json_path}, section {HEADING!r} of {md_path}")
+    return data
