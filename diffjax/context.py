@@ -1,0 +1,905 @@
+"""Sequence (context) parallel attention: the sequence dimension sharded over a mesh axis.
+
+The math of :mod:`diffjax.kernels.reference` (DIFF V1, DIFF V2 and standard attention) with the
+sequence cut into ``N`` blocks, one per device along a mesh axis (``"context"`` by default).
+Queries stay where they are; keys and values travel:
+
+- **ring** (:func:`ring_differential_attention`, :func:`ring_attention`): each device keeps its
+  query block and passes its K/V block round the ring with ``jax.lax.ppermute`` for ``N``
+  steps, taking each arriving block in chunks of ``block_k`` keys and merging each softmax
+  map's partial result by its log-sum-exp (flash attention across devices and within them;
+  a chunk the mask hides entirely is skipped). Per device memory is ``O(T/N)`` (maps of
+  ``[T/N, block_k]``): the backward is a ``jax.custom_vjp`` that saves only the local
+  blocks, the per-map outputs and log-sum-exps, and rotates K/V again together with their
+  gradient accumulators, which arrive home after a full cycle.
+- **all-gather** (:func:`allgather_differential_attention`, :func:`allgather_attention`): K/V
+  gathered whole on every device (``jax.lax.all_gather(tiled=True)``), then the reference's
+  math on ``[T/N, T]`` maps; plain autodiff. Simpler, ``O(T)`` memory per device.
+
+Both are called *inside* ``jax.shard_map``; :func:`context_differential_attention` and
+:func:`context_dot_product_attention` are the wrappers to call from outside.
+
+**Token order and positions.** Masks are built from the *global* positions of the tokens
+(``q_pos``, ``k_pos``: a key is visible to a query iff ``k_pos <= q_pos`` under the causal
+mask, and both carry the same segment id when segment ids are given), so any token order
+works. Under a causal mask the contiguous order leaves the first device almost idle (the ring
+skips the key chunks it may not see) and the last doing most of the work; the zigzag order
+(:func:`zigzag_order`: device ``i`` holds chunks ``i`` and ``2N-1-i`` of ``2N``) gives every
+device the same number of visible pairs, so the same work when ``block_k`` is at most
+``T / (2N)``. The all-gather path computes every pair, masked.
+
+Layout everywhere: ``[batch, seq, heads, dim]``; GQA as in the reference (query head ``i``
+reads kv head ``i // (Hq // Hkv)``). Inside, the maps are ``[B, Hkv, R*T, S]`` like the
+reference's (``R = Hq / Hkv`` query heads stacked along the rows). Numerics: float32 logits,
+softmax statistics, accumulators and gradients; probabilities cast to v's dtype before the
+value product; a query that sees no key at all gets a zero output.
+
+This module imports only jax, numpy, :mod:`diffjax.kernels.reference` and
+:class:`diffjax.config.ConfigError`.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from .config import ConfigError
+from .kernels import reference
+
+IMPLS = ("ring", "allgather")
+ORDERS = ("zigzag", "contiguous")
+TOKEN_ORDERS = ("zigzag", "striped", "contiguous")  # how a batch is laid over the devices
+
+
+# ---------------------------------------------------------------------------- token orders
+def _check_divisible(seq_len: int, parts: int, what: str) -> None:
+    if seq_len % parts:
+        raise ConfigError(
+            f"context.seq_len: a sequence of {seq_len} tokens does not split into {parts} "
+            f"equal chunks ({what}). Fix: use a sequence length that is a multiple of {parts} "
+            f"(pad the sequence, or pick a context axis size that divides it)"
+        )
+
+
+def zigzag_order(seq_len: int, n: int) -> np.ndarray:
+    """The zigzag token order for ``n`` devices: a permutation ``perm`` of ``range(seq_len)``.
+
+    The sequence is cut into ``2n`` equal chunks; device ``i`` holds chunks ``i`` and
+    ``2n-1-i`` (in that order), so under a causal mask every device has the same number of
+    visible (query, key) pairs. ``x[:, perm]`` puts a ``[B, T, ...]`` sequence into that order
+    (device ``i``'s block is then ``x[:, perm][:, i*T/n:(i+1)*T/n]``); ``perm`` is also the
+    global position of each token of the permuted sequence. Raises :class:`ConfigError` when
+    ``seq_len`` is not a multiple of ``2n``.
+    """
+    if n < 1:
+        raise ConfigError(f"context.size: {n} devices. Fix: use at least 1")
+    _check_divisible(seq_len, 2 * n, f"zigzag order over {n} devices needs 2*{n} chunks")
+    chunks = np.arange(seq_len).reshape(2 * n, seq_len // (2 * n))
+    return np.concatenate([np.concatenate([chunks[i], chunks[2 * n - 1 - i]]) for i in range(n)])
+
+
+def striped_order(seq_len: int, n: int) -> np.ndarray:
+    """The striped token order: device ``i`` holds tokens ``i, i+n, i+2n, ...`` (a
+    permutation of ``range(seq_len)``, used as :func:`zigzag_order`'s). Also balanced under a
+    causal mask (to one token). Raises :class:`ConfigError` when ``n`` does not divide
+    ``seq_len``."""
+    if n < 1:
+        raise ConfigError(f"context.size: {n} devices. Fix: use at least 1")
+    _check_divisible(seq_len, n, f"striped order over {n} devices")
+    return np.arange(seq_len).reshape(seq_len // n, n).T.reshape(-1)
+
+
+def inverse_order(perm) -> np.ndarray:
+    """The inverse permutation: ``x[:, perm][:, inverse_order(perm)] == x``."""
+    perm = np.asarray(perm)
+    inv = np.empty_like(perm)
+    inv[perm] = np.arange(perm.size, dtype=perm.dtype)
+    return inv
+
+
+# ---------------------------------------------------------------------------- batches in order
+def axis_size(mesh, axis: str = "context") -> int:
+    """The size of ``mesh``'s ``axis`` (1 when there is no mesh or no such axis); concrete or
+    abstract meshes alike."""
+    if mesh is None:
+        return 1
+    return int(dict(zip(mesh.axis_names, mesh.axis_sizes)).get(axis, 1))
+
+
+def check_sequence(seq_len: int, n: int, order: str, what: str = "data.seq_len") -> None:
+    """A :class:`ConfigError` naming ``what`` and the fix when a sequence of ``seq_len`` tokens
+    cannot be laid over ``n`` context devices in ``order`` (zigzag: ``2n`` equal chunks;
+    striped and contiguous: ``n``)."""
+    if order not in TOKEN_ORDERS:
+        raise ConfigError(
+            f"mesh.context_order: unknown order {order!r}. Fix: use one of "
+            f"{', '.join(TOKEN_ORDERS)}"
+        )
+    if n <= 1:
+        return
+    parts = 2 * n if order == "zigzag" else n
+    if seq_len % parts:
+        other = (
+            "" if order != "zigzag" else f", or mesh.context_order=contiguous (a multiple of {n})"
+        )
+        raise ConfigError(
+            f"{what}={seq_len} does not split into {parts} equal chunks for mesh.context={n} "
+            f"in the {order} order. Fix: a sequence length that is a multiple of {parts}, or "
+            f"a mesh.context that divides it{other}"
+        )
+
+
+def token_order(seq_len: int, n: int, order: str) -> np.ndarray:
+    """The permutation that puts a sequence in ``order`` for ``n`` context devices
+    ("zigzag", "striped" or "contiguous": the identity)."""
+    check_sequence(seq_len, n, order)
+    if n <= 1 or order == "contiguous":
+        return np.arange(seq_len)
+    return zigzag_order(seq_len, n) if order == "zigzag" else striped_order(seq_len, n)
+
+
+def order_batch(arrays: dict, n: int, order: str) -> dict:
+    """A batch (``{name: [B, T, ...]}`` host arrays) in the token ``order`` for ``n`` context
+    devices, with ``"positions"`` (the given ones, else ``arange(T)`` per row) reordered like
+    every other array: the model then computes the same function (rotary and masks read the
+    positions) and a token-local loss the same sum."""
+    t = next(iter(arrays.values())).shape[1]
+    perm = token_order(t, n, order)
+    b = next(iter(arrays.values())).shape[0]
+    out = dict(arrays)
+    if out.get("positions") is None:
+        out["positions"] = np.broadcast_to(np.arange(t, dtype=np.int32), (b, t))
+    return {k: np.asarray(v)[:, perm] for k, v in out.items()}
+
+
+def restore_order(x: np.ndarray, n: int, order: str) -> np.ndarray:
+    """``x`` (``[B, T, ...]`` in ``order``) back in the data's order."""
+    if n <= 1 or order == "contiguous":
+        return x
+    return np.asarray(x)[:, inverse_order(token_order(x.shape[1], n, order))]
+
+
+# ---------------------------------------------------------------------------- masks
+def position_mask(
+    q_pos: jax.Array,
+    k_pos: jax.Array,
+    *,
+    causal: bool = True,
+    segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+) -> jax.Array | None:
+    """Boolean ``[B or 1, Tq, Tk]`` mask (True = may attend) from the global positions
+    ``q_pos`` ``[Tq]`` or ``[B, Tq]``, ``k_pos`` ``[Tk]`` or ``[B, Tk]`` (int) and the segment
+    ids ``[B, Tq]`` / ``[B, Tk]`` (``kv_segment_ids`` None: the keys' are ``segment_ids``,
+    which then needs ``Tk == Tq``). A key is visible iff ``k_pos <= q_pos`` (when ``causal``)
+    and the segments match. None when nothing is masked."""
+    mask = None
+    if causal:
+        mask = k_pos[..., None, :] <= q_pos[..., :, None]
+        mask = mask if mask.ndim == 3 else mask[None]
+    if segment_ids is not None:
+        kv_seg = segment_ids if kv_segment_ids is None else kv_segment_ids
+        seg = segment_ids[:, :, None] == kv_seg[:, None, :]
+        mask = seg if mask is None else jnp.logical_and(mask, seg)
+    return mask
+
+
+# ---------------------------------------------------------------------------- block math
+# Grouped layout (see the reference): queries [B, G, R*Tq, D], keys [B, G, Tk, D], values
+# [B, G, Tk, Dv], row statistics [B, G, R*Tq], masks [B or 1, 1, R*Tq, Tk] (G = Hkv).
+def _kv_layout(x: jax.Array) -> jax.Array:
+    """``[B, S, Hkv, D]`` -> ``[B, Hkv, S, D]``."""
+    return x.transpose(0, 2, 1, 3)
+
+
+def _from_kv_layout(x: jax.Array) -> jax.Array:
+    return x.transpose(0, 2, 1, 3)
+
+
+def _rows_to_heads(x: jax.Array, t: int) -> jax.Array:
+    """Row statistics ``[B, G, R*T]`` -> ``[B, T, Hq]``."""
+    return reference._ungroup_queries(x[..., None], t)[..., 0]
+
+
+def _safe(lse: jax.Array) -> jax.Array:
+    """``lse`` with -inf (a row that sees no key) replaced by 0, to subtract without NaNs."""
+    return jnp.where(jnp.isneginf(lse), 0.0, lse)
+
+
+def _grouped_block(qg, kg, vg, gmask, scale):
+    """One map on one block: ``(o [B,G,RT,Dv], lse [B,G,RT])`` float32, ``o`` normalised
+    over the block's visible keys (0 for a row that sees none, whose ``lse`` is -inf)."""
+    s = jnp.einsum("bgqd,bgsd->bgqs", qg, kg, preferred_element_type=jnp.float32)
+    s = s * jnp.float32(scale)
+    if gmask is not None:
+        s = jnp.where(gmask, s, -jnp.inf)
+    m = jnp.max(s, axis=-1)
+    m = jnp.where(jnp.isneginf(m), 0.0, m)
+    p = jnp.exp(s - m[..., None])  # masked entries: exp(-inf) = 0
+    l = jnp.sum(p, axis=-1)
+    o = jnp.einsum("bgqs,bgsd->bgqd", p.astype(vg.dtype), vg, preferred_element_type=jnp.float32)
+    o = o / jnp.where(l > 0, l, 1.0)[..., None]
+    lse = m + jnp.log(l)  # log(0) = -inf where the row sees no key
+    return o, lse
+
+
+def _merge(o_a, lse_a, o_b, lse_b):
+    """Two partials of one map (over disjoint key sets) merged by their log-sum-exps."""
+    lse = jnp.logaddexp(lse_a, lse_b)  # -inf when both are
+    ref = _safe(lse)
+    w_a = jnp.exp(lse_a - ref)[..., None]  # 0 where lse_a is -inf
+    w_b = jnp.exp(lse_b - ref)[..., None]
+    return o_a * w_a + o_b * w_b, lse
+
+
+def block_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    q_pos: jax.Array,
+    k_pos: jax.Array,
+    causal: bool = True,
+    segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+    scale: float | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """One softmax map of one query block against one key block, in flash form.
+
+    q ``[B, Tq, Hq, D]``, k ``[B, Tk, Hkv, D]``, v ``[B, Tk, Hkv, Dv]``; ``q_pos [Tq]`` and
+    ``k_pos [Tk]`` the tokens' global positions (int); segment ids ``[B, Tq]`` / ``[B, Tk]``.
+    Returns ``(o, lse)``: ``o [B, Tq, Hq, Dv]`` float32, the output normalised over this
+    block's visible keys, and ``lse [B, Tq, Hq]`` float32, the log-sum-exp of the visible
+    scaled logits. A query that sees no key of the block gets ``o = 0`` and ``lse = -inf``
+    (no NaN). Partials over disjoint key blocks combine with :func:`merge_partials`.
+    """
+    b, tq, hq, _ = q.shape
+    hkv = k.shape[2]
+    scale = reference._default_scale(q, scale)
+    mask = position_mask(
+        q_pos, k_pos, causal=causal, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids
+    )
+    qg = reference._group_queries(q, hkv)
+    o, lse = _grouped_block(
+        qg, _kv_layout(k), _kv_layout(v), reference._group_mask(mask, hq // hkv), scale
+    )
+    return reference._ungroup_queries(o, tq), _rows_to_heads(lse, tq)
+
+
+def merge_partials(
+    o_a: jax.Array, lse_a: jax.Array, o_b: jax.Array, lse_b: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Merge two partials of one map over disjoint key sets: ``o [B, T, H, Dv]`` normalised
+    and ``lse [B, T, H]`` each (as :func:`block_attention` returns). Returns the ``(o, lse)``
+    of the union; a query that sees no key in either keeps ``o = 0``, ``lse = -inf``."""
+    return _merge(o_a, lse_a, o_b, lse_b)
+
+
+def _block_grads(qg, kg, vg, gmask, scale, lse, do, delta):
+    """Flash-attention backward of one map on one block, from the saved ``lse``:
+    ``P = exp(s - lse)``, ``dS = P * (dO v^T - delta)``. Returns ``(p, dq, dk)`` float32
+    (``dq [B,G,RT,D]``, ``dk [B,G,Tk,D]``, scale included); ``dv`` is the caller's."""
+    s = jnp.einsum("bgqd,bgsd->bgqs", qg, kg, preferred_element_type=jnp.float32)
+    s = s * jnp.float32(scale)
+    if gmask is not None:
+        s = jnp.where(gmask, s, -jnp.inf)
+    p = jnp.exp(s - _safe(lse)[..., None])  # 0 where masked (and where the row sees nothing)
+    dp = jnp.einsum("bgqd,bgsd->bgqs", do, vg.astype(jnp.float32))
+    ds = p * (dp - delta[..., None]) * jnp.float32(scale)
+    dq = jnp.einsum("bgqs,bgsd->bgqd", ds, kg.astype(jnp.float32))
+    dk = jnp.einsum("bgqs,bgqd->bgsd", ds, qg.astype(jnp.float32))
+    return p, dq, dk
+
+
+# ---------------------------------------------------------------------------- ring
+# The ring's key chunk: maps of [T/N, 512] per step. Its functions take their static settings
+# as one tuple ``static = (axis_name, causal, scale, block_k)``.
+DEFAULT_BLOCK_K = 512
+
+
+def _ring_perm(n: int) -> list[tuple[int, int]]:
+    """Device ``i`` sends to ``i + 1``: after ``j`` steps device ``d`` holds ``d - j``'s block."""
+    return [(i, (i + 1) % n) for i in range(n)]
+
+
+def _chunk_size(tk: int, block_k: int | None) -> int:
+    """The largest divisor of ``tk`` that is at most ``block_k`` (``tk`` for None)."""
+    if block_k is None or block_k >= tk:
+        return tk
+    if block_k < 1:
+        raise ValueError(f"ring attention: block_k must be at least 1, got {block_k}")
+    return next(c for c in range(block_k, 0, -1) if tk % c == 0)
+
+
+def _split(x, axis: int, c: int):
+    """``x`` with ``axis`` cut into ``c`` chunks, the chunk index first (None stays None)."""
+    if x is None:
+        return None
+    shape = x.shape[:axis] + (c, x.shape[axis] // c) + x.shape[axis + 1 :]
+    return jnp.moveaxis(x.reshape(shape), axis, 0)
+
+
+def _join(x, axis: int):
+    """The inverse of :func:`_split`."""
+    x = jnp.moveaxis(x, 0, axis)
+    return x.reshape(x.shape[:axis] + (-1,) + x.shape[axis + 2 :])
+
+
+# A K/V block in flight: (own keys [B,G,Tk,D] x 1 or 2, values [B,G,Tk,Dv], k_pos [Tk],
+# kv_seg [B,Tk] or None). Its key axes, for cutting it into chunks of block_k keys:
+def _split_kv(kv, c):
+    keys, vg, k_pos, kv_seg = kv
+    return (
+        [_split(k, 2, c) for k in keys],
+        _split(vg, 2, c),
+        _split(k_pos, k_pos.ndim - 1, c),
+        _split(kv_seg, 1, c),
+    )
+
+
+def _over_chunks(body, carry, kv, block_k):
+    """``body(carry, chunk) -> (carry, out)`` over the K/V block's chunks of at most
+    ``block_k`` keys (a ``lax.scan``; one call when the block is one chunk). Returns
+    ``(carry, outs)``, ``outs`` stacked along the chunk index first."""
+    tk = kv[1].shape[2]
+    c = tk // _chunk_size(tk, block_k)
+    if c == 1:
+        carry, out = body(carry, kv)
+        return carry, jax.tree.map(lambda x: x[None], out)
+    return jax.lax.scan(body, carry, _split_kv(kv, c))
+
+
+def _ring_forward(static, qs, shared, kv, q_pos, q_seg):
+    """The ring's forward in grouped layout. ``qs``: the maps' grouped queries (1 or 2);
+    ``kv`` the local K/V block (``shared``: both maps read its one key). Returns
+    ``(os, lses)``, one ``o [B,G,RT,Dv]`` and ``lse [B,G,RT]`` per map."""
+    axis_name, causal, scale, block_k = static
+    n = jax.lax.axis_size(axis_name)
+    r = qs[0].shape[2] // q_pos.shape[-1]
+    perm = _ring_perm(n)
+
+    def absorb(acc, chunk):
+        keys, vg, k_pos, kv_seg = chunk
+        gmask = _local_mask(q_pos, k_pos, causal, q_seg, kv_seg, r)
+        keys = keys * len(qs) if shared else keys
+
+        def run(acc):
+            merged = []
+            for q, k, o, lse in zip(qs, keys, *acc):
+                merged.append(_merge(o, lse, *_grouped_block(q, k, vg, gmask, scale)))
+            return [o for o, _ in merged], [lse for _, lse in merged]
+
+        return _unless_masked(gmask, run, lambda acc: acc, acc), None
+
+    rows = qs[0].shape[:3]
+    acc = (
+        [jnp.zeros(rows + kv[1].shape[3:], jnp.float32) for _ in qs],
+        [jnp.full(rows, -jnp.inf, jnp.float32) for _ in qs],
+    )
+    acc, _ = _over_chunks(absorb, acc, kv, block_k)
+
+    def step(_, carry):
+        kv, acc = carry
+        kv = jax.lax.ppermute(kv, axis_name, perm)
+        acc, _ = _over_chunks(absorb, acc, kv, block_k)
+        return kv, acc
+
+    _, acc = jax.lax.fori_loop(1, n, step, (kv, acc))
+    return acc
+
+
+def _ring_backward(static, qs, shared, kv, q_pos, q_seg, lses, dos, deltas, dv_map):
+    """The ring's backward: rotates the K/V block with its float32 gradient accumulators for
+    a full cycle (``N`` hops of the accumulators, ``N - 1`` of K/V), recomputing each chunk's
+    probabilities from the saved ``lses``. ``dos``/``deltas``: each map's output cotangent
+    ``[B,G,RT,Dv]`` and ``rowsum(dO * O)``; ``dv_map(ps)`` the combined map whose transpose
+    times ``dos[0]`` is dv's part. Returns ``(dqs, dks, dv)`` (``dks`` one per own key)."""
+    axis_name, causal, scale, block_k = static
+    n = jax.lax.axis_size(axis_name)
+    r = qs[0].shape[2] // q_pos.shape[-1]
+    perm = _ring_perm(n)
+
+    def chunk_grads(dqs, chunk):
+        keys, vg, k_pos, kv_seg = chunk
+        gmask = _local_mask(q_pos, k_pos, causal, q_seg, kv_seg, r)
+
+        def zeros():
+            return [jnp.zeros(k.shape, jnp.float32) for k in keys], jnp.zeros(vg.shape, jnp.float32)
+
+        def run(dqs):
+            ps, dqs, (dks, _) = [], list(dqs), zeros()
+            for i, q in enumerate(qs):
+                j = 0 if shared else i
+                p, dq, dk = _block_grads(q, keys[j], vg, gmask, scale, lses[i], dos[i], deltas[i])
+                ps.append(p)
+                dqs[i] = dqs[i] + dq
+                dks[j] = dks[j] + dk
+            return dqs, (dks, jnp.einsum("bgqs,bgqd->bgsd", dv_map(ps), dos[0]))
+
+        return _unless_masked(gmask, run, lambda dqs: (list(dqs), zeros()), dqs)
+
+    def absorb(kv, dqs, dks, dv):
+        dqs, (dk_chunks, dv_chunks) = _over_chunks(chunk_grads, dqs, kv, block_k)
+        dks = [a + _join(b, 2) for a, b in zip(dks, dk_chunks)]
+        return dqs, dks, dv + _join(dv_chunks, 2)
+
+    def zeros(x):
+        return jnp.zeros(x.shape, jnp.float32)
+
+    grads = ([zeros(q) for q in qs], [zeros(k) for k in kv[0]], zeros(kv[1]))
+
+    def step(_, carry):
+        kv, (dqs, dks, dv) = carry
+        dqs, dks, dv = absorb(kv, dqs, dks, dv)
+        kv, dks, dv = jax.lax.ppermute((kv, dks, dv), axis_name, perm)
+        return kv, (dqs, dks, dv)
+
+    kv, (dqs, dks, dv) = jax.lax.fori_loop(0, n - 1, step, (kv, grads))
+    dqs, dks, dv = absorb(kv, dqs, dks, dv)
+    dks, dv = jax.lax.ppermute((dks, dv), axis_name, perm)  # the last hop: home
+    return dqs, dks, dv
+
+
+def _unless_masked(gmask, run, skip, carry):
+    """``run(carry)``, or ``skip(carry)`` when ``gmask`` hides every key of the chunk from
+    every query (a ``lax.cond``: under a causal mask about half the chunks, the same number
+    on every device in the zigzag order)."""
+    if gmask is None:
+        return run(carry)
+    return jax.lax.cond(jnp.any(gmask), run, skip, carry)
+
+
+def _local_mask(q_pos, k_pos, causal, q_seg, kv_seg, r):
+    mask = position_mask(q_pos, k_pos, causal=causal, segment_ids=q_seg, kv_segment_ids=kv_seg)
+    return reference._group_mask(mask, r)
+
+
+def _float0_like(x):
+    return None if x is None else np.zeros(x.shape, jax.dtypes.float0)
+
+
+def _lam_rows(lam, hkv):
+    """lam as ``[B, G, RT, 1]`` rows (V2) or a float32 scalar (V1)."""
+    return lam if lam.ndim == 0 else reference._group_rows(lam, hkv)
+
+
+def _diff_layout(q1, k1, q2, k2, v, k_pos, kv_seg):
+    hkv = k1.shape[2]
+    qs = [reference._group_queries(q1, hkv), reference._group_queries(q2, hkv)]
+    keys = [_kv_layout(k1)] + ([] if k2 is None else [_kv_layout(k2)])
+    return qs, k2 is None, (keys, _kv_layout(v), k_pos, kv_seg)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ring_diff(static, q1, k1, q2, k2, v, lam, q_pos, k_pos, q_seg, kv_seg):
+    return _ring_diff_fwd(static, q1, k1, q2, k2, v, lam, q_pos, k_pos, q_seg, kv_seg)[0]
+
+
+def _ring_diff_fwd(static, q1, k1, q2, k2, v, lam, q_pos, k_pos, q_seg, kv_seg):
+    t, hkv = q1.shape[1], k1.shape[2]
+    qs, shared, kv = _diff_layout(q1, k1, q2, k2, v, k_pos, kv_seg)
+    (o1, o2), (lse1, lse2) = _ring_forward(static, qs, shared, kv, q_pos, q_seg)
+    out = o1 - _lam_rows(lam.astype(jnp.float32), hkv) * o2
+    res = (q1, k1, q2, k2, v, lam, q_pos, k_pos, q_seg, kv_seg, o1, o2, lse1, lse2)
+    return reference._ungroup_queries(out, t).astype(q1.dtype), res
+
+
+def _ring_diff_bwd(static, res, dout):
+    q1, k1, q2, k2, v, lam, q_pos, k_pos, q_seg, kv_seg, o1, o2, lse1, lse2 = res
+    t, hkv = q1.shape[1], k1.shape[2]
+    qs, shared, kv = _diff_layout(q1, k1, q2, k2, v, k_pos, kv_seg)
+    lam_r = _lam_rows(lam.astype(jnp.float32), hkv)
+    do1 = reference._group_queries(dout.astype(jnp.float32), hkv)  # dO1 = dout
+    do2 = -lam_r * do1  # dO2 = -lam dout
+    deltas = (jnp.sum(do1 * o1, axis=-1), jnp.sum(do2 * o2, axis=-1))
+    dlam_rows = -jnp.sum(do1 * o2, axis=-1)  # [B, G, RT]
+    dqs, dks, dv = _ring_backward(
+        static,
+        qs,
+        shared,
+        kv,
+        q_pos,
+        q_seg,
+        (lse1, lse2),
+        (do1, do2),
+        deltas,
+        lambda ps: ps[0] - lam_r * ps[1],
+    )
+    dq1 = reference._ungroup_queries(dqs[0], t).astype(q1.dtype)
+    dq2 = reference._ungroup_queries(dqs[1], t).astype(q2.dtype)
+    dk1 = _from_kv_layout(dks[0]).astype(k1.dtype)
+    dk2 = None if shared else _from_kv_layout(dks[1]).astype(k2.dtype)
+    if lam.ndim == 0:
+        dlam = jnp.sum(dlam_rows).astype(lam.dtype)
+    else:
+        dlam = _rows_to_heads(dlam_rows, t).astype(lam.dtype)
+    ints = tuple(_float0_like(x) for x in (q_pos, k_pos, q_seg, kv_seg))
+    return (dq1, dk1, dq2, dk2, _from_kv_layout(dv).astype(v.dtype), dlam) + ints
+
+
+_ring_diff.defvjp(_ring_diff_fwd, _ring_diff_bwd)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ring_std(static, q, k, v, q_pos, k_pos, q_seg, kv_seg):
+    return _ring_std_fwd(static, q, k, v, q_pos, k_pos, q_seg, kv_seg)[0]
+
+
+def _std_layout(q, k, v, k_pos, kv_seg):
+    qs = [reference._group_queries(q, k.shape[2])]
+    return qs, False, ([_kv_layout(k)], _kv_layout(v), k_pos, kv_seg)
+
+
+def _ring_std_fwd(static, q, k, v, q_pos, k_pos, q_seg, kv_seg):
+    qs, _, kv = _std_layout(q, k, v, k_pos, kv_seg)
+    (o,), (lse,) = _ring_forward(static, qs, False, kv, q_pos, q_seg)
+    res = (q, k, v, q_pos, k_pos, q_seg, kv_seg, o, lse)
+    return reference._ungroup_queries(o, q.shape[1]).astype(q.dtype), res
+
+
+def _ring_std_bwd(static, res, dout):
+    q, k, v, q_pos, k_pos, q_seg, kv_seg, o, lse = res
+    qs, _, kv = _std_layout(q, k, v, k_pos, kv_seg)
+    do = reference._group_queries(dout.astype(jnp.float32), k.shape[2])
+    delta = jnp.sum(do * o, axis=-1)
+    (dq,), (dk,), dv = _ring_backward(
+        static, qs, False, kv, q_pos, q_seg, (lse,), (do,), (delta,), lambda ps: ps[0]
+    )
+    ints = tuple(_float0_like(x) for x in (q_pos, k_pos, q_seg, kv_seg))
+    return (
+        reference._ungroup_queries(dq, q.shape[1]).astype(q.dtype),
+        _from_kv_layout(dk).astype(k.dtype),
+        _from_kv_layout(dv).astype(v.dtype),
+    ) + ints
+
+
+_ring_std.defvjp(_ring_std_fwd, _ring_std_bwd)
+
+
+def _kv_seg(segment_ids, kv_segment_ids):
+    if segment_ids is None and kv_segment_ids is not None:
+        raise ValueError("context attention: kv_segment_ids given without segment_ids")
+    return segment_ids if kv_segment_ids is None else kv_segment_ids
+
+
+def _positions(q_pos, k_pos):
+    return jnp.asarray(q_pos, jnp.int32), jnp.asarray(k_pos, jnp.int32)
+
+
+def ring_differential_attention(
+    q1,
+    k1,
+    q2,
+    k2,
+    v,
+    lam,
+    *,
+    axis_name,
+    q_pos,
+    k_pos,
+    causal: bool = True,
+    segment_ids=None,
+    kv_segment_ids=None,
+    scale: float | None = None,
+    block_k: int | None = DEFAULT_BLOCK_K,
+):
+    """``softmax(q1 k1^T s) v - lam * softmax(q2 k2^T s) v`` over a sequence sharded along
+    ``axis_name``, by ring attention. Call inside ``jax.shard_map``; every array is this
+    device's block: q1, q2 ``[B, Tq, Hq, D]``; k1, k2 ``[B, Tk, Hkv, D]`` (``k2`` None: both
+    maps read k1, DIFF V2); v ``[B, Tk, Hkv, Dv]`` (V1: ``Dv = 2D``); ``lam`` a scalar (V1)
+    or ``[B, Tq, Hq]`` (V2); ``q_pos`` ``[Tq]`` or ``[B, Tq]``, ``k_pos`` ``[Tk]`` or
+    ``[B, Tk]`` the tokens' global positions (int);
+    ``segment_ids [B, Tq]``, ``kv_segment_ids [B, Tk]`` (None: the keys' are segment_ids).
+
+    K/V (with ``k_pos`` and ``kv_segment_ids``) go round the ring with ``jax.lax.ppermute``
+    (a ``fori_loop`` over the ``N - 1`` hops); each arriving block is taken in chunks of
+    ``block_k`` keys (a ``lax.scan``; the largest divisor of Tk not above it; None: whole
+    blocks), so the maps in memory are ``[Tq, block_k]``; each map's partials merge by
+    log-sum-exp. Returns ``[B, Tq, Hq, Dv]`` in ``q1.dtype``.
+
+    Differentiable in q1, k1, q2, k2, v and lam by a ``jax.custom_vjp`` that saves only the
+    local blocks, the two maps' outputs and log-sum-exps (``O(T/N)`` per device) and rotates
+    K/V again with their gradients. The lam gradient is this device's part
+    (``jax.shard_map``'s transpose sums a replicated lam's over the devices).
+    """
+    scale = reference._default_scale(q1, scale)
+    q_pos, k_pos = _positions(q_pos, k_pos)
+    kv_seg = _kv_seg(segment_ids, kv_segment_ids)
+    lam = jnp.asarray(lam, jnp.float32)
+    static = (axis_name, causal, scale, block_k)
+    return _ring_diff(static, q1, k1, q2, k2, v, lam, q_pos, k_pos, segment_ids, kv_seg)
+
+
+def ring_attention(
+    q,
+    k,
+    v,
+    *,
+    axis_name,
+    q_pos,
+    k_pos,
+    causal: bool = True,
+    segment_ids=None,
+    kv_segment_ids=None,
+    scale: float | None = None,
+    block_k: int | None = DEFAULT_BLOCK_K,
+):
+    """``softmax(q k^T s) v`` over a sequence sharded along ``axis_name``, by ring attention
+    (the standard twin of :func:`ring_differential_attention`, same arguments). q
+    ``[B, Tq, Hq, D]``, k ``[B, Tk, Hkv, D]``, v ``[B, Tk, Hkv, Dv]``, local blocks. Returns
+    ``[B, Tq, Hq, Dv]`` in ``q.dtype``; a ``jax.custom_vjp`` in q, k, v."""
+    scale = reference._default_scale(q, scale)
+    q_pos, k_pos = _positions(q_pos, k_pos)
+    kv_seg = _kv_seg(segment_ids, kv_segment_ids)
+    static = (axis_name, causal, scale, block_k)
+    return _ring_std(static, q, k, v, q_pos, k_pos, segment_ids, kv_seg)
+
+
+# ---------------------------------------------------------------------------- all-gather
+def _gather(x, axis_name, axis):
+    return None if x is None else jax.lax.all_gather(x, axis_name, axis=axis, tiled=True)
+
+
+def allgather_differential_attention(
+    q1,
+    k1,
+    q2,
+    k2,
+    v,
+    lam,
+    *,
+    axis_name,
+    q_pos,
+    k_pos,
+    causal: bool = True,
+    segment_ids=None,
+    kv_segment_ids=None,
+    scale: float | None = None,
+):
+    """:func:`ring_differential_attention`'s result (same arguments, inside
+    ``jax.shard_map``) by gathering K/V, their positions and segment ids whole on every
+    device (``jax.lax.all_gather(tiled=True)``), then the reference's math on the
+    ``[Tq, N*Tk]`` maps of the local queries. Plain autodiff; ``O(T)`` memory per device.
+    Returns ``[B, Tq, Hq, Dv]`` in ``q1.dtype``."""
+    scale = reference._default_scale(q1, scale)
+    q_pos, k_pos = _positions(q_pos, k_pos)
+    kv_seg = _kv_seg(segment_ids, kv_segment_ids)
+    k1, k2, v = (_gather(x, axis_name, 1) for x in (k1, k2, v))
+    k_pos, kv_seg = _gather(k_pos, axis_name, k_pos.ndim - 1), _gather(kv_seg, axis_name, 1)
+    _, t, hq, _ = q1.shape
+    hkv = k1.shape[2]
+    mask = position_mask(
+        q_pos, k_pos, causal=causal, segment_ids=segment_ids, kv_segment_ids=kv_seg
+    )
+    p1 = reference._grouped_probs(q1, k1, mask, scale, zero_masked=False)
+    p2 = reference._grouped_probs(q2, k1 if k2 is None else k2, mask, scale, zero_masked=False)
+    lam = jnp.asarray(lam, jnp.float32)
+    diff = p1 - _lam_rows(lam, hkv) * p2
+    gmask = reference._group_mask(mask, hq // hkv)
+    if gmask is not None:
+        diff = jnp.where(gmask, diff, 0.0)
+    return reference._attend(diff, v, t).astype(q1.dtype)
+
+
+def allgather_attention(
+    q,
+    k,
+    v,
+    *,
+    axis_name,
+    q_pos,
+    k_pos,
+    causal: bool = True,
+    segment_ids=None,
+    kv_segment_ids=None,
+    scale: float | None = None,
+):
+    """The standard twin of :func:`allgather_differential_attention` (same arguments): q
+    ``[B, Tq, Hq, D]``, k ``[B, Tk, Hkv, D]``, v ``[B, Tk, Hkv, Dv]`` local blocks; returns
+    ``[B, Tq, Hq, Dv]`` in ``q.dtype``."""
+    scale = reference._default_scale(q, scale)
+    q_pos, k_pos = _positions(q_pos, k_pos)
+    kv_seg = _kv_seg(segment_ids, kv_segment_ids)
+    k, v = _gather(k, axis_name, 1), _gather(v, axis_name, 1)
+    k_pos, kv_seg = _gather(k_pos, axis_name, k_pos.ndim - 1), _gather(kv_seg, axis_name, 1)
+    mask = position_mask(
+        q_pos, k_pos, causal=causal, segment_ids=segment_ids, kv_segment_ids=kv_seg
+    )
+    probs = reference._grouped_probs(q, k, mask, scale)
+    return reference._attend(probs, v, q.shape[1]).astype(q.dtype)
+
+
+# ---------------------------------------------------------------------------- wrappers
+def _setup(mesh, axis, impl, order, q, k, positions):
+    """Check the wrapper's options; the positions ``[T]`` or ``[B, T]`` (int32) of the
+    tokens in the inputs' order."""
+    if impl not in IMPLS:
+        raise ConfigError(
+            f"context.impl: unknown implementation {impl!r}. Fix: use one of "
+            f"{', '.join(map(repr, IMPLS))}"
+        )
+    if order not in ORDERS:
+        raise ConfigError(
+            f"context.order: unknown token order {order!r}. Fix: use one of "
+            f"{', '.join(map(repr, ORDERS))} (and put the inputs in that order)"
+        )
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    if axis not in sizes:
+        raise ConfigError(
+            f"context.axis: {axis!r} is not an axis of the mesh (axes {tuple(mesh.axis_names)}). "
+            f"Fix: pass axis= one of them, or build the mesh with a {axis!r} axis"
+        )
+    (b, seq_len), kv_len = q.shape[:2], k.shape[1]
+    if kv_len != seq_len:
+        raise ValueError(
+            f"context attention: keys and queries must have the same length (self-attention), "
+            f"got {kv_len} and {seq_len}"
+        )
+    n = sizes[axis]
+    if positions is not None:
+        positions = jnp.asarray(positions, jnp.int32)
+        if positions.shape not in ((seq_len,), (b, seq_len)):
+            raise ValueError(
+                f"context attention: positions must be [seq] = [{seq_len}] or [batch, seq] = "
+                f"[{b}, {seq_len}], got {positions.shape}"
+            )
+        _check_divisible(seq_len, n, f"blocks over the {n} devices of {axis!r}")
+        return positions
+    if order == "zigzag":
+        return jnp.asarray(zigzag_order(seq_len, n), jnp.int32)
+    _check_divisible(seq_len, n, f"contiguous blocks over the {n} devices of {axis!r}")
+    return jnp.arange(seq_len, dtype=jnp.int32)
+
+
+def _specs(axis, batch_axes, head_axes, positions):
+    """``(heads [B,T,H,D], rows [B,T,H], tokens [B,T], positions)`` partition specs."""
+    pos = P(axis) if positions.ndim == 1 else P(batch_axes, axis)
+    return (
+        P(batch_axes, axis, head_axes, None),
+        P(batch_axes, axis, head_axes),
+        P(batch_axes, axis),
+        pos,
+    )
+
+
+def _run(fn, mesh, args, specs, out_spec):
+    in_specs = tuple(None if a is None else s for a, s in zip(args, specs, strict=True))
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_spec, check_vma=False)(
+        *args
+    )
+
+
+def context_differential_attention(
+    q1,
+    k1,
+    q2,
+    k2,
+    v,
+    lam,
+    *,
+    mesh,
+    axis: str = "context",
+    impl: str = "ring",
+    order: str = "zigzag",
+    positions=None,
+    batch_axes=None,
+    head_axes=None,
+    causal: bool = True,
+    segment_ids=None,
+    kv_segment_ids=None,
+    scale: float | None = None,
+    block_k: int | None = DEFAULT_BLOCK_K,
+):
+    """Differential attention with the sequence sharded over ``mesh``'s ``axis``; call from
+    outside ``jax.shard_map``.
+
+    Inputs are whole arrays already in ``order`` along T: q1, q2 ``[B, T, Hq, D]``; k1, k2
+    ``[B, T, Hkv, D]`` (``k2`` None: both maps read k1); v ``[B, T, Hkv, Dv]``; lam a scalar
+    or ``[B, T, Hq]``; segment ids ``[B, T]``. For ``order="zigzag"`` the caller permuted
+    them with ``x[:, zigzag_order(T, n)]`` (``n`` the axis size) and un-permutes the output
+    with :func:`inverse_order`; ``"contiguous"`` is the natural order. ``positions`` ``[T]``
+    or ``[B, T]`` (int), when given, are the tokens' global positions in whatever order the
+    inputs are in, and ``order`` is not used. ``impl``: ``"ring"`` or ``"allgather"``;
+    ``block_k``: the ring's key chunk (see :func:`ring_differential_attention`).
+
+    ``batch_axes`` / ``head_axes``: mesh axes (a name, a tuple of names, or None) that split
+    the batch and the heads (kv and query heads alike, so each query head keeps its kv group);
+    other mesh axes replicate. Returns ``[B, T, Hq, Dv]`` in ``q1.dtype``, in the inputs'
+    token order.
+
+    Raises :class:`ConfigError` for an unknown impl or order, an axis not in the mesh, or a
+    T that the axis size (2x the axis size for zigzag) does not divide.
+    """
+    reference.check_differential(
+        q1,
+        k1,
+        q2,
+        k2,
+        v,
+        lam,
+        segment_ids,
+        kv_segment_ids,
+        what="context_differential_attention",
+    )
+    pos = _setup(mesh, axis, impl, order, q1, k1, positions)
+    scale = reference._default_scale(q1, scale)
+    kv_seg = _kv_seg(segment_ids, kv_segment_ids)
+    lam = jnp.asarray(lam, jnp.float32)
+    fn = (
+        partial(ring_differential_attention, block_k=block_k)
+        if impl == "ring"
+        else allgather_differential_attention
+    )
+
+    def run(q1, k1, q2, k2, v, lam, pos, seg, kv_seg):
+        return fn(
+            q1,
+            k1,
+            q2,
+            k2,
+            v,
+            lam,
+            axis_name=axis,
+            q_pos=pos,
+            k_pos=pos,
+            causal=causal,
+            segment_ids=seg,
+            kv_segment_ids=kv_seg,
+            scale=scale,
+        )
+
+    heads, rows, tokens, pos_spec = _specs(axis, batch_axes, head_axes, pos)
+    lam_spec = P() if lam.ndim == 0 else rows
+    specs = (heads,) * 5 + (lam_spec, pos_spec, tokens, tokens)
+    args = (q1, k1, q2, k2, v, lam, pos, segment_ids, kv_seg)
+    return _run(run, mesh, args, specs, heads)
+
+
+def context_dot_product_attention(
+    q,
+    k,
+    v,
+    *,
+    mesh,
+    axis: str = "context",
+    impl: str = "ring",
+    order: str = "zigzag",
+    positions=None,
+    batch_axes=None,
+    head_axes=None,
+    causal: bool = True,
+    segment_ids=None,
+    kv_segment_ids=None,
+    scale: float | None = None,
+    block_k: int | None = DEFAULT_BLOCK_K,
+):
+    """Standard attention with the sequence sharded over ``mesh``'s ``axis``, the twin of
+    :func:`context_differential_attention` (same options and errors): q ``[B, T, Hq, D]``,
+    k ``[B, T, Hkv, D]``, v ``[B, T, Hkv, Dv]`` in ``order``; returns ``[B, T, Hq, Dv]``."""
+    reference.check_qkv(q, k, v, segment_ids, kv_segment_ids, what="context_dot_product_attention")
+    pos = _setup(mesh, axis, impl, order, q, k, positions)
+    scale = reference._default_scale(q, scale)
+    kv_seg = _kv_seg(segment_ids, kv_segment_ids)
+    fn = partial(ring_attention, block_k=block_k) if impl == "ring" else allgather_attention
+
+    def run(q, k, v, pos, seg, kv_seg):
+        return fn(
+            q,
+            k,
+            v,
+            axis_name=axis,
+            q_pos=pos,
+            k_pos=pos,
+            causal=causal,
+            segment_ids=seg,
+            kv_segment_ids=kv_seg,
+            scale=scale,
+        )
+
+    heads, _, tokens, pos_spec = _specs(axis, batch_axes, head_axes, pos)
+    specs = (heads,) * 3 + (pos_spec, tokens, tokens)
+    return _run(run, mesh, (q, k, v, pos, segment_ids, kv_seg), specs, heads)
