@@ -25,13 +25,14 @@ import jax.numpy as jnp
 
 from diffjax import ModelConfig
 from diffjax.model import initial_rest
+from diffjax.sharding import MeshConfig, make_mesh
 from diffjax.train import TrainConfig
 from diffjax.train.loop import model_setup, train_step
 
 
 def compile_seconds(cfg: ModelConfig, batch: int, seq: int) -> tuple[float, float]:
     """``(trace + lower seconds, compile seconds)`` of the train step of ``cfg``."""
-    mesh = jax.make_mesh((1, 1, 1), ("data", "fsdp", "tensor"))
+    mesh = make_mesh(MeshConfig(data=1), jax.devices()[:1])
     setup = model_setup(cfg, TrainConfig(), mesh)
     rest = initial_rest(cfg)
     step = functools.partial(

@@ -84,7 +84,9 @@ class Projection(NamedTuple):
 
 
 def attend(p: Projection, *, scale: float, impl, **masks) -> jax.Array:
-    """``[B, T, H, dv]``: softmax attention of ``p`` (differential when it has ``q2``)."""
+    """``[B, T, H, dv]``: softmax attention of ``p`` (differential when it has ``q2``).
+    ``masks``: ``causal``, ``segment_ids``, ``kv_segment_ids``, and for a sequence split over a
+    ``context`` mesh axis the tokens' ``positions`` and the ``context_impl``."""
     if p.q2 is None:
         return ops.dot_product_attention(p.q, p.k, p.v, scale=scale, impl=impl, **masks)
     return ops.differential_attention(
@@ -152,6 +154,7 @@ class AttentionLayer(nnx.Module):
         rope_scaling: RopeScaling | None,
         causal: bool,
         attention_impl,
+        context_attention: str = "ring",
         kv_note: str = "",
     ) -> None:
         """Check and store the head layout; ``num_kv_heads=None`` means MHA."""
@@ -169,6 +172,7 @@ class AttentionLayer(nnx.Module):
         self.scale = head_dim**-0.5
         self.rope_theta, self.rope_scaling = rope_theta, rope_scaling
         self.causal, self.attention_impl = causal, attention_impl
+        self.context_attention = ops.check_context_impl(context_attention)
 
     def _linear(self, n_in, n_out, dtype, param_dtype, kernel_init, rngs, axes=("embed", "heads")):
         """A bias-free linear whose kernel carries the logical ``axes`` (in, out)."""
@@ -237,8 +241,10 @@ class AttentionLayer(nnx.Module):
         masks, cache = dict(causal=self.causal), None
         if cached is not None:
             p, cache, masks = _with_cache(p, *cached)
-        elif p.lam is not None:
-            _sow_lambda(self, p.lam)
+        else:  # a sequence split over a `context` mesh axis: its global positions order it
+            masks.update(positions=positions, context_impl=self.context_attention)
+            if p.lam is not None:
+                _sow_lambda(self, p.lam)
         o = attend(p, scale=self.scale, impl=self.attention_impl, segment_ids=segment_ids, **masks)
         return self.output(checkpoint_name(o, "attn_out")), cache
 
@@ -271,6 +277,7 @@ class MultiheadAttention(AttentionLayer):
         rope_scaling: RopeScaling | None = None,
         causal: bool = True,
         attention_impl="auto",
+        context_attention="ring",
         dtype: Dtype = jnp.float32,
         param_dtype: Dtype = jnp.float32,
         kernel_init=torch_linear_init,
@@ -293,6 +300,7 @@ class MultiheadAttention(AttentionLayer):
             rope_scaling=rope_scaling,
             causal=causal,
             attention_impl=attention_impl,
+            context_attention=context_attention,
         )
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         args = (dtype, param_dtype, kernel_init, rngs)
@@ -344,6 +352,7 @@ class MultiheadDiffAttn(AttentionLayer):
         rope_scaling: RopeScaling | None = None,
         causal: bool = True,
         attention_impl="auto",
+        context_attention="ring",
         dtype: Dtype = jnp.float32,
         param_dtype: Dtype = jnp.float32,
         kernel_init=torch_linear_init,
@@ -366,6 +375,7 @@ class MultiheadDiffAttn(AttentionLayer):
             rope_scaling=rope_scaling,
             causal=causal,
             attention_impl=attention_impl,
+            context_attention=context_attention,
         )
         value = lambda_init_fn(depth) if lambda_init is None else lambda_init
         self.lambda_init, self.output_scale = lambda_init_variables(value)
@@ -439,6 +449,7 @@ class MultiheadDiffAttnV2(AttentionLayer):
         rope_scaling: RopeScaling | None = None,
         causal: bool = True,
         attention_impl="auto",
+        context_attention="ring",
         dtype: Dtype = jnp.float32,
         param_dtype: Dtype = jnp.float32,
         kernel_init=torch_linear_init,
@@ -462,6 +473,7 @@ class MultiheadDiffAttnV2(AttentionLayer):
             rope_scaling=rope_scaling,
             causal=causal,
             attention_impl=attention_impl,
+            context_attention=context_attention,
             kv_note=", or the query pairs (2i, 2i+1) straddle kv groups",
         )
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim

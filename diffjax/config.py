@@ -32,6 +32,7 @@ import numpy as np
 
 ATTENTION_KINDS = ("standard", "diff_v1", "diff_v2")
 ATTENTION_IMPLS = ("auto", "xla", "pallas")
+CONTEXT_ATTENTIONS = ("ring", "allgather")
 DTYPES = ("float32", "bfloat16", "float16")
 ROPE_SCALINGS = ("none", "linear", "llama3")
 # what a block keeps for the backward pass (diffjax.model.remat_policy): everything, nothing
@@ -242,6 +243,9 @@ class ModelConfig:
     param_dtype: str = "float32"  # parameter dtype
     # how attention is computed: "auto" is the Pallas kernels on GPU/TPU and XLA on CPU
     attention_impl: str = "auto"
+    # attention over a mesh whose `context` axis splits the sequence: "ring" (K/V passed around
+    # the devices, memory O(T / N)) or "allgather" (K/V gathered: simpler, for short rings)
+    context_attention: str = "ring"
     ffn_dim: int | None = None  # SwiGLU hidden width; None: 8/3 d_model up to ffn_multiple_of
     ffn_multiple_of: int = 64  # the default ffn_dim is rounded up to a multiple of this
     rope_theta: float = 10000.0  # the rotary base
@@ -310,6 +314,12 @@ class ModelConfig:
                 "attention_impl",
                 f"unknown implementation {self.attention_impl!r}",
                 f"use one of {', '.join(map(repr, ATTENTION_IMPLS))}",
+            )
+        if self.context_attention not in CONTEXT_ATTENTIONS:
+            self._fail(
+                "context_attention",
+                f"unknown sequence-parallel attention {self.context_attention!r}",
+                f"use one of {', '.join(map(repr, CONTEXT_ATTENTIONS))}",
             )
         for name in ("dtype", "param_dtype"):
             if getattr(self, name) not in DTYPES:

@@ -67,6 +67,7 @@ def make_attention(config: ModelConfig, depth: int, *, rngs: nnx.Rngs) -> Attent
         rope_theta=config.rope_theta,
         rope_scaling=config.rope_scaling_spec,
         attention_impl=config.attention_impl,
+        context_attention=config.context_attention,
         dtype=as_dtype(config.dtype),
         param_dtype=as_dtype(config.param_dtype),
         kernel_init=nnx.initializers.normal(config.init_std),

@@ -16,6 +16,12 @@ Layout everywhere: ``[batch, seq, heads, dim]``.
   segment_ids, kv_segment_ids, scale)`` and ``differential_attention(q1, k1, q2, k2, v, lam,
   *, ...)`` (called after the shape checks; a layer keeps it as a static attribute, so make it
   hashable, e.g. a frozen dataclass).
+
+Under a mesh whose ``context`` axis splits the sequence (``mesh.context > 1``), self-attention
+runs sequence-parallel (:mod:`diffjax.context`): a ring that passes K/V around the devices
+(``context_impl="ring"``) or an all-gather of K/V (``"allgather"``), masked by the tokens'
+``positions`` so that any token order (the balanced zigzag) computes the same function. The
+local blocks use the XLA math on every backend.
 """
 
 from __future__ import annotations
@@ -26,8 +32,8 @@ from typing import Callable
 import jax
 from jax.sharding import PartitionSpec as P
 
-from . import kernels, sharding
-from .config import ATTENTION_IMPLS, ConfigError, ModelConfig
+from . import context, kernels, sharding
+from .config import ATTENTION_IMPLS, CONTEXT_ATTENTIONS, ConfigError, ModelConfig
 from .kernels import check as kernel_check
 from .kernels import reference
 
@@ -57,6 +63,28 @@ def check_impl(impl):
 _FUNCTIONS = ("dot_product_attention", "differential_attention")
 
 
+def check_context_impl(impl: str) -> str:
+    """``impl`` if it names a sequence-parallel attention, else a ValueError with the fix."""
+    if impl not in CONTEXT_ATTENTIONS:
+        raise ValueError(
+            f"unknown sequence-parallel attention {impl!r}. Fix: use one of "
+            f"{', '.join(map(repr, CONTEXT_ATTENTIONS))}."
+        )
+    return impl
+
+
+def _context_split(impl, t: int, s: int):
+    """``(mesh, batch axes, head axes)`` when this self-attention runs sequence-parallel (a
+    ``context`` axis of size > 1 in the current mesh, the built-in implementations, as many
+    keys as queries), else None."""
+    mesh = sharding.context_mesh()
+    if mesh is None or dict(zip(mesh.axis_names, mesh.axis_sizes)).get("context", 1) == 1:
+        return None
+    if not isinstance(impl, str) or t != s:
+        return None
+    return mesh
+
+
 def _implementation(impl):
     """The object whose two functions run the attention for ``impl``."""
     impl = check_impl(impl)
@@ -78,13 +106,34 @@ def dot_product_attention(
     kv_segment_ids: jax.Array | None = None,
     scale: float | None = None,
     impl="auto",
+    positions: jax.Array | None = None,
+    context_impl: str = "ring",
 ) -> jax.Array:
     """Standard softmax attention. q ``[B,T,Hq,D]``, k ``[B,S,Hkv,D]``, v ``[B,S,Hkv,Dv]``.
 
-    Returns ``[B, T, Hq, Dv]``. ``scale`` defaults to ``D ** -0.5``.
+    Returns ``[B, T, Hq, Dv]``. ``scale`` defaults to ``D ** -0.5``. ``positions`` ``[B, T]``
+    (default ``arange(T)``) and ``context_impl``: see the module doc (sequence parallelism).
     """
     reference.check_qkv(q, k, v, segment_ids, kv_segment_ids, what="dot_product_attention")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    mesh = _context_split(impl, q.shape[1], k.shape[1])
+    if mesh is not None:
+        _, b, h = _mesh_axes(q.shape[0], k.shape[2])
+        return context.context_dot_product_attention(
+            q,
+            k,
+            v,
+            mesh=mesh,
+            impl=check_context_impl(context_impl),
+            order="contiguous",  # without positions: the natural order
+            positions=positions,
+            batch_axes=b,
+            head_axes=h,
+            causal=causal,
+            segment_ids=segment_ids,
+            kv_segment_ids=kv_segment_ids,
+            scale=scale,
+        )
     return _implementation(impl).dot_product_attention(
         q,
         k,
@@ -109,17 +158,41 @@ def differential_attention(
     kv_segment_ids: jax.Array | None = None,
     scale: float | None = None,
     impl="auto",
+    positions: jax.Array | None = None,
+    context_impl: str = "ring",
 ) -> jax.Array:
     """``softmax(q1 k1^T s) v - lam * softmax(q2 k2^T s) v``, ``[B, T, Hq, Dv]``.
 
     q1, q2 ``[B,T,Hq,D]``; k1, k2 ``[B,S,Hkv,D]`` (``k2=None``: both maps read ``k1``, as DIFF
     V2's do; the kernels then load each key tile once); v ``[B,S,Hkv,Dv]``; ``lam`` a scalar
-    (V1) or ``[B, T, Hq]`` (V2). ``scale`` defaults to ``D ** -0.5``.
+    (V1) or ``[B, T, Hq]`` (V2). ``scale`` defaults to ``D ** -0.5``. ``positions`` ``[B, T]``
+    (default ``arange(T)``) and ``context_impl``: see the module doc (sequence parallelism).
     """
     reference.check_differential(
         q1, k1, q2, k2, v, lam, segment_ids, kv_segment_ids, what="differential_attention"
     )
     scale = q1.shape[-1] ** -0.5 if scale is None else scale
+    mesh = _context_split(impl, q1.shape[1], k1.shape[1])
+    if mesh is not None:
+        _, b, h = _mesh_axes(q1.shape[0], k1.shape[2])
+        return context.context_differential_attention(
+            q1,
+            k1,
+            q2,
+            k2,
+            v,
+            lam,
+            mesh=mesh,
+            impl=check_context_impl(context_impl),
+            order="contiguous",  # without positions: the natural order
+            positions=positions,
+            batch_axes=b,
+            head_axes=h,
+            causal=causal,
+            segment_ids=segment_ids,
+            kv_segment_ids=kv_segment_ids,
+            scale=scale,
+        )
     return _implementation(impl).differential_attention(
         q1,
         k1,

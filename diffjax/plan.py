@@ -379,7 +379,7 @@ def check_plan(exp: ExperimentConfig, target: Target) -> dict[str, ModelConfig]:
         shape = exp.mesh.shape(target.devices)
     except ConfigError as e:
         raise PlanError(f"{target.name} has {target.devices} devices: {e}") from None
-    data, fsdp, tensor = shape
+    data, fsdp, _, tensor = shape
     models = exp.models
 
     class _Mesh:  # check_model_mesh reads only the axis names and sizes

@@ -3,10 +3,12 @@
 Every parameter of the model carries *logical* axis names (``("embed", "heads")`` for a query
 projection, ``("mlp", "embed")`` for the FFN's down projection, ...), stored as Flax's
 ``out_sharding`` metadata. A table of *rules* maps logical names to the axes of a
-``("data", "fsdp", "tensor")`` mesh; :data:`DEFAULT_RULES` is MaxText's layout:
+``("data", "fsdp", "context", "tensor")`` mesh; :data:`DEFAULT_RULES` is MaxText's layout:
 
 - batch over ``data`` and ``fsdp`` (data parallelism; FSDP is data parallelism whose
   parameters and optimizer state are sharded too);
+- the sequence of the activations over ``context`` (sequence parallelism: attention runs as a
+  ring or an all-gather over it, :mod:`diffjax.context`; everything else is token-local);
 - the model width (``embed``) of every weight over ``fsdp``;
 - attention heads, MLP hidden units and the vocabulary over ``tensor`` (Megatron-style
   tensor parallelism).
@@ -42,8 +44,9 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from .config import ConfigError
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "fsdp", "context", "tensor")
 BATCH_AXES = ("data", "fsdp")
+CONTEXT_ORDERS = ("zigzag", "striped", "contiguous")
 
 # logical name -> mesh axis (or axes, or None: replicated). Parameters use the plain names;
 # activations the ``act_`` ones.
@@ -58,7 +61,7 @@ DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
     ("head_dim", None),
     ("layers", None),  # the leading axis of stacked (scanned) layers
     ("act_batch", BATCH_AXES),
-    ("act_seq", None),
+    ("act_seq", "context"),
     ("act_embed", None),
     ("act_heads", "tensor"),
     ("act_kv_heads", "tensor"),
@@ -76,19 +79,35 @@ class MeshConfig:
     parameters and optimizer state sharded (ZeRO-3). ``tensor``: attention heads and MLP hidden
     units split across devices (keep it within a host: it communicates every layer).
 
-    ``data=None`` (the default) means ``-1`` (all devices data-parallel) unless ``fsdp`` or
-    ``tensor`` is ``-1``, then 1: ``MeshConfig(fsdp=-1)`` is pure FSDP.
+    ``data=None`` (the default) means ``-1`` (all devices data-parallel) unless ``fsdp``,
+    ``context`` or ``tensor`` is ``-1``, then 1: ``MeshConfig(fsdp=-1)`` is pure FSDP.
+
+    ``context_order``: how the sequence is laid over the ``context`` devices. "zigzag" (the
+    default) cuts it into ``2 x context`` chunks and gives device ``i`` chunks ``i`` and
+    ``2 x context - 1 - i``, so every device does the same causal work; "striped" gives
+    device ``i`` tokens ``i, i + context, ...`` (also balanced); "contiguous" gives
+    each device one run of positions (the last device does the most work).
     """
 
-    # data-parallel devices (parameters replicated); None: -1 (the rest), or 1 if fsdp or
-    # tensor is -1
+    # data-parallel devices (parameters replicated); None: -1 (the rest), or 1 if fsdp,
+    # context or tensor is -1
     data: int | None = None
     # data-parallel devices with parameters and optimizer state sharded (ZeRO-3); -1: the rest
     fsdp: int = 1
+    # devices that split the sequence (long context; attention as a ring); -1: the rest
+    context: int = 1
     # devices that split attention heads and MLP units (keep it within a host); -1: the rest
     tensor: int = 1
+    # the sequence over the context devices: "zigzag" or "striped" (balanced causal work) or
+    # "contiguous"
+    context_order: str = "zigzag"
 
     def __post_init__(self):
+        if self.context_order not in CONTEXT_ORDERS:
+            raise ConfigError(
+                f"MeshConfig.context_order: unknown order {self.context_order!r}. Fix: set "
+                f"mesh.context_order to one of {', '.join(CONTEXT_ORDERS)}."
+            )
         for name in MESH_AXES:
             v = getattr(self, name)
             if name == "data" and v is None:
@@ -107,15 +126,15 @@ class MeshConfig:
             )
 
     @property
-    def sizes(self) -> tuple[int, int, int]:
-        """``(data, fsdp, tensor)`` as given, ``data=None`` resolved (``-1`` stays)."""
+    def sizes(self) -> tuple[int, int, int, int]:
+        """``(data, fsdp, context, tensor)`` as given, ``data=None`` resolved (``-1`` stays)."""
         data = self.data
         if data is None:
-            data = 1 if -1 in (self.fsdp, self.tensor) else -1
-        return data, self.fsdp, self.tensor
+            data = 1 if -1 in (self.fsdp, self.context, self.tensor) else -1
+        return data, self.fsdp, self.context, self.tensor
 
-    def shape(self, num_devices: int) -> tuple[int, int, int]:
-        """``(data, fsdp, tensor)`` for ``num_devices`` devices (``-1`` resolved)."""
+    def shape(self, num_devices: int) -> tuple[int, int, int, int]:
+        """``(data, fsdp, context, tensor)`` for ``num_devices`` devices (``-1`` resolved)."""
         sizes = list(self.sizes)
         fixed = math.prod(s for s in sizes if s != -1)
         if -1 in sizes:
@@ -128,7 +147,7 @@ class MeshConfig:
             sizes[sizes.index(-1)] = num_devices // fixed
         elif fixed != num_devices:
             raise ConfigError(
-                f"MeshConfig: data x fsdp x tensor = {fixed} ({self._fmt()}), but {num_devices} "
+                f"MeshConfig: data x fsdp x context x tensor = {fixed} ({self._fmt()}), but {num_devices} "
                 f"devices are available. Fix: make the product {num_devices}, or set one axis to "
                 f"-1 to take the rest (e.g. mesh.data=-1)."
             )
@@ -141,7 +160,7 @@ class MeshConfig:
 def make_mesh(
     config: MeshConfig | None = None, devices: Sequence[Any] | None = None
 ) -> jax.sharding.Mesh:
-    """A ``("data", "fsdp", "tensor")`` mesh with Auto axes (GSPMD style) over ``devices``
+    """A ``("data", "fsdp", "context", "tensor")`` mesh with Auto axes (GSPMD style) over ``devices``
     (default: every device of every process), in the order ``jax.make_mesh`` picks (it keeps
     ``tensor`` within a host and ``data`` across hosts where the topology allows)."""
     config = config or MeshConfig()

@@ -146,7 +146,7 @@ def test_tflops_and_mfu_where_throughput_is_shown(tmp_path):
     from diffjax.compare.throughput import SideBySide
     from diffjax.train.config import apply_overrides, default_config
 
-    mesh = "data=8 fsdp=1 tensor=1 (8 devices, 1 process)"
+    mesh = "data=8 fsdp=1 context=1 tensor=1 (8 devices, 1 process)"
     results = [  # (no query accuracy: the default data has no queries)
         dataclasses.replace(
             r, tokens_per_s=2e6 if r.label == "diff" else 3e6, mesh=mesh, metrics={}

@@ -137,16 +137,21 @@ def test_mesh_config_rejects_bad_sizes(kw, message):
 
 
 def test_mesh_shapes_resolve_and_mismatches_name_the_fix():
-    assert MeshConfig().shape(8) == (8, 1, 1)
-    assert MeshConfig(fsdp=-1).shape(8) == (1, 8, 1)  # data's default steps aside
-    assert MeshConfig(data=-1, tensor=2).shape(8) == (4, 1, 2)
-    assert MeshConfig(data=1, fsdp=-1, tensor=4).shape(8) == (1, 2, 4)
+    assert MeshConfig().shape(8) == (8, 1, 1, 1)
+    assert MeshConfig(fsdp=-1).shape(8) == (1, 8, 1, 1)  # data's default steps aside
+    assert MeshConfig(data=-1, tensor=2).shape(8) == (4, 1, 1, 2)
+    assert MeshConfig(data=1, fsdp=-1, tensor=4).shape(8) == (1, 2, 1, 4)
+    assert MeshConfig(context=4).shape(8) == (2, 1, 4, 1)  # data takes the rest
+    assert MeshConfig(data=1, context=-1).shape(8) == (1, 1, 8, 1)
     with pytest.raises(ConfigError, match="does not divide the 8 devices"):
         MeshConfig(data=-1, tensor=3).shape(8)
     with pytest.raises(ConfigError, match="make the product 8"):
         MeshConfig(data=2, fsdp=2, tensor=1).shape(8)
+    with pytest.raises(ConfigError, match="mesh.context_order to one of zigzag, striped, contiguous"):
+        MeshConfig(context=2, context_order="spiral")
     mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
-    assert mesh.axis_names == ("data", "fsdp", "tensor") and mesh.devices.shape == (2, 2, 2)
+    assert mesh.axis_names == ("data", "fsdp", "context", "tensor")
+    assert mesh.devices.shape == (2, 2, 1, 2)
     assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
 
 

@@ -24,6 +24,7 @@ import sys
 
 import jax
 
+from diffjax import context
 from diffjax import data as data_lib
 from diffjax import ops, sharding
 from diffjax.config import ConfigError
@@ -173,6 +174,7 @@ def main(argv: list[str] | None = None, *, after_step: AfterStep | None = None) 
         for model_cfg in exp.models.values():
             sharding.check_model_mesh(model_cfg, mesh, exp.train.batch_size)
         check_grad_accum(exp.train, mesh)
+        context.check_sequence(exp.data.seq_len, context.axis_size(mesh), exp.mesh.context_order)
         if exp.train.kernel_check != "off":  # every model's kernels, before anything trains
             for model_cfg in exp.models.values():
                 ops.check_kernels(

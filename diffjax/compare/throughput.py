@@ -86,7 +86,7 @@ def side_by_side_throughput(
     tcfg = exp.train
     with jax.set_mesh(mesh), nnx.logical_axis_rules(sharding.current_rules()):
         batches = [
-            model_inputs(b, mesh, tcfg.batch_size)
+            model_inputs(b, mesh, tcfg.batch_size, exp.mesh.context_order)
             for b in itertools.islice(process_stream(exp, "train", mesh), steps)
         ]
         compiled = {}

@@ -3,7 +3,7 @@ checkpoints, exact resume, divergence stop.
 
 The state is a plain pytree ``{"step", "params", "opt_state"}`` (the model's ``nnx.Param``
 state and Optax's state), so one jitted function updates it and Orbax saves it. It lives on a
-``("data", "fsdp", "tensor")`` mesh (``exp.mesh``; one device is the 1x1x1 mesh): every
+``("data", "fsdp", "context", "tensor")`` mesh (``exp.mesh``; one device is the 1x1x1x1 mesh): every
 parameter and both Adam moments are placed by their logical axis names
 (:mod:`diffjax.sharding`), batches are global arrays assembled from each process's rows, and
 the step is compiled once with those shardings. Every step's loss reaches ``metrics.jsonl``
@@ -30,6 +30,7 @@ import optax
 from flax import nnx
 from jax.experimental import multihost_utils
 
+from diffjax import context
 from diffjax import data as data_lib
 from diffjax import flops as flops_lib
 from diffjax import hf, ops, sharding
@@ -416,11 +417,18 @@ def pretrained_state(
     return {"step": step, "params": params, "opt_state": opt_state}, rest
 
 
-def model_inputs(batch: dict[str, np.ndarray], mesh, global_rows: int) -> dict[str, jax.Array]:
-    """The global arrays a step reads (:data:`MODEL_INPUTS`) from this process's batch rows."""
-    return sharding.global_batch(
-        {k: v for k, v in batch.items() if k in MODEL_INPUTS}, mesh, global_rows
-    )
+def model_inputs(
+    batch: dict[str, np.ndarray], mesh, global_rows: int, context_order: str = "zigzag"
+) -> dict[str, jax.Array]:
+    """The global arrays a step reads (:data:`MODEL_INPUTS`) from this process's batch rows.
+    On a mesh whose ``context`` axis splits the sequence, the tokens are put in
+    ``context_order`` (:func:`diffjax.context.order_batch`: every input, with explicit
+    positions, so the model computes the same function and the loss the same sum)."""
+    arrays = {k: v for k, v in batch.items() if k in MODEL_INPUTS}
+    n = context.axis_size(mesh)
+    if n > 1:
+        arrays = context.order_batch(arrays, n, context_order)
+    return sharding.global_batch(arrays, mesh, global_rows)
 
 
 def process_stream(exp: ExperimentConfig, split: str, mesh) -> Iterator[dict[str, np.ndarray]]:
@@ -509,19 +517,23 @@ def evaluate(
     mesh,
     global_rows: int,
     metrics: Mapping[str, data_lib.ValidationMetric] | None = None,
+    context_order: str = "zigzag",
 ) -> dict[str, float]:
     """Validation loss and perplexity over ``batches`` (this process's rows), and ``val_<name>``
     for each of ``metrics`` (``name -> fn(predictions, batch) -> (right, counted)``, what the
     data declares: :func:`diffjax.data.validation_metrics`): ``right / counted``, both summed
-    over the batches and the processes (left out when nothing was counted)."""
+    over the batches and the processes (left out when nothing was counted). ``context_order``:
+    the token order on a ``context`` mesh axis (predictions return to the data's order)."""
     metrics = dict(metrics or {})
     total = weight = 0.0
     counts = np.zeros((len(metrics), 2), np.int64)  # per metric: right, counted
     for b in batches:
-        t, w, p = eval_fn(params, model_inputs(b, mesh, global_rows))
+        t, w, p = eval_fn(params, model_inputs(b, mesh, global_rows, context_order))
         total, weight = total + float(t), weight + float(w)
         if metrics:  # this process's rows; summed over processes below
-            preds = np.asarray(sharding.local_rows(p))
+            preds = context.restore_order(
+                np.asarray(sharding.local_rows(p)), context.axis_size(mesh), context_order
+            )
             for i, fn in enumerate(metrics.values()):
                 counts[i] += fn(preds, b)
     out = {"val_loss": total / max(weight, 1.0)}
@@ -813,6 +825,7 @@ def train_model(
     mesh = sharding.make_mesh(exp.mesh) if mesh is None else mesh
     sharding.check_model_mesh(model_cfg, mesh, exp.train.batch_size)
     check_grad_accum(exp.train, mesh)
+    context.check_sequence(exp.data.seq_len, context.axis_size(mesh), exp.mesh.context_order)
     with _GUARD, jax.set_mesh(mesh), nnx.logical_axis_rules(sharding.current_rules()):
         return _train_model(
             exp, model_cfg, label, directory, require_checkpoint, log, mesh, after_step
@@ -847,11 +860,12 @@ def _train_model(
             f"train.batch_size or data.seq_len, or raise data.val_fraction."
         )
     setup = model_setup(model_cfg, tcfg, mesh)
+    order = exp.mesh.context_order  # the tokens' order on a `context` mesh axis
     state, rest = initial_state(setup, model_cfg, tcfg, ckpt, latest, train_iter, log, label)
     start = int(state["step"])
     # compiled for a validation batch's shapes: no training batch is consumed
     train_fn, eval_fn = compile_steps(
-        setup, state, rest, model_inputs(val_batches[0], mesh, tcfg.batch_size)
+        setup, state, rest, model_inputs(val_batches[0], mesh, tcfg.batch_size, order)
     )
     writer = (
         MetricsWriter(
@@ -871,7 +885,8 @@ def _train_model(
     )
     try:
         for step in range(start + 1, tcfg.steps + 1):
-            state, metrics = train_fn(state, model_inputs(next(train_iter), mesh, tcfg.batch_size))
+            batch = model_inputs(next(train_iter), mesh, tcfg.batch_size, order)
+            state, metrics = train_fn(state, batch)
             # the first step after a (re)start includes warm-up: not counted in throughput
             recorder.push(step, metrics, timed=step > start + 1)
             save = step % tcfg.checkpoint_every == 0 or step == tcfg.steps
@@ -879,7 +894,13 @@ def _train_model(
                 record = recorder.pop()
                 record.update(
                     evaluate(
-                        eval_fn, state["params"], val_batches, mesh, tcfg.batch_size, val_metrics
+                        eval_fn,
+                        state["params"],
+                        val_batches,
+                        mesh,
+                        tcfg.batch_size,
+                        val_metrics,
+                        order,
                     )
                 )
                 recorder.write_evaluated(record)
