@@ -121,3 +121,72 @@ def test_bad_context_settings_are_refused_before_compute(tmp_path, capsys, extra
     err = capsys.readouterr().err
     assert message in err and "Fix" in err
     assert not (run / "diff").exists()
+
+
+# ---------------------------------------------------------------------------- evaluation
+def test_predictions_on_a_context_mesh_equal_one_device():
+    """diffjax.evaluate's forward (losses_and_predictions) with the sequence split over 8
+    devices in each order: the losses and predictions of one device, in the data's order."""
+    import jax
+    from flax import nnx
+
+    from diffjax import ModelConfig, TransformerLM, sharding
+    from diffjax.evaluate.long_context import replicate
+    from diffjax.evaluate.probe import losses_and_predictions
+
+    cfg = ModelConfig(
+        vocab_size=64, d_model=32, num_layers=2, num_heads=2, max_seq_len=64, attention="diff_v2"
+    )
+    model = TransformerLM(cfg, rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 64, (3, 65))
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    ref_loss, ref_pred = losses_and_predictions(model, batch, batch_size=2)
+    for order in ("zigzag", "striped", "contiguous"):
+        mesh = sharding.make_mesh(sharding.MeshConfig(context=8, context_order=order))
+        with jax.set_mesh(mesh), nnx.logical_axis_rules(sharding.DEFAULT_RULES):
+            loss, pred = losses_and_predictions(replicate(model, mesh), batch, 2, order)
+        np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, atol=1e-6, err_msg=order)
+        np.testing.assert_array_equal(pred, ref_pred, err_msg=order)
+
+
+@pytest.fixture(scope="module")
+def needle_run(tmp_path_factory):
+    """A needle-task run (configs/needle.py, tiny and briefly trained): DIFF and its twin."""
+    import os
+
+    run = tmp_path_factory.mktemp("needle") / "run"
+    config = os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs", "needle.py")
+    tiny = ["model.d_model=32", "model.num_layers=1", "train.batch_size=8", "train.steps=4"]
+    tiny += ["train.eval_every=4", "train.checkpoint_every=4", "train.eval_batches=1"]
+    tiny += ["train.warmup_steps=2", "train.progress=false", "train.num_seeds=1"]
+    tiny += ["train.quick_eval=false", "train.throughput_rounds=0", "train.tensorboard=false"]
+    assert main(["--config", config, f"run.dir={run}", *tiny]) == 0
+    return run
+
+
+def test_evaluate_long_context_on_a_run(needle_run, capsys):
+    """``python -m diffjax.evaluate RUN --long-context ... --context 8``: the grid of every model
+    at each length, the accuracy of the single-device evaluation, long_context.md beside."""
+    import json
+
+    from diffjax.evaluate.__main__ import main as evaluate_main
+
+    reference = needle_run
+    args = [str(reference), "--long-context", "128,256", "--context", "8"]
+    assert evaluate_main([*args, "--long-context-examples", "4"]) == 0
+    out = json.loads((reference / "long_context.json").read_text())
+    assert out["lengths"] == [128, 256] and out["mesh"]["context"] == 8
+    assert {(m["label"], m["seed"]) for m in out["models"]} == {("diff", 0), ("standard", 0)}
+    md = (reference / "long_context.md").read_text()
+    assert "| 256 |" in md and "DIFF − twin" in md
+    # every query of every example counted (a tiny model's near-tied logits make the accuracy
+    # itself no test of the split: the forward's equality is tested above on untied logits)
+    for m in out["models"]:
+        assert np.asarray(m["grid"]["total"]).sum(1).tolist() == [4 * 16, 4 * 16]
+        assert all(0.0 <= a <= 1.0 for a in m["accuracy"])
+    # a length the ring cannot split, or one the models cannot take: refused before compute
+    assert evaluate_main([str(reference), "--long-context", "136", "--context", "8"]) == 2
+    assert "does not split into 16 equal chunks" in capsys.readouterr().err
+    assert evaluate_main([str(reference), "--long-context", "512", "--context", "8"]) == 2
+    assert "model.max_seq_len=256" in capsys.readouterr().err

@@ -9,7 +9,10 @@ import sys
 from diffjax.config import ConfigError
 from diffjax.train.checkpoint import CheckpointError
 
+from diffjax.sharding import MeshConfig
+
 from . import lm_eval_run
+from .long_context import evaluate_long_context
 from .run import evaluate_run
 
 
@@ -18,6 +21,16 @@ def _limit(text: str) -> int | float:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"--lm-eval-limit {text} must be > 0")
     return int(value) if value >= 1 and value == int(value) else value
+
+
+def _lengths(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(
+            f"--long-context {text!r}: give token counts separated by commas. Fix: e.g. "
+            f"--long-context 8192,32768"
+        ) from None
 
 
 def parser() -> argparse.ArgumentParser:
@@ -35,6 +48,21 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="a small subset: one context length, few examples (under a "
         "minute of CPU time for the default comparison)",
+    )
+    c = p.add_argument_group("long context (the sequence split over devices)")
+    c.add_argument(
+        "--long-context",
+        default=None,
+        metavar="LENGTHS",
+        help="only the multi-needle grid at these lengths (comma-separated tokens), on a mesh "
+        "whose context axis splits the sequence: RUN_DIR/long_context.md",
+    )
+    c.add_argument("--context", type=int, default=-1, help="devices on the context axis (-1: all)")
+    c.add_argument(
+        "--context-order", default="zigzag", help="the tokens' order: zigzag or contiguous"
+    )
+    c.add_argument(
+        "--long-context-examples", type=int, default=8, help="examples per length (default 8)"
     )
     g = p.add_argument_group("lm-evaluation-harness tasks")
     g.add_argument("--lm-eval-tasks", default=None, help="lm-eval task names, comma-separated")
@@ -69,6 +97,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     tasks = args.lm_eval_tasks.split(",") if args.lm_eval_tasks else None
     try:
+        if args.long_context:
+            evaluate_long_context(
+                args.run_dir,
+                _lengths(args.long_context),
+                mesh_config=MeshConfig(context=args.context, context_order=args.context_order),
+                examples=args.long_context_examples,
+            )
+            return 0
         if args.lm_eval_only and not tasks:
             raise ConfigError("--lm-eval-only runs no task. Fix: add --lm-eval-tasks t1,t2")
         if tasks:  # every input check before any compute

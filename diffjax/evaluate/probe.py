@@ -13,6 +13,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from diffjax import context, sharding
 from diffjax.attention import AttentionLayer, Projection
 from diffjax.kernels import reference
 from diffjax.model import TransformerLM, unstack_layers
@@ -139,19 +140,24 @@ def layer_attention_maps(model, tokens, layer: int = -1) -> dict[str, np.ndarray
 
 
 @nnx.jit
-def _losses_and_predictions(model, inputs, targets):
-    logits = model(inputs)
+def _losses_and_predictions(model, inputs, targets, positions=None):
+    logits = model(inputs, positions=positions)
     loss = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
     return loss, jnp.argmax(logits, axis=-1)
 
 
 def losses_and_predictions(
-    model, batch: dict, batch_size: int = 8
+    model, batch: dict, batch_size: int = 8, context_order: str = "zigzag"
 ) -> tuple[np.ndarray, np.ndarray]:
     """Per-token cross-entropy ``[B, T]`` (nats, float64) and greedy predictions ``[B, T]`` of
     ``model`` on ``batch["inputs"]`` / ``batch["targets"]``, in fixed-size batches (the last one
-    padded), so each model and length compiles once for every analysis that uses it."""
+    padded), so each model and length compiles once for every analysis that uses it.
+
+    Under a mesh (``jax.set_mesh``) whose ``context`` axis splits the sequence, each batch goes
+    in ``context_order`` with its positions (:func:`diffjax.context.order_batch`) and the
+    results come back in the data's order."""
     check_model(model)
+    n = context.axis_size(sharding.context_mesh())
     x_all = np.asarray(check_tokens(model, batch["inputs"]))
     y_all = np.asarray(batch["targets"])
     losses, preds = [], []
@@ -161,10 +167,19 @@ def losses_and_predictions(
         if pad:
             x = np.concatenate([x, np.repeat(x[-1:], pad, 0)])
             y = np.concatenate([y, np.repeat(y[-1:], pad, 0)])
-        loss, pred = _losses_and_predictions(
-            model, jnp.asarray(x, jnp.int32), jnp.asarray(y, jnp.int32)
-        )
-        loss, pred = jax.device_get((loss, pred))
+        if n > 1:
+            o = context.order_batch({"inputs": x, "targets": y}, n, context_order)
+            loss, pred = jax.device_get(
+                _losses_and_predictions(model, o["inputs"], o["targets"], o["positions"])
+            )
+            loss, pred = (
+                context.restore_order(np.asarray(a), n, context_order) for a in (loss, pred)
+            )
+        else:
+            loss, pred = _losses_and_predictions(
+                model, jnp.asarray(x, jnp.int32), jnp.asarray(y, jnp.int32)
+            )
+            loss, pred = jax.device_get((loss, pred))
         losses.append(np.asarray(loss, np.float64)[: batch_size - pad])
         preds.append(np.asarray(pred)[: batch_size - pad])
     return np.concatenate(losses), np.concatenate(preds)

@@ -145,13 +145,15 @@ def multi_needle_retrieval(
     batch_size: int = 8,
     seed: int = 0,
     query_replacement: bool = False,
+    context_order: str = "zigzag",
 ) -> RetrievalGrid:
     """Retrieval accuracy of ``model`` on the needle task, per context length and needle depth.
 
     ``data``: the run's data config (keys, values and haystack text are taken from it when it
     is a needle task). ``num_examples`` examples per length (validation split, seed ``seed``),
     each with ``num_queries`` scored queries (drawn with replacement with
-    ``query_replacement``)."""
+    ``query_replacement``). Under a mesh whose ``context`` axis splits the sequence, the tokens
+    go in ``context_order`` (:func:`.probe.losses_and_predictions`)."""
     check_model(model)
     lengths = [int(x) for x in lengths]
     too_long = [x for x in lengths if x > model.config.max_seq_len]
@@ -173,7 +175,8 @@ def multi_needle_retrieval(
             query_replacement=query_replacement,
         )
         batch = task_examples(cfg)
-        ok = query_correct(losses_and_predictions(model, batch, batch_size)[1], batch)
+        preds = losses_and_predictions(model, batch, batch_size, context_order)[1]
+        ok = query_correct(preds, batch)
         bins = depth_bins(query_depths(batch), num_depth_bins)
         np.add.at(correct[li], bins.ravel(), ok.ravel().astype(int))
         np.add.at(total[li], bins.ravel(), 1)

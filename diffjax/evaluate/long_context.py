@@ -1,0 +1,182 @@
+"""Multi-needle retrieval at lengths one device cannot hold: ``python -m diffjax.evaluate RUN_DIR
+--long-context 8192,32768 --context 8``.
+
+Every model of the run (its best checkpoint) is replicated over a mesh whose ``context`` axis
+splits the sequence (:class:`diffjax.sharding.MeshConfig`), and the multi-needle grid of the
+run's needle setting (:func:`.retrieval.multi_needle_retrieval`) runs at each length: the tokens
+in the balanced (zigzag) order, attention as a ring over the ``context`` devices
+(:mod:`diffjax.context`), the predictions returned to the data's order. Writes
+``RUN_DIR/long_context.json`` and ``RUN_DIR/long_context.md`` (accuracy per length, each model's
+mean ± sd over seeds, the paired DIFF - twin difference with its 95% t-interval)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from diffjax import context, sharding
+from diffjax.config import ConfigError
+from diffjax.train.checkpoint import load_model
+
+from . import retrieval as ret
+from .results import model_name
+from .run import _needle_setting, _replacement, data_config, discover_models, read_run_config
+from .stats import describe_difference, fmt_mean_std, group_by_label, paired_difference
+
+__all__ = ["evaluate_long_context", "render"]
+
+
+def replicate(model, mesh):
+    """``model`` with every array replicated over ``mesh`` (a copy; the parameters unchanged)."""
+    graphdef, state = nnx.split(model)
+    return nnx.merge(graphdef, jax.device_put(state, NamedSharding(mesh, P())))
+
+
+def _check_lengths(lengths: Sequence[int], n: int, order: str) -> list[int]:
+    lengths = sorted({int(x) for x in lengths})
+    if not lengths or lengths[0] < 2:
+        raise ConfigError(
+            f"--long-context: give sequence lengths of at least 2 tokens, got {lengths}. Fix: "
+            f"e.g. --long-context 8192,32768"
+        )
+    for length in lengths:
+        context.check_sequence(length, n, order, what=f"--long-context length {length}")
+    return lengths
+
+
+def evaluate_long_context(
+    run_dir: str,
+    lengths: Sequence[int],
+    *,
+    mesh_config: sharding.MeshConfig,
+    examples: int = 8,
+    batch_size: int = 1,
+    log: Callable[[str], Any] = print,
+    write: bool = True,
+) -> dict[str, Any]:
+    """The multi-needle grid of every model of ``run_dir`` at ``lengths`` on the mesh of
+    ``mesh_config`` (``examples`` examples per length); returns what ``long_context.json``
+    holds. Bad input (no model, a length the ring cannot split or a model cannot take, a mesh
+    the devices do not fill) raises :class:`ConfigError` before any forward pass."""
+    run_dir = os.path.abspath(run_dir)
+    if not os.path.isdir(run_dir):
+        raise ConfigError(
+            f"run directory {run_dir} does not exist. Fix: pass the folder train.py wrote"
+        )
+    cfg = read_run_config(run_dir)
+    data = data_config(cfg)
+    entries = discover_models(run_dir, default_seed=int(cfg.get("train", {}).get("seed", 0)))
+    if not entries:
+        raise ConfigError(f"{run_dir} holds no model with a committed checkpoint. Fix: train first")
+    mesh = sharding.make_mesh(mesh_config)
+    n = context.axis_size(mesh)
+    lengths = _check_lengths(lengths, n, mesh_config.context_order)
+    needles, queries = _needle_setting(data)
+    models = [(e, load_model(e.path, "best")) for e in entries]
+    for e, model in models:
+        if lengths[-1] > model.config.max_seq_len:
+            raise ConfigError(
+                f"{e.label} (seed {e.seed}) takes at most model.max_seq_len="
+                f"{model.config.max_seq_len} tokens; --long-context asks {lengths[-1]}. Fix: "
+                f"shorter lengths, or train with a larger model.max_seq_len"
+            )
+    log(
+        f"long context: {needles} needles, {queries} queries, lengths {lengths} on mesh "
+        f"{' '.join(f'{a}={s}' for a, s in zip(mesh.axis_names, mesh.devices.shape))} "
+        f"({mesh.devices.size} devices; order {mesh_config.context_order}, "
+        f"attention {sorted({m.config.context_attention for _, m in models})})"
+    )
+    results = []
+    with jax.set_mesh(mesh), nnx.logical_axis_rules(sharding.current_rules()):
+        for e, model in models:
+            t0 = time.perf_counter()
+            grid = ret.multi_needle_retrieval(
+                replicate(model, mesh),
+                lengths=lengths,
+                num_needles=needles,
+                num_queries=queries,
+                data=data,
+                num_examples=examples,
+                num_depth_bins=1,
+                batch_size=batch_size,
+                query_replacement=_replacement(data, needles, queries),
+                context_order=mesh_config.context_order,
+            )
+            acc = [float(a) for a in grid.length_accuracy()]
+            results.append(
+                {
+                    "label": e.label,
+                    "seed": e.seed,
+                    "attention": model.config.attention,
+                    "accuracy": acc,
+                    "grid": grid.to_dict(),
+                }
+            )
+            log(
+                f"    {e.label} (seed {e.seed}): "
+                + ", ".join(f"{x}: {a:.3f}" for x, a in zip(lengths, acc))
+                + f" ({time.perf_counter() - t0:.1f}s)"
+            )
+    out = {
+        "lengths": lengths,
+        "num_needles": needles,
+        "num_queries": queries,
+        "examples": examples,
+        "mesh": dict(zip(mesh.axis_names, (int(s) for s in mesh.devices.shape))),
+        "context_order": mesh_config.context_order,
+        "models": results,
+    }
+    if write and jax.process_index() == 0:
+        with open(os.path.join(run_dir, "long_context.json"), "w") as f:
+            json.dump(out, f, indent=1)
+        with open(os.path.join(run_dir, "long_context.md"), "w") as f:
+            f.write("\n".join(render(out)))
+        log(f"long context: {os.path.join(run_dir, 'long_context.md')}")
+    return out
+
+
+def render(out: dict[str, Any]) -> list[str]:
+    """``long_context.md``: accuracy per length, per model over seeds, and DIFF - twin."""
+    groups = group_by_label(out["models"])
+    labels = list(groups)
+    paired = "diff" in groups and "standard" in groups
+    mesh = " ".join(f"{k}={v}" for k, v in out["mesh"].items())
+    L = [
+        "# Multi-needle retrieval at long context",
+        "",
+        f"{out['num_needles']} needles, {out['num_queries']} queries per example, "
+        f"{out['examples']} examples per length; the sequence split over the `context` axis of "
+        f"the mesh {mesh} ({out['context_order']} order). A cell: the fraction of queries "
+        f"answered exactly, mean ± sd over seeds. Written by `python -m diffjax.evaluate "
+        f"--long-context`.",
+        "",
+    ]
+    header = ["length"] + [model_name(lab, groups[lab]) for lab in labels]
+    header += ["DIFF − twin [95% t-interval]"] if paired else []
+    L += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    notes = []
+    for i, length in enumerate(out["lengths"]):
+        row = [f"{length:,}"] + [
+            fmt_mean_std([r["accuracy"][i] for r in groups[lab]]) for lab in labels
+        ]
+        if paired:
+            a = {r["seed"]: r["accuracy"][i] for r in groups["diff"]}
+            b = {r["seed"]: r["accuracy"][i] for r in groups["standard"]}
+            seeds = sorted(set(a) & set(b))
+            d = paired_difference([a[s] for s in seeds], [b[s] for s in seeds])
+            cell = f"{d.mean:+.3f}"
+            if d.low is not None:
+                cell += f" [{d.low:+.3f}, {d.high:+.3f}]"
+            row.append(cell)
+            notes.append(
+                f"- {describe_difference(d, f'accuracy at {length:,} tokens', spec='{:+.3f}')}"
+            )
+        L.append("| " + " | ".join(row) + " |")
+    return L + [""] + notes + ([""] if notes else [])
