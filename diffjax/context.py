@@ -380,15 +380,18 @@ def _ring_forward(static, qs, shared, kv, q_pos, q_seg):
         [jnp.zeros(rows + kv[1].shape[3:], jnp.float32) for _ in qs],
         [jnp.full(rows, -jnp.inf, jnp.float32) for _ in qs],
     )
-    acc, _ = _over_chunks(absorb, acc, kv, block_k)
 
+    # each step sends the block it holds on to the next device before computing on it, so the
+    # transfer (an asynchronous collective-permute on GPU/TPU) overlaps the block's compute;
+    # N - 1 hops, the last block arrived is computed after the loop
     def step(_, carry):
         kv, acc = carry
-        kv = jax.lax.ppermute(kv, axis_name, perm)
+        arriving = jax.lax.ppermute(kv, axis_name, perm)
         acc, _ = _over_chunks(absorb, acc, kv, block_k)
-        return kv, acc
+        return arriving, acc
 
-    _, acc = jax.lax.fori_loop(1, n, step, (kv, acc))
+    kv, acc = jax.lax.fori_loop(0, n - 1, step, (kv, acc))
+    acc, _ = _over_chunks(absorb, acc, kv, block_k)
     return acc
 
 
@@ -434,9 +437,10 @@ def _ring_backward(static, qs, shared, kv, q_pos, q_seg, lses, dos, deltas, dv_m
 
     def step(_, carry):
         kv, (dqs, dks, dv) = carry
+        arriving = jax.lax.ppermute(kv, axis_name, perm)  # K/V sent on while computing
         dqs, dks, dv = absorb(kv, dqs, dks, dv)
-        kv, dks, dv = jax.lax.ppermute((kv, dks, dv), axis_name, perm)
-        return kv, (dqs, dks, dv)
+        dks, dv = jax.lax.ppermute((dks, dv), axis_name, perm)  # the gradients once computed
+        return arriving, (dqs, dks, dv)
 
     kv, (dqs, dks, dv) = jax.lax.fori_loop(0, n - 1, step, (kv, grads))
     dqs, dks, dv = absorb(kv, dqs, dks, dv)
