@@ -63,12 +63,19 @@ def reference(tmp_path_factory):
         ["mesh.context=4"],  # data takes the other 2 devices; ring, zigzag
         [
             "mesh.data=1",
-            "mesh.context=8",
-            "mesh.context_order=contiguous",
+            "mesh.fsdp=2",
+            "mesh.context=2",
+            "mesh.tensor=2",
+            "mesh.context_order=striped",
             "model.context_attention=allgather",
         ],
+        ["mesh.data=1", "mesh.context=8", "mesh.context_order=contiguous"],
     ],
-    ids=["data2-context4-ring-zigzag", "context8-allgather-contiguous"],
+    ids=[
+        "data2-context4-ring-zigzag",
+        "fsdp2-context2-tensor2-allgather-striped",
+        "context8-ring-contiguous",
+    ],
 )
 def test_training_with_a_context_axis_gives_the_same_losses(reference, tmp_path, mesh, monkeypatch):
     calls = {}
