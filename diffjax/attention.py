@@ -241,10 +241,10 @@ class AttentionLayer(nnx.Module):
         masks, cache = dict(causal=self.causal), None
         if cached is not None:
             p, cache, masks = _with_cache(p, *cached)
-        else:  # a sequence split over a `context` mesh axis: its global positions order it
+        elif p.lam is not None:
+            _sow_lambda(self, p.lam)
+        if p.q.shape[1] > 1:  # a sequence split over a `context` mesh axis: positions order it
             masks.update(positions=positions, context_impl=self.context_attention)
-            if p.lam is not None:
-                _sow_lambda(self, p.lam)
         o = attend(p, scale=self.scale, impl=self.attention_impl, segment_ids=segment_ids, **masks)
         return self.output(checkpoint_name(o, "attn_out")), cache
 

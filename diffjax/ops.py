@@ -74,13 +74,13 @@ def check_context_impl(impl: str) -> str:
 
 
 def _context_split(impl, t: int, s: int):
-    """``(mesh, batch axes, head axes)`` when this self-attention runs sequence-parallel (a
-    ``context`` axis of size > 1 in the current mesh, the built-in implementations, as many
-    keys as queries), else None."""
+    """The current mesh when this self-attention runs sequence-parallel (a ``context`` axis of
+    size > 1, a built-in implementation, as many keys as queries, a length the axis divides),
+    else None (a prompt the axis does not divide takes the plain path, which GSPMD gathers;
+    training checks its sequence length before any compute)."""
     mesh = sharding.context_mesh()
-    if mesh is None or dict(zip(mesh.axis_names, mesh.axis_sizes)).get("context", 1) == 1:
-        return None
-    if not isinstance(impl, str) or t != s:
+    n = context.axis_size(mesh)
+    if n == 1 or not isinstance(impl, str) or t != s or t % n:
         return None
     return mesh
 

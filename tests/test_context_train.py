@@ -197,3 +197,30 @@ def test_evaluate_long_context_on_a_run(needle_run, capsys):
     assert "does not split into 16 equal chunks" in capsys.readouterr().err
     assert evaluate_main([str(reference), "--long-context", "512", "--context", "8"]) == 2
     assert "model.max_seq_len=256" in capsys.readouterr().err
+
+
+def test_generate_prefills_through_the_ring_and_gives_the_same_tokens(monkeypatch):
+    """diffjax.generate under a context mesh: the prompt's prefill runs as a ring (a padded,
+    uneven batch of prompts), and the greedy tokens are those of one device."""
+    import jax
+    from flax import nnx
+
+    from diffjax import ModelConfig, TransformerLM, generate, sharding
+    from diffjax.decode import pad_prompts
+    from diffjax.evaluate.long_context import replicate
+
+    cfg = ModelConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=2, max_seq_len=128)
+    model = TransformerLM(cfg, rngs=nnx.Rngs(1))
+    rng = np.random.default_rng(1)
+    prompt, lengths = pad_prompts([rng.integers(1, 64, n).tolist() for n in (40, 57)])
+    ref = np.asarray(generate(model, prompt, 8, prompt_lengths=lengths))
+    calls = []
+    real = context.context_differential_attention
+    monkeypatch.setattr(
+        context, "context_differential_attention", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
+    mesh = sharding.make_mesh(sharding.MeshConfig(context=8))
+    with jax.set_mesh(mesh), nnx.logical_axis_rules(sharding.DEFAULT_RULES):
+        got = np.asarray(generate(replicate(model, mesh), prompt, 8, prompt_lengths=lengths))
+    assert calls, "the prefill did not run as a ring"
+    np.testing.assert_array_equal(got, ref)
