@@ -173,14 +173,14 @@ def needle_run(tmp_path_factory):
 
 
 def test_evaluate_long_context_on_a_run(needle_run, capsys):
-    """``python -m diffjax.evaluate RUN --long-context ... --context 8``: the grid of every model
+    """``python -m diffjax.evaluate RUN --long-context ... mesh.context=8``: the grid of every model
     at each length, the accuracy of the single-device evaluation, long_context.md beside."""
     import json
 
     from diffjax.evaluate.__main__ import main as evaluate_main
 
     reference = needle_run
-    args = [str(reference), "--long-context", "128,256", "--context", "8"]
+    args = [str(reference), "--long-context", "128,256", "mesh.context=8"]
     assert evaluate_main([*args, "--long-context-examples", "4"]) == 0
     out = json.loads((reference / "long_context.json").read_text())
     assert out["lengths"] == [128, 256] and out["mesh"]["context"] == 8
@@ -193,10 +193,14 @@ def test_evaluate_long_context_on_a_run(needle_run, capsys):
         assert np.asarray(m["grid"]["total"]).sum(1).tolist() == [4 * 16, 4 * 16]
         assert all(0.0 <= a <= 1.0 for a in m["accuracy"])
     # a length the ring cannot split, or one the models cannot take: refused before compute
-    assert evaluate_main([str(reference), "--long-context", "136", "--context", "8"]) == 2
+    assert evaluate_main([str(reference), "--long-context", "136", "mesh.context=8"]) == 2
     assert "does not split into 16 equal chunks" in capsys.readouterr().err
-    assert evaluate_main([str(reference), "--long-context", "512", "--context", "8"]) == 2
+    assert evaluate_main([str(reference), "--long-context", "512", "mesh.context=8"]) == 2
     assert "model.max_seq_len=256" in capsys.readouterr().err
+    assert evaluate_main([str(reference), "--long-context", "128", "model.d_model=8"]) == 2
+    assert "only mesh.KEY=VALUE" in capsys.readouterr().err
+    assert evaluate_main([str(reference), "mesh.context=8"]) == 2
+    assert "add --long-context" in capsys.readouterr().err
 
 
 def test_generate_prefills_through_the_ring_and_gives_the_same_tokens(monkeypatch):

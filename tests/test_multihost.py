@@ -198,7 +198,10 @@ def test_saved_with_fsdp8_continues_with_data2_tensor4(tmp_path, capsys):
     capsys.readouterr()
     assert main([f"run.dir={split}", *one, "train.steps=6", "mesh.data=2", "mesh.tensor=4"]) == 0
     out = capsys.readouterr().out
-    assert "resuming from the checkpoint at step 4" in out and "data=2 fsdp=1 context=1 tensor=4" in out
+    assert (
+        "resuming from the checkpoint at step 4" in out
+        and "data=2 fsdp=1 context=1 tensor=4" in out
+    )
     a, b = losses(whole), losses(split)
     assert sorted(a) == sorted(b) == [1, 2, 3, 4, 5, 6]
     np.testing.assert_allclose(

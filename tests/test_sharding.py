@@ -147,7 +147,9 @@ def test_mesh_shapes_resolve_and_mismatches_name_the_fix():
         MeshConfig(data=-1, tensor=3).shape(8)
     with pytest.raises(ConfigError, match="make the product 8"):
         MeshConfig(data=2, fsdp=2, tensor=1).shape(8)
-    with pytest.raises(ConfigError, match="mesh.context_order to one of zigzag, striped, contiguous"):
+    with pytest.raises(
+        ConfigError, match="mesh.context_order to one of zigzag, striped, contiguous"
+    ):
         MeshConfig(context=2, context_order="spiral")
     mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
     assert mesh.axis_names == ("data", "fsdp", "context", "tensor")

@@ -1,5 +1,7 @@
 """``python -m diffjax.evaluate RUN_DIR [--quick] [--lm-eval-tasks t1,t2 ...]``: the paper's
-analyses on a train.py run, and lm-eval tasks on its models."""
+analyses on a train.py run, and lm-eval tasks on its models; ``python -m diffjax.evaluate
+RUN_DIR --long-context 32768 mesh.context=8``: the needle grid with the sequence split over
+devices."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from diffjax.config import ConfigError
 from diffjax.train.checkpoint import CheckpointError
 
 from diffjax.sharding import MeshConfig
+from diffjax.train.config import ExperimentConfig, apply_overrides
 
 from . import lm_eval_run
 from .long_context import evaluate_long_context
@@ -31,6 +34,18 @@ def _lengths(text: str) -> list[int]:
             f"--long-context {text!r}: give token counts separated by commas. Fix: e.g. "
             f"--long-context 8192,32768"
         ) from None
+
+
+def _mesh(overrides: list[str]) -> MeshConfig:
+    """The mesh of ``mesh.KEY=VALUE`` overrides (typed and checked as train.py's), from
+    ``context=-1``."""
+    other = [o for o in overrides if not o.startswith("mesh.")]
+    if other:
+        raise ConfigError(
+            f"{other[0]!r}: only mesh.KEY=VALUE settings follow the run directory. Fix: e.g. "
+            f"mesh.context=8 (the model and data come from the run)"
+        )
+    return apply_overrides(ExperimentConfig(mesh=MeshConfig(context=-1)), overrides).mesh
 
 
 def parser() -> argparse.ArgumentParser:
@@ -57,9 +72,12 @@ def parser() -> argparse.ArgumentParser:
         help="only the multi-needle grid at these lengths (comma-separated tokens), on a mesh "
         "whose context axis splits the sequence: RUN_DIR/long_context.md",
     )
-    c.add_argument("--context", type=int, default=-1, help="devices on the context axis (-1: all)")
-    c.add_argument(
-        "--context-order", default="zigzag", help="the tokens' order: zigzag or contiguous"
+    p.add_argument(
+        "mesh",
+        nargs="*",
+        metavar="mesh.KEY=VALUE",
+        help="the mesh of --long-context, as train.py takes it (default mesh.context=-1: every "
+        "device splits the sequence; e.g. mesh.context=8 mesh.context_order=striped)",
     )
     c.add_argument(
         "--long-context-examples", type=int, default=8, help="examples per length (default 8)"
@@ -94,14 +112,18 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    args = parser().parse_intermixed_args(argv)
     tasks = args.lm_eval_tasks.split(",") if args.lm_eval_tasks else None
     try:
+        if args.mesh and not args.long_context:
+            raise ConfigError(
+                "mesh settings apply to --long-context only. Fix: add --long-context LENGTHS"
+            )
         if args.long_context:
             evaluate_long_context(
                 args.run_dir,
                 _lengths(args.long_context),
-                mesh_config=MeshConfig(context=args.context, context_order=args.context_order),
+                mesh_config=_mesh(args.mesh),
                 examples=args.long_context_examples,
             )
             return 0

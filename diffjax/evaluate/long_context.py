@@ -1,5 +1,5 @@
 """Multi-needle retrieval at lengths one device cannot hold: ``python -m diffjax.evaluate RUN_DIR
---long-context 8192,32768 --context 8``.
+--long-context 8192,32768 mesh.context=8``.
 
 Every model of the run (its best checkpoint) is replicated over a mesh whose ``context`` axis
 splits the sequence (:class:`diffjax.sharding.MeshConfig`), and the multi-needle grid of the
