@@ -358,8 +358,16 @@ def global_batch(
 def check_model_mesh(model_cfg, mesh, global_batch_size: int | None = None) -> None:
     """Refuse, before any compute, a mesh the model cannot be split over: a ``tensor`` size
     that does not divide the (DIFF) heads or kv heads (it would split a DIFF pair or a kv group),
-    or a batch the data axes cannot divide."""
+    a batch the data axes cannot divide, or the Pallas kernels asked for on a ``context``
+    axis (its ring runs the XLA math)."""
     sizes = _mesh_sizes(mesh)
+    if sizes.get("context", 1) > 1 and model_cfg.attention_impl == "pallas":
+        raise ConfigError(
+            f"model.attention_impl=pallas with mesh.context={sizes['context']}: the ring's "
+            f"blocks run the XLA math (the Pallas kernels do not return the log-sum-exps a "
+            f"ring merges). Fix: model.attention_impl=auto (or xla) with a context axis, or "
+            f"mesh.context=1 for the kernels"
+        )
     t = sizes.get("tensor", 1)
     if t > 1:
         heads, kv = model_cfg.num_heads, model_cfg.kv_heads

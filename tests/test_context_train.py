@@ -120,6 +120,7 @@ def test_a_checkpoint_saved_with_one_context_size_resumes_with_another(reference
         (["mesh.context=3"], "context=3"),
         (["mesh.context_order=spiral"], "mesh.context_order"),
         (["model.context_attention=tree"], "context_attention"),
+        (["mesh.context=2", "model.attention_impl=pallas"], "model.attention_impl=pallas"),
     ],
 )
 def test_bad_context_settings_are_refused_before_compute(tmp_path, capsys, extra, message):
