@@ -210,3 +210,30 @@ def test_reproduce_reports_a_changed_number_then_agrees_after_write(tmp_path, ca
     out = capsys.readouterr().out
     assert "DIFFERS" not in out and out.count("| same |") == 2
     assert bench.agrees(2.37391, 2.37394, 4) and not bench.agrees(2.3739, 2.3753, 4)
+
+
+def test_context_memory_benchmark_prints_its_table():
+    """benchmarks/context_memory.py at a tiny size (its own process: it sets the device count
+    before JAX starts): a row per context size and implementation, the ring below the
+    all-gather."""
+    import subprocess
+    import sys
+
+    args = ["--lengths", "256", "--sizes", "1,2,4", "--time-lengths", "", "--block-k", "16"]
+    args += ["--heads", "1", "--head-dim", "16"]
+    out = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "context_memory.py"), *args],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    ).stdout
+    rows = {
+        (c[2], c[3]): float(c[4].replace(",", ""))
+        for c in (line.split("|") for line in out.splitlines() if line.startswith("| 256 |"))
+    }
+    assert set(rows) == {(" 1 ", " reference "), (" 2 ", " ring "), (" 2 ", " allgather ")} | {
+        (" 4 ", " ring "),
+        (" 4 ", " allgather "),
+    }
+    assert rows[" 4 ", " ring "] < rows[" 4 ", " allgather "]
