@@ -193,6 +193,25 @@ def test_evaluate_long_context_on_a_run(needle_run, capsys):
     for m in out["models"]:
         assert np.asarray(m["grid"]["total"]).sum(1).tolist() == [4 * 16, 4 * 16]
         assert all(0.0 <= a <= 1.0 for a in m["accuracy"])
+    # the noise floor at each length, from the answer rows' maps under the ring: the numbers
+    # one device gives on the same examples
+    from diffjax.evaluate import allocation, retrieval
+    from diffjax.evaluate.run import _task, data_config, read_run_config
+    from diffjax.train.checkpoint import load_model
+
+    assert "## The noise floor at each length" in md
+    data = data_config(read_run_config(str(reference)))
+    for m in out["models"]:
+        assert [x["length"] for x in m["noise_measured"]] == [128, 256]
+        model = load_model(str(reference / m["label"] / "seed_0"), "best")
+        batch = retrieval.task_examples(
+            _task(data, 256, data.num_needles, data.num_queries, num_examples=4, seed=1)
+        )
+        want = allocation.measured_noise_floor(model, batch, batch_size=1)
+        got = m["noise_measured"][1]
+        for key in ("signal_share", "distractor_share", "signal", "num_distractors"):
+            np.testing.assert_allclose(got[key], want[key], rtol=1e-4, err_msg=key)
+        assert got["num_distractors"] > m["noise_measured"][0]["num_distractors"]
     # a length the ring cannot split, or one the models cannot take: refused before compute
     assert evaluate_main([str(reference), "--long-context", "136", "mesh.context=8"]) == 2
     assert "does not split into 16 equal chunks" in capsys.readouterr().err

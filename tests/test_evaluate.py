@@ -149,6 +149,40 @@ def test_attention_maps_match_numpy(kind):
     np.testing.assert_allclose(np.asarray(maps["a1"]).sum(-1), 1.0, atol=1e-5)
 
 
+@pytest.mark.parametrize(
+    "attention,kv_heads", [("diff_v1", 1), ("diff_v2", 2), ("standard", 2), ("standard", 4)]
+)
+def test_attention_rows_are_the_rows_of_the_maps(attention, kv_heads):
+    """``attention_rows`` (the noise floor's maps at any length) gives exactly the chosen rows
+    of ``attention_maps`` (tested against numpy above): V1, V2, the twin, GQA, with packed
+    segments, for rows in any order and repeated."""
+    from diffjax.evaluate.probe import attention_rows
+
+    heads = 2 if attention == "diff_v1" else 4
+    cfg = diffjax.ModelConfig(
+        vocab_size=32,
+        d_model=32,
+        num_layers=1,
+        num_heads=heads,
+        num_kv_heads=kv_heads if attention != "diff_v1" else 1,
+        max_seq_len=32,
+        attention=attention,
+    )
+    attn = diffjax.TransformerLM(cfg, rngs=nnx.Rngs(3)).layers[0].attn
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((2, 12, 32)), jnp.float32)
+    seg = jnp.asarray([[0] * 5 + [1] * 7, [0] * 12])
+    rows = jnp.asarray([[11, 0, 4, 4], [7, 3, 11, 1]])
+    full = attention_maps(attn, x, segment_ids=seg)
+    got = nnx.jit(attention_rows)(attn, x, rows, seg)
+    b = jnp.arange(2)[:, None]
+    for key in ("a",) if attention == "standard" else ("a1", "a2", "diff"):
+        want = jnp.transpose(full[key][b, :, rows], (0, 2, 1, 3))  # [B, H, N, S]
+        np.testing.assert_allclose(got[key], want, rtol=1e-6, atol=1e-7, err_msg=key)
+    if attention == "diff_v2":
+        np.testing.assert_allclose(got["lam"], full["lam"][b, rows], rtol=1e-6)
+
+
 def test_attention_maps_need_an_attention_layer():
     with pytest.raises(TypeError, match="expected a diffjax attention layer"):
         attention_maps(nnx.Linear(4, 4, rngs=nnx.Rngs(0)), jnp.zeros((1, 2, 4)))

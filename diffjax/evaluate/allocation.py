@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .probe import attention_maps, capture_layers, for_analysis
+from .probe import attention_rows, capture_layers, for_analysis
 from .retrieval import depth_bins, query_depths
 
 CATEGORIES = ("answer", "needle", "other needles", "noise context", "rest")
@@ -84,12 +84,15 @@ def row_category_mass(w: jax.Array, rows: jax.Array, onehot: jax.Array):
     ``[B, H, R, V]``. Pure; traceable."""
     b = w.shape[0]
     sel = w[jnp.arange(b)[:, None, None], :, rows]  # [B, R, V, H, S]
-    raw = jnp.einsum("brvhs,brsc->bhrvc", sel, onehot)
-    return (
-        raw,
-        jnp.transpose(jnp.abs(sel).sum(-1), (0, 3, 1, 2)),
-        jnp.transpose(sel.sum(-1), (0, 3, 1, 2)),
-    )
+    return selected_category_mass(jnp.transpose(sel, (0, 3, 1, 2, 4)), onehot)
+
+
+def selected_category_mass(sel: jax.Array, onehot: jax.Array):
+    """:func:`row_category_mass` from the rows' maps alone: ``sel`` ``[B, H, R, V, S]`` (row
+    ``(r, v)`` the map row of query r's v-th answer-producing position), one-hots
+    ``[B, R, S, C]``. Pure; traceable."""
+    raw = jnp.einsum("bhrvs,brsc->bhrvc", sel, onehot)
+    return raw, jnp.abs(sel).sum(-1), sel.sum(-1)
 
 
 def normalize_shares(raw, abs_mass, row_sum, normalize: str):
@@ -106,10 +109,12 @@ def normalize_shares(raw, abs_mass, row_sum, normalize: str):
 @nnx.jit
 def _category_mass(model, tokens, rows, onehot):
     _, attn_in, _ = capture_layers(model, tokens)
+    b, r, v = rows.shape
     out = []
-    for block, h in zip(model.layers, attn_in):
-        maps = attention_maps(block.attn, h)
-        out.append(row_category_mass(maps["diff"] if "diff" in maps else maps["a"], rows, onehot))
+    for block, h in zip(model.layers, attn_in):  # only the answer rows' maps: [B, H, R*V, S]
+        maps = attention_rows(block.attn, h, rows.reshape(b, r * v))
+        sel = maps["diff"] if "diff" in maps else maps["a"]
+        out.append(selected_category_mass(sel.reshape(sel.shape[:2] + (r, v, -1)), onehot))
     return [jnp.stack(x) for x in zip(*out)]  # each [L, ...]
 
 

@@ -7,7 +7,10 @@ run's needle setting (:func:`.retrieval.multi_needle_retrieval`) runs at each le
 in the balanced (zigzag) order, attention as a ring over the ``context`` devices
 (:mod:`diffjax.context`), the predictions returned to the data's order. Writes
 ``RUN_DIR/long_context.json`` and ``RUN_DIR/long_context.md`` (accuracy per length, each model's
-mean ± sd over seeds, the paired DIFF - twin difference with its 95% t-interval)."""
+mean ± sd over seeds, the paired DIFF - twin difference with its 95% t-interval), and the
+measured noise floor at each length (the share of the answer rows' absolute attention mass on
+the answer and on the distractors: other needles and haystack; the maps of those rows only, so
+``O(rows x T)`` per head at any length)."""
 
 from __future__ import annotations
 
@@ -25,9 +28,11 @@ from diffjax import context, sharding
 from diffjax.config import ConfigError
 from diffjax.train.checkpoint import load_model
 
+from . import allocation as alloc
 from . import retrieval as ret
 from .results import model_name
-from .run import _needle_setting, _replacement, data_config, discover_models, read_run_config
+from .run import _fits, _needle_setting, _replacement, _task, data_config, discover_models
+from .run import read_run_config
 from .stats import describe_difference, fmt_mean_std, group_by_label, paired_difference
 
 __all__ = ["evaluate_long_context", "render"]
@@ -60,10 +65,13 @@ def evaluate_long_context(
     batch_size: int = 1,
     log: Callable[[str], Any] = print,
     write: bool = True,
+    noise_floor: bool = True,
 ) -> dict[str, Any]:
     """The multi-needle grid of every model of ``run_dir`` at ``lengths`` on the mesh of
-    ``mesh_config`` (``examples`` examples per length); returns what ``long_context.json``
-    holds. Bad input (no model, a length the ring cannot split or a model cannot take, a mesh
+    ``mesh_config`` (``examples`` examples per length) and, with ``noise_floor``, the measured
+    noise floor on the same number of needle examples at each length
+    (:func:`.allocation.measured_noise_floor`: the answer rows of each map only); returns what
+    ``long_context.json`` holds. Bad input (no model, a length the ring cannot split or a model cannot take, a mesh
     the devices do not fill) raises :class:`ConfigError` before any forward pass."""
     run_dir = os.path.abspath(run_dir)
     if not os.path.isdir(run_dir):
@@ -97,8 +105,9 @@ def evaluate_long_context(
     with jax.set_mesh(mesh), nnx.logical_axis_rules(sharding.current_rules()):
         for e, model in models:
             t0 = time.perf_counter()
+            rep = replicate(model, mesh)
             grid = ret.multi_needle_retrieval(
-                replicate(model, mesh),
+                rep,
                 lengths=lengths,
                 num_needles=needles,
                 num_queries=queries,
@@ -110,6 +119,14 @@ def evaluate_long_context(
                 context_order=mesh_config.context_order,
             )
             acc = [float(a) for a in grid.length_accuracy()]
+            noise = []  # the measured noise floor: only the answer rows' maps, keys gathered
+            for x in lengths:
+                if noise_floor and _fits(data, x, needles, queries):
+                    b = ret.task_examples(
+                        _task(data, x, needles, queries, num_examples=examples, seed=1)
+                    )
+                    m = alloc.measured_noise_floor(rep, b, batch_size=batch_size)
+                    noise.append({"length": x, **m})
             results.append(
                 {
                     "label": e.label,
@@ -117,11 +134,17 @@ def evaluate_long_context(
                     "attention": model.config.attention,
                     "accuracy": acc,
                     "grid": grid.to_dict(),
+                    "noise_measured": noise,
                 }
             )
             log(
                 f"    {e.label} (seed {e.seed}): "
                 + ", ".join(f"{x}: {a:.3f}" for x, a in zip(lengths, acc))
+                + "".join(
+                    f"; noise floor at {m['length']}: signal {m['signal_share']:.3f}, "
+                    f"distractors {m['distractor_share']:.3f}"
+                    for m in noise
+                )
                 + f" ({time.perf_counter() - t0:.1f}s)"
             )
     out = {
@@ -179,4 +202,54 @@ def render(out: dict[str, Any]) -> list[str]:
                 f"- {describe_difference(d, f'accuracy at {length:,} tokens', spec='{:+.3f}')}"
             )
         L.append("| " + " | ".join(row) + " |")
-    return L + [""] + notes + ([""] if notes else [])
+    return L + [""] + notes + ([""] if notes else []) + _render_noise(out, groups, labels)
+
+
+def _render_noise(out: dict[str, Any], groups: dict, labels: list[str]) -> list[str]:
+    """The measured noise floor per length: signal and distractor shares per model (mean ± sd
+    over seeds) and the paired DIFF - twin difference of the distractor share."""
+    by = {
+        lab: [{m["length"]: m for m in r.get("noise_measured") or []} for r in groups[lab]]
+        for lab in labels
+    }
+    lengths = [x for x in out["lengths"] if all(x in d for lab in labels for d in by[lab])]
+    if not lengths:
+        return []
+    paired = "diff" in groups and "standard" in groups
+    L = [
+        "## The noise floor at each length",
+        "",
+        "The answer-producing rows of every map (the differential map for DIFF), averaged over "
+        "layers, heads, rows and examples: the share of each row's absolute attention mass on "
+        "the answer (signal) and on the other needles and the haystack (distractors). "
+        "Mean ± sd over seeds.",
+        "",
+    ]
+    header = ["length", "distractor keys"]
+    for lab in labels:
+        name = model_name(lab, groups[lab])
+        header += [f"{name} signal", f"{name} distractors"]
+    header += ["distractors DIFF − twin [95% t-interval]"] if paired else []
+    L += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for x in lengths:
+        first = by[labels[0]][0][x]
+        row = [f"{x:,}", f"{first['num_distractors']:,.0f}"]
+        for lab in labels:
+            row += [
+                fmt_mean_std([d[x]["signal_share"] for d in by[lab]]),
+                fmt_mean_std([d[x]["distractor_share"] for d in by[lab]]),
+            ]
+        if paired:
+            a = {r["seed"]: d[x]["distractor_share"] for r, d in zip(groups["diff"], by["diff"])}
+            b = {
+                r["seed"]: d[x]["distractor_share"]
+                for r, d in zip(groups["standard"], by["standard"])
+            }
+            seeds = sorted(set(a) & set(b))
+            d = paired_difference([a[s] for s in seeds], [b[s] for s in seeds])
+            cell = f"{d.mean:+.3f}"
+            if d.low is not None:
+                cell += f" [{d.low:+.3f}, {d.high:+.3f}]"
+            row.append(cell)
+        L.append("| " + " | ".join(row) + " |")
+    return L + [""]

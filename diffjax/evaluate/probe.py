@@ -98,6 +98,42 @@ def attention_maps(
     return {"a1": a1, "a2": a2, "lam": lam, "diff": a1 - row_lam * a2}
 
 
+def attention_rows(
+    layer, x: jax.Array, rows: jax.Array, segment_ids: jax.Array | None = None
+) -> dict[str, jax.Array]:
+    """The rows ``rows`` ``[B, N]`` (int positions) of :func:`attention_maps` on ``x``
+    ``[B, T, D]``: the same keys (``a``; DIFF ``a1``, ``a2``, ``lam`` and ``diff``) but
+    ``[B, heads, N, S]`` (V2's ``lam`` ``[B, N, h]``), so a few query rows of a long sequence
+    cost ``O(N * S)``, not ``O(T * S)`` (under a ``context`` mesh the keys are gathered, the
+    maps never formed whole). Traceable."""
+    p = _project(layer, x, None)
+    b, s, n = x.shape[0], x.shape[1], rows.shape[1]
+    rows = jnp.asarray(rows, jnp.int32)
+
+    def pick(a):  # [B, T, ...] -> the rows' [B, N, ...]
+        return jnp.take_along_axis(a, rows.reshape((b, n) + (1,) * (a.ndim - 2)), axis=1)
+
+    q_seg = None if segment_ids is None else pick(segment_ids)
+    mask = context.position_mask(
+        rows,
+        jnp.arange(s, dtype=jnp.int32),
+        causal=layer.causal,
+        segment_ids=q_seg,
+        kv_segment_ids=segment_ids,
+    )
+
+    def weights(q, k):
+        return reference._grouped_probs(pick(q), k, mask, layer.scale).reshape(b, -1, n, s)
+
+    if p.q2 is None:
+        return {"a": weights(p.q, p.k)}
+    a1 = weights(p.q, p.k)
+    a2 = weights(p.q2, p.k if p.k2 is None else p.k2)
+    lam = p.lam if jnp.ndim(p.lam) == 0 else pick(p.lam)
+    row_lam = lam if jnp.ndim(lam) == 0 else jnp.transpose(lam, (0, 2, 1))[..., None]
+    return {"a1": a1, "a2": a2, "lam": lam, "diff": a1 - row_lam * a2}
+
+
 def attention_logits(
     layer, x: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None
 ) -> dict[str, jax.Array]:
