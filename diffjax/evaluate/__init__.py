@@ -13,7 +13,8 @@ RUN_DIR [--quick]`` for a whole run (see docs/evaluation.md).
   :func:`loss_by_position` / :func:`validation_loss`, :func:`layer_attention_maps` (one block's
   maps inside a model, for plots);
 - :func:`attention_maps` / :func:`attention_logits`: an attention layer's maps and logits on its
-  input, from ``layer.project`` and the reference math;
+  input, from ``layer.project`` and the reference math; :func:`attention_rows` a few rows of
+  the maps (any length);
 - :func:`evaluate_run`: every analysis on every model of a run, into ``eval.md`` (its sections:
   :mod:`.report`; the paper's numbers beside ours: :mod:`.paper`).
 """
@@ -37,7 +38,13 @@ from .noise_floor import (
 )
 from .outliers import activation_outliers, top_magnitudes
 from .positions import corpus_for_positions, loss_by_position, validation_examples, validation_loss
-from .probe import attention_logits, attention_maps, layer_attention_maps, losses_and_predictions
+from .probe import (
+    attention_logits,
+    attention_maps,
+    attention_rows,
+    layer_attention_maps,
+    losses_and_predictions,
+)
 from .quantize import QuantizedLogits, absmax_quantize, quantization_sweep, with_quantized_logits
 from .retrieval import (
     RetrievalGrid,
@@ -64,6 +71,7 @@ __all__ = [
     "attention_allocation",
     "attention_logits",
     "attention_maps",
+    "attention_rows",
     "best_ablation_head",
     "best_head",
     "category_mass",
