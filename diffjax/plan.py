@@ -247,6 +247,7 @@ class Measure:
     xla_flops: float | None  # per device, XLA's count (no Pallas kernel in it)
     compile_s: float
     kernel_calls: int = 0  # Pallas kernels (Mosaic / Triton custom calls) in the compiled step
+    permutes: int = 0  # collective-permutes in the compiled step (a ring over `context`)
     compiler_oom: bool = False  # the compiler refused it (over HBM); total_bytes is its count
 
     def fits(self, hbm_bytes: float) -> bool:
@@ -354,6 +355,8 @@ def compile_train_step(
     kernels = text.count('custom_call_target="tpu_custom_call"') + text.count(
         'custom_call_target="__gpu$xla.gpu.triton"'
     )
+    # the ring's K/V hops (sync or async form; counted once per op in the program text)
+    permutes = len(re.findall(r" collective-permute(?:-start)?\(", text))
     return Measure(
         model_cfg.remat,
         tcfg.grad_accum_steps,
@@ -367,6 +370,7 @@ def compile_train_step(
         None if xla_flops is None else float(xla_flops),
         compile_s,
         kernels,
+        permutes,
     )
 
 
@@ -531,7 +535,8 @@ def model_table(
             if m.compiler_oom
             else f"Pallas ({m.kernel_calls} kernel calls in the step)"
             if m.kernel_calls
-            else "XLA (no Pallas kernel in the step)",
+            else "XLA (no Pallas kernel in the step)"
+            + (f"; {m.permutes} collective-permutes (the ring)" if m.permutes else ""),
         ),
         ("parameters per device", _gib(m.params_bytes)),
         ("optimizer state per device", _gib(m.opt_bytes)),
