@@ -190,19 +190,30 @@ def render(out: dict[str, Any]) -> list[str]:
             fmt_mean_std([r["accuracy"][i] for r in groups[lab]]) for lab in labels
         ]
         if paired:
-            a = {r["seed"]: r["accuracy"][i] for r in groups["diff"]}
-            b = {r["seed"]: r["accuracy"][i] for r in groups["standard"]}
-            seeds = sorted(set(a) & set(b))
-            d = paired_difference([a[s] for s in seeds], [b[s] for s in seeds])
-            cell = f"{d.mean:+.3f}"
-            if d.low is not None:
-                cell += f" [{d.low:+.3f}, {d.high:+.3f}]"
+            d, cell = _paired(
+                groups,
+                [r["accuracy"][i] for r in groups["diff"]],
+                [r["accuracy"][i] for r in groups["standard"]],
+            )
             row.append(cell)
             notes.append(
                 f"- {describe_difference(d, f'accuracy at {length:,} tokens', spec='{:+.3f}')}"
             )
         L.append("| " + " | ".join(row) + " |")
     return L + [""] + notes + ([""] if notes else []) + _render_noise(out, groups, labels)
+
+
+def _paired(groups: dict, diff: list[float], twin: list[float]):
+    """``(difference, cell)``: DIFF - twin paired by seed (values in ``groups``' order) and its
+    table cell, the mean with its 95% t-interval when there are two pairs or more."""
+    a = {r["seed"]: v for r, v in zip(groups["diff"], diff)}
+    b = {r["seed"]: v for r, v in zip(groups["standard"], twin)}
+    seeds = sorted(set(a) & set(b))
+    d = paired_difference([a[s] for s in seeds], [b[s] for s in seeds])
+    cell = f"{d.mean:+.3f}"
+    if d.low is not None:
+        cell += f" [{d.low:+.3f}, {d.high:+.3f}]"
+    return d, cell
 
 
 def _render_noise(out: dict[str, Any], groups: dict, labels: list[str]) -> list[str]:
@@ -240,16 +251,7 @@ def _render_noise(out: dict[str, Any], groups: dict, labels: list[str]) -> list[
                 fmt_mean_std([d[x]["distractor_share"] for d in by[lab]]),
             ]
         if paired:
-            a = {r["seed"]: d[x]["distractor_share"] for r, d in zip(groups["diff"], by["diff"])}
-            b = {
-                r["seed"]: d[x]["distractor_share"]
-                for r, d in zip(groups["standard"], by["standard"])
-            }
-            seeds = sorted(set(a) & set(b))
-            d = paired_difference([a[s] for s in seeds], [b[s] for s in seeds])
-            cell = f"{d.mean:+.3f}"
-            if d.low is not None:
-                cell += f" [{d.low:+.3f}, {d.high:+.3f}]"
-            row.append(cell)
+            share = [[d[x]["distractor_share"] for d in by[lab]] for lab in ("diff", "standard")]
+            row.append(_paired(groups, *share)[1])
         L.append("| " + " | ".join(row) + " |")
     return L + [""]
