@@ -86,6 +86,8 @@ __all__ = [
     "default_block_sizes",
     "differential_flash_attention",
     "flash_attention",
+    "flash_partial_grads",
+    "flash_partials",
     "shared_memory_bytes",
 ]
 
@@ -641,23 +643,36 @@ def _forward(cfg: _Config, q1, k1, q2, k2, v, lam, qseg, kseg):
 
 
 def _forward_split(cfg: _Config, q1, k1, q2, k2, v, lam, qseg, kseg):
-    """The DIFF forward as one program per branch: the single-branch kernel over the branches
-    stacked as heads (program ``z`` of a (query block, batch, 2*Hq) grid is branch ``z % 2`` of
-    head ``z // 2``: the two branches of a head run side by side and share its V in L2), each
-    writing its normalised float32 output and log-sum-exp; ``O1 - lam * O2`` follows in XLA.
-    Same results and residuals as the fused kernel; every dot is issued once per program."""
+    """The DIFF forward as one program per branch (:func:`_branch_outputs`); ``O1 - lam * O2``
+    follows in XLA. Same results and residuals as the fused kernel; every dot is issued once
+    per program."""
+    (o1, lse1), (o2, lse2) = _branch_outputs(cfg, q1, k1, q2, k2, v, qseg, kseg)
+    out = o1 - jnp.transpose(lam, (0, 2, 1))[..., None] * o2
+    return out.astype(q1.dtype), lse1, lse2, o2.astype(cfg.o2_dtype)
+
+
+def _branch_outputs(cfg: _Config, q1, k1, q2, k2, v, qseg, kseg):
+    """Each branch's normalised float32 output ``[B, T, Hq, Dv]`` and base-2 log-sum-exp
+    ``[B, Hq, T]``, from the single-branch kernel over the branches stacked as heads (DIFF:
+    program ``z`` of a (query block, batch, 2*Hq) grid is branch ``z % 2`` of head ``z // 2``,
+    so the two branches of a head run side by side and share its V in L2; standard: one
+    branch, ``q2`` None). A list of ``(o, lse)``, one per branch."""
     b, t, hq, d = q1.shape
     s, hkv = k1.shape[1], k1.shape[2]
     dv = v.shape[-1]
     rep = hq // hkv
     bq = cfg.block_q
     n_q = t // bq
-    q12 = jnp.stack([q1, q2], axis=3).reshape(b, t, 2 * hq, d)  # head z = 2 h + branch
-    if k2 is None:  # shared keys: both branches of head h read kv head h // rep
-        k12, k_head = k1, lambda z: lax.div(lax.div(z, 2), rep)
+    nb = 1 if q2 is None else 2
+    if q2 is None:
+        q12, k12, k_head = q1, k1, lambda z: lax.div(z, rep)  # noqa: E731
     else:
-        k12 = jnp.stack([k1, k2], axis=3).reshape(b, s, 2 * hkv, d)
-        k_head = lambda z: 2 * lax.div(lax.div(z, 2), rep) + lax.rem(z, 2)  # noqa: E731
+        q12 = jnp.stack([q1, q2], axis=3).reshape(b, t, 2 * hq, d)  # head z = 2 h + branch
+        if k2 is None:  # shared keys: both branches of head h read kv head h // rep
+            k12, k_head = k1, lambda z: lax.div(lax.div(z, 2), rep)  # noqa: E731
+        else:
+            k12 = jnp.stack([k1, k2], axis=3).reshape(b, s, 2 * hkv, d)
+            k_head = lambda z: 2 * lax.div(lax.div(z, 2), rep) + lax.rem(z, 2)  # noqa: E731
 
     def q_map(i, bi, z):
         return (bi, _q_block_index(cfg, i, n_q), z, 0)
@@ -671,14 +686,14 @@ def _forward_split(cfg: _Config, q1, k1, q2, k2, v, lam, qseg, kseg):
         _spec((None, s, None, d), lambda i, bi, z: (bi, 0, k_head(z), 0)),
         None,
         None,
-        _spec((None, s, None, dv), lambda i, bi, z: (bi, 0, lax.div(lax.div(z, 2), rep), 0)),
+        _spec((None, s, None, dv), lambda i, bi, z: (bi, 0, lax.div(lax.div(z, nb), rep), 0)),
         None,
         _spec((None, bq), lambda i, bi, z: (bi, _q_block_index(cfg, i, n_q))) if seg else None,
         _spec((None, s), lambda i, bi, z: (bi, 0)) if seg else None,
     ]
     o12, lse12, _, _ = pl.pallas_call(
         functools.partial(_fwd_kernel, cfg=cfg),
-        grid=(n_q, b, 2 * hq),
+        grid=(n_q, b, nb * hq),
         in_specs=in_specs,
         out_specs=[
             _spec((None, bq, None, dv), q_map),
@@ -687,20 +702,18 @@ def _forward_split(cfg: _Config, q1, k1, q2, k2, v, lam, qseg, kseg):
             None,
         ],
         out_shape=[
-            jax.ShapeDtypeStruct((b, t, 2 * hq, dv), jnp.float32),
-            jax.ShapeDtypeStruct((b, 2 * hq, t), jnp.float32),
+            jax.ShapeDtypeStruct((b, t, nb * hq, dv), jnp.float32),
+            jax.ShapeDtypeStruct((b, nb * hq, t), jnp.float32),
             None,
             None,
         ],
         compiler_params=cfg.params(),
         interpret=cfg.interpret,
-        name="diff_flash_fwd_split",
+        name="diff_flash_fwd_split" if nb == 2 else "flash_fwd_f32",
     )(q12, k12, None, None, v, None, qseg, kseg)
-    o12 = o12.reshape(b, t, hq, 2, dv)
-    lse12 = lse12.reshape(b, hq, 2, t)
-    o1, o2 = o12[:, :, :, 0], o12[:, :, :, 1]
-    out = o1 - jnp.transpose(lam, (0, 2, 1))[..., None] * o2
-    return out.astype(q1.dtype), lse12[:, :, 0], lse12[:, :, 1], o2.astype(cfg.o2_dtype)
+    o12 = o12.reshape(b, t, hq, nb, dv)
+    lse12 = lse12.reshape(b, hq, nb, t)
+    return [(o12[:, :, :, i], lse12[:, :, i]) for i in range(nb)]
 
 
 # ---------------------------------------------------------------------------- backward kernels
@@ -1039,7 +1052,7 @@ def _pad_axis(x, axis: int, size: int, value=0):
     return jnp.pad(x, widths, constant_values=value)
 
 
-def _run(
+def _prepare(
     differential,
     q1,
     k1,
@@ -1056,6 +1069,9 @@ def _run(
     interpret,
     o2_dtype=jnp.float32,
 ):
+    """The kernels' configuration and padded operands ``(q1, k1, q2, k2, v, lam_rows, qseg,
+    kseg)`` (``k2`` None for shared keys; ``lam_rows`` float32 ``[B, Hq, T]`` or None), and
+    the padded ``(T, Dv)``."""
     b, t, hq, d = q1.shape
     s = k1.shape[1]
     dv = v.shape[-1]
@@ -1118,7 +1134,6 @@ def _run(
         warps[f] = getattr(bs, f) or bs.num_warps or warps[f]
     # Triton dots need matching operand types: compute in the inputs' common type (a no-op for
     # the usual single-dtype call); the output keeps q1's dtype, as in the reference.
-    out_dtype = q1.dtype
     common = jnp.result_type(*(x for x in (q1, k1, q2, k2, v) if x is not None))
     q1, k1, v = (x.astype(common) for x in (q1, k1, v))
     if differential:
@@ -1169,7 +1184,14 @@ def _run(
         kseg = qseg if kv_segment_ids is None else jnp.asarray(kv_segment_ids, jnp.int32)
         qseg, kseg = _pad_axis(qseg, 1, t_pad), _pad_axis(kseg, 1, s_pad)
 
-    out = _attention(cfg, q1p, k1p, q2p, k2p, vp, lam_rows, qseg, kseg)
+    return cfg, (q1p, k1p, q2p, k2p, vp, lam_rows, qseg, kseg), (t_pad, dv_pad)
+
+
+def _run(differential, q1, k1, q2, k2, v, lam, **kw):
+    b, t, hq, _ = q1.shape
+    dv, out_dtype = v.shape[-1], q1.dtype
+    cfg, operands, _ = _prepare(differential, q1, k1, q2, k2, v, lam, **kw)
+    out = _attention(cfg, *operands)
     if out.shape != (b, t, hq, dv):
         out = out[:, :t, :, :dv]
     return out.astype(out_dtype)
@@ -1254,3 +1276,138 @@ def flash_attention(
         block_sizes=block_sizes,
         interpret=interpret,
     )
+
+
+# ---------------------------------------------------------------------------- partials
+# Ring (sequence-parallel) attention computes each device's queries against one key block at a
+# time and merges the blocks' results by log-sum-exp; its backward needs each block's share of
+# the gradient from the merged statistics. These two functions are that interface.
+def _natural_lse(lse2):
+    """Base-2 row statistics ``[B, H, T]`` -> natural log ``[B, T, H]``, -inf where the row saw
+    no key (the kernel's running max never left MASK_VALUE)."""
+    lse = jnp.transpose(lse2, (0, 2, 1))
+    return jnp.where(lse <= 0.5 * MASK_VALUE, -jnp.inf, lse * (1.0 / LOG2E))
+
+
+def flash_partials(
+    q1,
+    k1,
+    q2,
+    k2,
+    v,
+    *,
+    causal=True,
+    segment_ids=None,
+    kv_segment_ids=None,
+    sm_scale=None,
+    block_sizes=None,
+    interpret=False,
+):
+    """Each softmax map of ``q`` against this key block, normalised over its visible keys, and
+    its log-sum-exp: ``((o1, lse1), (o2, lse2))`` for DIFF, ``((o, lse),)`` for standard
+    attention (``q2`` None; ``k2`` None with ``q2``: both maps read ``k1``). ``o``
+    ``[B, T, Hq, Dv]`` and ``lse`` ``[B, T, Hq]`` (natural log) float32; a row that sees no key
+    gets ``o = 0``, ``lse = -inf``. Arguments as :func:`differential_flash_attention`. Not
+    differentiable: ring attention's backward calls :func:`flash_partial_grads`."""
+    differential = q2 is not None
+    if differential:
+        check_differential(
+            q1, k1, q2, k2, v, 0.0, segment_ids, kv_segment_ids, what="flash_partials"
+        )
+    else:
+        check_qkv(q1, k1, v, segment_ids, kv_segment_ids, what="flash_partials")
+    t, dv = q1.shape[1], v.shape[-1]
+    cfg, (q1p, k1p, q2p, k2p, vp, _, qseg, kseg), _ = _prepare(
+        differential,
+        q1,
+        k1,
+        q2,
+        k2,
+        v,
+        0.0 if differential else None,
+        causal=causal,
+        segment_ids=segment_ids,
+        kv_segment_ids=kv_segment_ids,
+        sm_scale=sm_scale,
+        block_sizes=block_sizes,
+        interpret=interpret,
+    )
+    outs = _branch_outputs(cfg, q1p, k1p, q2p, k2p, vp, qseg, kseg)
+    return tuple((o[:, :t, :, :dv], _natural_lse(lse[..., :t])) for o, lse in outs)
+
+
+def flash_partial_grads(
+    q1,
+    k1,
+    q2,
+    k2,
+    v,
+    lam,
+    dout,
+    lse1,
+    delta1,
+    lse2=None,
+    delta2=None,
+    *,
+    causal=True,
+    segment_ids=None,
+    kv_segment_ids=None,
+    sm_scale=None,
+    block_sizes=None,
+    interpret=False,
+):
+    """This key block's share of the gradients of ``out = O1 - lam * O2`` (standard: ``O``),
+    where ``O1``, ``O2`` are the maps' outputs over *all* keys: ``lse1``/``lse2`` ``[B, T, Hq]``
+    their log-sum-exps over all keys (natural log, -inf for a row that sees none),
+    ``delta1 = rowsum(dout * O1)``, ``delta2 = rowsum(dout * O2)``, ``dout`` the cotangent of
+    ``out`` ``[B, T, Hq, Dv]``, ``lam`` a scalar or ``[B, T, Hq]`` (None for standard). Returns
+    ``(dq1, dk1, dq2, dk2, dv)`` in the inputs' dtypes (``dq2``/``dk2`` None where there is no
+    such input); summed over the key blocks they are the whole attention's gradients (lam's is
+    ``-sum(delta2)``, the caller's)."""
+    differential = q2 is not None
+    b, t, hq, d = q1.shape
+    s, dvw = k1.shape[1], v.shape[-1]
+    cfg, (q1p, k1p, q2p, k2p, vp, lam_rows, qseg, kseg), (t_pad, dv_pad) = _prepare(
+        differential,
+        q1,
+        k1,
+        q2,
+        k2,
+        v,
+        lam if differential else None,
+        causal=causal,
+        segment_ids=segment_ids,
+        kv_segment_ids=kv_segment_ids,
+        sm_scale=sm_scale,
+        block_sizes=block_sizes,
+        interpret=interpret,
+    )
+
+    def rows(x):  # [B, T, H] -> float32 [B, H, T_pad] (padded rows: 0)
+        return _pad_axis(jnp.transpose(x.astype(jnp.float32), (0, 2, 1)), 2, t_pad)
+
+    def lse_rows(x):  # natural log -> base 2; a row that sees no key: 0 (its P is masked)
+        return rows(jnp.where(jnp.isneginf(x), 0.0, x * LOG2E))
+
+    do = _pad_axis(_pad_axis(dout.astype(q1p.dtype), 3, dv_pad), 1, t_pad)
+    dq1, dk1, dq2, dk2, dv = _backward_kernels(
+        cfg,
+        q1p,
+        k1p,
+        q2p,
+        k2p,
+        vp,
+        lam_rows,
+        qseg,
+        kseg,
+        do,
+        lse_rows(lse1),
+        rows(delta1),
+        lse_rows(lse2) if differential else None,
+        rows(delta2) if differential else None,
+    )
+
+    def crop(x, n, w):
+        return None if x is None else x[:, :n, :, :w]
+
+    return crop(dq1, t, d), crop(dk1, s, d), crop(dq2, t, d), crop(dk2, s, d), crop(dv, s, dvw)
