@@ -173,6 +173,11 @@ class AttentionLayer(nnx.Module):
         self.rope_theta, self.rope_scaling = rope_theta, rope_scaling
         self.causal, self.attention_impl = causal, attention_impl
         self.context_attention = ops.check_context_impl(context_attention)
+        # how the tokens lie over a `context` mesh axis when positions are given: the ring on
+        # the Pallas kernels reads its blocks' layout from it (their masks are by index); the
+        # XLA path masks by position in any order. train.py and the evaluation set it
+        # (diffjax.model.set_context_order); "contiguous" is the natural order.
+        self.context_order = "contiguous"
 
     def _linear(self, n_in, n_out, dtype, param_dtype, kernel_init, rngs, axes=("embed", "heads")):
         """A bias-free linear whose kernel carries the logical ``axes`` (in, out)."""
@@ -244,7 +249,11 @@ class AttentionLayer(nnx.Module):
         elif p.lam is not None:
             _sow_lambda(self, p.lam)
         if p.q.shape[1] > 1:  # a sequence split over a `context` mesh axis: positions order it
-            masks.update(positions=positions, context_impl=self.context_attention)
+            masks.update(
+                positions=positions,
+                context_impl=self.context_attention,
+                context_order=self.context_order,
+            )
         o = attend(p, scale=self.scale, impl=self.attention_impl, segment_ids=segment_ids, **masks)
         return self.output(checkpoint_name(o, "attn_out")), cache
 

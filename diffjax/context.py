@@ -48,6 +48,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from .config import ConfigError
+from . import kernels
 from .kernels import reference
 
 IMPLS = ("ring", "allgather")
@@ -643,6 +644,281 @@ def ring_attention(
     return _ring_std(static, q, k, v, q_pos, k_pos, segment_ids, kv_seg)
 
 
+# ---------------------------------------------------------------------------- ring on the kernels
+# The ring with the fused Pallas kernels as its blocks (``kernel=`` in the ring functions). The
+# kernels mask by index (bottom-right causal, segment ids), not by position, so this ring takes
+# the tokens' layout from a known order instead of their positions: in the zigzag order device
+# ``i`` holds chunks ``i`` and ``2N-1-i``, and every pair of a query chunk and a key chunk is
+# either fully visible, causal within one chunk, or hidden. Step 0 (the local block) is causal
+# over the device's two chunks; a block from device ``j < i`` is seen whole by its first chunk
+# (``[T/N, T/2N]``), one from ``j > i`` whole by the second query chunk (``[T/2N, T/N]``): the
+# same work on every device and step. In the contiguous order a block from ``j < i`` is seen
+# whole and one from ``j > i`` not at all.
+KERNEL_ORDERS = ("zigzag", "contiguous")
+
+
+def _rows(x, rows):
+    """``x[:, rows]`` for a ``[B, T, ...]`` array (None stays None; ``rows`` None: all)."""
+    return x if x is None or rows is None or jnp.ndim(x) < 2 else x[:, rows]
+
+
+def _kernel_partials(kern, scale, qs, q_seg, kv, causal):
+    """Each map's ``(o, lse)`` of the queries ``qs`` (q1 or q1, q2) against ``kv`` =
+    ``(k1, k2, v, kv_seg)`` by the kernels' :func:`~diffjax.kernels.gpu.flash_partials`."""
+    module, interpret = kern
+    k1, k2, v, kv_seg = kv
+    q2 = qs[1] if len(qs) > 1 else None
+    return module.flash_partials(
+        qs[0],
+        k1,
+        q2,
+        k2 if q2 is not None else None,
+        v,
+        causal=causal,
+        segment_ids=q_seg,
+        kv_segment_ids=kv_seg if q_seg is not None else None,
+        sm_scale=scale,
+        interpret=interpret,
+    )
+
+
+def _kernel_plan(order, causal, c):
+    """The pairs of a step as ``(q rows, kv rows)`` slices, for ``lax.cond`` on ``src < me``:
+    ``(when src < me, when src > me)``; None: nothing to compute. Not used for step 0."""
+    whole = (slice(None), slice(None))
+    if not causal:
+        return whole, whole
+    if order == "contiguous":
+        return whole, None
+    return (slice(None), slice(None, c)), (slice(c, None), slice(None))
+
+
+def _kernel_ring_forward(static, qs, q_seg, kv):
+    """The kernel ring's forward: per map ``(o [B,T,Hq,Dv], lse [B,T,Hq])`` float32."""
+    axis, causal, scale, order, kern = static
+    n = jax.lax.axis_size(axis)
+    me = jax.lax.axis_index(axis)
+    c = qs[0].shape[1] // 2
+    perm = _ring_perm(n)
+
+    def absorb(acc, kv, rows):
+        q_rows, kv_rows = rows
+        parts = _kernel_partials(
+            kern,
+            scale,
+            [_rows(q, q_rows) for q in qs],
+            _rows(q_seg, q_rows),
+            tuple(_rows(x, kv_rows) for x in kv),
+            False,
+        )
+        out = []
+        for (o, lse), (po, plse) in zip(acc, parts):
+            mo, ml = _merge(_rows(o, q_rows), _rows(lse, q_rows), po, plse)
+            out.append((o.at[:, q_rows].set(mo), lse.at[:, q_rows].set(ml)))
+        return out
+
+    def remote(acc, kv, s):
+        src = (me - s) % n
+        first, second = _kernel_plan(order, causal, c)
+        skip = lambda acc: acc  # noqa: E731
+        return jax.lax.cond(
+            src < me,
+            lambda acc: absorb(acc, kv, first),
+            (lambda acc: absorb(acc, kv, second)) if second is not None else skip,
+            acc,
+        )
+
+    acc = list(_kernel_partials(kern, scale, qs, q_seg, kv, causal))  # the local block
+    if n == 1:
+        return acc
+
+    def step(s, carry):
+        kv, acc = carry
+        arriving = jax.lax.ppermute(kv, axis, perm)  # sent on before it is computed on
+        return arriving, remote(acc, kv, s)
+
+    kv, acc = jax.lax.fori_loop(1, n - 1, step, (jax.lax.ppermute(kv, axis, perm), acc))
+    return remote(acc, kv, n - 1)
+
+
+def _kernel_ring_backward(static, qs, q_seg, kv, lam, dout, lses, deltas):
+    """The kernel ring's backward: K/V go round again with their float32 gradient
+    accumulators (home after ``N`` hops); each step's gradients come from the kernels'
+    :func:`~diffjax.kernels.gpu.flash_partial_grads` with the merged ``lses`` and ``deltas``.
+    Returns ``(dqs, (dk1, dk2, dv))`` float32 (``dk2`` None where there is no k2)."""
+    axis, causal, scale, order, kern = static
+    module, interpret = kern
+    n = jax.lax.axis_size(axis)
+    me = jax.lax.axis_index(axis)
+    c = qs[0].shape[1] // 2
+    perm = _ring_perm(n)
+    diff = len(qs) > 1
+
+    def grads(kv, rows, causal_block):
+        q_rows, kv_rows = rows
+        k1, k2, v, kv_seg = (_rows(x, kv_rows) for x in kv)
+        g = module.flash_partial_grads(
+            _rows(qs[0], q_rows),
+            k1,
+            _rows(qs[1], q_rows) if diff else None,
+            k2 if diff else None,
+            v,
+            _rows(lam, q_rows) if diff else None,
+            _rows(dout, q_rows),
+            _rows(lses[0], q_rows),
+            _rows(deltas[0], q_rows),
+            _rows(lses[1], q_rows) if diff else None,
+            _rows(deltas[1], q_rows) if diff else None,
+            causal=causal_block,
+            segment_ids=_rows(q_seg, q_rows),
+            kv_segment_ids=kv_seg if q_seg is not None else None,
+            sm_scale=scale,
+            interpret=interpret,
+        )
+        dq1, dk1, dq2, dk2, dv = (None if x is None else x.astype(jnp.float32) for x in g)
+        return [dq1, dq2] if diff else [dq1], (dk1, dk2, dv)
+
+    def absorb(dqs, dkv, kv, rows, causal_block=False):
+        q_rows, kv_rows = rows
+        gq, gkv = grads(kv, rows, causal_block)
+        dqs = [a.at[:, q_rows].add(b) for a, b in zip(dqs, gq)]
+        dkv = tuple(
+            a if b is None else a.at[:, kv_rows].add(b) for a, b in zip(dkv, gkv, strict=True)
+        )
+        return dqs, dkv
+
+    def remote(dqs, dkv, kv, s):
+        src = (me - s) % n
+        first, second = _kernel_plan(order, causal, c)
+        return jax.lax.cond(
+            src < me,
+            lambda a: absorb(*a, kv, first),
+            (lambda a: absorb(*a, kv, second)) if second is not None else (lambda a: a),
+            (dqs, dkv),
+        )
+
+    whole = (slice(None), slice(None))
+    dqs = [jnp.zeros(q.shape, jnp.float32) for q in qs]
+    dkv = tuple(None if x is None else jnp.zeros(x.shape, jnp.float32) for x in kv[:3])
+    if n == 1:
+        return absorb(dqs, dkv, kv, whole, causal)
+    arriving = jax.lax.ppermute(kv, axis, perm)
+    dqs, dkv = absorb(dqs, dkv, kv, whole, causal)  # the local block
+    dkv = jax.lax.ppermute(dkv, axis, perm)
+
+    def step(s, carry):
+        kv, dqs, dkv = carry
+        nxt = jax.lax.ppermute(kv, axis, perm)
+        dqs, dkv = remote(dqs, dkv, kv, s)
+        return nxt, dqs, jax.lax.ppermute(dkv, axis, perm)
+
+    kv, dqs, dkv = jax.lax.fori_loop(1, n - 1, step, (arriving, dqs, dkv))
+    dqs, dkv = remote(dqs, dkv, kv, n - 1)
+    return dqs, jax.lax.ppermute(dkv, axis, perm)  # the last hop: home
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _kernel_ring_diff(static, q1, k1, q2, k2, v, lam, q_seg, kv_seg):
+    return _kernel_ring_diff_fwd(static, q1, k1, q2, k2, v, lam, q_seg, kv_seg)[0]
+
+
+def _lam_bth(lam):
+    """lam for ``[B, T, H, Dv]`` outputs: a scalar, or ``[B, T, H, 1]``."""
+    return lam if lam.ndim == 0 else lam[..., None]
+
+
+def _kernel_ring_diff_fwd(static, q1, k1, q2, k2, v, lam, q_seg, kv_seg):
+    (o1, lse1), (o2, lse2) = _kernel_ring_forward(static, [q1, q2], q_seg, (k1, k2, v, kv_seg))
+    out = (o1 - _lam_bth(lam) * o2).astype(q1.dtype)
+    return out, (q1, k1, q2, k2, v, lam, q_seg, kv_seg, o1, o2, lse1, lse2)
+
+
+def _kernel_ring_diff_bwd(static, res, dout):
+    q1, k1, q2, k2, v, lam, q_seg, kv_seg, o1, o2, lse1, lse2 = res
+    g = dout.astype(jnp.float32)
+    deltas = (jnp.sum(g * o1, axis=-1), jnp.sum(g * o2, axis=-1))
+    (dq1, dq2), (dk1, dk2, dv) = _kernel_ring_backward(
+        static, [q1, q2], q_seg, (k1, k2, v, kv_seg), lam, dout, (lse1, lse2), deltas
+    )
+    dlam = -deltas[1]
+    dlam = jnp.sum(dlam) if lam.ndim == 0 else dlam
+    return (
+        dq1.astype(q1.dtype),
+        dk1.astype(k1.dtype),
+        dq2.astype(q2.dtype),
+        None if k2 is None else dk2.astype(k2.dtype),
+        dv.astype(v.dtype),
+        dlam.astype(lam.dtype),
+        _float0_like(q_seg),
+        _float0_like(kv_seg),
+    )
+
+
+_kernel_ring_diff.defvjp(_kernel_ring_diff_fwd, _kernel_ring_diff_bwd)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _kernel_ring_std(static, q, k, v, q_seg, kv_seg):
+    return _kernel_ring_std_fwd(static, q, k, v, q_seg, kv_seg)[0]
+
+
+def _kernel_ring_std_fwd(static, q, k, v, q_seg, kv_seg):
+    ((o, lse),) = _kernel_ring_forward(static, [q], q_seg, (k, None, v, kv_seg))
+    return o.astype(q.dtype), (q, k, v, q_seg, kv_seg, o, lse)
+
+
+def _kernel_ring_std_bwd(static, res, dout):
+    q, k, v, q_seg, kv_seg, o, lse = res
+    delta = jnp.sum(dout.astype(jnp.float32) * o, axis=-1)
+    (dq,), (dk, _, dv) = _kernel_ring_backward(
+        static, [q], q_seg, (k, None, v, kv_seg), None, dout, (lse,), (delta,)
+    )
+    return (
+        dq.astype(q.dtype),
+        dk.astype(k.dtype),
+        dv.astype(v.dtype),
+        _float0_like(q_seg),
+        _float0_like(kv_seg),
+    )
+
+
+_kernel_ring_std.defvjp(_kernel_ring_std_fwd, _kernel_ring_std_bwd)
+
+
+def _kernel_order(impl, order, positions):
+    """The order the kernel ring lays the blocks out by; refuses what it cannot take."""
+    if impl != "ring":
+        raise ConfigError(
+            f"context.kernel: the Pallas kernels run as the ring's blocks; impl={impl!r} "
+            f"gathers K/V for the XLA math. Fix: impl='ring', or kernel=None"
+        )
+    if positions is not None:
+        raise ConfigError(
+            "context.kernel: the kernel ring masks by the order's layout, not by positions. "
+            "Fix: pass the inputs in `order` without positions (rotary positions are applied "
+            "before attention), or kernel=None to mask by position"
+        )
+    return order
+
+
+def _kernel_static(axis_name, causal, scale, order, kernel, interpret):
+    if order not in KERNEL_ORDERS:
+        raise ConfigError(
+            f"context.order: the ring on the Pallas kernels takes the tokens' layout from "
+            f"their order, one of {', '.join(map(repr, KERNEL_ORDERS))}; got {order!r}. Fix: "
+            f"use the zigzag order (mesh.context_order=zigzag), or the XLA blocks "
+            f"(model.attention_impl=xla), which mask by position in any order"
+        )
+    module = kernels.kernel_module(kernel, interpret=interpret)
+    if not hasattr(module, "flash_partials"):
+        raise ConfigError(
+            f"context.kernel: the {kernel!r} kernels do not return their partial results yet, "
+            f"so they cannot be the ring's blocks. Fix: model.attention_impl=xla with a "
+            f"context axis on this backend"
+        )
+    return (axis_name, causal, scale, order, (module, bool(interpret)))
+
+
 # ---------------------------------------------------------------------------- all-gather
 def _gather(x, axis_name, axis):
     return None if x is None else jax.lax.all_gather(x, axis_name, axis=axis, tiled=True)
@@ -797,6 +1073,8 @@ def context_differential_attention(
     kv_segment_ids=None,
     scale: float | None = None,
     block_k: int | None = DEFAULT_BLOCK_K,
+    kernel: str | None = None,
+    interpret: bool = False,
 ):
     """Differential attention with the sequence sharded over ``mesh``'s ``axis``; call from
     outside ``jax.shard_map``.
@@ -814,6 +1092,11 @@ def context_differential_attention(
     the batch and the heads (kv and query heads alike, so each query head keeps its kv group);
     other mesh axes replicate. Returns ``[B, T, Hq, Dv]`` in ``q1.dtype``, in the inputs'
     token order.
+
+    ``kernel`` (``"gpu"``, ``"tpu"``; None: the XLA math): the ring's blocks run the fused
+    Pallas kernels (``interpret=True`` on CPU), which mask by index: the inputs must be in
+    ``order`` (``"zigzag"`` or ``"contiguous"``) and ``positions`` None (see
+    :data:`KERNEL_ORDERS`' comment).
 
     Raises :class:`ConfigError` for an unknown impl or order, an axis not in the mesh, or a
     T that the axis size (2x the axis size for zigzag) does not divide.
@@ -833,6 +1116,14 @@ def context_differential_attention(
     scale = reference._default_scale(q1, scale)
     kv_seg = _kv_seg(segment_ids, kv_segment_ids)
     lam = jnp.asarray(lam, jnp.float32)
+    heads, rows, tokens, pos_spec = _specs(axis, batch_axes, head_axes, pos)
+    if kernel is not None:
+        static = _kernel_static(
+            axis, causal, scale, _kernel_order(impl, order, positions), kernel, interpret
+        )
+        specs = (heads,) * 5 + (P() if lam.ndim == 0 else rows, tokens, tokens)
+        args = (q1, k1, q2, k2, v, lam, segment_ids, kv_seg)
+        return _run(partial(_kernel_ring_diff, static), mesh, args, specs, heads)
     fn = (
         partial(ring_differential_attention, block_k=block_k)
         if impl == "ring"
@@ -856,7 +1147,6 @@ def context_differential_attention(
             scale=scale,
         )
 
-    heads, rows, tokens, pos_spec = _specs(axis, batch_axes, head_axes, pos)
     lam_spec = P() if lam.ndim == 0 else rows
     specs = (heads,) * 5 + (lam_spec, pos_spec, tokens, tokens)
     args = (q1, k1, q2, k2, v, lam, pos, segment_ids, kv_seg)
@@ -880,6 +1170,8 @@ def context_dot_product_attention(
     kv_segment_ids=None,
     scale: float | None = None,
     block_k: int | None = DEFAULT_BLOCK_K,
+    kernel: str | None = None,
+    interpret: bool = False,
 ):
     """Standard attention with the sequence sharded over ``mesh``'s ``axis``, the twin of
     :func:`context_differential_attention` (same options and errors): q ``[B, T, Hq, D]``,
@@ -888,6 +1180,14 @@ def context_dot_product_attention(
     pos = _setup(mesh, axis, impl, order, q, k, positions)
     scale = reference._default_scale(q, scale)
     kv_seg = _kv_seg(segment_ids, kv_segment_ids)
+    heads, _, tokens, pos_spec = _specs(axis, batch_axes, head_axes, pos)
+    if kernel is not None:
+        static = _kernel_static(
+            axis, causal, scale, _kernel_order(impl, order, positions), kernel, interpret
+        )
+        specs = (heads,) * 3 + (tokens, tokens)
+        args = (q, k, v, segment_ids, kv_seg)
+        return _run(partial(_kernel_ring_std, static), mesh, args, specs, heads)
     fn = partial(ring_attention, block_k=block_k) if impl == "ring" else allgather_attention
 
     def run(q, k, v, pos, seg, kv_seg):
@@ -904,6 +1204,5 @@ def context_dot_product_attention(
             scale=scale,
         )
 
-    heads, _, tokens, pos_spec = _specs(axis, batch_axes, head_axes, pos)
     specs = (heads,) * 3 + (pos_spec, tokens, tokens)
     return _run(run, mesh, (q, k, v, pos, segment_ids, kv_seg), specs, heads)

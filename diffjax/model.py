@@ -335,6 +335,16 @@ def _convert(model: TransformerLM, scan_layers: bool, layers) -> TransformerLM:
     return new
 
 
+def set_context_order(model: nnx.Module, order: str) -> nnx.Module:
+    """``model`` (changed in place, and returned) with every attention layer told that its
+    tokens lie in ``order`` over a ``context`` mesh axis ("zigzag", "striped" or
+    "contiguous"), as :func:`diffjax.context.order_batch` lays a batch out. Only the ring on
+    the Pallas kernels reads it (its blocks mask by index); a static attribute, so a jitted
+    call retraces when it changes."""
+    model.set_attributes(context_order=order, raise_if_not_found=False)
+    return model
+
+
 def stack_layers(model: TransformerLM) -> TransformerLM:
     """``model`` (unrolled layers) as a model with ``scan_layers=True`` and the same
     parameters, stacked on a leading layer axis. The same function: outputs and gradients

@@ -20,8 +20,10 @@ Layout everywhere: ``[batch, seq, heads, dim]``.
 Under a mesh whose ``context`` axis splits the sequence (``mesh.context > 1``), self-attention
 runs sequence-parallel (:mod:`diffjax.context`): a ring that passes K/V around the devices
 (``context_impl="ring"``) or an all-gather of K/V (``"allgather"``), masked by the tokens'
-``positions`` so that any token order (the balanced zigzag) computes the same function. The
-local blocks use the XLA math on every backend.
+``positions`` so that any token order (the balanced zigzag) computes the same function. With
+``impl="pallas"`` the ring's blocks run the fused kernels (GPU; interpreted on CPU), which mask
+by index: the tokens must then lie in ``context_order`` ("zigzag" or "contiguous"; the natural
+order when no positions are given).
 """
 
 from __future__ import annotations
@@ -85,6 +87,28 @@ def _context_split(impl, t: int, s: int):
     return mesh
 
 
+def _context_layout(impl, context_impl: str, positions, order: str) -> dict:
+    """The layout keywords of the sequence-parallel call. The XLA blocks mask by ``positions``
+    (any order; None: the natural one). The ring on the Pallas kernels masks by index and
+    takes its blocks' layout from ``order`` (the natural, contiguous one when no positions
+    are given); ``"auto"`` uses it where it can run (a GPU, the ring, the zigzag or contiguous
+    order) and the XLA blocks elsewhere; an explicit ``"pallas"`` is refused where it cannot
+    (:mod:`diffjax.context` names the fix)."""
+    platform = jax.default_backend()
+    order = "contiguous" if positions is None else order
+    if check_impl(impl) != "pallas":
+        return dict(order="contiguous", positions=positions)
+    usable = platform != "tpu" and context_impl == "ring" and order in context.KERNEL_ORDERS
+    if not usable and impl != "pallas":
+        return dict(order="contiguous", positions=positions)
+    return dict(
+        order=order,
+        positions=None,
+        kernel="tpu" if platform == "tpu" else "gpu",
+        interpret=platform == "cpu",
+    )
+
+
 def _implementation(impl):
     """The object whose two functions run the attention for ``impl``."""
     impl = check_impl(impl)
@@ -108,11 +132,13 @@ def dot_product_attention(
     impl="auto",
     positions: jax.Array | None = None,
     context_impl: str = "ring",
+    context_order: str = "contiguous",
 ) -> jax.Array:
     """Standard softmax attention. q ``[B,T,Hq,D]``, k ``[B,S,Hkv,D]``, v ``[B,S,Hkv,Dv]``.
 
     Returns ``[B, T, Hq, Dv]``. ``scale`` defaults to ``D ** -0.5``. ``positions`` ``[B, T]``
-    (default ``arange(T)``) and ``context_impl``: see the module doc (sequence parallelism).
+    (default ``arange(T)``), ``context_impl`` and ``context_order``: see the module doc (sequence
+    parallelism).
     """
     reference.check_qkv(q, k, v, segment_ids, kv_segment_ids, what="dot_product_attention")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -125,8 +151,7 @@ def dot_product_attention(
             v,
             mesh=mesh,
             impl=check_context_impl(context_impl),
-            order="contiguous",  # without positions: the natural order
-            positions=positions,
+            **_context_layout(impl, context_impl, positions, context_order),
             batch_axes=b,
             head_axes=h,
             causal=causal,
@@ -160,13 +185,15 @@ def differential_attention(
     impl="auto",
     positions: jax.Array | None = None,
     context_impl: str = "ring",
+    context_order: str = "contiguous",
 ) -> jax.Array:
     """``softmax(q1 k1^T s) v - lam * softmax(q2 k2^T s) v``, ``[B, T, Hq, Dv]``.
 
     q1, q2 ``[B,T,Hq,D]``; k1, k2 ``[B,S,Hkv,D]`` (``k2=None``: both maps read ``k1``, as DIFF
     V2's do; the kernels then load each key tile once); v ``[B,S,Hkv,Dv]``; ``lam`` a scalar
     (V1) or ``[B, T, Hq]`` (V2). ``scale`` defaults to ``D ** -0.5``. ``positions`` ``[B, T]``
-    (default ``arange(T)``) and ``context_impl``: see the module doc (sequence parallelism).
+    (default ``arange(T)``), ``context_impl`` and ``context_order``: see the module doc (sequence
+    parallelism).
     """
     reference.check_differential(
         q1, k1, q2, k2, v, lam, segment_ids, kv_segment_ids, what="differential_attention"
@@ -184,8 +211,7 @@ def differential_attention(
             lam,
             mesh=mesh,
             impl=check_context_impl(context_impl),
-            order="contiguous",  # without positions: the natural order
-            positions=positions,
+            **_context_layout(impl, context_impl, positions, context_order),
             batch_axes=b,
             head_axes=h,
             causal=causal,

@@ -295,7 +295,7 @@ def compile_train_step(
     with nnx.logical_axis_rules(sharding.DEFAULT_RULES):
         # shapes and shardings (jax.eval_shape; outside jax.set_mesh, whose compile-only devices
         # cannot hold the init key)
-        setup = loop.model_setup(model_cfg, tcfg, mesh)
+        setup = loop.model_setup(model_cfg, tcfg, mesh, exp.mesh.context_order)
         rest = _concrete_rest(setup)
     with jax.set_mesh(mesh), nnx.logical_axis_rules(sharding.DEFAULT_RULES):
         batch_sh = sharding.batch_sharding(mesh, 2)
@@ -392,7 +392,7 @@ def check_plan(exp: ExperimentConfig, target: Target) -> dict[str, ModelConfig]:
     rows = exp.train.batch_size // max(exp.train.grad_accum_steps, 1)
     for label, cfg in models.items():
         try:
-            sharding.check_model_mesh(cfg, _Mesh, exp.train.batch_size)
+            sharding.check_model_mesh(cfg, _Mesh, exp.train.batch_size, exp.mesh.context_order)
         except ConfigError as e:
             raise PlanError(f"[{label}] on {target.name} (mesh {_fmt_mesh(shape)}): {e}") from None
     if exp.train.batch_size % exp.train.grad_accum_steps or rows % (data * fsdp):
@@ -533,9 +533,11 @@ def model_table(
             "attention",
             "? (not compiled)"
             if m.compiler_oom
-            else f"Pallas ({m.kernel_calls} kernel calls in the step)"
-            if m.kernel_calls
-            else "XLA (no Pallas kernel in the step)"
+            else (
+                f"Pallas ({m.kernel_calls} kernel calls in the step)"
+                if m.kernel_calls
+                else "XLA (no Pallas kernel in the step)"
+            )
             + (f"; {m.permutes} collective-permutes (the ring)" if m.permutes else ""),
         ),
         ("parameters per device", _gib(m.params_bytes)),

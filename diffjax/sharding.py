@@ -355,19 +355,35 @@ def global_batch(
 
 
 # ---------------------------------------------------------------------------- model checks
-def check_model_mesh(model_cfg, mesh, global_batch_size: int | None = None) -> None:
+def check_model_mesh(
+    model_cfg, mesh, global_batch_size: int | None = None, context_order: str = "zigzag"
+) -> None:
     """Refuse, before any compute, a mesh the model cannot be split over: a ``tensor`` size
     that does not divide the (DIFF) heads or kv heads (it would split a DIFF pair or a kv group),
-    a batch the data axes cannot divide, or the Pallas kernels asked for on a ``context``
-    axis (its ring runs the XLA math)."""
+    a batch the data axes cannot divide, or the Pallas kernels on a ``context`` axis where
+    they cannot run as the ring's blocks (the all-gather, the striped order, TPU)."""
     sizes = _mesh_sizes(mesh)
-    if sizes.get("context", 1) > 1 and model_cfg.attention_impl == "pallas":
-        raise ConfigError(
-            f"model.attention_impl=pallas with mesh.context={sizes['context']}: the ring's "
-            f"blocks run the XLA math (the Pallas kernels do not return the log-sum-exps a "
-            f"ring merges). Fix: model.attention_impl=auto (or xla) with a context axis, or "
-            f"mesh.context=1 for the kernels"
-        )
+    n_ctx = sizes.get("context", 1)
+    impl = model_cfg.attention_impl  # "auto" takes the XLA blocks where the kernels cannot
+    if n_ctx > 1 and impl == "pallas":
+        why = None
+        if model_cfg.context_attention != "ring":
+            why = "the all-gather path runs the XLA math. Fix: model.context_attention=ring"
+        elif context_order not in ("zigzag", "contiguous"):
+            why = (
+                f"their ring masks by index and takes its blocks' layout from the zigzag or "
+                f"contiguous order, not {context_order}. Fix: mesh.context_order=zigzag"
+            )
+        elif jax.default_backend() == "tpu":
+            why = (
+                "the TPU kernels do not return their partial results yet. Fix: mesh.context=1 "
+                "for the kernels"
+            )
+        if why is not None:
+            raise ConfigError(
+                f"model.attention_impl=pallas with mesh.context={n_ctx}: {why}, or "
+                f"model.attention_impl=auto (the XLA blocks where the kernels cannot run)"
+            )
     t = sizes.get("tensor", 1)
     if t > 1:
         heads, kv = model_cfg.num_heads, model_cfg.kv_heads

@@ -78,12 +78,37 @@ def _case_id(c):
     )
 
 
+# the ring with the fused Pallas kernels as its blocks (the GPU kernels through the interpreter)
+KERNEL_CASES = [
+    ("v1", "ring", "zigzag", 4, (2, 2), "packed", True, None),
+    ("v2", "ring", "zigzag", 2, (4, 2), "orphan", True, None),
+    ("standard", "ring", "contiguous", 4, (4, 2), "packed", True, None),
+    ("v1", "ring", "contiguous", 2, (4, 2), None, False, None),
+]
+
+
 @pytest.mark.parametrize(
     "kind,impl,order,n,heads,segments,causal,block_k", CASES, ids=[_case_id(c) for c in CASES]
 )
 def test_matches_reference(kind, impl, order, n, heads, segments, causal, block_k):
     """Outputs and gradients (q1, k1, q2, k2, v, lam; q, k, v) equal the reference's on the
     unpermuted input, to 1e-5 in float32."""
+    _check_against_reference(kind, impl, order, n, heads, segments, causal, block_k)
+
+
+@pytest.mark.parametrize(
+    "kind,impl,order,n,heads,segments,causal,block_k",
+    KERNEL_CASES,
+    ids=[_case_id(c) for c in KERNEL_CASES],
+)
+def test_kernel_ring_matches_reference(kind, impl, order, n, heads, segments, causal, block_k):
+    """The ring on the Pallas kernels (``kernel="gpu"``, interpreted): each block's partial
+    outputs and log-sum-exps from the kernels, its gradients from the kernels' backward with
+    the merged statistics; outputs and gradients equal the reference's to 1e-5."""
+    _check_against_reference(kind, impl, order, n, heads, segments, causal, block_k, "gpu")
+
+
+def _check_against_reference(kind, impl, order, n, heads, segments, causal, block_k, kernel=None):
     b, t, d = 2, 32, 8
     args, w = _inputs(kind, b, t, *heads, d)
     seg, kv_seg = _segments(b, t, segments)
@@ -117,6 +142,8 @@ def test_matches_reference(kind, impl, order, n, heads, segments, causal, block_
             kv_segment_ids=permuted(kv_seg, True),
             block_k=block_k,
         )
+        if kernel is not None:
+            opts.update(kernel=kernel, interpret=True)
         if kind == "standard":
             out = context.context_dot_product_attention(kw["q"], kw["k"], kw["v"], **opts)
         else:

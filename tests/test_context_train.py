@@ -102,6 +102,23 @@ def test_training_with_a_context_axis_gives_the_same_losses(reference, tmp_path,
         )
 
 
+def test_the_kernel_ring_trains_the_same_losses(reference, tmp_path, monkeypatch):
+    """``model.attention_impl=pallas mesh.context=4``: the ring's blocks run the fused kernels
+    (interpreted on CPU) in the zigzag order, and the DIFF model trains the losses of the run
+    without a context axis (the twin's kernel ring: tests/test_context.py)."""
+    from diffjax.kernels import gpu
+
+    calls = []
+    real = gpu.flash_partials
+    monkeypatch.setattr(gpu, "flash_partials", lambda *a, **k: calls.append(1) or real(*a, **k))
+    run = tmp_path / "run"
+    pallas = ["model.attention_impl=pallas", "mesh.context=4", "train.kernel_check=off"]
+    assert main([f"run.dir={run}", *TINY, *pallas, "compare=false"]) == 0
+    assert calls  # the kernels' partials were traced
+    np.testing.assert_allclose(_losses(run), _losses(reference), rtol=RTOL)
+    np.testing.assert_allclose(_val(run), _val(reference), rtol=RTOL)
+
+
 def test_a_checkpoint_saved_with_one_context_size_resumes_with_another(reference, tmp_path, capsys):
     run = tmp_path / "run"
     args = [f"run.dir={run}", *TINY, "compare=false"]
@@ -120,7 +137,14 @@ def test_a_checkpoint_saved_with_one_context_size_resumes_with_another(reference
         (["mesh.context=3"], "context=3"),
         (["mesh.context_order=spiral"], "mesh.context_order"),
         (["model.context_attention=tree"], "context_attention"),
-        (["mesh.context=2", "model.attention_impl=pallas"], "model.attention_impl=pallas"),
+        (
+            ["mesh.context=2", "model.attention_impl=pallas", "mesh.context_order=striped"],
+            "mesh.context_order=zigzag",
+        ),
+        (
+            ["mesh.context=2", "model.attention_impl=pallas", "model.context_attention=allgather"],
+            "model.context_attention=ring",
+        ),
     ],
 )
 def test_bad_context_settings_are_refused_before_compute(tmp_path, capsys, extra, message):

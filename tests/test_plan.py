@@ -105,7 +105,9 @@ def test_tiny_plan_on_a_gpu_node(h100_plan):
 @needs_compilers
 def test_a_context_axis_compiles_as_a_ring_for_a_gpu_node(tmp_path):
     """mesh.context=4 on an h100-8 (data=2): the DIFF step compiles with the sequence split,
-    the ring's K/V hops in the program (its collective-permutes), the XLA path in the blocks."""
+    the ring's K/V hops in the program (its collective-permutes) and its blocks on the fused
+    kernels (Triton for the H100: the local block, the two halves a remote block can be, and
+    each one's dK/dV and dQ kernels)."""
     out = tmp_path / "context.json"
     args = ["--target", "h100-8", "--model", "diff", "--search", "none", "--json", str(out)]
     ctx = ["mesh.fsdp=1", "mesh.data=2", "mesh.context=4", "train.batch_size=2"]
@@ -113,7 +115,7 @@ def test_a_context_axis_compiles_as_a_ring_for_a_gpu_node(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "mesh data=2 fsdp=1 context=4 tensor=1" in proc.stdout
     (m,) = json.loads(out.read_text())["models"]
-    assert m["fits"] and m["permutes"] >= 2 and m["kernel_calls"] == 0, m
+    assert m["fits"] and m["permutes"] >= 2 and m["kernel_calls"] == 9, m
     assert f"{m['permutes']} collective-permutes (the ring)" in proc.stdout
 
 

@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None, *, after_step: AfterStep | None = None) 
         distributed = init_distributed(args)
         mesh = sharding.make_mesh(exp.mesh)  # checks the sizes against the devices
         for model_cfg in exp.models.values():
-            sharding.check_model_mesh(model_cfg, mesh, exp.train.batch_size)
+            sharding.check_model_mesh(model_cfg, mesh, exp.train.batch_size, exp.mesh.context_order)
         check_grad_accum(exp.train, mesh)
         context.check_sequence(exp.data.seq_len, context.axis_size(mesh), exp.mesh.context_order)
         if exp.train.kernel_check != "off":  # every model's kernels, before anything trains

@@ -92,7 +92,7 @@ def side_by_side_throughput(
         compiled = {}
         for label, cfg in models.items():
             # the train step compiled as the loop compiles it, on a fresh state
-            setup = model_setup(cfg, tcfg, mesh)
+            setup = model_setup(cfg, tcfg, mesh, exp.mesh.context_order)
             state, rest = setup.fresh_state()
             fn, _ = compile_steps(setup, state, rest, batches[0])
             state, m = fn(state, batches[0])  # warm-up

@@ -36,7 +36,7 @@ from diffjax import flops as flops_lib
 from diffjax import hf, ops, sharding
 from diffjax.compile_options import cpu_compile_options
 from diffjax.config import ConfigError, ModelConfig
-from diffjax.model import TransformerLM, sown_lambdas
+from diffjax.model import TransformerLM, set_context_order, sown_lambdas
 from diffjax.param_count import count_params
 
 from .checkpoint import Checkpointer, CheckpointError, abstract_like, check_same_model
@@ -307,24 +307,33 @@ def make_state_init(
     return init_state
 
 
-def model_setup(model_cfg: ModelConfig, tcfg, mesh) -> ModelSetup:
+def model_setup(model_cfg: ModelConfig, tcfg, mesh, context_order: str = "zigzag") -> ModelSetup:
     """The :class:`ModelSetup` of ``model_cfg`` trained with ``tcfg`` on ``mesh``: every
     parameter and both Adam moments placed by their logical axes, step and counts replicated.
     Built once per process for a model, train config up to the seed, mesh and logical-axis
     rules: the seeds of a multi-seed run (and the throughput measurement) share its compiled
-    init."""
+    init. ``context_order``: how :func:`model_inputs` lays the tokens over a ``context`` axis
+    (the model's graph carries it: :func:`diffjax.model.set_context_order`)."""
     setup = _model_setup(
-        model_cfg, dataclasses.replace(tcfg, seed=0, num_seeds=1), mesh, sharding.current_rules()
+        model_cfg,
+        dataclasses.replace(tcfg, seed=0, num_seeds=1),
+        mesh,
+        sharding.current_rules(),
+        context_order,
     )
     return dataclasses.replace(setup, seed=tcfg.seed)
 
 
 @functools.lru_cache(maxsize=8)
-def _model_setup(model_cfg: ModelConfig, tcfg, mesh, rules) -> ModelSetup:
+def _model_setup(model_cfg: ModelConfig, tcfg, mesh, rules, context_order) -> ModelSetup:
     del rules  # part of the cache key: the shardings depend on the logical-axis rules in force
     tx = make_optimizer(tcfg)
     init = seeded_state_init(model_cfg, tx)
-    graphdef = nnx.graphdef(nnx.eval_shape(lambda: TransformerLM(model_cfg, rngs=nnx.Rngs(0))))
+    graphdef = nnx.graphdef(
+        nnx.eval_shape(
+            lambda: set_context_order(TransformerLM(model_cfg, rngs=nnx.Rngs(0)), context_order)
+        )
+    )
     abstract, abstract_rest = jax.eval_shape(init, jax.random.key(0))
     state_sh = sharding.tree_shardings(abstract, mesh)
     rest_sh = sharding.tree_shardings(abstract_rest, mesh)
@@ -823,7 +832,7 @@ def train_model(
     checkpoint save issued, the save maybe still in flight); the resume tests kill the process
     from it."""
     mesh = sharding.make_mesh(exp.mesh) if mesh is None else mesh
-    sharding.check_model_mesh(model_cfg, mesh, exp.train.batch_size)
+    sharding.check_model_mesh(model_cfg, mesh, exp.train.batch_size, exp.mesh.context_order)
     check_grad_accum(exp.train, mesh)
     context.check_sequence(exp.data.seq_len, context.axis_size(mesh), exp.mesh.context_order)
     with _GUARD, jax.set_mesh(mesh), nnx.logical_axis_rules(sharding.current_rules()):
@@ -859,7 +868,7 @@ def _train_model(
             f"{local_batch} x {exp.data.seq_len} tokens. Fix: add data, or lower "
             f"train.batch_size or data.seq_len, or raise data.val_fraction."
         )
-    setup = model_setup(model_cfg, tcfg, mesh)
+    setup = model_setup(model_cfg, tcfg, mesh, exp.mesh.context_order)
     order = exp.mesh.context_order  # the tokens' order on a `context` mesh axis
     state, rest = initial_state(setup, model_cfg, tcfg, ckpt, latest, train_iter, log, label)
     start = int(state["step"])
