@@ -21,7 +21,7 @@ Under a mesh whose ``context`` axis splits the sequence (``mesh.context > 1``), 
 runs sequence-parallel (:mod:`diffjax.context`): a ring that passes K/V around the devices
 (``context_impl="ring"``) or an all-gather of K/V (``"allgather"``), masked by the tokens'
 ``positions`` so that any token order (the balanced zigzag) computes the same function. With
-``impl="pallas"`` the ring's blocks run the fused kernels (GPU; interpreted on CPU), which mask
+``impl="pallas"`` the ring's blocks run the fused kernels (GPU, TPU; interpreted on CPU), which mask
 by index: the tokens must then lie in ``context_order`` ("zigzag" or "contiguous"; the natural
 order when no positions are given).
 """
@@ -91,14 +91,14 @@ def _context_layout(impl, context_impl: str, positions, order: str) -> dict:
     """The layout keywords of the sequence-parallel call. The XLA blocks mask by ``positions``
     (any order; None: the natural one). The ring on the Pallas kernels masks by index and
     takes its blocks' layout from ``order`` (the natural, contiguous one when no positions
-    are given); ``"auto"`` uses it where it can run (a GPU, the ring, the zigzag or contiguous
-    order) and the XLA blocks elsewhere; an explicit ``"pallas"`` is refused where it cannot
+    are given); ``"auto"`` uses it where it can run (the ring, the zigzag or contiguous order)
+    and the XLA blocks elsewhere; an explicit ``"pallas"`` is refused where it cannot
     (:mod:`diffjax.context` names the fix)."""
     platform = jax.default_backend()
     order = "contiguous" if positions is None else order
     if check_impl(impl) != "pallas":
         return dict(order="contiguous", positions=positions)
-    usable = platform != "tpu" and context_impl == "ring" and order in context.KERNEL_ORDERS
+    usable = context_impl == "ring" and order in context.KERNEL_ORDERS
     if not usable and impl != "pallas":
         return dict(order="contiguous", positions=positions)
     return dict(

@@ -361,7 +361,7 @@ def check_model_mesh(
     """Refuse, before any compute, a mesh the model cannot be split over: a ``tensor`` size
     that does not divide the (DIFF) heads or kv heads (it would split a DIFF pair or a kv group),
     a batch the data axes cannot divide, or the Pallas kernels on a ``context`` axis where
-    they cannot run as the ring's blocks (the all-gather, the striped order, TPU)."""
+    they cannot run as the ring's blocks (the all-gather, the striped order)."""
     sizes = _mesh_sizes(mesh)
     n_ctx = sizes.get("context", 1)
     impl = model_cfg.attention_impl  # "auto" takes the XLA blocks where the kernels cannot
@@ -373,11 +373,6 @@ def check_model_mesh(
             why = (
                 f"their ring masks by index and takes its blocks' layout from the zigzag or "
                 f"contiguous order, not {context_order}. Fix: mesh.context_order=zigzag"
-            )
-        elif jax.default_backend() == "tpu":
-            why = (
-                "the TPU kernels do not return their partial results yet. Fix: mesh.context=1 "
-                "for the kernels"
             )
         if why is not None:
             raise ConfigError(

@@ -78,12 +78,15 @@ def _case_id(c):
     )
 
 
-# the ring with the fused Pallas kernels as its blocks (the GPU kernels through the interpreter)
+# the ring with the fused Pallas kernels as its blocks (through the interpreters): the kernel
+# module, then a case as above
 KERNEL_CASES = [
-    ("v1", "ring", "zigzag", 4, (2, 2), "packed", True, None),
-    ("v2", "ring", "zigzag", 2, (4, 2), "orphan", True, None),
-    ("standard", "ring", "contiguous", 4, (4, 2), "packed", True, None),
-    ("v1", "ring", "contiguous", 2, (4, 2), None, False, None),
+    ("gpu", "v1", "ring", "zigzag", 4, (2, 2), "packed", True, None),
+    ("gpu", "v2", "ring", "zigzag", 2, (4, 2), "orphan", True, None),
+    ("gpu", "standard", "ring", "contiguous", 4, (4, 2), "packed", True, None),
+    ("gpu", "v1", "ring", "contiguous", 2, (4, 2), None, False, None),
+    ("tpu", "v1", "ring", "zigzag", 2, (4, 2), "packed", True, None),
+    ("tpu", "v2", "ring", "contiguous", 4, (4, 2), None, True, None),
 ]
 
 
@@ -97,15 +100,17 @@ def test_matches_reference(kind, impl, order, n, heads, segments, causal, block_
 
 
 @pytest.mark.parametrize(
-    "kind,impl,order,n,heads,segments,causal,block_k",
+    "kernel,kind,impl,order,n,heads,segments,causal,block_k",
     KERNEL_CASES,
-    ids=[_case_id(c) for c in KERNEL_CASES],
+    ids=[f"{c[0]}-{_case_id(c[1:])}" for c in KERNEL_CASES],
 )
-def test_kernel_ring_matches_reference(kind, impl, order, n, heads, segments, causal, block_k):
-    """The ring on the Pallas kernels (``kernel="gpu"``, interpreted): each block's partial
-    outputs and log-sum-exps from the kernels, its gradients from the kernels' backward with
-    the merged statistics; outputs and gradients equal the reference's to 1e-5."""
-    _check_against_reference(kind, impl, order, n, heads, segments, causal, block_k, "gpu")
+def test_kernel_ring_matches_reference(
+    kernel, kind, impl, order, n, heads, segments, causal, block_k
+):
+    """The ring on the Pallas kernels (``kernel="gpu"`` or ``"tpu"``, interpreted): each
+    block's partial outputs and log-sum-exps from the kernels, its gradients from the kernels'
+    backward with the merged statistics; outputs and gradients equal the reference's to 1e-5."""
+    _check_against_reference(kind, impl, order, n, heads, segments, causal, block_k, kernel)
 
 
 def _check_against_reference(kind, impl, order, n, heads, segments, causal, block_k, kernel=None):

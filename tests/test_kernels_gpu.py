@@ -20,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kernel_cases import ON_GPU, assert_close, check_differential, check_standard, make_inputs
-from kernel_cases import value_and_grads
+from kernel_cases import check_partials, value_and_grads
 
 from diffjax.kernels import gpu, reference
 
@@ -558,89 +558,5 @@ def test_bfloat16_o2_residual_costs_little_in_dlam():
 def test_partials_over_key_blocks_merge_to_the_reference(kind):
     """``flash_partials`` on two key blocks, merged by log-sum-exp, give the reference's output;
     ``flash_partial_grads`` of each block from the merged statistics sum to autodiff of the
-    reference (ring attention's building blocks). GQA 4/2, packed segments, length 24 cut 12/12
-    (one segment spans the cut)."""
-    from diffjax import context
-
-    rng = np.random.default_rng(0)
-    b, t, h, hkv, d = 2, 24, 4, 2, 16
-    q1, q2 = (jnp.asarray(rng.standard_normal((b, t, h, d)), jnp.float32) for _ in range(2))
-    k1, k2 = (jnp.asarray(rng.standard_normal((b, t, hkv, d)), jnp.float32) for _ in range(2))
-    dv = 2 * d if kind == "v1" else d
-    v = jnp.asarray(rng.standard_normal((b, t, hkv, dv)), jnp.float32)
-    g = jnp.asarray(rng.standard_normal((b, t, h, dv)), jnp.float32)
-    lam = (
-        jnp.asarray(rng.uniform(0.1, 0.9, (b, t, h)), jnp.float32)
-        if kind == "v2"
-        else jnp.float32(0.3)
-    )
-    seg = jnp.asarray(np.repeat([[0] * 10 + [1] * 14], b, 0))
-    diff = kind != "standard"
-    k2 = k2 if kind == "v1" else None
-    halves = (slice(0, 12), slice(12, None))
-    kw = dict(causal=False, segment_ids=seg, interpret=True)
-
-    def block(s):
-        return dict(
-            k1=k1[:, s], k2=None if k2 is None else k2[:, s], v=v[:, s], kv_segment_ids=seg[:, s]
-        )
-
-    parts = [
-        gpu.flash_partials(
-            q1,
-            x["k1"],
-            q2 if diff else None,
-            x["k2"],
-            x["v"],
-            kv_segment_ids=x["kv_segment_ids"],
-            **kw,
-        )
-        for x in map(block, halves)
-    ]
-    merged = [context.merge_partials(*a, *b_) for a, b_ in zip(*parts)]
-
-    def ref(q1, k1, q2, k2, v):
-        if diff:
-            return reference.differential_attention(
-                q1, k1, q2, k2, v, lam, causal=False, segment_ids=seg
-            )
-        return reference.dot_product_attention(q1, k1, v, causal=False, segment_ids=seg)
-
-    lam_o = lam[..., None] if lam.ndim else lam  # per token and head (V2), or a scalar
-    out = merged[0][0] - lam_o * merged[1][0] if diff else merged[0][0]
-    np.testing.assert_allclose(out, ref(q1, k1, q2, k2, v), atol=1e-5, rtol=1e-5)
-
-    lses = [lse for _, lse in merged]
-    deltas = [jnp.sum(g * o, -1) for o, _ in merged]
-    grads = [
-        gpu.flash_partial_grads(
-            q1,
-            x["k1"],
-            q2 if diff else None,
-            x["k2"],
-            x["v"],
-            lam if diff else None,
-            g,
-            lses[0],
-            deltas[0],
-            lses[1] if diff else None,
-            deltas[1] if diff else None,
-            kv_segment_ids=x["kv_segment_ids"],
-            **kw,
-        )
-        for x in map(block, halves)
-    ]
-    names = ("q1", "k1", "q2", "k2", "v")
-    args = dict(q1=q1, k1=k1, q2=q2, k2=k2, v=v)
-    live = [n for n in names if args[n] is not None and (diff or n not in ("q2", "k2"))]
-    want = jax.grad(
-        lambda *xs: jnp.sum(g * ref(**{**args, **dict(zip(live, xs))})),
-        argnums=tuple(range(len(live))),
-    )(*(args[n] for n in live))
-    for n, w in zip(live, want):
-        i = names.index(n)
-        a, b_ = grads[0][i], grads[1][i]
-        got = a + b_ if n.startswith("q") else jnp.concatenate([a, b_], axis=1)
-        np.testing.assert_allclose(got, w, atol=2e-5, rtol=1e-5, err_msg=n)
-    # unused operands stay None
-    assert (grads[0][2] is None) == (not diff) and (grads[0][3] is None) == (k2 is None)
+    reference (ring attention's building blocks)."""
+    check_partials(gpu, kind, interpret=True)

@@ -21,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jax.experimental.pallas import tpu as pltpu
-from kernel_cases import assert_close, compile_fast, make_inputs, value_and_grads
+from kernel_cases import assert_close, check_partials, compile_fast, make_inputs, value_and_grads
 from kernel_cases import check_differential as _check_differential
 from kernel_cases import check_standard as _check_standard
 
@@ -321,3 +321,10 @@ def test_lowers_for_tpu(differential, shared_k, lam_kind, dtype, segments, causa
             pytest.skip(str(e))
         raise
     assert exported.mlir_module().count("tpu_custom_call") == 3  # fwd, dkv, dq
+
+
+@pytest.mark.parametrize("kind", ["v1", "v2", "standard"])
+def test_partials_over_key_blocks_merge_to_the_reference(kind):
+    """The TPU kernels' ``flash_partials`` / ``flash_partial_grads`` (ring attention's blocks),
+    interpreted: merged over two key blocks, the reference and its autodiff."""
+    check_partials(tpu, kind, interpret=True)

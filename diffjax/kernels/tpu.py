@@ -77,7 +77,13 @@ from ._common import dot_nn as _dot_nn, dot_nt as _dot_nt
 from ._common import check_block_fields, next_pow2 as _next_pow2, round_up as _round_up
 from .reference import MASK_VALUE, check_differential, check_qkv
 
-__all__ = ["BlockSizes", "differential_flash_attention", "flash_attention"]
+__all__ = [
+    "BlockSizes",
+    "differential_flash_attention",
+    "flash_attention",
+    "flash_partial_grads",
+    "flash_partials",
+]
 
 NUM_LANES = 128
 NUM_SUBLANES = 8
@@ -645,8 +651,11 @@ def _q_major_specs(cfg: _Config, bq: int, bk: int, d: int, dv: int):
     )
 
 
-def _forward(cfg: _Config, q1, k1, q2, k2, v, lam, qseg, kseg, *, save_residuals: bool):
-    """Internal layout ``[B, H, T, D]``; returns ``(out, lse1, lse2, o2)`` (Nones if unsaved)."""
+def _forward(
+    cfg: _Config, q1, k1, q2, k2, v, lam, qseg, kseg, *, save_residuals: bool, out_dtype=None
+):
+    """Internal layout ``[B, H, T, D]``; returns ``(out, lse1, lse2, o2)`` (Nones if unsaved);
+    ``out`` in ``out_dtype`` (default q1's)."""
     b, hq, tp, d = q1.shape
     bq, bk = cfg.blocks.block_q, cfg.blocks.block_k
     dv, diff = cfg.dv, cfg.differential
@@ -667,7 +676,7 @@ def _forward(cfg: _Config, q1, k1, q2, k2, v, lam, qseg, kseg, *, save_residuals
     o_spec = pl.BlockSpec((None, None, bq, dv), sp["q_map"])
     saved, saved2 = save_residuals, save_residuals and diff
     out_shape = [
-        jax.ShapeDtypeStruct((b, hq, tp, dv), q1.dtype),
+        jax.ShapeDtypeStruct((b, hq, tp, dv), out_dtype or q1.dtype),
         _opt(saved, lse),
         _opt(saved2, lse),
         _opt(saved2, jax.ShapeDtypeStruct((b, hq, tp, dv), _F32)),
@@ -840,7 +849,7 @@ def _compute_dtype(*xs):
     return jnp.dtype(dt)
 
 
-def _run(
+def _prepare(
     what,
     q1,
     k1,
@@ -857,6 +866,8 @@ def _run(
     block_sizes,
     interpret,
 ):
+    """The kernels' configuration and operands in the internal layout, padded: ``(q1, k1, q2,
+    k2, v, lam, qseg, kseg)`` (``k2`` None for shared keys)."""
     if q1.shape[1] < 1 or k1.shape[1] < 1:
         raise ValueError(
             f"{what}: empty sequence (q length {q1.shape[1]}, kv length {k1.shape[1]})"
@@ -924,8 +935,7 @@ def _run(
     def prep(x, length):
         return None if x is None else _to_internal(x.astype(cdt), length)
 
-    out = _attention(
-        cfg,
+    operands = (
         prep(q1, tp),
         prep(k1, sp),
         prep(q2, tp),
@@ -935,7 +945,13 @@ def _run(
         qseg,
         kseg,
     )
-    return jnp.swapaxes(out[:, :, :t], 1, 2).astype(q1.dtype)
+    return cfg, operands
+
+
+def _run(what, q1, k1, q2, k2, v, lam, **kw):
+    cfg, operands = _prepare(what, q1, k1, q2, k2, v, lam, **kw)
+    out = _attention(cfg, *operands)
+    return jnp.swapaxes(out[:, :, : q1.shape[1]], 1, 2).astype(q1.dtype)
 
 
 def differential_flash_attention(
@@ -1011,4 +1027,141 @@ def flash_attention(
         sm_scale=sm_scale,
         block_sizes=block_sizes,
         interpret=interpret,
+    )
+
+
+# ============================================================================ partials
+# Ring (sequence-parallel) attention computes each device's queries against one key block at a
+# time and merges the blocks' results by log-sum-exp; its backward needs each block's share of
+# the gradient from the merged statistics. The same interface as the GPU kernels'.
+def flash_partials(
+    q1,
+    k1,
+    q2,
+    k2,
+    v,
+    *,
+    causal=True,
+    segment_ids=None,
+    kv_segment_ids=None,
+    sm_scale=None,
+    block_sizes=None,
+    interpret=False,
+):
+    """Each softmax map of ``q`` against this key block, normalised over its visible keys, and
+    its log-sum-exp: ``((o1, lse1), (o2, lse2))`` for DIFF, ``((o, lse),)`` for standard
+    attention (``q2`` None; ``k2`` None with ``q2``: both maps read ``k1``). ``o``
+    ``[B, T, Hq, Dv]`` and ``lse`` ``[B, T, Hq]`` (natural log) float32; a row that sees no key
+    gets ``o = 0``, ``lse = -inf``. Not differentiable: ring attention's backward calls
+    :func:`flash_partial_grads`."""
+    diff = q2 is not None
+    if diff:
+        check_differential(
+            q1, k1, q2, k2, v, 0.0, segment_ids, kv_segment_ids, what="flash_partials"
+        )
+    else:
+        check_qkv(q1, k1, v, segment_ids, kv_segment_ids, what="flash_partials")
+    t = q1.shape[1]
+    cfg, operands = _prepare(
+        "flash_partials",
+        q1,
+        k1,
+        q2,
+        k2,
+        v,
+        0.0 if diff else None,  # out = O1 - 0 * O2 = O1, exactly
+        differential=diff,
+        causal=causal,
+        segment_ids=segment_ids,
+        kv_segment_ids=kv_segment_ids,
+        sm_scale=sm_scale,
+        block_sizes=block_sizes,
+        interpret=interpret,
+    )
+    o1, lse1, lse2, o2 = _forward(cfg, *operands, save_residuals=True, out_dtype=_F32)
+
+    def back(o, lse):  # internal [B, H, Tp, Dv] / [B, H, 1, Tp] -> [B, T, H, Dv] / [B, T, H]
+        lse = jnp.swapaxes(lse[:, :, 0, :t], 1, 2)
+        return jnp.swapaxes(o[:, :, :t], 1, 2), jnp.where(jnp.isinf(lse), -jnp.inf, lse)
+
+    return (back(o1, lse1), back(o2, lse2)) if diff else (back(o1, lse1),)
+
+
+def flash_partial_grads(
+    q1,
+    k1,
+    q2,
+    k2,
+    v,
+    lam,
+    dout,
+    lse1,
+    delta1,
+    lse2=None,
+    delta2=None,
+    *,
+    causal=True,
+    segment_ids=None,
+    kv_segment_ids=None,
+    sm_scale=None,
+    block_sizes=None,
+    interpret=False,
+):
+    """This key block's share of the gradients of ``out = O1 - lam * O2`` (standard: ``O``)
+    from the statistics of the whole attention, as :func:`diffjax.kernels.gpu.flash_partial_grads`
+    (same arguments and results)."""
+    diff = q2 is not None
+    t, s = q1.shape[1], k1.shape[1]
+    cfg, (q1p, k1p, q2p, k2p, vp, lam_in, qseg, kseg) = _prepare(
+        "flash_partial_grads",
+        q1,
+        k1,
+        q2,
+        k2,
+        v,
+        lam if diff else None,
+        differential=diff,
+        causal=causal,
+        segment_ids=segment_ids,
+        kv_segment_ids=kv_segment_ids,
+        sm_scale=sm_scale,
+        block_sizes=block_sizes,
+        interpret=interpret,
+    )
+    tp = cfg.t_pad
+
+    def rows(x):  # [B, T, H] -> float32 [B, H, 1, Tp] (padded rows: 0)
+        x = jnp.swapaxes(x.astype(_F32), 1, 2)
+        return jnp.pad(x, ((0, 0), (0, 0), (0, tp - t)))[:, :, None, :]
+
+    def lse_rows(x):  # a row that sees no key: +inf (the kernels' "empty" row: P = 0)
+        return rows(jnp.where(jnp.isneginf(x), jnp.inf, x))
+
+    do = _to_internal(dout.astype(cfg.compute_dtype), tp)
+    dq1, dk1, dq2, dk2, dv = _backward(
+        cfg,
+        q1p,
+        k1p,
+        q2p,
+        k2p,
+        vp,
+        lam_in,
+        qseg,
+        kseg,
+        do,
+        lse_rows(lse1),
+        rows(delta1),
+        lse_rows(lse2) if diff else None,
+        rows(delta2) if diff else None,
+    )
+
+    def back(x, n, like):
+        return None if x is None else jnp.swapaxes(x[:, :, :n], 1, 2).astype(like.dtype)
+
+    return (
+        back(dq1, t, q1),
+        back(dk1, s, k1),
+        back(dq2, t, q1),
+        back(dk2, s, k1),
+        back(dv, s, v),
     )
