@@ -693,11 +693,13 @@ def _kernel_plan(order, causal, c):
     return (slice(None), slice(None, c)), (slice(c, None), slice(None))
 
 
-def _kernel_ring_forward(static, qs, q_seg, kv):
-    """The kernel ring's forward: per map ``(o [B,T,Hq,Dv], lse [B,T,Hq])`` float32."""
+def _kernel_ring_forward(static, me, qs, q_seg, kv):
+    """The kernel ring's forward: per map ``(o [B,T,Hq,Dv], lse [B,T,Hq])`` float32. ``me``:
+    this device's index on the axis (an input, not ``lax.axis_index``: a value that depends on
+    no operand would leave an operand-less manual computation when a scan over layers splits
+    the shard_map for its backward, which Shardy refuses)."""
     axis, causal, scale, order, kern = static
     n = jax.lax.axis_size(axis)
-    me = jax.lax.axis_index(axis)
     c = qs[0].shape[1] // 2
     perm = _ring_perm(n)
 
@@ -741,7 +743,7 @@ def _kernel_ring_forward(static, qs, q_seg, kv):
     return remote(acc, kv, n - 1)
 
 
-def _kernel_ring_backward(static, qs, q_seg, kv, lam, dout, lses, deltas):
+def _kernel_ring_backward(static, me, qs, q_seg, kv, lam, dout, lses, deltas):
     """The kernel ring's backward: K/V go round again with their float32 gradient
     accumulators (home after ``N`` hops); each step's gradients come from the kernels'
     :func:`~diffjax.kernels.gpu.flash_partial_grads` with the merged ``lses`` and ``deltas``.
@@ -749,7 +751,6 @@ def _kernel_ring_backward(static, qs, q_seg, kv, lam, dout, lses, deltas):
     axis, causal, scale, order, kern = static
     module, interpret = kern
     n = jax.lax.axis_size(axis)
-    me = jax.lax.axis_index(axis)
     c = qs[0].shape[1] // 2
     perm = _ring_perm(n)
     diff = len(qs) > 1
@@ -818,8 +819,8 @@ def _kernel_ring_backward(static, qs, q_seg, kv, lam, dout, lses, deltas):
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _kernel_ring_diff(static, q1, k1, q2, k2, v, lam, q_seg, kv_seg):
-    return _kernel_ring_diff_fwd(static, q1, k1, q2, k2, v, lam, q_seg, kv_seg)[0]
+def _kernel_ring_diff(static, me, q1, k1, q2, k2, v, lam, q_seg, kv_seg):
+    return _kernel_ring_diff_fwd(static, me, q1, k1, q2, k2, v, lam, q_seg, kv_seg)[0]
 
 
 def _lam_bth(lam):
@@ -827,22 +828,24 @@ def _lam_bth(lam):
     return lam if lam.ndim == 0 else lam[..., None]
 
 
-def _kernel_ring_diff_fwd(static, q1, k1, q2, k2, v, lam, q_seg, kv_seg):
-    (o1, lse1), (o2, lse2) = _kernel_ring_forward(static, [q1, q2], q_seg, (k1, k2, v, kv_seg))
+def _kernel_ring_diff_fwd(static, me, q1, k1, q2, k2, v, lam, q_seg, kv_seg):
+    kv = (k1, k2, v, kv_seg)
+    (o1, lse1), (o2, lse2) = _kernel_ring_forward(static, me[0], [q1, q2], q_seg, kv)
     out = (o1 - _lam_bth(lam) * o2).astype(q1.dtype)
-    return out, (q1, k1, q2, k2, v, lam, q_seg, kv_seg, o1, o2, lse1, lse2)
+    return out, (me, q1, k1, q2, k2, v, lam, q_seg, kv_seg, o1, o2, lse1, lse2)
 
 
 def _kernel_ring_diff_bwd(static, res, dout):
-    q1, k1, q2, k2, v, lam, q_seg, kv_seg, o1, o2, lse1, lse2 = res
+    me, q1, k1, q2, k2, v, lam, q_seg, kv_seg, o1, o2, lse1, lse2 = res
     g = dout.astype(jnp.float32)
     deltas = (jnp.sum(g * o1, axis=-1), jnp.sum(g * o2, axis=-1))
     (dq1, dq2), (dk1, dk2, dv) = _kernel_ring_backward(
-        static, [q1, q2], q_seg, (k1, k2, v, kv_seg), lam, dout, (lse1, lse2), deltas
+        static, me[0], [q1, q2], q_seg, (k1, k2, v, kv_seg), lam, dout, (lse1, lse2), deltas
     )
     dlam = -deltas[1]
     dlam = jnp.sum(dlam) if lam.ndim == 0 else dlam
     return (
+        _float0_like(me),
         dq1.astype(q1.dtype),
         dk1.astype(k1.dtype),
         dq2.astype(q2.dtype),
@@ -858,22 +861,23 @@ _kernel_ring_diff.defvjp(_kernel_ring_diff_fwd, _kernel_ring_diff_bwd)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _kernel_ring_std(static, q, k, v, q_seg, kv_seg):
-    return _kernel_ring_std_fwd(static, q, k, v, q_seg, kv_seg)[0]
+def _kernel_ring_std(static, me, q, k, v, q_seg, kv_seg):
+    return _kernel_ring_std_fwd(static, me, q, k, v, q_seg, kv_seg)[0]
 
 
-def _kernel_ring_std_fwd(static, q, k, v, q_seg, kv_seg):
-    ((o, lse),) = _kernel_ring_forward(static, [q], q_seg, (k, None, v, kv_seg))
-    return o.astype(q.dtype), (q, k, v, q_seg, kv_seg, o, lse)
+def _kernel_ring_std_fwd(static, me, q, k, v, q_seg, kv_seg):
+    ((o, lse),) = _kernel_ring_forward(static, me[0], [q], q_seg, (k, None, v, kv_seg))
+    return o.astype(q.dtype), (me, q, k, v, q_seg, kv_seg, o, lse)
 
 
 def _kernel_ring_std_bwd(static, res, dout):
-    q, k, v, q_seg, kv_seg, o, lse = res
+    me, q, k, v, q_seg, kv_seg, o, lse = res
     delta = jnp.sum(dout.astype(jnp.float32) * o, axis=-1)
     (dq,), (dk, _, dv) = _kernel_ring_backward(
-        static, [q], q_seg, (k, None, v, kv_seg), None, dout, (lse,), (delta,)
+        static, me[0], [q], q_seg, (k, None, v, kv_seg), None, dout, (lse,), (delta,)
     )
     return (
+        _float0_like(me),
         dq.astype(q.dtype),
         dk.astype(k.dtype),
         dv.astype(v.dtype),
@@ -883,6 +887,12 @@ def _kernel_ring_std_bwd(static, res, dout):
 
 
 _kernel_ring_std.defvjp(_kernel_ring_std_fwd, _kernel_ring_std_bwd)
+
+
+def _ring_index(mesh, axis):
+    """``arange(N)`` split over ``axis``: each device's index on it, as an input (see
+    :func:`_kernel_ring_forward`)."""
+    return jnp.arange(dict(zip(mesh.axis_names, mesh.axis_sizes))[axis], dtype=jnp.int32)
 
 
 def _kernel_order(impl, order, positions):
@@ -1121,8 +1131,8 @@ def context_differential_attention(
         static = _kernel_static(
             axis, causal, scale, _kernel_order(impl, order, positions), kernel, interpret
         )
-        specs = (heads,) * 5 + (P() if lam.ndim == 0 else rows, tokens, tokens)
-        args = (q1, k1, q2, k2, v, lam, segment_ids, kv_seg)
+        specs = (P(axis),) + (heads,) * 5 + (P() if lam.ndim == 0 else rows, tokens, tokens)
+        args = (_ring_index(mesh, axis), q1, k1, q2, k2, v, lam, segment_ids, kv_seg)
         return _run(partial(_kernel_ring_diff, static), mesh, args, specs, heads)
     fn = (
         partial(ring_differential_attention, block_k=block_k)
@@ -1185,8 +1195,8 @@ def context_dot_product_attention(
         static = _kernel_static(
             axis, causal, scale, _kernel_order(impl, order, positions), kernel, interpret
         )
-        specs = (heads,) * 3 + (tokens, tokens)
-        args = (q, k, v, segment_ids, kv_seg)
+        specs = (P(axis),) + (heads,) * 3 + (tokens, tokens)
+        args = (_ring_index(mesh, axis), q, k, v, segment_ids, kv_seg)
         return _run(partial(_kernel_ring_std, static), mesh, args, specs, heads)
     fn = partial(ring_attention, block_k=block_k) if impl == "ring" else allgather_attention
 

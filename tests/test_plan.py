@@ -111,6 +111,7 @@ def test_a_context_axis_compiles_as_a_ring_for_a_gpu_node(tmp_path):
     out = tmp_path / "context.json"
     args = ["--target", "h100-8", "--model", "diff", "--search", "none", "--json", str(out)]
     ctx = ["mesh.fsdp=1", "mesh.data=2", "mesh.context=4", "train.batch_size=2"]
+    ctx += ["model.scan_layers=true"]  # the ring inside the scan over layers (Shardy's split)
     proc = plan(*args, *TINY, *ctx)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "mesh data=2 fsdp=1 context=4 tensor=1" in proc.stdout
