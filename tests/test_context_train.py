@@ -247,18 +247,31 @@ def test_evaluate_long_context_on_a_run(needle_run, capsys):
     assert "add --long-context" in capsys.readouterr().err
 
 
-def test_generate_prefills_through_the_ring_and_gives_the_same_tokens(monkeypatch):
+@pytest.mark.parametrize("impl", ["auto", "pallas"])
+def test_generate_prefills_through_the_ring_and_gives_the_same_tokens(monkeypatch, impl):
     """diffjax.generate under a context mesh: the prompt's prefill runs as a ring (a padded,
-    uneven batch of prompts), and the greedy tokens are those of one device."""
+    uneven batch of prompts; with ``pallas`` its blocks on the kernels, in the natural order),
+    and the greedy tokens are those of one device."""
     import jax
     from flax import nnx
 
-    from diffjax import ModelConfig, TransformerLM, generate, sharding
+    from diffjax import ModelConfig, TransformerLM, generate, ops, sharding
     from diffjax.decode import pad_prompts
+    from diffjax.kernels import gpu
     from diffjax.evaluate.long_context import replicate
 
-    cfg = ModelConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=2, max_seq_len=128)
+    cfg = ModelConfig(
+        vocab_size=64,
+        d_model=32,
+        num_layers=2,
+        num_heads=2,
+        max_seq_len=128,
+        attention_impl=impl,
+    )
     model = TransformerLM(cfg, rngs=nnx.Rngs(1))
+    # the kernels' own check before decoding compiles them for the device (tests/
+    # test_kernel_check.py); here they run interpreted
+    monkeypatch.setattr(ops, "check_kernels", lambda *a, **k: None)
     rng = np.random.default_rng(1)
     prompt, lengths = pad_prompts([rng.integers(1, 64, n).tolist() for n in (40, 57)])
     ref = np.asarray(generate(model, prompt, 8, prompt_lengths=lengths))
@@ -267,8 +280,13 @@ def test_generate_prefills_through_the_ring_and_gives_the_same_tokens(monkeypatc
     monkeypatch.setattr(
         context, "context_differential_attention", lambda *a, **k: calls.append(1) or real(*a, **k)
     )
+    real_partials, blocks = gpu.flash_partials, []
+    monkeypatch.setattr(
+        gpu, "flash_partials", lambda *a, **k: blocks.append(1) or real_partials(*a, **k)
+    )
     mesh = sharding.make_mesh(sharding.MeshConfig(context=8))
     with jax.set_mesh(mesh), nnx.logical_axis_rules(sharding.DEFAULT_RULES):
         got = np.asarray(generate(replicate(model, mesh), prompt, 8, prompt_lengths=lengths))
     assert calls, "the prefill did not run as a ring"
     np.testing.assert_array_equal(got, ref)
+    assert bool(blocks) == (impl == "pallas")  # the ring's blocks ran the kernels' partials
