@@ -34,7 +34,11 @@ reference's (``R = Hq / Hkv`` query heads stacked along the rows). Numerics: flo
 softmax statistics, accumulators and gradients; probabilities cast to v's dtype before the
 value product; a query that sees no key at all gets a zero output.
 
-This module imports only jax, numpy, :mod:`diffjax.kernels.reference` and
+With ``kernel="gpu"`` or ``"tpu"`` the ring's blocks run the fused Pallas kernels
+(``flash_partials`` / ``flash_partial_grads`` of :mod:`diffjax.kernels`), laid out by the token
+order instead of positions (see :data:`KERNEL_ORDERS`).
+
+This module imports only jax, numpy, :mod:`diffjax.kernels` and
 :class:`diffjax.config.ConfigError`.
 """
 
