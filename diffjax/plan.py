@@ -247,7 +247,7 @@ class Measure:
     xla_flops: float | None  # per device, XLA's count (no Pallas kernel in it)
     compile_s: float
     kernel_calls: int = 0  # Pallas kernels (Mosaic / Triton custom calls) in the compiled step
-    permutes: int = 0  # collective-permutes in the compiled step (a ring over `context`)
+    permutes: int = 0  # collective-permutes in the program (a ring over `context`; XLA's own)
     compiler_oom: bool = False  # the compiler refused it (over HBM); total_bytes is its count
 
     def fits(self, hbm_bytes: float) -> bool:
@@ -538,7 +538,7 @@ def model_table(
                 if m.kernel_calls
                 else "XLA (no Pallas kernel in the step)"
             )
-            + (f"; {m.permutes} collective-permutes (the ring)" if m.permutes else ""),
+            + (f"; {m.permutes} collective-permutes in the program" if m.permutes else ""),
         ),
         ("parameters per device", _gib(m.params_bytes)),
         ("optimizer state per device", _gib(m.opt_bytes)),
