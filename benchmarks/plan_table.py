@@ -6,9 +6,10 @@ For each config (830M, 1.4B, 3B), target (v5e-8, h100-8, v5p-8) and model (DIFF,
 
 1. the per-device memory of the compiled train step with one sequence per device, for
    ``model.remat`` none, full and dots;
-2. the largest global batch that fits with remat full: compiled at 1 and 4 sequences per
-   device, the line through the two predicts the largest, which is compiled (and, when it
-   does not fit, one device's worth of rows less, until one fits).
+2. the largest global batch that fits with remat full (``largest_batch``): compiled at 1 and
+   4 sequences per device, then at the batch where the line through the nearest batch that
+   fits and the nearest that does not meets the HBM size, until a batch that fits and one
+   more sequence per device that does not are both compiled.
 
 Every compile is appended to ``--out`` (JSON lines) as it finishes, so a run that is stopped
 keeps what it did and a rerun skips it; ``--render`` prints the markdown table of what is there.
@@ -116,18 +117,53 @@ def run(out: str, sizes, targets, labels, steps) -> None:
                     for remat in ("full", "none"):
                         measure(remat, n)
                 if "batch" in steps:
-                    a, b = measure("full", n), measure("full", 4 * n)
-                    if a.get("total_bytes", -1) > 0 and b.get("total_bytes", -1) > 0 and a["fits"]:
-                        per_row = (b["total_bytes"] - a["total_bytes"]) / (3 * n)
-                        best = n + int((hbm - a["total_bytes"]) / per_row) if per_row > 0 else n
-                        best = max(n, best // n * n)
-                        while best > n:
-                            if measure("full", best)["fits"]:
-                                measure("full", best + n)  # the boundary: one row per device more
-                                break
-                            best -= n
+                    largest_batch(lambda b: measure("full", b), n, hbm)
                 if "dots" in steps:
                     measure("dots", n)
+
+
+def largest_batch(measure, n: int, hbm: float) -> int | None:
+    """The largest multiple of ``n`` (sequences per device times devices) whose compiled step
+    fits, from ``measure(batch) -> record`` (``fits``, ``total_bytes``).
+
+    Starts from n and 4n, extrapolates the line through the two largest fitting batches until
+    one fails, then interpolates between the largest that fits and the smallest that fails
+    (false position with the Illinois rule: the end that stays twice running counts half as
+    far from the HBM size, so a curved memory profile does not stall the search; bisection
+    where a record has no byte count). Stops when a fitting batch and that batch plus ``n``
+    (not fitting) are both compiled. None when n does not fit."""
+    recs = {n: measure(n)}
+    if not recs[n]["fits"]:
+        return None
+    recs[4 * n] = measure(4 * n)
+    excess = lambda b: recs[b].get("total_bytes", -1) - hbm  # noqa: E731
+    weight = {True: 1.0, False: 1.0}  # the Illinois weights of the fitting and failing end
+    last = None
+    while True:
+        fit = sorted(b for b, r in recs.items() if r["fits"])
+        lo = fit[-1]
+        above = [b for b, r in recs.items() if not r["fits"] and b > lo]
+        hi = min(above) if above else None
+        if hi is not None and hi - lo <= n:
+            return lo
+        b0, b1 = (fit[-2], lo) if hi is None else (lo, hi)
+        m0, m1 = excess(b0), excess(b1)
+        if hi is not None:
+            m0, m1 = m0 * weight[True], m1 * weight[False]
+        known = recs[b0].get("total_bytes", -1) > 0 and recs[b1].get("total_bytes", -1) > 0
+        if known and m1 > m0:
+            guess = int(b0 + (0 - m0) * (b1 - b0) / (m1 - m0)) // n * n
+        else:
+            guess = (lo + hi) // 2 // n * n if hi is not None else 2 * lo
+        guess = max(guess, lo + n)
+        if hi is not None:
+            guess = min(guess, hi - n)
+        recs[guess] = measure(guess)
+        side = recs[guess]["fits"]
+        if hi is not None:  # the other end stayed: halve its weight, if it stayed before too
+            weight[not side] = weight[not side] / 2 if last == side else 1.0
+            weight[side] = 1.0
+        last = side
 
 
 def _gib(r):

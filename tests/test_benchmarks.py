@@ -237,3 +237,38 @@ def test_context_memory_benchmark_prints_its_table():
         (" 4 ", " allgather "),
     }
     assert rows[" 4 ", " ring "] < rows[" 4 ", " allgather "]
+
+
+def test_plan_table_search_finds_the_boundary_with_few_compiles():
+    largest_batch = _load("plan_table").largest_batch
+    gib = 1024**3
+
+    def fake(bytes_of):
+        seen = []
+
+        def measure(b):
+            seen.append(b)
+            m = bytes_of(b)
+            return {"fits": m <= 16 * gib, "total_bytes": m}
+
+        return measure, seen
+
+    # linear memory: 2 GiB plus 0.25 GiB per sequence fits 56 sequences, not 57
+    measure, seen = fake(lambda b: 2 * gib + b * gib // 4)
+    assert largest_batch(measure, 8, 16 * gib) == 56
+    assert seen[:2] == [8, 32] and 64 in seen and len(seen) <= 4 and len(set(seen)) == len(seen)
+    # convex memory (the line through n and 4n overshoots far) still ends at the boundary
+    measure, seen = fake(lambda b: 2 * gib + b * b * gib // 256)
+    assert largest_batch(measure, 4, 16 * gib) == 56  # 2 + 56^2/256 = 14.25, 60: 16.06
+    assert 60 in seen and len(seen) <= 7
+    # one sequence per device already too large
+    measure, seen = fake(lambda b: 20 * gib + b)
+    assert largest_batch(measure, 8, 16 * gib) is None and seen == [8]
+    # a record without a byte count (a compile error) is bisected past
+    measure, seen = fake(lambda b: 2 * gib + b * gib // 4)
+
+    def with_error(b):
+        r = measure(b)
+        return {"fits": r["fits"]} if b == 64 else r
+
+    assert largest_batch(with_error, 8, 16 * gib) == 56
