@@ -248,11 +248,13 @@ def check_kernels(
     """Before a run: check the Pallas kernels against the reference math for ``config``'s
     shapes on this device (:func:`diffjax.kernels.check.ensure_checked`: once per device kind,
     jax version and shape, cached), when the model runs them (``attention_impl`` resolves to
-    "pallas"), or always with ``interpret`` (through the interpreters: tests on CPU). None when
+    "pallas"; on CPU through the interpreters, as the model runs them there), or always with
+    ``interpret`` (through the interpreters). None when
     nothing needed checking. A failure raises :class:`ConfigError` naming the failing cases and
     the fix; it never falls back silently."""
     if not interpret and check_impl(config.attention_impl) != "pallas":
         return None
+    interpret = interpret or jax.default_backend() == "cpu"  # where the model interprets them
     try:
         return kernel_check.ensure_checked(kernel_cases(config), interpret=interpret, log=log)
     except kernel_check.KernelCheckError as e:

@@ -269,8 +269,7 @@ def test_generate_prefills_through_the_ring_and_gives_the_same_tokens(monkeypatc
         attention_impl=impl,
     )
     model = TransformerLM(cfg, rngs=nnx.Rngs(1))
-    # the kernels' own check before decoding compiles them for the device (tests/
-    # test_kernel_check.py); here they run interpreted
+    # the kernels' own check before decoding (interpreted on CPU) is tests/test_kernel_check.py's
     monkeypatch.setattr(ops, "check_kernels", lambda *a, **k: None)
     rng = np.random.default_rng(1)
     prompt, lengths = pad_prompts([rng.integers(1, 64, n).tolist() for n in (40, 57)])

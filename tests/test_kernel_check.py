@@ -182,6 +182,21 @@ def test_a_configs_check_covers_its_own_widths(monkeypatch, config, want):
     assert {c.dtype for c in seen} == dtypes
 
 
+def test_explicit_pallas_on_cpu_checks_the_interpreted_kernels(monkeypatch):
+    """On CPU the model runs the kernels interpreted, so an explicit ``attention_impl="pallas"``
+    (``generate``, ``train.py``) checks them interpreted rather than compiling them for a CPU."""
+    seen = []
+    monkeypatch.setattr(
+        check, "run_check", lambda cases, **kw: seen.append(kw) or check.CheckReport("x", "y", ())
+    )
+    monkeypatch.setattr(check, "_PASSED", set())
+    monkeypatch.setattr(check, "cache_path", lambda: "/nonexistent/diffjax-kernel-check.json")
+    monkeypatch.setattr(check, "_record", lambda path, passed: None)
+    cfg = diffjax.ModelConfig(d_model=64, num_heads=1, num_layers=1, attention_impl="pallas")
+    ops.check_kernels(cfg)
+    assert [kw["interpret"] for kw in seen] == [True]
+
+
 def test_a_failed_check_is_a_config_error_that_names_the_fix(monkeypatch):
     _plant(monkeypatch, "scale")
     cfg = diffjax.ModelConfig(attention="diff_v1", d_model=128, num_heads=1, num_layers=1)
