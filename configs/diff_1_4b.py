@@ -11,7 +11,7 @@ pre-tokenized token files at data.path, as configs/diff_125m.py.
 Sized for an h100-8 (8 x 80 GiB) or a v5p-8 (4 x 95 GiB) with FSDP over every device
 (mesh.fsdp=-1). As the paper trains it (no rematerialization) the step needs 114 GiB per GPU
 on an h100-8 (the twin 99 GiB); ``python -m diffjax.plan`` found remat "dots" enough there
-(43.4 GiB per GPU for either model). On a v5p-8 (4 chips, so twice the rows per chip) remat
+(43.4 GiB per GPU for either model, within the 60 GiB JAX's allocator takes by default). On a v5p-8 (4 chips, so twice the rows per chip) remat
 "dots" with the whole batch at once needs 104.4 GiB per chip, and the planner named 2
 microbatches (57.8 GiB); this config sets both, so it fits either target (2026-12-02, jax
 0.10.2; docs/scaling.md has the table):

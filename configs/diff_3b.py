@@ -9,12 +9,13 @@ tokens a step, StableLM-3B-4E1T's, whose setup the paper's 3B follows: our readi
 embeddings, vocab 50304 (GPT-2's padded): 3.48B parameters. Data: pre-tokenized token files at
 data.path, as configs/diff_125m.py.
 
-Sized for an h100-8 (8 x 80 GiB) with FSDP over the 8 GPUs (mesh.fsdp=-1): one step of 1024
-sequences of 4096 tokens cannot hold its activations at once. ``python -m diffjax.plan`` found
-that remat "dots" with 16 microbatches of 64 sequences (8 per GPU) fits, 71.1 GiB per GPU for
-either model, where 8 microbatches need 135 GiB; with remat "full" at most 320 sequences fit
-at once (docs/scaling.md's table). This config sets remat "dots" and 16 microbatches
-(2026-12-02, jax 0.10.2):
+Sized for an h100-8 (8 x 80 GiB, of which JAX's allocator takes 60 GiB by default) with FSDP
+over the 8 GPUs (mesh.fsdp=-1): one step of 1024 sequences of 4096 tokens cannot hold its
+activations at once. ``python -m diffjax.plan`` found that remat "dots" with 32 microbatches of
+32 sequences (4 per GPU) fits, 39.9 GiB per GPU for either model; 16 microbatches need 71.1
+GiB (they fit only with XLA_CLIENT_MEM_FRACTION=.95 on the machine), 8 need 135 GiB; with remat
+"full" at most 232 sequences fit at once (docs/scaling.md's table). This config sets remat
+"dots" and 32 microbatches (2026-12-03, jax 0.10.2):
 
     python -m diffjax.plan --config configs/diff_3b.py --target h100-8
     python train.py --config configs/diff_3b.py data.path='/data/tokens/train_*.bin'
@@ -52,7 +53,7 @@ def get_config():
             base.train,
             steps=250000,
             batch_size=1024,
-            grad_accum_steps=16,  # 16 microbatches of 64 (the planner's choice for h100-8)
+            grad_accum_steps=32,  # 32 microbatches of 32 (the planner's choice for h100-8)
             lr=3.2e-4,
             warmup_steps=1000,
             b1=0.9,

@@ -15,7 +15,8 @@ compiler for a deviceless GPU. Both come with the ``compile`` extra (``pip insta
 ``benchmarks/compile_kernels.py``): run the planner with that venv's python.
 
 Per device, per model, it prints the parameter and optimizer bytes (from the shardings), XLA's
-temporaries and the total (``compiled.memory_analysis()``) against the target's HBM with a
+temporaries and the total (``compiled.memory_analysis()``) against the target's HBM (on a GPU
+the part JAX's allocator takes: 75% unless ``XLA_CLIENT_MEM_FRACTION`` says otherwise) with a
 verdict, the FLOPs per step from XLA (``cost_analysis``: the Pallas kernels' work is not in it)
 and from the formula (:func:`diffjax.flops.train_flops_per_token`), and the step time and
 tokens/s at a stated MFU (``--mfu``). When a model does not fit it compiles the settings that
@@ -101,6 +102,34 @@ class Target:
 
     def describe(self) -> str:
         return f"{self.devices} x {self.device_kind}, {self.hbm_gib:g} GiB HBM each{self.note}"
+
+    def budget_gib(self, env=None) -> float:
+        """What one step may use per device: the HBM on a TPU; on a GPU the part JAX's
+        allocator takes (:func:`gpu_mem_fraction`)."""
+        if self.platform != "gpu":
+            return self.hbm_gib
+        return self.hbm_gib * gpu_mem_fraction(os.environ if env is None else env)
+
+
+GPU_MEM_FRACTION_VARS = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")
+GPU_DEFAULT_MEM_FRACTION = 0.75  # JAX's GPU allocator takes 75% of each GPU unless told
+
+
+def gpu_mem_fraction(env) -> float:
+    """The fraction of each GPU's memory JAX's allocator takes: ``XLA_CLIENT_MEM_FRACTION``
+    (or its older name ``XLA_PYTHON_CLIENT_MEM_FRACTION``) from ``env``, else JAX's default
+    0.75. Run the planner with the value the training job will have."""
+    for var in GPU_MEM_FRACTION_VARS:
+        raw = env.get(var)
+        if raw:
+            try:
+                value = float(raw)
+            except ValueError:
+                value = -1.0
+            if not 0 < value <= 1:
+                raise PlanError(f"{var}={raw!r}: must be a fraction in (0, 1]. Fix: e.g. {var}=.9")
+            return value
+    return GPU_DEFAULT_MEM_FRACTION
 
 
 TARGETS = {
@@ -629,11 +658,11 @@ def plan(
         if only not in models:
             raise PlanError(f"--model {only!r}: this config has {', '.join(models)}")
         models = {only: models[only]}
+    hbm = (target.budget_gib() if hbm_gib is None else hbm_gib) * GIB
     why = missing_compiler(target)
     if why:
         raise PlanError(f"cannot compile for {target.name}: {why}")
     devices = target_devices(target)
-    hbm = (target.hbm_gib if hbm_gib is None else hbm_gib) * GIB
     pk = peak_tflops(target, peak)
     shape = exp.mesh.shape(target.devices)
     print(
@@ -641,6 +670,13 @@ def plan(
         f"{exp.train.batch_size} x {exp.data.seq_len} tokens; jax {jax.__version__}",
         file=out,
     )
+    if hbm_gib is None and target.platform == "gpu":
+        print(
+            f"budget per GPU: {hbm / GIB:.4g} GiB, the {hbm / GIB / target.hbm_gib:.0%} of its "
+            f"memory JAX's allocator takes (XLA_CLIENT_MEM_FRACTION, default "
+            f"{GPU_DEFAULT_MEM_FRACTION}: set it here and on the machine to plan for more)",
+            file=out,
+        )
     records, status = [], 0
     for label, cfg in models.items():
         one = dataclasses.replace(exp, model=cfg, compare=False, twin_init_std=None)
@@ -656,6 +692,13 @@ def plan(
         rec["fix"] = None
         if not rec["fits"]:
             status = 1
+            whole = 0.95 * target.hbm_gib * GIB  # what a raised allocator fraction could give
+            if hbm_gib is None and target.platform == "gpu" and 0 < m.total_bytes <= whole:
+                print(
+                    f"  [{label}] fits in 95% of the GPU's memory: XLA_CLIENT_MEM_FRACTION=.95 "
+                    f"(here and on the machine) is a fix that costs no compute",
+                    file=out,
+                )
             if search != "none":
                 dp = shape[0] * shape[1]
                 tried = []
@@ -711,7 +754,11 @@ def main(argv=None) -> int:
     p.add_argument("--config", default=None, help="a config file (default: the defaults)")
     p.add_argument("--target", required=True, help=f"one of {', '.join(TARGETS)}")
     p.add_argument(
-        "--hbm-gib", type=float, default=None, help="override the target's HBM per device"
+        "--hbm-gib",
+        type=float,
+        default=None,
+        help="override the memory budget per device (default: the target's HBM; on a GPU the "
+        "fraction of it JAX's allocator takes, XLA_CLIENT_MEM_FRACTION, default 0.75)",
     )
     p.add_argument(
         "--mfu", type=float, default=0.4, help="the MFU the step time assumes (default 0.4)"

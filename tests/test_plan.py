@@ -56,6 +56,8 @@ def plan(*args: str, python: str | None = None, timeout: int = 240):
             f for f in os.environ.get("XLA_FLAGS", "").split() if "optimization_level" not in f
         ),
     )
+    for var in planner.GPU_MEM_FRACTION_VARS:  # JAX's default GPU budget: 75% of the memory
+        env.pop(var, None)
     return subprocess.run(
         [python or PYTHON, "-m", "diffjax.plan", *args],
         cwd=ROOT,
@@ -96,7 +98,9 @@ def test_tiny_plan_on_a_gpu_node(h100_plan):
     _check_both_models(proc, "h100-8")
     diff, std = rec["models"]
     assert (diff["label"], std["label"]) == ("diff", "standard")
+    assert "budget per GPU: 60 GiB, the 75% of its memory JAX's allocator takes" in proc.stdout
     for m in (diff, std):
+        assert m["hbm_bytes"] == 60 * 1024**3  # 0.75 x 80 GiB
         assert m["fits"] and m["kernel_calls"] > 0
         assert 0 < m["params_bytes"] and 2 * m["params_bytes"] <= m["opt_bytes"] + 64
         assert m["total_bytes"] >= m["params_bytes"] + m["opt_bytes"] + m["temp_bytes"]
@@ -183,3 +187,21 @@ def test_a_missing_compiler_is_named_with_the_extra_to_install(capsys):
     err = capsys.readouterr().err
     assert "libtpu is not installed" in err
     assert "pip install -e '.[compile]'" in err
+
+
+def test_a_gpu_budget_is_the_part_of_its_memory_jax_takes(monkeypatch, capsys):
+    """JAX's GPU allocator takes 75% of each GPU unless XLA_CLIENT_MEM_FRACTION (or the older
+    XLA_PYTHON_CLIENT_MEM_FRACTION) says otherwise; a TPU's budget is its HBM."""
+    h100, v5e = planner.TARGETS["h100-8"], planner.TARGETS["v5e-8"]
+    assert h100.budget_gib({}) == 60 and v5e.budget_gib({}) == 16
+    assert h100.budget_gib({"XLA_PYTHON_CLIENT_MEM_FRACTION": ".95"}) == pytest.approx(76)
+    assert h100.budget_gib({"XLA_CLIENT_MEM_FRACTION": "0.5"}) == 40
+    assert v5e.budget_gib({"XLA_CLIENT_MEM_FRACTION": "0.5"}) == 16
+    for bad in ("1.5", "0", "most"):
+        with pytest.raises(planner.PlanError, match="must be a fraction in"):
+            h100.budget_gib({"XLA_CLIENT_MEM_FRACTION": bad})
+    # refused before any compiler is asked for (this process has none)
+    monkeypatch.setenv("XLA_CLIENT_MEM_FRACTION", "95")
+    assert planner.main(["--target", "h100-8", *TINY]) == 2
+    err = capsys.readouterr().err
+    assert "XLA_CLIENT_MEM_FRACTION='95': must be a fraction in (0, 1]" in err and "Fix:" in err
