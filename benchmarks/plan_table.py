@@ -12,7 +12,10 @@ For each config (830M, 1.4B, 3B), target (v5e-8, h100-8, v5p-8) and model (DIFF,
    more sequence per device that does not are both compiled.
 
 Every compile is appended to ``--out`` (JSON lines) as it finishes, so a run that is stopped
-keeps what it did and a rerun skips it; ``--render`` prints the markdown table of what is there.
+keeps what it did and a rerun skips it (a record made for another memory budget is compiled
+again); ``--render`` prints the markdown table of what is there. The records behind
+docs/scaling.md's table are benchmarks/plan_table.jsonl (the default ``--out``; a test checks
+that the table is their rendering): to remake them, start from an empty file.
 
     $DIFFJAX_COMPILE_PYTHON benchmarks/plan_table.py --out /tmp/plan_table.jsonl
     python benchmarks/plan_table.py --out /tmp/plan_table.jsonl --render
@@ -75,7 +78,7 @@ def run(out: str, sizes, targets, labels, steps) -> None:
 
                 def measure(remat, batch):
                     k = _key(size, tname, label, remat, batch)
-                    if k in done:
+                    if k in done and done[k]["hbm_bytes"] == hbm:
                         return done[k]
                     e = dataclasses.replace(
                         exp,
@@ -230,7 +233,7 @@ def render(out: str) -> str:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="/tmp/plan_table.jsonl")
+    p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "plan_table.jsonl"))
     p.add_argument("--render", action="store_true", help="print the table of what --out holds")
     p.add_argument("--sizes", default=",".join(CONFIGS))
     p.add_argument("--targets", default=",".join(TARGETS))

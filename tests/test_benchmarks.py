@@ -272,3 +272,13 @@ def test_plan_table_search_finds_the_boundary_with_few_compiles():
         return {"fits": r["fits"]} if b == 64 else r
 
     assert largest_batch(with_error, 8, 16 * gib) == 56
+
+
+def test_the_scaling_table_is_rendered_from_the_committed_compiles():
+    """docs/scaling.md's table of the paper-size plans is what ``plan_table.py --render`` makes
+    of benchmarks/plan_table.jsonl (every compile behind it), so neither changes alone."""
+    table = _load("plan_table").render(os.path.join(ROOT, "benchmarks", "plan_table.jsonl"))
+    assert table.count("\n") == 19  # the header, the rule and 18 rows: 3 sizes x 3 targets x 2
+    assert "not run" not in table and "not searched" not in table
+    with open(os.path.join(ROOT, "docs", "scaling.md")) as f:
+        assert table in f.read()
