@@ -706,6 +706,11 @@ def test_side_by_side_summary():
     )
     assert s.median_ratio == pytest.approx(0.9) and s.spread == (0.8, 1.0)
     assert "0.90x standard's" in s.describe() and "0.80 .. 1.00" in s.describe()
+    assert not s.resolved() and "the rounds disagree on which model is faster" in s.describe()
+    faster = dataclasses.replace(s, ratios=[1.1, 1.2, 1.05])
+    assert faster.resolved() and "every round has diff faster" in faster.describe()
+    slower = dataclasses.replace(s, ratios=[0.9, 0.8, 0.95])
+    assert slower.resolved() and "every round has standard faster" in slower.describe()
 
 
 def test_seeds_are_paired_and_resumed(tmp_path, capsys):

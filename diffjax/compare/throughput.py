@@ -47,15 +47,26 @@ class SideBySide:
     def median_tokens_per_s(self, label: str) -> float:
         return float(np.median(self.tokens_per_s[label]))
 
+    def resolved(self) -> bool:
+        """Every round has the same model faster (the per-round ratios all on one side of 1)."""
+        lo, hi = self.spread
+        return hi < 1 or lo > 1
+
     def describe(self) -> str:
         a, b = self.labels
         lo, hi = self.spread
+        verdict = (
+            f"every round has {a if lo > 1 else b} faster"
+            if self.resolved()
+            else "the rounds disagree on which model is faster, so these rounds resolve no "
+            "difference (train.throughput_rounds sets how many)"
+        )
         return (
             f"{a} throughput is {self.median_ratio:.2f}x {b}'s (median over {self.rounds} "
             f"rounds of {self.steps_per_round} steps each, the two compiled train steps "
-            f"alternated on the same batches; per-round ratios {lo:.2f} .. {hi:.2f}; "
-            f"{a} {self.median_tokens_per_s(a):,.0f} tokens/s, {b} "
-            f"{self.median_tokens_per_s(b):,.0f} tokens/s)"
+            f"alternated on the same batches; per-round ratios {lo:.2f} .. {hi:.2f}: {verdict}; "
+            f"each model's median over its rounds: {a} {self.median_tokens_per_s(a):,.0f} "
+            f"tokens/s, {b} {self.median_tokens_per_s(b):,.0f} tokens/s)"
         )
 
     def to_dict(self) -> dict:
