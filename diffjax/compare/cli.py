@@ -18,7 +18,6 @@ left out (JAX finds the cluster). See docs/scaling.md.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -26,7 +25,7 @@ import jax
 
 from diffjax import context
 from diffjax import data as data_lib
-from diffjax import ops, sharding
+from diffjax import ops, sharding, storage
 from diffjax.config import ConfigError
 from diffjax.evaluate import evaluate_run
 from diffjax.train.checkpoint import CheckpointError, committed_steps
@@ -169,6 +168,8 @@ def main(argv: list[str] | None = None, *, after_step: AfterStep | None = None) 
     try:
         exp = resolve_init_from(apply_overrides(load_config(args.config), args.overrides))
         description = data_lib.check_data(exp.data, exp.model.vocab_size)
+        # a bucket that does not exist, no credentials or no permission: refused before compute
+        storage.check_access(exp.run.path, what="run.dir", write=True)
         distributed = init_distributed(args)
         mesh = sharding.make_mesh(exp.mesh)  # checks the sizes against the devices
         for model_cfg in exp.models.values():
@@ -187,15 +188,15 @@ def main(argv: list[str] | None = None, *, after_step: AfterStep | None = None) 
         return EXIT_BAD_INPUT
 
     main_process = jax.process_index() == 0
-    run_dir = exp.run.path
-    os.makedirs(run_dir, exist_ok=True)
+    run_dir = exp.run.path  # a local folder or gs://BUCKET/PATH
+    storage.makedirs(run_dir)
     if distributed:
         print(f"distributed: {distributed}")
     print(f"run directory: {run_dir}")
     print(f"data: {description}")
     print(f"mesh: {describe_mesh(mesh)}")
     dirs = [model_directory(run_dir, label, seed) for seed in exp.seeds for label in exp.models]
-    if args.resume and not any(committed_steps(os.path.join(d, "checkpoints")) for d in dirs):
+    if args.resume and not any(committed_steps(storage.join(d, "checkpoints")) for d in dirs):
         _error(
             f"--resume was given but {run_dir} holds no checkpoint. Fix: drop --resume to "
             f"start a new run, or set run.dir to the run to resume."
@@ -203,8 +204,7 @@ def main(argv: list[str] | None = None, *, after_step: AfterStep | None = None) 
         return EXIT_CHECKPOINT
 
     if main_process:  # after the checks: a refused run leaves the old config.json as it was
-        with open(os.path.join(run_dir, "config.json"), "w") as f:
-            json.dump(exp.to_dict(), f, indent=1, default=str)
+        storage.write_json(storage.join(run_dir, "config.json"), exp.to_dict(), default=str)
     try:
         results = train_seeds(exp, run_dir, mesh, after_step=after_step)
     except (ConfigError, data_lib.DataError) as e:  # DataError is a ConfigError
@@ -237,8 +237,8 @@ def main(argv: list[str] | None = None, *, after_step: AfterStep | None = None) 
         if side is not None:
             print(side.describe())
         print(
-            f"\nreport: {os.path.join(run_dir, 'report.md')}, plot: "
-            f"{os.path.join(run_dir, 'loss.png')}"
+            f"\nreport: {storage.join(run_dir, 'report.md')}, plot: "
+            f"{storage.join(run_dir, 'loss.png')}"
         )
     if exp.train.quick_eval:  # every process: its checkpoint reads are collective
         quick_evaluation(run_dir, main_process=main_process)
@@ -261,11 +261,13 @@ def quick_evaluation(run_dir: str, *, main_process: bool = True) -> None:
     if not main_process:
         return
     body = text.split("\n", 1)[1] if text.startswith("# ") else text  # its own title dropped
-    with open(os.path.join(run_dir, "report.md"), "a") as f:
-        f.write(
-            "\n## Quick evaluation (`python -m diffjax.evaluate --quick`)\n\n"
-            "Also in eval.md, with its plots (eval_*.png).\n" + body
-        )
+    report = storage.join(run_dir, "report.md")
+    storage.write_text(  # rewritten whole: an object in a bucket cannot be appended to
+        report,
+        storage.read_text(report)
+        + "\n## Quick evaluation (`python -m diffjax.evaluate --quick`)\n\n"
+        "Also in eval.md, with its plots (eval_*.png).\n" + body,
+    )
 
 
 def train_seeds(

@@ -1,8 +1,10 @@
 """Orbax checkpoints of the train state, the data iterator and the run's metadata.
 
-Saves are asynchronous and atomic (Orbax writes into a temporary directory and renames it
-when complete), so a process killed at any moment leaves either a whole checkpoint or a
-temporary directory that is ignored and cleaned up on the next start. The last
+Saves are asynchronous and atomic, so a process killed at any moment leaves either a whole
+checkpoint or an unfinished one that is ignored and cleaned up on the next start. On local disk
+Orbax writes into a temporary directory and renames it when complete; in a bucket (``gs://``,
+written by tensorstore), where a rename is a copy, it writes the step's directory in place and
+commits it with a ``commit_success.txt`` marker written last. The last
 ``keep_checkpoints`` and the best (lowest validation loss) are preserved.
 
 Each checkpoint holds ``state`` (step, params, optimizer state), ``data`` (the Grain iterator's
@@ -20,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 from typing import Any
 
 import jax
@@ -28,7 +29,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from orbax.checkpoint import checkpoint_managers as cm
 
-from diffjax import sharding
+from diffjax import sharding, storage
 from diffjax.config import ConfigError, ModelConfig
 from diffjax.model import TransformerLM, initial_rest
 
@@ -84,8 +85,8 @@ class KeepPolicy:
 
 
 class Checkpointer:
-    def __init__(self, directory: str, *, keep: int = 3, async_save: bool = True):
-        self.directory = os.path.abspath(directory)
+    def __init__(self, directory: storage.PathLike, *, keep: int = 3, async_save: bool = True):
+        self.directory = str(storage.absolute(directory))  # a local path or a gs:// URL
         # best_fn is what makes Orbax write each step's metrics to disk: without it they live
         # only in this manager's memory, and after a resume BestN sees none and deletes the
         # best checkpoint. (Preservation itself is decided by ``policy`` alone.)
@@ -98,7 +99,7 @@ class Checkpointer:
             create=True,
         )
         self.manager = ocp.CheckpointManager(
-            self.directory,
+            storage.path(self.directory),
             options=options,
             item_handlers={
                 "state": ocp.StandardCheckpointHandler(),
@@ -176,23 +177,20 @@ class Checkpointer:
         self.manager.close()
 
 
-def committed_steps(directory: str) -> list[int]:
-    """The committed checkpoint steps in ``directory`` without opening a manager: Orbax commits
-    a step by renaming its temporary directory to the bare step number."""
-    if not os.path.isdir(directory):
+def committed_steps(directory: storage.PathLike) -> list[int]:
+    """The committed checkpoint steps in ``directory`` (local or ``gs://``) without opening a
+    manager: on local disk a step Orbax renamed from its temporary name, in a bucket one with
+    its commit marker."""
+    if not storage.isdir(directory):
         return []
-    return sorted(
-        int(n)
-        for n in os.listdir(directory)
-        if n.isdigit() and os.path.isdir(os.path.join(directory, n))
-    )
+    return sorted(ocp.step.checkpoint_steps(storage.path(directory)))
 
 
 def _unreadable(directory: str, step: int, error: Exception) -> str:
     return (
         f"the checkpoint at step {step} in {directory} cannot be read "
         f"({type(error).__name__}: {str(error)[:300]}). Nothing was changed. Fix: move "
-        f"{os.path.join(directory, str(step))} aside to resume from an earlier checkpoint, "
+        f"{storage.join(directory, str(step))} aside to resume from an earlier checkpoint, "
         f"or set run.dir to a new directory to start over."
     )
 
@@ -250,21 +248,24 @@ def abstract_like(tree: Any, sharding: Any = None) -> Any:
     return jax.tree.map(one, tree)
 
 
-def load_model(directory: str, step: int | str = "best", *, mesh: jax.sharding.Mesh | None = None):
+def load_model(
+    directory: storage.PathLike, step: int | str = "best", *, mesh: jax.sharding.Mesh | None = None
+):
     """The :class:`diffjax.TransformerLM` saved in a training run's checkpoints.
 
     ``directory``: a model's run folder (the one holding ``checkpoints/``) or the
-    ``checkpoints/`` folder itself. ``step``: ``"best"`` (lowest validation loss; the latest
+    ``checkpoints/`` folder itself, on local disk or in a bucket (``gs://``). ``step``: ``"best"`` (lowest validation loss; the latest
     when no loss was recorded), ``"latest"`` or a step number. Only the parameters are read
     (not the optimizer state); the model config comes from the checkpoint. With ``mesh`` the
     parameters are placed on it by their logical axes as they are read; otherwise on the first
     local device. Raises :class:`CheckpointError` naming the problem and the fix.
     """
-    directory = os.path.abspath(directory)
+    storage.check_access(directory, what="the model's run folder", write=False)
+    directory = str(storage.absolute(directory))
     ckpt_dir = (
         directory
-        if os.path.basename(directory) == "checkpoints"
-        else os.path.join(directory, "checkpoints")
+        if storage.path(directory).name == "checkpoints"
+        else storage.join(directory, "checkpoints")
     )
     steps = committed_steps(ckpt_dir)
     if not steps:
@@ -303,7 +304,7 @@ def load_model(directory: str, step: int | str = "best", *, mesh: jax.sharding.M
     else:
         with jax.set_mesh(mesh), nnx.logical_axis_rules(sharding.current_rules()):
             target = abstract_like(params, sharding.tree_shardings(params, mesh))
-    path = os.path.join(ckpt_dir, str(step), "state")
+    path = storage.path(ckpt_dir) / str(step) / "state"
     try:
         with ocp.PyTreeCheckpointer() as reader:
             item = {"params": target}

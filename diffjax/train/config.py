@@ -20,7 +20,7 @@ import os
 import re
 from typing import Any
 
-from diffjax import hf
+from diffjax import hf, storage
 from diffjax.config import (
     ATTENTION_IMPLS,
     ATTENTION_KINDS,
@@ -203,13 +203,26 @@ class TrainConfig:
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
-    """Where a run writes: ``dir`` (default ``runs/<name>``)."""
+    """Where a run writes: ``dir`` (default ``runs/<name>``), a local folder or a bucket."""
 
     name: str = "default"  # the run's name: it writes to runs/<name> unless dir is set
-    dir: str | None = None  # where the run writes (None: runs/<name>)
+    # where the run writes (None: runs/<name>): a local path or gs://BUCKET/PATH
+    dir: str | None = None
+    # with a gs:// run.dir: upload metrics.jsonl and TensorBoard's files every this many seconds
+    # (and at each checkpoint and at the end); a SIGKILL loses at most the records since then
+    sync_every_s: float = 30.0
 
     def __post_init__(self):
         check_fields(self)
+        if self.dir is not None:
+            storage.path(self.dir, what="run.dir")  # a scheme nobody handles: refused here
+        if not self.sync_every_s > 0:
+            fail(
+                "RunConfig",
+                "sync_every_s",
+                f"must be > 0, got {self.sync_every_s}",
+                "set run.sync_every_s to a number of seconds, e.g. 30",
+            )
         if not self.name or os.sep in self.name:
             fail(
                 "RunConfig",
@@ -310,8 +323,8 @@ class ExperimentConfig:
 
 def model_directory(run_dir: str, label: str, seed: int) -> str:
     """Where one model of one seed writes: ``RUN_DIR/<label>/seed_<seed>/`` (metrics.jsonl, tb/,
-    checkpoints/, result.json)."""
-    return os.path.join(run_dir, label, f"seed_{seed}")
+    checkpoints/, result.json); ``RUN_DIR`` local or ``gs://``."""
+    return storage.join(run_dir, label, f"seed_{seed}")
 
 
 SECTIONS = {
@@ -457,15 +470,17 @@ def resolve_init_from(config: ExperimentConfig) -> ExperimentConfig:
     """With ``train.init_from``: the experiment with the checkpoint's model config (keeping
     ``model.dtype``, ``param_dtype`` and ``attention_impl``) and, for text data with no
     ``data.tokenizer`` set, the checkpoint's ``tokenizer.json`` when it has one (``data.tokenizer=
-    byte`` keeps bytes); otherwise ``config`` unchanged."""
+    byte`` keeps bytes); otherwise ``config`` unchanged. ``train.init_from`` may be local or
+    ``gs://`` (a bucket that does not exist or cannot be read is refused first)."""
     if config.train.init_from is None:
         return config
     keep = {k: getattr(config.model, k) for k in ("dtype", "param_dtype", "attention_impl")}
     data = config.data
+    storage.check_access(config.train.init_from, what="train.init_from", write=False)
     if (
         data.tokenizer is None
         and data.source in ("stdlib", "text")
-        and os.path.isfile(os.path.join(config.train.init_from, "tokenizer.json"))
+        and storage.path(storage.join(config.train.init_from, "tokenizer.json")).is_file()
     ):
         data = data.replace(tokenizer=config.train.init_from)  # the checkpoint's own ids
     return dataclasses.replace(

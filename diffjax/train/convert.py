@@ -14,14 +14,13 @@ the losses the source run would have given (the two layouts compute the same fun
 from __future__ import annotations
 
 import argparse
-import os
-import shutil
 import sys
 from typing import Any, Callable
 
 import numpy as np
 import orbax.checkpoint as ocp
 
+from diffjax import storage
 from diffjax.config import ModelConfig
 
 from .checkpoint import Checkpointer, CheckpointError, committed_steps
@@ -75,20 +74,22 @@ def convert_run(src: str, dst: str, *, log: Callable[[str], Any] = print) -> lis
     """Write every committed checkpoint of the model run folder ``src`` (the one holding
     ``checkpoints/``) into ``dst`` in the other parameter layout; returns the steps converted.
     Raises :class:`CheckpointError` naming the problem and the fix, before anything is written."""
-    src, dst = os.path.abspath(src), os.path.abspath(dst)
-    src_ckpt = os.path.join(src, "checkpoints")
+    storage.check_access(src, what="the source run folder", write=False)
+    storage.check_access(dst, what="the new run folder", write=True)
+    src, dst = str(storage.absolute(src)), str(storage.absolute(dst))
+    src_ckpt = storage.join(src, "checkpoints")
     steps = committed_steps(src_ckpt)
     if not steps:
         raise CheckpointError(
             f"{src} holds no committed checkpoint (looked in {src_ckpt}). Fix: pass a model's "
             f"run folder, e.g. runs/default/diff/seed_0."
         )
-    if committed_steps(os.path.join(dst, "checkpoints")):
+    if committed_steps(storage.join(dst, "checkpoints")):
         raise CheckpointError(
             f"{dst} already holds checkpoints; nothing is overwritten. Fix: pass a new directory."
         )
     source = Checkpointer(src_ckpt, keep=len(steps) + 1, async_save=False)
-    target = Checkpointer(os.path.join(dst, "checkpoints"), keep=len(steps) + 1, async_save=False)
+    target = Checkpointer(storage.join(dst, "checkpoints"), keep=len(steps) + 1, async_save=False)
     try:
         for step in steps:
             out = source.manager.restore(
@@ -114,9 +115,9 @@ def convert_run(src: str, dst: str, *, log: Callable[[str], Any] = print) -> lis
     finally:
         source.close()
         target.close()
-    metrics_file = os.path.join(src, "metrics.jsonl")
-    if os.path.isfile(metrics_file):
-        shutil.copy2(metrics_file, os.path.join(dst, "metrics.jsonl"))
+    metrics_file = storage.join(src, "metrics.jsonl")
+    if storage.exists(metrics_file):
+        storage.write_bytes(storage.join(dst, "metrics.jsonl"), storage.read_bytes(metrics_file))
     return steps
 
 

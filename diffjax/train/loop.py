@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-import json
 import math
 import os
 import signal
@@ -33,7 +32,7 @@ from jax.experimental import multihost_utils
 from diffjax import context
 from diffjax import data as data_lib
 from diffjax import flops as flops_lib
-from diffjax import hf, ops, sharding
+from diffjax import hf, ops, sharding, storage
 from diffjax.compile_options import cpu_compile_options
 from diffjax.config import ConfigError, ModelConfig
 from diffjax.model import TransformerLM, set_context_order, sown_lambdas
@@ -465,8 +464,8 @@ def _open_run(
 ) -> tuple[Checkpointer, int | None, dict[str, Any]]:
     """The run's checkpointer, its latest step (None: a new run) and the metadata each
     checkpoint records; refuses a checkpoint of another model, notes a changed data config."""
-    os.makedirs(directory, exist_ok=True)
-    ckpt = Checkpointer(os.path.join(directory, "checkpoints"), keep=exp.train.keep_checkpoints)
+    storage.makedirs(directory)
+    ckpt = Checkpointer(storage.join(directory, "checkpoints"), keep=exp.train.keep_checkpoints)
     latest = ckpt.latest_step()
     if require_checkpoint and latest is None:
         raise CheckpointError(
@@ -853,7 +852,7 @@ def _train_model(
 ) -> TrainResult:
     tcfg, main = exp.train, jax.process_index() == 0
     if not _GUARD.synced and _GUARD.requested():  # came before this model started
-        ckpt_dir = os.path.join(os.path.abspath(directory), "checkpoints")
+        ckpt_dir = storage.join(str(storage.absolute(directory)), "checkpoints")
         raise Preempted(None, ckpt_dir, _GUARD.signal_name, label, tcfg.seed)
     if tcfg.kernel_check != "off":  # before anything is trained: a failure stops the run
         ops.check_kernels(model_cfg, interpret=tcfg.kernel_check == "interpret", log=log)
@@ -878,7 +877,11 @@ def _train_model(
     )
     writer = (
         MetricsWriter(
-            directory, resume_step=start, tensorboard=tcfg.tensorboard, log_every=tcfg.log_every
+            directory,
+            resume_step=start,
+            tensorboard=tcfg.tensorboard,
+            log_every=tcfg.log_every,
+            sync_every_s=exp.run.sync_every_s,
         )
         if main
         else MetricsCollector()
@@ -916,6 +919,7 @@ def _train_model(
                 if save:
                     ckpt.save(step, state, train_iter.get_state(), meta, record["val_loss"])
                     recorder.last_good = step
+                    writer.flush()  # a bucket's metrics.jsonl holds this step's records
                 recorder.restart_clock()
             if after_step is not None:
                 after_step(step, ckpt)
@@ -932,7 +936,7 @@ def _train_model(
         ckpt.wait()
         ckpt.close()
 
-    records = read_metrics(os.path.join(directory, "metrics.jsonl")) if main else writer.records
+    records = read_metrics(storage.join(directory, "metrics.jsonl")) if main else writer.records
     result = summarize(
         label,
         model_cfg,
@@ -944,8 +948,7 @@ def _train_model(
     )
     result.mesh, result.seed = describe_mesh(mesh), tcfg.seed
     if main:
-        with open(os.path.join(directory, "result.json"), "w") as f:
-            json.dump(result.to_dict(), f, indent=1)
+        storage.write_json(storage.join(directory, "result.json"), result.to_dict())
     return result
 
 

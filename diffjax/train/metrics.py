@@ -3,6 +3,14 @@
 Every line has ``step`` and ``loss`` (that step's training loss); evaluation steps add
 ``val_loss`` (and task metrics such as ``val_answer_accuracy``). On resume the lines after the
 restored step are dropped, so a resumed run's file equals an uninterrupted run's.
+
+In a bucket (a ``gs://`` run directory), where objects cannot be appended to, both are written
+to a local folder and uploaded whole (:class:`diffjax.storage.SyncedDir`) every ``sync_every_s``
+seconds, at each checkpoint (:meth:`MetricsWriter.flush`) and at the end: a reader sees the
+files as of the last upload, never a torn one, and a process killed with SIGKILL loses at most
+the records since then, which the resumed run (from the last checkpoint, whose records were
+uploaded with it) writes again. TensorBoard reads the event files from the bucket
+(``tensorboard --logdir gs://...``).
 """
 
 from __future__ import annotations
@@ -13,6 +21,8 @@ import os
 from typing import Any
 
 import numpy as np
+
+from diffjax import storage
 
 
 def _plain(value: Any):
@@ -25,41 +35,50 @@ def _plain(value: Any):
     return value
 
 
-def read_metrics(path: str) -> list[dict[str, Any]]:
-    """The records of a ``metrics.jsonl`` (a torn last line, from a kill mid-write, is skipped)."""
-    if not os.path.exists(path):
+def read_metrics(path: storage.PathLike) -> list[dict[str, Any]]:
+    """The records of a ``metrics.jsonl``, local or ``gs://`` (a torn last line, from a kill
+    mid-write, is skipped)."""
+    if not storage.exists(path):
         return []
     records = []
-    with open(path) as f:
-        for line in f:
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                break
+    for line in storage.read_text(path).splitlines(keepends=True):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
     return records
 
 
 class MetricsWriter:
-    """Appends step records to ``<dir>/metrics.jsonl`` and scalars to TensorBoard (``<dir>/tb``)."""
+    """Appends step records to ``<dir>/metrics.jsonl`` and scalars to TensorBoard (``<dir>/tb``);
+    ``<dir>`` local or ``gs://`` (see the module's doc: uploaded every ``sync_every_s``
+    seconds and at each :meth:`flush`)."""
 
     def __init__(
-        self, directory: str, *, resume_step: int = 0, tensorboard: bool = True, log_every: int = 1
+        self,
+        directory: storage.PathLike,
+        *,
+        resume_step: int = 0,
+        tensorboard: bool = True,
+        log_every: int = 1,
+        sync_every_s: float = 30.0,
     ):
-        os.makedirs(directory, exist_ok=True)
-        self.path = os.path.join(directory, "metrics.jsonl")
-        kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= resume_step]
-        tmp = self.path + ".tmp"
-        with open(tmp, "w") as f:
-            for r in kept:
-                f.write(json.dumps(r) + "\n")
-        os.replace(tmp, self.path)
-        self._file = open(self.path, "a")
+        self._dir = storage.SyncedDir(directory, every_s=sync_every_s)
+        self._dir.pull("metrics.jsonl")  # a resume on a machine with nothing of the run
+        path = self._dir.local_path("metrics.jsonl")
+        kept = [r for r in read_metrics(path) if r.get("step", 0) <= resume_step]
+        storage.write_text(path, "".join(json.dumps(r) + "\n" for r in kept))
+        self._file = open(path, "a")
         self.log_every = log_every
         self._tb = None
         if tensorboard:
             from tensorboardX import SummaryWriter
 
-            self._tb = SummaryWriter(os.path.join(directory, "tb"), purge_step=resume_step + 1)
+            self._tb = SummaryWriter(
+                self._dir.local_path("tb"),
+                purge_step=resume_step + 1,
+                filename_suffix=f".{os.getpid()}",  # a resume's file never replaces another's
+            )
 
     def write(self, record: dict[str, Any]) -> None:
         self._file.write(json.dumps({k: _plain(v) for k, v in record.items()}) + "\n")
@@ -76,11 +95,26 @@ class MetricsWriter:
                     elif isinstance(v, list) and k == "lambda":
                         for i, x in enumerate(v):
                             self._tb.add_scalar(f"lambda/layer_{i}", x, step)
+        if self._dir.is_remote:
+            self._upload(force=False)
+
+    def _upload(self, force: bool) -> None:
+        if not (force or self._dir.due()):
+            return
+        if self._tb is not None:
+            self._tb.flush()
+        self._dir.sync()
+
+    def flush(self) -> None:
+        """Everything written so far reaches the run directory (a bucket: uploaded now)."""
+        if self._dir.is_remote:
+            self._upload(force=True)
 
     def close(self) -> None:
         self._file.close()
         if self._tb is not None:
             self._tb.close()
+        self._dir.close()
 
 
 class MetricsCollector:
@@ -92,6 +126,9 @@ class MetricsCollector:
 
     def write(self, record: dict[str, Any]) -> None:
         self.records.append(dict(record))
+
+    def flush(self) -> None:
+        pass
 
     def close(self) -> None:
         pass
