@@ -19,7 +19,7 @@ from gcs_emulator import LocalPathGuard, StatusServer
 
 from diffjax import storage
 from diffjax.compare.cli import main
-from diffjax.train.checkpoint import committed_steps, load_model
+from diffjax.train.checkpoint import Checkpointer, committed_steps, load_model
 from diffjax.train.metrics import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -113,6 +113,16 @@ def test_default_run_lives_in_the_bucket_and_nothing_local(
         )
     with LocalPathGuard():
         model = load_model(f"{run}/diff/seed_0")
+        ckpt = Checkpointer(f"{run}/diff/seed_0/checkpoints")
+        try:  # the validation losses Orbax recorded in the bucket rank the checkpoints
+            losses_at = {
+                r["step"]: r["val_loss"]
+                for r in read_metrics(f"{run}/diff/seed_0/metrics.jsonl")
+                if "val_loss" in r
+            }
+            assert ckpt.best_step() == min(losses_at, key=losses_at.get)
+        finally:
+            ckpt.close()
     assert model.config.d_model == 32
 
 
@@ -259,6 +269,8 @@ def test_two_processes_train_checkpoint_and_resume_into_one_bucket(tmp_path, gcs
     first = gcs_server.objects(run)
     assert "report.md" in first and "eval.md" in first
     assert not any(".diffjax-write-check" in n for n in first)  # the access probes removed
+    # process 0 alone writes a model's files: one TensorBoard file per model and start
+    assert len([n for n in first if n.startswith("diff/seed_0/tb/events")]) == 1
 
     results = pair(8, "b", "train.quick_eval=false")  # the after-training work: done above
     for rc, out, err in results:
