@@ -1,12 +1,17 @@
 """Hugging Face checkpoints in and out: ``DiffLlama`` (DIFF V1) and ``Llama`` (standard attention).
 
-A checkpoint is a local directory with ``config.json`` and ``model.safetensors`` (or the shards
-that ``model.safetensors.index.json`` lists). Reading and writing need numpy and safetensors
-only; no torch, and nothing is downloaded.
+A checkpoint is a directory with ``config.json`` and ``model.safetensors`` (or the shards that
+``model.safetensors.index.json`` lists), on local disk or in a bucket (``gs://``, see
+:mod:`diffjax.storage`). Reading and writing need numpy and safetensors only; no torch, and
+nothing is downloaded from the Hugging Face Hub. A checkpoint in a bucket is read through a
+local temporary copy of each file (safetensors memory-maps a real file) and written to a local
+temporary directory first, each file then uploaded whole: the weights first, ``config.json``
+last, so a prefix holding ``config.json`` holds a whole checkpoint.
 
     model = diffjax.from_pretrained("ckpt/diffllama-375m")          # -> TransformerLM (diff_v1)
     model = diffjax.from_pretrained("ckpt/llama", mesh=mesh)        # placed on a mesh as read
     diffjax.save_pretrained(model, "export/")                       # transformers loads it
+    diffjax.save_pretrained(model, "gs://my-bucket/export")         # the same, in a bucket
 
 Every difference between the two layouts is a fixed permutation or a value, so both directions
 are exact (up to float32 rounding of the same operations in another order):
@@ -34,14 +39,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
-from typing import Any
+import tempfile
+from typing import Any, Iterator
 
 import jax
 import numpy as np
 from flax import nnx
 
-from . import sharding
+from . import sharding, storage
 from .config import ConfigError, ModelConfig
 from .model import TransformerLM, initial_rest, stack_layers, unstack_layers
 
@@ -57,6 +62,9 @@ TOKENIZER_FILES = (
     "tokenizer.model",
     "generation_config.json",
 )
+# the files of a tokenizer.json a reader needs (HFTokenizer reads the special tokens' names from
+# tokenizer_config.json beside it)
+TOKENIZER_JSON, TOKENIZER_CONFIG = "tokenizer.json", "tokenizer_config.json"
 # ModelConfig fields from_pretrained(..., **overrides) may set: none changes a weight's shape
 # or meaning.
 OVERRIDABLE = ("dtype", "param_dtype", "attention_impl", "max_seq_len", "scan_layers", "remat")
@@ -73,21 +81,32 @@ def _fail(where: str, problem: str, fix: str):
     raise PretrainedError(f"{where}: {problem}. Fix: {fix}.")
 
 
+def _is_file(path: str) -> bool:
+    return storage.path(path).is_file()
+
+
 # ---------------------------------------------------------------------------- config.json
 def read_config(path: str) -> dict[str, Any]:
-    """The ``config.json`` of the checkpoint directory ``path`` (checked to exist and parse)."""
+    """The ``config.json`` of the checkpoint directory ``path`` (local or ``gs://``; checked to
+    exist and parse). A bucket that does not exist or cannot be read is refused first
+    (:class:`diffjax.storage.StorageError`)."""
     path = os.fspath(path)
-    if not os.path.isdir(path):
+    storage.check_access(path, what="path", write=False)
+    if not storage.isdir(path):
+        if storage.is_remote(path):
+            problem = "is not a directory (no object has this prefix)"
+        elif os.path.exists(path) and not os.path.isfile(path):
+            problem = "cannot be read"
+        else:
+            problem = "is not a directory"
         _fail(
             path,
-            "is not a directory"
-            if not os.path.exists(path) or os.path.isfile(path)
-            else "cannot be read",
-            "pass a local directory holding config.json and *.safetensors (a Hugging Face "
-            "checkpoint; diffjax downloads nothing)",
+            problem,
+            "pass a directory (local or gs://) holding config.json and *.safetensors (a "
+            "Hugging Face checkpoint; diffjax downloads nothing from the Hub)",
         )
-    file = os.path.join(path, CONFIG_FILE)
-    if not os.path.isfile(file):
+    file = storage.join(path, CONFIG_FILE)
+    if not _is_file(file):
         _fail(
             file,
             "does not exist",
@@ -95,8 +114,7 @@ def read_config(path: str) -> dict[str, Any]:
             "config.json and the *.safetensors weights)",
         )
     try:
-        with open(file) as f:
-            hf = json.load(f)
+        hf = storage.read_json(file)
     except (OSError, ValueError) as e:
         _fail(file, f"is not readable JSON ({e})", "restore the checkpoint's config.json")
     if not isinstance(hf, dict):
@@ -253,9 +271,10 @@ def config_from_hf(
 
 
 def config_from_pretrained(path: str, **overrides: Any) -> ModelConfig:
-    """The :class:`ModelConfig` of the checkpoint directory ``path`` (no weights are read)."""
+    """The :class:`ModelConfig` of the checkpoint directory ``path`` (local or ``gs://``; no
+    weights are read)."""
     return config_from_hf(
-        read_config(path), where=os.path.join(os.fspath(path), CONFIG_FILE), **overrides
+        read_config(path), where=storage.join(os.fspath(path), CONFIG_FILE), **overrides
     )
 
 
@@ -450,25 +469,27 @@ def from_diffjax(
 # ---------------------------------------------------------------------------- reading
 class _Reader:
     """The safetensors of a checkpoint directory: one file or the shards of an index, each
-    opened once (memory-mapped) and read one tensor at a time."""
+    opened once (memory-mapped) and read one tensor at a time. A file in a bucket is first
+    downloaded into ``local_dir`` (when it is first needed)."""
 
-    def __init__(self, path: str, stack: contextlib.ExitStack):
+    def __init__(self, path: str, stack: contextlib.ExitStack, local_dir: str | None = None):
         from safetensors import safe_open
 
-        self._open = lambda f: stack.enter_context(safe_open(f, framework="numpy"))
-        index = os.path.join(path, INDEX_FILE)
-        single = os.path.join(path, WEIGHTS_FILE)
+        self._open = lambda f: stack.enter_context(
+            safe_open(storage.download(f, local_dir), framework="numpy")
+        )
+        index = storage.join(path, INDEX_FILE)
+        single = storage.join(path, WEIGHTS_FILE)
         self._files: dict[str, Any] = {}
-        if os.path.isfile(index):
+        if _is_file(index):
             try:
-                with open(index) as f:
-                    weight_map = json.load(f)["weight_map"]
+                weight_map = storage.read_json(index)["weight_map"]
             except (OSError, ValueError, KeyError, TypeError) as e:
                 _fail(
                     index, f"is not a safetensors index ({e!r})", "restore the checkpoint's index"
                 )
             missing = sorted(
-                {v for v in weight_map.values() if not os.path.isfile(os.path.join(path, v))}
+                {v for v in weight_map.values() if not _is_file(storage.join(path, v))}
             )
             if missing:
                 _fail(
@@ -477,8 +498,8 @@ class _Reader:
                     f"{'is' if len(missing) == 1 else 'are'} missing",
                     "copy every shard of the checkpoint into the directory",
                 )
-            self.where = {k: os.path.join(path, v) for k, v in weight_map.items()}
-        elif os.path.isfile(single):
+            self.where = {k: storage.join(path, v) for k, v in weight_map.items()}
+        elif _is_file(single):
             handle = self._handle(single)
             self.where = {k: single for k in handle.keys()}
         else:
@@ -489,7 +510,7 @@ class _Reader:
                     "pytorch_model.bin.index.json",
                     "model.safetensors.index.json",
                 )
-                if os.path.exists(os.path.join(path, f))
+                if storage.exists(storage.join(path, f))
             ]
             _fail(
                 path,
@@ -514,14 +535,17 @@ def from_pretrained(
     """The :class:`TransformerLM` of a Hugging Face checkpoint directory (``diffllama`` ->
     DIFF V1, ``llama`` -> standard attention), with the same logits.
 
-    ``path``: a local directory with ``config.json`` and ``model.safetensors`` or a sharded
-    ``model.safetensors.index.json``. ``mesh``: place every parameter on it by its logical axes
+    ``path``: a directory with ``config.json`` and ``model.safetensors`` or a sharded
+    ``model.safetensors.index.json``, local or in a bucket (``gs://``: each weights file is
+    downloaded to a temporary directory, deleted on return). ``mesh``: place every parameter on it by its logical axes
     (``rules``: default :data:`diffjax.sharding.DEFAULT_RULES`) as it is read, one tensor at a
     time, so a checkpoint larger than one device's memory loads onto an fsdp mesh; without a
     mesh the parameters go to the default device. ``overrides``: ``dtype``, ``param_dtype``
     (default float32: the checkpoint's bfloat16 weights are upcast exactly),
     ``attention_impl``, ``max_seq_len``. Raises :class:`PretrainedError` (a
-    :class:`diffjax.ConfigError`) naming the file, tensor or field, before anything is placed.
+    :class:`diffjax.ConfigError`) naming the file, tensor or field, before anything is placed;
+    a bucket that does not exist or cannot be read, :class:`diffjax.storage.StorageError`
+    before anything is read.
     """
     path = os.fspath(path)
     config = config_from_pretrained(path, **overrides)
@@ -538,7 +562,10 @@ def from_pretrained(
     graphdef, params, _ = nnx.split(abstract, nnx.Param, ...)
     table = {key: (name, kind) for key, name, kind in weight_table(config)}
     with contextlib.ExitStack() as stack:
-        reader = _Reader(path, stack)
+        local_dir = None
+        if storage.is_remote(path):
+            local_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="diffjax-hf-"))
+        reader = _Reader(path, stack, local_dir)
         needed = {name for name, _ in table.values() if name is not None}
         present = set(reader.where)
         missing = sorted(needed - present)
@@ -646,13 +673,17 @@ def save_pretrained(
     (``DiffLlamaForCausalLM``), standard attention as ``llama`` (``LlamaForCausalLM``), so
     ``transformers.AutoModelForCausalLM.from_pretrained(path)`` gives the same logits.
 
+    ``path``: a local directory or a ``gs://`` prefix (written to a temporary directory, each
+    file uploaded whole as soon as it is written: the weights first, ``config.json`` last).
     Weights are written in the parameters' dtype, in shards of at most ``max_shard_size`` (an
     index ``model.safetensors.index.json`` when there are several). ``tokenizer_from``: a
-    directory whose tokenizer files (``tokenizer.json``, ``tokenizer_config.json``, ...) are
-    copied beside the weights. DIFF V2, a fixed ``lambda_init``, ``diff_norm=False`` or a
-    ``diff_norm_eps`` other than ``norm_eps`` are refused (the formats cannot express them);
-    so is a directory that already holds a checkpoint (nothing saved is overwritten). Returns
-    ``path``. With several processes every process calls it and process 0 writes.
+    directory (local or ``gs://``) whose tokenizer files (``tokenizer.json``,
+    ``tokenizer_config.json``, ...) are copied beside the weights. DIFF V2, a fixed
+    ``lambda_init``, ``diff_norm=False`` or a ``diff_norm_eps`` other than ``norm_eps`` are
+    refused (the formats cannot express them); so is a directory that already holds a
+    checkpoint (nothing saved is overwritten), and, before any work, a bucket that does not
+    exist or cannot be written (:class:`diffjax.storage.StorageError`). Returns ``path``. With
+    several processes every process calls it and process 0 writes.
     """
     from safetensors.numpy import save_file
 
@@ -660,20 +691,26 @@ def save_pretrained(
         raise TypeError(
             f"save_pretrained takes a diffjax.TransformerLM, got {type(model).__name__}"
         )
+    path = os.fspath(path)
+    storage.check_access(path, what="save_pretrained path", write=jax.process_index() == 0)
+    if tokenizer_from is not None:
+        tokenizer_from = os.fspath(tokenizer_from)
+        storage.check_access(tokenizer_from, what="tokenizer_from", write=False)
     if model.config.scan_layers:  # the format has one entry per layer
         model = unstack_layers(model)
     config = model.config
     hf = hf_config(config)
-    path = os.fspath(path)
     limit = _parse_size(max_shard_size)
-    if os.path.isfile(path):
+    if _is_file(path):
         _fail(path, "is a file", "pass a directory (new or empty) to write the checkpoint into")
     taken = [
-        f for f in (CONFIG_FILE, WEIGHTS_FILE, INDEX_FILE) if os.path.exists(os.path.join(path, f))
+        f for f in (CONFIG_FILE, WEIGHTS_FILE, INDEX_FILE) if storage.exists(storage.join(path, f))
     ]
-    if os.path.isdir(path):
+    if storage.isdir(path):
         taken += sorted(
-            f for f in os.listdir(path) if f.endswith(".safetensors") and f not in taken
+            p.name
+            for p in storage.path(path).iterdir()
+            if p.name.endswith(".safetensors") and p.name not in taken
         )
     if taken:
         _fail(
@@ -683,14 +720,10 @@ def save_pretrained(
         )
     tok_files = []
     if tokenizer_from is not None:
-        tok_files = [
-            os.path.join(tokenizer_from, f)
-            for f in TOKENIZER_FILES
-            if os.path.isfile(os.path.join(tokenizer_from, f))
-        ]
+        tok_files = [f for f in TOKENIZER_FILES if _is_file(storage.join(tokenizer_from, f))]
         if not tok_files:
             _fail(
-                os.fspath(tokenizer_from),
+                tokenizer_from,
                 f"holds none of {', '.join(TOKENIZER_FILES)}",
                 "pass the directory holding the tokenizer files, or leave tokenizer_from out",
             )
@@ -727,28 +760,55 @@ def save_pretrained(
             size = 0
         shards[-1].append((name, arr))
         size += arr.nbytes
-    os.makedirs(path, exist_ok=True)
     n = len(shards)
     names = (
         [WEIGHTS_FILE]
         if n == 1
         else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
     )
-    for file, shard in zip(names, shards):
-        tmp = os.path.join(path, file + ".tmp")
-        save_file(dict(shard), tmp, metadata={"format": "pt"})
-        os.replace(tmp, os.path.join(path, file))
-    if n > 1:
-        index = {
-            "metadata": {"total_size": sum(a.nbytes for _, a in tensors)},
-            "weight_map": {name: file for file, shard in zip(names, shards) for name, _ in shard},
-        }
-        _write_json(os.path.join(path, INDEX_FILE), index)
-    for f in tok_files:
-        if not os.path.exists(os.path.join(path, os.path.basename(f))):
-            shutil.copyfile(f, os.path.join(path, os.path.basename(f)))
-    _write_json(os.path.join(path, CONFIG_FILE), hf)  # last: its presence marks a whole checkpoint
+    with _staging(path) as (out, done):
+        for file, shard in zip(names, shards):
+            tmp = os.path.join(out, file + ".tmp")
+            save_file(dict(shard), tmp, metadata={"format": "pt"})
+            os.replace(tmp, os.path.join(out, file))
+            done(file)
+        if n > 1:
+            index = {
+                "metadata": {"total_size": sum(a.nbytes for _, a in tensors)},
+                "weight_map": {
+                    name: file for file, shard in zip(names, shards) for name, _ in shard
+                },
+            }
+            _write_json(os.path.join(out, INDEX_FILE), index)
+            done(INDEX_FILE)
+        for f in tok_files:
+            if not storage.exists(storage.join(path, f)):
+                src = storage.join(tokenizer_from, f)
+                storage.write_bytes(os.path.join(out, f), storage.read_bytes(src))
+                done(f)
+        _write_json(os.path.join(out, CONFIG_FILE), hf)  # last: it marks a whole checkpoint
+        done(CONFIG_FILE)
     return path
+
+
+@contextlib.contextmanager
+def _staging(path: str) -> Iterator[tuple[str, Any]]:
+    """``(local folder to write the checkpoint's files in, done(name))``: for a local ``path``
+    the folder is ``path`` itself (``done`` does nothing); for a bucket a temporary folder, and
+    ``done(name)`` uploads that file to ``path`` whole and deletes the local copy (so the local
+    disk holds one file at a time)."""
+    if not storage.is_remote(path):
+        os.makedirs(path, exist_ok=True)
+        yield path, lambda name: None
+        return
+    with tempfile.TemporaryDirectory(prefix="diffjax-export-") as tmp:
+
+        def done(name: str) -> None:
+            local = os.path.join(tmp, name)
+            storage.upload(local, storage.join(path, name))
+            os.remove(local)
+
+        yield tmp, done
 
 
 def _write_json(file: str, obj: Any) -> None:

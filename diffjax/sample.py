@@ -8,7 +8,8 @@ otherwise; the choice is printed (to stderr). The best checkpoint (lowest valida
 read unless ``--step`` says ``latest`` or a step number.
 
 ``RUN_DIR`` may also be a Hugging Face checkpoint directory (``config.json`` with a
-``model_type`` and ``*.safetensors``, read by :func:`diffjax.from_pretrained`).
+``model_type`` and ``*.safetensors``, read by :func:`diffjax.from_pretrained`). Either may be in
+a bucket (``gs://bucket/runs/default``), as may ``--tokenizer``.
 
 Several ``--prompt`` run as one left-padded batch. Decoding is greedy unless ``--temperature``
 is above 0 (then ``--top_k`` and ``--sample_seed`` apply). The tokenizer is ``--tokenizer``
@@ -21,7 +22,6 @@ the byte tokenizer (vocabulary 259). :func:`sample` takes any tokenizer object w
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import sys
@@ -30,6 +30,7 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
+from . import storage
 from .config import ConfigError
 from .data.config import DataError
 from .data.tokenizer import ByteTokenizer, load_tokenizer
@@ -45,26 +46,35 @@ class ModelChoiceError(ValueError):
 
 
 def find_models(run_dir: str) -> list[tuple[str, str | None, int | None]]:
-    """The model folders under ``run_dir``: ``(path, label, seed)`` for each folder holding
-    ``checkpoints/`` (``run_dir`` itself: label and seed None), sorted by label then seed."""
-    run_dir = os.path.abspath(run_dir)
-    if os.path.basename(run_dir) == "checkpoints":
-        run_dir = os.path.dirname(run_dir)
-    if os.path.isdir(os.path.join(run_dir, "checkpoints")):
-        return [(run_dir, None, None)]
+    """The model folders under ``run_dir`` (local or ``gs://``): ``(path, label, seed)`` for
+    each folder holding ``checkpoints/`` (``run_dir`` itself: label and seed None), sorted by
+    label then seed. Folders are searched three levels deep."""
+    run = storage.absolute(run_dir)
+    if run.name == "checkpoints":
+        run = run.parent
+    if storage.isdir(run / "checkpoints"):
+        return [(str(run), None, None)]
     found = []
-    for root, dirs, _ in os.walk(run_dir):
-        depth = os.path.relpath(root, run_dir).count(os.sep) + (root != run_dir)
-        if "checkpoints" in dirs:
-            rel = os.path.relpath(root, run_dir).split(os.sep)
+
+    def visit(folder, rel: tuple[str, ...]) -> None:
+        subdirs = sorted(p.name for p in folder.iterdir() if p.is_dir())
+        if rel and "checkpoints" in subdirs:
             seed = next((int(m.group(1)) for part in rel if (m := _SEED.match(part))), None)
             label = next((part for part in rel if not _SEED.match(part)), rel[0])
-            found.append((root, label, seed))
-            dirs[:] = []
-        elif depth >= 3:
-            dirs[:] = []
-        dirs.sort()
+            found.append((str(folder), label, seed))
+        elif len(rel) < 3:
+            for name in subdirs:
+                visit(folder / name, rel + (name,))
+
+    if storage.isdir(run):
+        visit(run, ())
     return sorted(found, key=lambda f: (f[1] or "", -1 if f[2] is None else f[2]))
+
+
+def _relative(path: str, root: str) -> str:
+    if storage.is_remote(path):
+        return str(storage.path(path).relative_to(storage.path(root)))
+    return os.path.relpath(path, root)
 
 
 def choose_model(
@@ -95,7 +105,7 @@ def choose_model(
             f"{run_dir}. Fix: use --model in {labels}{seed_fix}"
         )
     path = picked[0][0]
-    others = [os.path.relpath(m[0], run_dir) for m in models if m[0] != path]
+    others = [_relative(m[0], run_dir) for m in models if m[0] != path]
     note = f"model: {path}"
     if others:
         note += f" (also here: {', '.join(others)}; choose with --model LABEL / --seed S)"
@@ -184,15 +194,18 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _is_file(path: str) -> bool:
+    return storage.path(path).is_file()
+
+
 def is_hf_checkpoint(path: str) -> bool:
     """Whether ``path`` is a Hugging Face checkpoint directory (``config.json`` naming a
     ``model_type``), as opposed to a train.py run folder (whose ``config.json`` has none)."""
-    file = os.path.join(path, "config.json")
-    if not os.path.isfile(file):
+    file = storage.join(path, "config.json")
+    if not _is_file(file):
         return False
     try:
-        with open(file) as f:
-            return "model_type" in json.load(f)
+        return "model_type" in storage.read_json(file)
     except (OSError, ValueError):
         return False
 
@@ -201,18 +214,14 @@ def find_tokenizer(run_dir: str, model_dir: str) -> str | None:
     """The tokenizer a model was trained with: a ``tokenizer.json`` beside a Hugging Face
     checkpoint, else the run's ``data.tokenizer`` (``RUN_DIR/config.json``), else None (bytes)."""
     for folder in (model_dir, run_dir):
-        if is_hf_checkpoint(folder) and os.path.isfile(os.path.join(folder, "tokenizer.json")):
+        if is_hf_checkpoint(folder) and _is_file(storage.join(folder, "tokenizer.json")):
             return folder
-    for folder in (
-        run_dir,
-        os.path.dirname(model_dir),
-        os.path.dirname(os.path.dirname(model_dir)),
-    ):
-        file = os.path.join(folder, "config.json")
-        if os.path.isfile(file) and not is_hf_checkpoint(folder):
+    parent = storage.path(model_dir).parent
+    for folder in (run_dir, *(str(p) for p in (parent, parent.parent) if p.name)):
+        file = storage.join(folder, "config.json")
+        if _is_file(file) and not is_hf_checkpoint(folder):
             try:
-                with open(file) as f:
-                    return json.load(f).get("data", {}).get("tokenizer")
+                return storage.read_json(file).get("data", {}).get("tokenizer")
             except (OSError, ValueError):
                 return None
     return None
@@ -231,16 +240,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             return 2
     try:
-        if is_hf_checkpoint(args.run_dir):
-            path, note = os.path.abspath(args.run_dir), f"Hugging Face checkpoint: {args.run_dir}"
+        storage.check_access(args.run_dir, what="RUN_DIR", write=False)
+        run_dir = str(storage.absolute(args.run_dir))
+        if is_hf_checkpoint(run_dir):
+            path, note = run_dir, f"Hugging Face checkpoint: {args.run_dir}"
             model = from_pretrained(path)
         else:
             path, note = choose_model(args.run_dir, args.model, args.seed)
             model = load_model(path, step)
         tokenizer = load_tokenizer(
-            args.tokenizer
-            if args.tokenizer is not None
-            else find_tokenizer(os.path.abspath(args.run_dir), path)
+            args.tokenizer if args.tokenizer is not None else find_tokenizer(run_dir, path)
         )
     except (ModelChoiceError, CheckpointError, ConfigError, DataError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -15,7 +15,7 @@ Objects cannot be appended to: :class:`SyncedDir` keeps a local folder of the fi
 
 Pointing the clients at an emulator: ``STORAGE_EMULATOR_HOST`` (the Google client libraries and
 gcsfs) and ``TENSORSTORE_GCS_HTTP_URL`` (tensorstore, the checkpoints); when only the first is
-set, :func:`check_access` sets the second to it. On Google Cloud the application default
+set, the second is set to it. On Google Cloud the application default
 credentials are used (a VM's service account, ``gcloud auth application-default login``, or
 ``GOOGLE_APPLICATION_CREDENTIALS``).
 """
@@ -67,7 +67,23 @@ def path(p: PathLike, *, what: str = "path") -> epath.Path:
             f"{s}:// is not one diffjax reads or writes. Fix: use a local path or a gs:// URL "
             f"(Google Cloud Storage), e.g. gs://my-bucket/runs/default."
         )
+    if s is not None:
+        _use_emulator()
     return p if isinstance(p, epath.Path) else epath.Path(p)
+
+
+def _use_emulator() -> None:
+    """With ``STORAGE_EMULATOR_HOST`` set: tensorstore to the same server (unless
+    ``TENSORSTORE_GCS_HTTP_URL`` says otherwise) and gcsfs without credentials (an emulator
+    checks none; looking for them costs seconds per process)."""
+    host = os.environ.get(EMULATOR_VAR)
+    if not host:
+        return
+    os.environ.setdefault(TENSORSTORE_VAR, host if "://" in host else f"http://{host}")
+    import fsspec.config
+
+    for protocol in ("gs", "gcs"):
+        fsspec.config.conf.setdefault(protocol, {}).setdefault("token", "anon")
 
 
 def is_remote(p: PathLike) -> bool:
@@ -205,9 +221,6 @@ def check_access(p: PathLike, *, what: str, write: bool) -> None:
     path(p, what=what)
     if not is_remote(p):
         return
-    if os.environ.get(EMULATOR_VAR) and not os.environ.get(TENSORSTORE_VAR):
-        host = os.environ[EMULATOR_VAR]
-        os.environ[TENSORSTORE_VAR] = host if "://" in host else f"http://{host}"
     bucket, prefix = _bucket(p)
     shown = _text(p)
     if not bucket:

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import os
 
 import numpy as np
+
+from diffjax import storage
 
 from .config import DataError
 
@@ -71,19 +72,19 @@ TOKENIZER_JSON = "tokenizer.json"
 class HFTokenizer:
     """A Hugging Face ``tokenizer.json`` (e.g. a checkpoint's) through the ``tokenizers`` package.
 
-    ``path``: the file, or a directory holding it (a checkpoint directory). Local files only:
-    nothing is downloaded. ``bos_id`` / ``eos_id`` / ``pad_id`` come from the directory's
+    ``path``: the file, or a directory holding it (a checkpoint directory), local or ``gs://``;
+    nothing is downloaded from a hub. ``bos_id`` / ``eos_id`` / ``pad_id`` come from the directory's
     ``tokenizer_config.json`` (``bos_token``, ...) when it names them, else None.
     """
 
     def __init__(self, path: str):
-        path = os.fspath(path)
-        file = os.path.join(path, TOKENIZER_JSON) if os.path.isdir(path) else path
-        if not os.path.isfile(file):
+        path = os.fspath(path) if not storage.is_remote(path) else str(path)
+        file = storage.join(path, TOKENIZER_JSON) if storage.isdir(path) else path
+        if not storage.exists(file):
             raise DataError(
                 f"DataConfig.tokenizer: {file!r} does not exist. Fix: pass a "
-                f"tokenizer.json file or a directory holding one (a local Hugging Face "
-                f"checkpoint; nothing is downloaded), or 'byte'"
+                f"tokenizer.json file or a directory holding one (a Hugging Face checkpoint, "
+                f"local or gs://; nothing is downloaded from a hub), or 'byte'"
             )
         try:
             from tokenizers import Tokenizer
@@ -93,7 +94,7 @@ class HFTokenizer:
                 f"package ({e}). Fix: pip install tokenizers"
             ) from None
         try:
-            self._tok = Tokenizer.from_file(file)
+            self._tok = Tokenizer.from_str(storage.read_text(file))
         except Exception as e:  # noqa: BLE001 - the tokenizers error types are not public
             raise DataError(
                 f"DataConfig.tokenizer: {file!r} is not a tokenizer.json ({e}). Fix: "
@@ -101,10 +102,9 @@ class HFTokenizer:
             ) from None
         self.path = file
         special: dict = {}
-        cfg_file = os.path.join(os.path.dirname(file), "tokenizer_config.json")
-        if os.path.isfile(cfg_file):
-            with open(cfg_file) as f:
-                special = json.load(f)
+        cfg_file = storage.join(str(storage.path(file).parent), "tokenizer_config.json")
+        if storage.exists(cfg_file):
+            special = storage.read_json(cfg_file)
 
         def token_id(key: str) -> int | None:
             tok = special.get(key)

@@ -1,16 +1,17 @@
 """The model and tokenizer behind ``path=``: a Hugging Face directory written by
 :func:`diffjax.save_pretrained` (``config.json`` with a ``model_type``), a ``train.py`` run
 directory (``config.json`` of the experiment, one folder per model and seed), or the folder of
-one model of a run (the one holding ``checkpoints/``)."""
+one model of a run (the one holding ``checkpoints/``). Each may be local or in a bucket
+(``gs://``); a tokenizer in a bucket is read from a temporary local copy."""
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
 import jax
 
+from diffjax import storage
 from diffjax.config import ConfigError
 from diffjax.data.tokenizer import TOKENIZER_JSON, ByteTokenizer, HFTokenizer, load_tokenizer
 from diffjax.hf import from_pretrained
@@ -22,50 +23,59 @@ Tokenizer = ByteTokenizer | HFTokenizer
 
 
 def _read_json(file: str) -> dict[str, Any] | None:
-    if not os.path.isfile(file):
+    if not storage.path(file).is_file():
         return None
-    with open(file) as f:
-        data = json.load(f)
+    data = storage.read_json(file)
     return data if isinstance(data, dict) else None
 
 
 def is_hf_dir(path: str) -> bool:
     """Whether ``path`` holds a Hugging Face ``config.json`` (one naming a ``model_type``)."""
-    cfg = _read_json(os.path.join(path, "config.json"))
+    cfg = _read_json(storage.join(path, "config.json"))
     return cfg is not None and "model_type" in cfg
 
 
 def has_checkpoints(path: str) -> bool:
     """Whether ``path`` is one model's folder: a ``checkpoints/`` with a committed step."""
-    return bool(committed_steps(os.path.join(path, "checkpoints")))
+    return bool(committed_steps(storage.join(path, "checkpoints")))
 
 
 def run_config(model_dir: str) -> tuple[str, dict[str, Any]] | None:
     """``(run dir, its config.json)`` of the run holding ``model_dir`` (the folder itself, its
     parent or grandparent: ``RUN/<label>/seed_<n>/``), or None."""
-    d = os.path.abspath(model_dir)
+    d = storage.absolute(model_dir)
     for _ in range(3):
-        cfg = _read_json(os.path.join(d, "config.json"))
+        cfg = _read_json(storage.join(d, "config.json"))
         if cfg is not None and "model" in cfg and "data" in cfg:
-            return d, cfg
-        d = os.path.dirname(d)
+            return str(d), cfg
+        if not d.parent.name:  # the root, or a bucket's top
+            break
+        d = d.parent
     return None
 
 
 def models_of_run(run_dir: str) -> list[str]:
     """The model folders under ``run_dir`` (relative paths), for error messages."""
+    root = storage.path(run_dir)
     found = []
-    for root, dirs, _ in os.walk(run_dir):
-        if "checkpoints" in dirs and has_checkpoints(root):
-            found.append(os.path.relpath(root, run_dir))
-        dirs[:] = [d for d in dirs if d != "checkpoints"]
+
+    def visit(folder) -> None:
+        subdirs = sorted(p for p in folder.iterdir() if p.is_dir())
+        if any(p.name == "checkpoints" for p in subdirs) and has_checkpoints(str(folder)):
+            found.append(str(folder.relative_to(root)))
+        for sub in subdirs:
+            if sub.name != "checkpoints":
+                visit(sub)
+
+    if storage.isdir(root):
+        visit(root)
     return sorted(found)
 
 
 def model_dir_of_run(run_dir: str, label: str, seed: int) -> str:
     """The folder of model ``label``, seed ``seed`` of a run: ``RUN/<label>/seed_<seed>/``, or
     ``RUN/<label>/`` (runs of one seed written before the per-seed layout)."""
-    for d in (model_directory(run_dir, label, seed), os.path.join(run_dir, label)):
+    for d in (model_directory(run_dir, label, seed), storage.join(run_dir, label)):
         if has_checkpoints(d):
             return d
     found = models_of_run(run_dir)
@@ -79,16 +89,16 @@ def model_dir_of_run(run_dir: str, label: str, seed: int) -> str:
 def run_tokenizer(spec: str | None, run_dir: str) -> Tokenizer:
     """A run's ``data.tokenizer`` (None or ``"byte"``: bytes); a relative path that does not
     exist from here is read relative to the run directory."""
-    if spec not in (None, "byte") and not os.path.exists(spec):
-        inside = os.path.join(run_dir, spec)
-        spec = inside if os.path.exists(inside) else spec
+    if spec not in (None, "byte") and not storage.exists(spec):
+        inside = storage.join(run_dir, spec)
+        spec = inside if storage.exists(inside) else spec
     return load_tokenizer(spec)
 
 
 def hf_dir_tokenizer(path: str) -> Tokenizer:
     """The ``tokenizer.json`` of a Hugging Face directory, else the byte tokenizer."""
-    if os.path.isfile(os.path.join(path, TOKENIZER_JSON)):
-        return HFTokenizer(path)
+    if storage.path(storage.join(path, TOKENIZER_JSON)).is_file():
+        return load_tokenizer(path)
     return ByteTokenizer()
 
 
@@ -107,9 +117,13 @@ def load(
     the run's ``train.seed``) choose the model, ``step`` the checkpoint (``"best"``,
     ``"latest"`` or a step). ``tokenizer``: a ``tokenizer.json`` (or its directory) or
     ``"byte"`` instead of the run's or the directory's own. ``mesh``: place the parameters on
-    it as they are read."""
-    path = os.path.abspath(os.fspath(path))
-    if not os.path.isdir(path):
+    it as they are read. ``path`` (and ``tokenizer``) may be local or ``gs://``: a bucket that
+    does not exist or cannot be read is refused first (:class:`diffjax.storage.StorageError`).
+    """
+    path = os.fspath(path)
+    storage.check_access(path, what="path", write=False)
+    path = str(storage.absolute(path))
+    if not storage.isdir(path):
         raise ConfigError(
             f"{path} is not a directory. Fix: pass path= a train.py run directory, the "
             f"folder of one of its models, or a Hugging Face directory (diffjax.save_pretrained)"
@@ -121,7 +135,7 @@ def load(
     if has_checkpoints(path):
         model_dir, found = path, run_config(path)
     else:
-        cfg = _read_json(os.path.join(path, "config.json"))
+        cfg = _read_json(storage.join(path, "config.json"))
         if cfg is None:
             raise ConfigError(
                 f"{path} holds neither a config.json nor a checkpoints/ folder. Fix: pass a "

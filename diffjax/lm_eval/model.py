@@ -89,9 +89,11 @@ class DiffJaxLM(TemplateLM):
 
     ``path``: a ``train.py`` run directory (``model`` = the label, ``diff`` or ``standard``;
     ``seed``: default the run's; ``step``: ``best``, ``latest`` or a step), the folder of one of
-    its models, or a Hugging Face directory written by :func:`diffjax.save_pretrained`.
-    ``tokenizer``: a ``tokenizer.json`` (or its directory) or ``byte`` instead of the model's
-    own (the run's ``data.tokenizer``; the directory's ``tokenizer.json``, else bytes).
+    its models, or a Hugging Face directory written by :func:`diffjax.save_pretrained`; local
+    or in a bucket (``gs://bucket/runs/default``: a missing bucket or no permission is refused
+    before anything is read). ``tokenizer``: a ``tokenizer.json`` (or its directory; local or
+    ``gs://``) or ``byte`` instead of the model's own (the run's ``data.tokenizer``; the
+    directory's ``tokenizer.json``, else bytes).
     ``batch_size``: rows per compiled batch (rounded up to a multiple of the devices).
     ``max_length``: the context (default and at most the model's ``max_seq_len``).
     ``max_gen_toks``: tokens generated when a task does not say (default 256, at most half the
