@@ -16,7 +16,6 @@ library never calls ``matplotlib.use`` or pyplot, so a notebook's backend is lef
 from __future__ import annotations
 
 import math
-import os
 import platform
 import re
 from typing import Callable, NamedTuple, Sequence
@@ -28,6 +27,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, MaxNLocator
 
 from diffjax import flops as flops_lib
+from diffjax import storage
 from diffjax.config import ModelConfig
 from diffjax.data.synthetic import query_chance
 from diffjax.evaluate.stats import (
@@ -323,7 +323,7 @@ def loss_figure(run_dir: str, results: Sequence[TrainResult]) -> Figure:
         color = f"C{i}"
         val_curves, train_curves = [], []
         for r in rs:
-            records = read_metrics(os.path.join(r.directory, "metrics.jsonl"))
+            records = read_metrics(storage.join(r.directory, "metrics.jsonl"))
             evals = [x for x in records if "val_loss" in x]
             if evals:
                 val_curves.append(
@@ -370,15 +370,15 @@ def loss_figure(run_dir: str, results: Sequence[TrainResult]) -> Figure:
         ax.xaxis.set_major_locator(MaxNLocator(nbins=5))
         ax.xaxis.set_major_formatter(FuncFormatter(compact_count))
         ax.legend(fontsize=8)
-    fig.suptitle(os.path.basename(os.path.abspath(run_dir)))
+    fig.suptitle(storage.absolute(run_dir).name)
     fig.tight_layout()
     return fig
 
 
 def plot_losses(run_dir: str, results: Sequence[TrainResult], path: str) -> None:
     """``loss.png``: validation loss and smoothed training loss against tokens; every seed thin,
-    the mean over seeds thick, one colour per model."""
-    loss_figure(run_dir, results).savefig(path, dpi=110)
+    the mean over seeds thick, one colour per model. ``path``: local or ``gs://``."""
+    storage.save_figure(loss_figure(run_dir, results), path, dpi=110)
 
 
 def comparison_sentences(results: Sequence[TrainResult]) -> list[str]:
@@ -614,9 +614,10 @@ def write_report(
     data_description: str = "",
     throughput: SideBySide | None = None,
 ) -> str:
-    """Write ``report.md`` and ``loss.png``; return the markdown. ``throughput``: the
-    side-by-side measurement (:func:`diffjax.compare.side_by_side_throughput`) or None."""
-    plot_losses(run_dir, results, os.path.join(run_dir, "loss.png"))
+    """Write ``report.md`` and ``loss.png`` into ``run_dir`` (local or ``gs://``); return the
+    markdown. ``throughput``: the side-by-side measurement
+    (:func:`diffjax.compare.side_by_side_throughput`) or None."""
+    plot_losses(run_dir, results, storage.join(run_dir, "loss.png"))
     groups = group_by_label(results)
     n_seeds = max((len(rs) for rs in groups.values()), default=0)
     flops = Flops.of(exp)
@@ -632,6 +633,5 @@ def write_report(
         _setup(exp, results, data_description),
     ]
     text = "\n".join(line for section in sections for line in section)
-    with open(os.path.join(run_dir, "report.md"), "w") as f:
-        f.write(text)
+    storage.write_text(storage.join(run_dir, "report.md"), text)
     return text

@@ -1,13 +1,14 @@
 """``python -m diffjax.evaluate RUN_DIR [--quick] [--lm-eval-tasks t1,t2 ...]``: the paper's
 analyses on a train.py run, and lm-eval tasks on its models; ``python -m diffjax.evaluate
 RUN_DIR --long-context 32768 mesh.context=8``: the needle grid with the sequence split over
-devices."""
+devices. RUN_DIR: a local folder or a ``gs://BUCKET/PATH`` URL (checked for access first)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
+from diffjax import storage
 from diffjax.config import ConfigError
 from diffjax.train.checkpoint import CheckpointError
 
@@ -57,7 +58,10 @@ def parser() -> argparse.ArgumentParser:
         "RUN_DIR/eval.md, eval.json and eval_*.png. With --lm-eval-tasks also lm-eval tasks "
         "on every model (the `eval` extra): RUN_DIR/lm_eval.json and a section of eval.md.",
     )
-    p.add_argument("run_dir", help="a directory written by train.py (e.g. runs/needle)")
+    p.add_argument(
+        "run_dir",
+        help="a directory written by train.py (e.g. runs/needle, or gs://BUCKET/runs/needle)",
+    )
     p.add_argument(
         "--quick",
         action="store_true",
@@ -115,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_intermixed_args(argv)
     tasks = args.lm_eval_tasks.split(",") if args.lm_eval_tasks else None
     try:
+        # a gs:// run: the bucket, the credentials and the right to write, before any compute
+        storage.check_access(args.run_dir, what="RUN", write=True)
         if args.mesh and not args.long_context:
             raise ConfigError(
                 "mesh settings apply to --long-context only. Fix: add --long-context LENGTHS"

@@ -10,11 +10,10 @@ raise a :class:`ConfigError` that says how to install it; the analyses never nee
 
 from __future__ import annotations
 
-import json
-import os
 import time
 from typing import Any, Callable, Sequence
 
+from diffjax import storage
 from diffjax.config import ConfigError
 
 from .lm_tasks import (
@@ -26,7 +25,7 @@ from .lm_tasks import (
     render_section,
     replace_section,
 )
-from .run import ModelEntry, discover_models
+from .run import ModelEntry, discover_models, relative_path
 
 try:  # the `eval` extra
     import lm_eval
@@ -52,19 +51,18 @@ def _require() -> None:
 
 # ---------------------------------------------------------------------------- input checks
 def run_models(run_dir: str) -> list[ModelEntry]:
-    """The models of ``run_dir`` (:func:`discover_models`, the default seed from its
-    ``config.json``), or a :class:`ConfigError` when it holds none."""
-    run_dir = os.path.abspath(run_dir)
-    if not os.path.isdir(run_dir):
+    """The models of ``run_dir`` (local or ``gs://``; :func:`discover_models`, the default seed
+    from its ``config.json``), or a :class:`ConfigError` when it holds none."""
+    run_dir = str(storage.absolute(run_dir))
+    if not storage.isdir(run_dir):
         raise ConfigError(
             f"run directory {run_dir} does not exist. Fix: pass the folder train.py wrote "
             f"(e.g. runs/default)"
         )
     seed = 0
-    cfg_file = os.path.join(run_dir, "config.json")
-    if os.path.isfile(cfg_file):
-        with open(cfg_file) as f:
-            cfg = json.load(f)
+    cfg_file = storage.join(run_dir, "config.json")
+    if storage.exists(cfg_file):
+        cfg = storage.read_json(cfg_file)
         seed = int(cfg.get("train", {}).get("seed", 0)) if isinstance(cfg, dict) else 0
     entries = discover_models(run_dir, default_seed=seed)
     if not entries:
@@ -134,8 +132,9 @@ def evaluate_run_tasks(
     ``include_path``: a folder of task YAML files besides lm-eval's own (``include_defaults``
     False: only those, which skips indexing lm-eval's ~15,000 task files). ``limit``: at most
     that many examples per task (a float below 1: that fraction). Bad input (no model in the
-    run, an unknown task) raises :class:`ConfigError` before any model is loaded."""
-    run_dir = os.path.abspath(run_dir)
+    run, an unknown task) raises :class:`ConfigError` before any model is loaded. ``run_dir``:
+    a local folder or a ``gs://`` URL."""
+    run_dir = str(storage.absolute(run_dir))
     entries, manager, tasks = prepare(
         run_dir, tasks, include_path=include_path, include_defaults=include_defaults
     )
@@ -160,7 +159,7 @@ def evaluate_run_tasks(
             {
                 "label": e.label,
                 "seed": e.seed,
-                "path": os.path.relpath(e.path, run_dir),
+                "path": relative_path(e.path, run_dir),
                 "attention": lm.model.config.attention,
                 "metrics": metrics,
                 "n_samples": {
@@ -189,15 +188,10 @@ def evaluate_run_tasks(
             ],
         },
     }
-    json_path = os.path.join(run_dir, "lm_eval.json")
-    with open(json_path, "w") as f:
-        json.dump(data, f, indent=1)
-    md_path = os.path.join(run_dir, "eval.md")
-    old = ""
-    if os.path.isfile(md_path):
-        with open(md_path) as f:
-            old = f.read()
-    with open(md_path, "w") as f:
-        f.write(replace_section(old, "\n".join(render_section(data))))
+    json_path = storage.join(run_dir, "lm_eval.json")
+    storage.write_json(json_path, data)
+    md_path = storage.join(run_dir, "eval.md")
+    old = storage.read_text(md_path) if storage.exists(md_path) else ""
+    storage.write_text(md_path, replace_section(old, "\n".join(render_section(data))))
     log(f"lm-eval: {json_path}, section {HEADING!r} of {md_path}")
     return data

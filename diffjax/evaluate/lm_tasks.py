@@ -5,10 +5,10 @@ lm-eval (:mod:`.lm_eval_run` runs the tasks and writes the JSON)."""
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from typing import Any, Sequence
+
+from diffjax import storage
 
 from .results import model_name
 from .stats import describe_difference, fmt_mean_std, group_by_label, paired_difference
@@ -168,9 +168,7 @@ def replace_section(text: str, section: str) -> str:
 
 
 def read_results(run_dir: str) -> dict[str, Any] | None:
-    """``RUN_DIR/lm_eval.json`` (what :func:`.lm_eval_run.evaluate_run_tasks` wrote), or None."""
-    path = os.path.join(run_dir, "lm_eval.json")
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        return json.load(f)
+    """``RUN_DIR/lm_eval.json`` (what :func:`.lm_eval_run.evaluate_run_tasks` wrote), or None;
+    local or ``gs://``."""
+    path = storage.join(run_dir, "lm_eval.json")
+    return storage.read_json(path) if storage.exists(path) else None

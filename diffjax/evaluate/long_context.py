@@ -14,8 +14,6 @@ the answer and on the distractors: other needles and haystack; the maps of those
 
 from __future__ import annotations
 
-import json
-import os
 import time
 from typing import Any, Callable, Sequence
 
@@ -24,7 +22,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from diffjax import context, sharding
+from diffjax import context, sharding, storage
 from diffjax.config import ConfigError
 from diffjax.train.checkpoint import load_model
 
@@ -72,9 +70,10 @@ def evaluate_long_context(
     noise floor on the same number of needle examples at each length
     (:func:`.allocation.measured_noise_floor`: the answer rows of each map only); returns what
     ``long_context.json`` holds. Bad input (no model, a length the ring cannot split or a model cannot take, a mesh
-    the devices do not fill) raises :class:`ConfigError` before any forward pass."""
-    run_dir = os.path.abspath(run_dir)
-    if not os.path.isdir(run_dir):
+    the devices do not fill) raises :class:`ConfigError` before any forward pass. ``run_dir``:
+    a local folder or a ``gs://`` URL."""
+    run_dir = str(storage.absolute(run_dir))
+    if not storage.isdir(run_dir):
         raise ConfigError(
             f"run directory {run_dir} does not exist. Fix: pass the folder train.py wrote"
         )
@@ -157,11 +156,9 @@ def evaluate_long_context(
         "models": results,
     }
     if write and jax.process_index() == 0:
-        with open(os.path.join(run_dir, "long_context.json"), "w") as f:
-            json.dump(out, f, indent=1)
-        with open(os.path.join(run_dir, "long_context.md"), "w") as f:
-            f.write("\n".join(render(out)))
-        log(f"long context: {os.path.join(run_dir, 'long_context.md')}")
+        storage.write_json(storage.join(run_dir, "long_context.json"), out)
+        storage.write_text(storage.join(run_dir, "long_context.md"), "\n".join(render(out)))
+        log(f"long context: {storage.join(run_dir, 'long_context.md')}")
     return out
 
 

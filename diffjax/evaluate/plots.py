@@ -7,10 +7,11 @@ labels, the notes under a figure)."""
 
 from __future__ import annotations
 
-import os
 import textwrap
 
 import numpy as np
+
+from diffjax import storage
 
 from .outliers import KS
 from .results import diff_shares, get, model_name, seed_mean
@@ -37,7 +38,8 @@ def _note(fig, lines_: list[str]) -> None:
 
 
 def _save(fig, path: str) -> str:
-    fig.savefig(path, dpi=100)
+    """``fig`` as a PNG at ``path`` (local or ``gs://``), written whole."""
+    storage.save_figure(fig, path, dpi=100)
     return path
 
 
@@ -280,7 +282,7 @@ def retrieval_figures(run_dir: str, groups: dict, settings_nr: list[str]) -> dic
             retrieval_heatmaps(
                 grids,
                 f"retrieval accuracy, N={n} needles, R={r} queried",
-                os.path.join(run_dir, out[s]),
+                storage.join(run_dir, out[s]),
             )
     return out
 
@@ -296,7 +298,7 @@ def allocation_figure(run_dir: str, groups: dict, depths, categories) -> str:
     allocation_bars(
         bars,
         categories,
-        os.path.join(run_dir, name),
+        storage.join(run_dir, name),
         "attention allocation of the answer-producing positions",
     )
     return name
@@ -321,7 +323,7 @@ def outliers_figure(run_dir: str, groups: dict) -> str:
         logx=True,
         logy=True,
         title="activation outliers (mean over seeds)",
-        path=os.path.join(run_dir, name),
+        path=storage.join(run_dir, name),
         xticks=(list(ks), [str(k) for k in KS]),
     )
     return name
@@ -348,7 +350,7 @@ def quantization_figure(run_dir: str, groups: dict, widths: list) -> str:
         xlabel="logit bits",
         ylabel="validation loss",
         title="quantized attention logits",
-        path=os.path.join(run_dir, name),
+        path=storage.join(run_dir, name),
         logx=True,
         xticks=(list(xs), ["float32" if b is None else str(b) for b in widths]),
     )
@@ -360,7 +362,7 @@ def noise_floor_figure(run_dir: str, groups: dict, noise: dict, margin: float, l
     the models' maps against their number of distractor positions (see
     :func:`draw_noise_floor`)."""
     name = "eval_noise_floor.png"
-    _save(draw_noise_floor(groups, noise, margin, lam), os.path.join(run_dir, name))
+    _save(draw_noise_floor(groups, noise, margin, lam), storage.join(run_dir, name))
     return name
 
 
@@ -469,6 +471,6 @@ def loss_by_position_figure(run_dir: str, groups: dict, positions: dict) -> str:
         ylabel="loss (nats/token)",
         title=f"loss by position at context {positions['length']} "
         f"(trained at {positions['trained_length']})",
-        path=os.path.join(run_dir, name),
+        path=storage.join(run_dir, name),
     )
     return name

@@ -5,10 +5,10 @@ numbers, the paper's beside them from :mod:`.paper`, a caption and its figure fr
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import numpy as np
 
+from diffjax import storage
 from diffjax.data import DataConfig
 
 from . import lm_tasks
@@ -109,7 +109,7 @@ def header(run: _Run) -> list[str]:
         for lab, rs in run.groups.items()
     )
     L = [
-        f"# Evaluation of {os.path.basename(run.run_dir)}" + (" (quick subset)" if s.quick else "")
+        f"# Evaluation of {storage.path(run.run_dir).name}" + (" (quick subset)" if s.quick else "")
     ]
     L += [
         "",

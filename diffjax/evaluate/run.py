@@ -3,20 +3,20 @@
 :func:`discover_models` finds the models a ``train.py`` run wrote (``RUN_DIR/<label>/`` or
 ``RUN_DIR/<label>/seed_<n>/``, each holding ``checkpoints/``); :func:`evaluate_run` loads the
 best checkpoint of each, runs the analyses and writes ``RUN_DIR/eval.json``, ``RUN_DIR/eval.md``
-(its sections: :mod:`.report`) and the plots ``RUN_DIR/eval_*.png`` (:mod:`.plots`)."""
+(its sections: :mod:`.report`) and the plots ``RUN_DIR/eval_*.png`` (:mod:`.plots`). RUN_DIR is
+a local folder or a ``gs://`` URL: every read and write goes through :mod:`diffjax.storage`."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import re
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from diffjax import ops
+from diffjax import ops, storage
 from diffjax.config import ConfigError
 from diffjax.data import DataConfig, query_kinds
 from diffjax.param_count import count_params
@@ -42,6 +42,7 @@ __all__ = [
     "evaluate_model",
     "evaluate_run",
     "read_run_config",
+    "relative_path",
 ]
 
 
@@ -55,39 +56,62 @@ class ModelEntry:
 
 
 # ---------------------------------------------------------------------------- discovery
-def discover_models(run_dir: str, default_seed: int = 0) -> list[ModelEntry]:
-    """Every folder under ``run_dir`` holding a ``checkpoints/`` folder with a committed step,
-    as ``ModelEntry(label, seed, path)``: label = the first path component under ``run_dir``
-    (the run folder's own name when the checkpoints are directly in it), seed = ``n`` of a
-    ``seed_<n>`` component, else ``default_seed``. Sorted by label then seed."""
-    run_dir = os.path.abspath(run_dir)
-    found = []
-    for root, dirs, _ in os.walk(run_dir):
-        if "checkpoints" in dirs and committed_steps(os.path.join(root, "checkpoints")):
+def _folders(run_dir: str) -> Iterator[tuple[tuple[str, ...], list[str]]]:
+    """``(parts, subfolders)`` of every folder under ``run_dir`` (a local path or a ``gs://``
+    URL), ``parts`` its path relative to ``run_dir``, top-down; a ``checkpoints/`` folder is
+    listed, never entered."""
+    if not storage.is_remote(run_dir):
+        for root, dirs, _ in os.walk(run_dir):
             rel = os.path.relpath(root, run_dir)
-            parts = [] if rel == "." else rel.split(os.sep)
-            label = parts[0] if parts else os.path.basename(run_dir)
+            yield (() if rel == "." else tuple(rel.split(os.sep))), dirs
+            dirs[:] = [d for d in dirs if d != "checkpoints"]
+        return
+    todo = [()]
+    while todo:
+        parts = todo.pop(0)
+        here = storage.path(storage.join(run_dir, *parts))
+        dirs = sorted(p.name for p in here.iterdir() if p.is_dir())
+        yield parts, dirs
+        todo += [(*parts, d) for d in dirs if d != "checkpoints"]
+
+
+def relative_path(path: str, run_dir: str) -> str:
+    """``path`` relative to ``run_dir`` (``"."`` for the folder itself), local or ``gs://``."""
+    if storage.is_remote(run_dir):
+        return str(storage.path(path).relative_to(storage.path(run_dir)))
+    return os.path.relpath(path, run_dir)
+
+
+def discover_models(run_dir: str, default_seed: int = 0) -> list[ModelEntry]:
+    """Every folder under ``run_dir`` (local or ``gs://``) holding a ``checkpoints/`` folder with
+    a committed step, as ``ModelEntry(label, seed, path)``: label = the first path component
+    under ``run_dir`` (the run folder's own name when the checkpoints are directly in it), seed =
+    ``n`` of a ``seed_<n>`` component, else ``default_seed``. Sorted by label then seed."""
+    run_dir = str(storage.absolute(run_dir))
+    found = []
+    for parts, dirs in _folders(run_dir):
+        root = storage.join(run_dir, *parts)
+        if "checkpoints" in dirs and committed_steps(storage.join(root, "checkpoints")):
+            label = parts[0] if parts else storage.path(run_dir).name
             seed = default_seed
             for p in parts:
                 m = re.fullmatch(r"seed_(\d+)", p)
                 if m:
                     seed = int(m.group(1))
             found.append(ModelEntry(label, seed, root))
-        dirs[:] = [d for d in dirs if d != "checkpoints"]
     order = {"diff": 0, "standard": 1}
     return sorted(found, key=lambda e: (order.get(e.label, 2), e.label, e.seed))
 
 
 def read_run_config(run_dir: str) -> dict[str, Any]:
-    """``RUN_DIR/config.json`` (``ExperimentConfig.to_dict()``)."""
-    path = os.path.join(run_dir, "config.json")
-    if not os.path.isfile(path):
+    """``RUN_DIR/config.json`` (``ExperimentConfig.to_dict()``), local or ``gs://``."""
+    path = storage.join(run_dir, "config.json")
+    if not storage.exists(path):
         raise ConfigError(
             f"{run_dir} has no config.json. Fix: pass a run directory written by "
             f"train.py (e.g. runs/default)"
         )
-    with open(path) as f:
-        return json.load(f)
+    return storage.read_json(path)
 
 
 def data_config(cfg: dict[str, Any]) -> DataConfig:
@@ -259,7 +283,7 @@ def evaluate_model(
 
 # ---------------------------------------------------------------------------- the run
 def _scale(entry: ModelEntry, model, cfg: dict[str, Any]) -> dict[str, Any]:
-    ckpt = Checkpointer(os.path.join(entry.path, "checkpoints"), async_save=False)
+    ckpt = Checkpointer(storage.join(entry.path, "checkpoints"), async_save=False)
     try:
         step = ckpt.best_step()
     finally:
@@ -277,8 +301,8 @@ def evaluate_run(
     settings: EvalSettings | None = None,
     write: bool = True,
 ) -> str:
-    """Evaluate every model of a ``train.py`` run; write ``eval.md``, ``eval.json`` and the
-    plots into ``run_dir``; return the markdown. ``quick``: a small subset (one context length,
+    """Evaluate every model of a ``train.py`` run (a local folder or a ``gs://`` URL); write
+    ``eval.md``, ``eval.json`` and the plots into ``run_dir``; return the markdown. ``quick``: a small subset (one context length,
     few examples: 51 s of CPU time for the default comparison's two models). ``settings``
     overrides the quick/full choice (e.g. fewer examples or bit widths).
 
@@ -286,8 +310,8 @@ def evaluate_run(
     collective (every process must open and restore the same checkpoints, in the same order),
     each process evaluates the models on its first local device, and only the one with
     ``write=True`` (process 0) writes the files; the others return ``""``."""
-    run_dir = os.path.abspath(run_dir)
-    if not os.path.isdir(run_dir):
+    run_dir = str(storage.absolute(run_dir))
+    if not storage.isdir(run_dir):
         raise ConfigError(
             f"run directory {run_dir} does not exist. Fix: pass the folder "
             f"train.py wrote (e.g. runs/default)"
@@ -311,7 +335,7 @@ def evaluate_run(
         r.update(
             label=e.label,
             seed=e.seed,
-            path=os.path.relpath(e.path, run_dir),
+            path=relative_path(e.path, run_dir),
             **_scale(e, model, cfg),
         )
         results.append(r)
@@ -319,20 +343,17 @@ def evaluate_run(
         return ""
     noise = nf.noise_floor_closed_form(nf.DEFAULT_NS, nf.REPORT_MARGIN, nf.REPORT_LAMBDA)
     text = render(run_dir, data, settings, results, noise)
-    with open(os.path.join(run_dir, "eval.md"), "w") as f:
-        f.write(text)
-    with open(os.path.join(run_dir, "eval.json"), "w") as f:
-        json.dump(
-            {
-                "quick": quick,
-                "models": results,
-                "noise_closed_form": {k: np.asarray(v).tolist() for k, v in noise.items()},
-            },
-            f,
-            indent=1,
-            default=_json_default,
-        )
-    log(f"evaluation: {os.path.join(run_dir, 'eval.md')}")
+    storage.write_text(storage.join(run_dir, "eval.md"), text)
+    storage.write_json(
+        storage.join(run_dir, "eval.json"),
+        {
+            "quick": quick,
+            "models": results,
+            "noise_closed_form": {k: np.asarray(v).tolist() for k, v in noise.items()},
+        },
+        default=_json_default,
+    )
+    log(f"evaluation: {storage.join(run_dir, 'eval.md')}")
     return text
 
 

@@ -25,11 +25,10 @@ import argparse
 import contextlib
 import dataclasses
 import functools
-import json
-import os
 import sys
 import time
 
+from diffjax import storage
 from diffjax.compare import cli as compare_cli
 from diffjax.config import ConfigError, ModelConfig
 from diffjax.data import DataError
@@ -119,7 +118,7 @@ def plan_sweep(config: str, overrides: list[str]) -> tuple[str, Ladder, list[Siz
     runs = []
     for shape in ladder.sizes:
         name = size_name(shape)
-        directory = os.path.join(run_dir, f"size_{name}")
+        directory = storage.join(run_dir, f"size_{name}")
         try:
             own = list(ladder.size_overrides.get(name, ()))
             inner, steps, note = size_overrides(
@@ -146,36 +145,51 @@ def plan_sweep(config: str, overrides: list[str]) -> tuple[str, Ladder, list[Siz
 
 def write_plan(run_dir: str, config: str, ladder: Ladder, runs: list[SizeRun]) -> None:
     """``RUN_DIR/sweep_plan.json``: the ladder and every size's plan, for the report."""
-    os.makedirs(run_dir, exist_ok=True)
+    storage.makedirs(run_dir)
     plan = {
         "config": config,
         "ladder": dataclasses.asdict(ladder),
         "sizes": [r.to_dict() for r in runs],
     }
-    with open(os.path.join(run_dir, PLAN_FILE), "w") as f:
-        json.dump(plan, f, indent=1)
+    storage.write_json(storage.join(run_dir, PLAN_FILE), plan)
 
 
 def is_done(run: SizeRun) -> bool:
     """Whether ``run`` finished with these same overrides."""
-    path = os.path.join(run.directory, DONE_FILE)
-    if not os.path.isfile(path):
+    path = storage.join(run.directory, DONE_FILE)
+    if not storage.exists(path):
         return False
-    with open(path) as f:
-        return json.load(f).get("overrides") == list(run.overrides)
+    return storage.read_json(path).get("overrides") == list(run.overrides)
 
 
 def run_size(config: str, run: SizeRun, after_step: AfterStep | None = None) -> int:
     """The comparison of one size (``diffjax.compare``'s command line), its output appended to
     ``train.log`` in its folder; on success ``sweep_done.json`` is written. Its exit code.
-    ``after_step``: as :func:`diffjax.compare.main`'s."""
-    os.makedirs(run.directory, exist_ok=True)
-    with open(os.path.join(run.directory, "train.log"), "a") as log:
-        with contextlib.redirect_stdout(log):
-            code = compare_cli.main(["--config", config, *run.overrides], after_step=after_step)
+    ``after_step``: as :func:`diffjax.compare.main`'s.
+
+    In a ``gs://`` folder ``train.log`` is appended to on local disk (after the bucket's copy,
+    when a resume finds one) and uploaded whole every 30 s of training and at the end."""
+    logs = storage.SyncedDir(run.directory)
+    logs.pull("train.log")
+    log = open(logs.local_path("train.log"), "a")
+
+    def step(i: int, checkpointer) -> None:
+        if logs.due():
+            log.flush()
+            logs.sync()
+        if after_step is not None:
+            after_step(i, checkpointer)
+
+    try:
+        with log, contextlib.redirect_stdout(log):
+            code = compare_cli.main(["--config", config, *run.overrides], after_step=step)
+    finally:
+        logs.close()
     if code == 0:
-        with open(os.path.join(run.directory, DONE_FILE), "w") as f:
-            json.dump({"overrides": list(run.overrides), "finished": time.time()}, f, indent=1)
+        storage.write_json(
+            storage.join(run.directory, DONE_FILE),
+            {"overrides": list(run.overrides), "finished": time.time()},
+        )
     return code
 
 
@@ -214,6 +228,7 @@ def main(argv: list[str] | None = None, *, after_step: AfterStep | None = None) 
     args = build_parser().parse_args(argv)
     try:
         run_dir, ladder, runs = plan_sweep(args.config, args.overrides)
+        storage.check_access(run_dir, what="run.dir", write=True)  # a gs:// one, before training
     except (ConfigError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -231,7 +246,7 @@ def main(argv: list[str] | None = None, *, after_step: AfterStep | None = None) 
             f"{where}: training DIFF ({run.diff_params:,} non-embedding parameters) and the twin "
             f"({run.twin_params:,}), {run.steps} steps, {run.tokens:,} tokens each"
             + (f" ({run.note})" if run.note else "")
-            + f"; log: {os.path.join(run.directory, 'train.log')}"
+            + f"; log: {storage.join(run.directory, 'train.log')}"
         )
         start = time.time()
         code = run_size(args.config, run, after_step)
@@ -250,5 +265,5 @@ def main(argv: list[str] | None = None, *, after_step: AfterStep | None = None) 
         _say(f"{where}: done in {time.time() - start:.0f} s")
     text = write_sweep_report(run_dir)
     _say(summary_section(text))
-    _say(f"report: {os.path.join(run_dir, 'sweep.md')}")
+    _say(f"report: {storage.join(run_dir, 'sweep.md')}")
     return 0

@@ -16,15 +16,14 @@ Drawn on explicit :class:`matplotlib.figure.Figure` objects with the Agg canvas 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
 from typing import Sequence
 
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from diffjax import storage
 from diffjax.evaluate.stats import describe_difference, fmt_mean_std, paired_difference
 from diffjax.train.metrics import read_metrics
 
@@ -82,21 +81,19 @@ class Analysis:
 # ---------------------------------------------------------------------------- reading
 def read_plan(run_dir: str) -> dict:
     """``RUN_DIR/sweep_plan.json`` (written by the command line before training)."""
-    with open(os.path.join(run_dir, PLAN_FILE)) as f:
-        return json.load(f)
+    return storage.read_json(storage.join(run_dir, PLAN_FILE))
 
 
 def _final_losses(size_dir: str, label: str) -> dict[int, float]:
     """``{seed: final validation loss}`` of the finished seeds of one model of one size."""
     out = {}
-    base = os.path.join(size_dir, label)
-    if not os.path.isdir(base):
+    base = storage.join(size_dir, label)
+    if not storage.isdir(base):
         return out
-    for entry in sorted(os.listdir(base)):
-        path = os.path.join(base, entry, "result.json")
-        if entry.startswith("seed_") and os.path.isfile(path):
-            with open(path) as f:
-                loss = json.load(f).get("final_val_loss")
+    for entry in sorted(p.name for p in storage.path(base).iterdir()):
+        path = storage.join(base, entry, "result.json")
+        if entry.startswith("seed_") and storage.exists(path):
+            loss = storage.read_json(path).get("final_val_loss")
             if isinstance(loss, (int, float)) and math.isfinite(loss):
                 out[int(entry[len("seed_") :])] = float(loss)
     return out
@@ -107,7 +104,7 @@ def size_results(run_dir: str, plan: dict) -> list[SizeResult]:
     (each read from its folder inside ``run_dir``, wherever the run directory now is)."""
     out = []
     for size in plan["sizes"]:
-        directory = os.path.join(run_dir, os.path.basename(size["directory"].rstrip(os.sep)))
+        directory = storage.join(run_dir, storage.path(size["directory"]).name)
         d, t = (_final_losses(directory, label) for label in ("diff", "standard"))
         seeds = tuple(sorted(set(d) & set(t)))
         if seeds:
@@ -127,7 +124,7 @@ def size_results(run_dir: str, plan: dict) -> list[SizeResult]:
 
 
 def _curve(size_dir: str, label: str, seed: int) -> tuple[list[float], list[float]]:
-    records = read_metrics(os.path.join(size_dir, label, f"seed_{seed}", "metrics.jsonl"))
+    records = read_metrics(storage.join(size_dir, label, f"seed_{seed}", "metrics.jsonl"))
     evals = [r for r in records if isinstance(r.get("val_loss"), (int, float))]
     return [float(r["tokens"]) for r in evals], [float(r["val_loss"]) for r in evals]
 
@@ -467,8 +464,8 @@ def ratio_figure(results: Sequence[SizeResult], a: Analysis) -> Figure:
 
 
 def write_sweep_report(run_dir: str, resamples: int = 2000) -> str:
-    """Write ``sweep.md``, ``sweep_loss.png`` and ``sweep_ratio.png`` in ``run_dir`` from what
-    the sizes wrote there; returns the markdown."""
+    """Write ``sweep.md``, ``sweep_loss.png`` and ``sweep_ratio.png`` in ``run_dir`` (local or
+    ``gs://``) from what the sizes wrote there; returns the markdown."""
     plan = read_plan(run_dir)
     results = size_results(run_dir, plan)
     curve_index = plan["ladder"].get("curve_size")
@@ -478,9 +475,8 @@ def write_sweep_report(run_dir: str, resamples: int = 2000) -> str:
         curve_index = names.index(name) if name in names else None
     a = analyse(results, curve_index, resamples)
     text = sweep_markdown(plan, results, a)
-    with open(os.path.join(run_dir, "sweep.md"), "w") as f:
-        f.write(text)
+    storage.write_text(storage.join(run_dir, "sweep.md"), text)
     if results:
-        loss_figure(results, a).savefig(os.path.join(run_dir, "sweep_loss.png"), dpi=110)
-        ratio_figure(results, a).savefig(os.path.join(run_dir, "sweep_ratio.png"), dpi=110)
+        for name, figure in (("sweep_loss.png", loss_figure), ("sweep_ratio.png", ratio_figure)):
+            storage.save_figure(figure(results, a), storage.join(run_dir, name), dpi=110)
     return text
