@@ -62,9 +62,6 @@ TOKENIZER_FILES = (
     "tokenizer.model",
     "generation_config.json",
 )
-# the files of a tokenizer.json a reader needs (HFTokenizer reads the special tokens' names from
-# tokenizer_config.json beside it)
-TOKENIZER_JSON, TOKENIZER_CONFIG = "tokenizer.json", "tokenizer_config.json"
 # ModelConfig fields from_pretrained(..., **overrides) may set: none changes a weight's shape
 # or meaning.
 OVERRIDABLE = ("dtype", "param_dtype", "attention_impl", "max_seq_len", "scan_layers", "remat")
