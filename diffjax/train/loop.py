@@ -454,6 +454,22 @@ def process_stream(exp: ExperimentConfig, split: str, mesh) -> Iterator[dict[str
     )
 
 
+def metrics_sink(
+    exp: ExperimentConfig, directory: str, start: int
+) -> MetricsWriter | MetricsCollector:
+    """Where the step records go: process 0 writes ``metrics.jsonl`` and TensorBoard's files
+    in ``directory`` (from ``start``, the resumed step); the other processes keep them."""
+    if jax.process_index() != 0:
+        return MetricsCollector()
+    return MetricsWriter(
+        directory,
+        resume_step=start,
+        tensorboard=exp.train.tensorboard,
+        log_every=exp.train.log_every,
+        sync_every_s=exp.run.sync_every_s,
+    )
+
+
 def _open_run(
     exp: ExperimentConfig,
     model_cfg: ModelConfig,
@@ -875,17 +891,7 @@ def _train_model(
     train_fn, eval_fn = compile_steps(
         setup, state, rest, model_inputs(val_batches[0], mesh, tcfg.batch_size, order)
     )
-    writer = (
-        MetricsWriter(
-            directory,
-            resume_step=start,
-            tensorboard=tcfg.tensorboard,
-            log_every=tcfg.log_every,
-            sync_every_s=exp.run.sync_every_s,
-        )
-        if main
-        else MetricsCollector()
-    )
+    writer = metrics_sink(exp, directory, start)
     bar = _progress_bar(tcfg.steps, start, label) if tcfg.progress and main else None
     recorder = _Recorder(
         writer,
