@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, NoReturn
 
+from diffjax import storage
 from diffjax.config import ConfigError, check_fields, fail
 
 SOURCES = ("stdlib", "text", "tokens", "needle", "mqar")
@@ -141,6 +142,14 @@ class DataConfig:
             )
         if self.path is not None and not self.path.strip():
             _fail("path", "is an empty string", "give a file, directory or glob, or leave it None")
+        if self.path is not None and any(storage.is_remote(p) for p in self.path.split(",")):
+            _fail(
+                "path",
+                f"{self.path!r} is a URL; training data is read from local files (a run "
+                f"directory, checkpoints and exports may be gs://, the data not yet)",
+                "copy the data to each host's disk (gcloud storage cp -r gs://... DIR) and give "
+                "that path",
+            )
         if self.source in ("text", "tokens") and self.path is None:
             what = "text files" if self.source == "text" else ".npy/.bin token files"
             _fail(

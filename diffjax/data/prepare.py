@@ -38,6 +38,8 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from diffjax import storage
+
 from .config import DataError
 from .sources import (
     BYTE_TOKENIZER,
@@ -798,6 +800,19 @@ def check_options(options: PrepareOptions) -> None:
         )
     if not options.text_field:
         raise _fail("--text-field", "is empty", "name the field that holds the text")
+    # a URL would otherwise become a local folder named "gs:" (nothing reaching the bucket)
+    fixes = {
+        "--out": "prepare into a local folder (a copy of it goes to each host that trains)",
+        "INPUT": "copy the inputs to local disk first (gcloud storage cp -r gs://... DIR)",
+    }
+    for flag, values in (("--out", [options.out]), ("INPUT", list(options.inputs))):
+        for value in values:
+            if storage.is_remote(value):
+                raise _fail(
+                    flag,
+                    f"{value!r} is a URL; corpus preparation reads and writes local files",
+                    fixes[flag],
+                )
 
 
 def prepare(options: PrepareOptions) -> PrepareResult:
