@@ -22,6 +22,8 @@ credentials are used (a VM's service account, ``gcloud auth application-default 
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import io
 import json
 import os
@@ -181,6 +183,71 @@ def upload(local: str, p: PathLike) -> None:
         return
     with open(local, "rb") as src, path(p).open("wb") as dst:
         shutil.copyfileobj(src, dst, 16 << 20)
+
+
+# ------------------------------------------------------------------------ objects in a bucket
+def filesystem():
+    """The fsspec filesystem of ``gs://`` (gcsfs; one per process, thread-safe: its requests run
+    on its own event loop)."""
+    import fsspec
+
+    _use_emulator()
+    return fsspec.filesystem("gs")
+
+
+def read_ranges(urls: list[str], starts: list[int], stops: list[int]) -> list[bytes]:
+    """Bytes ``[starts[i], stops[i])`` of the object ``urls[i]``, for every ``i``, as concurrent
+    ranged reads (HTTP ``Range`` requests, all in flight at once)."""
+    if not urls:
+        return []
+    return filesystem().cat_ranges(list(urls), list(starts), list(stops), on_error="raise")
+
+
+def object_sizes(prefix: PathLike) -> dict[str, int]:
+    """The objects directly under the prefix ``prefix`` (a bucket's "folder"): name -> bytes, in
+    one listing."""
+    fs = filesystem()
+    try:
+        listed = fs.ls(_text(prefix), detail=True, refresh=True)
+    except FileNotFoundError:
+        return {}
+    return {
+        e["name"].rstrip("/").rsplit("/", 1)[-1]: int(e["size"])
+        for e in listed
+        if e.get("type") == "file"
+    }
+
+
+def same_bytes(p: PathLike, data: bytes) -> bool:
+    """Whether the file or object ``p`` holds exactly ``data`` (an object is compared by its
+    size and MD5 hash, without downloading it)."""
+    if not is_remote(p):
+        p = os.fspath(p)
+        if not os.path.isfile(p) or os.path.getsize(p) != len(data):
+            return False
+        with open(p, "rb") as fh:
+            return fh.read() == data
+    try:
+        info = filesystem().info(_text(p), refresh=True)
+    except FileNotFoundError:
+        return False
+    if int(info.get("size", -1)) != len(data):
+        return False
+    if info.get("md5Hash"):
+        digest = base64.b64encode(hashlib.md5(data).digest()).decode()
+        return info["md5Hash"] == digest
+    return read_bytes(p) == data
+
+
+def remove(p: PathLike) -> None:
+    """Delete the file or object ``p`` (nothing when it is missing)."""
+    if is_remote(p):
+        try:
+            filesystem().rm_file(_text(p))
+        except FileNotFoundError:
+            pass
+    elif os.path.exists(p):
+        os.remove(p)
 
 
 # ------------------------------------------------------------------------ checks before compute

@@ -143,13 +143,17 @@ class DataConfig:
         if self.path is not None and not self.path.strip():
             _fail("path", "is an empty string", "give a file, directory or glob, or leave it None")
         if self.path is not None and any(storage.is_remote(p) for p in self.path.split(",")):
-            _fail(
-                "path",
-                f"{self.path!r} is a URL; training data is read from local files (a run "
-                f"directory, checkpoints and exports may be gs://, the data not yet)",
-                "copy the data to each host's disk (gcloud storage cp -r gs://... DIR) and give "
-                "that path",
-            )
+            for p in self.path.split(","):
+                storage.path(p.strip(), what="DataConfig.path")  # a known scheme
+            if self.source != "tokens" or "," in self.path:
+                _fail(
+                    "path",
+                    f"{self.path!r} is a URL; from a bucket diffjax reads one prepared prefix "
+                    f"(source='tokens'), not {'several paths' if ',' in self.path else 'source=' + repr(self.source)}",
+                    "prepare the corpus into the bucket (python -m diffjax.data.prepare INPUT... "
+                    "--tokenizer T --out gs://BUCKET/prepared) and train with data.source=tokens "
+                    "data.path=gs://BUCKET/prepared",
+                )
         if self.source in ("text", "tokens") and self.path is None:
             what = "text files" if self.source == "text" else ".npy/.bin token files"
             _fail(

@@ -98,25 +98,28 @@ def validation_metrics(config: DataConfig) -> dict[str, ValidationMetric]:
     return dict(source.validation_metrics)
 
 
-def _process_rows(ds, global_batch: int, batch: int, index: int):
-    """Rows ``[index * batch, (index + 1) * batch)`` of every ``global_batch`` elements of
-    ``ds`` (a grain ``MapDataset``), lazily: only those elements are ever read."""
+def _process_batches(ds, global_batch: int, batch: int, index: int):
+    """Batch ``j`` of this process: rows ``[index * batch, (index + 1) * batch)`` of the
+    ``global_batch`` elements ``[j * global_batch, (j + 1) * global_batch)`` of ``ds`` (a grain
+    ``MapDataset``), stacked. Only those rows are ever read, in one batched read (``_getitems``:
+    a corpus in a bucket fetches the batch's windows concurrently)."""
     import grain
 
-    class ProcessRows(grain.MapDataset):
+    class ProcessBatches(grain.MapDataset):
         def __len__(self) -> int:
-            return (len(self._parent) // global_batch) * batch
+            return len(self._parent) // global_batch
 
-        def __getitem__(self, i):
-            if isinstance(i, slice):
-                return self.slice(i)
-            j, r = divmod(int(i), batch)
-            return self._parent[j * global_batch + index * batch + r]
+        def __getitem__(self, j):
+            if isinstance(j, slice):
+                return self.slice(j)
+            first = int(j) * global_batch + index * batch
+            rows = self._parent._getitems(list(range(first, first + batch)))
+            return {k: np.stack([row[k] for row in rows]) for k in rows[0]}
 
         def __str__(self) -> str:
-            return f"ProcessRows(rows {index * batch}:{(index + 1) * batch} of {global_batch})"
+            return f"ProcessBatches(rows {index * batch}:{(index + 1) * batch} of {global_batch})"
 
-    return ProcessRows(ds)
+    return ProcessBatches(ds)
 
 
 class _PadSource:
@@ -225,8 +228,7 @@ def make_dataset(
         if shuffle:
             ds = ds.shuffle(seed=train_seed)
         ds = ds.repeat(num_epochs)
-        ds = _process_rows(ds, pc * batch_size, batch_size, pi)
-        ds = ds.batch(batch_size, drop_remainder=True)
+        ds = _process_batches(ds, pc * batch_size, batch_size, pi)
     else:
         if shuffle:
             ds = ds.shuffle(seed=VALIDATION_SHUFFLE_SEED)
@@ -235,10 +237,9 @@ def make_dataset(
         if padded > n:
             pad = grain.MapDataset.source(_PadSource(padded - n, src[0]))
             ds = grain.MapDataset.concatenate([ds, pad])
-        ds = _process_rows(ds, chunk, batch_size, pi)
         if num_epochs is not None and num_epochs > 1:
-            ds = ds.repeat(num_epochs)
-        ds = ds.batch(batch_size, drop_remainder=True)
+            ds = ds.repeat(num_epochs)  # padded to whole global batches: epochs stay aligned
+        ds = _process_batches(ds, chunk, batch_size, pi)
     if read_options is None:
         read_options = grain.ReadOptions(
             num_threads=DEFAULT_NUM_THREADS, prefetch_buffer_size=DEFAULT_PREFETCH

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import dataclasses
 import glob
 import gzip
@@ -39,6 +40,8 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from diffjax import storage
+
+from diffjax.config import ConfigError
 
 from .config import DataError
 from .sources import (
@@ -144,6 +147,10 @@ def expand_inputs(inputs: Sequence[str]) -> list[InputFile]:
     key, each once. Raises PrepareError for a missing path or an unknown extension."""
     out: dict[str, InputFile] = {}
     for given in inputs:
+        if storage.is_remote(given):
+            for inp in _bucket_inputs(given):
+                out.setdefault(inp.path, inp)
+            continue
         path = os.path.expanduser(given)
         if glob.has_magic(path):
             matches = sorted(glob.glob(path, recursive=True))
@@ -189,10 +196,59 @@ def expand_inputs(inputs: Sequence[str]) -> list[InputFile]:
     return files
 
 
+def _bucket_inputs(given: str) -> list[InputFile]:
+    """The input files of a ``gs://`` object, prefix ("folder") or glob, keyed as local ones
+    are (the path relative to the prefix given, or the URL as given)."""
+    storage.check_access(given, what="INPUT", write=False)
+    fs = storage.filesystem()
+    given = given.rstrip("/")
+    bare = given.split("://", 1)[1]
+    if glob.has_magic(given):
+        found = {m: e for m, e in fs.glob(bare, detail=True).items() if e.get("type") == "file"}
+        if not found:
+            raise _fail("INPUT", f"the glob {given!r} matches nothing", "check the pattern")
+        pairs = [(f"gs://{m}", f"gs://{m}", int(e["size"])) for m, e in sorted(found.items())]
+        for _, url, _ in pairs:
+            if _kind_of(url) is None:
+                raise _unknown_extension(url)
+    elif fs.isfile(bare):
+        if _kind_of(given) is None:
+            raise _unknown_extension(given)
+        pairs = [(given, given, int(fs.info(bare)["size"]))]
+    elif fs.isdir(bare):
+        pairs = []
+        for name, e in sorted(fs.find(bare, detail=True).items()):
+            rel = name[len(bare) :].lstrip("/")
+            parts = rel.split("/")
+            hidden = any(p.startswith(".") or p in SKIPPED_TEXT_DIRS for p in parts)
+            if not hidden and _kind_of(rel) and e.get("type") == "file":
+                pairs.append((rel, f"gs://{name}", int(e["size"])))
+    else:
+        raise _fail(
+            "INPUT",
+            f"{given!r} does not exist (no object, and no objects under that prefix)",
+            "give an existing object, prefix or glob (gcloud storage ls to look)",
+        )
+    return [InputFile(key, url, _kind_of(url), size) for key, url, size in pairs]
+
+
+@contextlib.contextmanager
+def _open_input(inp: InputFile):
+    """An input's bytes as a binary file object (a ``.gz`` decompressed; an object in a bucket
+    streamed)."""
+    with contextlib.ExitStack() as stack:
+        if storage.is_remote(inp.path):
+            fh = stack.enter_context(storage.path(inp.path).open("rb"))
+        else:
+            fh = stack.enter_context(open(inp.path, "rb"))
+        if inp.kind == "jsonl.gz":
+            fh = stack.enter_context(gzip.GzipFile(fileobj=fh, mode="rb"))
+        yield fh
+
+
 def _first_record(inp: InputFile) -> tuple[int, dict] | None:
     """(line index, parsed record) of the first non-blank line of a jsonl input, or None."""
-    opener = gzip.open if inp.kind == "jsonl.gz" else open
-    with opener(inp.path, "rb") as fh:
+    with _open_input(inp) as fh:
         for i, line in enumerate(fh):
             if line.strip():
                 return i, _parse_line(inp, i, line)
@@ -239,7 +295,7 @@ def check_input(inp: InputFile, text_field: str) -> None:
             "remove it from the inputs (or fill it)",
         )
     if inp.kind == "txt":
-        with open(inp.path, "rb") as fh:
+        with _open_input(inp) as fh:
             if b"\x00" in fh.read(8192):
                 raise _fail(
                     "INPUT",
@@ -259,7 +315,8 @@ def check_input(inp: InputFile, text_field: str) -> None:
             raise _missing_field(inp, f"line {index + 1}", text_field, list(record))
     elif inp.kind == "parquet":
         pq = _pyarrow_parquet(inp.path)
-        names = list(pq.read_schema(inp.path).names)
+        with _open_input(inp) as fh:
+            names = list(pq.read_schema(fh).names)
         if text_field not in names:
             raise _missing_field(inp, "the columns", text_field, names)
 
@@ -306,7 +363,7 @@ def tokenizer_info(spec: str) -> TokenizerInfo:
         tok = load_tokenizer(spec)
     except DataError as e:
         raise _fail("--tokenizer", str(e), "give a local tokenizer.json, or 'byte'") from None
-    path = os.path.abspath(tok.path)
+    path = str(storage.absolute(tok.path))
     return TokenizerInfo(path, file_sha256(path), tok.vocab_size, tok.bos_id, tok.eos_id)
 
 
@@ -330,7 +387,8 @@ def resolve_dtype(dtype: str, vocab_size: int) -> str:
 @dataclasses.dataclass(frozen=True)
 class Chunk:
     """A unit of work: documents ``first``, ``first + 1``, ... of input ``input_index``, as
-    jsonl ``lines`` (bytes), ``texts``, or (a .txt input) nothing: the worker reads the file."""
+    jsonl ``lines`` (bytes), ``texts``, or (a .txt input) nothing: the worker reads the file
+    (``lines``: the bytes of a .txt object in a bucket, read by the parent)."""
 
     input_index: int
     first: int
@@ -362,8 +420,7 @@ class ChunkResult:
 
 
 def _jsonl_chunks(index: int, inp: InputFile) -> Iterator[Chunk]:
-    opener = gzip.open if inp.kind == "jsonl.gz" else open
-    with opener(inp.path, "rb") as fh:
+    with _open_input(inp) as fh:
         first = 0
         while True:
             block = fh.read(CHUNK_BYTES)
@@ -377,10 +434,11 @@ def _jsonl_chunks(index: int, inp: InputFile) -> Iterator[Chunk]:
 def _parquet_chunks(index: int, inp: InputFile, text_field: str) -> Iterator[Chunk]:
     pq = _pyarrow_parquet(inp.path)
     first = 0
-    for batch in pq.ParquetFile(inp.path).iter_batches(batch_size=4096, columns=[text_field]):
-        texts = tuple(batch.column(0).to_pylist())
-        yield Chunk(index, first, texts=texts)
-        first += len(texts)
+    with _open_input(inp) as fh:
+        for batch in pq.ParquetFile(fh).iter_batches(batch_size=4096, columns=[text_field]):
+            texts = tuple(batch.column(0).to_pylist())
+            yield Chunk(index, first, texts=texts)
+            first += len(texts)
 
 
 def _dataset_chunks(index: int, inp: InputFile, text_field: str) -> Iterator[Chunk]:
@@ -402,7 +460,10 @@ def _dataset_chunks(index: int, inp: InputFile, text_field: str) -> Iterator[Chu
 def iter_chunks(settings: Settings) -> Iterator[Chunk]:
     """Every input's documents as chunks, in input order."""
     for index, inp in enumerate(settings.inputs):
-        if inp.kind == "txt":
+        if inp.kind == "txt" and storage.is_remote(inp.path):
+            with _open_input(inp) as fh:  # read here: a bucket's client does not survive a fork
+                yield Chunk(index, 0, lines=fh.read())
+        elif inp.kind == "txt":
             yield Chunk(index, 0)
         elif inp.kind in ("jsonl", "jsonl.gz"):
             yield from _jsonl_chunks(index, inp)
@@ -417,7 +478,10 @@ def _chunk_documents(settings: Settings, chunk: Chunk) -> Iterator[tuple[str, by
     raises PrepareError for a record without the text field or with a non-text value."""
     inp = settings.inputs[chunk.input_index]
     if inp.kind == "txt":
-        with open(inp.path, "rb") as fh:
+        if chunk.lines is not None:  # read by the parent (an object in a bucket)
+            yield inp.key, chunk.lines
+            return
+        with _open_input(inp) as fh:
             yield inp.key, fh.read()
         return
     if chunk.lines is not None:
@@ -545,9 +609,15 @@ def shard_name(split: str, index: int) -> str:
 
 
 def write_shard(path: str, tokens: np.ndarray) -> bool:
-    """Write ``tokens`` to ``path`` through a temporary file renamed into place; a file that
+    """Write ``tokens`` to ``path`` through a temporary file renamed into place (an object in a
+    bucket: uploaded whole, it appears only when the upload completes); a file or object that
     already holds exactly these bytes is kept. Returns whether it wrote."""
     data = tokens.tobytes()
+    if storage.is_remote(path):
+        if storage.same_bytes(path, data):
+            return False
+        storage.write_bytes(path, data)
+        return True
     if os.path.isfile(path) and os.path.getsize(path) == len(data):
         with open(path, "rb") as fh:
             if fh.read() == data:
@@ -596,7 +666,7 @@ class ShardWriter:
         self._buffer, self._buffered = ([rest] if len(rest) else []), len(rest)
         index = len(self.shards)
         name = shard_name(self.split, index)
-        self.written += write_shard(os.path.join(self.out, name), shard)
+        self.written += write_shard(storage.join(self.out, name), shard)
         self.shards.append(
             {"file": name, "tokens": int(n), "documents": self.doc_starts.get(index, 0)}
         )
@@ -626,37 +696,53 @@ def _differences(a: dict, b: dict) -> list[str]:
 
 def _read_json(path: str) -> dict | None:
     try:
-        with open(path) as fh:
-            data = json.load(fh)
+        data = json.loads(storage.read_bytes(path))
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None
 
 
 def _write_json(path: str, data: dict) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as fh:
-        json.dump(data, fh, indent=2, sort_keys=True)
-        fh.write("\n")
-    os.replace(tmp, path)
+    storage.write_text(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def _out_files(out: str) -> dict[str, int]:
+    """The files directly in the folder or prefix ``out``: name -> bytes."""
+    if storage.is_remote(out):
+        return storage.object_sizes(out)
+    if not os.path.isdir(out):
+        return {}
+    return {
+        n: os.path.getsize(os.path.join(out, n))
+        for n in os.listdir(out)
+        if os.path.isfile(os.path.join(out, n))
+    }
 
 
 def _existing_shards(out: str) -> list[str]:
     return sorted(
-        n for n in os.listdir(out) if (n.startswith(("train_", "val_")) and n.endswith(".bin"))
+        n for n in _out_files(out) if (n.startswith(("train_", "val_")) and n.endswith(".bin"))
     )
 
 
 def check_out(out: str, fp: dict) -> dict | None:
     """Refuse an ``--out`` folder that holds another preparation (a manifest, or unfinished
     shards, of other inputs or options). Returns the folder's manifest when it is this one's."""
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise _fail("--out", f"{out!r} is a file", "give a folder (it is created if missing)")
-    if not os.path.isdir(out):
-        return None
+    if storage.is_remote(out):
+        if storage.filesystem().isfile(out.split("://", 1)[1]):
+            raise _fail("--out", f"{out!r} is an object", "give a prefix (gs://BUCKET/prepared)")
+        files = _out_files(out)
+        if not files:
+            return None
+    else:
+        if os.path.exists(out) and not os.path.isdir(out):
+            raise _fail("--out", f"{out!r} is a file", "give a folder (it is created if missing)")
+        if not os.path.isdir(out):
+            return None
+        files = _out_files(out)
     fix = "choose another --out, or delete the folder to prepare it again"
-    manifest_path = os.path.join(out, MANIFEST_FILE)
-    if os.path.exists(manifest_path):
+    manifest_path = storage.join(out, MANIFEST_FILE)
+    if MANIFEST_FILE in files:
         manifest = _read_json(manifest_path)
         theirs = (manifest or {}).get("fingerprint")
         if not isinstance(theirs, dict):
@@ -665,8 +751,8 @@ def check_out(out: str, fp: dict) -> dict | None:
             diff = ", ".join(_differences(theirs, fp))
             raise _fail("--out", f"{out!r} holds a finished preparation with another {diff}", fix)
         return manifest
-    options_path = os.path.join(out, OPTIONS_FILE)
-    if os.path.exists(options_path):
+    options_path = storage.join(out, OPTIONS_FILE)
+    if OPTIONS_FILE in files:
         theirs = (_read_json(options_path) or {}).get("fingerprint")
         if theirs != fp:
             diff = ", ".join(_differences(theirs or {}, fp))
@@ -680,10 +766,10 @@ def check_out(out: str, fp: dict) -> dict | None:
 
 def _manifest_complete(out: str, manifest: dict, dtype: str) -> bool:
     item = np.dtype(dtype).itemsize
+    files = _out_files(out)
     for shards in manifest.get("shards", {}).values():
         for s in shards:
-            path = os.path.join(out, s["file"])
-            if not os.path.isfile(path) or os.path.getsize(path) != s["tokens"] * item:
+            if files.get(s["file"]) != s["tokens"] * item:
                 return False
     return True
 
@@ -800,19 +886,9 @@ def check_options(options: PrepareOptions) -> None:
         )
     if not options.text_field:
         raise _fail("--text-field", "is empty", "name the field that holds the text")
-    # a URL would otherwise become a local folder named "gs:" (nothing reaching the bucket)
-    fixes = {
-        "--out": "prepare into a local folder (a copy of it goes to each host that trains)",
-        "INPUT": "copy the inputs to local disk first (gcloud storage cp -r gs://... DIR)",
-    }
-    for flag, values in (("--out", [options.out]), ("INPUT", list(options.inputs))):
-        for value in values:
-            if storage.is_remote(value):
-                raise _fail(
-                    flag,
-                    f"{value!r} is a URL; corpus preparation reads and writes local files",
-                    fixes[flag],
-                )
+    storage.path(options.out, what="--out")  # a scheme diffjax writes (gs://) or a local path
+    for value in options.inputs:
+        storage.path(value, what="INPUT")
 
 
 def prepare(options: PrepareOptions) -> PrepareResult:
@@ -825,7 +901,8 @@ def prepare(options: PrepareOptions) -> PrepareResult:
     for inp in inputs:
         check_input(inp, options.text_field)
     fp = fingerprint(options, inputs, tok, dtype)
-    out = options.out
+    out = options.out.rstrip("/") if storage.is_remote(options.out) else options.out
+    storage.check_access(out, what="--out", write=True)
     existing = check_out(out, fp)
     if existing is not None and _manifest_complete(out, existing, dtype):
         if options.progress:
@@ -833,13 +910,13 @@ def prepare(options: PrepareOptions) -> PrepareResult:
                 f"{out}: already prepared ({MANIFEST_FILE} matches); nothing to do", file=sys.stderr
             )
         return PrepareResult(existing, 0.0, 0.0, 0)
-    os.makedirs(out, exist_ok=True)
+    storage.makedirs(out)
     if existing is not None:  # a shard of it is missing or damaged: made again below
-        os.remove(os.path.join(out, MANIFEST_FILE))
-    _write_json(os.path.join(out, OPTIONS_FILE), {"fingerprint": fp})
-    for name in os.listdir(out):
+        storage.remove(storage.join(out, MANIFEST_FILE))
+    _write_json(storage.join(out, OPTIONS_FILE), {"fingerprint": fp})
+    for name in _out_files(out):
         if ".tmp-" in name:  # a temporary file of an interrupted run
-            os.remove(os.path.join(out, name))
+            storage.remove(storage.join(out, name))
     settings = Settings(tuple(inputs), tok.spec, options.text_field, options.val_fraction, dtype)
     writers = {s: ShardWriter(out, s, dtype, options.shard_tokens) for s in ("train", "val")}
     sized = all(i.kind in ("txt", "jsonl") for i in inputs)
@@ -867,9 +944,9 @@ def prepare(options: PrepareOptions) -> PrepareResult:
     keep = {s["file"] for lst in shards.values() for s in lst}
     for name in _existing_shards(out):
         if name not in keep:
-            os.remove(os.path.join(out, name))
+            storage.remove(storage.join(out, name))
     manifest = build_manifest(options, inputs, tok, dtype, fp, shards, skipped)
-    _write_json(os.path.join(out, MANIFEST_FILE), manifest)
+    _write_json(storage.join(out, MANIFEST_FILE), manifest)  # last: a manifest means complete
     total = progress.tokens
     rate = total / max(seconds, 1e-9)
     if options.progress:
@@ -956,7 +1033,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; a refused input prints its message and returns 2."""
     try:
         prepare(parse_args(argv))
-    except DataError as e:
+    except ConfigError as e:  # DataError, and StorageError (a bucket that cannot be used)
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -30,6 +30,8 @@ from typing import Sequence
 
 import numpy as np
 
+from diffjax import storage
+
 from .config import DataConfig, DataError
 from .tokenizer import BOS, EOS, HFTokenizer
 
@@ -165,6 +167,36 @@ class TokenStream:
             i += 1
         return out[0] if len(out) == 1 else np.concatenate(out)
 
+    def read_many(self, ranges: Sequence[tuple[int, int]]) -> list[np.ndarray]:
+        """``[self.read(a, b) for a, b in ranges]``, with the ranged reads of every piece in a
+        bucket in flight at once (one round trip for a whole batch of windows)."""
+        plans, remote = [], []
+        for start, stop in ranges:
+            start, stop = max(0, int(start)), min(len(self), int(stop))
+            plan = []
+            if stop > start:
+                i = int(np.searchsorted(self._offsets, start, side="right")) - 1
+                while start < stop:
+                    lo, hi = int(self._offsets[i]), int(self._offsets[i + 1])
+                    take = min(stop, hi)
+                    piece = self._pieces[i]
+                    if isinstance(piece, _RemotePiece):
+                        plan.append(len(remote))
+                        remote.append((piece, start - lo, take - lo))
+                    else:
+                        plan.append(piece.read(start - lo, take - lo))
+                    start, i = take, i + 1
+            plans.append(plan)
+        fetched = _RemotePiece.read_all(remote)
+        out = []
+        for plan in plans:
+            parts = [fetched[x] if isinstance(x, int) else x for x in plan]
+            if not parts:
+                out.append(np.zeros((0,), np.int32))
+            else:
+                out.append(parts[0] if len(parts) == 1 else np.concatenate(parts))
+        return out
+
     def sub(self, start: int, stop: int) -> "TokenStream":
         """The view ``[start, stop)`` of this stream."""
         return _SubStream(self, start, stop)
@@ -180,6 +212,11 @@ class _SubStream(TokenStream):
     def read(self, start: int, stop: int) -> np.ndarray:
         start, stop = max(0, int(start)), min(len(self), int(stop))
         return self._parent.read(self._start + start, self._start + stop)
+
+    def read_many(self, ranges: Sequence[tuple[int, int]]) -> list[np.ndarray]:
+        n, at = len(self), self._start
+        clipped = [(max(0, int(a)), min(n, int(b))) for a, b in ranges]
+        return self._parent.read_many([(at + a, at + max(a, b)) for a, b in clipped])
 
 
 class _Piece:
@@ -222,6 +259,42 @@ class _FilePiece(_Piece):
 
     def read(self, start: int, stop: int) -> np.ndarray:
         return np.asarray(self.array[start:stop]).astype(np.int32)
+
+
+class _RemotePiece(_Piece):
+    """A token shard in a bucket, read by ranged reads of the bytes asked for (nothing is
+    downloaded whole or kept: every process reads only the windows of its own rows)."""
+
+    def __init__(self, url: str, dtype: str, length: int):
+        self.url, self.dtype, self.length = url, dtype, int(length)
+
+    def __len__(self) -> int:
+        return self.length
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        return self.read_all([(self, start, stop)])[0]
+
+    @staticmethod
+    def read_all(requests: Sequence[tuple["_RemotePiece", int, int]]) -> list[np.ndarray]:
+        """Tokens ``[start, stop)`` of each ``(piece, start, stop)``, read concurrently."""
+        if not requests:
+            return []
+        items = [np.dtype(p.dtype).itemsize for p, _, _ in requests]
+        blobs = storage.read_ranges(
+            [p.url for p, _, _ in requests],
+            [a * k for (_, a, _), k in zip(requests, items)],
+            [b * k for (_, _, b), k in zip(requests, items)],
+        )
+        out = []
+        for (piece, a, b), blob in zip(requests, blobs):
+            if len(blob) != (b - a) * np.dtype(piece.dtype).itemsize:
+                raise DataError(
+                    f"DataConfig.path: reading tokens {a}:{b} of {piece.url!r} returned "
+                    f"{len(blob)} bytes; the object changed while training. Fix: do not "
+                    f"rewrite a prepared prefix a run reads (prepare into a new one)"
+                )
+            out.append(np.frombuffer(blob, dtype=piece.dtype).astype(np.int32))
+        return out
 
 
 # ============================================================================ text corpora
@@ -449,6 +522,12 @@ def check_token_ids(files: Sequence[str], dtype: str, vocab_size: int) -> None:
     """Every id of every token file in ``[0, vocab_size)``; else a DataError naming the file.
     A shard of a prepared folder is read with its manifest's dtype, and the manifest's
     ``vocab_size`` must fit the model's."""
+    remote = [p for p in files if storage.is_remote(p)]
+    for directory in sorted({p.rsplit("/", 1)[0] for p in remote}):
+        # a prepared prefix in a bucket: its manifest's vocab_size (written by prepare from the
+        # tokenizer) is checked; scanning every id would download the whole corpus
+        check_manifest_vocab(directory, read_manifest(directory), vocab_size)
+    files = [p for p in files if not storage.is_remote(p)]
     for directory in sorted({os.path.dirname(p) for p in files if _shard_manifest(p)}):
         check_manifest_vocab(directory, read_manifest(directory), vocab_size)
     for path in files:
@@ -502,7 +581,7 @@ class Manifest:
 def file_sha256(path: str) -> str:
     """The sha256 of a file's bytes (hex)."""
     digest = hashlib.sha256()
-    with open(path, "rb") as fh:
+    with storage.path(path).open("rb") if storage.is_remote(path) else open(path, "rb") as fh:
         for block in iter(lambda: fh.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
@@ -531,6 +610,8 @@ def _foreign_manifest(file: str, size: int, mtime_ns: int) -> bool:
 def is_prepared_dir(path: str) -> bool:
     """Whether ``path`` is a folder holding a ``manifest.json`` written by
     ``python -m diffjax.data.prepare`` (a manifest of another format does not count)."""
+    if storage.is_remote(path):
+        return True  # a bucket's prefix is read as prepared: read_manifest says what is wrong
     file = os.path.join(path, MANIFEST_FILE)
     if not (os.path.isdir(path) and os.path.isfile(file)):
         return False
@@ -540,7 +621,7 @@ def is_prepared_dir(path: str) -> bool:
 
 def _manifest_error(directory: str, problem: str) -> DataError:
     return DataError(
-        f"DataConfig.path: {os.path.join(directory, MANIFEST_FILE)!r} {problem}. Fix: prepare "
+        f"DataConfig.path: {storage.join(directory, MANIFEST_FILE)!r} {problem}. Fix: prepare "
         f"the folder again with python -m diffjax.data.prepare (or point data.path elsewhere)"
     )
 
@@ -556,11 +637,18 @@ def _parse_shards(directory: str, raw, split: str) -> tuple[Shard, ...]:
 
 @functools.lru_cache(maxsize=16)
 def _read_manifest(directory: str, size: int, mtime_ns: int) -> Manifest:
-    file = os.path.join(directory, MANIFEST_FILE)
     try:
-        with open(file) as fh:
-            raw = json.load(fh)
-    except (OSError, ValueError) as e:
+        with open(os.path.join(directory, MANIFEST_FILE), "rb") as fh:
+            text = fh.read()
+    except OSError as e:
+        raise _manifest_error(directory, f"is not readable ({e})") from None
+    return _parse_manifest(directory, text)
+
+
+def _parse_manifest(directory: str, text: bytes) -> Manifest:
+    try:
+        raw = json.loads(text)
+    except ValueError as e:
         raise _manifest_error(directory, f"is not readable JSON ({e})") from None
     if not isinstance(raw, dict) or raw.get("format") != MANIFEST_FORMAT:
         raise _manifest_error(directory, f"is not a {MANIFEST_FORMAT} manifest")
@@ -587,7 +675,20 @@ def _read_manifest(directory: str, size: int, mtime_ns: int) -> Manifest:
 
 def read_manifest(directory: str) -> Manifest:
     """The manifest of a prepared folder (cached while the file is unchanged). Raises
-    DataError when it is unreadable or of another format."""
+    DataError when it is unreadable or of another format (or, in a bucket, missing)."""
+    if storage.is_remote(directory):
+        file = storage.join(directory, MANIFEST_FILE)
+        try:
+            text = storage.read_bytes(file)
+        except FileNotFoundError:
+            raise DataError(
+                f"DataConfig.path: {directory!r} holds no {MANIFEST_FILE}, so it is not a "
+                f"prepared corpus (or its preparation did not finish: the manifest is written "
+                f"last). Fix: prepare the corpus into it (python -m diffjax.data.prepare "
+                f"INPUT... --tokenizer T --out {directory}), or point data.path at the prefix "
+                f"that holds {MANIFEST_FILE}"
+            ) from None
+        return _parse_manifest(directory, text)
     st = os.stat(os.path.join(directory, MANIFEST_FILE))
     return _read_manifest(os.path.abspath(directory), st.st_size, st.st_mtime_ns)
 
@@ -630,9 +731,22 @@ def check_manifest_tokenizer(directory: str, manifest: Manifest, tokenizer: str 
         )
 
 
-def _shard_pieces(directory: str, shards: Sequence[Shard], dtype: str) -> list[_FilePiece]:
+def _shard_pieces(directory: str, shards: Sequence[Shard], dtype: str) -> list[_Piece]:
     pieces = []
     item = np.dtype(dtype).itemsize
+    if storage.is_remote(directory):
+        sizes = storage.object_sizes(directory)  # one listing for every shard
+        for shard in shards:
+            size = sizes.get(shard.file)
+            if size != shard.tokens * item:
+                raise _manifest_error(
+                    directory,
+                    f"lists {shard.file} with {shard.tokens} {dtype} tokens "
+                    f"({shard.tokens * item} bytes), but the object is "
+                    f"{'missing' if size is None else f'{size} bytes'}",
+                )
+            pieces.append(_RemotePiece(storage.join(directory, shard.file), dtype, shard.tokens))
+        return pieces
     for shard in shards:
         full = os.path.join(directory, shard.file)
         if not os.path.isfile(full) or os.path.getsize(full) != shard.tokens * item:
@@ -650,6 +764,8 @@ def load_prepared_corpus(config: DataConfig, directory: str) -> Corpus:
     validation (the split is the one ``prepare`` made, by document), in its manifest's dtype.
     ``max_files`` caps the shards of each split."""
     t0 = time.perf_counter()
+    if storage.is_remote(directory):
+        storage.check_access(directory, what="data.path", write=False)
     manifest = read_manifest(directory)
     check_manifest_tokenizer(directory, manifest, config.tokenizer)
     train, val = manifest.train, manifest.validation
@@ -668,7 +784,7 @@ def load_prepared_corpus(config: DataConfig, directory: str) -> Corpus:
     return Corpus(
         kind="tokens",
         path=config.path,
-        files=tuple(p.path for p in train_pieces + val_pieces),
+        files=tuple(getattr(p, "path", None) or p.url for p in train_pieces + val_pieces),
         train=TokenStream(train_pieces),
         validation=TokenStream(val_pieces),
         train_files=len(train_pieces),
@@ -683,6 +799,8 @@ def load_token_corpus(config: DataConfig) -> Corpus:
     sorted order), split at ``1 - val_fraction`` of its length; or, when ``config.path`` is a
     prepared folder (it holds ``manifest.json``), its train and validation shards."""
     patterns = _split_patterns(config.path)
+    if storage.is_remote(config.path):  # one prepared prefix (DataConfig refuses the rest)
+        return load_prepared_corpus(config, config.path.rstrip("/"))
     prepared = [p for p in patterns if is_prepared_dir(os.path.expanduser(p))]
     if prepared:
         if len(patterns) > 1:
@@ -744,6 +862,17 @@ class WindowSource:
         T = self.seq_len
         w = self.stream.read(index * T, index * T + T + 1)
         return {"inputs": w[:-1], "targets": w[1:], "weights": np.ones((T,), np.float32)}
+
+    def _getitems(self, indices: Sequence[int]) -> list[dict[str, np.ndarray]]:
+        """``[self[i] for i in indices]`` with the reads in flight together (grain's batched
+        read: a batch of windows from a bucket is one round trip, not one per window)."""
+        T = self.seq_len
+        for index in indices:
+            if not 0 <= int(index) < self._len:
+                raise IndexError(f"window {index} out of range [0, {self._len})")
+        windows = self.stream.read_many([(int(i) * T, int(i) * T + T + 1) for i in indices])
+        ones = np.ones((T,), np.float32)
+        return [{"inputs": w[:-1], "targets": w[1:], "weights": ones.copy()} for w in windows]
 
     def __repr__(self) -> str:
         return f"WindowSource({self._len} windows of {self.seq_len} + 1 tokens)"
