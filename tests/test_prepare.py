@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 
 from diffjax.compare.cli import main as train_main
-from diffjax.config import ConfigError
 from diffjax.data import DataConfig, DataError, check_data, load_corpus
 from diffjax.data import prepare as prep
 from diffjax.data.sources import (
@@ -312,17 +311,3 @@ def test_train_py_trains_on_a_prepared_folder(tmp_path, capsys):
     )  # fmt: skip
     rows = read_metrics(str(run_dir / "diff" / "seed_0" / "metrics.jsonl"))
     assert [r["step"] for r in rows if "loss" in r][-1] == 2
-
-
-def test_a_bucket_url_is_refused_not_written_as_a_local_gs_folder(tmp_path, monkeypatch):
-    """``--out gs://...`` or a ``gs://`` input, and ``data.path=gs://...``: refused with the fix
-    (reading data from a bucket is not supported yet), never a local folder named ``gs:``."""
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / "a.txt").write_text("some text\n")
-    with pytest.raises(prep.PrepareError, match=r"--out: 'gs://b/prep' is a URL.*Fix: prepare"):
-        run([tmp_path / "a.txt"], "gs://b/prep")
-    with pytest.raises(prep.PrepareError, match=r"INPUT: 'gs://b/a.txt' is a URL.*Fix: copy"):
-        run(["gs://b/a.txt"], tmp_path / "out")
-    with pytest.raises(ConfigError, match=r"DataConfig.path: .gs://b/prep. is a URL.*Fix: copy"):
-        DataConfig(source="tokens", path="gs://b/prep")
-    assert sorted(os.listdir(tmp_path)) == ["a.txt"]

@@ -7,6 +7,7 @@ compute with nothing in the bucket changed."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -231,12 +232,22 @@ def test_sigterm_saves_to_the_bucket_exits_75_and_resumes(tmp_path, bucket, stra
 @pytest.mark.slow
 def test_two_processes_train_checkpoint_and_resume_into_one_bucket(tmp_path, gcs_server, bucket):
     """Two processes (gloo) run the default comparison's whole course (both models, report,
-    quick evaluation) into one gs:// run directory, then a longer run resumes both models from
+    quick evaluation) into one gs:// run directory, each reading its own rows of the training
+    data from a corpus prepared into the same bucket, then a longer run resumes both models from
     the bucket; process 0 alone writes the files one process writes."""
     import socket
 
+    from diffjax.data import prepare as prep
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(40):
+        (corpus / f"{i}.txt").write_text(f"document {i}: " + "some words of text " * 30)
+    options = prep.PrepareOptions((str(corpus),), "byte", f"{bucket}/data", val_fraction=0.2)
+    prep.prepare(dataclasses.replace(options, progress=False))
     run = f"{bucket}/pod"
     args = [f"run.dir={run}", *TINY, "train.eval_every=4", "train.checkpoint_every=4"]
+    args += ["data.source=tokens", f"data.path={bucket}/data"]
 
     def pair(steps: int, name: str, *extra: str) -> list[tuple[int, str, str]]:
         with socket.socket() as s:

@@ -86,6 +86,10 @@ class DataConfig:
     token_dtype: str = "uint16"  # dtype of raw .bin token files (.npy files carry their own)
     shuffle: bool = True  # train: a new permutation every epoch; validation: one fixed permutation
     max_files: int | None = None  # use only the first N files (sorted) of the corpus
+    # Batches the input pipeline reads ahead of the step (two threads; a batch from a bucket is
+    # one round of concurrent ranged reads); 0 reads each batch when the step asks for it. Only
+    # the speed depends on it, never the batches (benchmarks/data_speed.py measures it).
+    prefetch: int = 8
     stdlib_tests: bool = False  # include the stdlib's test packages (test/, tests/, idle_test/)
     # needle: how many sentences "The magic number for <key> is <value>." hide in a haystack.
     # Of them, num_queries are asked at the end; the loss counts only the answer digits.
@@ -194,6 +198,8 @@ class DataConfig:
                 f"unknown dtype {self.token_dtype!r}",
                 f"use one of {', '.join(map(repr, TOKEN_DTYPES))}",
             )
+        if self.prefetch < 0:
+            _fail("prefetch", f"must be >= 0, got {self.prefetch}", "use e.g. data.prefetch=8")
         if self.max_files is not None and self.max_files < 1:
             _fail(
                 "max_files",

@@ -34,8 +34,7 @@ from .tokenizer import PAD, VOCAB_SIZE, HFTokenizer
 
 SPLITS = ("train", "validation")
 VALIDATION_SHUFFLE_SEED = 0x5EED  # the validation order: one fixed permutation
-DEFAULT_NUM_THREADS = 2
-DEFAULT_PREFETCH = 8  # batches
+DEFAULT_NUM_THREADS = 2  # reading threads (at most data.prefetch)
 
 
 def _check_split(split: str) -> None:
@@ -168,7 +167,8 @@ def make_dataset(
         loop derives them from the mesh: ``diffjax.sharding.process_batch_share``).
       num_epochs: passes over the data; None = forever for train, 1 for validation.
       vocab_size: if given, :func:`check_data` runs first (token ids < vocab_size).
-      read_options: ``grain.ReadOptions`` (default 2 threads, 8 batches prefetched).
+      read_options: ``grain.ReadOptions`` (default: 2 threads, ``config.prefetch`` batches
+        read ahead).
 
     ``iter(dataset)`` supports ``get_state()`` / ``set_state()``. Problems with the data raise
     :class:`DataError` here, before any batch is read.
@@ -241,8 +241,9 @@ def make_dataset(
             ds = ds.repeat(num_epochs)  # padded to whole global batches: epochs stay aligned
         ds = _process_batches(ds, chunk, batch_size, pi)
     if read_options is None:
+        depth = config.prefetch
         read_options = grain.ReadOptions(
-            num_threads=DEFAULT_NUM_THREADS, prefetch_buffer_size=DEFAULT_PREFETCH
+            num_threads=min(DEFAULT_NUM_THREADS, depth), prefetch_buffer_size=depth
         )
     return ds.to_iter_dataset(read_options)
 

@@ -2,6 +2,7 @@
 
     python -m diffjax.data.prepare corpus/ more/*.jsonl.gz --tokenizer tokenizer.json --out prepared
     python train.py data.source=tokens data.path=prepared model.vocab_size=...
+    python -m diffjax.data.prepare gs://bucket/raw/ --tokenizer byte --out gs://bucket/prepared
 
 Inputs: ``.txt`` files (one document each), ``.jsonl`` / ``.jsonl.gz`` (one document a line, its
 text in ``--text-field``), ``.parquet`` (a ``--text-field`` column; needs ``pyarrow``), and a
@@ -18,6 +19,10 @@ nothing else. Each split is one stream cut into ``--shard-tokens`` shards (``tra
 (not on ``--workers``). Each shard is written to a temporary name and renamed; ``manifest.json``
 comes last, so a folder with a manifest is complete, and rerunning an interrupted preparation
 keeps the finished shards (checked byte for byte, not rewritten) and gives the same bytes.
+
+Inputs and ``--out`` may be in a bucket (``gs://``): inputs are streamed from it, each shard is
+uploaded whole (an object appears only when its upload completes) and the manifest last; a
+shard already there is kept when its size and MD5 hash match.
 """
 
 from __future__ import annotations
@@ -980,7 +985,7 @@ def parse_args(argv: Sequence[str] | None = None) -> PrepareOptions:
         "inputs",
         nargs="+",
         metavar="INPUT",
-        help=".txt/.jsonl/.jsonl.gz/.parquet files, directories, globs, or a "
+        help=".txt/.jsonl/.jsonl.gz/.parquet files, directories, globs (local or gs://), or a "
         "Hugging Face dataset (needs `datasets`)",
     )
     p.add_argument(
@@ -988,7 +993,7 @@ def parse_args(argv: Sequence[str] | None = None) -> PrepareOptions:
         required=True,
         help="a tokenizer.json (or a directory holding one), or 'byte'",
     )
-    p.add_argument("--out", required=True, help="the output folder")
+    p.add_argument("--out", required=True, help="the output folder, or a gs:// prefix")
     p.add_argument("--text-field", default="text", help="jsonl/parquet: the text's field")
     p.add_argument(
         "--workers",

@@ -4,7 +4,8 @@
 - ``text``: UTF-8 text files (a file, a directory, a glob; comma-separated for several).
 - ``tokens``: pre-tokenized ``.npy`` (``np.load(mmap_mode="r")``) / raw ``.bin`` (``np.memmap``)
   files, never read into memory whole; or a folder written by ``python -m diffjax.data.prepare``
-  (its ``manifest.json`` names the train and validation shards, their dtype and tokenizer).
+  (its ``manifest.json`` names the train and validation shards, their dtype and tokenizer),
+  locally or as a ``gs://`` prefix (read by concurrent ranged reads of the windows asked for).
 
 Text corpora are split by file: a file goes to validation when ``crc32(key) / 2**32 <
 val_fraction``, where ``key`` is its path relative to the corpus root. The split of one file

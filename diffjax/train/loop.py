@@ -495,7 +495,7 @@ def _open_run(
         changed = sorted(
             k
             for k in set(saved.get("data", {})) | set(meta["data"])
-            if saved.get("data", {}).get(k) != meta["data"].get(k)
+            if saved.get("data", {}).get(k) != meta["data"].get(k) and k != "prefetch"
         )
         if changed:
             log(
