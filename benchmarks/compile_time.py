@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 from diffjax import ModelConfig
 from diffjax.model import initial_rest
+from diffjax.runtime import Runtime
 from diffjax.sharding import MeshConfig, make_mesh
 from diffjax.train import TrainConfig
 from diffjax.train.loop import model_setup, train_step
@@ -33,7 +34,7 @@ from diffjax.train.loop import model_setup, train_step
 def compile_seconds(cfg: ModelConfig, batch: int, seq: int) -> tuple[float, float]:
     """``(trace + lower seconds, compile seconds)`` of the train step of ``cfg``."""
     mesh = make_mesh(MeshConfig(data=1), jax.devices()[:1])
-    setup = model_setup(cfg, TrainConfig(), mesh)
+    setup = model_setup(cfg, TrainConfig(), Runtime(mesh))
     rest = initial_rest(cfg)
     step = functools.partial(
         train_step, graphdef=setup.graphdef, rest=rest, tx=setup.tx, schedule=setup.schedule

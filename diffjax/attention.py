@@ -29,7 +29,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from . import ops
-from .config import RopeScaling, lambda_init_fn
+from .config import ContextSpec, RopeScaling, lambda_init_fn
 from .layers import (
     Dtype,
     Linear,
@@ -86,7 +86,7 @@ class Projection(NamedTuple):
 def attend(p: Projection, *, scale: float, impl, **masks) -> jax.Array:
     """``[B, T, H, dv]``: softmax attention of ``p`` (differential when it has ``q2``).
     ``masks``: ``causal``, ``segment_ids``, ``kv_segment_ids``, and for a sequence split over a
-    ``context`` mesh axis the tokens' ``positions`` and the ``context_impl``."""
+    ``context`` mesh axis the tokens' ``positions`` and the ``context`` spec."""
     if p.q2 is None:
         return ops.dot_product_attention(p.q, p.k, p.v, scale=scale, impl=impl, **masks)
     return ops.differential_attention(
@@ -154,7 +154,7 @@ class AttentionLayer(nnx.Module):
         rope_scaling: RopeScaling | None,
         causal: bool,
         attention_impl,
-        context_attention: str = "ring",
+        context: ContextSpec | None = None,
         kv_note: str = "",
     ) -> None:
         """Check and store the head layout; ``num_kv_heads=None`` means MHA."""
@@ -172,12 +172,12 @@ class AttentionLayer(nnx.Module):
         self.scale = head_dim**-0.5
         self.rope_theta, self.rope_scaling = rope_theta, rope_scaling
         self.causal, self.attention_impl = causal, attention_impl
-        self.context_attention = ops.check_context_impl(context_attention)
-        # how the tokens lie over a `context` mesh axis when positions are given: the ring on
-        # the Pallas kernels reads its blocks' layout from it (their masks are by index); the
-        # XLA path masks by position in any order. train.py and the evaluation set it
-        # (diffjax.model.set_context_order); "contiguous" is the natural order.
-        self.context_order = "contiguous"
+        # sequence parallelism over a `context` mesh axis: ring or all-gather, and how the
+        # tokens lie over the axis when positions are given (the ring on the Pallas kernels
+        # reads its blocks' layout from the order: their masks are by index; the XLA path masks
+        # by position in any order). A run builds the model with its own; by hand: the ring,
+        # the natural order.
+        self.context = ContextSpec() if context is None else context
 
     def _linear(self, n_in, n_out, dtype, param_dtype, kernel_init, rngs, axes=("embed", "heads")):
         """A bias-free linear whose kernel carries the logical ``axes`` (in, out)."""
@@ -249,11 +249,7 @@ class AttentionLayer(nnx.Module):
         elif p.lam is not None:
             _sow_lambda(self, p.lam)
         if p.q.shape[1] > 1:  # a sequence split over a `context` mesh axis: positions order it
-            masks.update(
-                positions=positions,
-                context_impl=self.context_attention,
-                context_order=self.context_order,
-            )
+            masks.update(positions=positions, context=self.context)
         o = attend(p, scale=self.scale, impl=self.attention_impl, segment_ids=segment_ids, **masks)
         return self.output(checkpoint_name(o, "attn_out")), cache
 
@@ -286,7 +282,7 @@ class MultiheadAttention(AttentionLayer):
         rope_scaling: RopeScaling | None = None,
         causal: bool = True,
         attention_impl="auto",
-        context_attention="ring",
+        context: ContextSpec | None = None,
         dtype: Dtype = jnp.float32,
         param_dtype: Dtype = jnp.float32,
         kernel_init=torch_linear_init,
@@ -309,7 +305,7 @@ class MultiheadAttention(AttentionLayer):
             rope_scaling=rope_scaling,
             causal=causal,
             attention_impl=attention_impl,
-            context_attention=context_attention,
+            context=context,
         )
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         args = (dtype, param_dtype, kernel_init, rngs)
@@ -361,7 +357,7 @@ class MultiheadDiffAttn(AttentionLayer):
         rope_scaling: RopeScaling | None = None,
         causal: bool = True,
         attention_impl="auto",
-        context_attention="ring",
+        context: ContextSpec | None = None,
         dtype: Dtype = jnp.float32,
         param_dtype: Dtype = jnp.float32,
         kernel_init=torch_linear_init,
@@ -384,7 +380,7 @@ class MultiheadDiffAttn(AttentionLayer):
             rope_scaling=rope_scaling,
             causal=causal,
             attention_impl=attention_impl,
-            context_attention=context_attention,
+            context=context,
         )
         value = lambda_init_fn(depth) if lambda_init is None else lambda_init
         self.lambda_init, self.output_scale = lambda_init_variables(value)
@@ -458,7 +454,7 @@ class MultiheadDiffAttnV2(AttentionLayer):
         rope_scaling: RopeScaling | None = None,
         causal: bool = True,
         attention_impl="auto",
-        context_attention="ring",
+        context: ContextSpec | None = None,
         dtype: Dtype = jnp.float32,
         param_dtype: Dtype = jnp.float32,
         kernel_init=torch_linear_init,
@@ -482,7 +478,7 @@ class MultiheadDiffAttnV2(AttentionLayer):
             rope_scaling=rope_scaling,
             causal=causal,
             attention_impl=attention_impl,
-            context_attention=context_attention,
+            context=context,
             kv_note=", or the query pairs (2i, 2i+1) straddle kv groups",
         )
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim

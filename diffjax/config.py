@@ -45,6 +45,48 @@ class ConfigError(ValueError):
     """An inconsistent configuration. The message names the field and the fix."""
 
 
+# ------------------------------------------------------------------ sequence parallelism
+# How a batch's tokens lie over a ``context`` mesh axis (diffjax.context.order_batch): zigzag
+# and striped balance the causal work over the devices, contiguous is the natural order.
+TOKEN_ORDERS = ("zigzag", "striped", "contiguous")
+# The orders the ring on the fused kernels can read (their masks are by index, so the blocks'
+# layout must follow from the order; striped would need a mask by position).
+KERNEL_ORDERS = ("zigzag", "contiguous")
+RUN_TOKEN_ORDER = "zigzag"  # the order a run lays its batches out in (mesh.context_order)
+NATURAL_ORDER = "contiguous"  # the tokens as given, unpermuted
+
+
+@dataclasses.dataclass(frozen=True)
+class ContextSpec:
+    """How self-attention runs when a ``context`` mesh axis splits the sequence: ``impl``
+    (``"ring"``: K/V passed round the devices; ``"allgather"``: K/V gathered whole), the
+    ``order`` the tokens lie in over the axis (how the batch was laid out:
+    :func:`diffjax.context.order_batch`; a model built by hand sees them in the natural,
+    contiguous order) and the mesh ``axis``. One value carries all three from the run to the
+    batches and to the model, so they cannot disagree. Without such an axis it changes
+    nothing."""
+
+    impl: str = "ring"
+    order: str = NATURAL_ORDER
+    axis: str = "context"
+
+    def __post_init__(self) -> None:
+        if self.impl not in CONTEXT_ATTENTIONS:
+            fail(
+                "ContextSpec",
+                "impl",
+                f"unknown sequence-parallel attention {self.impl!r}",
+                f"use one of {', '.join(map(repr, CONTEXT_ATTENTIONS))} (model.context_attention)",
+            )
+        if self.order not in TOKEN_ORDERS:
+            fail(
+                "ContextSpec",
+                "order",
+                f"unknown token order {self.order!r}",
+                f"use one of {', '.join(map(repr, TOKEN_ORDERS))} (mesh.context_order)",
+            )
+
+
 def fail(section: str, field: str, problem: str, fix: str) -> NoReturn:
     """Raise ``ConfigError("<section>.<field>: <problem>. Fix: <fix>.")``."""
     raise ConfigError(f"{section}.{field}: {problem}. Fix: {fix}.")

@@ -51,13 +51,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from .config import ConfigError
 from . import kernels
+from .config import CONTEXT_ATTENTIONS as IMPLS
+from .config import KERNEL_ORDERS, RUN_TOKEN_ORDER, TOKEN_ORDERS, ConfigError
 from .kernels import reference
-
-IMPLS = ("ring", "allgather")
-ORDERS = ("zigzag", "contiguous")
-TOKEN_ORDERS = ("zigzag", "striped", "contiguous")  # how a batch is laid over the devices
 
 
 # ---------------------------------------------------------------------------- token orders
@@ -657,8 +654,7 @@ def ring_attention(
 # over the device's two chunks; a block from device ``j < i`` is seen whole by its first chunk
 # (``[T/N, T/2N]``), one from ``j > i`` whole by the second query chunk (``[T/2N, T/N]``): the
 # same work on every device and step. In the contiguous order a block from ``j < i`` is seen
-# whole and one from ``j > i`` not at all.
-KERNEL_ORDERS = ("zigzag", "contiguous")
+# whole and one from ``j > i`` not at all: diffjax.config.KERNEL_ORDERS.
 
 
 def _rows(x, rows):
@@ -1016,10 +1012,10 @@ def _setup(mesh, axis, impl, order, q, k, positions):
             f"context.impl: unknown implementation {impl!r}. Fix: use one of "
             f"{', '.join(map(repr, IMPLS))}"
         )
-    if order not in ORDERS:
+    if order not in KERNEL_ORDERS:  # the orders whose layout follows from their name
         raise ConfigError(
             f"context.order: unknown token order {order!r}. Fix: use one of "
-            f"{', '.join(map(repr, ORDERS))} (and put the inputs in that order)"
+            f"{', '.join(map(repr, KERNEL_ORDERS))} (and put the inputs in that order)"
         )
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
     if axis not in sizes:
@@ -1078,7 +1074,7 @@ def context_differential_attention(
     mesh,
     axis: str = "context",
     impl: str = "ring",
-    order: str = "zigzag",
+    order: str = RUN_TOKEN_ORDER,
     positions=None,
     batch_axes=None,
     head_axes=None,
@@ -1175,7 +1171,7 @@ def context_dot_product_attention(
     mesh,
     axis: str = "context",
     impl: str = "ring",
-    order: str = "zigzag",
+    order: str = RUN_TOKEN_ORDER,
     positions=None,
     batch_axes=None,
     head_axes=None,

@@ -27,7 +27,7 @@ from .attention import (
     MultiheadDiffAttnV2,
     lambda_init_variables,
 )
-from .config import ModelConfig, lambda_init_fn
+from .config import ConfigError, ContextSpec, ModelConfig, lambda_init_fn
 from .layers import Linear, RMSNorm, SwiGLU, as_dtype
 from .sharding import constrain, param_init
 
@@ -60,14 +60,18 @@ def remat_policy(name: str):
     raise AssertionError(name)  # unreachable: ModelConfig validates the policy
 
 
-def make_attention(config: ModelConfig, depth: int, *, rngs: nnx.Rngs) -> AttentionLayer:
-    """The attention layer of block ``depth`` for ``config.attention``."""
+def make_attention(
+    config: ModelConfig, depth: int, *, rngs: nnx.Rngs, context: ContextSpec | None = None
+) -> AttentionLayer:
+    """The attention layer of block ``depth`` for ``config.attention``; ``context``: how it
+    runs over a ``context`` mesh axis (default: ``config.context_attention``, the natural
+    order)."""
     args = (config.d_model, depth, config.num_heads, config.kv_heads)
     common = dict(
         rope_theta=config.rope_theta,
         rope_scaling=config.rope_scaling_spec,
         attention_impl=config.attention_impl,
-        context_attention=config.context_attention,
+        context=context_spec(config, context),
         dtype=as_dtype(config.dtype),
         param_dtype=as_dtype(config.param_dtype),
         kernel_init=nnx.initializers.normal(config.init_std),
@@ -91,10 +95,12 @@ def make_attention(config: ModelConfig, depth: int, *, rngs: nnx.Rngs) -> Attent
 class Block(nnx.Module):
     """``x + attn(norm(x))``, then ``x + ffn(norm(x))`` (LLaMA's pre-norm residual block)."""
 
-    def __init__(self, config: ModelConfig, depth: int, *, rngs: nnx.Rngs):
+    def __init__(
+        self, config: ModelConfig, depth: int, *, rngs: nnx.Rngs, context: ContextSpec | None = None
+    ):
         pdt = as_dtype(config.param_dtype)
         self.attn_norm = RMSNorm(config.d_model, eps=config.norm_eps, param_dtype=pdt)
-        self.attn = make_attention(config, depth, rngs=rngs)
+        self.attn = make_attention(config, depth, rngs=rngs, context=context)
         self.ffn_norm = RMSNorm(config.d_model, eps=config.norm_eps, param_dtype=pdt)
         self.ffn = SwiGLU(
             config.d_model,
@@ -158,12 +164,18 @@ class TransformerLM(nnx.Module):
 
     ``positions`` (``[B, T]``, default ``arange(T)``) and ``segment_ids`` (``[B, T]``, packed
     sequences: no attention across segments) are passed to every attention layer.
+
+    ``context``: how attention runs when a ``context`` mesh axis splits the sequence, and the
+    order the tokens lie in over it (:class:`diffjax.config.ContextSpec`; default: the ring
+    of ``config.context_attention``, the natural order). A run builds its model with the
+    spec it lays the batches out by.
     """
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, context: ContextSpec | None = None):
         if not isinstance(config, ModelConfig):
             raise TypeError(f"TransformerLM takes a ModelConfig, got {type(config).__name__}")
         self.config = config
+        self.context = context = context_spec(config, context)
         dt, pdt = as_dtype(config.dtype), as_dtype(config.param_dtype)
         init = nnx.initializers.normal(config.init_std)
         self.embed = nnx.Embed(
@@ -175,9 +187,12 @@ class TransformerLM(nnx.Module):
             rngs=rngs,
         )
         if config.scan_layers:
-            self.layers = _stacked_blocks(config, rngs)
+            self.layers = _stacked_blocks(config, rngs, context)
         else:
-            self.layers = nnx.List([Block(config, i, rngs=rngs) for i in range(config.num_layers)])
+            blocks = [
+                Block(config, i, rngs=rngs, context=context) for i in range(config.num_layers)
+            ]
+            self.layers = nnx.List(blocks)
         self.norm = RMSNorm(config.d_model, eps=config.norm_eps, param_dtype=pdt)
         self.lm_head = (
             None
@@ -262,7 +277,7 @@ class TransformerLM(nnx.Module):
         state = nnx.to_pure_dict(nnx.state(self.layers))
         out = []
         for i in range(self.config.num_layers):
-            block = _abstract_block(self.config)
+            block = _abstract_block(self.config, self.context)
             nnx.update(block, jax.tree.map(lambda a, i=i: a[i], state))
             out.append(block)
         return out
@@ -300,7 +315,7 @@ def initial_rest(config: ModelConfig) -> nnx.State:
 
 
 # ---------------------------------------------------------------------------- the two layouts
-def _stacked_blocks(config: ModelConfig, rngs: nnx.Rngs) -> Block:
+def _stacked_blocks(config: ModelConfig, rngs: nnx.Rngs, context: ContextSpec) -> Block:
     """L blocks as one :class:`Block` with a leading layer axis on every variable (logical
     axis ``"layers"``), each layer from its own split of ``rngs``; DIFF V1's per-layer
     ``lambda_init`` is written in afterwards."""
@@ -308,7 +323,7 @@ def _stacked_blocks(config: ModelConfig, rngs: nnx.Rngs) -> Block:
     @nnx.split_rngs(splits=config.num_layers)
     @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
     def make(rngs):
-        return Block(config, 0, rngs=rngs)
+        return Block(config, 0, rngs=rngs, context=context)
 
     blocks = make(rngs)
     if isinstance(blocks.attn, MultiheadDiffAttn):
@@ -320,29 +335,45 @@ def _stacked_blocks(config: ModelConfig, rngs: nnx.Rngs) -> Block:
     return blocks
 
 
-def _abstract_block(config: ModelConfig) -> Block:
-    return nnx.eval_shape(lambda: Block(config, 0, rngs=nnx.Rngs(0)))
+def _abstract_block(config: ModelConfig, context: ContextSpec) -> Block:
+    return nnx.eval_shape(lambda: Block(config, 0, rngs=nnx.Rngs(0), context=context))
 
 
 def _convert(model: TransformerLM, scan_layers: bool, layers) -> TransformerLM:
     """A model of the other layout whose parameters are ``model``'s, blocks replaced by
     ``layers`` (a pure-dict state in the new layout)."""
     config = model.config.replace(scan_layers=scan_layers)
-    new = nnx.eval_shape(lambda: TransformerLM(config, rngs=nnx.Rngs(0)))
+    new = nnx.eval_shape(lambda: TransformerLM(config, rngs=nnx.Rngs(0), context=model.context))
     state = nnx.to_pure_dict(nnx.state(model))
     state["layers"] = layers
     nnx.update(new, state)
     return new
 
 
-def set_context_order(model: nnx.Module, order: str) -> nnx.Module:
-    """``model`` (changed in place, and returned) with every attention layer told that its
-    tokens lie in ``order`` over a ``context`` mesh axis ("zigzag", "striped" or
-    "contiguous"), as :func:`diffjax.context.order_batch` lays a batch out. Only the ring on
-    the Pallas kernels reads it (its blocks mask by index); a static attribute, so a jitted
-    call retraces when it changes."""
-    model.set_attributes(context_order=order, raise_if_not_found=False)
-    return model
+def context_spec(config: ModelConfig, context: ContextSpec | None = None) -> ContextSpec:
+    """``context``, or the default of a model of ``config`` (its ``context_attention``, the
+    natural order); a spec whose implementation is not the config's is refused."""
+    if context is None:
+        return ContextSpec(impl=config.context_attention)
+    if context.impl != config.context_attention:
+        raise ConfigError(
+            f"ContextSpec.impl: {context.impl!r} differs from the model's "
+            f"context_attention={config.context_attention!r}. Fix: build the spec from the "
+            f"model config (ContextSpec(impl=config.context_attention, order=...))"
+        )
+    return context
+
+
+def with_context(model: TransformerLM, context: ContextSpec) -> TransformerLM:
+    """A model built with ``context`` that holds ``model``'s parameters (``model`` itself when
+    it was built with it; ``model`` is never changed): for a model loaded without knowing the
+    order its tokens will lie in over a ``context`` mesh axis."""
+    if model.context == context:
+        return model
+    config = model.config
+    new = nnx.eval_shape(lambda: TransformerLM(config, rngs=nnx.Rngs(0), context=context))
+    nnx.update(new, nnx.state(model))
+    return new
 
 
 def stack_layers(model: TransformerLM) -> TransformerLM:

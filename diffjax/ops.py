@@ -19,10 +19,10 @@ Layout everywhere: ``[batch, seq, heads, dim]``.
 
 Under a mesh whose ``context`` axis splits the sequence (``mesh.context > 1``), self-attention
 runs sequence-parallel (:mod:`diffjax.context`): a ring that passes K/V around the devices
-(``context_impl="ring"``) or an all-gather of K/V (``"allgather"``), masked by the tokens'
+(``ContextSpec.impl="ring"``) or an all-gather of K/V (``"allgather"``), masked by the tokens'
 ``positions`` so that any token order (the balanced zigzag) computes the same function. With
 ``impl="pallas"`` the ring's blocks run the fused kernels (GPU, TPU; interpreted on CPU), which mask
-by index: the tokens must then lie in ``context_order`` ("zigzag" or "contiguous"; the natural
+by index: the tokens must then lie in ``ContextSpec.order`` ("zigzag" or "contiguous"; the natural
 order when no positions are given).
 """
 
@@ -34,8 +34,16 @@ from typing import Callable
 import jax
 from jax.sharding import PartitionSpec as P
 
-from . import context, kernels, sharding
-from .config import ATTENTION_IMPLS, CONTEXT_ATTENTIONS, ConfigError, ModelConfig
+from . import context as context_lib
+from . import kernels, sharding
+from .config import (
+    ATTENTION_IMPLS,
+    KERNEL_ORDERS,
+    NATURAL_ORDER,
+    ConfigError,
+    ContextSpec,
+    ModelConfig,
+)
 from .kernels import check as kernel_check
 from .kernels import reference
 
@@ -65,29 +73,19 @@ def check_impl(impl):
 _FUNCTIONS = ("dot_product_attention", "differential_attention")
 
 
-def check_context_impl(impl: str) -> str:
-    """``impl`` if it names a sequence-parallel attention, else a ValueError with the fix."""
-    if impl not in CONTEXT_ATTENTIONS:
-        raise ValueError(
-            f"unknown sequence-parallel attention {impl!r}. Fix: use one of "
-            f"{', '.join(map(repr, CONTEXT_ATTENTIONS))}."
-        )
-    return impl
-
-
 def _context_split(impl, t: int, s: int):
     """The current mesh when this self-attention runs sequence-parallel (a ``context`` axis of
     size > 1, a built-in implementation, as many keys as queries, a length the axis divides),
     else None (a prompt the axis does not divide takes the plain path, which GSPMD gathers;
     training checks its sequence length before any compute)."""
     mesh = sharding.context_mesh()
-    n = context.axis_size(mesh)
+    n = context_lib.axis_size(mesh)
     if n == 1 or not isinstance(impl, str) or t != s or t % n:
         return None
     return mesh
 
 
-def _context_layout(impl, context_impl: str, positions, order: str) -> dict:
+def _context_layout(impl, spec: ContextSpec, positions) -> dict:
     """The layout keywords of the sequence-parallel call. The XLA blocks mask by ``positions``
     (any order; None: the natural one). The ring on the Pallas kernels masks by index and
     takes its blocks' layout from ``order`` (the natural, contiguous one when no positions
@@ -95,12 +93,12 @@ def _context_layout(impl, context_impl: str, positions, order: str) -> dict:
     and the XLA blocks elsewhere; an explicit ``"pallas"`` is refused where it cannot
     (:mod:`diffjax.context` names the fix)."""
     platform = jax.default_backend()
-    order = "contiguous" if positions is None else order
+    order = NATURAL_ORDER if positions is None else spec.order
     if check_impl(impl) != "pallas":
-        return dict(order="contiguous", positions=positions)
-    usable = context_impl == "ring" and order in context.KERNEL_ORDERS
+        return dict(order=NATURAL_ORDER, positions=positions)
+    usable = spec.impl == "ring" and order in KERNEL_ORDERS
     if not usable and impl != "pallas":
-        return dict(order="contiguous", positions=positions)
+        return dict(order=NATURAL_ORDER, positions=positions)
     return dict(
         order=order,
         positions=None,
@@ -131,27 +129,28 @@ def dot_product_attention(
     scale: float | None = None,
     impl="auto",
     positions: jax.Array | None = None,
-    context_impl: str = "ring",
-    context_order: str = "contiguous",
+    context: ContextSpec | None = None,
 ) -> jax.Array:
     """Standard softmax attention. q ``[B,T,Hq,D]``, k ``[B,S,Hkv,D]``, v ``[B,S,Hkv,Dv]``.
 
     Returns ``[B, T, Hq, Dv]``. ``scale`` defaults to ``D ** -0.5``. ``positions`` ``[B, T]``
-    (default ``arange(T)``), ``context_impl`` and ``context_order``: see the module doc (sequence
-    parallelism).
+    (default ``arange(T)``) and ``context`` (default ``ContextSpec()``: the ring, the natural
+    order): see the module doc (sequence parallelism).
     """
     reference.check_qkv(q, k, v, segment_ids, kv_segment_ids, what="dot_product_attention")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     mesh = _context_split(impl, q.shape[1], k.shape[1])
+    spec = ContextSpec() if context is None else context
     if mesh is not None:
         _, b, h = _mesh_axes(q.shape[0], k.shape[2])
-        return context.context_dot_product_attention(
+        return context_lib.context_dot_product_attention(
             q,
             k,
             v,
             mesh=mesh,
-            impl=check_context_impl(context_impl),
-            **_context_layout(impl, context_impl, positions, context_order),
+            axis=spec.axis,
+            impl=spec.impl,
+            **_context_layout(impl, spec, positions),
             batch_axes=b,
             head_axes=h,
             causal=causal,
@@ -184,25 +183,25 @@ def differential_attention(
     scale: float | None = None,
     impl="auto",
     positions: jax.Array | None = None,
-    context_impl: str = "ring",
-    context_order: str = "contiguous",
+    context: ContextSpec | None = None,
 ) -> jax.Array:
     """``softmax(q1 k1^T s) v - lam * softmax(q2 k2^T s) v``, ``[B, T, Hq, Dv]``.
 
     q1, q2 ``[B,T,Hq,D]``; k1, k2 ``[B,S,Hkv,D]`` (``k2=None``: both maps read ``k1``, as DIFF
     V2's do; the kernels then load each key tile once); v ``[B,S,Hkv,Dv]``; ``lam`` a scalar
     (V1) or ``[B, T, Hq]`` (V2). ``scale`` defaults to ``D ** -0.5``. ``positions`` ``[B, T]``
-    (default ``arange(T)``), ``context_impl`` and ``context_order``: see the module doc (sequence
-    parallelism).
+    (default ``arange(T)``) and ``context`` (default ``ContextSpec()``: the ring, the natural
+    order): see the module doc (sequence parallelism).
     """
     reference.check_differential(
         q1, k1, q2, k2, v, lam, segment_ids, kv_segment_ids, what="differential_attention"
     )
     scale = q1.shape[-1] ** -0.5 if scale is None else scale
     mesh = _context_split(impl, q1.shape[1], k1.shape[1])
+    spec = ContextSpec() if context is None else context
     if mesh is not None:
         _, b, h = _mesh_axes(q1.shape[0], k1.shape[2])
-        return context.context_differential_attention(
+        return context_lib.context_differential_attention(
             q1,
             k1,
             q2,
@@ -210,8 +209,9 @@ def differential_attention(
             v,
             lam,
             mesh=mesh,
-            impl=check_context_impl(context_impl),
-            **_context_layout(impl, context_impl, positions, context_order),
+            axis=spec.axis,
+            impl=spec.impl,
+            **_context_layout(impl, spec, positions),
             batch_axes=b,
             head_axes=h,
             causal=causal,

@@ -53,6 +53,7 @@ from diffjax import sharding
 from diffjax.config import ConfigError, ModelConfig
 from diffjax.kernels import gpu as gpu_kernels
 from diffjax.param_count import count_params
+from diffjax.runtime import Runtime
 from diffjax.train import loop
 from diffjax.train.config import ExperimentConfig, apply_overrides, load_config
 
@@ -324,7 +325,7 @@ def compile_train_step(
     with nnx.logical_axis_rules(sharding.DEFAULT_RULES):
         # shapes and shardings (jax.eval_shape; outside jax.set_mesh, whose compile-only devices
         # cannot hold the init key)
-        setup = loop.model_setup(model_cfg, tcfg, mesh, exp.mesh.context_order)
+        setup = loop.model_setup(model_cfg, tcfg, Runtime.of(model_cfg, exp.mesh, mesh))
         rest = _concrete_rest(setup)
     with jax.set_mesh(mesh), nnx.logical_axis_rules(sharding.DEFAULT_RULES):
         batch_sh = sharding.batch_sharding(mesh, 2)

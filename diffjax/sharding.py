@@ -42,11 +42,10 @@ from flax import nnx
 from flax.linen import spmd as flax_spmd
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from .config import ConfigError
+from .config import KERNEL_ORDERS, RUN_TOKEN_ORDER, TOKEN_ORDERS, ConfigError
 
 MESH_AXES = ("data", "fsdp", "context", "tensor")
 BATCH_AXES = ("data", "fsdp")
-CONTEXT_ORDERS = ("zigzag", "striped", "contiguous")
 
 # logical name -> mesh axis (or axes, or None: replicated). Parameters use the plain names;
 # activations the ``act_`` ones.
@@ -100,13 +99,13 @@ class MeshConfig:
     tensor: int = 1
     # the sequence over the context devices: "zigzag" or "striped" (balanced causal work) or
     # "contiguous"
-    context_order: str = "zigzag"
+    context_order: str = RUN_TOKEN_ORDER
 
     def __post_init__(self):
-        if self.context_order not in CONTEXT_ORDERS:
+        if self.context_order not in TOKEN_ORDERS:
             raise ConfigError(
                 f"MeshConfig.context_order: unknown order {self.context_order!r}. Fix: set "
-                f"mesh.context_order to one of {', '.join(CONTEXT_ORDERS)}."
+                f"mesh.context_order to one of {', '.join(TOKEN_ORDERS)}."
             )
         for name in MESH_AXES:
             v = getattr(self, name)
@@ -356,7 +355,7 @@ def global_batch(
 
 # ---------------------------------------------------------------------------- model checks
 def check_model_mesh(
-    model_cfg, mesh, global_batch_size: int | None = None, context_order: str = "zigzag"
+    model_cfg, mesh, global_batch_size: int | None = None, context_order: str = RUN_TOKEN_ORDER
 ) -> None:
     """Refuse, before any compute, a mesh the model cannot be split over: a ``tensor`` size
     that does not divide the (DIFF) heads or kv heads (it would split a DIFF pair or a kv group),
@@ -369,7 +368,7 @@ def check_model_mesh(
         why = None
         if model_cfg.context_attention != "ring":
             why = "the all-gather path runs the XLA math. Fix: model.context_attention=ring"
-        elif context_order not in ("zigzag", "contiguous"):
+        elif context_order not in KERNEL_ORDERS:
             why = (
                 f"their ring masks by index and takes its blocks' layout from the zigzag or "
                 f"contiguous order, not {context_order}. Fix: mesh.context_order=zigzag"

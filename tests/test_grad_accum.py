@@ -21,6 +21,7 @@ from diffjax.compare.cli import main
 from diffjax.config import ConfigError, ModelConfig
 from diffjax.sharding import MeshConfig
 from diffjax.train import TrainConfig
+from diffjax.runtime import Runtime
 from diffjax.train.loop import (
     accumulated_loss_and_grads,
     check_grad_accum,
@@ -96,7 +97,7 @@ def compiled_step(model: str, k: int):
     cfg = MODELS[model]
     mesh = sharding.make_mesh(MeshConfig(data=1), devices=jax.devices()[:1])
     with jax.set_mesh(mesh), nnx.logical_axis_rules(sharding.current_rules()):
-        setup = model_setup(cfg, tcfg(k), mesh)
+        setup = model_setup(cfg, tcfg(k), Runtime(mesh))
         state, rest = setup.fresh_state()
     tx = optax.sgd(1.0)
     state = {**state, "opt_state": tx.init(state["params"])}
@@ -117,7 +118,7 @@ def run_step(model: str, k: int, weights: str):
     state, fn, mesh = compiled_step(model, k)
     with jax.set_mesh(mesh), nnx.logical_axis_rules(sharding.current_rules()):
         ((loss, aux), grads), (new, metrics) = fn(
-            state, model_inputs(make_batch(weights), mesh, BATCH)
+            state, model_inputs(make_batch(weights), Runtime(mesh), BATCH)
         )
     assert float(metrics["loss"]) == float(loss)
     return jax.device_get((loss, aux["lambda"], grads, new["params"], metrics))
@@ -155,10 +156,10 @@ def adamw_step(model: str, k: int, mesh):
     cfg = MODELS[model]
     t = dataclasses.replace(tcfg(k), eps=1.0, weight_decay=0.0)
     with jax.set_mesh(mesh), nnx.logical_axis_rules(sharding.current_rules()):
-        setup = model_setup(cfg, t, mesh)
+        setup = model_setup(cfg, t, Runtime(mesh))
         state, rest = setup.fresh_state()
         before = jax.tree.map(np.asarray, state["params"])
-        batch = model_inputs(make_batch("answer_only"), mesh, BATCH)
+        batch = model_inputs(make_batch("answer_only"), Runtime(mesh), BATCH)
         train_fn, _ = compile_steps(setup, state, rest, batch)
         new, metrics = train_fn(state, batch)  # the state is donated
         # the step's output is placed like its input: the microbatches never gathered the state
@@ -194,10 +195,10 @@ def test_compiled_step_keeps_microbatches_on_their_shards():
     cfg = dataclasses.replace(MODELS["standard"])
     t = dataclasses.replace(tcfg(2), batch_size=16)
     with jax.set_mesh(mesh), nnx.logical_axis_rules(sharding.current_rules()):
-        setup = model_setup(cfg, t, mesh)
+        setup = model_setup(cfg, t, Runtime(mesh))
         state, rest = setup.fresh_state()
         rows = {k: np.concatenate([v, v]) for k, v in make_batch("uniform").items()}
-        batch = model_inputs(rows, mesh, 16)
+        batch = model_inputs(rows, Runtime(mesh), 16)
         train_fn, _ = compile_steps(setup, state, rest, batch)
     text = train_fn.as_text()
     assert "all-to-all" not in text

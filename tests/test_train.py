@@ -32,6 +32,7 @@ from diffjax.train import (
     learning_rate_schedule,
     load_config,
 )
+from diffjax.runtime import Runtime
 from diffjax.train.metrics import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -775,7 +776,8 @@ def test_every_seed_reuses_one_compiled_init_and_gets_the_constant_seed_state():
     mesh = sharding.make_mesh(exp.mesh)
     with jax.set_mesh(mesh), nnx.logical_axis_rules(sharding.current_rules()):
         setups = [
-            model_setup(exp.model, dataclasses.replace(exp.train, seed=s), mesh) for s in (0, 1)
+            model_setup(exp.model, dataclasses.replace(exp.train, seed=s), Runtime(mesh))
+            for s in (0, 1)
         ]
         assert setups[0].jitted_init is setups[1].jitted_init
         states = [s.fresh_state()[0] for s in setups]
@@ -840,7 +842,7 @@ def test_validation_splits_first_and_repeated_queries():
         return jnp.float32(1.0), jnp.float32(1.0), inputs["inputs"] * 0 + jnp.asarray(preds)
 
     mesh = sharding.make_mesh()
-    out = loop.evaluate(eval_fn, None, [batch], mesh, 8, validation_metrics(d))
+    out = loop.evaluate(eval_fn, None, [batch], Runtime(mesh), 8, validation_metrics(d))
     assert out["val_first_query_accuracy"] == 0.0 and out["val_repeat_query_accuracy"] == 1.0
     assert out["val_query_accuracy"] == pytest.approx(repeat.mean())
     assert repeat.mean() > 0.6 and not repeat[:, 0].any() and first[:, 0].all()
@@ -862,10 +864,12 @@ def test_a_corpus_declares_no_validation_metric_and_the_loop_computes_none():
     def eval_fn(params, inputs):
         return jnp.float32(2.0), jnp.float32(1.0), inputs["inputs"]
 
-    out = loop.evaluate(eval_fn, None, [batch], sharding.make_mesh(), 8)
+    out = loop.evaluate(eval_fn, None, [batch], Runtime(sharding.make_mesh()), 8)
     assert set(out) == {"val_loss", "val_ppl"} and out["val_loss"] == 2.0
     counted = {"twos": lambda preds, b: (int((preds == 2).sum()), 0)}  # nothing counted: left out
-    assert set(loop.evaluate(eval_fn, None, [batch], sharding.make_mesh(), 8, counted)) == {
+    assert set(
+        loop.evaluate(eval_fn, None, [batch], Runtime(sharding.make_mesh()), 8, counted)
+    ) == {
         "val_loss",
         "val_ppl",
     }

@@ -21,6 +21,7 @@ from flax import nnx
 from diffjax import sharding
 from diffjax.config import ModelConfig
 from diffjax.train.config import ExperimentConfig
+from diffjax.runtime import Runtime
 from diffjax.train.loop import compile_steps, model_inputs, model_setup, process_stream
 
 
@@ -96,25 +97,24 @@ def side_by_side_throughput(
     mesh = sharding.make_mesh(exp.mesh) if mesh is None else mesh
     tcfg = exp.train
     with jax.set_mesh(mesh), nnx.logical_axis_rules(sharding.current_rules()):
-        batches = [
-            model_inputs(b, mesh, tcfg.batch_size, exp.mesh.context_order)
-            for b in itertools.islice(process_stream(exp, "train", mesh), steps)
-        ]
+        runtimes = {label: Runtime.of(cfg, exp.mesh, mesh) for label, cfg in models.items()}
+        stream = list(itertools.islice(process_stream(exp, "train", mesh), steps))
         compiled = {}
         for label, cfg in models.items():
             # the train step compiled as the loop compiles it, on a fresh state
-            setup = model_setup(cfg, tcfg, mesh, exp.mesh.context_order)
+            batches = [model_inputs(b, runtimes[label], tcfg.batch_size) for b in stream]
+            setup = model_setup(cfg, tcfg, runtimes[label])
             state, rest = setup.fresh_state()
             fn, _ = compile_steps(setup, state, rest, batches[0])
             state, m = fn(state, batches[0])  # warm-up
             jax.block_until_ready(m)
-            compiled[label] = [fn, state]
+            compiled[label] = [fn, state, batches]
         labels = tuple(models)
         tokens = tcfg.batch_size * exp.data.seq_len
         tps: dict[str, list[float]] = {label: [] for label in labels}
         for r in range(rounds):
             for label in labels if r % 2 == 0 else labels[::-1]:
-                fn, state = compiled[label]
+                fn, state, batches = compiled[label]
                 t0 = time.perf_counter()
                 for b in batches:
                     state, m = fn(state, b)

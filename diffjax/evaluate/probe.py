@@ -16,7 +16,8 @@ from flax import nnx
 from diffjax import context, sharding
 from diffjax.attention import AttentionLayer, Projection
 from diffjax.kernels import reference
-from diffjax.model import TransformerLM, set_context_order, unstack_layers
+from diffjax.config import RUN_TOKEN_ORDER, ContextSpec
+from diffjax.model import TransformerLM, unstack_layers, with_context
 
 
 def check_model(model) -> None:
@@ -183,7 +184,7 @@ def _losses_and_predictions(model, inputs, targets, positions=None):
 
 
 def losses_and_predictions(
-    model, batch: dict, batch_size: int = 8, context_order: str = "zigzag"
+    model, batch: dict, batch_size: int = 8, context_order: str = RUN_TOKEN_ORDER
 ) -> tuple[np.ndarray, np.ndarray]:
     """Per-token cross-entropy ``[B, T]`` (nats, float64) and greedy predictions ``[B, T]`` of
     ``model`` on ``batch["inputs"]`` / ``batch["targets"]``, in fixed-size batches (the last one
@@ -194,8 +195,9 @@ def losses_and_predictions(
     results come back in the data's order."""
     check_model(model)
     n = context.axis_size(sharding.context_mesh())
-    if n > 1:  # a copy whose layers know the order (the kernels' ring reads it)
-        model = set_context_order(nnx.merge(*nnx.split(model)), context_order)
+    if n > 1:  # a model whose layers know the order (the kernels' ring reads it)
+        spec = ContextSpec(impl=model.config.context_attention, order=context_order)
+        model = with_context(model, spec)
     x_all = np.asarray(check_tokens(model, batch["inputs"]))
     y_all = np.asarray(batch["targets"])
     losses, preds = [], []

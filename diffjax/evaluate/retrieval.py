@@ -14,6 +14,7 @@ from typing import Sequence
 
 import numpy as np
 
+from diffjax.config import RUN_TOKEN_ORDER
 from diffjax.data import DataConfig, make_source
 from diffjax.data import query_correct as data_query_correct
 
@@ -145,7 +146,7 @@ def multi_needle_retrieval(
     batch_size: int = 8,
     seed: int = 0,
     query_replacement: bool = False,
-    context_order: str = "zigzag",
+    context_order: str = RUN_TOKEN_ORDER,
 ) -> RetrievalGrid:
     """Retrieval accuracy of ``model`` on the needle task, per context length and needle depth.
 

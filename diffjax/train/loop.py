@@ -35,8 +35,9 @@ from diffjax import flops as flops_lib
 from diffjax import hf, ops, sharding, storage
 from diffjax.compile_options import cpu_compile_options
 from diffjax.config import ConfigError, ModelConfig
-from diffjax.model import TransformerLM, set_context_order, sown_lambdas
+from diffjax.model import TransformerLM, sown_lambdas
 from diffjax.param_count import count_params
+from diffjax.runtime import Runtime
 
 from .checkpoint import Checkpointer, CheckpointError, abstract_like, check_same_model
 from .config import ExperimentConfig
@@ -306,33 +307,31 @@ def make_state_init(
     return init_state
 
 
-def model_setup(model_cfg: ModelConfig, tcfg, mesh, context_order: str = "zigzag") -> ModelSetup:
-    """The :class:`ModelSetup` of ``model_cfg`` trained with ``tcfg`` on ``mesh``: every
+def model_setup(model_cfg: ModelConfig, tcfg, runtime: Runtime) -> ModelSetup:
+    """The :class:`ModelSetup` of ``model_cfg`` trained with ``tcfg`` on ``runtime.mesh``: every
     parameter and both Adam moments placed by their logical axes, step and counts replicated.
     Built once per process for a model, train config up to the seed, mesh and logical-axis
     rules: the seeds of a multi-seed run (and the throughput measurement) share its compiled
-    init. ``context_order``: how :func:`model_inputs` lays the tokens over a ``context`` axis
-    (the model's graph carries it: :func:`diffjax.model.set_context_order`)."""
+    init. The model is built with ``runtime.context``: the order :func:`model_inputs` lays
+    the tokens out in over a ``context`` axis."""
     setup = _model_setup(
         model_cfg,
         dataclasses.replace(tcfg, seed=0, num_seeds=1),
-        mesh,
+        runtime,
         sharding.current_rules(),
-        context_order,
     )
     return dataclasses.replace(setup, seed=tcfg.seed)
 
 
 @functools.lru_cache(maxsize=8)
-def _model_setup(model_cfg: ModelConfig, tcfg, mesh, rules, context_order) -> ModelSetup:
+def _model_setup(model_cfg: ModelConfig, tcfg, runtime: Runtime, rules) -> ModelSetup:
     del rules  # part of the cache key: the shardings depend on the logical-axis rules in force
-    tx = make_optimizer(tcfg)
+    tx, mesh = make_optimizer(tcfg), runtime.mesh
     init = seeded_state_init(model_cfg, tx)
-    graphdef = nnx.graphdef(
-        nnx.eval_shape(
-            lambda: set_context_order(TransformerLM(model_cfg, rngs=nnx.Rngs(0)), context_order)
-        )
+    model = nnx.eval_shape(
+        lambda: TransformerLM(model_cfg, rngs=nnx.Rngs(0), context=runtime.context)
     )
+    graphdef = nnx.graphdef(model)
     abstract, abstract_rest = jax.eval_shape(init, jax.random.key(0))
     state_sh = sharding.tree_shardings(abstract, mesh)
     rest_sh = sharding.tree_shardings(abstract_rest, mesh)
@@ -426,17 +425,17 @@ def pretrained_state(
 
 
 def model_inputs(
-    batch: dict[str, np.ndarray], mesh, global_rows: int, context_order: str = "zigzag"
+    batch: dict[str, np.ndarray], runtime: Runtime, global_rows: int
 ) -> dict[str, jax.Array]:
     """The global arrays a step reads (:data:`MODEL_INPUTS`) from this process's batch rows.
     On a mesh whose ``context`` axis splits the sequence, the tokens are put in
-    ``context_order`` (:func:`diffjax.context.order_batch`: every input, with explicit
-    positions, so the model computes the same function and the loss the same sum)."""
+    ``runtime.context.order`` (:func:`diffjax.context.order_batch`: every input, with
+    explicit positions, so the model computes the same function and the loss the same sum)."""
     arrays = {k: v for k, v in batch.items() if k in MODEL_INPUTS}
-    n = context.axis_size(mesh)
+    n = runtime.context_size
     if n > 1:
-        arrays = context.order_batch(arrays, n, context_order)
-    return sharding.global_batch(arrays, mesh, global_rows)
+        arrays = context.order_batch(arrays, n, runtime.context.order)
+    return sharding.global_batch(arrays, runtime.mesh, global_rows)
 
 
 def process_stream(exp: ExperimentConfig, split: str, mesh) -> Iterator[dict[str, np.ndarray]]:
@@ -538,25 +537,24 @@ def evaluate(
     eval_fn: Callable,
     params,
     batches: list[dict[str, np.ndarray]],
-    mesh,
+    runtime: Runtime,
     global_rows: int,
     metrics: Mapping[str, data_lib.ValidationMetric] | None = None,
-    context_order: str = "zigzag",
 ) -> dict[str, float]:
     """Validation loss and perplexity over ``batches`` (this process's rows), and ``val_<name>``
     for each of ``metrics`` (``name -> fn(predictions, batch) -> (right, counted)``, what the
     data declares: :func:`diffjax.data.validation_metrics`): ``right / counted``, both summed
-    over the batches and the processes (left out when nothing was counted). ``context_order``:
-    the token order on a ``context`` mesh axis (predictions return to the data's order)."""
+    over the batches and the processes (left out when nothing was counted). On a ``context``
+    mesh axis the predictions return from ``runtime.context.order`` to the data's order."""
     metrics = dict(metrics or {})
     total = weight = 0.0
     counts = np.zeros((len(metrics), 2), np.int64)  # per metric: right, counted
     for b in batches:
-        t, w, p = eval_fn(params, model_inputs(b, mesh, global_rows, context_order))
+        t, w, p = eval_fn(params, model_inputs(b, runtime, global_rows))
         total, weight = total + float(t), weight + float(w)
         if metrics:  # this process's rows; summed over processes below
             preds = context.restore_order(
-                np.asarray(sharding.local_rows(p)), context.axis_size(mesh), context_order
+                np.asarray(sharding.local_rows(p)), runtime.context_size, runtime.context.order
             )
             for i, fn in enumerate(metrics.values()):
                 counts[i] += fn(preds, b)
@@ -846,13 +844,93 @@ def train_model(
     ``after_step(step, checkpointer)`` runs after each step's bookkeeping (its evaluation and
     checkpoint save issued, the save maybe still in flight); the resume tests kill the process
     from it."""
-    mesh = sharding.make_mesh(exp.mesh) if mesh is None else mesh
-    sharding.check_model_mesh(model_cfg, mesh, exp.train.batch_size, exp.mesh.context_order)
+    runtime = Runtime.of(model_cfg, exp.mesh, mesh)
+    mesh, order = runtime.mesh, runtime.context.order
+    sharding.check_model_mesh(model_cfg, mesh, exp.train.batch_size, order)
     check_grad_accum(exp.train, mesh)
-    context.check_sequence(exp.data.seq_len, context.axis_size(mesh), exp.mesh.context_order)
+    context.check_sequence(exp.data.seq_len, runtime.context_size, order)
     with _GUARD, jax.set_mesh(mesh), nnx.logical_axis_rules(sharding.current_rules()):
         return _train_model(
-            exp, model_cfg, label, directory, require_checkpoint, log, mesh, after_step
+            exp, model_cfg, label, directory, require_checkpoint, log, runtime, after_step
+        )
+
+
+@dataclasses.dataclass
+class _Validation:
+    """The validation batches every evaluation of a model reads (this process's rows), and the
+    metrics the data declares beyond loss and perplexity."""
+
+    batches: list[dict[str, np.ndarray]]
+    metrics: dict[str, data_lib.ValidationMetric]
+
+    @classmethod
+    def of(cls, exp: ExperimentConfig, mesh) -> "_Validation":
+        tcfg = exp.train
+        stream = process_stream(exp, "validation", mesh)
+        batches = list(itertools.islice(stream, tcfg.eval_batches))
+        if not batches:
+            local_batch = tcfg.batch_size // sharding.process_batch_share(mesh, tcfg.batch_size)[1]
+            raise data_lib.DataError(
+                f"the validation split of {exp.data.source!r} data holds no batch of "
+                f"{local_batch} x {exp.data.seq_len} tokens. Fix: add data, or lower "
+                f"train.batch_size or data.seq_len, or raise data.val_fraction."
+            )
+        return cls(batches, data_lib.validation_metrics(exp.data))
+
+
+@dataclasses.dataclass
+class _Steps:
+    """What the steps of one model's run share besides the state: the config, the mesh, the
+    checkpointer and the checkpoint metadata, the data, the compiled steps and the recorder."""
+
+    exp: ExperimentConfig
+    runtime: Runtime
+    label: str
+    ckpt: Checkpointer
+    meta: dict
+    train_iter: Any
+    val: _Validation
+    train_fn: Callable
+    eval_fn: Callable
+    recorder: "_Recorder"
+
+    def batch(self) -> dict[str, jax.Array]:
+        return model_inputs(next(self.train_iter), self.runtime, self.exp.train.batch_size)
+
+    def is_checkpoint(self, step: int) -> bool:
+        return step % self.exp.train.checkpoint_every == 0 or step == self.exp.train.steps
+
+    def evaluate_and_save(self, step: int, state) -> None:
+        """At an evaluation or checkpoint step: validation into the step's record, and the
+        checkpoint (with the data iterator's position) once the record is written."""
+        tcfg, save = self.exp.train, self.is_checkpoint(step)
+        if not (save or step % tcfg.eval_every == 0):
+            return
+        record = self.recorder.pop()
+        val, rows = self.val, tcfg.batch_size
+        params = state["params"]
+        record.update(evaluate(self.eval_fn, params, val.batches, self.runtime, rows, val.metrics))
+        self.recorder.write_evaluated(record)
+        if save:
+            self.ckpt.save(step, state, self.train_iter.get_state(), self.meta, record["val_loss"])
+            self.recorder.last_good = step
+            self.recorder.writer.flush()  # a bucket's metrics.jsonl holds this step's records
+        self.recorder.restart_clock()
+
+    def stop_if_preempted(self, step: int, state) -> None:
+        """On SIGTERM/SIGINT (every process at the same step): this step's record and a
+        checkpoint of it, committed, then :class:`Preempted`."""
+        if not _GUARD.stop_at(step):
+            return
+        recorder = self.recorder
+        if recorder.queued is not None:  # this step's record (a NaN loss raises here)
+            recorder.writer.write(recorder.pop())
+        if not self.is_checkpoint(step):  # a checkpoint step is saved already
+            self.ckpt.save(step, state, self.train_iter.get_state(), self.meta, preempted=True)
+            recorder.last_good = step
+        self.ckpt.wait()
+        raise Preempted(
+            step, self.ckpt.directory, _GUARD.signal_name, self.label, self.exp.train.seed
         )
 
 
@@ -863,96 +941,57 @@ def _train_model(
     directory: str,
     require_checkpoint: bool,
     log: Callable[[str], None],
-    mesh,
+    runtime: Runtime,
     after_step: AfterStep | None,
 ) -> TrainResult:
-    tcfg, main = exp.train, jax.process_index() == 0
+    tcfg, mesh = exp.train, runtime.mesh
     if not _GUARD.synced and _GUARD.requested():  # came before this model started
         ckpt_dir = storage.join(str(storage.absolute(directory)), "checkpoints")
         raise Preempted(None, ckpt_dir, _GUARD.signal_name, label, tcfg.seed)
     if tcfg.kernel_check != "off":  # before anything is trained: a failure stops the run
         ops.check_kernels(model_cfg, interpret=tcfg.kernel_check == "interpret", log=log)
     ckpt, latest, meta = _open_run(exp, model_cfg, label, directory, require_checkpoint, log)
-    train_iter = process_stream(exp, "train", mesh)
-    val_batches = list(itertools.islice(process_stream(exp, "validation", mesh), tcfg.eval_batches))
-    val_metrics = data_lib.validation_metrics(exp.data)
-    if not val_batches:
-        local_batch = tcfg.batch_size // sharding.process_batch_share(mesh, tcfg.batch_size)[1]
-        raise data_lib.DataError(
-            f"the validation split of {exp.data.source!r} data holds no batch of "
-            f"{local_batch} x {exp.data.seq_len} tokens. Fix: add data, or lower "
-            f"train.batch_size or data.seq_len, or raise data.val_fraction."
-        )
-    setup = model_setup(model_cfg, tcfg, mesh, exp.mesh.context_order)
-    order = exp.mesh.context_order  # the tokens' order on a `context` mesh axis
+    train_iter, val = process_stream(exp, "train", mesh), _Validation.of(exp, mesh)
+    setup = model_setup(model_cfg, tcfg, runtime)
     state, rest = initial_state(setup, model_cfg, tcfg, ckpt, latest, train_iter, log, label)
     start = int(state["step"])
     # compiled for a validation batch's shapes: no training batch is consumed
-    train_fn, eval_fn = compile_steps(
-        setup, state, rest, model_inputs(val_batches[0], mesh, tcfg.batch_size, order)
-    )
+    example = model_inputs(val.batches[0], runtime, tcfg.batch_size)
+    train_fn, eval_fn = compile_steps(setup, state, rest, example)
     writer = metrics_sink(exp, directory, start)
-    bar = _progress_bar(tcfg.steps, start, label) if tcfg.progress and main else None
-    recorder = _Recorder(
-        writer,
-        tcfg.batch_size * exp.data.seq_len,
-        bar,
-        latest,
-        ckpt.directory,
-        Throughput.of(model_cfg, tcfg, exp.data.seq_len, mesh),
-    )
+    bar = _progress_bar(tcfg.steps, start, label) if tcfg.progress and _is_main() else None
+    throughput = Throughput.of(model_cfg, tcfg, exp.data.seq_len, mesh)
+    tokens = tcfg.batch_size * exp.data.seq_len
+    recorder = _Recorder(writer, tokens, bar, latest, ckpt.directory, throughput)
+    run = _Steps(exp, runtime, label, ckpt, meta, train_iter, val, train_fn, eval_fn, recorder)
     try:
         for step in range(start + 1, tcfg.steps + 1):
-            batch = model_inputs(next(train_iter), mesh, tcfg.batch_size, order)
-            state, metrics = train_fn(state, batch)
+            state, metrics = train_fn(state, run.batch())
             # the first step after a (re)start includes warm-up: not counted in throughput
             recorder.push(step, metrics, timed=step > start + 1)
-            save = step % tcfg.checkpoint_every == 0 or step == tcfg.steps
-            if save or step % tcfg.eval_every == 0:
-                record = recorder.pop()
-                record.update(
-                    evaluate(
-                        eval_fn,
-                        state["params"],
-                        val_batches,
-                        mesh,
-                        tcfg.batch_size,
-                        val_metrics,
-                        order,
-                    )
-                )
-                recorder.write_evaluated(record)
-                if save:
-                    ckpt.save(step, state, train_iter.get_state(), meta, record["val_loss"])
-                    recorder.last_good = step
-                    writer.flush()  # a bucket's metrics.jsonl holds this step's records
-                recorder.restart_clock()
+            run.evaluate_and_save(step, state)
             if after_step is not None:
                 after_step(step, ckpt)
-            if _GUARD.stop_at(step):
-                if recorder.queued is not None:  # this step's record (a NaN loss raises here)
-                    recorder.writer.write(recorder.pop())
-                if not save:  # a checkpoint step is saved already
-                    ckpt.save(step, state, train_iter.get_state(), meta, preempted=True)
-                    recorder.last_good = step
-                ckpt.wait()
-                raise Preempted(step, ckpt.directory, _GUARD.signal_name, label, tcfg.seed)
+            run.stop_if_preempted(step, state)
     finally:
         recorder.close()
         ckpt.wait()
         ckpt.close()
+    return _finish(model_cfg, label, directory, writer, train_fn, latest, mesh, tcfg.seed)
 
+
+def _is_main() -> bool:
+    return jax.process_index() == 0
+
+
+def _finish(model_cfg, label, directory, writer, train_fn, latest, mesh, seed) -> TrainResult:
+    """The model's :class:`TrainResult` from its metrics (process 0 also writes
+    ``result.json``)."""
+    main = _is_main()
     records = read_metrics(storage.join(directory, "metrics.jsonl")) if main else writer.records
-    result = summarize(
-        label,
-        model_cfg,
-        directory,
-        records,
-        count_params(model_cfg).total,
-        memory_estimate(train_fn),
-        latest,
-    )
-    result.mesh, result.seed = describe_mesh(mesh), tcfg.seed
+    n_params, memory = count_params(model_cfg).total, memory_estimate(train_fn)
+    result = summarize(label, model_cfg, directory, records, n_params, memory, latest)
+    result.mesh, result.seed = describe_mesh(mesh), seed
     if main:
         storage.write_json(storage.join(directory, "result.json"), result.to_dict())
     return result

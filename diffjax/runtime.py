@@ -1,0 +1,59 @@
+"""How a run executes, decided once: :class:`Runtime`.
+
+A run's mesh, the platform its devices are (``"cpu"``, ``"gpu"``, ``"tpu"``: the devices' own,
+so a compile-only mesh of a TPU slice says ``"tpu"`` on this machine) and how attention runs
+over a ``context`` mesh axis (:class:`diffjax.config.ContextSpec`: the implementation, the
+tokens' order, the axis) travel together from where the run is set up to every place that
+lays out batches, builds the model or compiles its steps (:mod:`diffjax.train.loop`, the
+throughput measurement, the planner), so none of them re-derives one from another setting.
+
+    runtime = Runtime.of(model_cfg, exp.mesh)               # the mesh of these devices
+    runtime = Runtime(mesh)                                  # a mesh built by hand
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from . import sharding
+from .config import ContextSpec, ModelConfig
+
+PLATFORMS = ("cpu", "gpu", "tpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class Runtime:
+    """The mesh, its devices' platform, and the sequence-parallel spec of a run.
+
+    ``platform`` defaults to the platform of the mesh's devices (``"cuda"``/``"rocm"`` read as
+    ``"gpu"``). ``context`` defaults to the ring in the natural token order."""
+
+    mesh: Any  # jax.sharding.Mesh (devices may be compile-only)
+    context: ContextSpec = ContextSpec()
+    platform: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.platform is None:
+            device = self.mesh.devices.flat[0]
+            platform = "gpu" if device.platform in ("cuda", "rocm") else device.platform
+            object.__setattr__(self, "platform", platform)
+        if self.platform not in PLATFORMS:
+            raise ValueError(
+                f"Runtime.platform: unknown platform {self.platform!r}. Fix: one of "
+                f"{', '.join(map(repr, PLATFORMS))}"
+            )
+
+    @classmethod
+    def of(cls, model_cfg: ModelConfig, mesh_cfg: sharding.MeshConfig, mesh=None) -> Runtime:
+        """The runtime of ``model_cfg`` on ``mesh_cfg``'s mesh (``mesh``: one built already,
+        e.g. over compile-only devices): the tokens lie in ``mesh_cfg.context_order`` and
+        attention runs over the ``context`` axis as ``model_cfg.context_attention`` says."""
+        mesh = sharding.make_mesh(mesh_cfg) if mesh is None else mesh
+        spec = ContextSpec(impl=model_cfg.context_attention, order=mesh_cfg.context_order)
+        return cls(mesh, spec)
+
+    @property
+    def context_size(self) -> int:
+        """Devices along the ``context`` axis (1: the sequence is not split)."""
+        return int(dict(zip(self.mesh.axis_names, self.mesh.axis_sizes)).get(self.context.axis, 1))

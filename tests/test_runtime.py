@@ -1,0 +1,115 @@
+"""How a run executes: :class:`diffjax.runtime.Runtime` and the one :class:`ContextSpec` that
+carries sequence parallelism (implementation, token order, axis) from the run to the batches
+and the model; each allowed value list and each default defined once."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from diffjax import ModelConfig, TransformerLM, sharding
+from diffjax.config import (
+    KERNEL_ORDERS,
+    NATURAL_ORDER,
+    RUN_TOKEN_ORDER,
+    TOKEN_ORDERS,
+    ConfigError,
+    ContextSpec,
+)
+from diffjax.model import with_context
+from diffjax.runtime import Runtime
+from diffjax.train.loop import model_inputs
+
+SRC = pathlib.Path(__file__).parent.parent / "diffjax"
+TINY = ModelConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=1, max_seq_len=32)
+
+
+def test_a_context_spec_refuses_unknown_values_with_the_fix():
+    assert ContextSpec() == ContextSpec("ring", NATURAL_ORDER, "context")
+    with pytest.raises(ConfigError, match=r"ContextSpec.impl: unknown .* 'tree'.*Fix: use one"):
+        ContextSpec(impl="tree")
+    with pytest.raises(ConfigError, match=r"ContextSpec.order: unknown .* 'spiral'.*Fix: use one"):
+        ContextSpec(order="spiral")
+    assert set(KERNEL_ORDERS) < set(TOKEN_ORDERS) and RUN_TOKEN_ORDER in KERNEL_ORDERS
+
+
+def test_each_context_value_list_and_default_is_defined_once():
+    """The lists of orders and implementations, and the order defaults, are written in
+    diffjax/config.py alone; everything else imports them."""
+    lists = {
+        "token orders": r"\(\s*\"zigzag\",\s*\"striped\",\s*\"contiguous\"\s*\)",
+        "kernel orders": r"\(\s*\"zigzag\",\s*\"contiguous\"\s*\)",
+        "implementations": r"\(\s*\"ring\",\s*\"allgather\"\s*\)",
+        "an order default": r"order: str = \"(zigzag|contiguous|striped)\"",
+    }
+    for what, pattern in lists.items():
+        where = [
+            str(p.relative_to(SRC))
+            for p in sorted(SRC.rglob("*.py"))
+            for _ in re.finditer(pattern, p.read_text())
+        ]
+        allowed = [] if what == "an order default" else ["config.py"]
+        assert where == allowed, f"{what}: {where}"
+
+
+def test_nothing_is_set_on_a_built_model():
+    hits = [
+        str(p.relative_to(SRC)) for p in SRC.rglob("*.py") if "set_attributes(" in p.read_text()
+    ]
+    assert hits == []
+
+
+def test_the_model_is_built_with_its_spec_and_refuses_another_implementation():
+    model = TransformerLM(TINY, rngs=nnx.Rngs(0))
+    assert model.context == ContextSpec(impl=TINY.context_attention)
+    assert all(b.attn.context == model.context for b in model.blocks())
+    spec = ContextSpec(order="zigzag")
+    built = TransformerLM(TINY, rngs=nnx.Rngs(0), context=spec)
+    assert all(b.attn.context == spec for b in built.blocks())
+    with pytest.raises(ConfigError, match=r"ContextSpec.impl: 'allgather' differs .*Fix"):
+        TransformerLM(TINY, rngs=nnx.Rngs(0), context=ContextSpec(impl="allgather"))
+    scanned = TransformerLM(TINY.replace(scan_layers=True), rngs=nnx.Rngs(0), context=spec)
+    assert scanned.layers.attn.context == spec and scanned.blocks()[1].attn.context == spec
+
+
+def test_with_context_copies_the_parameters_and_leaves_the_model_alone():
+    model = TransformerLM(TINY, rngs=nnx.Rngs(1))
+    spec = ContextSpec(order="zigzag")
+    other = with_context(model, spec)
+    assert other is not model and model.context.order == NATURAL_ORDER
+    assert other.context == spec
+    x = np.arange(16, dtype=np.int32).reshape(1, 16) % 64
+    np.testing.assert_array_equal(np.asarray(model(x)), np.asarray(other(x)))
+    assert with_context(other, spec) is other
+
+
+def test_a_runtime_takes_the_platform_from_its_devices_and_the_spec_from_the_configs():
+    mesh = sharding.make_mesh(sharding.MeshConfig(data=1), jax.devices()[:1])
+    runtime = Runtime(mesh)
+    assert runtime.platform == "cpu" and runtime.context == ContextSpec()
+    assert runtime.context_size == 1
+    cfg = sharding.MeshConfig(data=1, context=2, context_order="striped")
+    two = sharding.make_mesh(cfg, jax.devices()[:2])
+    run = Runtime.of(TINY.replace(context_attention="allgather"), cfg, two)
+    assert run.context == ContextSpec("allgather", "striped", "context") and run.context_size == 2
+    with pytest.raises(ValueError, match=r"Runtime.platform: unknown platform 'metal'"):
+        Runtime(mesh, platform="metal")
+
+
+def test_model_inputs_lay_the_tokens_out_in_the_runtimes_order():
+    """On a context axis of 2 the inputs come out in the runtime's order, with their positions;
+    the same batch under the natural order keeps the data's order."""
+    from diffjax import context
+
+    mesh = sharding.make_mesh(sharding.MeshConfig(data=1, context=2), jax.devices()[:2])
+    batch = {"inputs": np.arange(16, dtype=np.int32).reshape(2, 8)}
+    for order in TOKEN_ORDERS:
+        runtime = Runtime(mesh, ContextSpec(order=order))
+        got = np.asarray(model_inputs(batch, runtime, 2)["inputs"])
+        perm = context.token_order(8, 2, order)
+        np.testing.assert_array_equal(got, batch["inputs"][:, perm])
