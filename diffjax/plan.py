@@ -35,7 +35,6 @@ import contextlib
 import dataclasses
 import functools
 import importlib.util
-import inspect
 import json
 import math
 import os
@@ -43,12 +42,13 @@ import re
 import shutil
 import sys
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
+from diffjax import flops as flops_lib
 from diffjax import sharding
 from diffjax.config import ConfigError, ModelConfig
 from diffjax.kernels import gpu as gpu_kernels
@@ -57,10 +57,6 @@ from diffjax.runtime import Runtime
 from diffjax.train import loop
 from diffjax.train.config import ExperimentConfig, apply_overrides, load_config
 
-try:  # the FLOP formula and the peak table (diffjax.flops)
-    from diffjax import flops as flops_lib
-except ImportError:  # pragma: no cover (an older checkout)
-    flops_lib = None
 
 GIB = 1024**3
 COMPILE_EXTRA = "pip install -e '.[compile]' in a venv of its own (.ci/run makes one), and run the planner with that venv's python"
@@ -305,20 +301,16 @@ def _compiler_oom_bytes(message: str) -> int | None:
 def _concrete_rest(setup: loop.ModelSetup):
     """The model's non-parameter state (DIFF V1's lambda_init per layer) as the loop holds it, a
     constant of the step (:func:`diffjax.train.loop.compile_steps`), computed here on the CPU
-    (XLA drops the parameter initialisers this does not return) as host arrays."""
-    rest = jax.jit(lambda: setup.init(jax.random.key(0))[1])()
-    return jax.tree.map(np.asarray, rest)
+    (XLA drops the parameter initialisers this does not return)."""
+    return jax.jit(lambda: setup.init(jax.random.key(0))[1])()
 
 
-def _accepts_accum() -> bool:
-    return "accum_steps" in inspect.signature(loop.train_step).parameters
-
-
-def compile_train_step(
+def lower_train_step(
     exp: ExperimentConfig, model_cfg: ModelConfig, devices, target: Target
-) -> Measure:
-    """Lower and compile the train step of ``model_cfg`` with ``exp``'s train config and mesh
-    on ``devices`` (compile-only); nothing is allocated."""
+) -> tuple[loop.ModelSetup, Any, float]:
+    """The loop's own train step (:func:`diffjax.train.loop.jit_steps`) of ``model_cfg`` with
+    ``exp``'s train config and mesh on ``devices`` (compile-only: nothing is allocated),
+    lowered for ``target``: ``(setup, lowered, seconds to trace and lower)``."""
     tcfg = exp.train
     mesh = sharding.make_mesh(exp.mesh, devices)
     seq, batch = exp.data.seq_len, tcfg.batch_size
@@ -334,27 +326,31 @@ def compile_train_step(
             "targets": jax.ShapeDtypeStruct((batch, seq), jnp.int32, sharding=batch_sh),
             "weights": jax.ShapeDtypeStruct((batch, seq), jnp.float32, sharding=batch_sh),
         }
-        kwargs = dict(graphdef=setup.graphdef, rest=rest, tx=setup.tx, schedule=setup.schedule)
-        if _accepts_accum():
-            kwargs["accum_steps"] = tcfg.grad_accum_steps
-        replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-        jitted = jax.jit(
-            functools.partial(loop.train_step, **kwargs),
-            donate_argnums=0,
-            in_shardings=(setup.state_sh, {k: batch_sh for k in abstract_batch}),
-            out_shardings=(setup.state_sh, replicated),
-        )
+        # the loop's own jitted step (its shardings, donation and compiler options)
+        jitted, _ = loop.jit_steps(setup, rest, {k: batch_sh for k in abstract_batch})
         t0 = time.time()
         with compiling_for(target):
             lowered = jitted.trace(setup.abstract, abstract_batch).lower()
-        try:
-            compiled = lowered.compile()
-        except Exception as e:  # noqa: BLE001  (the TPU compiler refuses what exceeds HBM)
-            used = _compiler_oom_bytes(str(e))
-            if used is None:
-                raise
-            compiled = None
-        compile_s = time.time() - t0
+    return setup, lowered, time.time() - t0
+
+
+def compile_train_step(
+    exp: ExperimentConfig, model_cfg: ModelConfig, devices, target: Target
+) -> Measure:
+    """Lower and compile the train step of ``model_cfg`` with ``exp``'s train config and mesh
+    on ``devices`` (compile-only); nothing is allocated."""
+    tcfg = exp.train
+    setup, lowered, lower_s = lower_train_step(exp, model_cfg, devices, target)
+    mesh = setup.mesh
+    t0 = time.time()
+    try:
+        compiled = lowered.compile()
+    except Exception as e:  # noqa: BLE001  (the TPU compiler refuses what exceeds HBM)
+        used = _compiler_oom_bytes(str(e))
+        if used is None:
+            raise
+        compiled = None
+    compile_s = lower_s + time.time() - t0
     params_bytes, _ = sharding.bytes_per_device(setup.abstract["params"], mesh)
     opt_bytes, _ = sharding.bytes_per_device(setup.abstract["opt_state"], mesh)
     if compiled is None:  # what the compiler said it needed (at least: temporaries + state)
@@ -413,30 +409,13 @@ def check_plan(exp: ExperimentConfig, target: Target) -> dict[str, ModelConfig]:
         shape = exp.mesh.shape(target.devices)
     except ConfigError as e:
         raise PlanError(f"{target.name} has {target.devices} devices: {e}") from None
-    data, fsdp, _, tensor = shape
     models = exp.models
-
-    class _Mesh:  # check_model_mesh reads only the axis names and sizes
-        axis_names, axis_sizes = sharding.MESH_AXES, shape
-
-    rows = exp.train.batch_size // max(exp.train.grad_accum_steps, 1)
+    mesh = jax.sharding.AbstractMesh(shape, sharding.MESH_AXES)  # the target's axes, no devices
     for label, cfg in models.items():
         try:
-            sharding.check_model_mesh(cfg, _Mesh, exp.train.batch_size, exp.mesh.context_order)
+            loop.check_run(exp, mesh, [cfg])  # the rules train.py checks, in the same words
         except ConfigError as e:
             raise PlanError(f"[{label}] on {target.name} (mesh {_fmt_mesh(shape)}): {e}") from None
-    if exp.train.batch_size % exp.train.grad_accum_steps or rows % (data * fsdp):
-        raise PlanError(
-            f"train.batch_size={exp.train.batch_size} in train.grad_accum_steps="
-            f"{exp.train.grad_accum_steps} microbatches of {exp.train.batch_size / exp.train.grad_accum_steps:g} "
-            f"rows: data x fsdp = {data * fsdp} does not divide it. Fix: a batch size that is a "
-            f"multiple of {data * fsdp * exp.train.grad_accum_steps}."
-        )
-    if exp.train.grad_accum_steps > 1 and not _accepts_accum():
-        raise PlanError(
-            "train.grad_accum_steps > 1 but diffjax.train.loop.train_step takes no accum_steps "
-            "in this checkout. Fix: train.grad_accum_steps=1."
-        )
     return models
 
 
@@ -445,23 +424,18 @@ def _fmt_mesh(shape) -> str:
 
 
 # ---------------------------------------------------------------------------- flops
-def formula_flops_per_step(cfg: ModelConfig, seq: int, batch: int) -> float | None:
-    fn = getattr(flops_lib, "train_flops_per_token", None)
-    return None if fn is None else float(fn(cfg, seq)) * seq * batch
+def formula_flops_per_step(cfg: ModelConfig, seq: int, batch: int) -> float:
+    return float(flops_lib.train_flops_per_token(cfg, seq)) * seq * batch
 
 
 def peak_tflops(target: Target, override: float | None) -> float:
     if override is not None:
         return override
-    fn = getattr(flops_lib, "peak_tflops", None)
-    if fn is not None:
-        try:
-            got = fn(target.device_kind, None)
-        except (KeyError, ValueError, TypeError):
-            got = None
-        if got:
-            return float(got)
-    return target.peak_tflops
+    try:
+        got = flops_lib.peak_tflops(target.device_kind, None)
+    except (KeyError, ValueError, TypeError):
+        got = None
+    return float(got) if got else target.peak_tflops
 
 
 # ---------------------------------------------------------------------------- search
@@ -706,8 +680,6 @@ def plan(
                 for r, a in candidates(
                     cfg.remat, exp.train.grad_accum_steps, exp.train.batch_size, dp, search
                 ):
-                    if a > 1 and not _accepts_accum():
-                        continue
                     if any(_keeps_more(r, a, t["remat"], t["accum"]) for t in tried):
                         continue  # keeps at least what a setting that did not fit kept
                     trial = with_setting(one, r, a)

@@ -205,3 +205,34 @@ def test_a_gpu_budget_is_the_part_of_its_memory_jax_takes(monkeypatch, capsys):
     assert planner.main(["--target", "h100-8", *TINY]) == 2
     err = capsys.readouterr().err
     assert "XLA_CLIENT_MEM_FRACTION='95': must be a fraction in (0, 1]" in err and "Fix:" in err
+
+
+def test_the_planner_lowers_the_program_train_py_runs():
+    """Given this machine's CPU as its target, the planner lowers the very program the training
+    loop compiles for the same config (the loop's own jitted step: no second copy)."""
+    import jax
+    from flax import nnx
+
+    from diffjax import sharding
+    from diffjax.runtime import Runtime
+    from diffjax.train import loop
+    from diffjax.train.config import apply_overrides, load_config
+
+    overrides = ["model.d_model=32", "model.num_layers=2", "model.num_heads=1", "data.seq_len=16"]
+    overrides += ["model.max_seq_len=32", "train.batch_size=4", "data.max_files=8"]
+    exp = apply_overrides(load_config(None), overrides)
+    devices = jax.devices()[:1]
+    kind = devices[0].device_kind
+    target = planner.Target("this CPU", "cpu", 1, 1.0, kind, 1.0, "cpu")
+    mesh = sharding.make_mesh(exp.mesh, devices)
+    for model_cfg in exp.models.values():
+        _, lowered, _ = planner.lower_train_step(exp, model_cfg, devices, target)
+        runtime = Runtime.of(model_cfg, exp.mesh, mesh)
+        with jax.set_mesh(mesh), nnx.logical_axis_rules(sharding.current_rules()):
+            setup = loop.model_setup(model_cfg, exp.train, runtime)
+            state, rest = setup.fresh_state()
+            rows = next(loop.process_stream(exp, "train", mesh))
+            batch = loop.model_inputs(rows, runtime, exp.train.batch_size)
+            train, _ = loop.jit_steps(setup, rest, {k: v.sharding for k, v in batch.items()})
+            ours = train.lower(state, batch).as_text()
+        assert lowered.as_text() == ours

@@ -23,7 +23,6 @@ import sys
 
 import jax
 
-from diffjax import context
 from diffjax import data as data_lib
 from diffjax import ops, sharding, storage
 from diffjax.config import ConfigError
@@ -42,7 +41,7 @@ from diffjax.train.loop import (
     Preempted,
     TrainingDiverged,
     TrainResult,
-    check_grad_accum,
+    check_run,
     describe_mesh,
     preemption_guard,
     train_model,
@@ -172,10 +171,7 @@ def main(argv: list[str] | None = None, *, after_step: AfterStep | None = None) 
         storage.check_access(exp.run.path, what="run.dir", write=True)
         distributed = init_distributed(args)
         mesh = sharding.make_mesh(exp.mesh)  # checks the sizes against the devices
-        for model_cfg in exp.models.values():
-            sharding.check_model_mesh(model_cfg, mesh, exp.train.batch_size, exp.mesh.context_order)
-        check_grad_accum(exp.train, mesh)
-        context.check_sequence(exp.data.seq_len, context.axis_size(mesh), exp.mesh.context_order)
+        check_run(exp, mesh)  # every cross-field rule, in one place
         if exp.train.kernel_check != "off":  # every model's kernels, before anything trains
             for model_cfg in exp.models.values():
                 ops.check_kernels(

@@ -20,7 +20,7 @@ import os
 import signal
 import threading
 import time
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -253,7 +253,7 @@ class ModelSetup:
     """One model's optimizer and the shapes and placements of its train state, before the state
     exists: ``init(key) -> (state, rest)`` creates it from an init key, ``abstract``/
     ``abstract_rest`` describe it (``jax.eval_shape``), ``state_sh``/``rest_sh`` place it on
-    ``mesh`` by logical axes; ``seed`` is the run's init seed (``train.seed``)."""
+    ``runtime.mesh`` by logical axes; ``seed`` is the run's init seed (``train.seed``)."""
 
     graphdef: Any
     tx: optax.GradientTransformation
@@ -263,7 +263,7 @@ class ModelSetup:
     abstract_rest: Any
     state_sh: Any
     rest_sh: Any
-    mesh: jax.sharding.Mesh
+    runtime: Runtime
     jitted_init: Callable[[jax.Array], tuple[dict[str, Any], Any]]  # ``init``, jitted, sharded
     seed: int = 0
     accum_steps: int = 1  # microbatches per step (``train.grad_accum_steps``)
@@ -273,6 +273,10 @@ class ModelSetup:
         one per initializer; the seed's key is an argument, not a constant, so every seed of a
         multi-seed run reuses that compile)."""
         return self.jitted_init(jax.random.key(self.seed))
+
+    @property
+    def mesh(self) -> jax.sharding.Mesh:
+        return self.runtime.mesh
 
 
 def seeded_state_init(
@@ -344,17 +348,29 @@ def _model_setup(model_cfg: ModelConfig, tcfg, runtime: Runtime, rules) -> Model
         abstract_rest,
         state_sh,
         rest_sh,
-        mesh,
+        runtime,
         jax.jit(init, out_shardings=(state_sh, rest_sh)),
         accum_steps=tcfg.grad_accum_steps,
     )
 
 
 def compile_steps(setup: ModelSetup, state, rest, batch) -> tuple[Any, Callable]:
-    """The one place the steps are jitted: the train step compiled for ``state`` (donated) and
-    batches shaped and placed like ``batch``, and the eval step (compiled at its first call)."""
+    """The train step compiled for ``state`` (donated) and batches shaped and placed like
+    ``batch`` (arrays, or ``jax.ShapeDtypeStruct`` with shardings), and the eval step
+    (compiled at its first call)."""
+    train, evaluate_fn = jit_steps(setup, rest, {k: v.sharding for k, v in batch.items()})
+    return train.lower(state, batch).compile(), evaluate_fn
+
+
+def jit_steps(setup: ModelSetup, rest, batch_sh: dict) -> tuple[Callable, Callable]:
+    """The one place the steps are jitted (``train.py``, the throughput measurement and the
+    planner compile these): the train step (state donated) and the eval step for batches
+    placed by ``batch_sh``, with the compiler options of ``setup.runtime.platform``."""
     replicated = jax.sharding.NamedSharding(setup.mesh, jax.sharding.PartitionSpec())
-    batch_sh = {k: v.sharding for k, v in batch.items()}
+    options = cpu_compile_options(setup.runtime.platform)
+    # the model's non-parameter state (DIFF V1's lambda_init per layer) is a constant of the
+    # step, as host values: the same program whether it was computed here or for a target
+    rest = jax.tree.map(np.asarray, rest)
     model = dict(graphdef=setup.graphdef, rest=rest)
     train = jax.jit(
         functools.partial(
@@ -365,17 +381,32 @@ def compile_steps(setup: ModelSetup, state, rest, batch) -> tuple[Any, Callable]
             **model,
         ),
         donate_argnums=0,
-        compiler_options=cpu_compile_options(),
+        compiler_options=options,
         in_shardings=(setup.state_sh, batch_sh),
         out_shardings=(setup.state_sh, replicated),
     )
     evaluate_fn = jax.jit(
         functools.partial(eval_step, **model),
-        compiler_options=cpu_compile_options(),
+        compiler_options=options,
         in_shardings=(setup.state_sh["params"], batch_sh),
         out_shardings=(replicated, replicated, batch_sh["inputs"]),
     )
-    return train.lower(state, batch).compile(), evaluate_fn
+    return train, evaluate_fn
+
+
+def check_run(exp: ExperimentConfig, mesh, models: Iterable[ModelConfig] | None = None) -> None:
+    """Every rule that joins the experiment's configs to a mesh, checked in this one place
+    before any compute (``train.py``, :func:`train_model` and the planner call it), each with
+    its "field: problem. Fix: ..." message: each model's heads and the batch against the mesh
+    axes (:func:`diffjax.sharding.check_model_mesh`), the accumulation against the data shards
+    (:func:`check_grad_accum`), the sequence against the ``context`` axis and its order
+    (:func:`diffjax.context.check_sequence`). ``models``: default every model of ``exp``;
+    ``mesh`` may be abstract (a planner's target)."""
+    order = exp.mesh.context_order
+    for model_cfg in exp.models.values() if models is None else models:
+        sharding.check_model_mesh(model_cfg, mesh, exp.train.batch_size, order)
+    check_grad_accum(exp.train, mesh)
+    context.check_sequence(exp.data.seq_len, context.axis_size(mesh), order)
 
 
 def check_grad_accum(tcfg, mesh) -> None:
@@ -845,10 +876,8 @@ def train_model(
     checkpoint save issued, the save maybe still in flight); the resume tests kill the process
     from it."""
     runtime = Runtime.of(model_cfg, exp.mesh, mesh)
-    mesh, order = runtime.mesh, runtime.context.order
-    sharding.check_model_mesh(model_cfg, mesh, exp.train.batch_size, order)
-    check_grad_accum(exp.train, mesh)
-    context.check_sequence(exp.data.seq_len, runtime.context_size, order)
+    mesh = runtime.mesh
+    check_run(exp, mesh, [model_cfg])
     with _GUARD, jax.set_mesh(mesh), nnx.logical_axis_rules(sharding.current_rules()):
         return _train_model(
             exp, model_cfg, label, directory, require_checkpoint, log, runtime, after_step
