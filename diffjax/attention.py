@@ -29,7 +29,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from . import ops
-from .config import ContextSpec, RopeScaling, lambda_init_fn
+from .config import ContextSpec, KernelTarget, RopeScaling, lambda_init_fn
 from .layers import (
     Dtype,
     Linear,
@@ -155,6 +155,7 @@ class AttentionLayer(nnx.Module):
         causal: bool,
         attention_impl,
         context: ContextSpec | None = None,
+        target: KernelTarget | None = None,
         kv_note: str = "",
     ) -> None:
         """Check and store the head layout; ``num_kv_heads=None`` means MHA."""
@@ -166,7 +167,10 @@ class AttentionLayer(nnx.Module):
             )
         if head_dim % 2:
             raise ValueError(f"{name}: head width {head_dim} must be even for rotary")
-        ops.check_impl(attention_impl)  # an unknown implementation fails here, at construction
+        # where the attention is traced for: a run's devices or planner target, else this
+        # process's backend, taken now (never read while tracing)
+        self.target = ops.current_target() if target is None else target
+        ops.check_impl(attention_impl, self.target)  # an unknown one fails here, at construction
         self.embed_dim, self.depth = embed_dim, depth
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim**-0.5
@@ -250,6 +254,7 @@ class AttentionLayer(nnx.Module):
             _sow_lambda(self, p.lam)
         if p.q.shape[1] > 1:  # a sequence split over a `context` mesh axis: positions order it
             masks.update(positions=positions, context=self.context)
+        masks.update(target=self.target)
         o = attend(p, scale=self.scale, impl=self.attention_impl, segment_ids=segment_ids, **masks)
         return self.output(checkpoint_name(o, "attn_out")), cache
 
@@ -283,6 +288,7 @@ class MultiheadAttention(AttentionLayer):
         causal: bool = True,
         attention_impl="auto",
         context: ContextSpec | None = None,
+        target: KernelTarget | None = None,
         dtype: Dtype = jnp.float32,
         param_dtype: Dtype = jnp.float32,
         kernel_init=torch_linear_init,
@@ -306,6 +312,7 @@ class MultiheadAttention(AttentionLayer):
             causal=causal,
             attention_impl=attention_impl,
             context=context,
+            target=target,
         )
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         args = (dtype, param_dtype, kernel_init, rngs)
@@ -358,6 +365,7 @@ class MultiheadDiffAttn(AttentionLayer):
         causal: bool = True,
         attention_impl="auto",
         context: ContextSpec | None = None,
+        target: KernelTarget | None = None,
         dtype: Dtype = jnp.float32,
         param_dtype: Dtype = jnp.float32,
         kernel_init=torch_linear_init,
@@ -381,6 +389,7 @@ class MultiheadDiffAttn(AttentionLayer):
             causal=causal,
             attention_impl=attention_impl,
             context=context,
+            target=target,
         )
         value = lambda_init_fn(depth) if lambda_init is None else lambda_init
         self.lambda_init, self.output_scale = lambda_init_variables(value)
@@ -455,6 +464,7 @@ class MultiheadDiffAttnV2(AttentionLayer):
         causal: bool = True,
         attention_impl="auto",
         context: ContextSpec | None = None,
+        target: KernelTarget | None = None,
         dtype: Dtype = jnp.float32,
         param_dtype: Dtype = jnp.float32,
         kernel_init=torch_linear_init,
@@ -479,6 +489,7 @@ class MultiheadDiffAttnV2(AttentionLayer):
             causal=causal,
             attention_impl=attention_impl,
             context=context,
+            target=target,
             kv_note=", or the query pairs (2i, 2i+1) straddle kv groups",
         )
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim

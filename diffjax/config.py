@@ -45,6 +45,48 @@ class ConfigError(ValueError):
     """An inconsistent configuration. The message names the field and the fix."""
 
 
+# ------------------------------------------------------------------ where attention runs
+PLATFORMS = ("cpu", "gpu", "tpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelTarget:
+    """The machine attention is traced for: its ``platform`` and, for a GPU, its
+    ``compute_capability`` (the GPU kernels' block sizes follow it; None: this process's GPU).
+    ``attention_impl="auto"`` means the Pallas kernels on a GPU or TPU and the XLA math on a
+    CPU; on a CPU the kernels run interpreted (the GPU kernel). A run takes it from its devices
+    or a planner's target (:class:`diffjax.runtime.Runtime`), a layer built by hand from the
+    default backend when it is built: never read while tracing."""
+
+    platform: str
+    compute_capability: tuple[int, int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.platform not in PLATFORMS:
+            fail(
+                "KernelTarget",
+                "platform",
+                f"unknown platform {self.platform!r}",
+                f"use one of {', '.join(map(repr, PLATFORMS))}",
+            )
+
+    @property
+    def kernel(self) -> str:
+        """The Pallas kernel module it runs: ``"tpu"`` on a TPU, else ``"gpu"``."""
+        return "tpu" if self.platform == "tpu" else "gpu"
+
+    @property
+    def interpret(self) -> bool:
+        """Whether the kernels run interpreted (on a CPU)."""
+        return self.platform == "cpu"
+
+    def resolve(self, impl: str) -> str:
+        """``"auto"`` as ``"pallas"`` (GPU, TPU) or ``"xla"`` (CPU); any other name as it is."""
+        if impl != "auto":
+            return impl
+        return "xla" if self.platform == "cpu" else "pallas"
+
+
 # ------------------------------------------------------------------ sequence parallelism
 # How a batch's tokens lie over a ``context`` mesh axis (diffjax.context.order_batch): zigzag
 # and striped balance the causal work over the devices, contiguous is the natural order.

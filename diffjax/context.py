@@ -665,7 +665,7 @@ def _rows(x, rows):
 def _kernel_partials(kern, scale, qs, q_seg, kv, causal):
     """Each map's ``(o, lse)`` of the queries ``qs`` (q1 or q1, q2) against ``kv`` =
     ``(k1, k2, v, kv_seg)`` by the kernels' :func:`~diffjax.kernels.gpu.flash_partials`."""
-    module, interpret = kern
+    module, interpret, extra = kern
     k1, k2, v, kv_seg = kv
     q2 = qs[1] if len(qs) > 1 else None
     return module.flash_partials(
@@ -679,6 +679,7 @@ def _kernel_partials(kern, scale, qs, q_seg, kv, causal):
         kv_segment_ids=kv_seg if q_seg is not None else None,
         sm_scale=scale,
         interpret=interpret,
+        **dict(extra),
     )
 
 
@@ -749,7 +750,7 @@ def _kernel_ring_backward(static, me, qs, q_seg, kv, lam, dout, lses, deltas):
     :func:`~diffjax.kernels.gpu.flash_partial_grads` with the merged ``lses`` and ``deltas``.
     Returns ``(dqs, (dk1, dk2, dv))`` float32 (``dk2`` None where there is no k2)."""
     axis, causal, scale, order, kern = static
-    module, interpret = kern
+    module, interpret, extra = kern
     n = jax.lax.axis_size(axis)
     c = qs[0].shape[1] // 2
     perm = _ring_perm(n)
@@ -775,6 +776,7 @@ def _kernel_ring_backward(static, me, qs, q_seg, kv, lam, dout, lses, deltas):
             kv_segment_ids=kv_seg if q_seg is not None else None,
             sm_scale=scale,
             interpret=interpret,
+            **dict(extra),
         )
         dq1, dk1, dq2, dk2, dv = (None if x is None else x.astype(jnp.float32) for x in g)
         return [dq1, dq2] if diff else [dq1], (dk1, dk2, dv)
@@ -911,7 +913,7 @@ def _kernel_order(impl, order, positions):
     return order
 
 
-def _kernel_static(axis_name, causal, scale, order, kernel, interpret):
+def _kernel_static(axis_name, causal, scale, order, kernel, interpret, compute_capability=None):
     if order not in KERNEL_ORDERS:
         raise ConfigError(
             f"context.order: the ring on the Pallas kernels takes the tokens' layout from "
@@ -926,7 +928,11 @@ def _kernel_static(axis_name, causal, scale, order, kernel, interpret):
             f"so they cannot be the ring's blocks. Fix: model.attention_impl=xla with a "
             f"context axis on this backend"
         )
-    return (axis_name, causal, scale, order, (module, bool(interpret)))
+    gpu = module.__name__.endswith(".gpu")  # the GPU kernel's tiles follow the target GPU
+    extra = (
+        (("compute_capability", tuple(compute_capability)),) if gpu and compute_capability else ()
+    )
+    return (axis_name, causal, scale, order, (module, bool(interpret), extra))
 
 
 # ---------------------------------------------------------------------------- all-gather
@@ -1085,6 +1091,7 @@ def context_differential_attention(
     block_k: int | None = DEFAULT_BLOCK_K,
     kernel: str | None = None,
     interpret: bool = False,
+    compute_capability: tuple[int, int] | None = None,
 ):
     """Differential attention with the sequence sharded over ``mesh``'s ``axis``; call from
     outside ``jax.shard_map``.
@@ -1104,7 +1111,8 @@ def context_differential_attention(
     token order.
 
     ``kernel`` (``"gpu"``, ``"tpu"``; None: the XLA math): the ring's blocks run the fused
-    Pallas kernels (``interpret=True`` on CPU), which mask by index: the inputs must be in
+    Pallas kernels (``interpret=True`` on CPU; ``compute_capability``: the GPU they are compiled
+    for, default this one), which mask by index: the inputs must be in
     ``order`` (``"zigzag"`` or ``"contiguous"``) and ``positions`` None (see
     :data:`KERNEL_ORDERS`' comment).
 
@@ -1129,7 +1137,13 @@ def context_differential_attention(
     heads, rows, tokens, pos_spec = _specs(axis, batch_axes, head_axes, pos)
     if kernel is not None:
         static = _kernel_static(
-            axis, causal, scale, _kernel_order(impl, order, positions), kernel, interpret
+            axis,
+            causal,
+            scale,
+            _kernel_order(impl, order, positions),
+            kernel,
+            interpret,
+            compute_capability,
         )
         specs = (P(axis),) + (heads,) * 5 + (P() if lam.ndim == 0 else rows, tokens, tokens)
         args = (_ring_index(mesh, axis), q1, k1, q2, k2, v, lam, segment_ids, kv_seg)
@@ -1182,6 +1196,7 @@ def context_dot_product_attention(
     block_k: int | None = DEFAULT_BLOCK_K,
     kernel: str | None = None,
     interpret: bool = False,
+    compute_capability: tuple[int, int] | None = None,
 ):
     """Standard attention with the sequence sharded over ``mesh``'s ``axis``, the twin of
     :func:`context_differential_attention` (same options and errors): q ``[B, T, Hq, D]``,
@@ -1193,7 +1208,13 @@ def context_dot_product_attention(
     heads, _, tokens, pos_spec = _specs(axis, batch_axes, head_axes, pos)
     if kernel is not None:
         static = _kernel_static(
-            axis, causal, scale, _kernel_order(impl, order, positions), kernel, interpret
+            axis,
+            causal,
+            scale,
+            _kernel_order(impl, order, positions),
+            kernel,
+            interpret,
+            compute_capability,
         )
         specs = (P(axis),) + (heads,) * 3 + (tokens, tokens)
         args = (_ring_index(mesh, axis), q, k, v, segment_ids, kv_seg)

@@ -27,7 +27,7 @@ from .attention import (
     MultiheadDiffAttnV2,
     lambda_init_variables,
 )
-from .config import ConfigError, ContextSpec, ModelConfig, lambda_init_fn
+from .config import ConfigError, ContextSpec, KernelTarget, ModelConfig, lambda_init_fn
 from .layers import Linear, RMSNorm, SwiGLU, as_dtype
 from .sharding import constrain, param_init
 
@@ -61,17 +61,23 @@ def remat_policy(name: str):
 
 
 def make_attention(
-    config: ModelConfig, depth: int, *, rngs: nnx.Rngs, context: ContextSpec | None = None
+    config: ModelConfig,
+    depth: int,
+    *,
+    rngs: nnx.Rngs,
+    context: ContextSpec | None = None,
+    target: KernelTarget | None = None,
 ) -> AttentionLayer:
     """The attention layer of block ``depth`` for ``config.attention``; ``context``: how it
     runs over a ``context`` mesh axis (default: ``config.context_attention``, the natural
-    order)."""
+    order); ``target``: the machine it is traced for (default: this process's backend)."""
     args = (config.d_model, depth, config.num_heads, config.kv_heads)
     common = dict(
         rope_theta=config.rope_theta,
         rope_scaling=config.rope_scaling_spec,
         attention_impl=config.attention_impl,
         context=context_spec(config, context),
+        target=target,
         dtype=as_dtype(config.dtype),
         param_dtype=as_dtype(config.param_dtype),
         kernel_init=nnx.initializers.normal(config.init_std),
@@ -96,11 +102,17 @@ class Block(nnx.Module):
     """``x + attn(norm(x))``, then ``x + ffn(norm(x))`` (LLaMA's pre-norm residual block)."""
 
     def __init__(
-        self, config: ModelConfig, depth: int, *, rngs: nnx.Rngs, context: ContextSpec | None = None
+        self,
+        config: ModelConfig,
+        depth: int,
+        *,
+        rngs: nnx.Rngs,
+        context: ContextSpec | None = None,
+        target: KernelTarget | None = None,
     ):
         pdt = as_dtype(config.param_dtype)
         self.attn_norm = RMSNorm(config.d_model, eps=config.norm_eps, param_dtype=pdt)
-        self.attn = make_attention(config, depth, rngs=rngs, context=context)
+        self.attn = make_attention(config, depth, rngs=rngs, context=context, target=target)
         self.ffn_norm = RMSNorm(config.d_model, eps=config.norm_eps, param_dtype=pdt)
         self.ffn = SwiGLU(
             config.d_model,
@@ -168,14 +180,23 @@ class TransformerLM(nnx.Module):
     ``context``: how attention runs when a ``context`` mesh axis splits the sequence, and the
     order the tokens lie in over it (:class:`diffjax.config.ContextSpec`; default: the ring
     of ``config.context_attention``, the natural order). A run builds its model with the
-    spec it lays the batches out by.
+    spec it lays the batches out by. ``target``: the machine it is traced for
+    (:class:`diffjax.config.KernelTarget`; default: this process's backend, taken when built).
     """
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, context: ContextSpec | None = None):
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        rngs: nnx.Rngs,
+        context: ContextSpec | None = None,
+        target: KernelTarget | None = None,
+    ):
         if not isinstance(config, ModelConfig):
             raise TypeError(f"TransformerLM takes a ModelConfig, got {type(config).__name__}")
         self.config = config
         self.context = context = context_spec(config, context)
+        self.target = target
         dt, pdt = as_dtype(config.dtype), as_dtype(config.param_dtype)
         init = nnx.initializers.normal(config.init_std)
         self.embed = nnx.Embed(
@@ -187,10 +208,11 @@ class TransformerLM(nnx.Module):
             rngs=rngs,
         )
         if config.scan_layers:
-            self.layers = _stacked_blocks(config, rngs, context)
+            self.layers = _stacked_blocks(config, rngs, context, target)
         else:
             blocks = [
-                Block(config, i, rngs=rngs, context=context) for i in range(config.num_layers)
+                Block(config, i, rngs=rngs, context=context, target=target)
+                for i in range(config.num_layers)
             ]
             self.layers = nnx.List(blocks)
         self.norm = RMSNorm(config.d_model, eps=config.norm_eps, param_dtype=pdt)
@@ -277,7 +299,7 @@ class TransformerLM(nnx.Module):
         state = nnx.to_pure_dict(nnx.state(self.layers))
         out = []
         for i in range(self.config.num_layers):
-            block = _abstract_block(self.config, self.context)
+            block = _abstract_block(self.config, self.context, self.target)
             nnx.update(block, jax.tree.map(lambda a, i=i: a[i], state))
             out.append(block)
         return out
@@ -315,7 +337,9 @@ def initial_rest(config: ModelConfig) -> nnx.State:
 
 
 # ---------------------------------------------------------------------------- the two layouts
-def _stacked_blocks(config: ModelConfig, rngs: nnx.Rngs, context: ContextSpec) -> Block:
+def _stacked_blocks(
+    config: ModelConfig, rngs: nnx.Rngs, context: ContextSpec, target: KernelTarget | None
+) -> Block:
     """L blocks as one :class:`Block` with a leading layer axis on every variable (logical
     axis ``"layers"``), each layer from its own split of ``rngs``; DIFF V1's per-layer
     ``lambda_init`` is written in afterwards."""
@@ -323,7 +347,7 @@ def _stacked_blocks(config: ModelConfig, rngs: nnx.Rngs, context: ContextSpec) -
     @nnx.split_rngs(splits=config.num_layers)
     @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
     def make(rngs):
-        return Block(config, 0, rngs=rngs, context=context)
+        return Block(config, 0, rngs=rngs, context=context, target=target)
 
     blocks = make(rngs)
     if isinstance(blocks.attn, MultiheadDiffAttn):
@@ -335,15 +359,19 @@ def _stacked_blocks(config: ModelConfig, rngs: nnx.Rngs, context: ContextSpec) -
     return blocks
 
 
-def _abstract_block(config: ModelConfig, context: ContextSpec) -> Block:
-    return nnx.eval_shape(lambda: Block(config, 0, rngs=nnx.Rngs(0), context=context))
+def _abstract_block(config: ModelConfig, context: ContextSpec, target) -> Block:
+    return nnx.eval_shape(
+        lambda: Block(config, 0, rngs=nnx.Rngs(0), context=context, target=target)
+    )
 
 
 def _convert(model: TransformerLM, scan_layers: bool, layers) -> TransformerLM:
     """A model of the other layout whose parameters are ``model``'s, blocks replaced by
     ``layers`` (a pure-dict state in the new layout)."""
     config = model.config.replace(scan_layers=scan_layers)
-    new = nnx.eval_shape(lambda: TransformerLM(config, rngs=nnx.Rngs(0), context=model.context))
+    new = nnx.eval_shape(
+        lambda: TransformerLM(config, rngs=nnx.Rngs(0), context=model.context, target=model.target)
+    )
     state = nnx.to_pure_dict(nnx.state(model))
     state["layers"] = layers
     nnx.update(new, state)
@@ -371,7 +399,9 @@ def with_context(model: TransformerLM, context: ContextSpec) -> TransformerLM:
     if model.context == context:
         return model
     config = model.config
-    new = nnx.eval_shape(lambda: TransformerLM(config, rngs=nnx.Rngs(0), context=context))
+    new = nnx.eval_shape(
+        lambda: TransformerLM(config, rngs=nnx.Rngs(0), context=context, target=model.target)
+    )
     nnx.update(new, nnx.state(model))
     return new
 

@@ -28,6 +28,7 @@ order when no positions are given).
 
 from __future__ import annotations
 
+import functools
 import types
 from typing import Callable
 
@@ -42,15 +43,26 @@ from .config import (
     NATURAL_ORDER,
     ConfigError,
     ContextSpec,
+    KernelTarget,
     ModelConfig,
 )
 from .kernels import check as kernel_check
 from .kernels import reference
 
 
-def check_impl(impl):
-    """The concrete implementation for ``impl``: ``"xla"``, ``"pallas"`` or the given object. A
-    ValueError that names the fix for an unknown name or an object without the two functions."""
+def current_target() -> KernelTarget:
+    """The :class:`KernelTarget` of this process's default backend (a layer built by hand takes
+    it when it is built; a run passes its own)."""
+    platform = jax.default_backend()
+    platform = "gpu" if platform in ("cuda", "rocm") else platform
+    cc = kernels.gpu_capability() if platform == "gpu" else None
+    return KernelTarget(platform if platform in ("cpu", "gpu", "tpu") else "cpu", cc)
+
+
+def check_impl(impl, target: KernelTarget | None = None):
+    """The concrete implementation for ``impl``: ``"xla"``, ``"pallas"`` or the given object
+    (``"auto"`` resolved for ``target``, default :func:`current_target`). A ValueError that
+    names the fix for an unknown name or an object without the two functions."""
     if isinstance(impl, str):
         if impl not in ATTENTION_IMPLS:
             raise ValueError(
@@ -59,7 +71,7 @@ def check_impl(impl):
                 f"dot_product_attention and differential_attention."
             )
         if impl == "auto":
-            return "pallas" if jax.default_backend() in ("gpu", "tpu") else "xla"
+            return (current_target() if target is None else target).resolve(impl)
         return impl
     missing = [f for f in _FUNCTIONS if not callable(getattr(impl, f, None))]
     if missing:
@@ -85,16 +97,15 @@ def _context_split(impl, t: int, s: int):
     return mesh
 
 
-def _context_layout(impl, spec: ContextSpec, positions) -> dict:
+def _context_layout(impl, spec: ContextSpec, positions, target: KernelTarget) -> dict:
     """The layout keywords of the sequence-parallel call. The XLA blocks mask by ``positions``
     (any order; None: the natural one). The ring on the Pallas kernels masks by index and
     takes its blocks' layout from ``order`` (the natural, contiguous one when no positions
     are given); ``"auto"`` uses it where it can run (the ring, the zigzag or contiguous order)
     and the XLA blocks elsewhere; an explicit ``"pallas"`` is refused where it cannot
     (:mod:`diffjax.context` names the fix)."""
-    platform = jax.default_backend()
     order = NATURAL_ORDER if positions is None else spec.order
-    if check_impl(impl) != "pallas":
+    if check_impl(impl, target) != "pallas":
         return dict(order=NATURAL_ORDER, positions=positions)
     usable = spec.impl == "ring" and order in KERNEL_ORDERS
     if not usable and impl != "pallas":
@@ -102,18 +113,19 @@ def _context_layout(impl, spec: ContextSpec, positions) -> dict:
     return dict(
         order=order,
         positions=None,
-        kernel="tpu" if platform == "tpu" else "gpu",
-        interpret=platform == "cpu",
+        kernel=target.kernel,
+        interpret=target.interpret,
+        compute_capability=target.compute_capability,
     )
 
 
-def _implementation(impl):
-    """The object whose two functions run the attention for ``impl``."""
-    impl = check_impl(impl)
+def _implementation(impl, target: KernelTarget):
+    """The object whose two functions run the attention for ``impl`` on ``target``."""
+    impl = check_impl(impl, target)
     if impl == "xla":
         return reference
     if impl == "pallas":
-        return _PALLAS
+        return _pallas(target)
     return impl
 
 
@@ -130,17 +142,20 @@ def dot_product_attention(
     impl="auto",
     positions: jax.Array | None = None,
     context: ContextSpec | None = None,
+    target: KernelTarget | None = None,
 ) -> jax.Array:
     """Standard softmax attention. q ``[B,T,Hq,D]``, k ``[B,S,Hkv,D]``, v ``[B,S,Hkv,Dv]``.
 
     Returns ``[B, T, Hq, Dv]``. ``scale`` defaults to ``D ** -0.5``. ``positions`` ``[B, T]``
     (default ``arange(T)``) and ``context`` (default ``ContextSpec()``: the ring, the natural
-    order): see the module doc (sequence parallelism).
+    order): see the module doc (sequence parallelism). ``target``: the machine it is traced
+    for (default :func:`current_target`).
     """
     reference.check_qkv(q, k, v, segment_ids, kv_segment_ids, what="dot_product_attention")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     mesh = _context_split(impl, q.shape[1], k.shape[1])
     spec = ContextSpec() if context is None else context
+    target = current_target() if target is None else target
     if mesh is not None:
         _, b, h = _mesh_axes(q.shape[0], k.shape[2])
         return context_lib.context_dot_product_attention(
@@ -150,7 +165,7 @@ def dot_product_attention(
             mesh=mesh,
             axis=spec.axis,
             impl=spec.impl,
-            **_context_layout(impl, spec, positions),
+            **_context_layout(impl, spec, positions, target),
             batch_axes=b,
             head_axes=h,
             causal=causal,
@@ -158,7 +173,7 @@ def dot_product_attention(
             kv_segment_ids=kv_segment_ids,
             scale=scale,
         )
-    return _implementation(impl).dot_product_attention(
+    return _implementation(impl, target).dot_product_attention(
         q,
         k,
         v,
@@ -184,6 +199,7 @@ def differential_attention(
     impl="auto",
     positions: jax.Array | None = None,
     context: ContextSpec | None = None,
+    target: KernelTarget | None = None,
 ) -> jax.Array:
     """``softmax(q1 k1^T s) v - lam * softmax(q2 k2^T s) v``, ``[B, T, Hq, Dv]``.
 
@@ -191,7 +207,8 @@ def differential_attention(
     V2's do; the kernels then load each key tile once); v ``[B,S,Hkv,Dv]``; ``lam`` a scalar
     (V1) or ``[B, T, Hq]`` (V2). ``scale`` defaults to ``D ** -0.5``. ``positions`` ``[B, T]``
     (default ``arange(T)``) and ``context`` (default ``ContextSpec()``: the ring, the natural
-    order): see the module doc (sequence parallelism).
+    order): see the module doc (sequence parallelism). ``target``: the machine it is traced
+    for (default :func:`current_target`).
     """
     reference.check_differential(
         q1, k1, q2, k2, v, lam, segment_ids, kv_segment_ids, what="differential_attention"
@@ -199,6 +216,7 @@ def differential_attention(
     scale = q1.shape[-1] ** -0.5 if scale is None else scale
     mesh = _context_split(impl, q1.shape[1], k1.shape[1])
     spec = ContextSpec() if context is None else context
+    target = current_target() if target is None else target
     if mesh is not None:
         _, b, h = _mesh_axes(q1.shape[0], k1.shape[2])
         return context_lib.context_differential_attention(
@@ -211,7 +229,7 @@ def differential_attention(
             mesh=mesh,
             axis=spec.axis,
             impl=spec.impl,
-            **_context_layout(impl, spec, positions),
+            **_context_layout(impl, spec, positions, target),
             batch_axes=b,
             head_axes=h,
             causal=causal,
@@ -219,7 +237,7 @@ def differential_attention(
             kv_segment_ids=kv_segment_ids,
             scale=scale,
         )
-    return _implementation(impl).differential_attention(
+    return _implementation(impl, target).differential_attention(
         q1,
         k1,
         q2,
@@ -292,7 +310,15 @@ def _per_shard(run, args, specs, batch: int, kv_heads: int):
     return jax.shard_map(run, mesh=mesh, in_specs=in_specs, out_specs=out, check_vma=False)(*args)
 
 
-def _pallas_standard(q, k, v, *, causal, segment_ids, kv_segment_ids, scale):
+def _kernel_options(target: KernelTarget) -> dict:
+    return dict(
+        interpret=target.interpret,
+        backend=target.kernel,
+        compute_capability=target.compute_capability,
+    )
+
+
+def _pallas_standard(q, k, v, *, causal, segment_ids, kv_segment_ids, scale, target):
     def run(q, k, v, segment_ids, kv_segment_ids):
         return kernels.flash_attention(
             q,
@@ -302,7 +328,7 @@ def _pallas_standard(q, k, v, *, causal, segment_ids, kv_segment_ids, scale):
             segment_ids=segment_ids,
             kv_segment_ids=kv_segment_ids,
             sm_scale=scale,
-            interpret=jax.default_backend() == "cpu",
+            **_kernel_options(target),
         )
 
     def specs(b, h):
@@ -311,7 +337,9 @@ def _pallas_standard(q, k, v, *, causal, segment_ids, kv_segment_ids, scale):
     return _per_shard(run, (q, k, v, segment_ids, kv_segment_ids), specs, q.shape[0], k.shape[2])
 
 
-def _pallas_differential(q1, k1, q2, k2, v, lam, *, causal, segment_ids, kv_segment_ids, scale):
+def _pallas_differential(
+    q1, k1, q2, k2, v, lam, *, causal, segment_ids, kv_segment_ids, scale, target
+):
     def run(q1, k1, q2, k2, v, lam, segment_ids, kv_segment_ids):
         return kernels.differential_flash_attention(
             q1,
@@ -324,7 +352,7 @@ def _pallas_differential(q1, k1, q2, k2, v, lam, *, causal, segment_ids, kv_segm
             segment_ids=segment_ids,
             kv_segment_ids=kv_segment_ids,
             sm_scale=scale,
-            interpret=jax.default_backend() == "cpu",
+            **_kernel_options(target),
         )
 
     def specs(b, h):
@@ -336,7 +364,9 @@ def _pallas_differential(q1, k1, q2, k2, v, lam, *, causal, segment_ids, kv_segm
     return _per_shard(run, args, specs, q1.shape[0], k1.shape[2])
 
 
-# The "pallas" implementation: the two functions above.
-_PALLAS = types.SimpleNamespace(
-    dot_product_attention=_pallas_standard, differential_attention=_pallas_differential
-)
+def _pallas(target: KernelTarget):
+    """The "pallas" implementation for ``target``: the two functions above."""
+    return types.SimpleNamespace(
+        dot_product_attention=functools.partial(_pallas_standard, target=target),
+        differential_attention=functools.partial(_pallas_differential, target=target),
+    )

@@ -31,7 +31,6 @@ compile, with the fix).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import functools
 import importlib.util
@@ -51,7 +50,6 @@ from flax import nnx
 from diffjax import flops as flops_lib
 from diffjax import sharding
 from diffjax.config import ConfigError, ModelConfig
-from diffjax.kernels import gpu as gpu_kernels
 from diffjax.param_count import count_params
 from diffjax.runtime import Runtime
 from diffjax.train import loop
@@ -241,21 +239,6 @@ def target_devices(target: Target) -> list:
     return devices
 
 
-@contextlib.contextmanager
-def compiling_for(target: Target):
-    """Trace and lower as on ``target``: this process runs on CPU, so what the library reads
-    from ``jax.default_backend()`` (``attention_impl="auto"`` resolving to the Pallas kernels,
-    which kernel module, interpret mode off) and the GPU kernels' compute capability (their
-    default tiles) are set to the target's while the step is traced."""
-    saved_backend, saved_cc = jax.default_backend, gpu_kernels._device_capability
-    jax.default_backend = lambda: target.platform
-    gpu_kernels._device_capability = lambda: target.compute_capability
-    try:
-        yield
-    finally:
-        jax.default_backend, gpu_kernels._device_capability = saved_backend, saved_cc
-
-
 # ---------------------------------------------------------------------------- one compile
 @dataclasses.dataclass
 class Measure:
@@ -305,6 +288,14 @@ def _concrete_rest(setup: loop.ModelSetup):
     return jax.jit(lambda: setup.init(jax.random.key(0))[1])()
 
 
+def target_runtime(exp: ExperimentConfig, model_cfg: ModelConfig, mesh, target: Target) -> Runtime:
+    """The :class:`~diffjax.runtime.Runtime` of ``model_cfg`` on ``target``: its platform and
+    (a GPU's) compute capability as data, so the step is traced as it would be there."""
+    run = Runtime.of(model_cfg, exp.mesh, mesh)
+    cc = target.compute_capability if target.platform == "gpu" else None
+    return dataclasses.replace(run, platform=target.platform, compute_capability=cc)
+
+
 def lower_train_step(
     exp: ExperimentConfig, model_cfg: ModelConfig, devices, target: Target
 ) -> tuple[loop.ModelSetup, Any, float]:
@@ -317,7 +308,7 @@ def lower_train_step(
     with nnx.logical_axis_rules(sharding.DEFAULT_RULES):
         # shapes and shardings (jax.eval_shape; outside jax.set_mesh, whose compile-only devices
         # cannot hold the init key)
-        setup = loop.model_setup(model_cfg, tcfg, Runtime.of(model_cfg, exp.mesh, mesh))
+        setup = loop.model_setup(model_cfg, tcfg, target_runtime(exp, model_cfg, mesh, target))
         rest = _concrete_rest(setup)
     with jax.set_mesh(mesh), nnx.logical_axis_rules(sharding.DEFAULT_RULES):
         batch_sh = sharding.batch_sharding(mesh, 2)
@@ -329,8 +320,7 @@ def lower_train_step(
         # the loop's own jitted step (its shardings, donation and compiler options)
         jitted, _ = loop.jit_steps(setup, rest, {k: batch_sh for k in abstract_batch})
         t0 = time.time()
-        with compiling_for(target):
-            lowered = jitted.trace(setup.abstract, abstract_batch).lower()
+        lowered = jitted.trace(setup.abstract, abstract_batch).lower()
     return setup, lowered, time.time() - t0
 
 

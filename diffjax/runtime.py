@@ -17,21 +17,22 @@ import dataclasses
 from typing import Any
 
 from . import sharding
-from .config import ContextSpec, ModelConfig
-
-PLATFORMS = ("cpu", "gpu", "tpu")
+from .config import PLATFORMS, ContextSpec, KernelTarget, ModelConfig
 
 
 @dataclasses.dataclass(frozen=True)
 class Runtime:
-    """The mesh, its devices' platform, and the sequence-parallel spec of a run.
+    """The mesh, its devices' platform (and a GPU's compute capability), and the
+    sequence-parallel spec of a run.
 
     ``platform`` defaults to the platform of the mesh's devices (``"cuda"``/``"rocm"`` read as
-    ``"gpu"``). ``context`` defaults to the ring in the natural token order."""
+    ``"gpu"``), ``compute_capability`` to a GPU device's own; a planner passes its target's.
+    ``context`` defaults to the ring in the natural token order."""
 
     mesh: Any  # jax.sharding.Mesh (devices may be compile-only)
     context: ContextSpec = ContextSpec()
     platform: str | None = None
+    compute_capability: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if self.platform is None:
@@ -43,6 +44,16 @@ class Runtime:
                 f"Runtime.platform: unknown platform {self.platform!r}. Fix: one of "
                 f"{', '.join(map(repr, PLATFORMS))}"
             )
+        if self.platform == "gpu" and self.compute_capability is None:
+            cc = getattr(self.mesh.devices.flat[0], "compute_capability", None)
+            if cc is not None:
+                major, minor = str(cc).split(".")[:2]
+                object.__setattr__(self, "compute_capability", (int(major), int(minor)))
+
+    @property
+    def kernel_target(self) -> KernelTarget:
+        """What the model's attention is traced for: this platform (and GPU)."""
+        return KernelTarget(self.platform, self.compute_capability)
 
     @classmethod
     def of(cls, model_cfg: ModelConfig, mesh_cfg: sharding.MeshConfig, mesh=None) -> Runtime:

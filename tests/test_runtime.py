@@ -113,3 +113,31 @@ def test_model_inputs_lay_the_tokens_out_in_the_runtimes_order():
         got = np.asarray(model_inputs(batch, runtime, 2)["inputs"])
         perm = context.token_order(8, 2, order)
         np.testing.assert_array_equal(got, batch["inputs"][:, perm])
+
+
+def test_the_kernel_target_is_data_resolved_at_construction():
+    """Where attention is traced for travels as data: "auto" resolves for the target, a layer
+    built by hand takes this process's backend when it is built, a run its devices'."""
+    from diffjax import ops
+    from diffjax.config import KernelTarget
+
+    assert KernelTarget("cpu").resolve("auto") == "xla"
+    assert ops.check_impl("auto", KernelTarget("tpu")) == "pallas"
+    assert KernelTarget("gpu", (8, 0)).kernel == "gpu" and not KernelTarget("gpu").interpret
+    assert KernelTarget("tpu").kernel == "tpu" and KernelTarget("cpu").interpret
+    with pytest.raises(ConfigError, match=r"KernelTarget.platform: unknown platform 'npu'"):
+        KernelTarget("npu")
+    model = TransformerLM(TINY, rngs=nnx.Rngs(0))
+    assert model.blocks()[0].attn.target == ops.current_target() == KernelTarget("cpu")
+    mesh = sharding.make_mesh(sharding.MeshConfig(data=1), jax.devices()[:1])
+    assert Runtime(mesh).kernel_target == KernelTarget("cpu")
+    h100 = Runtime(mesh, platform="gpu", compute_capability=(9, 0))
+    assert h100.kernel_target == KernelTarget("gpu", (9, 0))
+
+
+def test_the_planner_patches_nothing():
+    """The planner passes its target as data: it assigns no attribute of jax or of diffjax's
+    kernels (the old way: patching jax.default_backend and the GPU capability while tracing)."""
+    source = (SRC / "plan.py").read_text()
+    assert not re.search(r"jax\.default_backend\s*=", source)
+    assert "_device_capability" not in source and "gpu_kernels" not in source

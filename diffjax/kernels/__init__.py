@@ -55,6 +55,17 @@ def kernel_module(backend: str | None = None, *, interpret: Any = False):
     return importlib.import_module(f"{__name__}.{name}")
 
 
+def gpu_capability() -> tuple[int, int]:
+    """This process's GPU's compute capability ((9, 0) when there is none)."""
+    return importlib.import_module(f"{__name__}.gpu").device_capability()
+
+
+def _gpu_only(module, compute_capability) -> dict:
+    """``compute_capability=`` for the GPU kernel (the TPU kernel has no use for it)."""
+    gpu = module.__name__.endswith(".gpu")
+    return {"compute_capability": compute_capability} if gpu and compute_capability else {}
+
+
 def differential_flash_attention(
     q1: jax.Array,
     k1: jax.Array,
@@ -70,6 +81,7 @@ def differential_flash_attention(
     block_sizes: Any = None,
     interpret: Any = False,
     backend: str | None = None,
+    compute_capability: tuple[int, int] | None = None,
 ) -> jax.Array:
     """Fused differential attention, ``[B, T, Hq, Dv]`` in ``q1.dtype``.
 
@@ -78,7 +90,8 @@ def differential_flash_attention(
     a scalar (V1) or ``[B,T,Hq]`` (V2). Query head ``i`` reads kv head ``i // (Hq // Hkv)``.
     Causal masking is bottom-right aligned; ``segment_ids`` ``[B,T]`` separate packed sequences
     (keys use ``kv_segment_ids`` ``[B,S]`` when given). ``sm_scale`` defaults to ``Dqk**-0.5``.
-    ``block_sizes``: the chosen kernel's ``BlockSizes``.
+    ``block_sizes``: the chosen kernel's ``BlockSizes``. ``compute_capability``: the GPU the
+    GPU kernel is compiled for (default: this one), which its default block sizes follow.
     """
     # The kernel modules' public functions check the shapes (once); this only adds the
     # model's rule for V's width (against k1's: q/k mismatches are the modules' to name).
@@ -102,6 +115,7 @@ def differential_flash_attention(
         sm_scale=sm_scale,
         block_sizes=block_sizes,
         interpret=interpret,
+        **_gpu_only(module, compute_capability),
     )
 
 
@@ -117,6 +131,7 @@ def flash_attention(
     block_sizes: Any = None,
     interpret: Any = False,
     backend: str | None = None,
+    compute_capability: tuple[int, int] | None = None,
 ) -> jax.Array:
     """Standard (MHA/GQA/MQA) flash attention through the same kernels, ``[B, T, Hq, Dv]``."""
     module = kernel_module(backend, interpret=interpret)
@@ -130,6 +145,7 @@ def flash_attention(
         sm_scale=sm_scale,
         block_sizes=block_sizes,
         interpret=interpret,
+        **_gpu_only(module, compute_capability),
     )
 
 
@@ -137,6 +153,7 @@ __all__ = [
     "KERNEL_BACKENDS",
     "differential_flash_attention",
     "flash_attention",
+    "gpu_capability",
     "kernel_module",
     "reference",
 ]

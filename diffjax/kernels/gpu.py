@@ -178,9 +178,9 @@ SHARED_MEMORY_BYTES = {
 }
 
 
-def _device_capability() -> tuple[int, int]:
-    """The current GPU's compute capability; (9, 0) when there is none (interpret mode, or a
-    deviceless compile, which passes its target to :func:`default_block_sizes` itself)."""
+def device_capability() -> tuple[int, int]:
+    """The current GPU's compute capability; (9, 0) when there is none (interpret mode). A
+    compile for another GPU passes its own (``compute_capability=``) to the kernels."""
     try:
         dev = jax.devices()[0]
         major, minor = str(getattr(dev, "compute_capability", "9.0")).split(".")[:2]
@@ -210,7 +210,7 @@ def default_block_sizes(
     queries per step at the widest heads), else query-major on two. ``head_dim``/
     ``v_head_dim``: q/k and v widths; ``shared_keys``: k2 None (DIFF V2), one dK accumulator.
     """
-    cc = tuple(compute_capability or _device_capability())
+    cc = tuple(compute_capability or device_capability())
     smem = SHARED_MEMORY_BYTES.get(cc, 101376)
     dv = head_dim if v_head_dim is None else v_head_dim
     d_pad, dv_pad = max(_MIN_BLOCK, _next_pow2(head_dim)), max(_MIN_BLOCK, _next_pow2(dv))
@@ -1068,6 +1068,7 @@ def _prepare(
     block_sizes,
     interpret,
     o2_dtype=jnp.float32,
+    compute_capability=None,
 ):
     """The kernels' configuration and padded operands ``(q1, k1, q2, k2, v, lam_rows, qseg,
     kseg)`` (``k2`` None for shared keys; ``lam_rows`` float32 ``[B, Hq, T]`` or None), and
@@ -1075,9 +1076,14 @@ def _prepare(
     b, t, hq, d = q1.shape
     s = k1.shape[1]
     dv = v.shape[-1]
+    cc = tuple(compute_capability) if compute_capability else device_capability()
     bs = (
         default_block_sizes(
-            d, dv, differential=differential, shared_keys=differential and k2 is None
+            d,
+            dv,
+            differential=differential,
+            shared_keys=differential and k2 is None,
+            compute_capability=cc,
         )
         if block_sizes is None
         else block_sizes
@@ -1085,7 +1091,6 @@ def _prepare(
     if not isinstance(bs, BlockSizes):
         raise TypeError(f"block_sizes must be a BlockSizes or None, got {type(bs).__name__}")
     n_branch = 2 if differential else 1
-    cc = _device_capability()
     d_pad, dv_pad = max(_MIN_BLOCK, _next_pow2(d)), max(_MIN_BLOCK, _next_pow2(dv))
     split = differential and (
         bs.split_forward
@@ -1097,7 +1102,8 @@ def _prepare(
         if bs.dkv_key_major is not None
         else _default_key_major(n_branch, differential and k2 is None, d_pad, dv_pad, cc)
     )
-    if block_sizes is not None and not interpret and jax.default_backend() == "gpu":
+    on_gpu = compute_capability is not None or jax.default_backend() == "gpu"
+    if block_sizes is not None and not interpret and on_gpu:
         n_keys = 2 if differential and k2 is not None else 1
         _check_fits(
             bs,
@@ -1106,7 +1112,7 @@ def _prepare(
             n_branch,
             n_keys,
             jnp.dtype(q1.dtype).itemsize,
-            _device_capability(),
+            cc,
             split,
         )
     if sm_scale is None:
@@ -1211,6 +1217,7 @@ def differential_flash_attention(
     sm_scale=None,
     block_sizes=None,
     interpret=False,
+    compute_capability=None,
     o2_dtype=jnp.float32,
 ) -> jax.Array:
     """Fused ``softmax(q1 k1^T s) v - lam * softmax(q2 k2^T s) v``, ``[B, T, Hq, Dv]`` in q1.dtype.
@@ -1240,6 +1247,7 @@ def differential_flash_attention(
         sm_scale=sm_scale,
         block_sizes=block_sizes,
         interpret=interpret,
+        compute_capability=compute_capability,
         o2_dtype=o2_dtype,
     )
 
@@ -1255,6 +1263,7 @@ def flash_attention(
     sm_scale=None,
     block_sizes=None,
     interpret=False,
+    compute_capability=None,
 ) -> jax.Array:
     """Standard fused softmax attention ``softmax(q k^T s) v`` with the same kernels (one branch).
 
@@ -1275,6 +1284,7 @@ def flash_attention(
         sm_scale=sm_scale,
         block_sizes=block_sizes,
         interpret=interpret,
+        compute_capability=compute_capability,
     )
 
 
@@ -1302,6 +1312,7 @@ def flash_partials(
     sm_scale=None,
     block_sizes=None,
     interpret=False,
+    compute_capability=None,
 ):
     """Each softmax map of ``q`` against this key block, normalised over its visible keys, and
     its log-sum-exp: ``((o1, lse1), (o2, lse2))`` for DIFF, ``((o, lse),)`` for standard
@@ -1331,6 +1342,7 @@ def flash_partials(
         sm_scale=sm_scale,
         block_sizes=block_sizes,
         interpret=interpret,
+        compute_capability=compute_capability,
     )
     outs = _branch_outputs(cfg, q1p, k1p, q2p, k2p, vp, qseg, kseg)
     return tuple((o[:, :t, :, :dv], _natural_lse(lse[..., :t])) for o, lse in outs)
@@ -1355,6 +1367,7 @@ def flash_partial_grads(
     sm_scale=None,
     block_sizes=None,
     interpret=False,
+    compute_capability=None,
 ):
     """This key block's share of the gradients of ``out = O1 - lam * O2`` (standard: ``O``),
     where ``O1``, ``O2`` are the maps' outputs over *all* keys: ``lse1``/``lse2`` ``[B, T, Hq]``
@@ -1381,6 +1394,7 @@ def flash_partial_grads(
         sm_scale=sm_scale,
         block_sizes=block_sizes,
         interpret=interpret,
+        compute_capability=compute_capability,
     )
 
     def rows(x):  # [B, T, H] -> float32 [B, H, T_pad] (padded rows: 0)

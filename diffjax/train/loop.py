@@ -34,7 +34,7 @@ from diffjax import data as data_lib
 from diffjax import flops as flops_lib
 from diffjax import hf, ops, sharding, storage
 from diffjax.compile_options import cpu_compile_options
-from diffjax.config import ConfigError, ModelConfig
+from diffjax.config import ConfigError, KernelTarget, ModelConfig
 from diffjax.model import TransformerLM, sown_lambdas
 from diffjax.param_count import count_params
 from diffjax.runtime import Runtime
@@ -280,7 +280,7 @@ class ModelSetup:
 
 
 def seeded_state_init(
-    model_cfg: ModelConfig, tx: optax.GradientTransformation
+    model_cfg: ModelConfig, tx: optax.GradientTransformation, target: KernelTarget | None = None
 ) -> Callable[[Any], tuple[dict[str, Any], Any]]:
     """``init(key) -> (state, rest)``: the train state ``{"step", "params", "opt_state"}``
     (every leaf of params and of the Adam moments a ``nnx.Variable`` carrying its logical axes)
@@ -289,7 +289,7 @@ def seeded_state_init(
     constant seed, bit for bit)."""
 
     def init_state(key):
-        model = TransformerLM(model_cfg, rngs=nnx.Rngs(key))
+        model = TransformerLM(model_cfg, rngs=nnx.Rngs(key), target=target)
         _, params, rest = nnx.split(model, nnx.Param, ...)
         state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
         return state, rest
@@ -331,9 +331,11 @@ def model_setup(model_cfg: ModelConfig, tcfg, runtime: Runtime) -> ModelSetup:
 def _model_setup(model_cfg: ModelConfig, tcfg, runtime: Runtime, rules) -> ModelSetup:
     del rules  # part of the cache key: the shardings depend on the logical-axis rules in force
     tx, mesh = make_optimizer(tcfg), runtime.mesh
-    init = seeded_state_init(model_cfg, tx)
+    init = seeded_state_init(model_cfg, tx, runtime.kernel_target)
     model = nnx.eval_shape(
-        lambda: TransformerLM(model_cfg, rngs=nnx.Rngs(0), context=runtime.context)
+        lambda: TransformerLM(
+            model_cfg, rngs=nnx.Rngs(0), context=runtime.context, target=runtime.kernel_target
+        )
     )
     graphdef = nnx.graphdef(model)
     abstract, abstract_rest = jax.eval_shape(init, jax.random.key(0))
