@@ -67,15 +67,17 @@ def make_attention(
     rngs: nnx.Rngs,
     context: ContextSpec | None = None,
     target: KernelTarget | None = None,
+    attention_impl=None,
 ) -> AttentionLayer:
     """The attention layer of block ``depth`` for ``config.attention``; ``context``: how it
     runs over a ``context`` mesh axis (default: ``config.context_attention``, the natural
-    order); ``target``: the machine it is traced for (default: this process's backend)."""
+    order); ``target``: the machine it is traced for (default: this process's backend);
+    ``attention_impl``: a name or an implementation object (default ``config.attention_impl``)."""
     args = (config.d_model, depth, config.num_heads, config.kv_heads)
     common = dict(
         rope_theta=config.rope_theta,
         rope_scaling=config.rope_scaling_spec,
-        attention_impl=config.attention_impl,
+        attention_impl=config.attention_impl if attention_impl is None else attention_impl,
         context=context_spec(config, context),
         target=target,
         dtype=as_dtype(config.dtype),
@@ -109,10 +111,13 @@ class Block(nnx.Module):
         rngs: nnx.Rngs,
         context: ContextSpec | None = None,
         target: KernelTarget | None = None,
+        attention_impl=None,
     ):
         pdt = as_dtype(config.param_dtype)
         self.attn_norm = RMSNorm(config.d_model, eps=config.norm_eps, param_dtype=pdt)
-        self.attn = make_attention(config, depth, rngs=rngs, context=context, target=target)
+        self.attn = make_attention(
+            config, depth, rngs=rngs, context=context, target=target, attention_impl=attention_impl
+        )
         self.ffn_norm = RMSNorm(config.d_model, eps=config.norm_eps, param_dtype=pdt)
         self.ffn = SwiGLU(
             config.d_model,
@@ -182,6 +187,8 @@ class TransformerLM(nnx.Module):
     of ``config.context_attention``, the natural order). A run builds its model with the
     spec it lays the batches out by. ``target``: the machine it is traced for
     (:class:`diffjax.config.KernelTarget`; default: this process's backend, taken when built).
+    ``attention_impl``: every layer's implementation, a name or an object with the two
+    functions (default: ``config.attention_impl``; e.g. the quantized logits of the analyses).
     """
 
     def __init__(
@@ -191,12 +198,16 @@ class TransformerLM(nnx.Module):
         rngs: nnx.Rngs,
         context: ContextSpec | None = None,
         target: KernelTarget | None = None,
+        attention_impl=None,
     ):
         if not isinstance(config, ModelConfig):
             raise TypeError(f"TransformerLM takes a ModelConfig, got {type(config).__name__}")
         self.config = config
         self.context = context = context_spec(config, context)
         self.target = target
+        # None: the config's; else a name or an implementation object for every layer
+        self.attention_impl = attention_impl
+        attn = dict(context=context, target=target, attention_impl=attention_impl)
         dt, pdt = as_dtype(config.dtype), as_dtype(config.param_dtype)
         init = nnx.initializers.normal(config.init_std)
         self.embed = nnx.Embed(
@@ -208,12 +219,9 @@ class TransformerLM(nnx.Module):
             rngs=rngs,
         )
         if config.scan_layers:
-            self.layers = _stacked_blocks(config, rngs, context, target)
+            self.layers = _stacked_blocks(config, rngs, attn)
         else:
-            blocks = [
-                Block(config, i, rngs=rngs, context=context, target=target)
-                for i in range(config.num_layers)
-            ]
+            blocks = [Block(config, i, rngs=rngs, **attn) for i in range(config.num_layers)]
             self.layers = nnx.List(blocks)
         self.norm = RMSNorm(config.d_model, eps=config.norm_eps, param_dtype=pdt)
         self.lm_head = (
@@ -299,10 +307,14 @@ class TransformerLM(nnx.Module):
         state = nnx.to_pure_dict(nnx.state(self.layers))
         out = []
         for i in range(self.config.num_layers):
-            block = _abstract_block(self.config, self.context, self.target)
+            block = _abstract_block(self.config, self._attention_args())
             nnx.update(block, jax.tree.map(lambda a, i=i: a[i], state))
             out.append(block)
         return out
+
+    def _attention_args(self) -> dict:
+        """How this model's attention was built (to build another like it)."""
+        return dict(context=self.context, target=self.target, attention_impl=self.attention_impl)
 
     def _logits(self, x: jax.Array) -> jax.Array:
         """Final norm and output head, float32 logits."""
@@ -337,9 +349,7 @@ def initial_rest(config: ModelConfig) -> nnx.State:
 
 
 # ---------------------------------------------------------------------------- the two layouts
-def _stacked_blocks(
-    config: ModelConfig, rngs: nnx.Rngs, context: ContextSpec, target: KernelTarget | None
-) -> Block:
+def _stacked_blocks(config: ModelConfig, rngs: nnx.Rngs, attn: dict) -> Block:
     """L blocks as one :class:`Block` with a leading layer axis on every variable (logical
     axis ``"layers"``), each layer from its own split of ``rngs``; DIFF V1's per-layer
     ``lambda_init`` is written in afterwards."""
@@ -347,7 +357,7 @@ def _stacked_blocks(
     @nnx.split_rngs(splits=config.num_layers)
     @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
     def make(rngs):
-        return Block(config, 0, rngs=rngs, context=context, target=target)
+        return Block(config, 0, rngs=rngs, **attn)
 
     blocks = make(rngs)
     if isinstance(blocks.attn, MultiheadDiffAttn):
@@ -359,19 +369,16 @@ def _stacked_blocks(
     return blocks
 
 
-def _abstract_block(config: ModelConfig, context: ContextSpec, target) -> Block:
-    return nnx.eval_shape(
-        lambda: Block(config, 0, rngs=nnx.Rngs(0), context=context, target=target)
-    )
+def _abstract_block(config: ModelConfig, attn: dict) -> Block:
+    return nnx.eval_shape(lambda: Block(config, 0, rngs=nnx.Rngs(0), **attn))
 
 
 def _convert(model: TransformerLM, scan_layers: bool, layers) -> TransformerLM:
     """A model of the other layout whose parameters are ``model``'s, blocks replaced by
     ``layers`` (a pure-dict state in the new layout)."""
     config = model.config.replace(scan_layers=scan_layers)
-    new = nnx.eval_shape(
-        lambda: TransformerLM(config, rngs=nnx.Rngs(0), context=model.context, target=model.target)
-    )
+    attn = model._attention_args()
+    new = nnx.eval_shape(lambda: TransformerLM(config, rngs=nnx.Rngs(0), **attn))
     state = nnx.to_pure_dict(nnx.state(model))
     state["layers"] = layers
     nnx.update(new, state)
@@ -396,12 +403,15 @@ def with_context(model: TransformerLM, context: ContextSpec) -> TransformerLM:
     """A model built with ``context`` that holds ``model``'s parameters (``model`` itself when
     it was built with it; ``model`` is never changed): for a model loaded without knowing the
     order its tokens will lie in over a ``context`` mesh axis."""
-    if model.context == context:
-        return model
-    config = model.config
-    new = nnx.eval_shape(
-        lambda: TransformerLM(config, rngs=nnx.Rngs(0), context=context, target=model.target)
-    )
+    return model if model.context == context else rebuilt(model, context=context)
+
+
+def rebuilt(model: TransformerLM, **attention) -> TransformerLM:
+    """A new model built like ``model`` but for the given ``context``, ``target`` or
+    ``attention_impl``, holding ``model``'s variables (the same arrays; ``model`` is never
+    changed)."""
+    attn = {**model._attention_args(), **attention}
+    new = nnx.eval_shape(lambda: TransformerLM(model.config, rngs=nnx.Rngs(0), **attn))
     nnx.update(new, nnx.state(model))
     return new
 

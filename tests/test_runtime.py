@@ -58,8 +58,14 @@ def test_each_context_value_list_and_default_is_defined_once():
 
 
 def test_nothing_is_set_on_a_built_model():
+    """No module sets attributes on a model after it is built (a model built otherwise is built
+    again: ``with_context``, ``rebuilt``): neither ``set_attributes`` nor an assignment to a
+    layer's ``attention_impl``, ``context`` or ``target`` outside its own constructor."""
+    assigned = re.compile(r"\b(?!self\b)\w+\.(attention_impl|context|target) = ")  # code, not text
     hits = [
-        str(p.relative_to(SRC)) for p in SRC.rglob("*.py") if "set_attributes(" in p.read_text()
+        str(p.relative_to(SRC))
+        for p in SRC.rglob("*.py")
+        if "set_attributes(" in p.read_text() or assigned.search(p.read_text())
     ]
     assert hits == []
 

@@ -9,10 +9,10 @@ outliers hurt low-bit attention.
 
 The quantized forward is the reference math with ``logit_bits`` set
 (:func:`diffjax.kernels.reference.absmax_quantize` on the logits), packaged as the attention
-implementation :class:`QuantizedLogits`; :func:`with_quantized_logits` returns a copy of a model
-whose attention layers use it. ``attention_impl`` is a static attribute of the layers, so a
-jitted function traced for the quantized copy is a different cache entry from the original
-model's: nothing leaks into later calls.
+implementation :class:`QuantizedLogits`; :func:`with_quantized_logits` builds a model whose
+attention layers use it, holding the original's parameters. ``attention_impl`` is a static
+attribute of the layers, so a jitted function traced for the quantized model is a different
+cache entry from the original model's: nothing leaks into later calls.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import dataclasses
 import numpy as np
 from flax import nnx
 
-from diffjax.attention import AttentionLayer
+from diffjax.model import TransformerLM, rebuilt
 from diffjax.kernels import reference
 from diffjax.kernels.reference import absmax_quantize, check_logit_bits
 
@@ -81,21 +81,18 @@ class QuantizedLogits:
         )
 
 
-def with_quantized_logits(model: nnx.Module, bits: int | None) -> nnx.Module:
-    """A copy of ``model`` (sharing its parameter arrays) whose attention layers quantize their
-    logits to ``bits`` (:class:`QuantizedLogits`; None: an unchanged copy using the plain XLA
-    path). ``model`` itself is not modified."""
+def with_quantized_logits(model: TransformerLM, bits: int | None) -> TransformerLM:
+    """``model`` built again (sharing its parameter arrays) with attention layers that quantize
+    their logits to ``bits`` (:class:`QuantizedLogits`; None: the plain XLA path). ``model``
+    itself is not modified."""
     check_logit_bits(bits)
-    copy = nnx.merge(*nnx.split(model))
-    layers = [m for _, m in nnx.iter_graph(copy) if isinstance(m, AttentionLayer)]
-    if not layers:
+    if not isinstance(model, TransformerLM):
         raise ValueError(
-            f"with_quantized_logits: {type(model).__name__} has no diffjax attention layer "
-            f"(MultiheadAttention, MultiheadDiffAttn or MultiheadDiffAttnV2)"
+            f"with_quantized_logits: takes a diffjax TransformerLM, got {type(model).__name__}. "
+            f"Fix: pass the language model (its attention layers are built with the quantized "
+            f"implementation)"
         )
-    for layer in layers:
-        layer.attention_impl = "xla" if bits is None else QuantizedLogits(int(bits))
-    return copy
+    return rebuilt(model, attention_impl="xla" if bits is None else QuantizedLogits(int(bits)))
 
 
 def quantization_sweep(
