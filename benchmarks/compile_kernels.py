@@ -354,39 +354,20 @@ def _tpu_child(target_key: str, cases: list[str], seq: int, heads: int, blocks):
 
     topo = topologies.get_topology_desc(TPU_TARGETS[target_key], platform="tpu")
     bs = tpu.BlockSizes(*blocks) if blocks else None
-    vmem, estimate = {}, []
-    real, real_params = tpu.pl.pallas_call, tpu._compiler_params
-
-    def params_spy(n_parallel, n_arbitrary, vmem_bytes):  # the kernel's own VMEM estimate
-        estimate.append(vmem_bytes)
-        return real_params(n_parallel, n_arbitrary, vmem_bytes)
-
-    def spy(kernel, *a, **kw):  # record each kernel's VMEM estimate and scoped-VMEM request
-        cp = kw.get("compiler_params")
-        vmem[kw.get("name")] = (
-            estimate[-1] if estimate else None,
-            getattr(cp, "vmem_limit_bytes", None),
-        )
-        return real(kernel, *a, **kw)
-
-    tpu._compiler_params = params_spy
     rows = []
-    tpu.pl.pallas_call = spy
-    try:
-        for name in cases:
-            vmem.clear()
-            t0 = time.time()
+    for name in cases:
+        t0 = time.time()
+        with tpu.vmem_requests() as calls:  # each kernel's VMEM estimate and scoped-VMEM request
             err = _compile(tpu, topo.devices[0], "tpu", CASES[name], seq, heads, bs)
-            base = dict(target=target_key, case=name, seconds=round(time.time() - t0, 1))
-            if err:
-                rows.append(dict(base, kernel="(all)", error=err))
-                continue
-            for k, (est, limit) in vmem.items():
-                rows.append(
-                    dict(base, kernel=k, role=_kernel_role(k), vmem_estimate=est, vmem_limit=limit)
-                )
-    finally:
-        tpu.pl.pallas_call, tpu._compiler_params = real, real_params
+        base = dict(target=target_key, case=name, seconds=round(time.time() - t0, 1))
+        if err:
+            rows.append(dict(base, kernel="(all)", error=err))
+            continue
+        vmem = {c.kernel: (c.estimate, c.limit) for c in calls}  # the last call of each kernel
+        for k, (est, limit) in vmem.items():
+            rows.append(
+                dict(base, kernel=k, role=_kernel_role(k), vmem_estimate=est, vmem_limit=limit)
+            )
     return rows
 
 

@@ -328,3 +328,22 @@ def test_partials_over_key_blocks_merge_to_the_reference(kind):
     """The TPU kernels' ``flash_partials`` / ``flash_partial_grads`` (ring attention's blocks),
     interpreted: merged over two key blocks, the reference and its autodiff."""
     check_partials(tpu, kind, interpret=True)
+
+
+def test_vmem_requests_name_each_kernel_call_and_collect_only_inside():
+    """Each kernel call traced inside ``vmem_requests()`` reports its name, its VMEM estimate
+    and the scoped limit it asks for (None: the default, for these small tiles); outside the
+    block nothing is collected."""
+    k = jax.random.split(jax.random.key(0), 3)
+    q, kk, v = (jax.random.normal(x, (1, 32, 2, 16), jnp.float32) for x in k)
+
+    def loss(q, kk, v):
+        return tpu.flash_attention(q, kk, v, block_sizes=blocks(), interpret=True).sum()
+
+    with tpu.vmem_requests() as calls:
+        jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kk, v)
+    assert len(calls) >= 3  # forward, dK/dV and dQ
+    assert all(isinstance(c, tpu.VmemRequest) and c.estimate > 0 for c in calls)
+    assert all(c.limit is None for c in calls) and len({c.kernel for c in calls}) >= 3
+    jax.jit(loss).lower(q, kk, v)
+    assert len(calls) >= 3 and tpu._REQUESTS is None

@@ -62,6 +62,7 @@ Run on a CPU with ``interpret=True`` or ``interpret=pltpu.InterpretParams()``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -79,10 +80,12 @@ from .reference import MASK_VALUE, check_differential, check_qkv
 
 __all__ = [
     "BlockSizes",
+    "VmemRequest",
     "differential_flash_attention",
     "flash_attention",
     "flash_partial_grads",
     "flash_partials",
+    "vmem_requests",
 ]
 
 NUM_LANES = 128
@@ -556,6 +559,36 @@ def _vmem_estimate(specs, arrays, scratch, tile_shape, n_tiles: int) -> int:
     return total + n_tiles * _tile_bytes(tile_shape, 4)
 
 
+@dataclasses.dataclass(frozen=True)
+class VmemRequest:
+    """One kernel call's VMEM: the estimate of what its tiles need (double-buffered blocks,
+    scratch, float32 tiles) and the scoped limit it asks the compiler for (None: the
+    default)."""
+
+    kernel: str
+    estimate: int
+    limit: int | None
+
+
+_REQUESTS: list[VmemRequest] | None = None  # collecting, inside vmem_requests()
+
+
+@contextlib.contextmanager
+def vmem_requests():
+    """A list of the :class:`VmemRequest` of every kernel call traced inside the block (what
+    the compile check reports beside the compiler's own figures)::
+
+        with vmem_requests() as calls:
+            jax.jit(f).lower(*args)
+    """
+    global _REQUESTS
+    saved, _REQUESTS = _REQUESTS, []
+    try:
+        yield _REQUESTS
+    finally:
+        _REQUESTS = saved
+
+
 def _compiler_params(n_parallel: int, n_arbitrary: int, vmem_bytes: int):
     """Grid semantics; raise the scoped VMEM limit when the tiles need more than the default."""
     limit = None
@@ -609,6 +642,12 @@ def _call(
     in_specs = [None if x is None else s for x, s in zip(operands, in_specs)]
     out_specs = [None if x is None else s for x, s in zip(out_shape, out_specs)]
     vmem = _vmem_estimate(in_specs + out_specs, [*operands, *out_shape], scratch, tile, n_tiles)
+    params, name = (
+        _compiler_params(len(grid) - n_arbitrary, n_arbitrary, vmem),
+        _kernel_name(cfg, what),
+    )
+    if _REQUESTS is not None:
+        _REQUESTS.append(VmemRequest(name, vmem, params.vmem_limit_bytes))
     return pl.pallas_call(
         functools.partial(kernel, cfg=cfg),
         grid=grid,
@@ -618,8 +657,8 @@ def _call(
         scratch_shapes=scratch,
         interpret=cfg.interpret,
         cost_estimate=cost,
-        name=_kernel_name(cfg, what),
-        compiler_params=_compiler_params(len(grid) - n_arbitrary, n_arbitrary, vmem),
+        name=name,
+        compiler_params=params,
     )(*operands)
 
 
