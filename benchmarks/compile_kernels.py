@@ -17,6 +17,7 @@ a forward split per branch); on TPUs the scoped VMEM the kernel asks for.
   python benchmarks/compile_kernels.py --targets h100 --cases v1_d128 --seq 1024
   python benchmarks/compile_kernels.py --blocks 128,64,64,128,128,64 --warps 8 --targets h100
   python benchmarks/compile_kernels.py --targets h100 --cases v1_d128 --split no   # fused
+  python benchmarks/compile_kernels.py --dtype float32      # float32 inputs (bf16 by default)
 
 ``--blocks`` replaces the six tiles of the target's defaults, ``--warps`` every kernel's warps,
 ``--split`` the GPU forward's layout; the rest stays the target's default.
@@ -183,14 +184,16 @@ def _loss_fn(module, case: Case, block_sizes):
     return loss
 
 
-def _compile(module, device, platform: str, case: Case, seq: int, heads: int, block_sizes):
+def _compile(
+    module, device, platform: str, case: Case, seq: int, heads: int, block_sizes, dtype="bfloat16"
+):
     """Compile forward + backward; returns None or the compiler's first line of complaint."""
     import jax
     import jax.numpy as jnp
 
     sh = jax.sharding.SingleDeviceSharding(device)
-    q = jax.ShapeDtypeStruct((1, seq, heads, case.d), jnp.bfloat16, sharding=sh)
-    v = jax.ShapeDtypeStruct((1, seq, heads, case.dv), jnp.bfloat16, sharding=sh)
+    q = jax.ShapeDtypeStruct((1, seq, heads, case.d), jnp.dtype(dtype), sharding=sh)
+    v = jax.ShapeDtypeStruct((1, seq, heads, case.dv), jnp.dtype(dtype), sharding=sh)
     lam_shape = (1, seq, heads) if case.kind == "v2" else ()
     lam = jax.ShapeDtypeStruct(lam_shape, jnp.float32, sharding=sh)
     loss = _loss_fn(module, case, block_sizes)
@@ -265,8 +268,10 @@ def _gpu_child(
     warps,
     dump: str,
     split: bool | None = None,
+    dtype: str = "bfloat16",
 ):
     import jax
+    import jax.numpy as jnp
 
     jax.config.update("jax_platforms", "cpu")
     from jax.experimental import topologies
@@ -289,6 +294,7 @@ def _gpu_child(
             differential=case.kind != "std",
             shared_keys=case.kind == "v2",
             compute_capability=(tgt.major, tgt.minor),
+            itemsize=jnp.dtype(dtype).itemsize,
         )
         if blocks:
             bs = dataclasses.replace(bs, **dict(zip(BLOCK_FIELDS, blocks)))
@@ -303,7 +309,7 @@ def _gpu_child(
         }
         before = set(glob.glob(os.path.join(dump, "*")))
         t0 = time.time()
-        err = _compile(gpu, topo.devices[0], "cuda", case, seq, heads, bs)
+        err = _compile(gpu, topo.devices[0], "cuda", case, seq, heads, bs, dtype)
         new = sorted(set(glob.glob(os.path.join(dump, "*"))) - before)
         thunks = "\n".join(open(p).read() for p in new if p.endswith("thunk_sequence.txt"))
         base = dict(target=target_key, case=name, seconds=round(time.time() - t0, 1))
@@ -344,7 +350,9 @@ def _gpu_child(
     return rows
 
 
-def _tpu_child(target_key: str, cases: list[str], seq: int, heads: int, blocks):
+def _tpu_child(
+    target_key: str, cases: list[str], seq: int, heads: int, blocks, dtype: str = "bfloat16"
+):
     import jax
 
     jax.config.update("jax_platforms", "cpu")
@@ -358,7 +366,7 @@ def _tpu_child(target_key: str, cases: list[str], seq: int, heads: int, blocks):
     for name in cases:
         t0 = time.time()
         with tpu.vmem_requests() as calls:  # each kernel's VMEM estimate and scoped-VMEM request
-            err = _compile(tpu, topo.devices[0], "tpu", CASES[name], seq, heads, bs)
+            err = _compile(tpu, topo.devices[0], "tpu", CASES[name], seq, heads, bs, dtype)
         base = dict(target=target_key, case=name, seconds=round(time.time() - t0, 1))
         if err:
             rows.append(dict(base, kernel="(all)", error=err))
@@ -433,6 +441,7 @@ def run(
     keep_dumps: str | None = None,
     python: str | None = None,
     split: bool | None = None,
+    dtype: str = "bfloat16",
 ) -> list[dict]:
     """Compile every case for every target (each target in a child process of ``python``,
     default :func:`compiler_python`); rows of results."""
@@ -450,6 +459,7 @@ def run(
             warps=warps,
             dump=dump,
             split=split,
+            dtype=dtype,
         )
         env = dict(
             os.environ,
@@ -539,6 +549,7 @@ def main(argv=None):
         default=None,
         help="GPU DIFF forward as one program per branch (default: the target's)",
     )
+    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
     p.add_argument("--json", default=None, help="also write the rows here")
     p.add_argument("--markdown", default=None, help="also write the table here")
     p.add_argument("--dumps", default=None, help="keep XLA's dumps (PTX, thunks) under this dir")
@@ -557,9 +568,10 @@ def main(argv=None):
                 c["warps"],
                 c["dump"],
                 c["split"],
+                c["dtype"],
             )
         else:
-            rows = _tpu_child(c["target"], c["cases"], c["seq"], c["heads"], blocks)
+            rows = _tpu_child(c["target"], c["cases"], c["seq"], c["heads"], blocks, c["dtype"])
         for r in rows:
             print("ROW " + json.dumps(r), flush=True)
         return 0
@@ -580,9 +592,11 @@ def main(argv=None):
     blocks = [int(x) for x in a.blocks.split(",")] if a.blocks else None
     t0 = time.time()
     split = None if a.split is None else a.split == "yes"
-    rows = run(runnable, cases, a.seq, a.heads, blocks, a.warps, a.dumps, split=split)
+    rows = run(
+        runnable, cases, a.seq, a.heads, blocks, a.warps, a.dumps, split=split, dtype=a.dtype
+    )
     text = (
-        f"bf16, causal, T={a.seq}, forward+backward; blocks {a.blocks or 'default'}, "
+        f"{a.dtype}, causal, T={a.seq}, forward+backward; blocks {a.blocks or 'default'}, "
         f"warps {a.warps or 'default'}, split forward {a.split or 'default'}\n\n" + table(rows)
     )
     print(text)

@@ -43,8 +43,8 @@ def _skip_unless(backend: str):
         pytest.skip(f"{backend} compile check: {why}")
 
 
-def _compile(target: str, seq: int) -> list[dict]:
-    rows = compile_kernels.run([target], CASES, seq=seq)
+def _compile(target: str, seq: int, dtype: str = "bfloat16") -> list[dict]:
+    rows = compile_kernels.run([target], CASES, seq=seq, dtype=dtype)
     assert {r["case"] for r in rows} == set(CASES), rows
     failed = [r for r in rows if r.get("error")]
     assert not failed, failed
@@ -65,6 +65,15 @@ def test_gpu_defaults_compile_without_spills_and_issue_one_pass_work(target):
             assert (r["mma_sync"] > 0) == ((r["case"], r["role"]) in MMA_SYNC_ON_HOPPER), r
         ideal = compile_kernels.CASES[r["case"]].macs_per_pair()[r["role"]]
         assert r["macs_per_pair"] == ideal, (ideal, r)
+
+
+@pytest.mark.parametrize("target", list(compile_kernels.GPU_TARGETS))
+def test_gpu_float32_defaults_fit_in_shared_memory(target):
+    """float32 inputs take twice the shared memory of bf16: the default tiles for them still fit
+    every target (an H200 refused V1's float32 dK/dV at d=128 with the bf16 tiles)."""
+    _skip_unless("gpu")
+    for r in _compile(target, seq=128, dtype="float32"):
+        assert r["smem"] is not None, r
 
 
 @pytest.mark.parametrize("target", list(compile_kernels.TPU_TARGETS))

@@ -60,6 +60,18 @@ def test_bad_lambda_shape():
         kernels.differential_flash_attention(*_inputs(), jnp.ones((3,)), interpret=True)
 
 
+# On a GPU, XLA and the kernels run float32 dots as TF32 unless asked for more; the tight
+# comparisons below are of the math, so they ask for full float32 (a no-op on CPU).
+full_float32 = pytest.mark.usefixtures("highest_matmul_precision")
+
+
+@pytest.fixture
+def highest_matmul_precision():
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
+@full_float32
 @pytest.mark.parametrize("backend", ["gpu", "tpu"])
 def test_entry_point_matches_reference(backend):
     q1, k1, q2, k2, v = _inputs()
@@ -80,6 +92,7 @@ LM_CASES = {
 }
 
 
+@full_float32
 @pytest.mark.parametrize("kind", list(LM_CASES))
 def test_lm_with_pallas_equals_xla_loss_and_gradients(kind):
     """The whole LM: the same loss and parameter gradients through the kernels (interpreted on

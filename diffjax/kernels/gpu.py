@@ -196,6 +196,7 @@ def default_block_sizes(
     differential: bool = True,
     shared_keys: bool = False,
     compute_capability: tuple[int, int] | None = None,
+    itemsize: int = 2,
 ) -> BlockSizes:
     """The block sizes the wrappers use when given none, for a target (default: this GPU).
 
@@ -208,10 +209,13 @@ def default_block_sizes(
     per block (sm_86/sm_89/sm_120) the dK/dV and dQ tiles are smaller at the widest heads. On
     sm_90 the dK/dV kernel runs key-major on one warpgroup where its accumulators fit (16
     queries per step at the widest heads), else query-major on two. ``head_dim``/
-    ``v_head_dim``: q/k and v widths; ``shared_keys``: k2 None (DIFF V2), one dK accumulator.
+    ``v_head_dim``: q/k and v widths; ``shared_keys``: k2 None (DIFF V2), one dK accumulator;
+    ``itemsize``: bytes per input element. float32 tiles take twice the shared memory, so they
+    get the tiles of a GPU with half of it (at the widest heads on sm_90 the dK/dV kernel
+    streams 16 queries; on 99 KiB GPUs every tile is 32 rows or fewer).
     """
     cc = tuple(compute_capability or device_capability())
-    smem = SHARED_MEMORY_BYTES.get(cc, 101376)
+    smem = SHARED_MEMORY_BYTES.get(cc, 101376) * 2 // max(itemsize, 2)  # in 2-byte terms
     dv = head_dim if v_head_dim is None else v_head_dim
     d_pad, dv_pad = max(_MIN_BLOCK, _next_pow2(head_dim)), max(_MIN_BLOCK, _next_pow2(dv))
     n_branch = 2 if differential else 1
@@ -229,6 +233,19 @@ def default_block_sizes(
     key_major = _default_key_major(n_branch, shared_keys, d_pad, dv_pad, cc)
     if key_major and width > 256:
         bs = dataclasses.replace(bs, block_q_dkv=16)  # 32 spills
+    if itemsize > 2 and width > 256:  # float32 V1 at d=128: 32 queries need 249 KiB on sm_90
+        bs = dataclasses.replace(bs, block_q_dkv=16, block_k=min(bs.block_k, 32))
+    if smem < 64 * 1024:  # float32 on a 99 KiB GPU: no 64-row tile fits
+        narrow = 16 if width > 256 else 32
+        bs = dataclasses.replace(
+            bs,
+            block_q=32,
+            block_k=narrow,
+            block_q_dkv=16,
+            block_k_dkv=32,
+            block_q_dq=32,
+            block_k_dq=min(bs.block_k_dq, narrow),
+        )
     split = _default_split(n_branch, d_pad, dv_pad, cc)
     return dataclasses.replace(
         bs,
@@ -1084,6 +1101,7 @@ def _prepare(
             differential=differential,
             shared_keys=differential and k2 is None,
             compute_capability=cc,
+            itemsize=jnp.dtype(q1.dtype).itemsize,
         )
         if block_sizes is None
         else block_sizes
