@@ -8,17 +8,18 @@ Prepares the stdlib corpus (byte tokenizer, ``python -m diffjax.data.prepare``) 
 folder and into the bucket, then times, for each prefetch depth (``data.prefetch``: batches read
 ahead by the pipeline's threads), the ``tokens`` source's training batches of the default shapes
 (``data.seq_len`` 256, ``train.batch_size`` 16) from each copy: ``make_dataset`` iterated for
-``--batches`` batches after the first. ``--latency-ms`` adds that many milliseconds to every
-round trip to the bucket (a sleep before each batched ranged read): the emulator on 127.0.0.1
-answers in about a millisecond, a cloud bucket in tens, and the depth that hides the difference
-is what the default must cover.
+``--batches`` batches after the first. ``--latency-ms`` (with the emulator) adds that many
+milliseconds to every request to the bucket: the client reaches the emulator through a TCP
+relay on 127.0.0.1 that holds each request that long before passing it on. The emulator answers
+in about a millisecond, a cloud bucket in tens, and the depth that hides the difference is what
+the default must cover.
 
 Beside them: the default model's train step (``train.py compare=false``, the default config,
 trained from the same prepared corpus, local and in the bucket) in tokens/s, the median of
 ``metrics.jsonl``'s ``tokens_per_s`` after the first steps, and how long the loop waited for
-each batch (its ``next`` on the batch iterator, timed by wrapping it). Reading never stalls the
-step when the pipeline's rate is well above the step's (the goal: 3x) and the wait is a
-negligible part of the step from either copy.
+each batch (``metrics.jsonl``'s ``data_wait``). Reading never stalls the step when the
+pipeline's rate is well above the step's (the goal: 3x) and the wait is a negligible part of
+the step from either copy.
 """
 
 from __future__ import annotations
@@ -28,10 +29,13 @@ import contextlib
 import datetime
 import os
 import platform
+import socket
 import statistics
 import sys
 import tempfile
+import threading
 import time
+import urllib.parse
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -58,22 +62,47 @@ def prepare_corpus(inputs: str, out: str) -> None:
     prep.prepare(options)
 
 
-@contextlib.contextmanager
-def added_latency(ms: float):
-    """Every batched ranged read to the bucket waits ``ms`` more (a slower network)."""
-    from diffjax import storage
+class LatencyRelay:
+    """A TCP relay on 127.0.0.1 to ``url``'s host and port that holds what the client sends for
+    ``delay`` seconds before passing it on (the answers come back at once): each request to the
+    bucket then takes that much longer, as from a farther bucket. ``delay`` may change at any
+    time; :attr:`url` is the address to give the client."""
 
-    real = storage.read_ranges
+    def __init__(self, url: str):
+        target = urllib.parse.urlsplit(url)
+        self.target = (target.hostname, target.port)
+        self.delay = 0.0
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.server.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
 
-    def slow(*args, **kwargs):
-        time.sleep(ms / 1000)
-        return real(*args, **kwargs)
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.server.accept()
+            except OSError:  # closed
+                return
+            upstream = socket.create_connection(self.target)
+            for s in (client, upstream):  # no Nagle wait on small requests and answers
+                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            for src, dst, held in ((client, upstream, True), (upstream, client, False)):
+                threading.Thread(target=self._pipe, args=(src, dst, held), daemon=True).start()
 
-    storage.read_ranges = slow
-    try:
-        yield
-    finally:
-        storage.read_ranges = real
+    def _pipe(self, src, dst, held: bool) -> None:
+        try:
+            while data := src.recv(1 << 16):
+                if held and self.delay:
+                    time.sleep(self.delay)
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self.server.close()
 
 
 def pipeline_rate(path: str, prefetch: int, batches: int) -> tuple[float, float]:
@@ -91,42 +120,12 @@ def pipeline_rate(path: str, prefetch: int, batches: int) -> tuple[float, float]
     return batches * first["inputs"].size / seconds, t1 - t0
 
 
-class TimedBatches:
-    """The train loop's batch iterator, timing how long each ``next`` waits for a batch."""
-
-    def __init__(self, it, waits: list[float]):
-        self.it, self.waits = it, waits
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        t = time.perf_counter()
-        batch = next(self.it)
-        self.waits.append(time.perf_counter() - t)
-        return batch
-
-    def get_state(self):
-        return self.it.get_state()
-
-    def set_state(self, state) -> None:
-        self.it.set_state(state)
-
-
 def step_rate(path: str, steps: int, run_dir: str) -> tuple[float, float, float]:
     """The default model's train step: (tokens/s, median and largest wait for a batch in ms),
     over the steps after the 5th."""
     from diffjax import storage
     from diffjax.compare.cli import main
-    from diffjax.train import loop
     from diffjax.train.metrics import read_metrics
-
-    waits: list[float] = []
-    real = loop.process_stream
-
-    def timed(exp, split, mesh):
-        it = real(exp, split, mesh)
-        return TimedBatches(it, waits) if split == "train" else it
 
     args = [
         f"run.dir={run_dir}",
@@ -142,17 +141,13 @@ def step_rate(path: str, steps: int, run_dir: str) -> tuple[float, float, float]
         "train.throughput_rounds=0",
         "train.num_seeds=1",
     ]
-    loop.process_stream = timed
-    try:
-        with contextlib.redirect_stdout(sys.stderr):
-            rc = main(args)
-    finally:
-        loop.process_stream = real
+    with contextlib.redirect_stdout(sys.stderr):
+        rc = main(args)
     if rc != 0:
         raise SystemExit(f"train.py {' '.join(args)} exited with {rc}")
     records = read_metrics(storage.join(run_dir, "diff", "seed_0", "metrics.jsonl"))
     rates = [r["tokens_per_s"] for r in records[5:] if r.get("tokens_per_s")]
-    late = waits[5:]
+    late = [r["data_wait"] for r in records[5:]]
     return statistics.median(rates), 1e3 * statistics.median(late), 1e3 * max(late)
 
 
@@ -176,8 +171,14 @@ def main(argv=None) -> int:
             server = stack.enter_context(GcsEmulator())
             remote = f"{server.new_bucket()}/bench"
             where = "fake-gcs-server on 127.0.0.1"
+            relay = LatencyRelay(server.url)  # every client request goes through it
+            stack.callback(relay.close)
+            for var in ("STORAGE_EMULATOR_HOST", "TENSORSTORE_GCS_HTTP_URL"):
+                os.environ[var] = relay.url
         else:
-            remote, where = a.bucket.rstrip("/"), a.bucket
+            if any(a.latency_ms):
+                p.error("--latency-ms needs the emulator (a real bucket has its own latency)")
+            remote, where, relay = a.bucket.rstrip("/"), a.bucket, None
         tmp = stack.enter_context(tempfile.TemporaryDirectory())
         local = os.path.join(tmp, "prepared")
         print(f"preparing {a.max_files} stdlib files locally and into {remote} ...", flush=True)
@@ -194,9 +195,12 @@ def main(argv=None) -> int:
             rate, first = pipeline_rate(local, prefetch, a.batches)
             rows.append(("local disk", "-", prefetch, rate, first))
             print(rows[-1], flush=True)
-            for ms in a.latency_ms:
-                with added_latency(ms):
-                    rate, first = pipeline_rate(f"{remote}/prepared", prefetch, a.batches)
+            for ms in a.latency_ms if relay else [0.0]:
+                if relay:
+                    relay.delay = ms / 1000
+                rate, first = pipeline_rate(f"{remote}/prepared", prefetch, a.batches)
+                if relay:
+                    relay.delay = 0.0
                 rows.append(("bucket", f"+{ms:g} ms" if ms else "0", prefetch, rate, first))
                 print(rows[-1], flush=True)
         step_local, step_remote = [], []
@@ -228,8 +232,7 @@ def main(argv=None) -> int:
     lines += [
         "",
         f"The default train step ({a.steps} steps a run, {a.rounds} runs of each, alternated; "
-        f"medians over the steps after the 5th; the wait: the loop's `next` on the batch "
-        f"iterator):",
+        f"medians over the steps after the 5th; the wait: `data_wait` in `metrics.jsonl`):",
         "",
         "| data from | run | step tokens/s | wait for a batch, median ms | largest ms |",
         "|---|---:|---:|---:|---:|",

@@ -31,6 +31,7 @@ filled slots marked by ``kv_segment_ids``); on CPU the XLA path.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import math
 from typing import Any
@@ -43,8 +44,9 @@ from flax import nnx, struct
 from . import ops
 from .attention import CACHE_AXES
 from .compile_options import lazy_jit
-from .config import ModelConfig
-from .model import TransformerLM, make_attention
+from .config import NATURAL_ORDER, ModelConfig
+from .model import TransformerLM, for_runtime, make_attention
+from .runtime import Runtime
 from .sharding import constrain
 
 # Number of times each compiled piece was traced (a trace precedes each compilation): what a
@@ -281,6 +283,7 @@ def generate(
     prompt_lengths=None,
     eos_id: int | None = None,
     length_bucket: int = 64,
+    runtime: Runtime | None = None,
 ) -> jax.Array:
     """Continue ``prompt`` ``[B, P]`` (int tokens) by ``max_new_tokens`` tokens with a KV cache.
 
@@ -300,11 +303,21 @@ def generate(
     ``model.config.max_seq_len`` is refused before any compute.
 
     Lengths are rounded up to ``length_bucket`` slots, so prompts within a bucket reuse the same
-    compiled prefill and decode loop. Under a mesh (``jax.set_mesh``), the batch and the cache
-    are sharded like the activations.
+    compiled prefill and decode loop. ``runtime`` (:class:`diffjax.runtime.Runtime`): decode on
+    its mesh, the model built for its kernel target, the batch and the cache sharded like the
+    activations; where the mesh splits the sequence, the prompt's prefill runs over the
+    ``context`` axis with the prompt in its natural order (whatever order the runtime's training
+    batches take). None: the mesh set by the caller (``jax.set_mesh``), if any.
     """
     if not isinstance(model, TransformerLM):
         raise TypeError(f"generate() takes a diffjax.TransformerLM, got {type(model).__name__}")
+    if runtime is not None:  # the prompt goes in as given: the natural order
+        spec = dataclasses.replace(runtime.context, order=NATURAL_ORDER)
+        runtime = dataclasses.replace(runtime, context=spec)
+        args = dict(temperature=temperature, top_k=top_k, rng=rng, prompt_lengths=prompt_lengths)
+        args.update(eos_id=eos_id, length_bucket=length_bucket)
+        with runtime.activate():
+            return generate(for_runtime(model, runtime), prompt, max_new_tokens, **args)
     cfg = model.config
     tokens = np.asarray(prompt)
     if tokens.ndim != 2 or tokens.shape[1] < 1 or tokens.shape[0] < 1:

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from . import ops
 from .attention import (
     SAVED_NAMES,
     AttentionLayer,
@@ -404,6 +405,18 @@ def with_context(model: TransformerLM, context: ContextSpec) -> TransformerLM:
     it was built with it; ``model`` is never changed): for a model loaded without knowing the
     order its tokens will lie in over a ``context`` mesh axis."""
     return model if model.context == context else rebuilt(model, context=context)
+
+
+def for_runtime(model: TransformerLM, runtime) -> TransformerLM:
+    """``model`` as a :class:`diffjax.runtime.Runtime` runs it: built for the runtime's kernel
+    target and, where its mesh splits the sequence, its context spec (``model`` itself when it
+    was built for both; otherwise a new model holding the same arrays)."""
+    changes = {}
+    if runtime.context_size > 1 and model.context != runtime.context:
+        changes["context"] = context_spec(model.config, runtime.context)
+    if (model.target or ops.current_target()) != runtime.kernel_target:
+        changes["target"] = runtime.kernel_target
+    return rebuilt(model, **changes) if changes else model
 
 
 def rebuilt(model: TransformerLM, **attention) -> TransformerLM:

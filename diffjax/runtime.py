@@ -9,12 +9,21 @@ throughput measurement, the planner), so none of them re-derives one from anothe
 
     runtime = Runtime.of(model_cfg, exp.mesh)               # the mesh of these devices
     runtime = Runtime(mesh)                                  # a mesh built by hand
+    with runtime.activate(): ...                             # jax.set_mesh + the axis rules
+
+Evaluation (:func:`diffjax.evaluate.losses_and_predictions` and what builds on it) and
+generation (:func:`diffjax.generate`) take one as ``runtime=``: the model is used as built for
+it (:func:`diffjax.model.for_runtime`) and the batches are laid out in its token order.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Any
+from typing import Any, Iterator
+
+import jax
+from flax import nnx
 
 from . import sharding
 from .config import PLATFORMS, ContextSpec, KernelTarget, ModelConfig
@@ -63,6 +72,13 @@ class Runtime:
         mesh = sharding.make_mesh(mesh_cfg) if mesh is None else mesh
         spec = ContextSpec(impl=model_cfg.context_attention, order=mesh_cfg.context_order)
         return cls(mesh, spec)
+
+    @contextlib.contextmanager
+    def activate(self) -> Iterator[Runtime]:
+        """Run under this runtime's mesh (``jax.set_mesh``) and the logical-axis rules in force
+        (:data:`diffjax.sharding.DEFAULT_RULES` unless a caller set others)."""
+        with jax.set_mesh(self.mesh), nnx.logical_axis_rules(sharding.current_rules()):
+            yield self
 
     @property
     def context_size(self) -> int:

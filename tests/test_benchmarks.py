@@ -282,3 +282,23 @@ def test_the_scaling_table_is_rendered_from_the_committed_compiles():
     assert "not run" not in table and "not searched" not in table
     with open(os.path.join(ROOT, "docs", "scaling.md")) as f:
         assert table in f.read()
+
+
+def test_the_latency_relay_holds_each_request_and_passes_the_bytes_unchanged(gcs_server):
+    """benchmarks/data_speed.py's stand-in for a farther bucket: a real HTTP request to the
+    emulator through the relay returns the same bytes, at least ``delay`` later."""
+    import time
+    import urllib.request
+
+    relay = _load("data_speed").LatencyRelay(gcs_server.url)
+    try:
+        url = "/storage/v1/b?project=test"
+        direct = urllib.request.urlopen(gcs_server.url + url, timeout=10).read()
+        for delay in (0.0, 0.2):
+            relay.delay = delay
+            t = time.perf_counter()
+            got = urllib.request.urlopen(relay.url + url, timeout=10).read()
+            assert time.perf_counter() - t >= delay
+            assert got == direct
+    finally:
+        relay.close()

@@ -165,6 +165,7 @@ def test_predictions_on_a_context_mesh_equal_one_device():
     from diffjax import ModelConfig, TransformerLM, sharding
     from diffjax.evaluate.long_context import replicate
     from diffjax.evaluate.probe import losses_and_predictions
+    from diffjax.runtime import Runtime
 
     cfg = ModelConfig(
         vocab_size=64, d_model=32, num_layers=2, num_heads=2, max_seq_len=64, attention="diff_v2"
@@ -175,11 +176,18 @@ def test_predictions_on_a_context_mesh_equal_one_device():
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
     ref_loss, ref_pred = losses_and_predictions(model, batch, batch_size=2)
     for order in ("zigzag", "striped", "contiguous"):
-        mesh = sharding.make_mesh(sharding.MeshConfig(context=8, context_order=order))
-        with jax.set_mesh(mesh), nnx.logical_axis_rules(sharding.DEFAULT_RULES):
-            loss, pred = losses_and_predictions(replicate(model, mesh), batch, 2, order)
+        mesh_cfg = sharding.MeshConfig(context=8, context_order=order)
+        runtime = Runtime.of(cfg, mesh_cfg)
+        loss, pred = losses_and_predictions(replicate(model, runtime.mesh), batch, 2, runtime)
         np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, atol=1e-6, err_msg=order)
         np.testing.assert_array_equal(pred, ref_pred, err_msg=order)
+        assert model.context.order == "contiguous"  # the model given is never changed
+    # under a mesh set by the caller, the model's own order (a model built by hand: natural)
+    mesh = sharding.make_mesh(sharding.MeshConfig(context=8))
+    with jax.set_mesh(mesh), nnx.logical_axis_rules(sharding.DEFAULT_RULES):
+        loss, pred = losses_and_predictions(replicate(model, mesh), batch, 2)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(pred, ref_pred)
 
 
 @pytest.fixture(scope="module")

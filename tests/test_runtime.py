@@ -107,6 +107,43 @@ def test_a_runtime_takes_the_platform_from_its_devices_and_the_spec_from_the_con
         Runtime(mesh, platform="metal")
 
 
+def test_for_runtime_builds_for_the_runtimes_target_and_spec_and_nothing_else():
+    from diffjax.config import KernelTarget
+    from diffjax.model import for_runtime
+
+    model = TransformerLM(TINY, rngs=nnx.Rngs(1))
+    one = Runtime(sharding.make_mesh(sharding.MeshConfig(data=1), jax.devices()[:1]))
+    assert for_runtime(model, one) is model  # this CPU, no sequence split: nothing to rebuild
+    cfg = sharding.MeshConfig(data=1, context=2, context_order="zigzag")
+    two = Runtime.of(TINY, cfg, sharding.make_mesh(cfg, jax.devices()[:2]))
+    split = for_runtime(model, two)
+    assert split.context == two.context and model.context.order == NATURAL_ORDER
+    tpu = for_runtime(model, Runtime(one.mesh, platform="tpu"))
+    assert tpu.target == KernelTarget("tpu") and model.target is None
+    assert nnx.to_pure_dict(nnx.state(tpu)).keys() == nnx.to_pure_dict(nnx.state(model)).keys()
+
+
+def test_generation_takes_a_runtime_and_gives_the_tokens_of_one_device(monkeypatch):
+    """On a data mesh, and on a context mesh whose runs lay batches out in zigzag order: the
+    prompt's prefill runs over the context axis, taking the prompt in its natural order."""
+    from diffjax import context, generate
+
+    real, rings = context.context_differential_attention, []
+    monkeypatch.setattr(
+        context, "context_differential_attention", lambda *a, **k: rings.append(1) or real(*a, **k)
+    )
+    model = TransformerLM(TINY, rngs=nnx.Rngs(2))
+    prompt = np.arange(16, dtype=np.int32).reshape(2, 8) * 3 % 64
+    want = np.asarray(generate(model, prompt, 6, length_bucket=8))
+    data = Runtime(sharding.make_mesh(sharding.MeshConfig(data=2), jax.devices()[:2]))
+    cfg = sharding.MeshConfig(data=1, context=2, context_order="zigzag")
+    split = Runtime.of(TINY, cfg, sharding.make_mesh(cfg, jax.devices()[:2]))
+    for runtime in (data, split):
+        got = generate(model, prompt, 6, length_bucket=8, runtime=runtime)
+        np.testing.assert_array_equal(np.asarray(got), want)
+        assert bool(rings) == (runtime is split)
+
+
 def test_model_inputs_lay_the_tokens_out_in_the_runtimes_order():
     """On a context axis of 2 the inputs come out in the runtime's order, with their positions;
     the same batch under the natural order keeps the data's order."""
@@ -141,9 +178,27 @@ def test_the_kernel_target_is_data_resolved_at_construction():
     assert h100.kernel_target == KernelTarget("gpu", (9, 0))
 
 
-def test_the_planner_patches_nothing():
-    """The planner passes its target as data: it assigns no attribute of jax or of diffjax's
-    kernels (the old way: patching jax.default_backend and the GPU capability while tracing)."""
+def test_the_planner_and_the_benchmarks_patch_nothing():
+    """The planner passes its target as data, and no benchmark replaces a function of jax or
+    diffjax to observe or slow it: no assignment to an attribute of an imported module (the old
+    ways: patching jax.default_backend and the GPU capability while tracing, the storage reads
+    and the loop's batch stream in the data benchmark)."""
+    import ast
+
     source = (SRC / "plan.py").read_text()
     assert not re.search(r"jax\.default_backend\s*=", source)
     assert "_device_capability" not in source and "gpu_kernels" not in source
+    for path in [SRC / "plan.py", *sorted((SRC.parent / "benchmarks").glob("*.py"))]:
+        tree = ast.parse(path.read_text())
+        imported = {
+            (a.asname or a.name).split(".")[0]
+            for node in ast.walk(tree)
+            if isinstance(node, (ast.Import, ast.ImportFrom))
+            for a in node.names
+        }
+        for node in ast.walk(tree):
+            targets = node.targets if isinstance(node, ast.Assign) else []
+            for t in targets:
+                if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name):
+                    assert t.value.id not in imported, (path.name, ast.unparse(t))
+        assert "setattr(" not in path.read_text().replace("__setattr__(", ""), path.name

@@ -271,6 +271,8 @@ def test_comparison_smoke(tmp_path, capsys):
         records = read_metrics(str(run / label / "seed_0" / "metrics.jsonl"))
         assert [r["step"] for r in records] == [1, 2, 3, 4]
         assert all(np.isfinite(r["loss"]) and r["loss"] > 0 for r in records)
+        # the wait for each batch is measured and is part of the step's time
+        assert all(0 <= r["data_wait"] <= r["step_time"] for r in records)
         assert "val_loss" in records[1] and "val_loss" in records[3]
         assert (run / label / "seed_0" / "checkpoints" / "4").is_dir()
         assert any(f.startswith("events") for f in os.listdir(run / label / "seed_0" / "tb"))

@@ -23,6 +23,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from diffjax import context, sharding, storage
+from diffjax.runtime import Runtime
 from diffjax.config import ConfigError
 from diffjax.train.checkpoint import load_model
 
@@ -115,7 +116,7 @@ def evaluate_long_context(
                 num_depth_bins=1,
                 batch_size=batch_size,
                 query_replacement=_replacement(data, needles, queries),
-                context_order=mesh_config.context_order,
+                runtime=Runtime.of(model.config, mesh_config, mesh),
             )
             acc = [float(a) for a in grid.length_accuracy()]
             noise = []  # the measured noise floor: only the answer rows' maps, keys gathered

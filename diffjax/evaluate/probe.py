@@ -16,8 +16,8 @@ from flax import nnx
 from diffjax import context, sharding
 from diffjax.attention import AttentionLayer, Projection
 from diffjax.kernels import reference
-from diffjax.config import RUN_TOKEN_ORDER, ContextSpec
-from diffjax.model import TransformerLM, unstack_layers, with_context
+from diffjax.model import TransformerLM, for_runtime, unstack_layers
+from diffjax.runtime import Runtime
 
 
 def check_model(model) -> None:
@@ -184,20 +184,26 @@ def _losses_and_predictions(model, inputs, targets, positions=None):
 
 
 def losses_and_predictions(
-    model, batch: dict, batch_size: int = 8, context_order: str = RUN_TOKEN_ORDER
+    model, batch: dict, batch_size: int = 8, runtime: Runtime | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
     """Per-token cross-entropy ``[B, T]`` (nats, float64) and greedy predictions ``[B, T]`` of
     ``model`` on ``batch["inputs"]`` / ``batch["targets"]``, in fixed-size batches (the last one
     padded), so each model and length compiles once for every analysis that uses it.
 
-    Under a mesh (``jax.set_mesh``) whose ``context`` axis splits the sequence, each batch goes
-    in ``context_order`` with its positions (:func:`diffjax.context.order_batch`) and the
-    results come back in the data's order."""
+    ``runtime``: run on its mesh, the model built for it (:func:`diffjax.model.for_runtime`).
+    Where the mesh's ``context`` axis splits the sequence, each batch goes in the model's token
+    order with its positions (:func:`diffjax.context.order_batch`) and the results come back in
+    the data's order. None: the mesh set by the caller (``jax.set_mesh``), if any."""
     check_model(model)
+    if runtime is None:
+        return _losses_and_predictions_batched(model, batch, batch_size)
+    with runtime.activate():
+        return _losses_and_predictions_batched(for_runtime(model, runtime), batch, batch_size)
+
+
+def _losses_and_predictions_batched(model, batch: dict, batch_size: int):
     n = context.axis_size(sharding.context_mesh())
-    if n > 1:  # a model whose layers know the order (the kernels' ring reads it)
-        spec = ContextSpec(impl=model.config.context_attention, order=context_order)
-        model = with_context(model, spec)
+    order = model.context.order  # how the model's attention reads the tokens over the axis
     x_all = np.asarray(check_tokens(model, batch["inputs"]))
     y_all = np.asarray(batch["targets"])
     losses, preds = [], []
@@ -208,13 +214,11 @@ def losses_and_predictions(
             x = np.concatenate([x, np.repeat(x[-1:], pad, 0)])
             y = np.concatenate([y, np.repeat(y[-1:], pad, 0)])
         if n > 1:
-            o = context.order_batch({"inputs": x, "targets": y}, n, context_order)
+            o = context.order_batch({"inputs": x, "targets": y}, n, order)
             loss, pred = jax.device_get(
                 _losses_and_predictions(model, o["inputs"], o["targets"], o["positions"])
             )
-            loss, pred = (
-                context.restore_order(np.asarray(a), n, context_order) for a in (loss, pred)
-            )
+            loss, pred = (context.restore_order(np.asarray(a), n, order) for a in (loss, pred))
         else:
             loss, pred = _losses_and_predictions(
                 model, jnp.asarray(x, jnp.int32), jnp.asarray(y, jnp.int32)

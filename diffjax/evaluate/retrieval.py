@@ -14,9 +14,9 @@ from typing import Sequence
 
 import numpy as np
 
-from diffjax.config import RUN_TOKEN_ORDER
 from diffjax.data import DataConfig, make_source
 from diffjax.data import query_correct as data_query_correct
+from diffjax.runtime import Runtime
 
 from .positions import stack_examples
 from .probe import check_model, losses_and_predictions
@@ -146,15 +146,15 @@ def multi_needle_retrieval(
     batch_size: int = 8,
     seed: int = 0,
     query_replacement: bool = False,
-    context_order: str = RUN_TOKEN_ORDER,
+    runtime: Runtime | None = None,
 ) -> RetrievalGrid:
     """Retrieval accuracy of ``model`` on the needle task, per context length and needle depth.
 
     ``data``: the run's data config (keys, values and haystack text are taken from it when it
     is a needle task). ``num_examples`` examples per length (validation split, seed ``seed``),
     each with ``num_queries`` scored queries (drawn with replacement with
-    ``query_replacement``). Under a mesh whose ``context`` axis splits the sequence, the tokens
-    go in ``context_order`` (:func:`.probe.losses_and_predictions`)."""
+    ``query_replacement``). ``runtime``: the mesh and context spec the forward runs with
+    (:func:`.probe.losses_and_predictions`)."""
     check_model(model)
     lengths = [int(x) for x in lengths]
     too_long = [x for x in lengths if x > model.config.max_seq_len]
@@ -176,7 +176,7 @@ def multi_needle_retrieval(
             query_replacement=query_replacement,
         )
         batch = task_examples(cfg)
-        preds = losses_and_predictions(model, batch, batch_size, context_order)[1]
+        preds = losses_and_predictions(model, batch, batch_size, runtime)[1]
         ok = query_correct(preds, batch)
         bins = depth_bins(query_depths(batch), num_depth_bins)
         np.add.at(correct[li], bins.ravel(), ok.ravel().astype(int))

@@ -34,6 +34,7 @@ from diffjax import ops
 from diffjax.config import ConfigError
 from diffjax.decode import generate, pad_prompts
 from diffjax.model import TransformerLM
+from diffjax.runtime import Runtime
 from diffjax.sharding import MeshConfig, batch_sharding, make_mesh
 
 from . import loading
@@ -292,11 +293,8 @@ class DiffJaxLM(TemplateLM):
             rng=rng if settings["temperature"] > 0 else None,
         )
         model = nnx.merge(self._graphdef, self._state)
-        if self._mesh is None:
-            out = generate(model, tokens, settings["max_gen_toks"], **kw)
-        else:
-            with jax.set_mesh(self._mesh):
-                out = generate(model, tokens, settings["max_gen_toks"], **kw)
+        runtime = None if self._mesh is None else Runtime(self._mesh)
+        out = generate(model, tokens, settings["max_gen_toks"], runtime=runtime, **kw)
         new = np.asarray(out)[:n, tokens.shape[1] :]
         return [sc.until_token(row, self.eot_token_id) for row in new]
 

@@ -638,9 +638,11 @@ def step_record(
     tokens_per_step: int,
     timed: bool,
     throughput: Throughput | None = None,
+    data_wait: float | None = None,
 ) -> dict[str, Any]:
     """The ``metrics.jsonl`` record of one step from its metrics on the host (with
-    ``throughput``: its model TFLOP/s per device and MFU)."""
+    ``throughput``: its model TFLOP/s per device and MFU; ``data_wait``: the seconds the loop
+    waited for the step's batch, part of ``step_time``)."""
     loss = float(host["loss"])
     record = {
         "step": step,
@@ -653,6 +655,8 @@ def step_record(
         "tokens_per_s": tokens_per_step / step_time if step_time > 0 else None,
         "timed": timed,
     }
+    if data_wait is not None:
+        record["data_wait"] = data_wait
     if host["lambda"].size:
         record["lambda"] = [float(x) for x in host["lambda"]]
     if throughput is not None:
@@ -693,16 +697,16 @@ class _Recorder:
         """The time until now (evaluation, checkpointing) is not step time."""
         self.clock = time.perf_counter()
 
-    def push(self, step: int, metrics: Any, timed: bool) -> None:
+    def push(self, step: int, metrics: Any, timed: bool, data_wait: float | None = None) -> None:
         """Queue this step's metrics; write the previous step's record."""
-        previous, self.queued = self.queued, (step, metrics, timed)
+        previous, self.queued = self.queued, (step, metrics, timed, data_wait)
         if previous is not None:
             self.writer.write(self._read(*previous))
 
     def pop(self) -> dict[str, Any]:
         """The queued step's record, not written yet (an evaluation adds to it)."""
-        (step, metrics, timed), self.queued = self.queued, None
-        return self._read(step, metrics, timed)
+        queued, self.queued = self.queued, None
+        return self._read(*queued)
 
     def write_evaluated(self, record: dict[str, Any]) -> None:
         self.writer.write(record)
@@ -716,11 +720,11 @@ class _Recorder:
             self.bar.close()
         self.writer.close()
 
-    def _read(self, step: int, metrics: Any, timed: bool) -> dict[str, Any]:
+    def _read(self, step: int, metrics: Any, timed: bool, data_wait=None) -> dict[str, Any]:
         host = jax.device_get(metrics)
         now = time.perf_counter()
         record = step_record(
-            step, host, now - self.clock, self.tokens_per_step, timed, self.throughput
+            step, host, now - self.clock, self.tokens_per_step, timed, self.throughput, data_wait
         )
         self.clock = now
         if not math.isfinite(record["loss"]):
@@ -925,8 +929,12 @@ class _Steps:
     eval_fn: Callable
     recorder: "_Recorder"
 
-    def batch(self) -> dict[str, jax.Array]:
-        return model_inputs(next(self.train_iter), self.runtime, self.exp.train.batch_size)
+    def batch(self) -> tuple[dict[str, jax.Array], float]:
+        """The next training batch on the devices, and the seconds spent waiting for it."""
+        t = time.perf_counter()
+        host = next(self.train_iter)
+        wait = time.perf_counter() - t
+        return model_inputs(host, self.runtime, self.exp.train.batch_size), wait
 
     def is_checkpoint(self, step: int) -> bool:
         return step % self.exp.train.checkpoint_every == 0 or step == self.exp.train.steps
@@ -997,9 +1005,10 @@ def _train_model(
     run = _Steps(exp, runtime, label, ckpt, meta, train_iter, val, train_fn, eval_fn, recorder)
     try:
         for step in range(start + 1, tcfg.steps + 1):
-            state, metrics = train_fn(state, run.batch())
+            batch, wait = run.batch()
+            state, metrics = train_fn(state, batch)
             # the first step after a (re)start includes warm-up: not counted in throughput
-            recorder.push(step, metrics, timed=step > start + 1)
+            recorder.push(step, metrics, timed=step > start + 1, data_wait=wait)
             run.evaluate_and_save(step, state)
             if after_step is not None:
                 after_step(step, ckpt)
