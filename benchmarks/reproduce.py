@@ -1,12 +1,16 @@
 """Re-run the published per-seed numbers and say which differ.
 
-``benchmarks/published.json`` holds, per experiment, the command, the date, the jax version, the
-metric and its per-seed values for each model, as docs/results.md shows them. This script trains
-the chosen experiments and seeds again with the code it ships with (each seed alone: seed ``s``
-of a paired run starts from init seed ``s`` and sees the same batches, so it is the same run)
-and prints, per model and seed, the published value, the value now and whether they agree at
-the published precision. Exit status 1 when one differs. ``--write`` records the new values,
-date and jax version in published.json (then regenerate the tables of docs/results.md from it).
+``benchmarks/published.json`` holds, per experiment, the command, the date, the machine it was
+measured on (:func:`diffjax.machine.describe`: the CPU and its vector extensions, jax and
+jaxlib), the metric and its per-seed values for each model, as docs/results.md shows them. This
+script trains the chosen experiments and seeds again with the code it ships with (each seed
+alone: seed ``s`` of a paired run starts from init seed ``s`` and sees the same batches, so it is
+the same run) and prints, per model and seed, the published value, the value now and whether
+they agree at the published precision. Runs repeat exactly on one machine but not across CPU
+types, so where a value differs it says whether this machine differs from the publishing one
+(then the CPU may be the cause, within the spread docs/results.md measures) or not (then the
+code changed the number). Exit status 1 when one differs. ``--write`` records the new values,
+date and machine in published.json (then regenerate the tables of docs/results.md from it).
 
     python benchmarks/reproduce.py                       # the default comparison, both seeds (~3 min)
     python benchmarks/reproduce.py needle --seeds 0      # one needle seed (~13 min on 2 cores)
@@ -23,8 +27,7 @@ import shlex
 import sys
 import tempfile
 
-import jax
-
+from diffjax import machine
 from diffjax.compare import cli
 from diffjax.train import TrainResult
 
@@ -64,9 +67,10 @@ def agrees(published: float, now: float | None, digits: int) -> bool:
 def compare(name: str, entry: dict, seeds: list[int], out: str) -> tuple[list[str], bool, dict]:
     """The table lines of one experiment, whether every value agrees, and the new values."""
     digits, ok, new = entry["digits"], True, {label: {} for label in entry["values"]}
+    where = entry.get("machine")
     lines = [
-        f"{name}: {entry['command']} ({entry['metric']}; published {entry['date']}, "
-        f"jax {entry['jax']})",
+        f"{name}: {entry['command']} ({entry['metric']}; published {entry['date']} on "
+        f"{machine.summary(where) if where else 'a machine not recorded'})",
         "| model | seed | published | now | |",
         "|---|---:|---:|---:|---|",
     ]
@@ -82,7 +86,26 @@ def compare(name: str, entry: dict, seeds: list[int], out: str) -> tuple[list[st
             lines.append(
                 f"| {label} | {seed} | {shown} | {now_s} | {'same' if same else 'DIFFERS'} |"
             )
+    if not ok:
+        lines.append(explain(where, machine.describe()))
     return lines, ok, new
+
+
+def explain(published: dict | None, now: dict) -> str:
+    """Why a value may differ: the machines' differences, or none (the code moved it)."""
+    if published is None:
+        return (
+            "the publishing machine was not recorded: a different CPU type can move the last "
+            "published digit (docs/results.md, across machines); on the same one, the code did"
+        )
+    diffs = machine.differences(published, now)
+    if diffs:
+        return (
+            "this machine differs from the publishing one (" + "; ".join(diffs) + "): XLA:CPU "
+            "rounds float32 differently on other vector instructions, which can move the last "
+            "published digit (docs/results.md, across machines)"
+        )
+    return "the same machine as the publishing one: the code changed these numbers"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown experiment(s) {unknown}; choose from {sorted(published)}")
     args.experiments = args.experiments or ["default"]
     out = args.out or tempfile.mkdtemp(prefix="reproduce_")
+    print(f"this machine: {machine.summary()}\n", flush=True)
     all_ok = True
     for name in args.experiments:
         entry = published[name]
@@ -110,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
             for label, values in new.items():
                 entry["values"][label].update(values)
             entry["date"] = datetime.date.today().isoformat()
-            entry["jax"] = jax.__version__
+            entry["machine"] = machine.describe()
+            entry.pop("jax", None)  # in the machine record
     if args.write:
         with open(PUBLISHED, "w") as f:
             json.dump(published, f, indent=2)

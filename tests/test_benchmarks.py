@@ -302,3 +302,21 @@ def test_the_latency_relay_holds_each_request_and_passes_the_bytes_unchanged(gcs
             assert got == direct
     finally:
         relay.close()
+
+
+def test_reproduce_says_whether_the_machine_differs(monkeypatch):
+    """A differing value is explained by the machines' differences, or by the code when the
+    machine is the publishing one; the record names the CPU, its extensions and any XLA cap."""
+    from diffjax import machine
+
+    reproduce = _load("reproduce")
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_max_isa=AVX2")
+    now = machine.describe()
+    assert now["xla_cpu_max_isa"] == "AVX2" and "capped at AVX2" in machine.summary(now)
+    assert now["cpu"] == machine.cpu_model() and now["jaxlib"]
+    assert "the code changed" in reproduce.explain(dict(now), now)
+    other = dict(now, cpu="Another CPU", vector_extensions=["sse4_2", "avx", "avx2"])
+    said = reproduce.explain(other, now)
+    assert "this machine differs" in said and "cpu: Another CPU -> " in said
+    assert "vector_extensions: ['sse4_2', 'avx', 'avx2'] -> " in said
+    assert "not recorded" in reproduce.explain(None, now)

@@ -109,3 +109,44 @@ def test_importing_the_command_line_starts_no_jax_backend():
     if proc.stdout.strip() == "unknown":
         pytest.skip("this jax has no jax._src.xla_bridge.backends_are_initialized")
     assert proc.stdout.strip() == "False"
+
+
+# the distribution that provides each third-party module diffjax imports, where the names differ
+_DISTRIBUTIONS = {
+    "google": "google-cloud-storage",
+    "tensorboardX": "tensorboardX",
+    "lm_eval": "lm-eval",
+    "orbax": "orbax-checkpoint",
+    "nvidia": "nvidia-cuda-nvcc",
+    "jaxlib": "jax",  # jax depends on the matching jaxlib
+}
+
+
+def test_every_third_party_import_is_declared():
+    """Each module the package imports (at the top or inside a function) comes from a
+    dependency of pyproject.toml or of one of its named extras (e.g. ``readers``: pyarrow and
+    datasets for prepare's optional inputs)."""
+    import re
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = {}
+    for extra, reqs in [("", project["dependencies"]), *project["optional-dependencies"].items()]:
+        for req in reqs:
+            name = re.match(r"[A-Za-z0-9_.\-]+", req).group(0).lower().replace("_", "-")
+            declared.setdefault(name, extra or "dependencies")
+    missing = {}
+    for path in (ROOT / "diffjax").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            for top in {n.split(".")[0] for n in names}:
+                if top in sys.stdlib_module_names or top == "diffjax":
+                    continue
+                dist = _DISTRIBUTIONS.get(top, top).lower().replace("_", "-")
+                if dist not in declared:
+                    missing.setdefault(dist, str(path.relative_to(ROOT)))
+    assert not missing, f"imported but not declared in pyproject.toml: {missing}"

@@ -137,7 +137,7 @@ def test_parquet_input_and_a_missing_datasets_package(tmp_path):
     with pytest.raises(prep.PrepareError, match="--text-field.*'text'.*'body'"):
         run([tmp_path / "d.parquet"], tmp_path / "out2")
     if prep.importlib.util.find_spec("datasets") is None:
-        with pytest.raises(prep.PrepareError, match="pip install datasets"):
+        with pytest.raises(prep.PrepareError, match=r"pip install 'diffjax\[readers\]'"):
             run(["someone/some-dataset"], tmp_path / "out3")
 
 

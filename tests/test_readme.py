@@ -1,5 +1,5 @@
-"""The README's Python examples run as written, each on its own in a fresh interpreter, as a
-reader pastes one (the PyTorch one needs torch, and the ones that read checkpoints at
+"""The Python examples of the README and docs/api.md run as written, each on its own in a fresh
+interpreter, as a reader pastes one (the PyTorch one needs torch, and the ones that read checkpoints at
 ``path/to/...`` need those files: both are skipped; tests/test_hf.py runs that API)."""
 
 import json
@@ -13,6 +13,7 @@ import pytest
 
 README = pathlib.Path(__file__).parent.parent / "README.md"
 ROOT = README.parent
+PAGES = (README, ROOT / "docs" / "api.md")  # the pages whose examples a reader pastes
 
 # printed after a block: the shapes of the names the assertions read, as JSON on the last line
 REPORT = """
@@ -25,7 +26,7 @@ print(_json.dumps({k: list(v.shape) for k, v in _names.items()
 
 
 def runnable_blocks() -> list[str]:
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+    blocks = [b for p in PAGES for b in re.findall(r"```python\n(.*?)```", p.read_text(), re.S)]
     return [b for b in blocks if "torch_module" not in b and "path/to/" not in b]
 
 

@@ -33,6 +33,7 @@ from diffjax.train import (
     load_config,
 )
 from diffjax.runtime import Runtime
+from diffjax import machine
 from diffjax.train.metrics import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -279,6 +280,7 @@ def test_comparison_smoke(tmp_path, capsys):
     assert "lambda" in read_metrics(str(run / "diff" / "seed_0" / "metrics.jsonl"))[0]
     report = (run / "report.md").read_text()
     assert "| | diff (diff_v1) | standard (standard) | DIFF − twin [95% CI] |" in report
+    assert "machine: " in report and machine.summary() in report  # the CPU: numbers move with it
     assert (
         "final validation loss" in report
         and "no confidence interval can be given from one seed" in report

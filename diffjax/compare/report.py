@@ -27,6 +27,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, MaxNLocator
 
 from diffjax import flops as flops_lib
+from diffjax import machine as machine_lib
 from diffjax import storage
 from diffjax.config import ModelConfig
 from diffjax.data.synthetic import query_chance
@@ -583,10 +584,8 @@ def _setup_machine(results: Sequence[TrainResult]) -> list[str]:
         for r in results
         if r.device_peak_bytes
     )
-    machine = (
-        f"- machine: {platform.node() or 'unknown'}, {jax.device_count()} x "
-        f"{jax.devices()[0].device_kind} ({jax.default_backend()}), JAX {jax.__version__}."
-    )
+    # the CPU and its vector extensions too: runs repeat on one machine, not across CPU types
+    machine = f"- machine: {platform.node() or 'unknown'}, {machine_lib.summary()}."
     if results and results[0].mesh:
         machine += (
             f"\n- mesh: {results[0].mesh}; parameters and optimizer state placed by the logical "

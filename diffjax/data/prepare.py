@@ -130,7 +130,7 @@ def _needs_datasets(what: str) -> PrepareError:
     return _fail(
         "INPUT",
         f"{what} is read with the Hugging Face 'datasets' package, which is not installed",
-        "pip install datasets (or give local .txt/.jsonl/.parquet files)",
+        "pip install 'diffjax[readers]' (or datasets; or give local .txt/.jsonl/.parquet files)",
     )
 
 
@@ -169,7 +169,7 @@ def expand_inputs(inputs: Sequence[str]) -> list[InputFile]:
                     "INPUT",
                     f"{given!r} does not exist (working directory {os.getcwd()}); read as a "
                     f"Hugging Face dataset name it needs the 'datasets' package",
-                    "give an existing file, directory or glob, or pip install datasets",
+                    "give an existing file, directory or glob, or pip install 'diffjax[readers]'",
                 )
             out.setdefault(given, InputFile(given, given, "hf", 0))
             continue
@@ -333,7 +333,7 @@ def _pyarrow_parquet(path: str):
         raise _fail(
             "INPUT",
             f"reading the parquet file {path!r} needs the 'pyarrow' package",
-            "pip install pyarrow (or convert it to .jsonl)",
+            "pip install 'diffjax[readers]' (or pyarrow; or convert it to .jsonl)",
         ) from None
     return pq
 
