@@ -1,0 +1,148 @@
+"""One command-line convention for every ``python -m diffjax.*`` program (:mod:`diffjax.cli`):
+positional inputs, ``section.field=value`` settings of a typed dataclass, ``--help`` listing every
+key with its allowed values, and each old flag refused with the spelling that replaced it, exit
+status 2, before any compute."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from diffjax import cli
+from diffjax import sample as sample_mod
+from diffjax.config import ConfigError, check_fields, fail
+
+# ---------------------------------------------------------------------------- the shared parser
+
+
+@dataclasses.dataclass(frozen=True)
+class _Toy:
+    count: int = 3  # how many. The rest of the comment is not shown
+    mode: str = "a"  # which mode
+    # a list of widths,
+    # over two lines
+    widths: tuple[int, ...] = (1, 2)
+
+    def __post_init__(self):
+        check_fields(self)
+        if self.mode not in ("a", "b"):
+            fail("_Toy", "mode", f"unknown mode {self.mode!r}", "use 'a' or 'b'")
+
+
+TOY = (cli.Section("toy", _Toy(), {"mode": ("a", "b")}),)
+
+
+def test_keys_help_lists_every_field_with_its_first_sentence_and_allowed_values():
+    lines = cli.keys_help(TOY).splitlines()
+    i = next(n for n, line in enumerate(lines) if line.startswith("  toy.count "))
+    assert "int" in lines[i] and "default: 3" in lines[i]
+    assert lines[i + 1].strip() == "how many"
+    j = next(n for n, line in enumerate(lines) if line.startswith("  toy.mode "))
+    assert lines[j + 1].strip() == "which mode; one of 'a', 'b'"
+    k = next(n for n, line in enumerate(lines) if line.startswith("  toy.widths "))
+    assert lines[k + 1].strip() == "a list of widths, over two lines"
+
+
+def test_overrides_are_typed_and_checked_by_the_dataclass():
+    out = cli.apply_overrides(TOY, ["toy.count=7", "toy.widths=4,8", "toy.mode=b"], "prog")
+    assert out["toy"] == _Toy(count=7, mode="b", widths=(4, 8))
+    assert cli.apply_overrides(TOY, [], "prog")["toy"] == _Toy()
+    with pytest.raises(ConfigError, match=r"^toy.count: bad value 'x'.*Fix: give an integer\.$"):
+        cli.apply_overrides(TOY, ["toy.count=x"], "prog")
+    # the dataclass's own check, named by the key
+    with pytest.raises(ConfigError, match=r"^toy.mode: unknown mode 'c'. Fix: use 'a' or 'b'\.$"):
+        cli.apply_overrides(TOY, ["toy.mode=c"], "prog")
+    with pytest.raises(ConfigError, match=r"unknown setting 'toy.cont'.*did you mean toy.count"):
+        cli.apply_overrides(TOY, ["toy.cont=1"], "prog")
+
+
+def test_overrides_are_split_from_inputs_up_to_a_double_dash():
+    overrides, rest = cli.split_overrides(["run", "a.b=1", "x=1", "--", "c.d=2"])
+    assert overrides == ["a.b=1"] and rest == ["run", "x=1", "--", "c.d=2"]
+    assert cli.split_overrides(["gs://b/p=1", "dir/a.b=c"]) == ([], ["gs://b/p=1", "dir/a.b=c"])
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--old", "0.8"], "the flag --old is now toy.new=0.8"),
+        (["--old=0.8"], "the flag --old is now toy.new=0.8"),
+        (["--many", "1", "2", "toy.count=3"], "the flag --many is now toy.widths=1,2"),
+        (["--switch"], "the flag --switch is now toy.mode=b"),
+        (["--old", "two words"], "the flag --old is now toy.new='two words'"),
+    ],
+)
+def test_a_renamed_flag_is_refused_with_its_new_spelling(argv, message):
+    renamed = {
+        "--old": cli.Renamed("toy.new={}"),
+        "--many": cli.Renamed("toy.widths={}", values="many"),
+        "--switch": cli.Renamed("toy.mode=b", values="none"),
+    }
+    with pytest.raises(ConfigError) as e:
+        cli.refuse_renamed(argv, renamed, "prog")
+    assert str(e.value).startswith(message + ". Fix: write ")
+    cli.refuse_renamed(["--", "--old"], renamed, "prog")  # after --: an input, not a flag
+
+
+# ---------------------------------------------------------------------------- every program
+def _help(main, capsys) -> list[str]:
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    return capsys.readouterr().out.splitlines()
+
+
+def _described(lines: list[str], key: str) -> str:
+    i = next(n for n, line in enumerate(lines) if line.startswith(f"  {key} "))
+    assert lines[i + 1].startswith("      ") and lines[i + 1].strip(), key
+    return lines[i + 1].strip()
+
+
+def _refused(main, argv, capsys) -> str:
+    assert main(argv) == 2
+    return capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ python -m diffjax.sample
+def test_sample_help_lists_every_key_with_its_allowed_values(capsys):
+    lines = _help(sample_mod.main, capsys)
+    for f in dataclasses.fields(sample_mod.SampleSettings):
+        _described(lines, f"sample.{f.name}")
+    assert _described(lines, "sample.step").endswith("one of 'best', 'latest', '<step number>'")
+    assert _described(lines, "sample.temperature").startswith("0: greedy decoding")
+
+
+@pytest.mark.parametrize(
+    "argv, new",
+    [
+        (["--prompt", "def main("], "RUN_DIR 'def main('"),
+        (["x", "--temperature", "0.8"], "sample.temperature=0.8"),
+        (["x", "--max_new_tokens", "40"], "sample.max_new_tokens=40"),
+        (["x", "--max-new-tokens=40"], "sample.max_new_tokens=40"),
+        (["x", "--top_k", "5"], "sample.top_k=5"),
+        (["x", "--sample-seed", "3"], "sample.sampling_seed=3"),
+        (["x", "--model", "standard"], "sample.model=standard"),
+        (["x", "--seed", "1"], "sample.train_seed=1"),
+        (["x", "--step", "latest"], "sample.step=latest"),
+        (["x", "--tokenizer", "byte"], "sample.tokenizer=byte"),
+    ],
+)
+def test_sample_refuses_its_old_flags_naming_the_new_spelling(argv, new, capsys, tmp_path):
+    err = _refused(sample_mod.main, [str(tmp_path / "nothing"), *argv], capsys)
+    flag = next(a.split("=")[0] for a in argv if a.startswith("--"))
+    assert f"error: the flag {flag} is now {new}" in err and f"Fix: write {new} instead" in err
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("sample.temperature=-1", "sample.temperature: must be >= 0, got -1.0. Fix: use 0 for "),
+        ("sample.top_k=x", "sample.top_k: bad value 'x': expected an integer"),
+        ("sample.step=soon", "sample.step: 'soon' is not a checkpoint. Fix: use best, latest"),
+        ("sample.max_new_tokens=0", "sample.max_new_tokens: must be >= 1, got 0. Fix: "),
+    ],
+)
+def test_sample_bad_setting_names_the_field_and_the_fix(override, message, capsys, tmp_path):
+    # refused before the run folder is read: it does not exist
+    assert message in _refused(sample_mod.main, [str(tmp_path / "none"), "x", override], capsys)
