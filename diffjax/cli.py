@@ -35,11 +35,12 @@ _OVERRIDE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+=")
 class Section:
     """One settings dataclass of a program: its ``name`` (the keys' prefix), its ``default``
     instance (whose values ``--help`` shows and overrides start from) and the allowed values of
-    the fields that have a fixed set (``choices``)."""
+    the fields that have a fixed set (``choices``); the fields in ``exclude`` are no keys."""
 
     name: str
     default: Any
     choices: Mapping[str, Sequence[Any]] = dataclasses.field(default_factory=dict)
+    exclude: tuple[str, ...] = ()  # fields that are not settings (a mode sets them)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +81,8 @@ def keys(sections: Sequence[Section]) -> list[tuple[str, str, Any, str]]:
         cls = type(section.default)
         comments = field_comments(cls)
         for f in dataclasses.fields(cls):
+            if f.name in section.exclude:
+                continue
             text = summary(comments.get(f.name, ""))
             if f.name in section.choices:
                 values = "one of " + ", ".join(map(repr, section.choices[f.name]))

@@ -146,3 +146,94 @@ def test_sample_refuses_its_old_flags_naming_the_new_spelling(argv, new, capsys,
 def test_sample_bad_setting_names_the_field_and_the_fix(override, message, capsys, tmp_path):
     # refused before the run folder is read: it does not exist
     assert message in _refused(sample_mod.main, [str(tmp_path / "none"), "x", override], capsys)
+
+
+# ------------------------------------------------------------------ python -m diffjax.evaluate
+def _evaluate():
+    import diffjax.evaluate.__main__ as evaluate_cli
+
+    return evaluate_cli
+
+
+def test_evaluate_help_lists_every_key_with_its_allowed_values(capsys):
+    from diffjax.evaluate import EvalSettings
+    from diffjax.evaluate.lm_eval_run import LmEvalSettings
+    from diffjax.evaluate.long_context import LongContextSettings
+    from diffjax.sharding import MeshConfig
+
+    lines = _help(_evaluate().main, capsys)
+    for prefix, cls in (
+        ("eval", EvalSettings),
+        ("lm_eval", LmEvalSettings),
+        ("long_context", LongContextSettings),
+        ("mesh", MeshConfig),
+    ):
+        for f in dataclasses.fields(cls):
+            if f.name != "quick":  # the --quick mode, not a setting
+                _described(lines, f"{prefix}.{f.name}")
+    assert not any(line.startswith("  eval.quick ") for line in lines)
+    assert _described(lines, "mesh.context_order").endswith(
+        "one of 'zigzag', 'striped', 'contiguous'"
+    )
+    assert _described(lines, "eval.bits") == "bit widths of the logit quantization"
+    assert any(line.startswith("  --quick ") for line in lines)
+
+
+@pytest.mark.parametrize(
+    "argv, flag, new",
+    [
+        (["--long-context", "8192,32768"], "--long-context", "long_context.lengths=8192,32768"),
+        (["--long-context-examples", "4"], "--long-context-examples", "long_context.examples=4"),
+        (["--lm-eval-tasks", "piqa,arc_easy"], "--lm-eval-tasks", "lm_eval.tasks=piqa,arc_easy"),
+        (["--lm-eval-only"], "--lm-eval-only", "lm_eval.only=true"),
+        (["--lm-eval-include-path=t/"], "--lm-eval-include-path", "lm_eval.include_path=t/"),
+        (
+            ["--lm-eval-no-default-tasks"],
+            "--lm-eval-no-default-tasks",
+            "lm_eval.default_tasks=false",
+        ),
+        (["--lm-eval-limit", "100"], "--lm-eval-limit", "lm_eval.limit=100"),
+        (["--lm-eval-batch-size", "4"], "--lm-eval-batch-size", "lm_eval.batch_size=4"),
+        (["--lm-eval-num-fewshot", "0"], "--lm-eval-num-fewshot", "lm_eval.num_fewshot=0"),
+    ],
+)
+def test_evaluate_refuses_its_old_flags_naming_the_new_spelling(argv, flag, new, capsys, tmp_path):
+    err = _refused(_evaluate().main, [str(tmp_path), "--quick", *argv], capsys)
+    assert f"error: the flag {flag} is now {new}. Fix: write {new} instead" in err
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("eval.retrieval_examples=0", "eval.retrieval_examples: must be >= 1, got 0. Fix: set "),
+        ("eval.bits=8,1", "eval.bits: must be bit widths in [2, 24], got (8, 1). Fix: e.g. "),
+        ("eval.batch_size=many", "eval.batch_size: bad value 'many': expected an integer"),
+        ("eval.quick=true", "unknown setting 'eval.quick'"),
+        ("lm_eval.limit=0", "lm_eval.limit: must be > 0, got 0. Fix: e.g. lm_eval.limit=100"),
+        ("long_context.examples=0", "long_context.examples: must be >= 1, got 0. Fix: "),
+        ("mesh.context_order=spiral", "mesh.context_order: unknown"),
+    ],
+)
+def test_evaluate_bad_setting_names_the_field_and_the_fix(override, message, capsys, tmp_path):
+    # refused before the run folder is read: it holds nothing
+    assert message in _refused(_evaluate().main, [str(tmp_path), override], capsys)
+
+
+def test_evaluate_settings_reach_the_analyses(monkeypatch, tmp_path):
+    """``eval.*`` changes single fields of the quick or the full set; the run directory is
+    the positional input."""
+    from diffjax.evaluate import EvalSettings
+
+    cli_mod = _evaluate()
+    calls = []
+    monkeypatch.setattr(cli_mod, "evaluate_run", lambda run, **kw: calls.append((run, kw)))
+    assert cli_mod.main([str(tmp_path), "--quick", "eval.bits=8,4", "eval.depth_bins=3"]) == 0
+    assert cli_mod.main([str(tmp_path), "eval.val_examples=7"]) == 0
+    (run, quick), (_, full) = calls
+    assert run == str(tmp_path)
+    assert quick["settings"] == dataclasses.replace(
+        EvalSettings.for_run(True), bits=(8, 4), depth_bins=3
+    )
+    assert full["settings"] == dataclasses.replace(EvalSettings.for_run(False), val_examples=7)
+    assert quick["quick"] and not full["quick"]
+
