@@ -237,3 +237,61 @@ def test_evaluate_settings_reach_the_analyses(monkeypatch, tmp_path):
     assert full["settings"] == dataclasses.replace(EvalSettings.for_run(False), val_examples=7)
     assert quick["quick"] and not full["quick"]
 
+
+# ------------------------------------------------------------------ python -m diffjax.data.prepare
+def test_prepare_help_lists_every_key_with_its_allowed_values(capsys):
+    from diffjax.data import prepare as prep
+
+    lines = _help(prep.main, capsys)
+    for f in dataclasses.fields(prep.PrepareSettings):
+        _described(lines, f"prepare.{f.name}")
+    assert _described(lines, "prepare.dtype").endswith("one of 'auto', 'uint16', 'uint32'")
+    assert _described(lines, "prepare.tokenizer").startswith("required: ")
+
+
+@pytest.mark.parametrize(
+    "argv, flag, new",
+    [
+        (["--tokenizer", "byte"], "--tokenizer", "prepare.tokenizer=byte"),
+        (["--out", "gs://b/p"], "--out", "prepare.out=gs://b/p"),
+        (["--text-field", "body"], "--text-field", "prepare.text_field=body"),
+        (["--workers", "8"], "--workers", "prepare.workers=8"),
+        (["--shard-tokens", "4000"], "--shard-tokens", "prepare.shard_tokens=4000"),
+        (["--val-fraction=0.1"], "--val-fraction", "prepare.val_fraction=0.1"),
+        (["--dtype", "uint32"], "--dtype", "prepare.dtype=uint32"),
+        (["--quiet"], "--quiet", "prepare.progress=false"),
+    ],
+)
+def test_prepare_refuses_its_old_flags_naming_the_new_spelling(argv, flag, new, capsys, tmp_path):
+    from diffjax.data import prepare as prep
+
+    out = tmp_path / "out"
+    err = _refused(prep.main, [str(tmp_path / "a.txt"), *argv, f"prepare.out={out}"], capsys)
+    assert f"error: the flag {flag} is now {new}. Fix: write {new} instead" in err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        (
+            "prepare.workers=0",
+            "prepare.workers: must be >= 1, got 0. Fix: use e.g. prepare.workers=4",
+        ),
+        ("prepare.val_fraction=1", "prepare.val_fraction: must be in [0, 1), got 1.0. Fix: "),
+        ("prepare.dtype=int8", "prepare.dtype: unknown dtype 'int8'. Fix: use one of auto, uint16"),
+        (
+            "prepare.shard_tokens=lots",
+            "prepare.shard_tokens: bad value 'lots': expected an integer",
+        ),
+        (
+            "prepare.out=",
+            "prepare.tokenizer: is required. Fix: give it, e.g. prepare.tokenizer=byte",
+        ),
+    ],
+)
+def test_prepare_bad_setting_names_the_field_and_the_fix(override, message, capsys, tmp_path):
+    from diffjax.data import prepare as prep
+
+    (tmp_path / "a.txt").write_text("some text\n")
+    assert message in _refused(prep.main, [str(tmp_path / "a.txt"), override], capsys)
