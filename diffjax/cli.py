@@ -24,7 +24,33 @@ import shlex
 import sys
 from typing import Any, Mapping, Sequence
 
-from diffjax.config import ConfigError, convert, describe_type, field_comments, field_types
+from diffjax.config import (
+    ConfigError,
+    check_fields,
+    convert,
+    describe_type,
+    fail,
+    field_comments,
+    field_types,
+)
+
+# what a program's settings dataclass checks itself with (the kernels' check imports them from
+# here: the kernels import no other module of diffjax)
+__all__ = [
+    "ConfigError",
+    "Renamed",
+    "Section",
+    "apply_overrides",
+    "check_fields",
+    "fail",
+    "keys",
+    "keys_help",
+    "parse",
+    "parser",
+    "refuse_renamed",
+    "split_overrides",
+    "summary",
+]
 
 # an override: a dotted key of identifiers, then "=" (a positional input never looks like one
 # unless it is given after "--")

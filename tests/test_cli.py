@@ -295,3 +295,60 @@ def test_prepare_bad_setting_names_the_field_and_the_fix(override, message, caps
 
     (tmp_path / "a.txt").write_text("some text\n")
     assert message in _refused(prep.main, [str(tmp_path / "a.txt"), override], capsys)
+
+
+# ------------------------------------------------------------------ python -m diffjax.kernels.check
+def test_kernel_check_help_lists_every_key_with_its_allowed_values(capsys):
+    from diffjax.kernels import check
+
+    lines = _help(check.main, capsys)
+    for f in dataclasses.fields(check.CheckSettings):
+        _described(lines, f"check.{f.name}")
+    assert _described(lines, "check.kind").endswith("one of 'v1', 'v2', 'standard'")
+    assert _described(lines, "check.backend").endswith("one of 'gpu', 'tpu'")
+
+
+@pytest.mark.parametrize(
+    "argv, flag, new",
+    [
+        (["--interpret"], "--interpret", "check.interpret=true"),
+        (["--backend", "tpu"], "--backend", "check.backend=tpu"),
+        (["--head-dim", "64", "128"], "--head-dim", "check.head_dim=64,128"),
+        (["--kind", "v1", "v2", "check.dtype=float32"], "--kind", "check.kind=v1,v2"),
+        (["--dtype", "bfloat16"], "--dtype", "check.dtype=bfloat16"),
+    ],
+)
+def test_kernel_check_refuses_its_old_flags_naming_the_new_spelling(argv, flag, new, capsys):
+    from diffjax.kernels import check
+
+    err = _refused(check.main, argv, capsys)
+    assert f"error: the flag {flag} is now {new}. Fix: write {new} instead" in err
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        (
+            "check.kind=v3",
+            "check.kind: unknown kind 'v3'. Fix: use some of 'v1', 'v2', 'standard'.",
+        ),
+        ("check.backend=cuda", "check.backend: unknown backend 'cuda'. Fix: use one of 'gpu'"),
+        ("check.head_dim=64,wide", "check.head_dim: bad value '64,wide': expected an integer"),
+        ("check.interpret=maybe", "check.interpret: bad value 'maybe': expected true or false"),
+    ],
+)
+def test_kernel_check_bad_setting_names_the_field_and_the_fix(override, message, capsys):
+    from diffjax.kernels import check
+
+    assert message in _refused(check.main, [override], capsys)
+
+
+def test_kernel_check_settings_choose_the_cases():
+    from diffjax.kernels import check
+
+    chosen = check.CheckSettings(head_dim=(64,), kind=("v1", "v2"), dtype=("float32",)).cases()
+    assert [(c.kind, c.head_dim, c.dtype) for c in chosen] == [
+        ("v1", 64, "float32"),
+        ("v2", 64, "float32"),
+    ]
+    assert check.CheckSettings().cases() == check.standard_cases()
