@@ -251,10 +251,14 @@ def parse(
     argv: Sequence[str] | None,
     sections: Sequence[Section],
     renamed: Mapping[str, Renamed] | None = None,
+    *,
+    others: bool = False,
 ) -> tuple[argparse.Namespace, dict[str, Any]]:
     """``(the parsed flags and positionals, {section: settings})``: a renamed flag, an unknown
     key or a bad value raises :class:`ConfigError` (the program prints it and exits 2), an
-    argument argparse refuses exits 2 with argparse's usage message, ``--help`` exits 0."""
+    argument argparse refuses exits 2 with argparse's usage message, ``--help`` exits 0.
+    ``args.overrides``: the settings of ``sections`` as given. With ``others``, settings of
+    other sections are left to the program (a config's keys: ``args.others``)."""
     argv = list(argv) if argv is not None else sys.argv[1:]
     refuse_renamed(argv, renamed or {}, p.prog)
     overrides, rest = split_overrides(argv)
@@ -268,5 +272,7 @@ def parse(
     args = p.parse_args(rest)
     if args.overrides:  # a positional left over, that no input took
         p.error(f"unrecognized arguments: {' '.join(args.overrides)}")
-    args.overrides = overrides
-    return args, apply_overrides(sections, overrides, p.prog)
+    names = {s.name for s in sections}
+    args.others = [o for o in overrides if others and o.partition(".")[0] not in names]
+    args.overrides = [o for o in overrides if o not in args.others]
+    return args, apply_overrides(sections, args.overrides, p.prog)

@@ -352,3 +352,53 @@ def test_kernel_check_settings_choose_the_cases():
         ("v2", 64, "float32"),
     ]
     assert check.CheckSettings().cases() == check.standard_cases()
+
+
+# ------------------------------------------------------------------ python -m diffjax.plan
+def test_plan_help_lists_its_keys_and_the_configs(capsys):
+    from diffjax import plan as planner
+
+    lines = _help(planner.main, capsys)
+    for f in dataclasses.fields(planner.PlanSettings):
+        _described(lines, f"plan.{f.name}")
+    assert _described(lines, "plan.target").endswith(
+        "one of 'v5e-8', 'v6e-8', 'v5p-8', 'h100-8', 'h200-8'"
+    )
+    assert _described(lines, "plan.search").endswith("one of 'all', 'remat', 'accum', 'none'")
+    for key in ("model.d_model", "train.batch_size", "mesh.fsdp"):  # the config's keys too
+        _described(lines, key)
+
+
+@pytest.mark.parametrize(
+    "argv, flag, new",
+    [
+        (["--target", "v5e-8"], "--target", "plan.target=v5e-8"),
+        (["--hbm-gib", "4"], "--hbm-gib", "plan.hbm_gib=4"),
+        (["--mfu", "0.5"], "--mfu", "plan.mfu=0.5"),
+        (["--peak-tflops", "900"], "--peak-tflops", "plan.peak_tflops=900"),
+        (["--model", "diff"], "--model", "plan.model=diff"),
+        (["--search", "none"], "--search", "plan.search=none"),
+        (["--json", "out.json"], "--json", "plan.json=out.json"),
+    ],
+)
+def test_plan_refuses_its_old_flags_naming_the_new_spelling(argv, flag, new, capsys):
+    from diffjax import plan as planner
+
+    err = _refused(planner.main, ["plan.target=v5e-8", *argv, "model.d_model=64"], capsys)
+    assert f"error: the flag {flag} is now {new}. Fix: write {new} instead" in err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["plan.target=v5e-8", "plan.mfu=1.5"], "plan.mfu: must be in (0, 1], got 1.5. Fix: e.g."),
+        (["plan.target=v5e-8", "plan.search=some"], "plan.search: unknown search 'some'. Fix: "),
+        (["plan.target=v5e-8", "plan.hbm_gib=lots"], "plan.hbm_gib: bad value 'lots': expected"),
+        (["model.d_model=64"], "plan.target: is required. Fix: give one of v5e-8, v6e-8"),
+        (["plan.target=v5e-8", "model.dmodel=64"], "unknown config key 'model.dmodel'"),
+    ],
+)
+def test_plan_bad_setting_names_the_field_and_the_fix(argv, message, capsys):
+    from diffjax import plan as planner
+
+    assert message in _refused(planner.main, argv, capsys)

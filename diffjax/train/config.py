@@ -384,6 +384,18 @@ def key_descriptions() -> dict[str, str]:
     return out
 
 
+def experiment_keys_help() -> str:
+    """Every config key with its type and default (of the built-in default comparison), and its
+    one-line description: ``python train.py --help`` ends with it."""
+    lines = ["config keys (set as key=value; defaults of the built-in default comparison):"]
+    descriptions = key_descriptions()
+    for key, type_str, value in config_keys(load_config(None)):
+        lines.append(f"  {key:<27} {type_str:<24} default: {value!r}")
+        if descriptions.get(key):
+            lines.append(f"      {descriptions[key]}")
+    return "\n".join(lines)
+
+
 def apply_overrides(config: ExperimentConfig, overrides: list[str]) -> ExperimentConfig:
     """Apply ``["section.field=value", ...]``; validation runs once all are applied."""
     known = {k: t for k, t, _ in config_keys(config)}
