@@ -119,10 +119,12 @@ def keys(sections: Sequence[Section]) -> list[tuple[str, str, Any, str]]:
     return out
 
 
-def keys_help(sections: Sequence[Section], title: str = "settings") -> str:
+def keys_help(
+    sections: Sequence[Section], title: str = "settings (set as section.field=value):"
+) -> str:
     """The ``--help`` text of ``sections``: a key per line with its type and default, then its
     description on the next line."""
-    lines = [f"{title} (set as section.field=value):"]
+    lines = [title]
     for key, type_str, value, text in keys(sections):
         lines.append(f"  {key:<27} {type_str:<24} default: {value!r}")
         if text:

@@ -402,3 +402,16 @@ def test_plan_bad_setting_names_the_field_and_the_fix(argv, message, capsys):
     from diffjax import plan as planner
 
     assert message in _refused(planner.main, argv, capsys)
+
+
+# ------------------------------------------------------------------ python -m diffjax.sweep
+def test_sweep_help_lists_the_ladders_keys_and_the_configs(capsys):
+    from diffjax.sweep.cli import main
+    from diffjax.sweep.ladder import SCALAR_FIELDS
+
+    lines = _help(main, capsys)
+    for name in SCALAR_FIELDS:
+        _described(lines, f"sweep.{name}")
+    assert not any(line.startswith("  sweep.sizes ") for line in lines)  # the config file's
+    assert _described(lines, "sweep.budget").endswith("one of 'fixed', 'proportional'")
+    _described(lines, "train.steps")
