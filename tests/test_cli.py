@@ -415,3 +415,71 @@ def test_sweep_help_lists_the_ladders_keys_and_the_configs(capsys):
     assert not any(line.startswith("  sweep.sizes ") for line in lines)  # the config file's
     assert _described(lines, "sweep.budget").endswith("one of 'fixed', 'proportional'")
     _described(lines, "train.steps")
+
+
+# ------------------------------------------------------------------ every written command line
+def _renamed_by_program():
+    from diffjax import plan as planner
+    from diffjax.data import prepare as prep
+    from diffjax.kernels import check
+
+    return {
+        "diffjax.sample": sample_mod.RENAMED,
+        "diffjax.evaluate": _evaluate().RENAMED,
+        "diffjax.data.prepare": prep.RENAMED,
+        "diffjax.kernels.check": check.RENAMED,
+        "diffjax.plan": planner.RENAMED,
+    }
+
+
+def written_commands(text: str) -> list[tuple[str, str]]:
+    """``(program, its arguments)`` of every ``python -m diffjax.X ...`` in ``text``: to the
+    closing backtick of inline code, else to the end of the line (continued after a
+    backslash)."""
+    import re
+
+    found = []
+    for m in re.finditer(r"python -m (diffjax(?:\.\w+)+)", text):
+        start = text.rfind("\n", 0, m.start()) + 1
+        inline = text[start : m.start()].count("`") % 2 == 1
+        rest = text[m.end() :]
+        if inline:
+            rest = rest.split("`", 1)[0]
+        else:
+            rest = re.split(r"(?<!\\)\n", rest, maxsplit=1)[0]
+        found.append((m.group(1), rest.replace("\\\n", " ")))
+    return found
+
+
+def test_written_commands_are_found():
+    text = "run `python -m diffjax.sample RUN --temperature\n0.8` then\n"
+    text += "python -m diffjax.plan \\\n  --target v5e-8 # x\nnot --mfu"
+    assert written_commands(text) == [
+        ("diffjax.sample", " RUN --temperature\n0.8"),
+        ("diffjax.plan", "    --target v5e-8 # x"),
+    ]
+
+
+def test_no_written_command_uses_a_renamed_flag():
+    """The docs, README, configs, notebooks, benchmarks, CI script and the package's own
+    messages spell every command line the new way."""
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    files = [root / "README.md", root / ".ci" / "run", *root.glob("docs/*.md")]
+    files += [*root.glob("configs/*"), *root.glob("notebooks/*.ipynb"), *root.glob("benchmarks/*")]
+    files += [p for p in root.glob("diffjax/**/*.py")]
+    renamed = _renamed_by_program()
+    stale = []
+    for path in files:
+        if not path.is_file():
+            continue
+        text = path.read_text()
+        if path.suffix == ".ipynb":
+            text = text.replace("\\n", "\n").replace('\\"', '"')
+        for program, rest in written_commands(text):
+            try:
+                cli.refuse_renamed(rest.split(), renamed.get(program, {}), program)
+            except ConfigError as e:
+                stale.append(f"{path.relative_to(root)}: python -m {program}{rest}: {e}")
+    assert not stale, "\n".join(stale)
