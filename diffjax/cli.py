@@ -22,6 +22,7 @@ import difflib
 import re
 import shlex
 import sys
+import textwrap
 from typing import Any, Mapping, Sequence
 
 from diffjax.config import (
@@ -223,6 +224,14 @@ def apply_overrides(
     return out
 
 
+def _wrap(text: str) -> str:
+    """``text`` with each paragraph written on one line wrapped at 95 characters (a paragraph
+    already broken into lines is kept as written)."""
+    return "\n\n".join(
+        p if "\n" in p else textwrap.fill(p, 95, break_on_hyphens=False) for p in text.split("\n\n")
+    )
+
+
 def parser(
     prog: str,
     description: str,
@@ -236,12 +245,12 @@ def parser(
     settings, after the inputs)."""
     text = keys_help(sections)
     if epilog:
-        text = epilog.rstrip() + "\n\n" + text
+        text = _wrap(epilog.rstrip()) + "\n\n" + text
     if example:
         text += f"\n\nexample: {example}"
     p = argparse.ArgumentParser(
         prog=prog,
-        description=description,
+        description=_wrap(description),
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=text,
     )
