@@ -16,7 +16,7 @@ on an h100-8 (the twin 99 GiB); ``python -m diffjax.plan`` found remat "dots" en
 microbatches (57.8 GiB); this config sets both, so it fits either target (2026-12-02, jax
 0.10.2; docs/scaling.md has the table):
 
-    python -m diffjax.plan --config configs/diff_1_4b.py --target v5p-8
+    python -m diffjax.plan --config configs/diff_1_4b.py plan.target=v5p-8
     python train.py --config configs/diff_1_4b.py data.path='/data/tokens/train_*.bin'
 
 On an h100-8, ``train.grad_accum_steps=1`` also fits (one pass per step: a little faster). On a

@@ -17,7 +17,7 @@ GiB (they fit only with XLA_CLIENT_MEM_FRACTION=.95 on the machine), 8 need 135 
 "full" at most 232 sequences fit at once (docs/scaling.md's table). This config sets remat
 "dots" and 32 microbatches (2026-12-03, jax 0.10.2):
 
-    python -m diffjax.plan --config configs/diff_3b.py --target h100-8
+    python -m diffjax.plan --config configs/diff_3b.py plan.target=h100-8
     python train.py --config configs/diff_3b.py data.path='/data/tokens/train_*.bin'
 
 On another target plan it again (the search starts from these settings; pass

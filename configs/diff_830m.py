@@ -14,7 +14,7 @@ trains it (no rematerialization, the whole batch at once) the step needs 92 GiB 
 setting that fits, remat "dots" with 4 microbatches of 32 sequences (13.4 GiB per chip for the
 DIFF model), which this config sets (2026-12-02, jax 0.10.2; docs/scaling.md has the table):
 
-    python -m diffjax.plan --config configs/diff_830m.py --target v5e-8
+    python -m diffjax.plan --config configs/diff_830m.py plan.target=v5e-8
     python train.py --config configs/diff_830m.py data.path='/data/tokens/train_*.bin'
 
 On a larger target (h100-8, v5p-8) plan it again with model.remat=none

@@ -22,7 +22,7 @@ steps, linear decay, lr 1.5e-4). What is assumed here:
 Memory: the base is configs/diff_1_4b.py (FSDP over every device, remat "dots", 2
 microbatches: sized for an h100-8 or a v5p-8). The larger sizes need more; plan each with
 ``python -m diffjax.plan --config configs/diff_1_4b.py model.d_model=4096 model.num_layers=32
-model.num_heads=16 --target ...`` and put what it names in ``size_overrides`` below (e.g.
+model.num_heads=16 plan.target=...`` and put what it names in ``size_overrides`` below (e.g.
 ``"4096x32": ("train.grad_accum_steps=8",)``). The sweep runs in one process; for several
 hosts run each size with train.py (docs/sweep.md).
 """

@@ -1,8 +1,8 @@
 """Will it fit? Compile the real train step for a machine that is not here, and read its memory.
 
-    python -m diffjax.plan --config configs/diff_830m.py --target v5e-8
-    python -m diffjax.plan --config configs/diff_3b.py --target h100-8 train.batch_size=64
-    python -m diffjax.plan --config configs/diff_125m.py --target v5p-8 --hbm-gib 4
+    python -m diffjax.plan --config configs/diff_830m.py plan.target=v5e-8
+    python -m diffjax.plan --config configs/diff_3b.py plan.target=h100-8 train.batch_size=64
+    python -m diffjax.plan --config configs/diff_125m.py plan.target=v5p-8 plan.hbm_gib=4
 
 For the config's DIFF model and (``compare=true``) its standard twin (:func:`diffjax.config.twin`)
 this builds the config's mesh (``mesh.data/fsdp/tensor``) over the target's devices, the train
@@ -19,7 +19,7 @@ temporaries and the total (``compiled.memory_analysis()``) against the target's 
 the part JAX's allocator takes: 75% unless ``XLA_CLIENT_MEM_FRACTION`` says otherwise) with a
 verdict, the FLOPs per step from XLA (``cost_analysis``: the Pallas kernels' work is not in it)
 and from the formula (:func:`diffjax.flops.train_flops_per_token`), and the step time and
-tokens/s at a stated MFU (``--mfu``). When a model does not fit it compiles the settings that
+tokens/s at a stated MFU (``plan.mfu``). When a model does not fit it compiles the settings that
 trade compute for memory, cheapest first (``model.remat`` policies, ``train.grad_accum_steps``
 doubled), and names the first that fits as the overrides to pass.
 
@@ -30,7 +30,6 @@ compile, with the fix).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import importlib.util
@@ -47,13 +46,18 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from diffjax import cli, sharding
 from diffjax import flops as flops_lib
-from diffjax import sharding
-from diffjax.config import ConfigError, ModelConfig
+from diffjax.config import ConfigError, ModelConfig, check_fields, fail
 from diffjax.param_count import count_params
 from diffjax.runtime import Runtime
 from diffjax.train import loop
-from diffjax.train.config import ExperimentConfig, apply_overrides, load_config
+from diffjax.train.config import (
+    ExperimentConfig,
+    apply_overrides,
+    experiment_keys_help,
+    load_config,
+)
 
 
 GIB = 1024**3
@@ -621,7 +625,10 @@ def plan(
     models = check_plan(exp, target)
     if only is not None:
         if only not in models:
-            raise PlanError(f"--model {only!r}: this config has {', '.join(models)}")
+            raise PlanError(
+                f"plan.model: {only!r} is not a model of this config. Fix: use one of "
+                f"{', '.join(models)}"
+            )
         models = {only: models[only]}
     hbm = (target.budget_gib() if hbm_gib is None else hbm_gib) * GIB
     why = missing_compiler(target)
@@ -708,59 +715,96 @@ def plan(
     return status, records
 
 
+SEARCHES = ("all", "remat", "accum", "none")
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanSettings:
+    """What ``python -m diffjax.plan`` plans for (``plan.*``); checked at construction."""
+
+    target: str | None = None  # required: the machine to compile for
+    # the memory budget per device in GiB (None: the target's HBM; on a GPU the part JAX's
+    # allocator takes, XLA_CLIENT_MEM_FRACTION, default 0.75)
+    hbm_gib: float | None = None
+    mfu: float = 0.4  # the MFU (model FLOPs utilisation) the step time and tokens/s assume
+    peak_tflops: float | None = None  # the peak TFLOP/s per device (None: the target's)
+    model: str | None = None  # plan only this model, diff or standard (None: every model)
+    # when a model does not fit, try the remat policies and gradient accumulation (all), only
+    # one of them, or nothing
+    search: str = "all"
+    json: str | None = None  # also write the records to this JSON file
+
+    def __post_init__(self):
+        check_fields(self)
+        c = "PlanSettings"
+        if self.target is not None and self.target not in TARGETS:
+            fail(c, "target", f"unknown target {self.target!r}", f"use one of {', '.join(TARGETS)}")
+        if not 0 < self.mfu <= 1:
+            fail(c, "mfu", f"must be in (0, 1], got {self.mfu:g}", "e.g. plan.mfu=0.4")
+        for name in ("hbm_gib", "peak_tflops"):
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
+                fail(c, name, f"must be > 0, got {getattr(self, name):g}", "or none")
+        if self.search not in SEARCHES:
+            fail(
+                c,
+                "search",
+                f"unknown search {self.search!r}",
+                f"use one of {', '.join(map(repr, SEARCHES))}",
+            )
+
+
+PROG = "python -m diffjax.plan"
+SECTIONS = (cli.Section("plan", PlanSettings(), {"target": tuple(TARGETS), "search": SEARCHES}),)
+# each old flag and what replaced it (refused with the new spelling)
+RENAMED = {
+    "--target": cli.Renamed("plan.target={}"),
+    "--hbm-gib": cli.Renamed("plan.hbm_gib={}"),
+    "--mfu": cli.Renamed("plan.mfu={}"),
+    "--peak-tflops": cli.Renamed("plan.peak_tflops={}"),
+    "--model": cli.Renamed("plan.model={}"),
+    "--search": cli.Renamed("plan.search={}"),
+    "--json": cli.Renamed("plan.json={}"),
+}
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m diffjax.plan",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = cli.parser(
+        PROG,
+        __doc__.split("\n\n")[0],
+        SECTIONS,
+        epilog="The config's keys (set as key=value, as train.py takes them) follow the "
+        "planner's own.",
+        example=f"{PROG} --config configs/diff_3b.py plan.target=h100-8 train.batch_size=64",
     )
+    p.epilog += "\n\n" + experiment_keys_help()
     p.add_argument("--config", default=None, help="a config file (default: the defaults)")
-    p.add_argument("--target", required=True, help=f"one of {', '.join(TARGETS)}")
-    p.add_argument(
-        "--hbm-gib",
-        type=float,
-        default=None,
-        help="override the memory budget per device (default: the target's HBM; on a GPU the "
-        "fraction of it JAX's allocator takes, XLA_CLIENT_MEM_FRACTION, default 0.75)",
-    )
-    p.add_argument(
-        "--mfu", type=float, default=0.4, help="the MFU the step time assumes (default 0.4)"
-    )
-    p.add_argument("--peak-tflops", type=float, default=None, help="override the peak per device")
-    p.add_argument("--model", default=None, help="plan only this model (diff or standard)")
-    p.add_argument(
-        "--search",
-        choices=("all", "remat", "accum", "none"),
-        default="all",
-        help="when a model does not fit, try remat policies and gradient accumulation (all), "
-        "only one of them, or nothing (default: all)",
-    )
-    p.add_argument("--json", default=None, help="also write the records here")
-    p.add_argument("overrides", nargs="*", metavar="section.key=value")
-    a = p.parse_intermixed_args(argv)  # overrides before or after the options
+    try:
+        a, settings = cli.parse(p, argv, SECTIONS, RENAMED, others=True)
+        opts: PlanSettings = settings["plan"]
+        if opts.target is None:
+            fail("plan", "target", "is required", f"give one of {', '.join(TARGETS)}")
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     compile_only_env()
     try:
-        if a.target not in TARGETS:
-            raise PlanError(f"unknown target {a.target!r}. Fix: use one of {', '.join(TARGETS)}.")
-        if not 0 < a.mfu <= 1:
-            raise PlanError(f"--mfu {a.mfu}: must be in (0, 1]. Fix: e.g. --mfu 0.4.")
-        exp = apply_overrides(load_config(a.config), a.overrides)
+        exp = apply_overrides(load_config(a.config), a.others)
         status, records = plan(
             exp,
-            TARGETS[a.target],
-            hbm_gib=a.hbm_gib,
-            mfu=a.mfu,
-            peak=a.peak_tflops,
-            search=a.search,
-            only=a.model,
+            TARGETS[opts.target],
+            hbm_gib=opts.hbm_gib,
+            mfu=opts.mfu,
+            peak=opts.peak_tflops,
+            search=opts.search,
+            only=opts.model,
         )
     except (PlanError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if a.json:
-        with open(a.json, "w") as f:
+    if opts.json:
+        with open(opts.json, "w") as f:
             json.dump(
-                dict(target=a.target, config=a.config, overrides=a.overrides, models=records),
+                dict(target=opts.target, config=a.config, overrides=a.others, models=records),
                 f,
                 indent=1,
             )

@@ -1,27 +1,28 @@
-"""Text from a trained checkpoint: ``python -m diffjax.sample RUN_DIR --prompt "def main("``.
+"""Text from a trained checkpoint: ``python -m diffjax.sample RUN_DIR "def main("``.
 
 ``RUN_DIR`` is a run folder written by ``train.py`` (its models are the folders under it that
 hold ``checkpoints/``: ``RUN_DIR/<label>/checkpoints`` or, for multi-seed runs,
 ``RUN_DIR/<label>/seed_<s>/checkpoints``) or one model's folder. With several models the DIFF
-model (label ``diff``) of the first seed is used unless ``--model LABEL`` / ``--seed S`` say
-otherwise; the choice is printed (to stderr). The best checkpoint (lowest validation loss) is
-read unless ``--step`` says ``latest`` or a step number.
+model (label ``diff``) of the first seed is used unless ``sample.model=LABEL`` /
+``sample.train_seed=S`` say otherwise; the choice is printed (to stderr). The best checkpoint
+(lowest validation loss) is read unless ``sample.step`` says ``latest`` or a step number.
 
 ``RUN_DIR`` may also be a Hugging Face checkpoint directory (``config.json`` with a
 ``model_type`` and ``*.safetensors``, read by :func:`diffjax.from_pretrained`). Either may be in
-a bucket (``gs://bucket/runs/default``), as may ``--tokenizer``.
+a bucket (``gs://bucket/runs/default``), as may ``sample.tokenizer``.
 
-Several ``--prompt`` run as one left-padded batch. Decoding is greedy unless ``--temperature``
-is above 0 (then ``--top_k`` and ``--sample_seed`` apply). The tokenizer is ``--tokenizer``
-(``byte`` or a ``tokenizer.json`` / a directory holding one) or else found: a Hugging Face
-directory's own ``tokenizer.json``, or the run's ``data.tokenizer`` (its ``config.json``), or
-the byte tokenizer (vocabulary 259). :func:`sample` takes any tokenizer object with
-``encode``/``decode``.
+The prompts follow ``RUN_DIR`` and run as one left-padded batch (a prompt that looks like a
+setting, ``a.b=c``, goes after ``--``). Decoding is greedy unless ``sample.temperature`` is
+above 0 (then ``sample.top_k`` and ``sample.sampling_seed`` apply). The tokenizer is
+``sample.tokenizer`` (``byte`` or a ``tokenizer.json`` / a directory holding one) or else found:
+a Hugging Face directory's own ``tokenizer.json``, or the run's ``data.tokenizer`` (its
+``config.json``), or the byte tokenizer (vocabulary 259). :func:`sample` takes any tokenizer
+object with ``encode``/``decode``.
 """
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import os
 import re
 import sys
@@ -30,8 +31,8 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
-from . import storage
-from .config import ConfigError
+from . import cli, storage
+from .config import ConfigError, check_fields, fail
 from .data.config import DataError
 from .data.tokenizer import ByteTokenizer, load_tokenizer
 from .decode import generate, pad_prompts
@@ -91,7 +92,9 @@ def choose_model(
         )
     if len(models) == 1 and models[0][1] is None:
         if label is not None or seed is not None:
-            raise ModelChoiceError(f"{run_dir} is one model's folder; drop --model/--seed")
+            raise ModelChoiceError(
+                f"{run_dir} is one model's folder. Fix: drop sample.model and sample.train_seed"
+            )
         return models[0][0], f"model: {models[0][0]}"
     labels = sorted({m[1] for m in models})
     seeds = sorted({m[2] for m in models if m[2] is not None})
@@ -99,16 +102,18 @@ def choose_model(
         label = "diff" if "diff" in labels else labels[0]
     picked = [m for m in models if m[1] == label and (seed is None or m[2] == seed)]
     if not picked:
-        seed_fix = f" and --seed in {seeds}" if seeds else " (this run has no seed_* folders)"
+        seed_fix = (
+            f" and sample.train_seed in {seeds}" if seeds else " (this run has no seed_* folders)"
+        )
         raise ModelChoiceError(
             f"no model with label {label!r}{'' if seed is None else f' and seed {seed}'} under "
-            f"{run_dir}. Fix: use --model in {labels}{seed_fix}"
+            f"{run_dir}. Fix: use sample.model in {labels}{seed_fix}"
         )
     path = picked[0][0]
     others = [_relative(m[0], run_dir) for m in models if m[0] != path]
     note = f"model: {path}"
     if others:
-        note += f" (also here: {', '.join(others)}; choose with --model LABEL / --seed S)"
+        note += f" (also here: {', '.join(others)}; choose with sample.model=LABEL / sample.train_seed=S)"
     return path, note
 
 
@@ -137,7 +142,7 @@ def sample(
     if any(e.size == 0 for e in encoded):
         raise ValueError(
             "every prompt needs at least one token; got an empty prompt. Fix: pass "
-            "some text with --prompt."
+            "some text as the prompt."
         )
     tokens, lengths = pad_prompts(encoded)
     eos = getattr(tokenizer, "eos_id", None)
@@ -161,35 +166,83 @@ def sample(
     return texts
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m diffjax.sample",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+STEPS = ("best", "latest")
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleSettings:
+    """What ``python -m diffjax.sample`` generates and from which checkpoint (``sample.*``)."""
+
+    max_new_tokens: int = 200  # tokens generated after each prompt (fewer when EOS comes first)
+    temperature: float = 0.0  # 0: greedy decoding; above 0: sampling at this temperature
+    # with temperature above 0, sample among the k most likely tokens only (None: all of them)
+    top_k: int | None = None
+    sampling_seed: int = 0  # the seed of the sampling (with temperature above 0)
+    # which model of a run folder: its label, e.g. diff or standard (None: diff, else the first)
+    model: str | None = None
+    train_seed: int | None = None  # which training seed of a run folder (None: the first)
+    # which checkpoint: best (lowest validation loss), latest, or a step number
+    step: str = "best"
+    # byte, or a tokenizer.json (or a directory holding one). None: found beside the
+    # checkpoint or in the run's config, else byte
+    tokenizer: str | None = None
+
+    def __post_init__(self):
+        check_fields(self)
+        c = "SampleSettings"
+        if self.max_new_tokens < 1:
+            fail(c, "max_new_tokens", f"must be >= 1, got {self.max_new_tokens}", "e.g. 200")
+        if self.temperature < 0:
+            fail(
+                c,
+                "temperature",
+                f"must be >= 0, got {self.temperature}",
+                "use 0 for greedy decoding or e.g. 0.8 to sample",
+            )
+        if self.top_k is not None and self.top_k < 1:
+            fail(c, "top_k", f"must be >= 1, got {self.top_k}", "use e.g. 40, or none for all")
+        if self.step not in STEPS and not self.step.isdigit():
+            fail(
+                c,
+                "step",
+                f"{self.step!r} is not a checkpoint",
+                "use best, latest or a step number",
+            )
+
+    @property
+    def checkpoint(self) -> str | int:
+        """``"best"``, ``"latest"`` or the step number, as :func:`load_model` takes it."""
+        return self.step if self.step in STEPS else int(self.step)
+
+
+SECTIONS = (cli.Section("sample", SampleSettings(), {"step": (*STEPS, "<step number>")}),)
+RENAMED = {
+    "--prompt": cli.Renamed("RUN_DIR {}", note=" (the prompts are positional, after RUN_DIR)"),
+    **{
+        f: cli.Renamed("sample.max_new_tokens={}") for f in ("--max_new_tokens", "--max-new-tokens")
+    },
+    "--temperature": cli.Renamed("sample.temperature={}"),
+    **{f: cli.Renamed("sample.top_k={}") for f in ("--top_k", "--top-k")},
+    **{f: cli.Renamed("sample.sampling_seed={}") for f in ("--sample_seed", "--sample-seed")},
+    "--model": cli.Renamed("sample.model={}"),
+    "--seed": cli.Renamed("sample.train_seed={}"),
+    "--step": cli.Renamed("sample.step={}"),
+    "--tokenizer": cli.Renamed("sample.tokenizer={}"),
+}
+
+
+def _parser():
+    p = cli.parser(
+        "python -m diffjax.sample",
+        __doc__.split("\n\n")[0],
+        SECTIONS,
         epilog=__doc__.split("\n\n", 1)[1],
+        example='python -m diffjax.sample runs/default "def main(" sample.temperature=0.8 '
+        "sample.max_new_tokens=100",
     )
     p.add_argument("run_dir", help="a run folder written by train.py, or one model's folder")
     p.add_argument(
-        "--prompt", action="append", required=True, help="text to continue (repeat for a batch)"
-    )
-    p.add_argument("--max_new_tokens", "--max-new-tokens", type=int, default=200)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
-    p.add_argument("--top_k", "--top-k", type=int, default=None)
-    p.add_argument(
-        "--sample_seed",
-        "--sample-seed",
-        type=int,
-        default=0,
-        help="the sampling seed (with --temperature > 0)",
-    )
-    p.add_argument("--model", default=None, help="the model's label (e.g. diff, standard)")
-    p.add_argument("--seed", type=int, default=None, help="the training seed (seed_<S> folder)")
-    p.add_argument("--step", default="best", help="best (default), latest, or a step number")
-    p.add_argument(
-        "--tokenizer",
-        default=None,
-        help="byte, or a tokenizer.json (or a directory holding one); default: found "
-        "beside the checkpoint or in the run's config, else byte",
+        "prompts", nargs="+", metavar="PROMPT", help="text to continue (several: a batch)"
     )
     return p
 
@@ -228,17 +281,12 @@ def find_tokenizer(run_dir: str, model_dir: str) -> str | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    step: Any = args.step
-    if step not in ("best", "latest"):
-        try:
-            step = int(step)
-        except ValueError:
-            print(
-                f"error: --step must be best, latest or a step number, got {step!r}",
-                file=sys.stderr,
-            )
-            return 2
+    try:
+        args, settings = cli.parse(_parser(), argv, SECTIONS, RENAMED)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    opts: SampleSettings = settings["sample"]
     try:
         storage.check_access(args.run_dir, what="RUN_DIR", write=False)
         run_dir = str(storage.absolute(args.run_dir))
@@ -246,10 +294,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             path, note = run_dir, f"Hugging Face checkpoint: {args.run_dir}"
             model = from_pretrained(path)
         else:
-            path, note = choose_model(args.run_dir, args.model, args.seed)
-            model = load_model(path, step)
+            path, note = choose_model(args.run_dir, opts.model, opts.train_seed)
+            model = load_model(path, opts.checkpoint)
         tokenizer = load_tokenizer(
-            args.tokenizer if args.tokenizer is not None else find_tokenizer(run_dir, path)
+            opts.tokenizer if opts.tokenizer is not None else find_tokenizer(run_dir, path)
         )
     except (ModelChoiceError, CheckpointError, ConfigError, DataError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -257,31 +305,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = model.config
     print(
         f"{note}\n{cfg.attention}, {cfg.num_layers} layers, d_model {cfg.d_model}, "
-        f"checkpoint {args.step}, tokenizer {type(tokenizer).__name__}",
+        f"checkpoint {opts.step}, tokenizer {type(tokenizer).__name__}",
         file=sys.stderr,
     )
     if tokenizer.vocab_size > cfg.vocab_size:
         print(
             f"error: this model's vocabulary has {cfg.vocab_size} tokens, the tokenizer "
             f"{tokenizer.vocab_size}: it was trained on other token ids. Fix: pass the "
-            f"tokenizer it was trained with (--tokenizer).",
+            f"tokenizer it was trained with (sample.tokenizer=...).",
             file=sys.stderr,
         )
         return 2
     try:
         texts = sample(
             model,
-            args.prompt,
-            args.max_new_tokens,
+            args.prompts,
+            opts.max_new_tokens,
             tokenizer=tokenizer,
-            temperature=args.temperature,
-            top_k=args.top_k,
-            rng=jax.random.key(args.sample_seed),
+            temperature=opts.temperature,
+            top_k=opts.top_k,
+            rng=jax.random.key(opts.sampling_seed),
         )
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    for i, (prompt, text) in enumerate(zip(args.prompt, texts)):
+    for i, (prompt, text) in enumerate(zip(args.prompts, texts)):
         if i:
             print("-" * 40)
         print(prompt + text)

@@ -206,15 +206,15 @@ def needle_run(tmp_path_factory):
 
 
 def test_evaluate_long_context_on_a_run(needle_run, capsys):
-    """``python -m diffjax.evaluate RUN --long-context ... mesh.context=8``: the grid of every model
+    """``python -m diffjax.evaluate RUN long_context.lengths=... mesh.context=8``: the grid of every model
     at each length, the accuracy of the single-device evaluation, long_context.md beside."""
     import json
 
     from diffjax.evaluate.__main__ import main as evaluate_main
 
     reference = needle_run
-    args = [str(reference), "--long-context", "128,256", "mesh.context=8"]
-    assert evaluate_main([*args, "--long-context-examples", "4"]) == 0
+    args = [str(reference), "long_context.lengths=128,256", "mesh.context=8"]
+    assert evaluate_main([*args, "long_context.examples=4"]) == 0
     out = json.loads((reference / "long_context.json").read_text())
     assert out["lengths"] == [128, 256] and out["mesh"]["context"] == 8
     assert {(m["label"], m["seed"]) for m in out["models"]} == {("diff", 0), ("standard", 0)}
@@ -245,14 +245,14 @@ def test_evaluate_long_context_on_a_run(needle_run, capsys):
             np.testing.assert_allclose(got[key], want[key], rtol=1e-4, err_msg=key)
         assert got["num_distractors"] > m["noise_measured"][0]["num_distractors"]
     # a length the ring cannot split, or one the models cannot take: refused before compute
-    assert evaluate_main([str(reference), "--long-context", "136", "mesh.context=8"]) == 2
+    assert evaluate_main([str(reference), "long_context.lengths=136", "mesh.context=8"]) == 2
     assert "does not split into 16 equal chunks" in capsys.readouterr().err
-    assert evaluate_main([str(reference), "--long-context", "512", "mesh.context=8"]) == 2
+    assert evaluate_main([str(reference), "long_context.lengths=512", "mesh.context=8"]) == 2
     assert "model.max_seq_len=256" in capsys.readouterr().err
-    assert evaluate_main([str(reference), "--long-context", "128", "model.d_model=8"]) == 2
-    assert "only mesh.KEY=VALUE" in capsys.readouterr().err
+    assert evaluate_main([str(reference), "long_context.lengths=128", "model.d_model=8"]) == 2
+    assert "unknown setting 'model.d_model'" in capsys.readouterr().err
     assert evaluate_main([str(reference), "mesh.context=8"]) == 2
-    assert "add --long-context" in capsys.readouterr().err
+    assert "add long_context.lengths=L1,L2" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("impl", ["auto", "pallas"])

@@ -331,12 +331,7 @@ def test_sample_prints_text_from_a_trained_run(tiny_run, capsys):
     from diffjax.train import load_model
 
     capsys.readouterr()
-    assert (
-        sample.main(
-            [str(tiny_run), "--prompt", "def main(", "--prompt", "x", "--max_new_tokens", "12"]
-        )
-        == 0
-    )
+    assert sample.main([str(tiny_run), "def main(", "x", "sample.max_new_tokens=12"]) == 0
     captured = capsys.readouterr()
     assert f"model: {tiny_run / 'diff' / 'seed_0'}" in captured.err and "diff_v1" in captured.err
     first, second = captured.out.split("-" * 40 + "\n")
@@ -350,18 +345,12 @@ def test_sample_prints_text_from_a_trained_run(tiny_run, capsys):
         sample.main(
             [
                 str(tiny_run),
-                "--prompt",
                 "a",
-                "--model",
-                "diff",
-                "--temperature",
-                "1.0",
-                "--top_k",
-                "5",
-                "--max_new_tokens",
-                "4",
-                "--step",
-                "latest",
+                "sample.model=diff",
+                "sample.temperature=1.0",
+                "sample.top_k=5",
+                "sample.max_new_tokens=4",
+                "sample.step=latest",
             ]
         )
         == 0
@@ -369,7 +358,7 @@ def test_sample_prints_text_from_a_trained_run(tiny_run, capsys):
     captured = capsys.readouterr()
     assert "checkpoint latest" in captured.err and captured.out.startswith("a")
     # too long for max_seq_len=32: refused with the fix, exit status 2
-    assert sample.main([str(tiny_run), "--prompt", "abc", "--max_new_tokens", "40"]) == 2
+    assert sample.main([str(tiny_run), "abc", "sample.max_new_tokens=40"]) == 2
     assert "at most 29 new tokens" in capsys.readouterr().err
 
 
@@ -380,13 +369,13 @@ def test_sample_finds_models_in_both_run_layouts(tmp_path, capsys):
         (tmp_path / "multi" / rel / "checkpoints").mkdir(parents=True)
     (tmp_path / "multi" / "diff" / "seed_0" / "tb").mkdir()
     path, note = sample.choose_model(str(tmp_path / "multi"))
-    assert path == str(tmp_path / "multi" / "diff" / "seed_0") and "--seed" in note
+    assert path == str(tmp_path / "multi" / "diff" / "seed_0") and "sample.train_seed" in note
     path, _ = sample.choose_model(str(tmp_path / "multi"), "standard", 1)
     assert path == str(tmp_path / "multi" / "standard" / "seed_1")
     with pytest.raises(
         sample.ModelChoiceError,
-        match=r"--model in \['diff', 'standard'\] and "
-        r"--seed in \[0, 1\]",
+        match=r"sample.model in \['diff', 'standard'\] and "
+        r"sample.train_seed in \[0, 1\]",
     ):
         sample.choose_model(str(tmp_path / "multi"), "diff", 7)
     (tmp_path / "one" / "checkpoints").mkdir(parents=True)
@@ -394,5 +383,5 @@ def test_sample_finds_models_in_both_run_layouts(tmp_path, capsys):
     assert sample.choose_model(str(tmp_path / "one" / "checkpoints"))[0] == str(tmp_path / "one")
     with pytest.raises(sample.ModelChoiceError, match="no model under"):
         sample.choose_model(str(tmp_path / "multi" / "diff" / "seed_0" / "tb"))
-    assert sample.main([str(tmp_path / "empty"), "--prompt", "x"]) == 2
+    assert sample.main([str(tmp_path / "empty"), "x"]) == 2
     assert "no model under" in capsys.readouterr().err

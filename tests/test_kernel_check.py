@@ -72,7 +72,7 @@ def test_every_standard_case_passes_interpreted():
 
 
 def test_the_command_passes_and_prints_a_line_per_case(capsys):
-    assert check.main(["--interpret", "--head-dim", "64", "--dtype", "float32"]) == 0
+    assert check.main(["check.interpret=true", "check.head_dim=64", "check.dtype=float32"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("kernel check on cpu") and jax.__version__ in out[0]
     assert [line.split()[:2] for line in out[1:4]] == [
@@ -87,7 +87,7 @@ def test_the_command_passes_and_prints_a_line_per_case(capsys):
 def test_a_planted_error_fails_the_check(monkeypatch, capsys, error):
     _plant(monkeypatch, error)
     code = check.main(
-        ["--interpret", "--head-dim", "64", "--dtype", "float32", "--kind", "v1", "v2"]
+        ["check.interpret=true", "check.head_dim=64", "check.dtype=float32", "check.kind=v1,v2"]
     )
     out = capsys.readouterr().out
     assert code == 1

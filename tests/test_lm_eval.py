@@ -421,13 +421,13 @@ def test_a_whole_run_gives_every_model_and_seed_beside_its_twin(export, tmp_path
     # again from the command line: the section is replaced, not repeated; the rest is kept
     from diffjax.evaluate.__main__ import main
 
-    args = [str(run), "--lm-eval-only", "--lm-eval-tasks", "djx_mc", "--lm-eval-limit", "3"]
-    args += ["--lm-eval-include-path", str(export), "--lm-eval-no-default-tasks"]
-    assert main([*args, "--lm-eval-batch-size", "4"]) == 0
+    args = [str(run), "lm_eval.only=true", "lm_eval.tasks=djx_mc", "lm_eval.limit=3"]
+    args += [f"lm_eval.include_path={export}", "lm_eval.default_tasks=false"]
+    assert main([*args, "lm_eval.batch_size=4"]) == 0
     assert json.loads((run / "lm_eval.json").read_text()) == stored
     text = (run / "eval.md").read_text()
     assert text.count(HEADING) == 1 and "## 1. Retrieval\n\nkept" in text
-    # the analyses' report (python -m diffjax.evaluate without --lm-eval-only) keeps the section
+    # the analyses' report (python -m diffjax.evaluate without lm_eval.only) keeps the section
     kept = report.lm_eval_tasks(types.SimpleNamespace(run_dir=str(run)))
     assert kept == render_section(stored) and "\n".join(kept) in text
     assert report.lm_eval_tasks(types.SimpleNamespace(run_dir=str(tmp_path))) == []
@@ -444,24 +444,24 @@ def test_evaluate_rejects_bad_lm_eval_input_before_compute(export, tmp_path, cap
     from diffjax.lm_eval.__main__ import main as lm_eval_main
 
     (tmp_path / "empty").mkdir()
-    tasks = ["--lm-eval-include-path", str(export), "--lm-eval-no-default-tasks"]
-    assert main([str(tmp_path / "empty"), "--lm-eval-tasks", "djx_mc", *tasks]) == 2
+    tasks = [f"lm_eval.include_path={export}", "lm_eval.default_tasks=false"]
+    assert main([str(tmp_path / "empty"), "lm_eval.tasks=djx_mc", *tasks]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "holds no model" in err and "\n" not in err
     run = tmp_path / "run"
     _write_run(run)
     # an unknown task: refused before the analyses run (no eval.md) or any model is loaded
-    assert main([str(run), "--lm-eval-tasks", "djx_mc,djx_nope", *tasks]) == 2
+    assert main([str(run), "lm_eval.tasks=djx_mc,djx_nope", *tasks]) == 2
     err = capsys.readouterr().err.strip()
     assert "unknown lm-eval task(s): djx_nope" in err and "\n" not in err
     assert not (run / "lm_eval.json").exists() and not (run / "eval.md").exists()
-    assert main([str(run), "--lm-eval-only"]) == 2
-    assert "--lm-eval-tasks" in capsys.readouterr().err
-    assert main([str(run), "--lm-eval-tasks", "djx_mc", "--lm-eval-no-default-tasks"]) == 2
-    assert "--lm-eval-include-path" in capsys.readouterr().err
+    assert main([str(run), "lm_eval.only=true"]) == 2
+    assert "lm_eval.only: runs no task. Fix: add lm_eval.tasks=t1,t2" in capsys.readouterr().err
+    assert main([str(run), "lm_eval.tasks=djx_mc", "lm_eval.default_tasks=false"]) == 2
+    assert "Fix: pass lm_eval.include_path=DIR" in capsys.readouterr().err
     # the run mode moved: lm-eval's command line says where
     assert lm_eval_main(["--run", str(run), "--tasks", "djx_mc"]) == 2
-    assert "python -m diffjax.evaluate RUN_DIR --lm-eval-tasks" in capsys.readouterr().err
+    assert "python -m diffjax.evaluate RUN_DIR lm_eval.tasks=t1,t2" in capsys.readouterr().err
 
 
 def test_the_analyses_and_the_comparison_do_not_import_lm_eval():

@@ -71,7 +71,7 @@ def plan(*args: str, python: str | None = None, timeout: int = 240):
 @pytest.fixture(scope="module")
 def h100_plan(tmp_path_factory):
     out = tmp_path_factory.mktemp("plan") / "h100.json"
-    proc = plan("--target", "h100-8", "--json", str(out), *TINY)
+    proc = plan("plan.target=h100-8", f"plan.json={out}", *TINY)
     return proc, (json.loads(out.read_text()) if out.exists() else None)
 
 
@@ -89,7 +89,7 @@ def _check_both_models(proc, target: str):
 
 @needs_compilers
 def test_tiny_plan_on_a_tpu_slice():
-    _check_both_models(plan("--target", "v5e-8", *TINY), "v5e-8")
+    _check_both_models(plan("plan.target=v5e-8", *TINY), "v5e-8")
 
 
 @needs_compilers
@@ -113,7 +113,7 @@ def test_a_context_axis_compiles_as_a_ring_for_a_gpu_node(tmp_path):
     kernels (Triton for the H100: the local block, the two halves a remote block can be, and
     each one's dK/dV and dQ kernels)."""
     out = tmp_path / "context.json"
-    args = ["--target", "h100-8", "--model", "diff", "--search", "none", "--json", str(out)]
+    args = ["plan.target=h100-8", "plan.model=diff", "plan.search=none", f"plan.json={out}"]
     ctx = ["mesh.fsdp=1", "mesh.data=2", "mesh.context=4", "train.batch_size=2"]
     ctx += ["model.scan_layers=true"]  # the ring inside the scan over layers (Shardy's split)
     proc = plan(*args, *TINY, *ctx)
@@ -132,16 +132,11 @@ def test_no_fit_names_a_setting_that_fits(h100_plan, tmp_path):
     hbm = (diff["total_bytes"] - 0.3 * diff["temp_bytes"]) / 1024**3
     out = tmp_path / "nofit.json"
     proc = plan(
-        "--target",
-        "h100-8",
-        "--model",
-        "diff",
-        "--search",
-        "accum",  # one try, 2 microbatches (--search all would try remat=dots first)
-        "--hbm-gib",
-        f"{hbm:.6f}",
-        "--json",
-        str(out),
+        "plan.target=h100-8",
+        "plan.model=diff",
+        "plan.search=accum",  # one try, 2 microbatches (plan.search=all would try remat=dots first)
+        f"plan.hbm_gib={hbm:.6f}",
+        f"plan.json={out}",
         *TINY,
     )
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -159,15 +154,15 @@ def test_no_fit_names_a_setting_that_fits(h100_plan, tmp_path):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--target", "v9x-8"], "unknown target 'v9x-8'. Fix: use one of v5e-8, v6e-8, v5p-8"),
+        (["plan.target=v9x-8"], "unknown target 'v9x-8'. Fix: use one of v5e-8, v6e-8, v5p-8"),
         # 2 DIFF heads cannot be split 8 ways: refused, naming the tensor sizes that work
         (
-            ["--target", "v5e-8", "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=8"],
+            ["plan.target=v5e-8", "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=8"],
             "mesh.tensor=8 does not divide the model.num_heads=2 DIFF heads (pairs)",
         ),
         # v5p-8 is 4 chips: a mesh of 8 does not cover it
-        (["--target", "v5p-8", "mesh.data=1", "mesh.fsdp=8"], "v5p-8 has 4 devices"),
-        (["--target", "h100-8", "train.batch_size=12"], "Fix: use a batch size that is a multiple"),
+        (["plan.target=v5p-8", "mesh.data=1", "mesh.fsdp=8"], "v5p-8 has 4 devices"),
+        (["plan.target=h100-8", "train.batch_size=12"], "Fix: use a batch size that is a multiple"),
     ],
 )
 def test_bad_input_is_refused_before_compiling(args, message, capsys):
@@ -183,7 +178,7 @@ def test_a_missing_compiler_is_named_with_the_extra_to_install(capsys):
     """This interpreter (the test environment) has no libtpu: the plan says which extra."""
     if importlib.util.find_spec("libtpu") is not None:
         pytest.skip("libtpu is installed in this interpreter")
-    assert planner.main(["--target", "v5e-8", *TINY]) == 2
+    assert planner.main(["plan.target=v5e-8", *TINY]) == 2
     err = capsys.readouterr().err
     assert "libtpu is not installed" in err
     assert "pip install -e '.[compile]'" in err
@@ -202,7 +197,7 @@ def test_a_gpu_budget_is_the_part_of_its_memory_jax_takes(monkeypatch, capsys):
             h100.budget_gib({"XLA_CLIENT_MEM_FRACTION": bad})
     # refused before any compiler is asked for (this process has none)
     monkeypatch.setenv("XLA_CLIENT_MEM_FRACTION", "95")
-    assert planner.main(["--target", "h100-8", *TINY]) == 2
+    assert planner.main(["plan.target=h100-8", *TINY]) == 2
     err = capsys.readouterr().err
     assert "XLA_CLIENT_MEM_FRACTION='95': must be a fraction in (0, 1]" in err and "Fix:" in err
 

@@ -134,7 +134,7 @@ def test_parquet_input_and_a_missing_datasets_package(tmp_path):
     pq.write_table(pa.table({"body": [_text(i) for i in range(30)]}), tmp_path / "d.parquet")
     m = run([tmp_path / "d.parquet"], tmp_path / "out", text_field="body").manifest
     assert m["totals"]["train"]["documents"] + m["totals"]["val"]["documents"] == 30
-    with pytest.raises(prep.PrepareError, match="--text-field.*'text'.*'body'"):
+    with pytest.raises(prep.PrepareError, match="prepare.text_field.*'text'.*'body'"):
         run([tmp_path / "d.parquet"], tmp_path / "out2")
     if prep.importlib.util.find_spec("datasets") is None:
         with pytest.raises(prep.PrepareError, match=r"pip install 'diffjax\[readers\]'"):
@@ -177,7 +177,9 @@ def test_another_preparation_in_out_is_refused_and_kept(tmp_path):
     out = tmp_path / "out"
     run([tmp_path / "in"], out)
     before = folder_bytes(out)
-    with pytest.raises(prep.PrepareError, match=r"--out: .*another val_fraction.*Fix: choose"):
+    with pytest.raises(
+        prep.PrepareError, match=r"prepare.out: .*another val_fraction.*Fix: choose"
+    ):
         run([tmp_path / "in"], out, val_fraction=0.5)
     (out / "manifest.json").unlink()  # unfinished: the fingerprint file still guards it
     with pytest.raises(prep.PrepareError, match=r"unfinished preparation with another shard"):
@@ -194,7 +196,8 @@ def test_another_preparation_in_out_is_refused_and_kept(tmp_path):
 def test_bad_inputs_are_refused_before_any_work(tmp_path):
     (tmp_path / "fields.jsonl").write_text(json.dumps({"content": "x"}) + "\n")
     with pytest.raises(
-        prep.PrepareError, match=r"--text-field: 'text' is not a field .*'content'.*Fix: .*content"
+        prep.PrepareError,
+        match=r"prepare.text_field: 'text' is not a field .*'content'.*Fix: .*content",
     ):
         run([tmp_path / "fields.jsonl"], tmp_path / "out")
     (tmp_path / "empty.txt").write_text("")
@@ -218,7 +221,9 @@ def test_uint16_with_a_large_vocab_is_refused(tmp_path):
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(tmp_path / "big.json"))
     (tmp_path / "d.txt").write_text("w1 w69999 w7")
-    with pytest.raises(prep.PrepareError, match=r"--dtype: uint16 .*70,000.*--dtype uint32"):
+    with pytest.raises(
+        prep.PrepareError, match=r"prepare.dtype: uint16 .*70,000.*prepare.dtype=uint32"
+    ):
         run(
             [tmp_path / "d.txt"],
             tmp_path / "out",
@@ -294,8 +299,13 @@ def test_plain_token_files_keep_their_behaviour(tmp_path, bpe):
 def test_train_py_trains_on_a_prepared_folder(tmp_path, capsys):
     write_corpus(tmp_path / "in", docs=200)
     out = tmp_path / "out"
-    argv = [str(tmp_path / "in"), "--tokenizer", "byte", "--out", str(out), "--workers", "1"]
-    assert prep.main([*argv, "--shard-tokens", "4000", "--val-fraction", "0.1"]) == 0
+    argv = [
+        str(tmp_path / "in"),
+        "prepare.tokenizer=byte",
+        f"prepare.out={out}",
+        "prepare.workers=1",
+    ]
+    assert prep.main([*argv, "prepare.shard_tokens=4000", "prepare.val_fraction=0.1"]) == 0
     assert "tokens/s" in capsys.readouterr().err
     run_dir = tmp_path / "run"
     assert (

@@ -325,7 +325,7 @@ def test_urls_the_data_cannot_take_are_refused_at_construction(tmp_path):
         DataConfig(source="tokens", path="s3://b/prepared")
     with pytest.raises(ConfigError, match=r"DataConfig.prefetch: must be >= 0, got -1"):
         DataConfig(prefetch=-1)
-    with pytest.raises(ConfigError, match=r"--out.*s3:// is not one"):
+    with pytest.raises(ConfigError, match=r"prepare.out.*s3:// is not one"):
         prepare([tmp_path], "s3://b/prepared")
 
 
@@ -336,9 +336,12 @@ def test_prepare_refuses_a_missing_bucket_and_input_before_any_work(
     ``gs:`` (what a URL taken for a local path would make)."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "a.txt").write_text("some text\n")
-    with pytest.raises(ConfigError, match=r"--out.*gs://no-such-bucket-diffjax does not exist"):
+    with pytest.raises(
+        ConfigError, match=r"prepare.out.*gs://no-such-bucket-diffjax does not exist"
+    ):
         prepare([tmp_path / "a.txt"], "gs://no-such-bucket-diffjax/prepared")
-    cmd = ["a.txt", "--tokenizer", "byte", "--out", "gs://no-such-bucket-diffjax/p", "--quiet"]
+    cmd = ["a.txt", "prepare.tokenizer=byte", "prepare.out=gs://no-such-bucket-diffjax/p"]
+    cmd += ["prepare.progress=false"]
     assert prep.main(cmd) == 2
     assert "Fix: create it" in capsys.readouterr().err
     assert "no-such-bucket-diffjax" not in [b.name for b in gcs_server.client().list_buckets()]

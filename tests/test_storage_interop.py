@@ -153,7 +153,7 @@ def test_sample_and_lm_eval_read_an_export_in_a_bucket(
     local, url = str(tmp_path / "export"), f"{bucket}/export"
     diffjax.save_pretrained(model, local, tokenizer_from=str(tok_dir))
     diffjax.save_pretrained(model, url, tokenizer_from=str(tok_dir))
-    args = ["--prompt", "def add", "--max_new_tokens", "6"]
+    args = ["def add", "sample.max_new_tokens=6"]
     assert sample.main([local, *args]) == 0
     expected = capsys.readouterr().out
     with LocalPathGuard():
@@ -218,7 +218,7 @@ def test_sample_and_lm_eval_read_a_run_in_a_bucket(bucket, capsys):
         {"model": {}, "data": {"tokenizer": "byte"}, "train": {"seed": 0}},
     )
     with LocalPathGuard():
-        assert sample.main([run, "--prompt", "def", "--max_new_tokens", "4"]) == 0
+        assert sample.main([run, "def", "sample.max_new_tokens=4"]) == 0
     captured = capsys.readouterr()
     assert f"model: {run}/diff/seed_0 (also here: standard/seed_0" in captured.err
     assert captured.out == "def" + sample.sample(saved["diff"], ["def"], 4)[0] + "\n"

@@ -172,7 +172,7 @@ def test_sample_reads_a_hugging_face_directory_with_its_tokenizer(tmp_path, tok_
     out = tmp_path / "hf"
     diffjax.save_pretrained(model, str(out), tokenizer_from=str(tok_dir))
     assert sample.is_hf_checkpoint(str(out)) and not sample.is_hf_checkpoint(str(tok_dir))
-    assert sample.main([str(out), "--prompt", "def add", "--max_new_tokens", "6"]) == 0
+    assert sample.main([str(out), "def add", "sample.max_new_tokens=6"]) == 0
     captured = capsys.readouterr()
     assert "HFTokenizer" in captured.err and "Hugging Face checkpoint" in captured.err
     tok = HFTokenizer(str(tok_dir))
@@ -183,5 +183,5 @@ def test_sample_reads_a_hugging_face_directory_with_its_tokenizer(tmp_path, tok_
     if (hits := np.flatnonzero(expect == tok.eos_id)).size:
         expect = expect[: hits[0]]
     assert captured.out.strip("\n") == ("def add" + tok.decode(expect)).strip("\n")
-    assert sample.main([str(out), "--prompt", "x", "--tokenizer", str(tmp_path / "nope")]) == 2
+    assert sample.main([str(out), "x", f"sample.tokenizer={tmp_path / 'nope'}"]) == 2
     assert "does not exist" in capsys.readouterr().err

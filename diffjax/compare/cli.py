@@ -30,8 +30,7 @@ from diffjax.evaluate import evaluate_run
 from diffjax.train.checkpoint import CheckpointError, committed_steps
 from diffjax.train.config import (
     apply_overrides,
-    config_keys,
-    key_descriptions,
+    experiment_keys_help,
     load_config,
     model_directory,
     resolve_init_from,
@@ -54,23 +53,13 @@ EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_CHECKPOINT = 2, 3, 4
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped by SIGTERM/SIGINT after saving; rerun to resume
 
 
-def _keys_help() -> str:
-    lines = ["config keys (set as key=value; defaults of the built-in default comparison):"]
-    descriptions = key_descriptions()
-    for key, type_str, value in config_keys(load_config(None)):
-        lines.append(f"  {key:<27} {type_str:<24} default: {value!r}")
-        if descriptions.get(key):
-            lines.append(f"      {descriptions[key]}")
-    return "\n".join(lines)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="train.py",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Train a Differential Transformer and its standard-attention twin on the "
         "same data, in the same order, from the same seed, and compare them.",
-        epilog=_keys_help() + "\n\nexample: python train.py --config configs/needle.py "
+        epilog=experiment_keys_help() + "\n\nexample: python train.py --config configs/needle.py "
         "train.steps=200 model.num_layers=4",
     )
     parser.add_argument(

@@ -155,7 +155,7 @@ class DataConfig:
                     f"{self.path!r} is a URL; from a bucket diffjax reads one prepared prefix "
                     f"(source='tokens'), not {'several paths' if ',' in self.path else 'source=' + repr(self.source)}",
                     "prepare the corpus into the bucket (python -m diffjax.data.prepare INPUT... "
-                    "--tokenizer T --out gs://BUCKET/prepared) and train with data.source=tokens "
+                    "prepare.tokenizer=T prepare.out=gs://BUCKET/prepared) and train with data.source=tokens "
                     "data.path=gs://BUCKET/prepared",
                 )
         if self.source in ("text", "tokens") and self.path is None:

@@ -1,11 +1,11 @@
 """``python -m diffjax.data.prepare``: text corpora to ``.bin`` token shards and a manifest.
 
-    python -m diffjax.data.prepare corpus/ more/*.jsonl.gz --tokenizer tokenizer.json --out prepared
+    python -m diffjax.data.prepare corpus/ more/*.jsonl.gz prepare.tokenizer=tokenizer.json prepare.out=prepared
     python train.py data.source=tokens data.path=prepared model.vocab_size=...
-    python -m diffjax.data.prepare gs://bucket/raw/ --tokenizer byte --out gs://bucket/prepared
+    python -m diffjax.data.prepare gs://bucket/raw/ prepare.tokenizer=byte prepare.out=gs://bucket/prepared
 
 Inputs: ``.txt`` files (one document each), ``.jsonl`` / ``.jsonl.gz`` (one document a line, its
-text in ``--text-field``), ``.parquet`` (a ``--text-field`` column; needs ``pyarrow``), and a
+text in ``prepare.text_field``), ``.parquet`` (a ``prepare.text_field`` column; needs ``pyarrow``), and a
 Hugging Face dataset name or ``save_to_disk`` folder (needs ``datasets``). Directories and globs
 expand, sorted. Each document becomes ``[bos] ids [eos]`` exactly as the ``text`` source builds
 its streams (``BOS bytes EOS`` for the byte tokenizer; a ``tokenizer.json``'s own bos/eos ids
@@ -14,20 +14,19 @@ when its ``tokenizer_config.json`` names them, else none).
 A document goes to validation when ``crc32(key) / 2**32 < val_fraction``, with ``key`` its
 input's key (the path relative to the directory given, or the path as given) for a ``.txt`` file
 and ``key:index`` (0-based line or row) for the others: the split of one document depends on
-nothing else. Each split is one stream cut into ``--shard-tokens`` shards (``train_00000.bin``,
+nothing else. Each split is one stream cut into ``prepare.shard_tokens`` shards (``train_00000.bin``,
 ``val_00000.bin``, ...; the last shorter). The output depends only on the inputs and options
-(not on ``--workers``). Each shard is written to a temporary name and renamed; ``manifest.json``
+(not on ``prepare.workers``). Each shard is written to a temporary name and renamed; ``manifest.json``
 comes last, so a folder with a manifest is complete, and rerunning an interrupted preparation
 keeps the finished shards (checked byte for byte, not rewritten) and gives the same bytes.
 
-Inputs and ``--out`` may be in a bucket (``gs://``): inputs are streamed from it, each shard is
+Inputs and ``prepare.out`` may be in a bucket (``gs://``): inputs are streamed from it, each shard is
 uploaded whole (an object appears only when its upload completes) and the manifest last; a
 shard already there is kept when its size and MD5 hash match.
 """
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures
 import contextlib
 import dataclasses
@@ -44,9 +43,8 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from diffjax import storage
-
-from diffjax.config import ConfigError
+from diffjax import cli, storage
+from diffjax.config import ConfigError, check_fields
 
 from .config import DataError
 from .sources import (
@@ -70,7 +68,7 @@ PROGRESS_SECONDS = 5.0
 
 
 class PrepareError(DataError):
-    """Inputs or options that ``prepare`` refuses: the message names the flag or input and
+    """Inputs or options that ``prepare`` refuses: the message names the setting or input and
     the fix."""
 
 
@@ -280,11 +278,11 @@ def _parse_line(inp: InputFile, index: int, line: bytes) -> dict:
 
 def _missing_field(inp: InputFile, where: str, field: str, fields: Sequence[str]) -> PrepareError:
     return _fail(
-        "--text-field",
+        "prepare.text_field",
         f"{field!r} is not a field of {where} of {inp.path!r} (its fields: "
         f"{', '.join(map(repr, fields)) or 'none'})",
-        "pass --text-field with the field that holds the text"
-        + (f", e.g. --text-field {fields[0]}" if fields else ""),
+        "pass prepare.text_field with the field that holds the text"
+        + (f", e.g. prepare.text_field={fields[0]}" if fields else ""),
     )
 
 
@@ -360,14 +358,14 @@ class TokenizerInfo:
 
 
 def tokenizer_info(spec: str) -> TokenizerInfo:
-    """Load the tokenizer named by ``--tokenizer`` (``"byte"`` or a tokenizer.json / a
+    """Load the tokenizer named by ``prepare.tokenizer`` (``"byte"`` or a tokenizer.json / a
     directory holding one) and describe it."""
     if spec == BYTE_TOKENIZER:
         return TokenizerInfo(BYTE_TOKENIZER, None, VOCAB_SIZE, BOS, EOS)
     try:
         tok = load_tokenizer(spec)
     except DataError as e:
-        raise _fail("--tokenizer", str(e), "give a local tokenizer.json, or 'byte'") from None
+        raise _fail("prepare.tokenizer", str(e), "give a local tokenizer.json, or 'byte'") from None
     path = str(storage.absolute(tok.path))
     return TokenizerInfo(path, file_sha256(path), tok.vocab_size, tok.bos_id, tok.eos_id)
 
@@ -375,15 +373,15 @@ def tokenizer_info(spec: str) -> TokenizerInfo:
 def resolve_dtype(dtype: str, vocab_size: int) -> str:
     """``auto``: uint16 when every id fits, else uint32. Refuses uint16 for a larger vocab."""
     if dtype not in DTYPES:
-        raise _fail("--dtype", f"unknown dtype {dtype!r}", f"use one of {', '.join(DTYPES)}")
+        raise _fail("prepare.dtype", f"unknown dtype {dtype!r}", f"use one of {', '.join(DTYPES)}")
     if dtype == "auto":
         return "uint16" if vocab_size <= UINT16_IDS else "uint32"
     if dtype == "uint16" and vocab_size > UINT16_IDS:
         raise _fail(
-            "--dtype",
+            "prepare.dtype",
             f"uint16 holds ids up to {UINT16_IDS - 1} but the tokenizer has "
             f"vocab_size {vocab_size:,}",
-            "pass --dtype uint32 (or --dtype auto)",
+            "pass prepare.dtype=uint32 (or prepare.dtype=auto)",
         )
     return dtype
 
@@ -504,10 +502,10 @@ def _chunk_documents(settings: Settings, chunk: Chunk) -> Iterator[tuple[str, by
     for index, text in texts:
         if text is not None and not isinstance(text, str):
             raise _fail(
-                "--text-field",
+                "prepare.text_field",
                 f"{settings.text_field!r} of document {index} of {inp.path!r} is a "
                 f"{type(text).__name__}, not text",
-                "pass --text-field with the field that holds the text",
+                "pass prepare.text_field with the field that holds the text",
             )
         yield f"{inp.key}:{index}", text or ""
 
@@ -735,26 +733,32 @@ def check_out(out: str, fp: dict) -> dict | None:
     shards, of other inputs or options). Returns the folder's manifest when it is this one's."""
     if storage.is_remote(out):
         if storage.filesystem().isfile(out.split("://", 1)[1]):
-            raise _fail("--out", f"{out!r} is an object", "give a prefix (gs://BUCKET/prepared)")
+            raise _fail(
+                "prepare.out", f"{out!r} is an object", "give a prefix (gs://BUCKET/prepared)"
+            )
         files = _out_files(out)
         if not files:
             return None
     else:
         if os.path.exists(out) and not os.path.isdir(out):
-            raise _fail("--out", f"{out!r} is a file", "give a folder (it is created if missing)")
+            raise _fail(
+                "prepare.out", f"{out!r} is a file", "give a folder (it is created if missing)"
+            )
         if not os.path.isdir(out):
             return None
         files = _out_files(out)
-    fix = "choose another --out, or delete the folder to prepare it again"
+    fix = "choose another prepare.out, or delete the folder to prepare it again"
     manifest_path = storage.join(out, MANIFEST_FILE)
     if MANIFEST_FILE in files:
         manifest = _read_json(manifest_path)
         theirs = (manifest or {}).get("fingerprint")
         if not isinstance(theirs, dict):
-            raise _fail("--out", f"{manifest_path!r} is not a manifest of this command", fix)
+            raise _fail("prepare.out", f"{manifest_path!r} is not a manifest of this command", fix)
         if theirs != fp:
             diff = ", ".join(_differences(theirs, fp))
-            raise _fail("--out", f"{out!r} holds a finished preparation with another {diff}", fix)
+            raise _fail(
+                "prepare.out", f"{out!r} holds a finished preparation with another {diff}", fix
+            )
         return manifest
     options_path = storage.join(out, OPTIONS_FILE)
     if OPTIONS_FILE in files:
@@ -762,10 +766,10 @@ def check_out(out: str, fp: dict) -> dict | None:
         if theirs != fp:
             diff = ", ".join(_differences(theirs or {}, fp))
             raise _fail(
-                "--out", f"{out!r} holds an unfinished preparation with another {diff}", fix
+                "prepare.out", f"{out!r} holds an unfinished preparation with another {diff}", fix
             )
     elif _existing_shards(out):
-        raise _fail("--out", f"{out!r} holds token shards of an unknown preparation", fix)
+        raise _fail("prepare.out", f"{out!r} holds token shards of an unknown preparation", fix)
     return None
 
 
@@ -874,26 +878,32 @@ class PrepareResult:
 
 
 def check_options(options: PrepareOptions) -> None:
-    """Refuse impossible numbers before any work."""
+    """Refuse impossible numbers and paths before any work."""
+    _check_numbers(options)
+    storage.path(options.out, what="prepare.out")  # a scheme diffjax writes (gs://) or local
+    for value in options.inputs:
+        storage.path(value, what="INPUT")
+
+
+def _check_numbers(options: PrepareOptions | PrepareSettings) -> None:
     if options.workers < 1:
-        raise _fail("--workers", f"must be >= 1, got {options.workers}", "use e.g. --workers 4")
+        raise _fail(
+            "prepare.workers", f"must be >= 1, got {options.workers}", "use e.g. prepare.workers=4"
+        )
     if options.shard_tokens < 1:
         raise _fail(
-            "--shard-tokens",
+            "prepare.shard_tokens",
             f"must be >= 1, got {options.shard_tokens}",
-            "use e.g. --shard-tokens 100000000",
+            "use e.g. prepare.shard_tokens=100000000",
         )
     if not 0.0 <= options.val_fraction < 1.0:
         raise _fail(
-            "--val-fraction",
+            "prepare.val_fraction",
             f"must be in [0, 1), got {options.val_fraction}",
-            "use e.g. --val-fraction 0.005 (0: no validation shards)",
+            "use e.g. prepare.val_fraction=0.005 (0: no validation shards)",
         )
     if not options.text_field:
-        raise _fail("--text-field", "is empty", "name the field that holds the text")
-    storage.path(options.out, what="--out")  # a scheme diffjax writes (gs://) or a local path
-    for value in options.inputs:
-        storage.path(value, what="INPUT")
+        raise _fail("prepare.text_field", "is empty", "name the field that holds the text")
 
 
 def prepare(options: PrepareOptions) -> PrepareResult:
@@ -907,7 +917,7 @@ def prepare(options: PrepareOptions) -> PrepareResult:
         check_input(inp, options.text_field)
     fp = fingerprint(options, inputs, tok, dtype)
     out = options.out.rstrip("/") if storage.is_remote(options.out) else options.out
-    storage.check_access(out, what="--out", write=True)
+    storage.check_access(out, what="prepare.out", write=True)
     existing = check_out(out, fp)
     if existing is not None and _manifest_complete(out, existing, dtype):
         if options.progress:
@@ -938,13 +948,13 @@ def prepare(options: PrepareOptions) -> PrepareResult:
         raise _fail(
             "INPUT",
             f"the inputs hold no documents ({skipped} have empty text in {options.text_field!r})",
-            "give inputs with text (or the --text-field that holds it)",
+            "give inputs with text (or the prepare.text_field that holds it)",
         )
     if not shards["train"]:
         raise _fail(
-            "--val-fraction",
+            "prepare.val_fraction",
             f"every document fell into validation ({options.val_fraction})",
-            "lower --val-fraction, or give more documents",
+            "lower prepare.val_fraction, or give more documents",
         )
     keep = {s["file"] for lst in shards.values() for s in lst}
     for name in _existing_shards(out):
@@ -974,70 +984,92 @@ def prepare(options: PrepareOptions) -> PrepareResult:
 
 
 # ============================================================================ command line
+@dataclasses.dataclass(frozen=True)
+class PrepareSettings:
+    """The settings of ``python -m diffjax.data.prepare`` (``prepare.*``): everything of
+    :class:`PrepareOptions` but the inputs, which are positional. Checked at construction."""
+
+    tokenizer: str | None = None  # required: a tokenizer.json (or a folder holding one), or 'byte'
+    out: str | None = None  # required: the output folder, or a gs:// prefix
+    text_field: str = "text"  # jsonl/parquet: the field that holds each document's text
+    # tokenizing processes (the output does not depend on it). Default: this machine's CPUs
+    workers: int = max(1, os.cpu_count() or 1)
+    shard_tokens: int = PrepareOptions.shard_tokens  # tokens per shard (the last may be shorter)
+    # the share of documents held out for validation (by a hash of each document's key)
+    val_fraction: float = PrepareOptions.val_fraction
+    dtype: str = "auto"  # the shards' dtype; auto: uint16 when the vocab fits, else uint32
+    progress: bool = True  # show progress on stderr
+
+    def __post_init__(self):
+        check_fields(self)
+        if self.dtype not in DTYPES:
+            raise _fail(
+                "prepare.dtype", f"unknown dtype {self.dtype!r}", f"use one of {', '.join(DTYPES)}"
+            )
+        _check_numbers(self)
+
+    def options(self, inputs: Sequence[str]) -> PrepareOptions:
+        """These settings with ``inputs`` as :class:`PrepareOptions`; the tokenizer and the
+        output folder must be set."""
+        for name, example in (("tokenizer", "byte"), ("out", "prepared")):
+            if getattr(self, name) is None:
+                raise _fail(
+                    f"prepare.{name}", "is required", f"give it, e.g. prepare.{name}={example}"
+                )
+        return PrepareOptions(
+            inputs=tuple(inputs),
+            tokenizer=self.tokenizer,
+            out=self.out,
+            text_field=self.text_field,
+            workers=self.workers,
+            shard_tokens=self.shard_tokens,
+            val_fraction=self.val_fraction,
+            dtype=self.dtype,
+            progress=self.progress,
+        )
+
+
+PROG = "python -m diffjax.data.prepare"
+SECTIONS = (cli.Section("prepare", PrepareSettings(), {"dtype": DTYPES}),)
+# each old flag and what replaced it (refused with the new spelling)
+RENAMED = {
+    "--tokenizer": cli.Renamed("prepare.tokenizer={}"),
+    "--out": cli.Renamed("prepare.out={}"),
+    "--text-field": cli.Renamed("prepare.text_field={}"),
+    "--workers": cli.Renamed("prepare.workers={}"),
+    "--shard-tokens": cli.Renamed("prepare.shard_tokens={}"),
+    "--val-fraction": cli.Renamed("prepare.val_fraction={}"),
+    "--dtype": cli.Renamed("prepare.dtype={}"),
+    "--quiet": cli.Renamed("prepare.progress=false", values="none"),
+}
+
+
 def parse_args(argv: Sequence[str] | None = None) -> PrepareOptions:
-    """The command line as :class:`PrepareOptions`."""
-    p = argparse.ArgumentParser(
-        prog="python -m diffjax.data.prepare",
-        description="Tokenize text corpora into .bin token shards and a manifest.json that "
+    """The command line as :class:`PrepareOptions` (a bad setting: :class:`ConfigError`)."""
+    p = cli.parser(
+        PROG,
+        "Tokenize text corpora into .bin token shards and a manifest.json that "
         "train.py data.source=tokens data.path=OUT trains on.",
+        SECTIONS,
+        example=f"{PROG} corpus/ more/*.jsonl.gz prepare.tokenizer=tokenizer.json "
+        f"prepare.out=prepared prepare.workers=8",
     )
     p.add_argument(
         "inputs",
         nargs="+",
         metavar="INPUT",
         help=".txt/.jsonl/.jsonl.gz/.parquet files, directories, globs (local or gs://), or a "
-        "Hugging Face dataset (needs `datasets`)",
+        "Hugging Face dataset (needs `datasets`); one that looks like a setting goes after --",
     )
-    p.add_argument(
-        "--tokenizer",
-        required=True,
-        help="a tokenizer.json (or a directory holding one), or 'byte'",
-    )
-    p.add_argument("--out", required=True, help="the output folder, or a gs:// prefix")
-    p.add_argument("--text-field", default="text", help="jsonl/parquet: the text's field")
-    p.add_argument(
-        "--workers",
-        type=int,
-        default=max(1, os.cpu_count() or 1),
-        help="tokenizing processes (the output does not depend on it)",
-    )
-    p.add_argument(
-        "--shard-tokens",
-        type=int,
-        default=PrepareOptions.shard_tokens,
-        help="tokens per shard (the last of each split may be shorter)",
-    )
-    p.add_argument(
-        "--val-fraction",
-        type=float,
-        default=PrepareOptions.val_fraction,
-        help="the share of documents held out for validation (by a hash of each document's key)",
-    )
-    p.add_argument(
-        "--dtype",
-        default="auto",
-        choices=DTYPES,
-        help="the shards' dtype; auto: uint16 when the vocab fits, else uint32",
-    )
-    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
-    a = p.parse_args(argv)
-    return PrepareOptions(
-        inputs=tuple(a.inputs),
-        tokenizer=a.tokenizer,
-        out=a.out,
-        text_field=a.text_field,
-        workers=a.workers,
-        shard_tokens=a.shard_tokens,
-        val_fraction=a.val_fraction,
-        dtype=a.dtype,
-        progress=not a.quiet,
-    )
+    args, settings = cli.parse(p, argv, SECTIONS, RENAMED)
+    return settings["prepare"].options(args.inputs)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; a refused input prints its message and returns 2."""
     try:
-        prepare(parse_args(argv))
+        options = parse_args(argv)
+        prepare(options)
     except ConfigError as e:  # DataError, and StorageError (a bucket that cannot be used)
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -686,7 +686,7 @@ def read_manifest(directory: str) -> Manifest:
                 f"DataConfig.path: {directory!r} holds no {MANIFEST_FILE}, so it is not a "
                 f"prepared corpus (or its preparation did not finish: the manifest is written "
                 f"last). Fix: prepare the corpus into it (python -m diffjax.data.prepare "
-                f"INPUT... --tokenizer T --out {directory}), or point data.path at the prefix "
+                f"INPUT... prepare.tokenizer=T prepare.out={directory}), or point data.path at the prefix "
                 f"that holds {MANIFEST_FILE}"
             ) from None
         return _parse_manifest(directory, text)
@@ -728,7 +728,7 @@ def check_manifest_tokenizer(directory: str, manifest: Manifest, tokenizer: str 
             f"DataConfig.tokenizer: the run names {tokenizer!r} ({mine[:12]}), but {directory!r} "
             f"was prepared with {manifest.tokenizer_name!r} ({manifest.tokenizer[:12]}; its "
             f"{MANIFEST_FILE}). Fix: set data.tokenizer to the tokenizer that prepared the "
-            f"folder, or prepare the corpus again with --tokenizer {tokenizer}"
+            f"folder, or prepare the corpus again with prepare.tokenizer={tokenizer}"
         )
 
 
@@ -777,8 +777,8 @@ def load_prepared_corpus(config: DataConfig, directory: str) -> Corpus:
     if config.val_fraction > 0 and not val:
         raise DataError(
             f"DataConfig.val_fraction: {directory!r} holds no validation shards (prepared with "
-            f"--val-fraction 0, or too few documents). Fix: set data.val_fraction=0, or "
-            f"prepare it again with --val-fraction > 0"
+            f"prepare.val_fraction=0, or too few documents). Fix: set data.val_fraction=0, or "
+            f"prepare it again with prepare.val_fraction > 0"
         )
     train_pieces = _shard_pieces(directory, train, manifest.dtype)
     val_pieces = _shard_pieces(directory, val, manifest.dtype)

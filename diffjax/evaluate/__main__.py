@@ -1,62 +1,76 @@
-"""``python -m diffjax.evaluate RUN_DIR [--quick] [--lm-eval-tasks t1,t2 ...]``: the paper's
-analyses on a train.py run, and lm-eval tasks on its models; ``python -m diffjax.evaluate
-RUN_DIR --long-context 32768 mesh.context=8``: the needle grid with the sequence split over
-devices. RUN_DIR: a local folder or a ``gs://BUCKET/PATH`` URL (checked for access first)."""
+"""``python -m diffjax.evaluate RUN_DIR [--quick] [eval.KEY=VALUE ...] [lm_eval.KEY=VALUE ...]``:
+the paper's analyses on a train.py run, and lm-eval tasks on its models; ``python -m
+diffjax.evaluate RUN_DIR long_context.lengths=32768 mesh.context=8``: the needle grid with the
+sequence split over devices. RUN_DIR: a local folder or a ``gs://BUCKET/PATH`` URL (checked for
+access first).
+
+``--quick`` is a mode: it picks the quick set of :class:`EvalSettings` (one context length, few
+examples) instead of the full one; ``eval.*`` settings change single fields of either."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from typing import Sequence
 
-from diffjax import storage
-from diffjax.config import ConfigError
+from diffjax import cli, storage
+from diffjax.config import TOKEN_ORDERS, ConfigError
+from diffjax.sharding import MeshConfig
 from diffjax.train.checkpoint import CheckpointError
 
-from diffjax.sharding import MeshConfig
-from diffjax.train.config import ExperimentConfig, apply_overrides
-
 from . import lm_eval_run
-from .long_context import evaluate_long_context
+from .lm_eval_run import LmEvalSettings
+from .long_context import LongContextSettings, evaluate_long_context
 from .run import evaluate_run
+from .settings import EvalSettings
+
+PROG = "python -m diffjax.evaluate"
 
 
-def _limit(text: str) -> int | float:
-    value = float(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"--lm-eval-limit {text} must be > 0")
-    return int(value) if value >= 1 and value == int(value) else value
+def sections(quick: bool = False) -> tuple[cli.Section, ...]:
+    """The settings of ``python -m diffjax.evaluate``: ``eval.*`` (the analyses; the quick or
+    the full set of :class:`EvalSettings`, less its ``quick``, which ``--quick`` sets),
+    ``lm_eval.*``, ``long_context.*`` and ``mesh.*`` (long context only; from
+    ``mesh.context=-1``: every device splits the sequence)."""
+    return (
+        cli.Section("eval", EvalSettings.for_run(quick), exclude=("quick",)),
+        cli.Section("lm_eval", LmEvalSettings()),
+        cli.Section("long_context", LongContextSettings()),
+        cli.Section("mesh", MeshConfig(context=-1), {"context_order": TOKEN_ORDERS}),
+    )
 
 
-def _lengths(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ConfigError(
-            f"--long-context {text!r}: give token counts separated by commas. Fix: e.g. "
-            f"--long-context 8192,32768"
-        ) from None
-
-
-def _mesh(overrides: list[str]) -> MeshConfig:
-    """The mesh of ``mesh.KEY=VALUE`` overrides (typed and checked as train.py's), from
-    ``context=-1``."""
-    other = [o for o in overrides if not o.startswith("mesh.")]
-    if other:
-        raise ConfigError(
-            f"{other[0]!r}: only mesh.KEY=VALUE settings follow the run directory. Fix: e.g. "
-            f"mesh.context=8 (the model and data come from the run)"
-        )
-    return apply_overrides(ExperimentConfig(mesh=MeshConfig(context=-1)), overrides).mesh
+# each old flag and what replaced it (refused with the new spelling)
+RENAMED = {
+    "--long-context": cli.Renamed("long_context.lengths={}"),
+    "--long-context-examples": cli.Renamed("long_context.examples={}"),
+    "--lm-eval-tasks": cli.Renamed("lm_eval.tasks={}"),
+    "--lm-eval-only": cli.Renamed("lm_eval.only=true", values="none"),
+    "--lm-eval-include-path": cli.Renamed("lm_eval.include_path={}"),
+    "--lm-eval-no-default-tasks": cli.Renamed("lm_eval.default_tasks=false", values="none"),
+    "--lm-eval-limit": cli.Renamed("lm_eval.limit={}"),
+    "--lm-eval-batch-size": cli.Renamed("lm_eval.batch_size={}"),
+    "--lm-eval-num-fewshot": cli.Renamed("lm_eval.num_fewshot={}"),
+}
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m diffjax.evaluate",
-        description="Run the paper's analyses (multi-needle retrieval, attention allocation, "
-        "contribution by ablation, activation outliers, logit quantization, the noise floor, "
-        "loss by position) on every model of a train.py run directory; writes "
-        "RUN_DIR/eval.md, eval.json and eval_*.png. With --lm-eval-tasks also lm-eval tasks "
-        "on every model (the `eval` extra): RUN_DIR/lm_eval.json and a section of eval.md.",
+    quick = EvalSettings.for_run(True)
+    p = cli.parser(
+        PROG,
+        "Run the paper's analyses (multi-needle retrieval, attention allocation, contribution "
+        "by ablation, activation outliers, logit quantization, the noise floor, loss by "
+        "position) on every model of a train.py run directory; writes RUN_DIR/eval.md, "
+        "eval.json and eval_*.png. With lm_eval.tasks=t1,t2 also lm-eval tasks on every model "
+        "(the `eval` extra): RUN_DIR/lm_eval.json and a section of eval.md. With "
+        "long_context.lengths=L1,L2 only the needle grid at those lengths, the sequence split "
+        "over the devices of mesh.* (RUN_DIR/long_context.md).",
+        sections(),
+        epilog=f"The eval.* defaults below are the full set; with --quick: retrieval_examples "
+        f"{quick.retrieval_examples}, allocation_examples {quick.allocation_examples}, "
+        f"val_examples {quick.val_examples}, outlier_examples {quick.outlier_examples}.",
+        example=f"{PROG} runs/default --quick eval.bits=8,4 lm_eval.tasks=hellaswag "
+        f"lm_eval.limit=100",
     )
     p.add_argument(
         "run_dir",
@@ -65,98 +79,66 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--quick",
         action="store_true",
-        help="a small subset: one context length, few examples (under a "
-        "minute of CPU time for the default comparison)",
-    )
-    c = p.add_argument_group("long context (the sequence split over devices)")
-    c.add_argument(
-        "--long-context",
-        default=None,
-        metavar="LENGTHS",
-        help="only the multi-needle grid at these lengths (comma-separated tokens), on a mesh "
-        "whose context axis splits the sequence: RUN_DIR/long_context.md",
-    )
-    p.add_argument(
-        "mesh",
-        nargs="*",
-        metavar="mesh.KEY=VALUE",
-        help="the mesh of --long-context, as train.py takes it (default mesh.context=-1: every "
-        "device splits the sequence; e.g. mesh.context=8 mesh.context_order=striped)",
-    )
-    c.add_argument(
-        "--long-context-examples", type=int, default=8, help="examples per length (default 8)"
-    )
-    g = p.add_argument_group("lm-evaluation-harness tasks")
-    g.add_argument("--lm-eval-tasks", default=None, help="lm-eval task names, comma-separated")
-    g.add_argument(
-        "--lm-eval-only",
-        action="store_true",
-        help="only the lm-eval tasks: eval.md keeps its analyses, its lm-eval section is replaced",
-    )
-    g.add_argument("--lm-eval-include-path", default=None, help="a folder of task YAML files")
-    g.add_argument(
-        "--lm-eval-no-default-tasks",
-        dest="lm_eval_defaults",
-        action="store_false",
-        help="only the tasks of --lm-eval-include-path (skips indexing lm-eval's own tasks)",
-    )
-    g.add_argument(
-        "--lm-eval-limit",
-        type=_limit,
-        default=None,
-        help="at most N examples per task (<1: a fraction)",
-    )
-    g.add_argument(
-        "--lm-eval-batch-size", default=str(lm_eval_run.DEFAULT_BATCH_SIZE), help="rows per batch"
-    )
-    g.add_argument(
-        "--lm-eval-num-fewshot", type=int, default=None, help="shots (default: each task's)"
+        help="a mode: the quick set of the analyses (one context length, few examples; under a "
+        "minute of CPU time for the default comparison) instead of the full set",
     )
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_intermixed_args(argv)
-    tasks = args.lm_eval_tasks.split(",") if args.lm_eval_tasks else None
+def _refused(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        # --quick picks the defaults the eval.* settings change: look for the mode first
+        quick = "--quick" in cli.split_overrides(argv)[1]
+        args, settings = cli.parse(parser(), argv, sections(quick), RENAMED)
+    except ConfigError as e:
+        return _refused(str(e))
+    lm: LmEvalSettings = settings["lm_eval"]
+    long: LongContextSettings = settings["long_context"]
+    given = {o.partition("=")[0].partition(".")[0] for o in args.overrides}
     try:
         # a gs:// run: the bucket, the credentials and the right to write, before any compute
         storage.check_access(args.run_dir, what="RUN", write=True)
-        if args.mesh and not args.long_context:
+        if "mesh" in given and not long.lengths:
             raise ConfigError(
-                "mesh settings apply to --long-context only. Fix: add --long-context LENGTHS"
+                "mesh settings apply to the long-context grid only. Fix: add "
+                "long_context.lengths=L1,L2"
             )
-        if args.long_context:
+        if long.lengths:
             evaluate_long_context(
                 args.run_dir,
-                _lengths(args.long_context),
-                mesh_config=_mesh(args.mesh),
-                examples=args.long_context_examples,
+                long.lengths,
+                mesh_config=settings["mesh"],
+                examples=long.examples,
             )
             return 0
-        if args.lm_eval_only and not tasks:
-            raise ConfigError("--lm-eval-only runs no task. Fix: add --lm-eval-tasks t1,t2")
+        tasks = list(lm.tasks) or None
         if tasks:  # every input check before any compute
             lm_eval_run.prepare(
                 args.run_dir,
                 tasks,
-                include_path=args.lm_eval_include_path,
-                include_defaults=args.lm_eval_defaults,
+                include_path=lm.include_path,
+                include_defaults=lm.default_tasks,
             )
-        if not args.lm_eval_only:
-            evaluate_run(args.run_dir, quick=args.quick)
+        if not lm.only:
+            evaluate_run(args.run_dir, quick=args.quick, settings=settings["eval"])
         if tasks:
             lm_eval_run.evaluate_run_tasks(
                 args.run_dir,
                 tasks,
-                include_path=args.lm_eval_include_path,
-                include_defaults=args.lm_eval_defaults,
-                limit=args.lm_eval_limit,
-                batch_size=args.lm_eval_batch_size,
-                num_fewshot=args.lm_eval_num_fewshot,
+                include_path=lm.include_path,
+                include_defaults=lm.default_tasks,
+                limit=lm.example_limit,
+                batch_size=lm.batch_size,
+                num_fewshot=lm.num_fewshot,
             )
     except (ConfigError, CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return _refused(str(e))
     return 0
 
 

@@ -1,5 +1,5 @@
 """lm-eval tasks on every model of a ``train.py`` run (DIFF and its twin, each seed):
-``python -m diffjax.evaluate RUN_DIR --lm-eval-tasks t1,t2``.
+``python -m diffjax.evaluate RUN_DIR lm_eval.tasks=t1,t2``.
 
 :func:`evaluate_run_tasks` finds the models with :func:`.run.discover_models`, runs
 ``lm_eval.simple_evaluate`` on each (the best checkpoint, through
@@ -10,11 +10,12 @@ raise a :class:`ConfigError` that says how to install it; the analyses never nee
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any, Callable, Sequence
 
 from diffjax import storage
-from diffjax.config import ConfigError
+from diffjax.config import ConfigError, check_fields, fail
 
 from .lm_tasks import (
     HEADING,
@@ -38,14 +39,64 @@ except ImportError as e:  # pragma: no cover - the test extra installs lm-eval
 else:
     AVAILABLE, _MISSING = True, None
 
-__all__ = ["AVAILABLE", "check_tasks", "evaluate_run_tasks", "prepare", "run_models"]
+__all__ = [
+    "AVAILABLE",
+    "LmEvalSettings",
+    "check_tasks",
+    "evaluate_run_tasks",
+    "prepare",
+    "run_models",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class LmEvalSettings:
+    """lm-eval tasks on every model of a run (``lm_eval.*``; the `eval` extra); checked at
+    construction."""
+
+    # lm-eval task names (globs allowed), comma-separated. Empty: no lm-eval task
+    tasks: tuple[str, ...] = ()
+    # only the lm-eval tasks: eval.md keeps its analyses, its lm-eval section is replaced
+    only: bool = False
+    include_path: str | None = None  # a folder of task YAML files, besides lm-eval's own
+    # also lm-eval's own tasks (false: only those of include_path, which skips indexing
+    # lm-eval's ~15,000 task files)
+    default_tasks: bool = True
+    # at most this many examples per task (below 1: that fraction). None: every example
+    limit: float | None = None
+    batch_size: str = str(DEFAULT_BATCH_SIZE)  # rows per batch (lm-eval's batch_size)
+    num_fewshot: int | None = None  # shots (None: each task's own)
+
+    def __post_init__(self):
+        check_fields(self)
+        c = "LmEvalSettings"
+        if self.limit is not None and not self.limit > 0:
+            fail(c, "limit", f"must be > 0, got {self.limit:g}", "e.g. lm_eval.limit=100 or 0.1")
+        if self.num_fewshot is not None and self.num_fewshot < 0:
+            fail(c, "num_fewshot", f"must be >= 0, got {self.num_fewshot}", "e.g. 0 or 5")
+        if self.only and not self.tasks:
+            fail(c, "only", "runs no task", "add lm_eval.tasks=t1,t2")
+        if not self.default_tasks and not self.include_path and self.tasks:
+            fail(
+                c,
+                "default_tasks",
+                "is false but lm_eval.include_path is not set (no task would be known)",
+                "pass lm_eval.include_path=DIR, or drop lm_eval.default_tasks=false",
+            )
+
+    @property
+    def example_limit(self) -> int | float | None:
+        """``limit`` as lm-eval takes it: a count (an int) from 1 up, else a fraction."""
+        if self.limit is not None and self.limit >= 1 and self.limit == int(self.limit):
+            return int(self.limit)
+        return self.limit
 
 
 def _require() -> None:
     if not AVAILABLE:
         raise ConfigError(
             f"lm-eval tasks need lm-evaluation-harness ({_MISSING}). Fix: pip install -e "
-            f'".[eval]" (or pip install "lm-eval>=0.4.5,<0.5"), or leave out --lm-eval-tasks'
+            f'".[eval]" (or pip install "lm-eval>=0.4.5,<0.5"), or leave out lm_eval.tasks'
         )
 
 
@@ -80,13 +131,13 @@ def check_tasks(tasks: Sequence[str], manager: TaskManager) -> list[str]:
     _require()
     tasks = [t.strip() for t in tasks if t and t.strip()]
     if not tasks:
-        raise ConfigError("no lm-eval task given. Fix: --lm-eval-tasks t1,t2 (lm-eval task names)")
+        raise ConfigError("no lm-eval task given. Fix: lm_eval.tasks=t1,t2 (lm-eval task names)")
     missing = [t for t in tasks if not manager.match_tasks([t])]
     if missing:
         raise ConfigError(
             f"unknown lm-eval task(s): {', '.join(missing)}. Fix: check the names "
-            f"(python -m diffjax.lm_eval ls tasks lists them), or pass --lm-eval-include-path "
-            f"with the folder of your task YAML files"
+            f"(python -m diffjax.lm_eval ls tasks lists them), or pass lm_eval.include_path="
+            f"DIR with the folder of your task YAML files"
         )
     return tasks
 
@@ -105,8 +156,8 @@ def prepare(
     if not include_defaults and not include_path:
         raise ConfigError(
             "only the tasks of an include path were asked for, but none is given (no task "
-            "would be known). Fix: pass --lm-eval-include-path DIR, or drop "
-            "--lm-eval-no-default-tasks"
+            "would be known). Fix: pass lm_eval.include_path=DIR, or drop "
+            "lm_eval.default_tasks=false"
         )
     entries = run_models(run_dir)
     manager = TaskManager(include_path=include_path, include_defaults=include_defaults)

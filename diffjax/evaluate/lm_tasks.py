@@ -86,7 +86,7 @@ def render_section(
     limit, shots = data.get("limit"), data.get("num_fewshot")
     L = [HEADING, ""]
     L += [
-        f"lm-eval {data.get('lm_eval_version', '?')} (`python -m diffjax.evaluate --lm-eval-tasks`) on "
+        f"lm-eval {data.get('lm_eval_version', '?')} (`python -m diffjax.evaluate lm_eval.tasks=...`) on "
         f"every model of the run, the best checkpoint of each; tasks: "
         f"{', '.join(f'`{t}`' for t in data['tasks'])}; "
         + (f"at most {limit} examples per task" if limit is not None else "every example")

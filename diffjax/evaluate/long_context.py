@@ -1,5 +1,5 @@
 """Multi-needle retrieval at lengths one device cannot hold: ``python -m diffjax.evaluate RUN_DIR
---long-context 8192,32768 mesh.context=8``.
+long_context.lengths=8192,32768 mesh.context=8``.
 
 Every model of the run (its best checkpoint) is replicated over a mesh whose ``context`` axis
 splits the sequence (:class:`diffjax.sharding.MeshConfig`), and the multi-needle grid of the
@@ -14,6 +14,7 @@ the answer and on the distractors: other needles and haystack; the maps of those
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any, Callable, Sequence
 
@@ -24,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from diffjax import context, sharding, storage
 from diffjax.runtime import Runtime
-from diffjax.config import ConfigError
+from diffjax.config import ConfigError, check_fields, fail
 from diffjax.train.checkpoint import load_model
 
 from . import allocation as alloc
@@ -34,7 +35,27 @@ from .run import _fits, _needle_setting, _replacement, _task, data_config, disco
 from .run import read_run_config
 from .stats import describe_difference, fmt_mean_std, group_by_label, paired_difference
 
-__all__ = ["evaluate_long_context", "render"]
+__all__ = ["LongContextSettings", "evaluate_long_context", "render"]
+
+
+@dataclasses.dataclass(frozen=True)
+class LongContextSettings:
+    """The needle grid at long context (``long_context.*``); checked at construction."""
+
+    # only the multi-needle grid at these lengths (tokens, comma-separated), on a mesh whose
+    # context axis splits the sequence (mesh.*): RUN_DIR/long_context.md. Empty: the analyses
+    lengths: tuple[int, ...] = ()
+    examples: int = 8  # examples per length
+
+    def __post_init__(self):
+        check_fields(self)
+        if self.examples < 1:
+            fail(
+                "LongContextSettings",
+                "examples",
+                f"must be >= 1, got {self.examples}",
+                "set long_context.examples to a positive integer, e.g. 8",
+            )
 
 
 def replicate(model, mesh):
@@ -47,11 +68,11 @@ def _check_lengths(lengths: Sequence[int], n: int, order: str) -> list[int]:
     lengths = sorted({int(x) for x in lengths})
     if not lengths or lengths[0] < 2:
         raise ConfigError(
-            f"--long-context: give sequence lengths of at least 2 tokens, got {lengths}. Fix: "
-            f"e.g. --long-context 8192,32768"
+            f"long_context.lengths: give sequence lengths of at least 2 tokens, got {lengths}. "
+            f"Fix: e.g. long_context.lengths=8192,32768"
         )
     for length in lengths:
-        context.check_sequence(length, n, order, what=f"--long-context length {length}")
+        context.check_sequence(length, n, order, what=f"long_context.lengths: {length}")
     return lengths
 
 
@@ -92,7 +113,7 @@ def evaluate_long_context(
         if lengths[-1] > model.config.max_seq_len:
             raise ConfigError(
                 f"{e.label} (seed {e.seed}) takes at most model.max_seq_len="
-                f"{model.config.max_seq_len} tokens; --long-context asks {lengths[-1]}. Fix: "
+                f"{model.config.max_seq_len} tokens; long_context.lengths asks {lengths[-1]}. Fix: "
                 f"shorter lengths, or train with a larger model.max_seq_len"
             )
     log(
@@ -176,7 +197,7 @@ def render(out: dict[str, Any]) -> list[str]:
         f"{out['examples']} examples per length; the sequence split over the `context` axis of "
         f"the mesh {mesh} ({out['context_order']} order). A cell: the fraction of queries "
         f"answered exactly, mean ± sd over seeds. Written by `python -m diffjax.evaluate "
-        f"--long-context`.",
+        f"long_context.lengths=...`.",
         "",
     ]
     header = ["length"] + [model_name(lab, groups[lab]) for lab in labels]

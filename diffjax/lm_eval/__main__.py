@@ -1,7 +1,7 @@
 """``python -m diffjax.lm_eval ...``: lm-eval's command line with the ``diffjax`` model
 registered (stock ``lm-eval`` discovers no model outside its own package). Tasks on every model
 of a ``train.py`` run, with the seeds and the paired DIFF - twin interval in ``eval.md``:
-``python -m diffjax.evaluate RUN_DIR --lm-eval-tasks t1,t2``."""
+``python -m diffjax.evaluate RUN_DIR lm_eval.tasks=t1,t2``."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if any(a == "--run" or a.startswith("--run=") for a in args_in):
         print(
             "error: lm-eval tasks on every model of a run: python -m diffjax.evaluate RUN_DIR "
-            "--lm-eval-tasks t1,t2 [--lm-eval-only] (see --help there)",
+            "lm_eval.tasks=t1,t2 [lm_eval.only=true] (see --help there)",
             file=sys.stderr,
         )
         return 2

@@ -28,15 +28,23 @@ import functools
 import sys
 import time
 
-from diffjax import storage
+from diffjax import cli, storage
 from diffjax.compare import cli as compare_cli
 from diffjax.config import ConfigError, ModelConfig
 from diffjax.data import DataError
 from diffjax.param_count import count_params
-from diffjax.train.config import apply_overrides, load_config
+from diffjax.train.config import apply_overrides, experiment_keys_help, load_config
 from diffjax.train.loop import AfterStep
 
-from .ladder import Ladder, apply_ladder_overrides, load_ladder, size_name, split_overrides
+from .ladder import (
+    BUDGETS,
+    SCALAR_FIELDS,
+    Ladder,
+    apply_ladder_overrides,
+    load_ladder,
+    size_name,
+    split_overrides,
+)
 from .report import PLAN_FILE, write_sweep_report
 
 EXIT_BAD_INPUT = compare_cli.EXIT_BAD_INPUT
@@ -193,9 +201,25 @@ def run_size(config: str, run: SizeRun, after_step: AfterStep | None = None) -> 
     return code
 
 
+def _keys_help() -> str:
+    """The ``sweep.*`` keys (the ladder's scalar fields; Ladder's defaults, which the config
+    file's SWEEP may change) and then train.py's."""
+    ladder = Ladder(sizes=((64, 2),))  # the sizes are the config file's: not a key
+    section = cli.Section(
+        "sweep",
+        ladder,
+        {"budget": BUDGETS},
+        exclude=tuple(f.name for f in dataclasses.fields(Ladder) if f.name not in SCALAR_FIELDS),
+    )
+    title = "sweep settings (set as sweep.field=value; defaults: Ladder's, unless SWEEP sets them):"
+    return cli.keys_help([section], title=title) + "\n\n" + experiment_keys_help()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m diffjax.sweep",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=_keys_help(),
         description="Train DIFF and its twin at every size of a ladder (the config file's "
         "SWEEP), then fit their scaling curves and the parameter-efficiency ratio "
         "(RUN_DIR/sweep.md). Overrides as train.py's (python train.py --help lists the keys), "

@@ -57,12 +57,16 @@ def _size(entry: Any, i: int) -> tuple[int, ...]:
 class Ladder:
     """The sizes of a sweep and its token budget; checked at construction (see the module)."""
 
-    sizes: tuple[tuple[int, ...], ...]
+    sizes: tuple[tuple[int, ...], ...]  # (d_model, num_layers[, num_heads]) per size, small first
+    # how each size's tokens are set: fixed (`tokens` each) or proportional (tokens_per_param x
+    # the size's non-embedding parameters)
     budget: str = "fixed"
-    tokens: int | None = None
+    tokens: int | None = None  # with budget fixed: the tokens of every size (None: train.steps)
+    # with budget proportional: tokens per non-embedding parameter of each size's DIFF model
     tokens_per_param: float | None = None
-    min_steps: int = 10
-    evals: int = 8
+    min_steps: int = 10  # the fewest train steps a size gets
+    evals: int = 8  # validation points per run (train.eval_every = steps / evals)
+    # the index in sizes whose learning curves give the tokens ratio (None: the largest)
     curve_size: int | None = None
     size_overrides: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 

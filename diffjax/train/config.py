@@ -17,10 +17,10 @@ import dataclasses
 import difflib
 import importlib.util
 import os
-import re
 from typing import Any
 
 from diffjax import hf, storage
+from diffjax.cli import summary
 from diffjax.config import (
     ATTENTION_IMPLS,
     ATTENTION_KINDS,
@@ -364,23 +364,6 @@ def config_keys(config: ExperimentConfig | None = None) -> list[tuple[str, str, 
     return keys
 
 
-def _summary(comment: str, limit: int = 120) -> str:
-    """A field comment's first sentence, its first letter lowercased (not an acronym's); one
-    over ``limit`` characters up to its first ``:`` or ``;`` outside parentheses."""
-    end = re.search(r"\.\s+(?=[A-Z\"'`])", comment)
-    first = comment[: end.start()] if end else comment.rstrip(".")
-    if len(first) > limit:
-        depth = 0
-        for i, ch in enumerate(first):
-            depth += {"(": 1, ")": -1}.get(ch, 0)
-            if depth == 0 and i >= 30 and first[i : i + 2] in (": ", "; "):
-                first = first[:i]
-                break
-    if first[:2].istitle():
-        first = first[0].lower() + first[1:]
-    return first
-
-
 def key_descriptions() -> dict[str, str]:
     """``{key: one line}`` for every settable key: the first sentence of the comment beside or
     above its dataclass field, and its allowed values where it has a fixed set
@@ -393,12 +376,24 @@ def key_descriptions() -> dict[str, str]:
             if dataclasses.is_dataclass(field_types(cls)[f.name]):
                 continue  # a section, not a key
             key = prefix + f.name
-            text = _summary(comments.get(f.name, ""))
+            text = summary(comments.get(f.name, ""))
             if key in CHOICES:
                 values = "one of " + ", ".join(map(repr, CHOICES[key]))
                 text = f"{text}; {values}" if text else values
             out[key] = text
     return out
+
+
+def experiment_keys_help() -> str:
+    """Every config key with its type and default (of the built-in default comparison), and its
+    one-line description: ``python train.py --help`` ends with it."""
+    lines = ["config keys (set as key=value; defaults of the built-in default comparison):"]
+    descriptions = key_descriptions()
+    for key, type_str, value in config_keys(load_config(None)):
+        lines.append(f"  {key:<27} {type_str:<24} default: {value!r}")
+        if descriptions.get(key):
+            lines.append(f"      {descriptions[key]}")
+    return "\n".join(lines)
 
 
 def apply_overrides(config: ExperimentConfig, overrides: list[str]) -> ExperimentConfig:

@@ -8,8 +8,8 @@ reference math (:mod:`diffjax.kernels.reference`, float32, matmuls at full preci
 and standard attention, at head widths 64 and 128, in float32 and bfloat16, with GQA, causal
 masking, packed segments and a length that is not a block multiple. It prints one line per case
 with its error against the dtype's tolerance, the device kind and the jax/jaxlib versions, and a
-verdict; the exit status is non-zero on any failure. ``--interpret`` runs the kernels through
-the interpreters (on CPU: the GPU kernel, or the TPU kernel with ``--backend tpu``).
+verdict; the exit status is non-zero on any failure. ``check.interpret=true`` runs the kernels
+through the interpreters (on CPU: the GPU kernel, or the TPU kernel with ``check.backend=tpu``).
 
 :func:`ensure_checked` is what a run calls before it trains: it checks the cases of the run's
 shapes that have not passed on this machine yet (the verdict is cached per device kind, backend,
@@ -26,17 +26,19 @@ larger.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import json
 import os
+import sys
 import tempfile
 from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from diffjax import cli
 
 from .. import flash_attention, reference
 from .. import differential_flash_attention as _differential
@@ -344,24 +346,83 @@ def ensure_checked(
 
 
 # ---------------------------------------------------------------------------- command line
+# The command line is the one piece of the kernels that imports diffjax: diffjax.cli, the
+# convention every program follows (pyproject.toml's kernels contract names this exception).
+@dataclasses.dataclass(frozen=True)
+class CheckSettings:
+    """What ``python -m diffjax.kernels.check`` runs (``check.*``); checked at construction."""
+
+    # run the kernels through the interpreters (on CPU: the GPU kernel, or the TPU kernel with
+    # check.backend=tpu)
+    interpret: bool = False
+    backend: str | None = None  # which kernel (None: the device's)
+    head_dim: tuple[int, ...] = ()  # only these q/k widths, comma-separated (empty: 64 and 128)
+    kind: tuple[str, ...] = ()  # only these kinds, comma-separated (empty: every kind)
+    dtype: tuple[str, ...] = ()  # only these dtypes, comma-separated (empty: every dtype)
+
+    def __post_init__(self):
+        cli.check_fields(self)
+        allowed = {"kind": KINDS, "dtype": tuple(TOLERANCES)}
+        for name, values in allowed.items():
+            for value in getattr(self, name):
+                if value not in values:
+                    cli.fail(
+                        "CheckSettings",
+                        name,
+                        f"unknown {name} {value!r}",
+                        f"use some of {', '.join(map(repr, values))}",
+                    )
+        if self.backend is not None and self.backend not in BACKENDS:
+            cli.fail(
+                "CheckSettings",
+                "backend",
+                f"unknown backend {self.backend!r}",
+                f"use one of {', '.join(map(repr, BACKENDS))}, or none for the device's",
+            )
+
+    def cases(self) -> list[Case]:
+        """The standard cases these settings keep."""
+        return [
+            c
+            for c in standard_cases()
+            if (not self.head_dim or c.head_dim in self.head_dim)
+            and (not self.kind or c.kind in self.kind)
+            and (not self.dtype or c.dtype in self.dtype)
+        ]
+
+
+BACKENDS = ("gpu", "tpu")
+PROG = "python -m diffjax.kernels.check"
+SECTIONS = (
+    cli.Section(
+        "check",
+        CheckSettings(),
+        {"backend": BACKENDS, "kind": KINDS, "dtype": tuple(TOLERANCES)},
+    ),
+)
+# each old flag and what replaced it (refused with the new spelling)
+RENAMED = {
+    "--interpret": cli.Renamed("check.interpret=true", values="none"),
+    "--backend": cli.Renamed("check.backend={}"),
+    "--head-dim": cli.Renamed("check.head_dim={}", values="many"),
+    "--kind": cli.Renamed("check.kind={}", values="many"),
+    "--dtype": cli.Renamed("check.dtype={}", values="many"),
+}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m diffjax.kernels.check",
-        description="Check the Pallas kernels against the reference math on this device.",
+    p = cli.parser(
+        PROG,
+        "Check the Pallas kernels against the reference math on this device.",
+        SECTIONS,
+        example=f"{PROG} check.interpret=true check.head_dim=64 check.dtype=float32",
     )
-    p.add_argument("--interpret", action="store_true", help="run the kernels interpreted (CPU)")
-    p.add_argument("--backend", choices=("gpu", "tpu"), help="which kernel (default: the device's)")
-    p.add_argument("--head-dim", type=int, nargs="+", help="only these q/k widths")
-    p.add_argument("--kind", choices=KINDS, nargs="+", help="only these kinds")
-    p.add_argument("--dtype", choices=tuple(TOLERANCES), nargs="+", help="only these dtypes")
-    args = p.parse_args(argv)
-    cases = [
-        c
-        for c in standard_cases()
-        if (not args.head_dim or c.head_dim in args.head_dim)
-        and (not args.kind or c.kind in args.kind)
-        and (not args.dtype or c.dtype in args.dtype)
-    ]
-    report = run_check(cases, interpret=args.interpret, backend=args.backend)
+    try:
+        _, settings = cli.parse(p, argv, SECTIONS, RENAMED)
+    except cli.ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    opts: CheckSettings = settings["check"]
+    report = run_check(opts.cases(), interpret=opts.interpret, backend=opts.backend)
     print("\n".join(report.lines()))
     return 0 if report.passed else 1
