@@ -27,6 +27,7 @@ from .stats import (
     describe_difference,
     fmt_mean_std,
     group_by_label,
+    paired_by_seed,
     paired_difference,
     ratio_of_means,
 )
@@ -69,14 +70,10 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 def _paired(groups, getter, what: str, unit: str = "") -> list[str]:
     """``- DIFF - twin ...`` over the seeds both have, with a 95% t-interval; no line without
     both models."""
-    if "diff" not in groups or "standard" not in groups:
+    a, b = paired_by_seed(groups, getter)
+    if not a:
         return []
-    a = {r["seed"]: getter(r) for r in groups["diff"]}
-    b = {r["seed"]: getter(r) for r in groups["standard"]}
-    seeds = sorted(s for s in a if s in b and a[s] is not None and b[s] is not None)
-    if not seeds:
-        return []
-    d = paired_difference([a[s] for s in seeds], [b[s] for s in seeds])
+    d = paired_difference(a, b)
     return [f"- {describe_difference(d, what + (f' ({unit})' if unit else ''))}"]
 
 
