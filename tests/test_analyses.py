@@ -70,6 +70,18 @@ def test_each_typed_result_writes_back_its_eval_json_entry(name, tmp_path):
         assert json.dumps({**written, **rest}, sort_keys=True) == json.dumps(entry, sort_keys=True)
 
 
+def test_an_older_eval_json_without_the_later_fields_still_renders(tmp_path):
+    """An eval.json from before the per-head shares (no per_head, retrieval_head, per_layer in
+    the allocation) reads back: the sections render, without the retrieval head's."""
+    run, ev, expected = _golden("golden_run", tmp_path)
+    for entry in ev["models"]:
+        for key in ("per_head", "retrieval_head", "per_layer"):
+            del entry["allocation"][key]
+    text = _render(run, ev)
+    assert "**The retrieval head.**" in expected and "**The retrieval head.**" not in text
+    assert "## 2. Attention allocation" in text and "## 6. Loss by position" in text
+
+
 # ---------------------------------------------------------------------------- a new analysis
 @dataclasses.dataclass(frozen=True)
 class Embedding:

@@ -213,14 +213,14 @@ class Allocation:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Allocation":
-        per_head = d.get("per_head")
+        per_head = d.get("per_head")  # older files: neither per_head nor the retrieval head
         return cls(
             d["depths"],
             np.asarray(d["shares"], float),
             np.asarray(d["count"]),
-            np.asarray(d["per_layer"], float),
-            d["normalize"],
-            d["map"],
+            np.asarray(d.get("per_layer", []), float),
+            d.get("normalize", "abs"),
+            d.get("map", ""),
             None if per_head is None else np.asarray(per_head, float),
             d.get("retrieval_head"),
         )

@@ -308,9 +308,7 @@ def section(run: Run) -> list[str]:
         name = f"N={n}, R={r_}" + (" (with replacement)" if r_ > n else "")
         for li, length in enumerate(g0.lengths):
             cells = [
-                fmt_mean_std(
-                    [a for r in run.groups[lab] if (a := _at(r, s, length)) is not None], "{:.2f}"
-                )
+                fmt_mean_std([_at(r, s, length) for r in run.groups[lab]], "{:.2f}")
                 for lab in run.labels
             ]
             last = p and li == len(g0.lengths) - 1
