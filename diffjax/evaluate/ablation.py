@@ -31,6 +31,7 @@ one (layer, head, category) at a time; the ablations of all queries are batched 
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +45,9 @@ from .allocation import CATEGORIES, answer_rows, position_categories
 from .analysis import DOC, Analysis, Run, model_name, paired, table
 from .probe import for_analysis
 from .stats import fmt_mean_std
+
+if TYPE_CHECKING:
+    from .run import ModelInputs
 
 # the ablations of one layer run on from it in chunks of this many (query, head, category)
 _CHUNK = 16
@@ -278,7 +282,7 @@ def contribution_by_ablation(model, batch: dict, *, batch_size: int = 8) -> Abla
 
 
 # ---------------------------------------------------------------------------- the analysis
-def measure(inputs) -> Ablation | None:
+def measure(inputs: ModelInputs) -> Ablation | None:
     """On the allocation's examples, for a run trained on the needle task (None otherwise)."""
     if inputs.needle_batch is None or inputs.data.source != "needle":
         return None

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from typing import TYPE_CHECKING
 import warnings
 
 import jax
@@ -50,6 +51,9 @@ from .probe import attention_rows, capture_layers, for_analysis
 from .results import seed_mean
 from .retrieval import depth_bins, query_depths
 from .stats import fmt_mean_std
+
+if TYPE_CHECKING:
+    from .run import ModelInputs
 
 CATEGORIES = ("answer", "needle", "other needles", "noise context", "rest")
 NORMALIZATIONS = ("abs", "sum", "none")
@@ -316,7 +320,7 @@ def measured_noise_floor(model, batch: dict, *, batch_size: int = 8) -> dict[str
 
 
 # ---------------------------------------------------------------------------- the analysis
-def measure(inputs) -> Allocation | None:
+def measure(inputs: ModelInputs) -> Allocation | None:
     """On the allocation examples of the run's needle setting at the trained context; None
     where the context is too short for the needle task."""
     batch = inputs.needle_batch

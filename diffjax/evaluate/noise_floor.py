@@ -52,6 +52,7 @@ eval.md that sets it beside the closed form, with its plot.
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import numpy as np
 from scipy.special import expit, logsumexp
@@ -62,6 +63,9 @@ from . import plots
 from .allocation import measured_noise_floor
 from .analysis import DOC, Analysis, Run, image, model_name, table
 from .stats import fmt_mean_std, ratio_of_means
+
+if TYPE_CHECKING:
+    from .run import ModelInputs
 
 DEFAULT_NS = tuple(2**k for k in range(10, 19))  # 1K .. 256K
 # The closed form eval.md shows: the signal key's logit margin, and lambda (the depth schedule's
@@ -201,7 +205,7 @@ class MeasuredNoise:
         return cls([NoisePoint(**p) for p in d])
 
 
-def measure(inputs) -> MeasuredNoise | None:
+def measure(inputs: ModelInputs) -> MeasuredNoise | None:
     """At the trained context (quick) or every retrieval length the needle setting fits, on
     the allocation examples; None where the trained context is too short for the task."""
     if inputs.needle_batch is None:

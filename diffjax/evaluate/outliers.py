@@ -13,7 +13,7 @@ its plot here too."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import jax.numpy as jnp
 import numpy as np
@@ -25,6 +25,9 @@ from . import paper, plots
 from . import positions as pos
 from .analysis import DOC, Analysis, Run, image, paired, table
 from .probe import attention_logits, capture_layers, check_tokens, for_analysis
+
+if TYPE_CHECKING:
+    from .run import ModelInputs
 
 KS = (1, 2, 3, 10, 100)
 
@@ -104,7 +107,7 @@ class Outliers:
         return self.stats.get(kind, {}).get(stat)
 
 
-def measure(inputs) -> Outliers:
+def measure(inputs: ModelInputs) -> Outliers:
     """Over ``outlier_examples`` sequences of the run's validation text at the trained context
     (a needle run: its haystack text; MQAR: its own validation examples)."""
     data, n = inputs.data, inputs.settings.outlier_examples

@@ -5,6 +5,7 @@ section of eval.md and its plot)."""
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 import math
 
 import numpy as np
@@ -16,6 +17,9 @@ from . import plots
 from .analysis import DOC, Analysis, Run, image, model_name, table
 from .results import seed_mean
 from .stats import fmt_mean_std
+
+if TYPE_CHECKING:
+    from .run import ModelInputs
 
 
 def corpus_for_positions(data: DataConfig, seq_len: int) -> DataConfig | None:
@@ -101,7 +105,7 @@ class LossByPosition:
         return cls(d["length"], d["trained_length"], list(d["ends"]), list(d["loss"]))
 
 
-def measure(inputs) -> LossByPosition | None:
+def measure(inputs: ModelInputs) -> LossByPosition | None:
     """On the run's corpus (a needle run: its haystack text) at the trained context (quick) or
     the model's longest; None for a task without running text (MQAR)."""
     data, settings = inputs.data, inputs.settings

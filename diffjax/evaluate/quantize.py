@@ -21,6 +21,7 @@ has its section of eval.md and its plot here too.
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import numpy as np
 from flax import nnx
@@ -37,6 +38,9 @@ from .results import seed_mean
 from .positions import validation_loss
 from .probe import losses_and_predictions
 from .retrieval import query_correct
+
+if TYPE_CHECKING:
+    from .run import ModelInputs
 
 __all__ = [
     "PAPER_BITS",
@@ -149,7 +153,7 @@ class Quantization:
         return self.rows[i].get(key) if i < len(self.rows) else None
 
 
-def measure(inputs) -> Quantization:
+def measure(inputs: ModelInputs) -> Quantization:
     """On the validation examples, and for accuracy on them (a task with answers) or on the
     run's needle setting at the trained context (where it fits)."""
     val, s = inputs.val, inputs.settings

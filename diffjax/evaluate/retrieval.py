@@ -13,7 +13,7 @@ its heatmaps here too."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
@@ -28,6 +28,9 @@ from .positions import stack_examples
 from .probe import check_model, losses_and_predictions
 from .results import seed_mean
 from .stats import fmt_mean_std
+
+if TYPE_CHECKING:
+    from .run import ModelInputs
 
 
 def needle_task(
@@ -235,7 +238,7 @@ class Retrieval:
         return g.correct[i].sum() / max(g.total[i].sum(), 1)
 
 
-def measure(inputs) -> Retrieval:
+def measure(inputs: ModelInputs) -> Retrieval:
     """The run's own needle setting, and (full set) the paper's settings, at the trained
     context (quick) or a quarter, half, one and the longest context the model takes."""
     n0, r0 = inputs.needle_setting

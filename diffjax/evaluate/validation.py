@@ -5,6 +5,7 @@ eval.md."""
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -13,6 +14,9 @@ from diffjax.data import query_kinds
 from . import positions as pos
 from . import retrieval as ret
 from .analysis import Analysis, Run, paired, table
+
+if TYPE_CHECKING:
+    from .run import ModelInputs
 
 # the optional rows of the table: eval.json key, row name
 ACCURACY_ROWS = (
@@ -52,7 +56,7 @@ class Validation:
         return self.to_dict().get(key)
 
 
-def measure(inputs) -> Validation:
+def measure(inputs: ModelInputs) -> Validation:
     val = inputs.val
     losses, preds = inputs.val_outputs
     loss, ppl = pos.validation_loss(losses, val["weights"])
