@@ -625,8 +625,13 @@ def test_closed_form_gain_formula_and_its_two_regimes():
     g1024 = nf.closed_form_gain([1024], 5.0, 0.8)[0]
     assert g1024 == pytest.approx(11.70, abs=0.005) and g1024 > 2 * nf.asymptotic_gain(5.0, 0.8)
     assert nf.cancellation_point(1.0, 0.2) is None  # lambda e^m < e^m2 + (1 - lambda)
-    caption = report_lib.noise_floor_caption(5.0, 0.8)
+    caption = nf.caption(5.0, 0.8)
     assert "4.97x" in caption and "N* = (λe^m − 1)/(1 − λ) = 589" in caption
+
+
+def _point(signal_share: float, distractor_share: float) -> nf.NoisePoint:
+    """A measured noise-floor point with only its shares set."""
+    return nf.NoisePoint(128, 0.0, 0.0, signal_share, distractor_share, 100.0, None)
 
 
 def test_measured_ratio_is_a_ratio_of_means_and_needs_a_positive_denominator():
@@ -634,18 +639,15 @@ def test_measured_ratio_is_a_ratio_of_means_and_needs_a_positive_denominator():
     # share is negative, so a mean of per-seed ratios (0.08 and -20) would say nothing
     sig, dis = [0.0084, 0.0126], [0.106425, -0.000625]
     assert ratio_of_means(sig, dis) is None and not clearly_positive(dis)
-    pts = [{"signal_share": a, "distractor_share": b} for a, b in zip(sig, dis)]
-    assert report_lib.measured_ratio(pts) == "—"
+    pts = [_point(a, b) for a, b in zip(sig, dis)]
+    assert nf.measured_ratio(pts) == "—"
     # a near-zero mean within its spread: no ratio either
     assert ratio_of_means([0.01, 0.01, 0.01], [0.02, 1e-4, 0.001]) is None
     assert ratio_of_means([0.1], [0.0]) is None and ratio_of_means([0.1], [-0.2]) is None
     # clearly positive: the ratio of the means, not the mean of the ratios (0.25 vs 0.2625)
     assert ratio_of_means([0.1, 0.3], [0.5, 1.1]) == pytest.approx(0.25)
-    pts = [
-        {"signal_share": 0.1, "distractor_share": 0.5},
-        {"signal_share": 0.3, "distractor_share": 1.1},
-    ]
-    assert report_lib.measured_ratio(pts) == "0.250"
+    pts = [_point(0.1, 0.5), _point(0.3, 1.1)]
+    assert nf.measured_ratio(pts) == "0.250"
     assert ratio_of_means([0.2, None], [0.4, 0.1]) == pytest.approx(0.5)  # pairs with a gap drop
     with pytest.raises(ValueError, match="denominators"):
         ratio_of_means([1.0], [1.0, 2.0])
@@ -714,8 +716,7 @@ def test_noise_floor_plot_shows_its_data():
         {"num_distractors": 45.0, "signal_share": 0.04, "distractor_share": 0.35},
         {"num_distractors": 173.0, "signal_share": 0.02, "distractor_share": 0.6},
     ]
-    groups = {"diff": [{"noise_measured": measured}], "standard": [{"noise_measured": []}]}
-    fig = plots.draw_noise_floor(groups, noise, 5.0, 0.8)
+    fig = nf.draw_noise_floor({"diff": measured, "standard": []}, noise, 5.0, 0.8)
     closed, meas = fig.axes[:2]
     # closed form: a log axis (no empty negative half) with room above the lines near 1
     assert closed.get_yscale() == "log" and closed.get_ylim()[1] >= 1.5
@@ -727,12 +728,12 @@ def test_noise_floor_plot_shows_its_data():
     assert meas.get_yscale() == "log" and meas.get_ylim()[0] < 0.02
     # a negative measured share: a symlog axis that stops near the data, not a mirrored half
     neg = [dict(measured[0], distractor_share=-0.000625), measured[1]]
-    fig = plots.draw_noise_floor({"diff": [{"noise_measured": neg}]}, noise, 5.0, 0.8)
+    fig = nf.draw_noise_floor({"diff": neg}, noise, 5.0, 0.8)
     meas = fig.axes[1]
     assert meas.get_yscale() == "symlog"
     assert -0.01 < meas.get_ylim()[0] < -0.000625 and meas.get_ylim()[1] < 2.0
     # without measured points: the closed form alone
-    assert len(plots.draw_noise_floor({"diff": [{}]}, noise, 5.0, 0.8).axes) == 1
+    assert len(nf.draw_noise_floor({"diff": []}, noise, 5.0, 0.8).axes) == 1
 
 
 def test_line_plot_ticks_name_the_measured_values():

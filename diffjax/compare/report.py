@@ -34,8 +34,10 @@ from diffjax.data.synthetic import query_chance
 from diffjax.evaluate.stats import (
     clopper_pearson,
     describe_difference,
+    difference_cell,
     fmt_mean_std,
     group_by_label,
+    paired_by_seed,
     paired_difference,
 )
 from diffjax.train.config import ExperimentConfig
@@ -212,26 +214,11 @@ def metric_rows(results: Sequence[TrainResult], flops: Flops | None = None) -> l
     return [*LOSS_ROWS, *(_metric_row(k) for k in metric_keys(results)), *timing]
 
 
-def _paired(groups, get):
-    """The DIFF and twin values of the seeds both have, in seed order."""
-    d = {r.seed: get(r) for r in groups["diff"]}
-    s = {r.seed: get(r) for r in groups["standard"]}
-    seeds = sorted(set(d) & set(s))
-    return [d[x] for x in seeds], [s[x] for x in seeds]
-
-
 def _difference_cell(groups, row: Row) -> str:
     if row.timing:
         return "one after the other: see the side-by-side throughput"
-    d = paired_difference(*_paired(groups, row.get))
-    sd = row.spec.replace("{:", "{:+")
-    if d.n == 0:
-        return "n/a"
-    if d.no_spread:
-        return f"{sd.format(d.mean)} (equal in all {d.n} seeds: no interval)"
-    if d.low is None:
-        return f"{sd.format(d.mean)} (one seed: no interval)"
-    return f"{sd.format(d.mean)} [{sd.format(d.low)}, {sd.format(d.high)}]"
+    d = paired_difference(*paired_by_seed(groups, row.get))
+    return difference_cell(d, row.spec.replace("{:", "{:+"))
 
 
 def results_table(results: Sequence[TrainResult], flops: Flops | None = None) -> str:
@@ -392,7 +379,7 @@ def comparison_sentences(results: Sequence[TrainResult]) -> list[str]:
     for row in metric_rows(results):
         if row.timing:
             continue  # timing: see the side-by-side measurement
-        d = paired_difference(*_paired(groups, row.get))
+        d = paired_difference(*paired_by_seed(groups, row.get))
         what = row.name[0].upper() + row.name[1:]
         out.append(
             "- " + describe_difference(d, what, "DIFF", "the twin", row.spec.replace("{:", "{:+"))

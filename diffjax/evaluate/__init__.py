@@ -15,8 +15,10 @@ RUN_DIR [--quick]`` for a whole run (see docs/evaluation.md).
 - :func:`attention_maps` / :func:`attention_logits`: an attention layer's maps and logits on its
   input, from ``layer.project`` and the reference math; :func:`attention_rows` a few rows of
   the maps (any length);
-- :func:`evaluate_run`: every analysis on every model of a run, into ``eval.md`` (its sections:
-  :mod:`.report`; the paper's numbers beside ours: :mod:`.paper`).
+- :func:`evaluate_run`: every analysis of the registry (:mod:`.analyses`; each module holds its
+  measure, its typed result, its section of ``eval.md`` and its plot) on every model of a run,
+  into ``eval.json`` and ``eval.md`` (:mod:`.report`; the paper's numbers beside ours:
+  :mod:`.paper`).
 """
 
 from .ablation import Ablation, best_ablation_head, contribution_by_ablation

@@ -31,6 +31,7 @@ one (layer, head, category) at a time; the ablations of all queries are batched 
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -41,7 +42,12 @@ from diffjax.attention import Projection, attend
 from diffjax.kernels import reference
 
 from .allocation import CATEGORIES, answer_rows, position_categories
+from .analysis import DOC, Analysis, Run, model_name, paired, table
 from .probe import for_analysis
+from .stats import fmt_mean_std
+
+if TYPE_CHECKING:
+    from .run import ModelInputs
 
 # the ablations of one layer run on from it in chunks of this many (query, head, category)
 _CHUNK = 16
@@ -209,7 +215,7 @@ class Ablation:
     the answer category."""
 
     delta: np.ndarray  # [L, H, C]
-    per_example: np.ndarray  # [L, B, H, C]
+    per_example: np.ndarray | None  # [L, B, H, C] (not in eval.json: None when read back)
     base_logp: float
     best_head: dict
     map_kind: str  # "softmax" or "differential"
@@ -228,6 +234,20 @@ class Ablation:
             "best_head": self.best_head,
             "map": self.map_kind,
         }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Ablation":
+        return cls(np.asarray(d["delta"], float), None, d["base_logp"], d["best_head"], d["map"])
+
+    def head(self) -> dict | None:
+        """The chosen head (``best_head``), None when there is none."""
+        h = self.best_head
+        return h if h and h.get("layer") is not None else None
+
+    def head_delta(self) -> float | None:
+        """The chosen head's held-out answer-category Δ log p, None without one."""
+        h = self.head()
+        return None if h is None or not np.isfinite(h["delta"]) else float(h["delta"])
 
 
 def contribution_by_ablation(model, batch: dict, *, batch_size: int = 8) -> Ablation:
@@ -259,3 +279,108 @@ def contribution_by_ablation(model, batch: dict, *, batch_size: int = 8) -> Abla
         best_ablation_head(per_example, CATEGORIES.index("answer")),
         "differential" if model.config.is_diff else "softmax",
     )
+
+
+# ---------------------------------------------------------------------------- the analysis
+def measure(inputs: ModelInputs) -> Ablation | None:
+    """On the allocation's examples, for a run trained on the needle task (None otherwise)."""
+    if inputs.needle_batch is None or inputs.data.source != "needle":
+        return None
+    return contribution_by_ablation(
+        inputs.model, inputs.needle_batch, batch_size=inputs.settings.batch_size
+    )
+
+
+def _get(r) -> Ablation | None:
+    got = r.get("ablation")
+    return got if got is not None and got.head() is not None else None
+
+
+def head_delta(r) -> float | None:
+    """A model's ablation head's held-out answer-category Δ log p, None without one."""
+    a = _get(r)
+    return None if a is None else a.head_delta()
+
+
+def layer_sum(r, layer: int) -> float | None:
+    """The answer-category Δ log p of ``layer``, summed over its heads (each ablated alone)."""
+    a = r.get("ablation")
+    if a is None or layer >= len(a.delta):
+        return None
+    return float(a.layer_sums()[layer])
+
+
+def head_share(r) -> float | None:
+    """The allocation's answer share (over every example) of the ablation's chosen head."""
+    a, alloc = _get(r), r.get("allocation")
+    if a is None or alloc is None or alloc.per_head is None:
+        return None
+    h = a.head()
+    return float(alloc.per_head[h["layer"], h["head"], CATEGORIES.index("answer")])
+
+
+def section(run: Run) -> list[str]:
+    """Per model, the answer-category contribution by ablation: the chosen head's held-out
+    Δ log p beside its answer share, and each layer's Δ log p summed over heads."""
+    found = {lab: [r for r in rs if _get(r)] for lab, rs in run.groups.items()}
+    if not any(found.values()):
+        return []
+    num_layers = max(len(_get(r).delta) for rs in found.values() for r in rs)
+    rows = []
+    for rs in found.values():
+        if not rs:
+            continue
+        heads = ", ".join(f"L{_get(r).head()['layer']}.H{_get(r).head()['head']}" for r in rs)
+        nheads = _get(rs[0]).delta.shape[:2]
+        rows.append(
+            [
+                model_name(rs[0].label, rs),
+                f"{nheads[0]} x {nheads[1]}",
+                heads,
+                fmt_mean_std([head_delta(r) for r in rs], "{:.3f}"),
+                fmt_mean_std([head_share(r) for r in rs], "{:.3f}"),
+            ]
+            + [fmt_mean_std([layer_sum(r, i) for r in rs], "{:.3f}") for i in range(num_layers)]
+        )
+    held = all(_get(r).head()["held_out"] for rs in found.values() for r in rs)
+    L = [
+        "**Contribution by ablation.** The change in the answer's log-probability (nats, summed "
+        "over its tokens, mean over queries and examples) when one head's attention to the "
+        "asked needle's value is removed at the answer-producing positions: those columns of "
+        "the head's map (softmax, or A1 − λA2 for DIFF) set to 0 without renormalising, the "
+        "head's output then computed as the model computes it (DIFF V1: through its per-head "
+        "norm), negative where the value supported the answer; per seed the head with the "
+        "largest |Δ| "
+        + (
+            "chosen on the even examples and measured on the odd ones"
+            if held
+            else "chosen and measured on the same examples (too few to hold any out)"
+        )
+        + ", beside its answer share (section 2's normalisation, every example), and each "
+        "layer's Δ summed over its heads (each ablated alone; every category per head is in "
+        f"eval.json). What it measures: {DOC}, section 2.",
+        "",
+    ]
+    L += table(
+        [
+            "model",
+            "layers x heads",
+            "head per seed",
+            "its Δ log p (held out)",
+            "its answer share",
+        ]
+        + [f"Σ heads Δ log p, layer {i}" for i in range(num_layers)],
+        rows,
+    )
+    lines_ = paired(run.groups, head_delta, "ablation head's Δ log p", "nats")
+    for i in range(num_layers):
+        lines_ += paired(
+            run.groups,
+            lambda r, i=i: layer_sum(r, i),
+            f"layer {i}'s Δ log p summed over heads",
+            "nats",
+        )
+    return L + ([""] + lines_ if lines_ else []) + [""]
+
+
+ANALYSIS = Analysis("ablation", Ablation, measure, section)

@@ -26,12 +26,16 @@ layers, previous-token and local heads), so :class:`Allocation` also keeps every
 (``per_head``) and the **retrieval head** (:func:`best_head`): the (layer, head) with the largest
 answer share, chosen on the even examples and measured on the odd ones, so that picking the
 maximum of ``L x H`` noisy numbers does not inflate the figure it reports.
+
+The analysis (:class:`Allocation` of the run's needle setting) has its section of eval.md
+(with the retrieval head) and its plot here too.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+from typing import TYPE_CHECKING
 import warnings
 
 import jax
@@ -39,8 +43,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from diffjax import storage
+
+from . import paper, plots
+from .analysis import DOC, Analysis, Run, image, model_name, paired, table
 from .probe import attention_rows, capture_layers, for_analysis
+from .results import seed_mean
 from .retrieval import depth_bins, query_depths
+from .stats import fmt_mean_std
+
+if TYPE_CHECKING:
+    from .run import ModelInputs
 
 CATEGORIES = ("answer", "needle", "other needles", "noise context", "rest")
 NORMALIZATIONS = ("abs", "sum", "none")
@@ -202,6 +215,33 @@ class Allocation:
             "retrieval_head": self.retrieval_head,
         }
 
+    @classmethod
+    def from_dict(cls, d: dict) -> "Allocation":
+        per_head = d.get("per_head")  # older files: neither per_head nor the retrieval head
+        return cls(
+            d["depths"],
+            np.asarray(d["shares"], float),
+            np.asarray(d["count"]),
+            np.asarray(d.get("per_layer", []), float),
+            d.get("normalize", "abs"),
+            d.get("map", ""),
+            None if per_head is None else np.asarray(per_head, float),
+            d.get("retrieval_head"),
+        )
+
+    def answer_overall(self) -> float:
+        """The answer's share over every depth bin, weighted by the bin's queries."""
+        w = np.asarray(self.count, float)
+        sh = np.nan_to_num(self.shares[:, CATEGORIES.index("answer")])
+        return float((sh * w).sum() / max(w.sum(), 1))
+
+    def retrieval_head_share(self) -> float | None:
+        """The retrieval head's (held-out) answer share, None when none was found."""
+        h = self.retrieval_head
+        if not h or h.get("layer") is None or not np.isfinite(h["share"]):
+            return None
+        return float(h["share"])
+
 
 def attention_allocation(
     model, batch: dict, *, normalize: str = "abs", num_depth_bins: int = 5, batch_size: int = 8
@@ -277,3 +317,147 @@ def measured_noise_floor(model, batch: dict, *, batch_size: int = 8) -> dict[str
     }
     out["snr"] = out["signal"] / out["distractors"] if out["distractors"] > 0 else None
     return out
+
+
+# ---------------------------------------------------------------------------- the analysis
+def measure(inputs: ModelInputs) -> Allocation | None:
+    """On the allocation examples of the run's needle setting at the trained context; None
+    where the context is too short for the needle task."""
+    batch = inputs.needle_batch
+    if batch is None:
+        return None
+    s = inputs.settings
+    return attention_allocation(
+        inputs.model, batch, num_depth_bins=s.depth_bins, batch_size=s.batch_size
+    )
+
+
+def figure(run: Run, depths) -> str:
+    """Stacked shares of each category by depth, mean over seeds, one panel per model."""
+    bars = {}
+    for lab, rs in run.groups.items():
+        sh = [r.get("allocation").shares for r in rs if r.get("allocation")]
+        if sh:
+            bars[model_name(lab, rs)] = (depths, seed_mean(sh))
+    name = "eval_allocation.png"
+    plots.allocation_bars(
+        bars,
+        list(CATEGORIES),
+        storage.join(run.run_dir, name),
+        "attention allocation of the answer-producing positions",
+    )
+    return name
+
+
+def _get(r) -> Allocation | None:
+    return r.get("allocation")
+
+
+def _share(r, depth: int, c: int) -> float | None:
+    a = _get(r)
+    return None if a is None else a.shares[depth, c]
+
+
+def section(run: Run) -> list[str]:
+    L = ["## 2. Attention allocation (paper Table 3)", ""]
+    measured = run.measured("allocation")
+    if not measured:
+        return L + ["Not measured: the run's context is too short for the needle task.", ""]
+    a0 = measured[0]
+    ia, inoise = CATEGORIES.index("answer"), CATEGORIES.index("noise context")
+    columns = ["depth"]
+    for lab in run.labels:
+        columns += [f"{lab}: answer", f"{lab}: noise"]
+    columns += ["paper T: answer", "paper DIFF: answer", "paper T: noise", "paper DIFF: noise"]
+    rows = []
+    for di, d in enumerate(a0.depths):
+        row = [f"{d:.0%}"]
+        for lab in run.labels:
+            for c in (ia, inoise):
+                row.append(run.cell(lab, lambda r: _share(r, di, c)))
+        p = paper.ALLOCATION.get(round(d, 2))
+        row += [f"{x:.2f}" for x in p] if p else ["", "", "", ""]
+        rows.append(row)
+    L += table(columns, rows)
+    counts = ", ".join(f"{d:.0%}: {c}" for d, c in zip(a0.depths, a0.count))
+    L += [
+        "",
+        f"Share of the answer-producing positions' attention on the asked needle's value "
+        f"(answer) and on the haystack (noise), over heads, layers, rows and examples; queries "
+        f"per depth bin: {counts}. DIFF's differential map is normalised by each row's absolute "
+        f"mass (our choice), so its shares are signed and sum to less than 1 (negative entries "
+        f"of A1 − λA2 cancel part of the mass; the plot gives the total); the other categories are in eval.json and the plot. What it "
+        f"measures: {DOC}, section 2.",
+        "",
+    ]
+    L += image("attention allocation", figure(run, a0.depths))
+    line = paired(run.groups, _answer_overall, "answer share")
+    L += line + [""] if line else []
+    return L + retrieval_head_section(run)
+
+
+def _answer_overall(r) -> float | None:
+    a = _get(r)
+    return None if a is None else a.answer_overall()
+
+
+def _head_share(r) -> float | None:
+    a = _get(r)
+    return None if a is None else a.retrieval_head_share()
+
+
+def retrieval_head_section(run: Run) -> list[str]:
+    """Per model, the chosen (layer, head) of each seed, its held-out answer share, and the
+    mean over every head for comparison."""
+    found = {lab: [r for r in rs if _head_share(r) is not None] for lab, rs in run.groups.items()}
+    if not any(found.values()):
+        return []
+    rows = []
+    for rs in found.values():
+        if not rs:
+            continue
+        heads = ", ".join(
+            f"L{_get(r).retrieval_head['layer']}.H{_get(r).retrieval_head['head']}" for r in rs
+        )
+        nheads = _get(rs[0]).per_head.shape[:2]
+        rows.append(
+            [
+                model_name(rs[0].label, rs),
+                f"{nheads[0]} x {nheads[1]}",
+                heads,
+                fmt_mean_std([_head_share(r) for r in rs], "{:.3f}"),
+                fmt_mean_std([_answer_overall(r) for r in rs], "{:.3f}"),
+            ]
+        )
+    held = all(_get(r).retrieval_head["held_out"] for rs in found.values() for r in rs)
+    L = [
+        "**The retrieval head.** Per model, the (layer, head) with the largest answer share (per "
+        "seed, LlayerHhead, from 0), "
+        + (
+            "chosen on the even examples and measured on the odd ones"
+            if held
+            else "chosen and measured on the same examples (too few to hold any out)"
+        )
+        + f"; same normalisation as above. What it measures: {DOC}, section 2.",
+        "",
+    ]
+    L += table(
+        [
+            "model",
+            "layers x heads",
+            "retrieval head per seed",
+            "its answer share (held out)",
+            "mean over every head",
+        ],
+        rows,
+    )
+    line = paired(run.groups, _head_share, "retrieval head's answer share")
+    caveat = (
+        "A share of attention is not what a position contributes (docs/retrieval.md): read "
+        "these shares beside the retrieval accuracy, and run `python "
+        "benchmarks/lookup_attention.py RUN_DIR` for the causal check."
+    )
+    return L + ([""] + line if line else []) + ["", caveat, ""]
+
+
+ANALYSIS = Analysis("allocation", Allocation, measure, section)

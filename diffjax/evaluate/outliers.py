@@ -5,17 +5,29 @@ As the paper's authors describe it (microsoft/unilm issue 1666): attention logit
 pre-softmax ``q k^T / sqrt(d)`` of every head, both maps ``q1 k1^T`` and ``q2 k2^T`` for DIFF,
 taken in absolute value (here only the entries a query may attend to: the causal mask's
 entries are left out); hidden states are the output of each layer (a block: attention and FFN
-with their residuals). All layers are pooled."""
+with their residuals). All layers are pooled.
+
+The analysis (:class:`Outliers` over the run's validation text) has its section of eval.md and
+its plot here too."""
 
 from __future__ import annotations
 
-from typing import Sequence
+import dataclasses
+from typing import TYPE_CHECKING, Sequence
 
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from diffjax import storage
+
+from . import paper, plots
+from . import positions as pos
+from .analysis import DOC, Analysis, Run, image, paired, table
 from .probe import attention_logits, capture_layers, check_tokens, for_analysis
+
+if TYPE_CHECKING:
+    from .run import ModelInputs
 
 KS = (1, 2, 3, 10, 100)
 
@@ -70,3 +82,102 @@ def activation_outliers(
         "attention logits": top_magnitudes(np.concatenate(logit_mags), ks),
         "hidden states": top_magnitudes(np.concatenate(hidden), ks),
     }
+
+
+# ---------------------------------------------------------------------------- the analysis
+KINDS = ("attention logits", "hidden states")
+
+
+@dataclasses.dataclass(frozen=True)
+class Outliers:
+    """:func:`activation_outliers` of one model: per kind (:data:`KINDS`) its statistics
+    (``"top-k"``, ``"median"``), over ``tokens`` tokens."""
+
+    stats: dict[str, dict[str, float]]
+    tokens: int
+
+    def to_dict(self) -> dict:
+        return {**self.stats, "tokens": self.tokens}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Outliers":
+        return cls({k: v for k, v in d.items() if k != "tokens"}, d["tokens"])
+
+    def get(self, kind: str, stat: str) -> float | None:
+        return self.stats.get(kind, {}).get(stat)
+
+
+def measure(inputs: ModelInputs) -> Outliers:
+    """Over ``outlier_examples`` sequences of the run's validation text at the trained context
+    (a needle run: its haystack text; MQAR: its own validation examples)."""
+    data, n = inputs.data, inputs.settings.outlier_examples
+    corpus = pos.corpus_for_positions(data, data.seq_len)
+    tokens = (
+        pos.validation_examples(corpus, n)["inputs"]
+        if corpus is not None
+        else inputs.val["inputs"][:n]
+    )
+    stats = activation_outliers(inputs.model, tokens, batch_size=min(inputs.settings.batch_size, 4))
+    return Outliers(stats, int(tokens.size))
+
+
+def _stat(r, kind: str, stat: str) -> float | None:
+    got = r.get("outliers")
+    return None if got is None else got.get(kind, stat)
+
+
+def figure(run: Run) -> str:
+    """Top-k magnitudes against k, mean over seeds."""
+    ks = np.array(KS, float)
+    series = {
+        f"{lab}: {kind}": (
+            ks,
+            np.array([np.mean([_stat(r, kind, f"top-{k}") for r in rs]) for k in KS]),
+        )
+        for kind in KINDS
+        for lab, rs in run.groups.items()
+    }
+    name = "eval_outliers.png"
+    plots.lines(
+        series,
+        xlabel="k (top-k magnitude)",
+        ylabel="magnitude",
+        logx=True,
+        logy=True,
+        title="activation outliers (mean over seeds)",
+        path=storage.join(run.run_dir, name),
+        xticks=(list(ks), [str(k) for k in KS]),
+    )
+    return name
+
+
+def section(run: Run) -> list[str]:
+    L = ["## 3. Activation outliers (paper Table 5)", ""]
+    columns = ["activation", "statistic"] + run.names()
+    columns += ["paper Transformer (3B)", "paper DIFF (3B)"]
+    rows = []
+    for kind in KINDS:
+        for stat in [f"top-{k}" for k in KS] + ["median"]:
+            p = paper.OUTLIERS[kind].get(stat)
+            rows.append(
+                [kind, stat]
+                + [run.cell(lab, lambda r: _stat(r, kind, stat)) for lab in run.labels]
+                + ([f"{p[0]}", f"{p[1]}"] if p else ["", ""])
+            )
+    L += table(columns, rows)
+    tokens = run.models[0].get("outliers").tokens
+    L += [
+        "",
+        f"Magnitudes over {tokens:,} tokens of validation text: the logits of every head, map "
+        f"and layer (causally visible entries), the hidden states at each block's output. What "
+        f"it measures: {DOC}, section 3.",
+        "",
+    ]
+    line = paired(
+        run.groups, lambda r: _stat(r, "attention logits", "top-1"), "top-1 attention logit"
+    )
+    L += line + [""] if line else []
+    return L + image("activation outliers", figure(run))
+
+
+ANALYSIS = Analysis("outliers", Outliers, measure, section)

@@ -1,8 +1,7 @@
 """PNG plots with an explicit Figure and the Agg canvas (the caller's matplotlib backend and
 pyplot state are never touched): three kinds of chart (:func:`retrieval_heatmaps`,
-:func:`lines`, :func:`allocation_bars`), and one figure per section of ``eval.md``, drawn from
-the run's results grouped by label (each returns the PNG's file name in ``run_dir``). The
-``draw_*`` functions return the unsaved figure (what the tests inspect: shared axes, tick
+:func:`lines`, :func:`allocation_bars`) and the helpers the analyses' own figures use (each
+analysis draws its figure of ``eval.md`` beside its section). The ``draw_*`` functions return the unsaved figure (what the tests inspect: shared axes, tick
 labels, the notes under a figure)."""
 
 from __future__ import annotations
@@ -13,12 +12,8 @@ import numpy as np
 
 from diffjax import storage
 
-from .outliers import KS
-from .results import diff_shares, get, model_name, seed_mean
-from .retrieval import RetrievalGrid
 
-
-def _figure(width: float, height: float, ncols: int = 1, sharey: bool = False):
+def figure(width: float, height: float, ncols: int = 1, sharey: bool = False):
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -37,7 +32,7 @@ def _note(fig, lines_: list[str]) -> None:
         fig.supxlabel(text, fontsize=8, ha="center")
 
 
-def _save(fig, path: str) -> str:
+def save(fig, path: str) -> str:
     """``fig`` as a PNG at ``path`` (local or ``gs://``), written whole."""
     storage.save_figure(fig, path, dpi=100)
     return path
@@ -57,7 +52,7 @@ def draw_retrieval_heatmaps(
         if all(a.shape[1] > j and np.isnan(a[:, j]).all() for a in accs.values())
     ]
     keep = [j for j in range(len(depths0)) if j not in empty_everywhere]
-    fig, axes = _figure(4.2 * len(grids), 3.4, len(grids))
+    fig, axes = figure(4.2 * len(grids), 3.4, len(grids))
     im = None
     empty_cell = False
     for ax, (label, (lengths, depths, _)) in zip(axes, grids.items()):
@@ -101,7 +96,7 @@ def retrieval_heatmaps(
     grids: dict[str, tuple[list[int], list[float], np.ndarray]], title: str, path: str
 ) -> str:
     """One heatmap per model: accuracy over (context length, depth)."""
-    return _save(draw_retrieval_heatmaps(grids, title), path)
+    return save(draw_retrieval_heatmaps(grids, title), path)
 
 
 def lines(
@@ -120,7 +115,7 @@ def lines(
     """Line plots; ``symlog_threshold``: a symmetric log y axis, linear within +/- it (shows
     negative values, e.g. a differential map's signed weights; the axis stops at the data, so
     no empty negative half is drawn); ``xticks``: ``(positions, labels)``."""
-    return _save(
+    return save(
         draw_lines(
             series,
             xlabel=xlabel,
@@ -149,17 +144,17 @@ def draw_lines(
     xticks: tuple[list[float], list[str]] | None = None,
 ):
     """The figure (not saved) of :func:`lines` (legend outside the axes, so it hides no line)."""
-    fig, (ax,) = _figure(7.5, 4)
+    fig, (ax,) = figure(7.5, 4)
     for label, (x, y) in series.items():
         ax.plot(x, y, (styles or {}).get(label, "-o"), ms=3, label=label)
     if logx:
         ax.set_xscale("log", base=2)
     if symlog_threshold is not None:
         ax.set_yscale("symlog", linthresh=symlog_threshold)
-        _symlog_limits(ax, [y for _, y in series.values()], symlog_threshold)
+        symlog_limits(ax, [y for _, y in series.values()], symlog_threshold)
     elif logy:
         ax.set_yscale("log")
-        _plain_log_y(ax)
+        plain_log_y(ax)
     if xticks is not None:
         from matplotlib.ticker import NullLocator
 
@@ -173,7 +168,7 @@ def draw_lines(
     return fig
 
 
-def _plain_log_y(ax) -> None:
+def plain_log_y(ax) -> None:
     """Plain labels at 1, 2, 5 x 10^k on a log y axis (not "4 x 10^0" on a few minor ticks)."""
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
@@ -182,7 +177,7 @@ def _plain_log_y(ax) -> None:
     ax.yaxis.set_minor_formatter(NullFormatter())
 
 
-def _symlog_limits(ax, ys, linthresh: float) -> None:
+def symlog_limits(ax, ys, linthresh: float) -> None:
     """y limits of a symlog axis from the data: no negative range without negative values, a
     little headroom above the largest."""
     y = np.concatenate([np.ravel(np.asarray(v, float)) for v in ys]) if ys else np.zeros(0)
@@ -200,7 +195,7 @@ def draw_allocation_bars(alloc: dict[str, tuple[list[float], np.ndarray]], categ
     compared with the other's at the same scale), one legend for all panels outside them, "no
     queries" on a depth bin without any (its shares are NaN), and a note under the figure
     where a panel's shares do not sum to 1 (signed shares of a differential map)."""
-    fig, axes = _figure(4.2 * len(alloc) + 1.6, 3.8, len(alloc), sharey=True)
+    fig, axes = figure(4.2 * len(alloc) + 1.6, 3.8, len(alloc), sharey=True)
     lows, highs, notes = [0.0], [1.0], []
     for ax, (label, (depths, shares)) in zip(axes, alloc.items()):
         raw = np.asarray(shares, float)
@@ -249,228 +244,4 @@ def allocation_bars(
 ) -> str:
     """Per model: stacked shares of each category by depth (see
     :func:`draw_allocation_bars`)."""
-    return _save(draw_allocation_bars(alloc, categories, title), path)
-
-
-# ---------------------------------------------------------------------------- eval.md's figures
-def retrieval_figures(run_dir: str, groups: dict, settings_nr: list[str]) -> dict[str, str]:
-    """Per needle setting ``"N,R"``: accuracy heatmaps by context length and depth, mean over
-    seeds, one panel per model. Returns ``{setting: file name}`` for the settings drawn."""
-    out = {}
-    for s in settings_nr:
-        grids = {}
-        for lab, rs in groups.items():
-            gs = [r["retrieval"][s] for r in rs if s in r.get("retrieval", {})]
-            if gs:
-                acc = seed_mean(
-                    [
-                        RetrievalGrid(
-                            g["lengths"],
-                            g["depths"],
-                            0,
-                            0,
-                            np.asarray(g["correct"]),
-                            np.asarray(g["total"]),
-                        ).accuracy
-                        for g in gs
-                    ]
-                )
-                grids[model_name(lab, rs)] = (gs[0]["lengths"], gs[0]["depths"], acc)
-        if grids:
-            n, r = s.split(",")
-            out[s] = f"eval_retrieval_N{n}_R{r}.png"
-            retrieval_heatmaps(
-                grids,
-                f"retrieval accuracy, N={n} needles, R={r} queried",
-                storage.join(run_dir, out[s]),
-            )
-    return out
-
-
-def allocation_figure(run_dir: str, groups: dict, depths, categories) -> str:
-    """Stacked shares of each category by depth, mean over seeds, one panel per model."""
-    bars = {}
-    for lab, rs in groups.items():
-        sh = [np.asarray(r["allocation"]["shares"], float) for r in rs if "allocation" in r]
-        if sh:
-            bars[model_name(lab, rs)] = (depths, seed_mean(sh))
-    name = "eval_allocation.png"
-    allocation_bars(
-        bars,
-        categories,
-        storage.join(run_dir, name),
-        "attention allocation of the answer-producing positions",
-    )
-    return name
-
-
-def outliers_figure(run_dir: str, groups: dict) -> str:
-    """Top-k magnitudes against k, mean over seeds."""
-    ks = np.array(KS, float)
-    series = {
-        f"{lab}: {kind}": (
-            ks,
-            np.array([np.mean([get(r, "outliers", kind, f"top-{k}") for r in rs]) for k in KS]),
-        )
-        for kind in ("attention logits", "hidden states")
-        for lab, rs in groups.items()
-    }
-    name = "eval_outliers.png"
-    lines(
-        series,
-        xlabel="k (top-k magnitude)",
-        ylabel="magnitude",
-        logx=True,
-        logy=True,
-        title="activation outliers (mean over seeds)",
-        path=storage.join(run_dir, name),
-        xticks=(list(ks), [str(k) for k in KS]),
-    )
-    return name
-
-
-def quantization_figure(run_dir: str, groups: dict, widths: list) -> str:
-    """Validation loss against the logit bit width (32 = float32), mean over seeds."""
-    xs = np.asarray([b or 32 for b in widths])
-    series = {
-        model_name(lab, rs): (
-            xs,
-            np.asarray(
-                [
-                    seed_mean([get(r, "quantization", i, "val_loss") for r in rs])
-                    for i in range(len(widths))
-                ]
-            ),
-        )
-        for lab, rs in groups.items()
-    }
-    name = "eval_quantization.png"
-    lines(
-        series,
-        xlabel="logit bits",
-        ylabel="validation loss",
-        title="quantized attention logits",
-        path=storage.join(run_dir, name),
-        logx=True,
-        xticks=(list(xs), ["float32" if b is None else str(b) for b in widths]),
-    )
-    return name
-
-
-def noise_floor_figure(run_dir: str, groups: dict, noise: dict, margin: float, lam: float) -> str:
-    """The closed-form shares against the number of distractors, and the shares measured on
-    the models' maps against their number of distractor positions (see
-    :func:`draw_noise_floor`)."""
-    name = "eval_noise_floor.png"
-    _save(draw_noise_floor(groups, noise, margin, lam), storage.join(run_dir, name))
-    return name
-
-
-def draw_noise_floor(groups: dict, noise: dict, margin: float, lam: float):
-    """Left: the closed form (softmax solid, differential dashed; signal and distractors in
-    two colours) on a log axis with headroom above 1, so the distractor lines near 1 stay in
-    view. Right, when the models were measured: each seed's signal and distractor shares (and
-    their mean over seeds, joined across contexts) against the distractor positions, on their
-    own axes; a log axis, or a symmetric log one bounded by the data when a share is negative."""
-    measured = {
-        lab: [m for r in rs for m in r.get("noise_measured", [])] for lab, rs in groups.items()
-    }
-    measured = {k: v for k, v in measured.items() if v}
-    fig, axes = _figure(11.5 if measured else 6.5, 4.2, 2 if measured else 1)
-    ax = axes[0]
-    ns = np.asarray(noise["num_distractors"], float)
-    diff_signal, diff_distractors = diff_shares(noise)
-    for y, style, color, label in (
-        (noise["softmax_signal"], "-", "C0", "softmax: signal"),
-        (noise["softmax_distractors"], "-", "C1", "softmax: distractors"),
-        (diff_signal, "--", "C0", "differential: signal"),
-        (diff_distractors, "--", "C1", "differential: distractors"),
-    ):
-        ax.plot(ns, np.asarray(y, float), style, color=color, lw=1.8, label=label)
-    ax.set_xscale("log", base=2)
-    curves = np.concatenate([noise["softmax_signal"], diff_signal, diff_distractors])
-    if np.all(np.asarray(curves) > 0):
-        ax.set_yscale("log")
-        ax.set_ylim(float(np.min(curves)) / 2, 2.0)
-    else:
-        ax.set_yscale("symlog", linthresh=1e-3)
-        _symlog_limits(ax, [curves, noise["softmax_distractors"]], 1e-3)
-    ax.set_xlabel("distractors N")
-    ax.set_ylabel("share of the row's absolute attention")
-    ax.set_title(f"closed form: margin {margin:g}, λ = {lam}")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="lower left")
-    if measured:
-        _measured_noise_panel(axes[1], measured)
-    return fig
-
-
-def _measured_noise_panel(ax, measured: dict[str, list[dict]]) -> None:
-    from matplotlib.ticker import NullLocator
-
-    values, counts = [], set()
-    for i, (lab, pts) in enumerate(measured.items()):
-        x = np.asarray([m["num_distractors"] for m in pts], float)
-        counts |= set(x.tolist())
-        shift = 1.06**i  # the models side by side at each context, not on top of each other
-        for key, marker, what in (
-            ("signal_share", "x", "signal"),
-            ("distractor_share", "+", "distractors"),
-        ):
-            y = np.asarray([m[key] for m in pts], float)
-            values.append(y)
-            ax.plot(x * shift, y, marker, color=f"C{i + 2}", ms=6, alpha=0.6)
-            xs = np.array(sorted(set(x.tolist())))
-            mean = np.array([np.nanmean(y[x == v]) for v in xs])
-            ax.plot(
-                xs * shift,
-                mean,
-                "-" if what == "signal" else ":",
-                marker=marker,
-                color=f"C{i + 2}",
-                label=f"{lab}: {what} (line: mean over seeds)",
-            )
-    ax.set_xscale("log", base=2)
-    ticks = sorted(counts)
-    ax.set_xticks(ticks, [f"{v:.0f}" for v in ticks])
-    ax.xaxis.set_minor_locator(NullLocator())
-    lo, hi = min(ticks), max(ticks) * 1.06 ** (len(measured) - 1)
-    ax.set_xlim(lo / 1.5, hi * 1.5)
-    y = np.concatenate(values)
-    y = y[np.isfinite(y)]
-    if y.size and np.all(y > 0):
-        ax.set_yscale("log")
-        _plain_log_y(ax)
-        ax.set_ylim(float(y.min()) / 2, min(2.0, float(y.max()) * 2))
-    elif y.size:
-        small = np.abs(y[y != 0])
-        thresh = float(10 ** np.floor(np.log10(small.min()))) if small.size else 1e-3
-        ax.set_yscale("symlog", linthresh=thresh)
-        _symlog_limits(ax, [y], thresh)
-        ax.axhline(0, color="k", lw=0.5)
-    ax.set_xlabel("distractor positions (other needles + haystack; models side by side)")
-    ax.set_ylabel("share of the row's absolute attention")
-    ax.set_title("measured on the models' maps (each seed; x: signal, +: distractors)")
-    ax.title.set_fontsize(9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="best")
-
-
-def loss_by_position_figure(run_dir: str, groups: dict, positions: dict) -> str:
-    """Loss by position bucket, mean over seeds; ``positions``: one model's ``positions``
-    result (the bucket ends and the lengths)."""
-    series = {}
-    for lab, rs in groups.items():
-        ps = [np.asarray(r["positions"]["loss"]) for r in rs if "positions" in r]
-        if ps:
-            series[model_name(lab, rs)] = (np.asarray(positions["ends"]), seed_mean(ps))
-    name = "eval_loss_by_position.png"
-    lines(
-        series,
-        xlabel="position (bucket end)",
-        ylabel="loss (nats/token)",
-        title=f"loss by position at context {positions['length']} "
-        f"(trained at {positions['trained_length']})",
-        path=storage.join(run_dir, name),
-    )
-    return name
+    return save(draw_allocation_bars(alloc, categories, title), path)

@@ -1,12 +1,25 @@
-"""Validation loss and perplexity, and loss by position (does a model use far context?)."""
+"""Validation loss and perplexity, and loss by position (does a model use far context?): the
+functions, and the analysis of loss by position (its result :class:`LossByPosition`, its
+section of eval.md and its plot)."""
 
 from __future__ import annotations
 
+import dataclasses
+from typing import TYPE_CHECKING
 import math
 
 import numpy as np
 
+from diffjax import storage
 from diffjax.data import DataConfig, DataError, make_source
+
+from . import plots
+from .analysis import DOC, Analysis, Run, image, model_name, table
+from .results import seed_mean
+from .stats import fmt_mean_std
+
+if TYPE_CHECKING:
+    from .run import ModelInputs
 
 
 def corpus_for_positions(data: DataConfig, seq_len: int) -> DataConfig | None:
@@ -71,3 +84,99 @@ def loss_by_position(
                 (losses[:, edges[i] : edges[i + 1]] * w[:, edges[i] : edges[i + 1]]).sum() / ws
             )
     return edges[1:], out
+
+
+# ---------------------------------------------------------------------------- the analysis
+@dataclasses.dataclass(frozen=True)
+class LossByPosition:
+    """Mean loss in equal position buckets (``ends``: each bucket's end) at context ``length``
+    of a model trained at ``trained_length``."""
+
+    length: int
+    trained_length: int
+    ends: list[int]
+    loss: list[float]
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "LossByPosition":
+        return cls(d["length"], d["trained_length"], list(d["ends"]), list(d["loss"]))
+
+
+def measure(inputs: ModelInputs) -> LossByPosition | None:
+    """On the run's corpus (a needle run: its haystack text) at the trained context (quick) or
+    the model's longest; None for a task without running text (MQAR)."""
+    data, settings = inputs.data, inputs.settings
+    length = data.seq_len if settings.quick else inputs.model.config.max_seq_len
+    corpus = corpus_for_positions(data, length)
+    if corpus is None:
+        return None
+    if corpus == data:
+        losses, weights = inputs.val_outputs[0], inputs.val["weights"]
+    else:
+        ex = validation_examples(corpus, settings.val_examples)
+        losses, weights = inputs.losses_and_predictions(ex)[0], ex["weights"]
+    ends, by_pos = loss_by_position(losses, weights, settings.loss_buckets)
+    return LossByPosition(length, data.seq_len, ends.tolist(), by_pos.tolist())
+
+
+def figure(run: Run, p0: LossByPosition) -> str:
+    """Loss by position bucket, mean over seeds; ``p0``: one model's result (the bucket ends
+    and the lengths)."""
+    series = {}
+    for lab, rs in run.groups.items():
+        ps = [np.asarray(r.get("positions").loss) for r in rs if r.get("positions")]
+        if ps:
+            series[model_name(lab, rs)] = (np.asarray(p0.ends), seed_mean(ps))
+    name = "eval_loss_by_position.png"
+    plots.lines(
+        series,
+        xlabel="position (bucket end)",
+        ylabel="loss (nats/token)",
+        title=f"loss by position at context {p0.length} (trained at {p0.trained_length})",
+        path=storage.join(run.run_dir, name),
+    )
+    return name
+
+
+def section(run: Run) -> list[str]:
+    L = ["## 6. Loss by position", ""]
+    measured = run.measured("positions")
+    if not measured:
+        return L + ["Not measured: the run's task (MQAR) has no running text.", ""]
+    p0 = measured[0]
+    ends = p0.ends
+    idx = sorted({0, len(ends) // 2, len(ends) - 1})
+    rows = [
+        [model_name(lab, rs)]
+        + [
+            fmt_mean_std([r.get("positions").loss[i] for r in rs if r.get("positions")], "{:.4f}")
+            for i in idx
+        ]
+        for lab, rs in run.groups.items()
+    ]
+    starts = [0] + ends[:-1]
+    L += table(["model"] + [f"positions {starts[i]}–{ends[i] - 1}" for i in idx], rows)
+    name = figure(run, p0)
+    beyond = p0.length > p0.trained_length
+    L += [
+        "",
+        f"Per-token loss on validation text at context {p0.length} (the models were trained "
+        f"at {p0.trained_length}"
+        + ("; positions beyond it test length extrapolation" if beyond else "")
+        + f"), in equal position buckets. What it measures: {DOC}, section 6.",
+        "",
+    ]
+    if run.data.source == "needle":
+        L += [
+            "**Read with care:** the needle task trains on the answer digits only, so this "
+            "curve is not a language-modelling measure; this run's far-context measure is the "
+            "retrieval grid of section 1.",
+            "",
+        ]
+    return L + image("loss by position", name)
+
+
+ANALYSIS = Analysis("positions", LossByPosition, measure, section)

@@ -13,26 +13,38 @@ implementation :class:`QuantizedLogits`; :func:`with_quantized_logits` builds a 
 attention layers use it, holding the original's parameters. ``attention_impl`` is a static
 attribute of the layers, so a jitted function traced for the quantized model is a different
 cache entry from the original model's: nothing leaks into later calls.
+
+The analysis (:class:`Quantization`: the sweep on the validation examples and a needle task)
+has its section of eval.md and its plot here too.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import numpy as np
 from flax import nnx
 
+from diffjax import storage
 from diffjax.model import TransformerLM, rebuilt
 from diffjax.kernels import reference
 from diffjax.kernels.reference import absmax_quantize, check_logit_bits
 
+from . import paper, plots
+from .analysis import DOC, Analysis, Run, image, model_name, table
 from .paper import QUANTIZATION_BITS as PAPER_BITS
+from .results import seed_mean
 from .positions import validation_loss
 from .probe import losses_and_predictions
 from .retrieval import query_correct
 
+if TYPE_CHECKING:
+    from .run import ModelInputs
+
 __all__ = [
     "PAPER_BITS",
+    "Quantization",
     "QuantizedLogits",
     "absmax_quantize",
     "quantization_sweep",
@@ -116,3 +128,103 @@ def quantization_sweep(
             row["accuracy"] = float(np.mean(query_correct(preds, needle_batch)))
         rows.append(row)
     return rows
+
+
+# ---------------------------------------------------------------------------- the analysis
+@dataclasses.dataclass(frozen=True)
+class Quantization:
+    """The rows of :func:`quantization_sweep`: ``bits`` (None: float32), ``val_loss`` and, with
+    a needle task, ``accuracy``."""
+
+    rows: list[dict]
+
+    def to_dict(self) -> list[dict]:
+        return [dict(r) for r in self.rows]
+
+    @classmethod
+    def from_dict(cls, d: list[dict]) -> "Quantization":
+        return cls([dict(r) for r in d])
+
+    @property
+    def widths(self) -> list:
+        return [r["bits"] for r in self.rows]
+
+    def get(self, i: int, key: str) -> float | None:
+        return self.rows[i].get(key) if i < len(self.rows) else None
+
+
+def measure(inputs: ModelInputs) -> Quantization:
+    """On the validation examples, and for accuracy on them (a task with answers) or on the
+    run's needle setting at the trained context (where it fits)."""
+    val, s = inputs.val, inputs.settings
+    task = val if "answer_spans" in val else None
+    n0, r0 = inputs.needle_setting
+    if task is None and inputs.fits(inputs.data.seq_len, n0, r0):
+        task = inputs.needle_examples(inputs.data.seq_len, s.retrieval_examples, seed=0)
+    rows = quantization_sweep(inputs.model, val, task, bits=s.bits, batch_size=s.batch_size)
+    return Quantization(rows)
+
+
+def _value(r, i: int, key: str) -> float | None:
+    got = r.get("quantization")
+    return None if got is None else got.get(i, key)
+
+
+def figure(run: Run, widths: list) -> str:
+    """Validation loss against the logit bit width (32 = float32), mean over seeds."""
+    xs = np.asarray([b or 32 for b in widths])
+    series = {
+        model_name(lab, rs): (
+            xs,
+            np.asarray(
+                [seed_mean([_value(r, i, "val_loss") for r in rs]) for i in range(len(widths))]
+            ),
+        )
+        for lab, rs in run.groups.items()
+    }
+    name = "eval_quantization.png"
+    plots.lines(
+        series,
+        xlabel="logit bits",
+        ylabel="validation loss",
+        title="quantized attention logits",
+        path=storage.join(run.run_dir, name),
+        logx=True,
+        xticks=(list(xs), ["float32" if b is None else str(b) for b in widths]),
+    )
+    return name
+
+
+def section(run: Run) -> list[str]:
+    L = ["## 4. Quantization of the attention logits (paper Fig. 8)", ""]
+    measured = run.measured("quantization")
+    has_acc = any("accuracy" in row for q in measured for row in q.rows)
+    columns = ["logit bits"]
+    for lab in run.labels:
+        columns += [f"{lab}: val loss"] + ([f"{lab}: accuracy"] if has_acc else [])
+    widths = run.models[0].get("quantization").widths
+    rows = []
+    for i, b in enumerate(widths):
+        row = ["float32" if b is None else str(b)]
+        for lab in run.labels:
+            row.append(run.cell(lab, lambda r: _value(r, i, "val_loss"), "{:.4f}"))
+            if has_acc:
+                row.append(run.cell(lab, lambda r: _value(r, i, "accuracy")))
+        rows.append(row)
+    L += table(columns, rows)
+    task = (
+        "zero-shot needle retrieval (the models were not trained on it)"
+        if run.zero_shot
+        else "retrieval on the run's task"
+    )
+    L += [
+        "",
+        f"Logits absmax-quantized (simulated) per example and head before the softmax. Paper "
+        f"(Fig. 8, 3B): {paper.QUANTIZATION_FINDING}. Accuracy: {task}. What it measures: "
+        f"{DOC}, section 4.",
+        "",
+    ]
+    return L + image("quantization", figure(run, widths))
+
+
+ANALYSIS = Analysis("quantization", Quantization, measure, section)

@@ -5,21 +5,32 @@ Examples come from the generator behind ``data.source=needle``
 asked at the end). Each query is scored on its own: correct when every digit of its answer is
 the model's greedy (argmax) prediction. Queries are binned by the depth of the needle they ask
 for (its start as a fraction of the haystack), so a cell is "retrieval of a needle at this
-depth with N - 1 distractor needles around it"."""
+depth with N - 1 distractor needles around it".
+
+The analysis (:class:`Retrieval`, one grid per needle setting) has its section of eval.md and
+its heatmaps here too."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
+from diffjax import storage
 from diffjax.data import DataConfig, make_source
 from diffjax.data import query_correct as data_query_correct
 from diffjax.runtime import Runtime
 
+from . import paper, plots
+from .analysis import DOC, Analysis, Run, image, model_name, paired, table
 from .positions import stack_examples
 from .probe import check_model, losses_and_predictions
+from .results import seed_mean
+from .stats import fmt_mean_std
+
+if TYPE_CHECKING:
+    from .run import ModelInputs
 
 
 def needle_task(
@@ -133,6 +144,17 @@ class RetrievalGrid:
             "total": self.total.tolist(),
         }
 
+    @classmethod
+    def from_dict(cls, d: dict) -> "RetrievalGrid":
+        return cls(
+            d["lengths"],
+            d["depths"],
+            d["num_needles"],
+            d["num_queries"],
+            np.asarray(d["correct"]),
+            np.asarray(d["total"]),
+        )
+
 
 def multi_needle_retrieval(
     model,
@@ -185,3 +207,152 @@ def multi_needle_retrieval(
     return RetrievalGrid(
         lengths, [float(c) for c in centres], num_needles, num_queries, correct, total
     )
+
+
+# ---------------------------------------------------------------------------- the analysis
+@dataclasses.dataclass(frozen=True)
+class Retrieval:
+    """One grid per needle setting ``"N,R"`` measured (the run's own first, then the paper's
+    that fit the context)."""
+
+    grids: dict[str, RetrievalGrid]
+
+    def to_dict(self) -> dict:
+        return {s: g.to_dict() for s, g in self.grids.items()}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Retrieval":
+        return cls({s: RetrievalGrid.from_dict(g) for s, g in d.items()})
+
+    def overall(self, setting: str) -> float | None:
+        """Accuracy over every length and depth of ``setting``; None where not measured."""
+        g = self.grids.get(setting)
+        return None if g is None else g.overall()
+
+    def at(self, setting: str, length: int) -> float | None:
+        """Accuracy over every depth of ``setting`` at ``length``; None where not measured."""
+        g = self.grids.get(setting)
+        if g is None or length not in g.lengths:
+            return None
+        i = g.lengths.index(length)
+        return g.correct[i].sum() / max(g.total[i].sum(), 1)
+
+
+def measure(inputs: ModelInputs) -> Retrieval:
+    """The run's own needle setting, and (full set) the paper's settings, at the trained
+    context (quick) or a quarter, half, one and the longest context the model takes."""
+    n0, r0 = inputs.needle_setting
+    settings_nr = [(n0, r0)]
+    if not inputs.settings.quick:
+        settings_nr += [s for s in paper.RETRIEVAL_SETTINGS if s != (n0, r0)]
+    grids = {}
+    for n, r in settings_nr:
+        ls = [x for x in inputs.lengths if inputs.fits(x, n, r)]
+        if ls:
+            grids[f"{n},{r}"] = multi_needle_retrieval(
+                inputs.model,
+                lengths=ls,
+                num_needles=n,
+                num_queries=r,
+                data=inputs.data,
+                num_examples=inputs.settings.retrieval_examples,
+                num_depth_bins=inputs.settings.depth_bins,
+                batch_size=inputs.settings.batch_size,
+                query_replacement=inputs.replacement(n, r),
+            )
+    return Retrieval(grids)
+
+
+def figures(run: Run, settings_nr: list[str]) -> dict[str, str]:
+    """Per needle setting ``"N,R"``: accuracy heatmaps by context length and depth, mean over
+    seeds, one panel per model. Returns ``{setting: file name}`` for the settings drawn."""
+    out = {}
+    for s in settings_nr:
+        grids = {}
+        for lab, rs in run.groups.items():
+            gs = [r.get("retrieval").grids[s] for r in rs if _has(r, s)]
+            if gs:
+                acc = seed_mean([g.accuracy for g in gs])
+                grids[model_name(lab, rs)] = (gs[0].lengths, gs[0].depths, acc)
+        if grids:
+            n, r = s.split(",")
+            out[s] = f"eval_retrieval_N{n}_R{r}.png"
+            plots.retrieval_heatmaps(
+                grids,
+                f"retrieval accuracy, N={n} needles, R={r} queried",
+                storage.join(run.run_dir, out[s]),
+            )
+    return out
+
+
+def _has(r, setting: str) -> bool:
+    got = r.get("retrieval")
+    return got is not None and setting in got.grids
+
+
+def section(run: Run) -> list[str]:
+    L = ["## 1. Multi-needle retrieval (paper Table 2)", ""]
+    settings_nr = sorted(
+        {k for got in run.measured("retrieval") for k in got.grids},
+        key=lambda s: tuple(map(int, s.split(","))),
+    )
+    if not settings_nr:
+        return L + ["Not measured: the run's context is too short for a needle and a query.", ""]
+    columns = (
+        ["N needles, R queried", "context"]
+        + run.names()
+        + ["paper Transformer (3B, 4K)", "paper DIFF (3B, 4K)"]
+    )
+    rows = []
+    for s in settings_nr:
+        n, r_ = map(int, s.split(","))
+        g0 = next(got.grids[s] for got in run.measured("retrieval") if s in got.grids)
+        p = paper.RETRIEVAL.get((n, r_))
+        name = f"N={n}, R={r_}" + (" (with replacement)" if r_ > n else "")
+        for li, length in enumerate(g0.lengths):
+            cells = [
+                fmt_mean_std([_at(r, s, length) for r in run.groups[lab]], "{:.2f}")
+                for lab in run.labels
+            ]
+            last = p and li == len(g0.lengths) - 1
+            rows.append(
+                [name, str(length)] + cells + ([f"{p[0]:.2f}", f"{p[1]:.2f}"] if last else ["", ""])
+            )
+    L += table(columns, rows)
+    replacement = any(int(x.split(",")[1]) > int(x.split(",")[0]) for x in settings_nr)
+    L += [
+        "",
+        f"Accuracy per query, {run.settings.retrieval_examples} examples per row, over the "
+        f"needle depths (heatmaps below: by depth); paper values at 4K context, on the last row "
+        f"of each setting"
+        + (
+            "; rows with replacement (R > N) count repeated queries too, the validation table "
+            "above gives the first query alone"
+            if replacement
+            else ""
+        )
+        + f". What it measures: {DOC}, section 1.",
+        "",
+    ]
+    for s, fname in figures(run, settings_nr).items():
+        if s == settings_nr[0] or not run.settings.quick:
+            L += image(f"retrieval N,R={s}", fname)
+    lines_ = [
+        x
+        for s in settings_nr
+        for x in paired(run.groups, lambda r, s=s: _overall(r, s), f"retrieval accuracy N,R={s}")
+    ]
+    return L + lines_ + [""]
+
+
+def _at(r, setting: str, length: int) -> float | None:
+    got = r.get("retrieval")
+    return None if got is None else got.at(setting, length)
+
+
+def _overall(r, setting: str) -> float | None:
+    got = r.get("retrieval")
+    return None if got is None else got.overall(setting)
+
+
+ANALYSIS = Analysis("retrieval", Retrieval, measure, section)

@@ -2,34 +2,33 @@
 
 :func:`discover_models` finds the models a ``train.py`` run wrote (``RUN_DIR/<label>/`` or
 ``RUN_DIR/<label>/seed_<n>/``, each holding ``checkpoints/``); :func:`evaluate_run` loads the
-best checkpoint of each, runs the analyses and writes ``RUN_DIR/eval.json``, ``RUN_DIR/eval.md``
-(its sections: :mod:`.report`) and the plots ``RUN_DIR/eval_*.png`` (:mod:`.plots`). RUN_DIR is
-a local folder or a ``gs://`` URL: every read and write goes through :mod:`diffjax.storage`."""
+best checkpoint of each, runs the analyses of the registry (:mod:`.analyses`, each on a
+:class:`ModelInputs`) and writes ``RUN_DIR/eval.json``, ``RUN_DIR/eval.md`` (:mod:`.report`) and
+the plots ``RUN_DIR/eval_*.png`` (each analysis's own). RUN_DIR is a local folder or a
+``gs://`` URL: every read and write goes through :mod:`diffjax.storage`."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import re
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
 from diffjax import ops, storage
 from diffjax.config import ConfigError
-from diffjax.data import DataConfig, query_kinds
+from diffjax.data import DataConfig
 from diffjax.param_count import count_params
 from diffjax.train.checkpoint import Checkpointer, committed_steps, load_model
 
-from . import ablation as abl_lib
-from . import allocation as alloc_lib
+from . import analyses as registry
 from . import noise_floor as nf
-from . import outliers as outl
-from . import paper
 from . import positions as pos
-from . import quantize as quant
 from . import retrieval as ret
+from .analysis import Analysis
 from .probe import losses_and_predictions
 from .report import render
 from .settings import EvalSettings
@@ -37,6 +36,7 @@ from .settings import EvalSettings
 __all__ = [
     "EvalSettings",
     "ModelEntry",
+    "ModelInputs",
     "data_config",
     "discover_models",
     "evaluate_model",
@@ -150,134 +150,98 @@ def _fits(data: DataConfig, seq_len: int, n: int, r: int) -> bool:
         return False
 
 
+@dataclasses.dataclass
+class ModelInputs:
+    """What the analyses of one model read (each analysis's ``measure`` takes it): the model,
+    the run's data and the settings, and the inputs several analyses share, computed once: the
+    validation examples and the model's losses and predictions on them, the needle examples of
+    the run's own needle setting at the trained context."""
+
+    model: Any
+    data: DataConfig
+    settings: EvalSettings
+
+    @functools.cached_property
+    def val(self) -> dict[str, np.ndarray]:
+        return pos.validation_examples(self.data, self.settings.val_examples)
+
+    @functools.cached_property
+    def val_outputs(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(per-token losses, predictions)`` on :attr:`val`."""
+        return self.losses_and_predictions(self.val)
+
+    def losses_and_predictions(self, batch: dict) -> tuple[np.ndarray, np.ndarray]:
+        return losses_and_predictions(self.model, batch, self.settings.batch_size)
+
+    @property
+    def needle_setting(self) -> tuple[int, int]:
+        """``(N needles, R queried)`` of the run (1, 1 for a run not on the needle task)."""
+        return _needle_setting(self.data)
+
+    @property
+    def lengths(self) -> list[int]:
+        """The contexts of the retrieval grid: the trained one (quick), or a quarter, half, one
+        and the longest the model takes."""
+        seq_len, max_len = self.data.seq_len, self.model.config.max_seq_len
+        if self.settings.quick:
+            return [seq_len]
+        return sorted({x for x in (seq_len // 4, seq_len // 2, seq_len, max_len) if x <= max_len})
+
+    def fits(self, seq_len: int, n: int, r: int) -> bool:
+        return _fits(self.data, seq_len, n, r)
+
+    def replacement(self, n: int, r: int) -> bool:
+        return _replacement(self.data, n, r)
+
+    def needle_examples(self, seq_len: int, num: int | None = None, seed: int = 1) -> dict:
+        """``num`` (default: the allocation's) needle examples of the run's setting."""
+        n0, r0 = self.needle_setting
+        num = self.settings.allocation_examples if num is None else num
+        return ret.task_examples(_task(self.data, seq_len, n0, r0, num_examples=num, seed=seed))
+
+    @functools.cached_property
+    def needle_batch(self) -> dict | None:
+        """The allocation's examples at the trained context; None where they do not fit."""
+        if not self.fits(self.data.seq_len, *self.needle_setting):
+            return None
+        return self.needle_examples(self.data.seq_len)
+
+
+# A model's entry of eval.json holds the analyses' results in this order, the one earlier
+# versions wrote (eval.md shows them in the registry's order); an analysis not named here
+# follows, in the registry's order.
+ENTRY_ORDER = (
+    "validation",
+    "positions",
+    "retrieval",
+    "allocation",
+    "noise_measured",
+    "ablation",
+    "outliers",
+    "quantization",
+)
+
+
+def _entry_order(analyses: Sequence[Analysis]) -> list[Analysis]:
+    rank = {name: i for i, name in enumerate(ENTRY_ORDER)}
+    return sorted(analyses, key=lambda a: rank.get(a.name, len(rank)))
+
+
 def evaluate_model(
     model, data: DataConfig, settings: EvalSettings, log: Callable[[str], Any] = print
 ) -> dict[str, Any]:
-    """Every analysis on one model; a JSON-able dict."""
-    bs = settings.batch_size
-    seq_len, max_len = data.seq_len, model.config.max_seq_len
+    """Every analysis of the registry on one model: its entry of eval.json (a JSON-able dict:
+    the attention kind, DIFF V1's λ per layer, each analysis's result)."""
     out: dict[str, Any] = {"attention": model.config.attention}
     lam = model.lambdas() if model.config.attention == "diff_v1" else None
     out["lambda"] = None if lam is None else [float(x) for x in lam]
-
-    t0 = time.perf_counter()
-    val = pos.validation_examples(data, settings.val_examples)
-    losses, preds = losses_and_predictions(model, val, bs)
-    out["val_loss"], out["val_ppl"] = pos.validation_loss(losses, val["weights"])
-    if "answer_spans" in val:
-        correct = ret.query_correct(preds, val)
-        out["val_accuracy"] = float(np.mean(correct))
-        if "query_needle" in val or "query_pair" in val:
-            first, repeat = query_kinds(val)
-            out["val_first_query_accuracy"] = float(np.mean(correct[first]))
-            if repeat.any():
-                out["val_repeat_query_accuracy"] = float(np.mean(correct[repeat]))
-    log(f"    validation loss {out['val_loss']:.4f} ({time.perf_counter() - t0:.1f}s)")
-
-    # 6. loss by position (long contexts: the model's max_seq_len in the full set)
-    t0 = time.perf_counter()
-    length = seq_len if settings.quick else max_len
-    corpus = pos.corpus_for_positions(data, length)
-    if corpus is not None:
-        if corpus == data:
-            pl, pw = losses, val["weights"]
-        else:
-            ex = pos.validation_examples(corpus, settings.val_examples)
-            pl, pw = losses_and_predictions(model, ex, bs)[0], ex["weights"]
-        ends, by_pos = pos.loss_by_position(pl, pw, settings.loss_buckets)
-        out["positions"] = {
-            "length": length,
-            "trained_length": seq_len,
-            "ends": ends.tolist(),
-            "loss": by_pos.tolist(),
-        }
-        log(f"    loss by position at {length} ({time.perf_counter() - t0:.1f}s)")
-
-    # 1. multi-needle retrieval
-    t0 = time.perf_counter()
-    n0, r0 = _needle_setting(data)
-    settings_nr = [(n0, r0)]
-    if not settings.quick:
-        settings_nr += [s for s in paper.RETRIEVAL_SETTINGS if s != (n0, r0)]
-    lengths = (
-        [seq_len]
-        if settings.quick
-        else sorted({x for x in (seq_len // 4, seq_len // 2, seq_len, max_len) if x <= max_len})
-    )
-    out["retrieval"] = {}
-    for n, r in settings_nr:
-        ls = [x for x in lengths if _fits(data, x, n, r)]
-        if not ls:
-            continue
-        grid = ret.multi_needle_retrieval(
-            model,
-            lengths=ls,
-            num_needles=n,
-            num_queries=r,
-            data=data,
-            num_examples=settings.retrieval_examples,
-            num_depth_bins=settings.depth_bins,
-            batch_size=bs,
-            query_replacement=_replacement(data, n, r),
-        )
-        out["retrieval"][f"{n},{r}"] = grid.to_dict()
-    log(f"    retrieval ({time.perf_counter() - t0:.1f}s)")
-
-    # 2. attention allocation and 5. the measured noise floor
-    t0 = time.perf_counter()
-    if _fits(data, seq_len, n0, r0):
-        batch = ret.task_examples(
-            _task(data, seq_len, n0, r0, num_examples=settings.allocation_examples, seed=1)
-        )
-        a = alloc_lib.attention_allocation(
-            model, batch, num_depth_bins=settings.depth_bins, batch_size=bs
-        )
-        out["allocation"] = a.to_dict()
-        out["noise_measured"] = []
-        for x in [seq_len] if settings.quick else lengths:
-            if not _fits(data, x, n0, r0):
-                continue
-            b = (
-                batch
-                if x == seq_len
-                else ret.task_examples(
-                    _task(data, x, n0, r0, num_examples=settings.allocation_examples, seed=1)
-                )
-            )
-            m = alloc_lib.measured_noise_floor(model, b, batch_size=bs)
-            out["noise_measured"].append({"length": x, **m})
-    log(f"    attention allocation and noise floor ({time.perf_counter() - t0:.1f}s)")
-
-    # contribution by ablation, on the allocation's examples (a run trained on the needle task)
-    if "allocation" in out and data.source == "needle":
+    inputs = ModelInputs(model, data, settings)
+    for analysis in _entry_order(registry.ANALYSES):
         t0 = time.perf_counter()
-        ab = abl_lib.contribution_by_ablation(model, batch, batch_size=bs)
-        out["ablation"] = ab.to_dict()
-        log(f"    contribution by ablation ({time.perf_counter() - t0:.1f}s)")
-
-    # 3. activation outliers
-    t0 = time.perf_counter()
-    ocorpus = pos.corpus_for_positions(data, seq_len)
-    otokens = (
-        pos.validation_examples(ocorpus, settings.outlier_examples)["inputs"]
-        if ocorpus is not None
-        else val["inputs"][: settings.outlier_examples]
-    )
-    out["outliers"] = outl.activation_outliers(model, otokens, batch_size=min(bs, 4))
-    out["outliers"]["tokens"] = int(otokens.size)
-    log(f"    activation outliers ({time.perf_counter() - t0:.1f}s)")
-
-    # 4. quantization
-    t0 = time.perf_counter()
-    task = val if "answer_spans" in val else None
-    if task is None and _fits(data, seq_len, n0, r0):
-        task = ret.task_examples(
-            _task(data, seq_len, n0, r0, num_examples=settings.retrieval_examples)
-        )
-    out["quantization"] = quant.quantization_sweep(
-        model, val, task, bits=settings.bits, batch_size=bs
-    )
-    log(f"    quantization ({time.perf_counter() - t0:.1f}s)")
+        result = analysis.measure(inputs)
+        if result is not None:
+            analysis.store(result, out)
+        log(f"    {analysis.name} ({time.perf_counter() - t0:.1f}s)")
     return out
 
 

@@ -134,6 +134,34 @@ def paired_difference(
     return PairedDifference(mean, mean - half, mean + half, len(diffs), confidence)
 
 
+def paired_by_seed(
+    groups: Mapping[str, Sequence[Any]], get, a: str = "diff", b: str = "standard"
+) -> tuple[list, list]:
+    """The values ``get(result)`` of models ``a`` and ``b`` (labels of :func:`group_by_label`'s
+    groups) for the seeds both have a value for (not None), in seed order: the pairs of
+    :func:`paired_difference`. Empty without both models."""
+    if a not in groups or b not in groups:
+        return [], []
+    x = {_field(r, "seed"): get(r) for r in groups[a]}
+    y = {_field(r, "seed"): get(r) for r in groups[b]}
+    seeds = sorted(s for s in x if s in y and x[s] is not None and y[s] is not None)
+    return [x[s] for s in seeds], [y[s] for s in seeds]
+
+
+def difference_cell(d: PairedDifference, spec: str = "{:+.4f}", why: bool = True) -> str:
+    """A table cell of a paired difference: ``"mean [low, high]"``; without an interval the
+    mean and, with ``why``, the reason (``"n/a"`` with no pair), else ``"(no interval)"``."""
+    if d.low is not None:
+        return f"{spec.format(d.mean)} [{spec.format(d.low)}, {spec.format(d.high)}]"
+    if not why:
+        return f"{spec.format(d.mean)} (no interval)"
+    if d.n == 0:
+        return "n/a"
+    if d.no_spread:
+        return f"{spec.format(d.mean)} (equal in all {d.n} seeds: no interval)"
+    return f"{spec.format(d.mean)} (one seed: no interval)"
+
+
 def describe_difference(
     d: PairedDifference, what: str, a: str = "DIFF", b: str = "the twin", spec: str = "{:+.4f}"
 ) -> str:

@@ -24,7 +24,12 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from diffjax import storage
-from diffjax.evaluate.stats import describe_difference, fmt_mean_std, paired_difference
+from diffjax.evaluate.stats import (
+    describe_difference,
+    difference_cell,
+    fmt_mean_std,
+    paired_difference,
+)
 from diffjax.train.metrics import read_metrics
 
 from . import fit
@@ -326,10 +331,7 @@ def sweep_markdown(plan: dict, results: Sequence[SizeResult], a: Analysis) -> st
     ]
     for r, x, b, iv, xf in zip(results, a.ratios, a.bounds, a.intervals, a.fit_ratios):
         d = paired_difference(list(r.diff_losses), list(r.twin_losses))
-        if d.low is not None:
-            diff_cell = f"{d.mean:+.4f} [{d.low:+.4f}, {d.high:+.4f}]"
-        else:
-            diff_cell = f"{d.mean:+.4f} (no interval)"
+        diff_cell = difference_cell(d, why=False)
         lines.append(
             f"| {r.name} | {r.diff_params:,} / {r.twin_params:,} | {r.tokens:,} | "
             f"{', '.join(map(str, r.seeds))} | {fmt_mean_std(r.diff_losses, '{:.4f}')} | "
