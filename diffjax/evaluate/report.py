@@ -97,7 +97,7 @@ def footer(run: Run) -> list[str]:
 
 def lm_eval_tasks(run: Run) -> list[str]:
     """The lm-eval section from ``lm_eval.json``, where an earlier
-    ``python -m diffjax.evaluate --lm-eval-tasks`` wrote one (kept when the analyses rerun)."""
+    ``python -m diffjax.evaluate RUN_DIR lm_eval.tasks=...`` wrote one (kept when the analyses rerun)."""
     data = lm_tasks.read_results(run.run_dir)
     return [] if data is None else lm_tasks.render_section(data)
 
