@@ -278,7 +278,7 @@ def test_hardware_block_sizes_must_fill_lanes():
     args = tuple(case[n] for n in ("q1", "k1", "q2", "k2", "v", "lam"))
     with pytest.raises(ValueError, match="multiple of 128"):
         tpu.differential_flash_attention(*args, block_sizes=blocks(64, 128), interpret=False)
-    with pytest.raises(ValueError, match="block_sizes must be a BlockSizes"):
+    with pytest.raises(TypeError, match=r"block_sizes must be a diffjax\.kernels\.tpu\.BlockSizes"):
         tpu.differential_flash_attention(*args, block_sizes=(128, 128), interpret=True)
 
 

@@ -22,6 +22,7 @@ import importlib
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from . import reference
 
@@ -82,6 +83,7 @@ def differential_flash_attention(
     interpret: Any = False,
     backend: str | None = None,
     compute_capability: tuple[int, int] | None = None,
+    o2_dtype: Any = jnp.float32,
 ) -> jax.Array:
     """Fused differential attention, ``[B, T, Hq, Dv]`` in ``q1.dtype``.
 
@@ -92,6 +94,10 @@ def differential_flash_attention(
     (keys use ``kv_segment_ids`` ``[B,S]`` when given). ``sm_scale`` defaults to ``Dqk**-0.5``.
     ``block_sizes``: the chosen kernel's ``BlockSizes``. ``compute_capability``: the GPU the
     GPU kernel is compiled for (default: this one), which its default block sizes follow.
+    ``o2_dtype``: the saved second-branch output's dtype (a backward residual), float32 or
+    bfloat16 (half the memory; docs/kernels.md gives the cost in d(lam)). Both kernels check
+    their inputs alike (:mod:`diffjax.kernels._frontend`): the same bad input raises the same
+    error on either.
     """
     # The kernel modules' public functions check the shapes (once); this only adds the
     # model's rule for V's width (against k1's: q/k mismatches are the modules' to name).
@@ -99,7 +105,8 @@ def differential_flash_attention(
     if dv not in (dqk, 2 * dqk):
         raise ValueError(
             f"differential_flash_attention: v's head dim must equal q/k's ({dqk}) "
-            f"or be twice it ({2 * dqk}), got {dv}"
+            f"or be twice it ({2 * dqk}), got {dv}. Fix: give v the width of q/k (V2) or "
+            "twice it (V1)"
         )
     module = kernel_module(backend, interpret=interpret)
     return module.differential_flash_attention(
@@ -115,6 +122,7 @@ def differential_flash_attention(
         sm_scale=sm_scale,
         block_sizes=block_sizes,
         interpret=interpret,
+        o2_dtype=o2_dtype,
         **_gpu_only(module, compute_capability),
     )
 

@@ -61,6 +61,10 @@ custom VJP so autodiff slices the gradients back.
 The kernel bodies use only ``jnp`` ops on ref slices (``ref[pl.ds(...), ...]``) and
 ``lax.dot_general`` with float32 accumulation, so a Mosaic GPU variant can reuse them.
 On CPU, pass ``interpret=True``.
+
+The public functions (their signatures, documentation, input checks, defaults and errors) are
+the shared front end's (:mod:`diffjax.kernels._frontend`), built at the end of this module from
+its functions on a checked call: the same bad input is refused alike on either backend.
 """
 
 from __future__ import annotations
@@ -76,7 +80,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from ._common import LOG2E, dot_nn as _dot_nn, dot_nt as _dot_nt, dot_tn as _dot_tn
 from ._common import check_block_fields, next_pow2 as _next_pow2, round_up as _round_up
-from .reference import MASK_VALUE, check_differential, check_qkv
+from ._frontend import Call, Frontend
+from .reference import MASK_VALUE
 
 _MIN_BLOCK = 16  # Triton: every block dim a power of two, and dots need >= 16
 _SQ = getattr(pl, "squeezed", None)  # a squeezed block dimension (None on older jax)
@@ -1069,45 +1074,25 @@ def _pad_axis(x, axis: int, size: int, value=0):
     return jnp.pad(x, widths, constant_values=value)
 
 
-def _prepare(
-    differential,
-    q1,
-    k1,
-    q2,
-    k2,
-    v,
-    lam,
-    *,
-    causal,
-    segment_ids,
-    kv_segment_ids,
-    sm_scale,
-    block_sizes,
-    interpret,
-    o2_dtype=jnp.float32,
-    compute_capability=None,
-):
+def _prepare(call: Call, q1, k1, q2, k2, v, lam, segment_ids, kv_segment_ids):
     """The kernels' configuration and padded operands ``(q1, k1, q2, k2, v, lam_rows, qseg,
     kseg)`` (``k2`` None for shared keys; ``lam_rows`` float32 ``[B, Hq, T]`` or None), and
-    the padded ``(T, Dv)``."""
+    the padded ``(T, Dv)``, for a checked call (:class:`~._frontend.Call`)."""
+    differential, shared_k = call.differential, call.shared_k
     b, t, hq, d = q1.shape
     s = k1.shape[1]
     dv = v.shape[-1]
-    cc = tuple(compute_capability) if compute_capability else device_capability()
-    bs = (
-        default_block_sizes(
+    cc = call.compute_capability or device_capability()
+    bs = call.block_sizes
+    if bs is None:
+        bs = default_block_sizes(
             d,
             dv,
             differential=differential,
-            shared_keys=differential and k2 is None,
+            shared_keys=shared_k,
             compute_capability=cc,
             itemsize=jnp.dtype(q1.dtype).itemsize,
         )
-        if block_sizes is None
-        else block_sizes
-    )
-    if not isinstance(bs, BlockSizes):
-        raise TypeError(f"block_sizes must be a BlockSizes or None, got {type(bs).__name__}")
     n_branch = 2 if differential else 1
     d_pad, dv_pad = max(_MIN_BLOCK, _next_pow2(d)), max(_MIN_BLOCK, _next_pow2(dv))
     split = differential and (
@@ -1118,29 +1103,12 @@ def _prepare(
     key_major = (
         bs.dkv_key_major
         if bs.dkv_key_major is not None
-        else _default_key_major(n_branch, differential and k2 is None, d_pad, dv_pad, cc)
+        else _default_key_major(n_branch, shared_k, d_pad, dv_pad, cc)
     )
-    on_gpu = compute_capability is not None or jax.default_backend() == "gpu"
-    if block_sizes is not None and not interpret and on_gpu:
+    on_gpu = call.compute_capability is not None or jax.default_backend() == "gpu"
+    if call.block_sizes is not None and not call.interpret and on_gpu:
         n_keys = 2 if differential and k2 is not None else 1
-        _check_fits(
-            bs,
-            max(_MIN_BLOCK, _next_pow2(d)),
-            max(_MIN_BLOCK, _next_pow2(dv)),
-            n_branch,
-            n_keys,
-            jnp.dtype(q1.dtype).itemsize,
-            cc,
-            split,
-        )
-    if sm_scale is None:
-        sm_scale = d**-0.5
-    try:
-        sm_scale = float(sm_scale)
-    except (TypeError, jax.errors.ConcretizationTypeError) as e:
-        raise TypeError(
-            "sm_scale must be a static python number (it is compiled into the kernel)"
-        ) from e
+        _check_fits(bs, d_pad, dv_pad, n_branch, n_keys, jnp.dtype(q1.dtype).itemsize, cc, split)
 
     # Effective blocks: clamped to the sequence (rounded to a power of two >= 16).
     t_cap, s_cap = max(_MIN_BLOCK, _next_pow2(t)), max(_MIN_BLOCK, _next_pow2(s))
@@ -1150,7 +1118,6 @@ def _prepare(
     t_pad = _round_up(t, max(bq, bq_dkv, bq_dq))  # powers of two: the max is the lcm
     s_pad = _round_up(s, max(bk, bk_dkv, bk_dq))
 
-    shared_k = differential and k2 is None
     warps = _default_warps(
         n_branch, d_pad, dv_pad, cc, split, bs.block_q_dq, bs.block_k_dq, key_major
     )
@@ -1167,12 +1134,12 @@ def _prepare(
     cfg = _Config(
         differential=differential,
         shared_k=shared_k,
-        causal=bool(causal),
+        causal=call.causal,
         segmented=segmented,
         q_len=t,
         kv_len=s,
         kv_padded=s_pad != s,
-        scale=sm_scale,
+        scale=call.scale,
         block_q=bq,
         block_k=bk,
         block_q_dkv=bq_dkv,
@@ -1180,8 +1147,8 @@ def _prepare(
         block_q_dq=bq_dq,
         block_k_dq=bk_dq,
         num_stages=bs.num_stages or 2,
-        interpret=bool(interpret),
-        o2_dtype=jnp.dtype(o2_dtype),
+        interpret=bool(call.interpret),
+        o2_dtype=call.o2_dtype,
         num_warps=warps["num_warps"],
         num_warps_dkv=warps["num_warps_dkv"],
         num_warps_dq=warps["num_warps_dq"],
@@ -1199,7 +1166,7 @@ def _prepare(
     k2p = None if (shared_k or not differential) else pad_k(k2)
     vp = _pad_axis(_pad_axis(v, 3, dv_pad), 1, s_pad)
     lam_rows = None
-    if differential:
+    if differential:  # the kernels read lambda per query row
         lam_rows = jnp.broadcast_to(jnp.asarray(lam, jnp.float32), (b, t, hq))
         lam_rows = _pad_axis(jnp.transpose(lam_rows, (0, 2, 1)), 2, t_pad)
     qseg = kseg = None
@@ -1211,105 +1178,18 @@ def _prepare(
     return cfg, (q1p, k1p, q2p, k2p, vp, lam_rows, qseg, kseg), (t_pad, dv_pad)
 
 
-def _run(differential, q1, k1, q2, k2, v, lam, **kw):
+def _run(call: Call, q1, k1, q2, k2, v, lam, segment_ids, kv_segment_ids):
+    """The differentiable attention of a checked call, ``[B, T, Hq, Dv]`` in q1's dtype."""
     b, t, hq, _ = q1.shape
     dv, out_dtype = v.shape[-1], q1.dtype
-    cfg, operands, _ = _prepare(differential, q1, k1, q2, k2, v, lam, **kw)
+    cfg, operands, _ = _prepare(call, q1, k1, q2, k2, v, lam, segment_ids, kv_segment_ids)
     out = _attention(cfg, *operands)
     if out.shape != (b, t, hq, dv):
         out = out[:, :t, :, :dv]
     return out.astype(out_dtype)
 
 
-def differential_flash_attention(
-    q1,
-    k1,
-    q2,
-    k2,
-    v,
-    lam,
-    *,
-    causal=True,
-    segment_ids=None,
-    kv_segment_ids=None,
-    sm_scale=None,
-    block_sizes=None,
-    interpret=False,
-    compute_capability=None,
-    o2_dtype=jnp.float32,
-) -> jax.Array:
-    """Fused ``softmax(q1 k1^T s) v - lam * softmax(q2 k2^T s) v``, ``[B, T, Hq, Dv]`` in q1.dtype.
-
-    q1, q2 ``[B,T,Hq,D]``; k1, k2 ``[B,S,Hkv,D]``; v ``[B,S,Hkv,Dv]``; ``lam`` a scalar (V1) or
-    ``[B,T,Hq]`` (V2); query head ``h`` reads kv head ``h // (Hq // Hkv)``. ``k2=None`` (both
-    maps read ``k1``, DIFF V2) selects the shared-key kernels (each key block loaded once).
-    ``sm_scale`` (a python number) defaults to ``D ** -0.5``. Differentiable in q1, k1, q2, k2 (when given),
-    v and lam. ``interpret=True`` runs the kernels on CPU. ``o2_dtype``: the dtype of the saved
-    second-branch output (a backward residual, ``B*T*Hq*Dv`` elements per layer); bfloat16
-    halves it, at the cost in d(lam) stated in docs/kernels.md.
-    """
-    check_differential(
-        q1, k1, q2, k2, v, lam, segment_ids, kv_segment_ids, what="differential_flash_attention"
-    )
-    return _run(
-        True,
-        q1,
-        k1,
-        q2,
-        k2,
-        v,
-        lam,
-        causal=causal,
-        segment_ids=segment_ids,
-        kv_segment_ids=kv_segment_ids,
-        sm_scale=sm_scale,
-        block_sizes=block_sizes,
-        interpret=interpret,
-        compute_capability=compute_capability,
-        o2_dtype=o2_dtype,
-    )
-
-
-def flash_attention(
-    q,
-    k,
-    v,
-    *,
-    causal=True,
-    segment_ids=None,
-    kv_segment_ids=None,
-    sm_scale=None,
-    block_sizes=None,
-    interpret=False,
-    compute_capability=None,
-) -> jax.Array:
-    """Standard fused softmax attention ``softmax(q k^T s) v`` with the same kernels (one branch).
-
-    q ``[B,T,Hq,D]``, k ``[B,S,Hkv,D]``, v ``[B,S,Hkv,Dv]``; returns ``[B,T,Hq,Dv]`` in q.dtype.
-    """
-    check_qkv(q, k, v, segment_ids, kv_segment_ids, what="flash_attention")
-    return _run(
-        False,
-        q,
-        k,
-        None,
-        None,
-        v,
-        None,
-        causal=causal,
-        segment_ids=segment_ids,
-        kv_segment_ids=kv_segment_ids,
-        sm_scale=sm_scale,
-        block_sizes=block_sizes,
-        interpret=interpret,
-        compute_capability=compute_capability,
-    )
-
-
 # ---------------------------------------------------------------------------- partials
-# Ring (sequence-parallel) attention computes each device's queries against one key block at a
-# time and merges the blocks' results by log-sum-exp; its backward needs each block's share of
-# the gradient from the merged statistics. These two functions are that interface.
 def _natural_lse(lse2):
     """Base-2 row statistics ``[B, H, T]`` -> natural log ``[B, T, H]``, -inf where the row saw
     no key (the kernel's running max never left MASK_VALUE)."""
@@ -1317,56 +1197,19 @@ def _natural_lse(lse2):
     return jnp.where(lse <= 0.5 * MASK_VALUE, -jnp.inf, lse * (1.0 / LOG2E))
 
 
-def flash_partials(
-    q1,
-    k1,
-    q2,
-    k2,
-    v,
-    *,
-    causal=True,
-    segment_ids=None,
-    kv_segment_ids=None,
-    sm_scale=None,
-    block_sizes=None,
-    interpret=False,
-    compute_capability=None,
-):
-    """Each softmax map of ``q`` against this key block, normalised over its visible keys, and
-    its log-sum-exp: ``((o1, lse1), (o2, lse2))`` for DIFF, ``((o, lse),)`` for standard
-    attention (``q2`` None; ``k2`` None with ``q2``: both maps read ``k1``). ``o``
-    ``[B, T, Hq, Dv]`` and ``lse`` ``[B, T, Hq]`` (natural log) float32; a row that sees no key
-    gets ``o = 0``, ``lse = -inf``. Arguments as :func:`differential_flash_attention`. Not
-    differentiable: ring attention's backward calls :func:`flash_partial_grads`."""
-    differential = q2 is not None
-    if differential:
-        check_differential(
-            q1, k1, q2, k2, v, 0.0, segment_ids, kv_segment_ids, what="flash_partials"
-        )
-    else:
-        check_qkv(q1, k1, v, segment_ids, kv_segment_ids, what="flash_partials")
+def _partials(call: Call, q1, k1, q2, k2, v, segment_ids, kv_segment_ids):
+    """:meth:`~._frontend.Frontend.flash_partials` of a checked call."""
     t, dv = q1.shape[1], v.shape[-1]
+    lam = 0.0 if call.differential else None
     cfg, (q1p, k1p, q2p, k2p, vp, _, qseg, kseg), _ = _prepare(
-        differential,
-        q1,
-        k1,
-        q2,
-        k2,
-        v,
-        0.0 if differential else None,
-        causal=causal,
-        segment_ids=segment_ids,
-        kv_segment_ids=kv_segment_ids,
-        sm_scale=sm_scale,
-        block_sizes=block_sizes,
-        interpret=interpret,
-        compute_capability=compute_capability,
+        call, q1, k1, q2, k2, v, lam, segment_ids, kv_segment_ids
     )
     outs = _branch_outputs(cfg, q1p, k1p, q2p, k2p, vp, qseg, kseg)
     return tuple((o[:, :t, :, :dv], _natural_lse(lse[..., :t])) for o, lse in outs)
 
 
-def flash_partial_grads(
+def _partial_grads(
+    call: Call,
     q1,
     k1,
     q2,
@@ -1376,43 +1219,17 @@ def flash_partial_grads(
     dout,
     lse1,
     delta1,
-    lse2=None,
-    delta2=None,
-    *,
-    causal=True,
-    segment_ids=None,
-    kv_segment_ids=None,
-    sm_scale=None,
-    block_sizes=None,
-    interpret=False,
-    compute_capability=None,
+    lse2,
+    delta2,
+    segment_ids,
+    kv_segment_ids,
 ):
-    """This key block's share of the gradients of ``out = O1 - lam * O2`` (standard: ``O``),
-    where ``O1``, ``O2`` are the maps' outputs over *all* keys: ``lse1``/``lse2`` ``[B, T, Hq]``
-    their log-sum-exps over all keys (natural log, -inf for a row that sees none),
-    ``delta1 = rowsum(dout * O1)``, ``delta2 = rowsum(dout * O2)``, ``dout`` the cotangent of
-    ``out`` ``[B, T, Hq, Dv]``, ``lam`` a scalar or ``[B, T, Hq]`` (None for standard). Returns
-    ``(dq1, dk1, dq2, dk2, dv)`` in the inputs' dtypes (``dq2``/``dk2`` None where there is no
-    such input); summed over the key blocks they are the whole attention's gradients (lam's is
-    ``-sum(delta2)``, the caller's)."""
-    differential = q2 is not None
+    """:meth:`~._frontend.Frontend.flash_partial_grads` of a checked call."""
+    differential = call.differential
     b, t, hq, d = q1.shape
     s, dvw = k1.shape[1], v.shape[-1]
     cfg, (q1p, k1p, q2p, k2p, vp, lam_rows, qseg, kseg), (t_pad, dv_pad) = _prepare(
-        differential,
-        q1,
-        k1,
-        q2,
-        k2,
-        v,
-        lam if differential else None,
-        causal=causal,
-        segment_ids=segment_ids,
-        kv_segment_ids=kv_segment_ids,
-        sm_scale=sm_scale,
-        block_sizes=block_sizes,
-        interpret=interpret,
-        compute_capability=compute_capability,
+        call, q1, k1, q2, k2, v, lam, segment_ids, kv_segment_ids
     )
 
     def rows(x):  # [B, T, H] -> float32 [B, H, T_pad] (padded rows: 0)
@@ -1443,3 +1260,20 @@ def flash_partial_grads(
         return None if x is None else x[:, :n, :, :w]
 
     return crop(dq1, t, d), crop(dk1, s, d), crop(dq2, t, d), crop(dk2, s, d), crop(dv, s, dvw)
+
+
+# ---------------------------------------------------------------------------- public functions
+# Written once for both backends (diffjax.kernels._frontend): the input checks, defaults and
+# errors, and the signatures and documentation of the public functions.
+_FRONTEND = Frontend(
+    backend="gpu",
+    block_sizes_type=BlockSizes,
+    attention=_run,
+    partials=_partials,
+    partial_grads=_partial_grads,
+    takes_compute_capability=True,
+)
+differential_flash_attention = _FRONTEND.differential_flash_attention
+flash_attention = _FRONTEND.flash_attention
+flash_partials = _FRONTEND.flash_partials
+flash_partial_grads = _FRONTEND.flash_partial_grads

@@ -41,37 +41,53 @@ def check_qkv(
     for name, x in ((qname, q), (kname, k), ("v", v)):
         if x.ndim != 4:
             raise ValueError(
-                f"{what}: {name} must be [batch, seq, heads, dim], got shape {x.shape}"
+                f"{what}: {name} must be [batch, seq, heads, dim], got shape {x.shape}. "
+                "Fix: split the heads off the model dimension (reshape to 4 dims)"
             )
     b, t, hq, d = q.shape
     bk, s, hkv, dk = k.shape
     if bk != b or v.shape[0] != b:
         raise ValueError(
-            f"{what}: batch sizes differ: {qname} {q.shape}, {kname} {k.shape}, v {v.shape}"
+            f"{what}: batch sizes differ: {qname} {q.shape}, {kname} {k.shape}, v {v.shape}. "
+            "Fix: pass queries, keys and values of the same batch"
         )
     if dk != d:
-        raise ValueError(f"{what}: {qname} and {kname} head dims differ: {d} vs {dk}")
+        raise ValueError(
+            f"{what}: {qname} and {kname} head dims differ: {d} vs {dk}. Fix: project queries "
+            "and keys to one head dim"
+        )
     if v.shape[1] != s or v.shape[2] != hkv:
-        raise ValueError(f"{what}: v must be [batch, {s}, {hkv}, dv] like {kname}, got {v.shape}")
+        raise ValueError(
+            f"{what}: v must be [batch, {s}, {hkv}, dv] like {kname}, got {v.shape}. Fix: give "
+            f"v the key length and kv heads of {kname}"
+        )
     if hq % hkv:
-        raise ValueError(f"{what}: {hkv} kv heads do not divide {hq} query heads")
+        raise ValueError(
+            f"{what}: {hkv} kv heads do not divide {hq} query heads. Fix: use a number of kv "
+            f"heads that divides {hq} (each kv head serves Hq // Hkv query heads)"
+        )
     if segment_ids is not None:
         if segment_ids.shape != (b, t):
             raise ValueError(
-                f"{what}: segment_ids must be [batch, seq] = [{b}, {t}], got {segment_ids.shape}"
+                f"{what}: segment_ids must be [batch, seq] = [{b}, {t}], got "
+                f"{segment_ids.shape}. Fix: one id per query token"
             )
         kv_seg = segment_ids if kv_segment_ids is None else kv_segment_ids
         if kv_seg.shape != (b, s):
             raise ValueError(
-                f"{what}: key segment ids must be [batch, kv_seq] = [{b}, {s}], got {kv_seg.shape}"
+                f"{what}: key segment ids must be [batch, kv_seq] = [{b}, {s}], got "
+                f"{kv_seg.shape}. Fix: "
                 + (
-                    "; pass kv_segment_ids when the key length differs"
+                    "pass kv_segment_ids when the key length differs"
                     if kv_segment_ids is None
-                    else ""
+                    else "one id per key token"
                 )
             )
     elif kv_segment_ids is not None:
-        raise ValueError(f"{what}: kv_segment_ids given without segment_ids")
+        raise ValueError(
+            f"{what}: kv_segment_ids given without segment_ids. Fix: pass the queries' "
+            "segment_ids too, or neither"
+        )
 
 
 def check_differential(
@@ -82,17 +98,20 @@ def check_differential(
     check_qkv(q1, k1, v, segment_ids, kv_segment_ids, what=what, qname="q1", kname="k1")
     if q2.shape != q1.shape:
         raise ValueError(
-            f"{what}: q1 and q2 must have the same shape, got {q1.shape} and {q2.shape}"
+            f"{what}: q1 and q2 must have the same shape, got {q1.shape} and {q2.shape}. "
+            "Fix: give both maps' queries the same heads and head dim"
         )
     if k2 is not None and k2.shape != k1.shape:
         raise ValueError(
-            f"{what}: k1 and k2 must have the same shape, got {k1.shape} and {k2.shape}"
+            f"{what}: k1 and k2 must have the same shape, got {k1.shape} and {k2.shape}. "
+            "Fix: give both maps' keys the same heads and head dim (or k2=None to share k1)"
         )
     b, t, hq, _ = q1.shape
     if jnp.shape(lam) not in ((), (b, t, hq)):
         raise ValueError(
             f"{what}: lam must be a scalar or [batch, seq, heads] = [{b}, {t}, {hq}], "
-            f"got shape {jnp.shape(lam)}"
+            f"got shape {jnp.shape(lam)}. Fix: one lambda for all (V1) or one per query token "
+            "and head (V2)"
         )
 
 

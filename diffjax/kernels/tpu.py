@@ -21,7 +21,7 @@ Kernels (all ``pl.pallas_call`` with VMEM tiles):
   scratch holds a running max ``m``, denominator ``l`` (lane-replicated ``[block_q, 128]``) and a
   float32 accumulator ``[block_q, Dv]`` per branch; the last key block normalises each branch and
   subtracts. Residuals for the backward pass: each branch's log-sum-exp (float32) and the
-  normalised second-branch output ``O2`` (float32).
+  normalised second-branch output ``O2`` (float32 unless ``o2_dtype``, as on the GPU).
 - dK/dV, grid ``(batch, kv_heads, k_blocks, group, q_blocks)``: a key block stays resident while
   the kernel walks over the query heads of its GQA group (an ``"arbitrary"`` axis) and their query
   blocks (``"arbitrary"``), accumulating dK1, dK2 (or their sum for a shared K) and dV in VMEM.
@@ -58,6 +58,10 @@ in float32 with a float32 lambda. float16 inputs run through the kernels in floa
 float16 matrix unit), the output is cast back to float16.
 
 Run on a CPU with ``interpret=True`` or ``interpret=pltpu.InterpretParams()``.
+
+The public functions (their signatures, documentation, input checks, defaults and errors) are
+the shared front end's (:mod:`diffjax.kernels._frontend`), built at the end of this module from
+its functions on a checked call: the same bad input is refused alike on either backend.
 """
 
 from __future__ import annotations
@@ -76,7 +80,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from ._common import dot_nn as _dot_nn, dot_nt as _dot_nt
 from ._common import check_block_fields, next_pow2 as _next_pow2, round_up as _round_up
-from .reference import MASK_VALUE, check_differential, check_qkv
+from ._frontend import Call, Frontend
+from .reference import MASK_VALUE
 
 __all__ = [
     "BlockSizes",
@@ -172,6 +177,7 @@ class _Config:
     blocks: BlockSizes  # effective (clamped) sizes
     compute_dtype: Any
     interpret: Any
+    o2_dtype: Any = jnp.float32  # the saved second-branch output (a backward residual)
 
     @property
     def group(self) -> int:
@@ -387,7 +393,7 @@ def _fwd_kernel(
             lse1_ref[...] = lses[0]
             if cfg.differential:
                 lse2_ref[...] = lses[1]
-                o2_ref[...] = outs[1]
+                o2_ref[...] = outs[1].astype(o2_ref.dtype)
 
 
 # ============================================================================ dK/dV kernel
@@ -718,7 +724,7 @@ def _forward(
         jax.ShapeDtypeStruct((b, hq, tp, dv), out_dtype or q1.dtype),
         _opt(saved, lse),
         _opt(saved2, lse),
-        _opt(saved2, jax.ShapeDtypeStruct((b, hq, tp, dv), _F32)),
+        _opt(saved2, jax.ShapeDtypeStruct((b, hq, tp, dv), cfg.o2_dtype)),
     ]
     row, acc = pltpu.VMEM((bq, NUM_LANES), _F32), pltpu.VMEM((bq, dv), _F32)
     scratch = [row, row, acc, _opt(diff, row), _opt(diff, row), _opt(diff, acc)]  # m, l, acc
@@ -888,37 +894,15 @@ def _compute_dtype(*xs):
     return jnp.dtype(dt)
 
 
-def _prepare(
-    what,
-    q1,
-    k1,
-    q2,
-    k2,
-    v,
-    lam,
-    *,
-    differential,
-    causal,
-    segment_ids,
-    kv_segment_ids,
-    sm_scale,
-    block_sizes,
-    interpret,
-):
+def _prepare(call: Call, q1, k1, q2, k2, v, lam, segment_ids, kv_segment_ids):
     """The kernels' configuration and operands in the internal layout, padded: ``(q1, k1, q2,
-    k2, v, lam, qseg, kseg)`` (``k2`` None for shared keys)."""
-    if q1.shape[1] < 1 or k1.shape[1] < 1:
-        raise ValueError(
-            f"{what}: empty sequence (q length {q1.shape[1]}, kv length {k1.shape[1]})"
-        )
-    shared_k = differential and k2 is None
-    b, t, hq, d = q1.shape
+    k2, v, lam, qseg, kseg)`` (``k2`` None for shared keys), for a checked call
+    (:class:`~._frontend.Call`)."""
+    differential, shared_k = call.differential, call.shared_k
+    _, t, hq, _ = q1.shape
     s, hkv, dv = k1.shape[1], k1.shape[2], v.shape[3]
-    if block_sizes is None:
-        block_sizes = BlockSizes()
-    if not isinstance(block_sizes, BlockSizes):
-        raise ValueError(f"{what}: block_sizes must be a BlockSizes, got {type(block_sizes)}")
-    hardware = interpret is False or interpret is None
+    block_sizes = BlockSizes() if call.block_sizes is None else call.block_sizes
+    hardware = call.interpret is False or call.interpret is None
     tp, (bq, bq_dkv, bq_dq) = _effective_blocks(
         t, block_sizes.q_blocks, ("block_q", "block_q_dkv", "block_q_dq"), hardware
     )
@@ -926,7 +910,6 @@ def _prepare(
         s, block_sizes.k_blocks, ("block_k", "block_k_dkv", "block_k_dq"), hardware
     )
     eff = BlockSizes(bq, bk, bq_dkv, bk_dkv, bq_dq, bk_dq)
-    scale = float(d**-0.5 if sm_scale is None else sm_scale)
 
     arrays = (
         [q1, k1, v]
@@ -936,7 +919,7 @@ def _prepare(
     cdt = _compute_dtype(*arrays)
 
     lam_mode, lam_in = None, None
-    if differential:
+    if differential:  # a scalar lambda goes to SMEM, per-query lambdas as rows
         lam_arr = jnp.asarray(lam, _F32)
         if lam_arr.shape == ():
             lam_mode, lam_in = "scalar", lam_arr.reshape(1)
@@ -957,8 +940,8 @@ def _prepare(
         shared_k=shared_k,
         lam_mode=lam_mode,
         segmented=segment_ids is not None,
-        causal=bool(causal),
-        scale=scale,
+        causal=call.causal,
+        scale=call.scale,
         q_len=t,
         kv_len=s,
         t_pad=tp,
@@ -968,7 +951,8 @@ def _prepare(
         dv=dv,
         blocks=eff,
         compute_dtype=cdt,
-        interpret=interpret,
+        interpret=call.interpret,
+        o2_dtype=call.o2_dtype,
     )
 
     def prep(x, length):
@@ -987,146 +971,30 @@ def _prepare(
     return cfg, operands
 
 
-def _run(what, q1, k1, q2, k2, v, lam, **kw):
-    cfg, operands = _prepare(what, q1, k1, q2, k2, v, lam, **kw)
+def _run(call: Call, q1, k1, q2, k2, v, lam, segment_ids, kv_segment_ids):
+    """The differentiable attention of a checked call, ``[B, T, Hq, Dv]`` in q1's dtype."""
+    cfg, operands = _prepare(call, q1, k1, q2, k2, v, lam, segment_ids, kv_segment_ids)
     out = _attention(cfg, *operands)
     return jnp.swapaxes(out[:, :, : q1.shape[1]], 1, 2).astype(q1.dtype)
 
 
-def differential_flash_attention(
-    q1,
-    k1,
-    q2,
-    k2,
-    v,
-    lam,
-    *,
-    causal=True,
-    segment_ids=None,
-    kv_segment_ids=None,
-    sm_scale=None,
-    block_sizes=None,
-    interpret=False,
-) -> jax.Array:
-    """Fused ``softmax(q1 k1^T s) v - lam * softmax(q2 k2^T s) v``, ``[B, T, Hq, Dv]`` in q1's dtype.
-
-    q1, q2 ``[B, T, Hq, D]``; k1, k2 ``[B, S, Hkv, D]`` (``k2=None`` for a shared
-    key: it is then loaded once per tile); v ``[B, S, Hkv, Dv]``; ``lam`` a scalar or
-    ``[B, T, Hq]``. Query head ``h`` reads kv head ``h // (Hq // Hkv)``. ``s = sm_scale`` or
-    ``D ** -0.5``. Causal masking is bottom-right aligned. ``interpret``: False for TPU hardware,
-    True or a ``pltpu.InterpretParams`` to run in interpret mode (e.g. on CPU).
-    """
-    check_differential(
-        q1, k1, q2, k2, v, lam, segment_ids, kv_segment_ids, what="differential_flash_attention"
-    )
-    return _run(
-        "differential_flash_attention",
-        q1,
-        k1,
-        q2,
-        k2,
-        v,
-        lam,
-        differential=True,
-        causal=causal,
-        segment_ids=segment_ids,
-        kv_segment_ids=kv_segment_ids,
-        sm_scale=sm_scale,
-        block_sizes=block_sizes,
-        interpret=interpret,
-    )
-
-
-def flash_attention(
-    q,
-    k,
-    v,
-    *,
-    causal=True,
-    segment_ids=None,
-    kv_segment_ids=None,
-    sm_scale=None,
-    block_sizes=None,
-    interpret=False,
-) -> jax.Array:
-    """Standard flash attention ``softmax(q k^T s) v`` with the same kernels (one branch)."""
-    check_qkv(q, k, v, segment_ids, kv_segment_ids, what="flash_attention")
-    return _run(
-        "flash_attention",
-        q,
-        k,
-        None,
-        None,
-        v,
-        None,
-        differential=False,
-        causal=causal,
-        segment_ids=segment_ids,
-        kv_segment_ids=kv_segment_ids,
-        sm_scale=sm_scale,
-        block_sizes=block_sizes,
-        interpret=interpret,
-    )
-
-
 # ============================================================================ partials
-# Ring (sequence-parallel) attention computes each device's queries against one key block at a
-# time and merges the blocks' results by log-sum-exp; its backward needs each block's share of
-# the gradient from the merged statistics. The same interface as the GPU kernels'.
-def flash_partials(
-    q1,
-    k1,
-    q2,
-    k2,
-    v,
-    *,
-    causal=True,
-    segment_ids=None,
-    kv_segment_ids=None,
-    sm_scale=None,
-    block_sizes=None,
-    interpret=False,
-):
-    """Each softmax map of ``q`` against this key block, normalised over its visible keys, and
-    its log-sum-exp: ``((o1, lse1), (o2, lse2))`` for DIFF, ``((o, lse),)`` for standard
-    attention (``q2`` None; ``k2`` None with ``q2``: both maps read ``k1``). ``o``
-    ``[B, T, Hq, Dv]`` and ``lse`` ``[B, T, Hq]`` (natural log) float32; a row that sees no key
-    gets ``o = 0``, ``lse = -inf``. Not differentiable: ring attention's backward calls
-    :func:`flash_partial_grads`."""
-    diff = q2 is not None
-    if diff:
-        check_differential(
-            q1, k1, q2, k2, v, 0.0, segment_ids, kv_segment_ids, what="flash_partials"
-        )
-    else:
-        check_qkv(q1, k1, v, segment_ids, kv_segment_ids, what="flash_partials")
+def _partials(call: Call, q1, k1, q2, k2, v, segment_ids, kv_segment_ids):
+    """:meth:`~._frontend.Frontend.flash_partials` of a checked call."""
     t = q1.shape[1]
-    cfg, operands = _prepare(
-        "flash_partials",
-        q1,
-        k1,
-        q2,
-        k2,
-        v,
-        0.0 if diff else None,  # out = O1 - 0 * O2 = O1, exactly
-        differential=diff,
-        causal=causal,
-        segment_ids=segment_ids,
-        kv_segment_ids=kv_segment_ids,
-        sm_scale=sm_scale,
-        block_sizes=block_sizes,
-        interpret=interpret,
-    )
+    lam = 0.0 if call.differential else None  # out = O1 - 0 * O2 = O1, exactly
+    cfg, operands = _prepare(call, q1, k1, q2, k2, v, lam, segment_ids, kv_segment_ids)
     o1, lse1, lse2, o2 = _forward(cfg, *operands, save_residuals=True, out_dtype=_F32)
 
     def back(o, lse):  # internal [B, H, Tp, Dv] / [B, H, 1, Tp] -> [B, T, H, Dv] / [B, T, H]
         lse = jnp.swapaxes(lse[:, :, 0, :t], 1, 2)
         return jnp.swapaxes(o[:, :, :t], 1, 2), jnp.where(jnp.isinf(lse), -jnp.inf, lse)
 
-    return (back(o1, lse1), back(o2, lse2)) if diff else (back(o1, lse1),)
+    return (back(o1, lse1), back(o2, lse2)) if call.differential else (back(o1, lse1),)
 
 
-def flash_partial_grads(
+def _partial_grads(
+    call: Call,
     q1,
     k1,
     q2,
@@ -1136,36 +1004,16 @@ def flash_partial_grads(
     dout,
     lse1,
     delta1,
-    lse2=None,
-    delta2=None,
-    *,
-    causal=True,
-    segment_ids=None,
-    kv_segment_ids=None,
-    sm_scale=None,
-    block_sizes=None,
-    interpret=False,
+    lse2,
+    delta2,
+    segment_ids,
+    kv_segment_ids,
 ):
-    """This key block's share of the gradients of ``out = O1 - lam * O2`` (standard: ``O``)
-    from the statistics of the whole attention, as :func:`diffjax.kernels.gpu.flash_partial_grads`
-    (same arguments and results)."""
-    diff = q2 is not None
+    """:meth:`~._frontend.Frontend.flash_partial_grads` of a checked call."""
+    diff = call.differential
     t, s = q1.shape[1], k1.shape[1]
     cfg, (q1p, k1p, q2p, k2p, vp, lam_in, qseg, kseg) = _prepare(
-        "flash_partial_grads",
-        q1,
-        k1,
-        q2,
-        k2,
-        v,
-        lam if diff else None,
-        differential=diff,
-        causal=causal,
-        segment_ids=segment_ids,
-        kv_segment_ids=kv_segment_ids,
-        sm_scale=sm_scale,
-        block_sizes=block_sizes,
-        interpret=interpret,
+        call, q1, k1, q2, k2, v, lam, segment_ids, kv_segment_ids
     )
     tp = cfg.t_pad
 
@@ -1204,3 +1052,19 @@ def flash_partial_grads(
         back(dk2, s, k1),
         back(dv, s, v),
     )
+
+
+# ============================================================================ public functions
+# Written once for both backends (diffjax.kernels._frontend): the input checks, defaults and
+# errors, and the signatures and documentation of the public functions.
+_FRONTEND = Frontend(
+    backend="tpu",
+    block_sizes_type=BlockSizes,
+    attention=_run,
+    partials=_partials,
+    partial_grads=_partial_grads,
+)
+differential_flash_attention = _FRONTEND.differential_flash_attention
+flash_attention = _FRONTEND.flash_attention
+flash_partials = _FRONTEND.flash_partials
+flash_partial_grads = _FRONTEND.flash_partial_grads
