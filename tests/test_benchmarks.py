@@ -290,10 +290,14 @@ def test_the_latency_relay_holds_each_request_and_passes_the_bytes_unchanged(gcs
     import time
     import urllib.request
 
+    bucket = gcs_server.new_bucket().removeprefix("gs://")
+    data = bytes(range(256)) * 64
+    gcs_server.client().bucket(bucket).blob("relayed.bin").upload_from_string(data)
     relay = _load("data_speed").LatencyRelay(gcs_server.url)
     try:
-        url = "/storage/v1/b?project=test"
+        url = f"/storage/v1/b/{bucket}/o/relayed.bin?alt=media"
         direct = urllib.request.urlopen(gcs_server.url + url, timeout=10).read()
+        assert direct == data
         for delay in (0.0, 0.2):
             relay.delay = delay
             t = time.perf_counter()
