@@ -5,7 +5,8 @@
 - :class:`MultiheadDiffAttnV2`: DIFF V2, as ``multihead_flashdiffv2.py``.
 
 One API for all three (:class:`AttentionLayer`): built as ``Layer(embed_dim, depth, num_heads,
-num_kv_heads=None, ...)``, called as ``layer(x, positions=None, segment_ids=None)`` with ``x``
+num_kv_heads=None, ...)``, called as ``layer(x, positions=None, segment_ids=None,
+token_index=None)`` with ``x``
 ``[batch, seq, embed_dim]``, causal unless built with ``causal=False``. Each layer is three
 steps::
 
@@ -215,9 +216,13 @@ class AttentionLayer(nnx.Module):
         return constrain(q, *_Q_ACT), constrain(k, *_KV_ACT), v
 
     def __call__(
-        self, x: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None
+        self,
+        x: jax.Array,
+        positions: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+        token_index: jax.Array | None = None,
     ) -> jax.Array:
-        return self._forward(x, positions, segment_ids)[0]
+        return self._forward(x, positions, segment_ids, token_index=token_index)[0]
 
     def extend(
         self,
@@ -244,16 +249,19 @@ class AttentionLayer(nnx.Module):
             )
         return self._forward(x, positions, segment_ids, (cache, index, kv_segment_ids))
 
-    def _forward(self, x, positions, segment_ids, cached=None):
-        """The one body: ``(output, updated cache or None)``."""
+    def _forward(self, x, positions, segment_ids, cached=None, token_index=None):
+        """The one body: ``(output, updated cache or None)``. ``positions`` rotate q and k;
+        over a ``context`` axis the masks follow ``token_index`` (default ``positions``), so
+        positions that restart at document starts never loosen causality."""
         p = self.project(x, positions)
         masks, cache = dict(causal=self.causal), None
         if cached is not None:
             p, cache, masks = _with_cache(p, *cached)
         elif p.lam is not None:
             _sow_lambda(self, p.lam)
-        if p.q.shape[1] > 1:  # a sequence split over a `context` mesh axis: positions order it
-            masks.update(positions=positions, context=self.context)
+        if p.q.shape[1] > 1:  # a sequence split over a `context` mesh axis: the index orders it
+            order = positions if token_index is None else token_index
+            masks.update(positions=order, context=self.context)
         masks.update(target=self.target)
         o = attend(p, scale=self.scale, impl=self.attention_impl, segment_ids=segment_ids, **masks)
         return self.output(checkpoint_name(o, "attn_out")), cache

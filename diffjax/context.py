@@ -146,15 +146,17 @@ def token_order(seq_len: int, n: int, order: str) -> np.ndarray:
 
 def order_batch(arrays: dict, n: int, order: str) -> dict:
     """A batch (``{name: [B, T, ...]}`` host arrays) in the token ``order`` for ``n`` context
-    devices, with ``"positions"`` (the given ones, else ``arange(T)`` per row) reordered like
-    every other array: the model then computes the same function (rotary and masks read the
-    positions) and a token-local loss the same sum."""
+    devices, every array reordered alike, with ``"token_index"`` (each token's index in its
+    row: the order the masks and the ring follow) and ``"positions"`` (the rotary positions:
+    the given ones, e.g. restarting at document starts, else the index): the model then
+    computes the same function and a token-local loss the same sum."""
     t = next(iter(arrays.values())).shape[1]
     perm = token_order(t, n, order)
     b = next(iter(arrays.values())).shape[0]
     out = dict(arrays)
+    out["token_index"] = np.broadcast_to(np.arange(t, dtype=np.int32), (b, t))
     if out.get("positions") is None:
-        out["positions"] = np.broadcast_to(np.arange(t, dtype=np.int32), (b, t))
+        out["positions"] = out["token_index"]
     return {k: np.asarray(v)[:, perm] for k, v in out.items()}
 
 

@@ -129,17 +129,18 @@ class Block(nnx.Module):
             rngs=rngs,
         )
 
-    def __call__(self, x, positions=None, segment_ids=None):
-        x = constrain(x + self.attn(self.attn_norm(x), positions, segment_ids), *_ACT)
+    def __call__(self, x, positions=None, segment_ids=None, token_index=None):
+        x = constrain(x + self.attn(self.attn_norm(x), positions, segment_ids, token_index), *_ACT)
         return constrain(x + self.ffn(self.ffn_norm(x)), *_ACT)
 
-    def run(self, x, positions=None, segment_ids=None, *, remat: str = "none"):
+    def run(self, x, positions=None, segment_ids=None, token_index=None, *, remat: str = "none"):
         """``self(x, ...)`` under the rematerialization policy ``remat`` (:func:`remat_policy`).
         The attention layer's lambda is sown as in a plain call."""
+        masks = (positions, segment_ids, token_index)
         if remat == "none":  # the plain call (what nnx.capture's method outputs record)
-            return self(x, positions, segment_ids)
+            return self(x, *masks)
         graphdef, state = nnx.split(self)
-        y, lam = apply_block(graphdef, state, x, positions, segment_ids, remat, _capturing(self))
+        y, lam = apply_block(graphdef, state, x, masks, remat, _capturing(self))
         if lam is not None:
             self.attn.sow(nnx.Intermediate, "lambda", lam)
         return y
@@ -157,17 +158,18 @@ def _capturing(module: nnx.Module) -> bool:
     return hasattr(module, "__captures__")
 
 
-def apply_block(graphdef, state, x, positions, segment_ids, remat: str, capture: bool):
+def apply_block(graphdef, state, x, masks, remat: str, capture: bool):
     """One block as a pure function of its state: ``(output, lambda or None)`` (the attention
     layer's sown lambda, when ``capture``), under the policy ``remat``. Pure, so it can run
     under ``jax.checkpoint`` and ``jax.lax.scan`` with a model closed over from outside (NNX's
-    own transforms refuse variables created at another trace level)."""
+    own transforms refuse variables created at another trace level). ``masks``: the
+    block's ``(positions, segment_ids, token_index)``."""
 
     def call(state, x):
         block = nnx.merge(graphdef, state)
         if not capture:
-            return block(x, positions, segment_ids), None
-        y, sown = nnx.capture(Block.__call__, nnx.Intermediate)(block, x, positions, segment_ids)
+            return block(x, *masks), None
+        y, sown = nnx.capture(Block.__call__, nnx.Intermediate)(block, x, *masks)
         lam = nnx.to_pure_dict(sown).get("attn", {}).get("lambda")
         return y, None if lam is None else lam[0]
 
@@ -180,8 +182,11 @@ def apply_block(graphdef, state, x, positions, segment_ids, remat: str, capture:
 class TransformerLM(nnx.Module):
     """Decoder-only LM. ``model(tokens [B, T] int) -> logits [B, T, vocab]`` (float32).
 
-    ``positions`` (``[B, T]``, default ``arange(T)``) and ``segment_ids`` (``[B, T]``, packed
-    sequences: no attention across segments) are passed to every attention layer.
+    ``positions`` (``[B, T]``, default ``arange(T)``: the rotary positions, e.g. restarting at
+    each document start), ``segment_ids`` (``[B, T]``, packed sequences: no attention across
+    segments) and ``token_index`` (``[B, T]``, each token's index in its row before the tokens
+    were reordered over a ``context`` mesh axis: the order the causal mask and the context ring
+    follow; default ``positions``) are passed to every attention layer.
 
     ``context``: how attention runs when a ``context`` mesh axis splits the sequence, and the
     order the tokens lie in over it (:class:`diffjax.config.ContextSpec`; default: the ring
@@ -244,6 +249,7 @@ class TransformerLM(nnx.Module):
         tokens: jax.Array,
         positions: jax.Array | None = None,
         segment_ids: jax.Array | None = None,
+        token_index: jax.Array | None = None,
     ) -> jax.Array:
         cfg = self.config
         if tokens.ndim != 2:
@@ -257,7 +263,8 @@ class TransformerLM(nnx.Module):
                 f"sequence length {tokens.shape[1]} exceeds ModelConfig.max_seq_len="
                 f"{cfg.max_seq_len}; raise max_seq_len or shorten the input"
             )
-        for name, arr in (("positions", positions), ("segment_ids", segment_ids)):
+        masks = (positions, segment_ids, token_index)
+        for name, arr in zip(("positions", "segment_ids", "token_index"), masks):
             if arr is not None and arr.shape != tokens.shape:
                 raise ValueError(
                     f"{name} must have the shape of tokens {tokens.shape}, got {arr.shape}"
@@ -268,14 +275,14 @@ class TransformerLM(nnx.Module):
             capture = _capturing(self.layers)
 
             def body(x, layer):
-                return apply_block(graphdef, layer, x, positions, segment_ids, cfg.remat, capture)
+                return apply_block(graphdef, layer, x, masks, cfg.remat, capture)
 
             x, lams = jax.lax.scan(body, x, state)
             if lams is not None:  # [L], each layer's, as unrolled layers sow them
                 self.layers.attn.sow(nnx.Intermediate, "lambda", lams)
         else:
             for block in self.layers:
-                x = block.run(x, positions, segment_ids, remat=cfg.remat)
+                x = block.run(x, *masks, remat=cfg.remat)
         return self._logits(x)
 
     def extend(self, tokens: jax.Array, positions: jax.Array, caches, **step):

@@ -317,9 +317,8 @@ def lower_train_step(
     with jax.set_mesh(mesh), nnx.logical_axis_rules(sharding.DEFAULT_RULES):
         batch_sh = sharding.batch_sharding(mesh, 2)
         abstract_batch = {
-            "inputs": jax.ShapeDtypeStruct((batch, seq), jnp.int32, sharding=batch_sh),
-            "targets": jax.ShapeDtypeStruct((batch, seq), jnp.int32, sharding=batch_sh),
-            "weights": jax.ShapeDtypeStruct((batch, seq), jnp.float32, sharding=batch_sh),
+            name: jax.ShapeDtypeStruct((batch, seq), dtype, sharding=batch_sh)
+            for name, dtype in loop.step_inputs(exp.data, setup.runtime).items()
         }
         # the loop's own jitted step (its shardings, donation and compiler options)
         jitted, _ = loop.jit_steps(setup, rest, {k: batch_sh for k in abstract_batch})

@@ -177,6 +177,8 @@ def test_batches_shapes_and_determinism():
         "inputs": ((4, 64), np.int32),
         "targets": ((4, 64), np.int32),
         "weights": ((4, 64), np.float32),
+        "segment_ids": ((4, 64), np.int32),  # documents kept apart (tests/test_documents.py)
+        "positions": ((4, 64), np.int32),
     }
     assert batches_equal(a, take(make_dataset(SMALL_STDLIB, "train", batch_size=4), 3))
     assert batches_equal(a, take(make_dataset(SMALL_STDLIB, "train", batch_size=4, seed=0), 3))

@@ -94,6 +94,8 @@ def test_an_interrupted_upload_keeps_the_finished_shards(gcs_server, bucket, cor
     real, uploads = prep.write_shard, []
 
     def dies_after_two(path, tokens):
+        if path.endswith(".idx"):  # each shard's document index follows it
+            return real(path, tokens)
         if len(uploads) == 2:
             raise KeyboardInterrupt  # the process stopped here
         uploads.append(path)
@@ -154,7 +156,8 @@ def test_each_process_reads_only_the_windows_of_its_rows(corpus, monkeypatch):
     real = storage.read_ranges
 
     def recorded(urls, starts, stops):
-        reads.append(list(zip(urls, starts, stops)))
+        if all(u.endswith(".bin") for u in urls):  # not the document index (read once, whole)
+            reads.append(list(zip(urls, starts, stops)))
         return real(urls, starts, stops)
 
     monkeypatch.setattr(storage, "read_ranges", recorded)

@@ -25,6 +25,11 @@ QUERY_TEMPLATE = "\nWhat is the magic number for {key}? {value}."
 MQAR_MAX_PAIRS = 128  # keys are byte ids 0..127, values byte ids 128..255
 
 
+# What a saved data config that lacks a field meant: a run saved before `document_mask` existed
+# trained on windows of the concatenated stream.
+SAVED_BEFORE: dict[str, Any] = {"document_mask": False}
+
+
 class DataError(ConfigError):
     """Data that cannot be used as configured (missing path, no text, bad token ids, ...).
 
@@ -131,6 +136,14 @@ class DataConfig:
     # holding one (a checkpoint's). Read with the `tokenizers` package (local only). tokens: the
     # tokenizer the ids were made with, checked against a prepared folder's manifest.
     tokenizer: str | None = None
+    # stdlib/text/tokens: keep documents apart. Each batch then carries segment_ids (attention
+    # stays inside a document) and positions (restarting at each document start), and no target
+    # crosses a boundary (diffjax.data.documents). None: on where the boundaries are known (text
+    # sources always; token files: a prepared folder, or the BOS/EOS ids of data.tokenizer),
+    # off with one printed line where they are not, off for the synthetic tasks (their examples
+    # are one document each). True: on, refused where the boundaries are unknown. False: windows
+    # of the concatenated stream.
+    document_mask: bool | None = None
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -253,6 +266,14 @@ class DataConfig:
             self._check_needle()
         if self.source == "mqar":
             self._check_mqar()
+        if self.document_mask and self.is_synthetic:
+            _fail(
+                "document_mask",
+                f"is a corpus setting but source={self.source!r} (its examples are one "
+                "document each)",
+                "leave data.document_mask unset (or false), or use source='stdlib', 'text' or "
+                "'tokens'",
+            )
         self._check_curriculum()
 
     def _check_curriculum(self) -> None:
@@ -420,8 +441,22 @@ class DataConfig:
         return self.source != "tokens" and self.tokenizer in (None, "byte")
 
     @property
+    def masks_documents(self) -> bool:
+        """Whether batches keep documents apart where the corpus's boundaries are known
+        (``document_mask`` True, or None for a corpus)."""
+        return self.document_mask is not False and not self.is_synthetic
+
+    @property
     def is_synthetic(self) -> bool:
         return self.source in SYNTHETIC_SOURCES
+
+    @classmethod
+    def from_saved(cls, saved: dict[str, Any]) -> "DataConfig":
+        """The data config a run saved (its ``to_dict()``): fields it lacks take the value
+        they meant before they existed (:data:`SAVED_BEFORE`), fields this version does not
+        know are ignored."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{**SAVED_BEFORE, **{k: v for k, v in saved.items() if k in names}})
 
     def replace(self, **changes: Any) -> "DataConfig":
         """A copy with ``changes`` applied (validated again)."""

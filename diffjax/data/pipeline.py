@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from typing import Any
 
 import numpy as np
@@ -85,7 +86,35 @@ def make_source(
         n = SYNTHETIC_TRAIN_EXAMPLES if split == "train" else config.num_val_examples
         return NeedleSource(config, split, seed, stream, n, global_batch)
     corpus = load_corpus(config)
-    return WindowSource(corpus.stream(split), config.seq_len)
+    return WindowSource(corpus.stream(split), config.seq_len, documents(config, corpus, split))
+
+
+_NOTED: set[str] = set()  # the notes already printed by this process
+
+
+def documents(config: DataConfig, corpus: Corpus, split: str):
+    """The boundaries the windows of ``split`` are masked by, or None: none when
+    ``data.document_mask`` is off; where the corpus does not know them, None with one printed
+    line saying why (``document_mask`` None) or a DataError naming the fix (True)."""
+    if not config.masks_documents:
+        return None
+    if corpus.train_documents is not None:
+        return corpus.documents(split)
+    fix = (
+        "prepare the files with python -m diffjax.data.prepare (it records where each "
+        "document starts), name their tokenizer in data.tokenizer when it has a BOS or EOS id, "
+        "or set data.document_mask=false"
+    )
+    if config.document_mask:
+        raise DataError(f"DataConfig.document_mask: is true, but {corpus.documents_note}. Fix: {fix}")
+    note = (
+        f"data.document_mask: documents are not kept apart: {corpus.documents_note}. To keep "
+        f"them apart, {fix.replace(', or set data.document_mask=false', '')}."
+    )
+    if note not in _NOTED:
+        _NOTED.add(note)
+        print(note, file=sys.stderr)
+    return None
 
 
 def validation_metrics(config: DataConfig) -> dict[str, ValidationMetric]:
@@ -370,7 +399,8 @@ def check_data(config: DataConfig, vocab_size: int = VOCAB_SIZE) -> DataSummary:
             "synthetic",
             secs,
         )
-    corpus = load_corpus(config)
+    # the streams and their sizes (document boundaries are read by make_source, when used)
+    corpus = load_corpus(config.replace(document_mask=False))
     if config.source == "tokens":
         check_token_ids(corpus.files, config.token_dtype, vocab_size)
     ntr = max(0, (len(corpus.train) - 1) // T)

@@ -15,7 +15,10 @@ A document goes to validation when ``crc32(key) / 2**32 < val_fraction``, with `
 input's key (the path relative to the directory given, or the path as given) for a ``.txt`` file
 and ``key:index`` (0-based line or row) for the others: the split of one document depends on
 nothing else. Each split is one stream cut into ``prepare.shard_tokens`` shards (``train_00000.bin``,
-``val_00000.bin``, ...; the last shorter). The output depends only on the inputs and options
+``val_00000.bin``, ...; the last shorter), each with its document index beside it
+(``train_00000.idx``: the offsets within the shard of the documents that begin in it, int64;
+training keeps documents apart by it, whatever the tokenizer's special tokens). The output
+depends only on the inputs and options
 (not on ``prepare.workers``). Each shard is written to a temporary name and renamed; ``manifest.json``
 comes last, so a folder with a manifest is complete, and rerunning an interrupted preparation
 keeps the finished shards (checked byte for byte, not rewritten) and gives the same bytes.
@@ -47,6 +50,7 @@ from diffjax import cli, storage
 from diffjax.config import ConfigError, check_fields
 
 from .config import DataError
+from .documents import INDEX_DTYPE
 from .sources import (
     BYTE_TOKENIZER,
     MANIFEST_FILE,
@@ -634,24 +638,28 @@ def write_shard(path: str, tokens: np.ndarray) -> bool:
     return True
 
 
+def index_name(shard: str) -> str:
+    """The document index beside a shard: ``train_00000.bin`` -> ``train_00000.idx``."""
+    return shard[: -len(".bin")] + ".idx"
+
+
 class ShardWriter:
-    """One split's stream, cut into shards of ``shard_tokens`` tokens as it arrives."""
+    """One split's stream, cut into shards of ``shard_tokens`` tokens as it arrives, each with
+    its document index (the offsets, within the shard, of the documents that begin in it)."""
 
     def __init__(self, out: str, split: str, dtype: str, shard_tokens: int):
         self.out, self.split, self.dtype, self.size = out, split, dtype, int(shard_tokens)
         self._buffer: list[np.ndarray] = []
         self._buffered = 0
         self.position = 0  # tokens received
-        self.doc_starts: dict[int, int] = {}  # shard index -> documents that begin in it
+        self._starts: list[np.ndarray] = []  # stream offsets of the documents not yet emitted
         self.shards: list[dict] = []
         self.written = 0  # shards written (the rest were already there)
 
     def add(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
         if len(lengths):
             starts = self.position + np.concatenate([[0], np.cumsum(lengths[:-1])])
-            shard, count = np.unique(starts // self.size, return_counts=True)
-            for s, c in zip(shard.tolist(), count.tolist()):
-                self.doc_starts[s] = self.doc_starts.get(s, 0) + c
+            self._starts.append(starts.astype(np.int64))
         self.position += len(tokens)
         self._buffer.append(tokens)
         self._buffered += len(tokens)
@@ -668,10 +676,16 @@ class ShardWriter:
         shard, rest = data[:n], data[n:]
         self._buffer, self._buffered = ([rest] if len(rest) else []), len(rest)
         index = len(self.shards)
+        begin = index * self.size
+        starts = np.concatenate(self._starts) if self._starts else np.zeros((0,), np.int64)
+        mine = starts[starts < begin + n]
+        self._starts = [starts[len(mine) :]]
         name = shard_name(self.split, index)
         self.written += write_shard(storage.join(self.out, name), shard)
+        offsets = (mine - begin).astype(INDEX_DTYPE)
+        write_shard(storage.join(self.out, index_name(name)), offsets)
         self.shards.append(
-            {"file": name, "tokens": int(n), "documents": self.doc_starts.get(index, 0)}
+            {"file": name, "tokens": int(n), "documents": len(mine), "index": index_name(name)}
         )
 
 
@@ -723,8 +737,11 @@ def _out_files(out: str) -> dict[str, int]:
 
 
 def _existing_shards(out: str) -> list[str]:
+    """The shards and their indexes in the folder."""
     return sorted(
-        n for n in _out_files(out) if (n.startswith(("train_", "val_")) and n.endswith(".bin"))
+        n
+        for n in _out_files(out)
+        if n.startswith(("train_", "val_")) and n.endswith((".bin", ".idx"))
     )
 
 
@@ -774,11 +791,17 @@ def check_out(out: str, fp: dict) -> dict | None:
 
 
 def _manifest_complete(out: str, manifest: dict, dtype: str) -> bool:
-    item = np.dtype(dtype).itemsize
+    """Whether the folder's manifest is this version's and every shard and index it lists is
+    there at its size (a folder prepared before the index existed is completed in place)."""
+    if manifest.get("version") != MANIFEST_VERSION:
+        return False
+    item, index_item = np.dtype(dtype).itemsize, np.dtype(INDEX_DTYPE).itemsize
     files = _out_files(out)
     for shards in manifest.get("shards", {}).values():
         for s in shards:
             if files.get(s["file"]) != s["tokens"] * item:
+                return False
+            if files.get(s.get("index")) != s["documents"] * index_item:
                 return False
     return True
 
@@ -796,7 +819,8 @@ def build_manifest(
     the folder was made (inputs, split, convention)."""
     convention = (
         "[bos] ids [eos] per document, concatenated; bos/eos are omitted where the tokenizer "
-        "has none"
+        "has none; beside each shard its index: the offsets within the shard of the documents "
+        f"that begin in it, {np.dtype(INDEX_DTYPE).str} (little-endian int64)"
     )
     totals = {
         split: {
@@ -956,7 +980,7 @@ def prepare(options: PrepareOptions) -> PrepareResult:
             f"every document fell into validation ({options.val_fraction})",
             "lower prepare.val_fraction, or give more documents",
         )
-    keep = {s["file"] for lst in shards.values() for s in lst}
+    keep = {name for lst in shards.values() for s in lst for name in (s["file"], s["index"])}
     for name in _existing_shards(out):
         if name not in keep:
             storage.remove(storage.join(out, name))

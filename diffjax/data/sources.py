@@ -34,6 +34,7 @@ import numpy as np
 from diffjax import storage
 
 from .config import DataConfig, DataError
+from .documents import INDEX_DTYPE, Boundaries, DocumentIndex, SpecialTokens, mark_documents
 from .tokenizer import BOS, EOS, HFTokenizer
 
 # Directories never part of the stdlib corpus (third-party packages, bytecode caches).
@@ -312,9 +313,17 @@ class Corpus:
     validation_files: int
     split_by: str  # "file" | "stream" | "document" (a prepared folder)
     seconds: float  # time to read and tokenize (0 when cached)
+    # where documents start in each stream (diffjax.data.documents), or None when unknown
+    train_documents: Boundaries | None = None
+    validation_documents: Boundaries | None = None
+    # how the boundaries are known ("index", "BOS/EOS ids"), or why they are not
+    documents_note: str = ""
 
     def stream(self, split: str) -> TokenStream:
         return self.train if split == "train" else self.validation
+
+    def documents(self, split: str) -> Boundaries | None:
+        return self.train_documents if split == "train" else self.validation_documents
 
 
 def _concat_documents(datas: Sequence[bytes]) -> np.ndarray:
@@ -336,19 +345,25 @@ def _stream_split(stream: np.ndarray, val_fraction: float) -> tuple[np.ndarray, 
     return stream[:cut], stream[cut:]
 
 
-def _encode_documents(datas: Sequence[bytes], tokenizer: str) -> np.ndarray:
+def _encode_documents(datas: Sequence[bytes], tokenizer: str) -> tuple[np.ndarray, np.ndarray]:
     """``[bos] ids(d0) [eos] [bos] ids(d1) [eos] ...`` with a Hugging Face tokenizer (its BOS/EOS
-    where it has them), uint32 (uint16 when every id fits)."""
+    where it has them), uint32 (uint16 when every id fits), and each document's token count."""
     tok = HFTokenizer(tokenizer)
-    pieces = []
+    pieces, lengths = [], []
     for ids in tok.encode_batch([d.decode("utf-8", errors="replace") for d in datas]):
         if tok.bos_id is not None:
             pieces.append(np.array([tok.bos_id], np.int64))
         pieces.append(ids.astype(np.int64))
         if tok.eos_id is not None:
             pieces.append(np.array([tok.eos_id], np.int64))
+        lengths.append(len(ids) + (tok.bos_id is not None) + (tok.eos_id is not None))
     out = np.concatenate(pieces) if pieces else np.zeros((0,), np.int64)
-    return out.astype(np.uint16 if tok.vocab_size <= 2**16 else np.uint32)
+    return out.astype(np.uint16 if tok.vocab_size <= 2**16 else np.uint32), np.array(lengths)
+
+
+def _byte_documents(datas: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`_concat_documents` and each document's token count."""
+    return _concat_documents(datas), np.array([len(d) + 2 for d in datas], np.int64)
 
 
 @functools.lru_cache(maxsize=8)
@@ -379,17 +394,22 @@ def _load_text(
             f"pre-tokenized .npy/.bin files use data.source='tokens'"
         )
     concat = (
-        _concat_documents
+        _byte_documents
         if tokenizer is None
         else functools.partial(_encode_documents, tokenizer=tokenizer[0])
     )
     if val_fraction > 0 and (not train or not val):
         # Too few files for a split by file (e.g. a single file): split the stream instead.
-        stream = concat(train + val)
+        stream, lengths = concat(train + val)
         train_arr, val_arr = _stream_split(stream, val_fraction)
+        docs = DocumentIndex.from_lengths(lengths)
+        cut = len(train_arr)
+        train_docs, val_docs = docs.sub(0, cut), docs.sub(cut, len(stream))
         split_by, n_train, n_val = "stream", len(train) + len(val), len(train) + len(val)
     else:
-        train_arr, val_arr = concat(train), concat(val)
+        (train_arr, train_len), (val_arr, val_len) = concat(train), concat(val)
+        train_docs = DocumentIndex.from_lengths(train_len)
+        val_docs = DocumentIndex.from_lengths(val_len)
         split_by, n_train, n_val = "file", len(train), len(val)
     for arr in (train_arr, val_arr):
         arr.setflags(write=False)
@@ -403,6 +423,9 @@ def _load_text(
         validation_files=n_val,
         split_by=split_by,
         seconds=time.perf_counter() - t0,
+        train_documents=train_docs,
+        validation_documents=val_docs,
+        documents_note="each file is a document",
     )
 
 
@@ -552,18 +575,21 @@ def check_token_ids(files: Sequence[str], dtype: str, vocab_size: int) -> None:
 # ============================================================================ prepared folders
 MANIFEST_FILE = "manifest.json"
 MANIFEST_FORMAT = "diffjax.prepared-tokens"
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2  # 2: an index of document starts beside each shard
+READABLE_VERSIONS = (1, 2)  # 1: no index (boundaries from the manifest's BOS/EOS ids)
 BYTE_TOKENIZER = "byte"
 
 
 @dataclasses.dataclass(frozen=True)
 class Shard:
-    """One ``.bin`` shard of a prepared folder: its file name, tokens and the documents that
-    begin in it."""
+    """One ``.bin`` shard of a prepared folder: its file name, tokens, the documents that
+    begin in it and (format version 2) its index file: their start offsets within the shard,
+    :data:`~diffjax.data.documents.INDEX_DTYPE`."""
 
     file: str
     tokens: int
     documents: int
+    index: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -577,6 +603,9 @@ class Manifest:
     tokenizer_name: str  # "byte", or the tokenizer.json path it was prepared with
     train: tuple[Shard, ...]
     validation: tuple[Shard, ...]
+    version: int = MANIFEST_VERSION
+    bos_id: int | None = None
+    eos_id: int | None = None
 
 
 def file_sha256(path: str) -> str:
@@ -630,7 +659,13 @@ def _manifest_error(directory: str, problem: str) -> DataError:
 def _parse_shards(directory: str, raw, split: str) -> tuple[Shard, ...]:
     try:
         return tuple(
-            Shard(str(s["file"]), int(s["tokens"]), int(s["documents"])) for s in raw[split]
+            Shard(
+                str(s["file"]),
+                int(s["tokens"]),
+                int(s["documents"]),
+                None if s.get("index") is None else str(s["index"]),
+            )
+            for s in raw[split]
         )
     except (KeyError, TypeError, ValueError):
         raise _manifest_error(directory, f"has no valid shards.{split} list") from None
@@ -653,9 +688,11 @@ def _parse_manifest(directory: str, text: bytes) -> Manifest:
         raise _manifest_error(directory, f"is not readable JSON ({e})") from None
     if not isinstance(raw, dict) or raw.get("format") != MANIFEST_FORMAT:
         raise _manifest_error(directory, f"is not a {MANIFEST_FORMAT} manifest")
-    if raw.get("version") != MANIFEST_VERSION:
+    if raw.get("version") not in READABLE_VERSIONS:
         raise _manifest_error(
-            directory, f"has version {raw.get('version')!r}; this diffjax reads {MANIFEST_VERSION}"
+            directory,
+            f"has version {raw.get('version')!r}; this diffjax reads versions "
+            f"{', '.join(map(str, READABLE_VERSIONS))}",
         )
     try:
         tok = raw["tokenizer"]
@@ -666,11 +703,18 @@ def _parse_manifest(directory: str, text: bytes) -> Manifest:
             tokenizer_name=str(tok.get("path") or tok["name"]),
             train=_parse_shards(directory, raw["shards"], "train"),
             validation=_parse_shards(directory, raw["shards"], "val"),
+            version=int(raw["version"]),
+            bos_id=None if raw.get("bos_id") is None else int(raw["bos_id"]),
+            eos_id=None if raw.get("eos_id") is None else int(raw["eos_id"]),
         )
     except (KeyError, TypeError, AttributeError, ValueError) as e:
         raise _manifest_error(directory, f"lacks a field ({e})") from None
     if manifest.dtype not in ("uint16", "uint32", "int32"):
         raise _manifest_error(directory, f"names the unknown dtype {manifest.dtype!r}")
+    if manifest.version >= 2:
+        missing = [s.file for s in manifest.train + manifest.validation if s.index is None]
+        if missing:
+            raise _manifest_error(directory, f"names no index file for {missing[0]}")
     return manifest
 
 
@@ -760,6 +804,98 @@ def _shard_pieces(directory: str, shards: Sequence[Shard], dtype: str) -> list[_
     return pieces
 
 
+def _index_error(directory: str, shard: Shard, problem: str) -> DataError:
+    return DataError(
+        f"DataConfig.path: the document index {shard.index} of {storage.join(directory, shard.file)!r} "
+        f"{problem}, so it does not match its shard. Fix: prepare the folder again with python -m "
+        f"diffjax.data.prepare (its shards are kept when unchanged), or train without document "
+        f"masking (data.document_mask=false)"
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def _local_index(directory: str, shard: Shard, first: bool, size: int, mtime_ns: int) -> np.ndarray:
+    """A shard's index file, memory-mapped and checked (cached while the file is unchanged)."""
+    full = os.path.join(directory, shard.index)
+    starts = np.memmap(full, dtype=INDEX_DTYPE, mode="r") if size else np.zeros((0,), np.int64)
+    _check_index(directory, shard, starts, first)
+    return starts
+
+
+def _check_index(directory: str, shard: Shard, starts: np.ndarray, first: bool) -> None:
+    """Offsets sorted, within the shard, one per document that begins in it (the split's first
+    shard: from offset 0)."""
+    if len(starts) != shard.documents:
+        raise _index_error(
+            directory,
+            shard,
+            f"holds {len(starts)} starts for the {shard.documents} documents the manifest says "
+            "begin in it",
+        )
+    if len(starts) and (int(starts[0]) < 0 or int(starts[-1]) >= shard.tokens):
+        raise _index_error(directory, shard, f"holds offsets outside the shard's {shard.tokens} tokens")
+    if len(starts) > 1 and bool(np.any(np.diff(starts) < 0)):
+        raise _index_error(directory, shard, "is not sorted")
+    if first and (not len(starts) or int(starts[0]) != 0):
+        raise _index_error(directory, shard, "does not start a document at the split's offset 0")
+
+
+def _shard_index(directory: str, shards: Sequence[Shard]) -> DocumentIndex:
+    """The document starts of the stream of ``shards`` from their index files: memory-mapped
+    from a folder, fetched once (concurrently) from a bucket; each checked against its shard."""
+    item = np.dtype(INDEX_DTYPE).itemsize
+    offsets = np.concatenate([[0], np.cumsum([s.tokens for s in shards])]).astype(np.int64)
+    if storage.is_remote(directory):
+        sizes = storage.object_sizes(directory)
+        for shard in shards:
+            if sizes.get(shard.index) != shard.documents * item:
+                raise _index_error(
+                    directory,
+                    shard,
+                    "is missing" if shard.index not in sizes else f"has {sizes[shard.index]} "
+                    f"bytes for {shard.documents} documents of {item} bytes",
+                )
+        blobs = storage.read_ranges(
+            [storage.join(directory, s.index) for s in shards],
+            [0] * len(shards),
+            [s.documents * item for s in shards],
+        )
+        arrays = [np.frombuffer(b, dtype=INDEX_DTYPE) for b in blobs]
+        for i, (shard, starts) in enumerate(zip(shards, arrays)):
+            _check_index(directory, shard, starts, first=i == 0)
+    else:
+        arrays = []
+        for shard in shards:
+            full = os.path.join(directory, shard.index)
+            if not os.path.isfile(full):
+                raise _index_error(directory, shard, "is missing")
+            st = os.stat(full)
+            if st.st_size != shard.documents * item:
+                raise _index_error(
+                    directory, shard, f"has {st.st_size} bytes for {shard.documents} documents "
+                    f"of {item} bytes"
+                )
+            first = len(arrays) == 0
+            arrays.append(_local_index(directory, shard, first, st.st_size, st.st_mtime_ns))
+    return DocumentIndex([(int(o), a) for o, a in zip(offsets, arrays)])
+
+
+def _prepared_documents(
+    directory: str, manifest: Manifest, train: Sequence[Shard], val: Sequence[Shard]
+) -> tuple[Boundaries | None, Boundaries | None, str]:
+    """Each split's boundaries and how they are known: the index of a version-2 folder, else
+    the manifest's BOS/EOS ids, else none (and why)."""
+    if manifest.version >= 2:
+        return _shard_index(directory, train), _shard_index(directory, val) if val else None, "index"
+    if manifest.bos_id is None and manifest.eos_id is None:
+        return None, None, (
+            f"{directory!r} was prepared by an older diffjax (no document index) with a tokenizer "
+            f"that has neither a BOS nor an EOS id"
+        )
+    marks = SpecialTokens(manifest.bos_id, manifest.eos_id)
+    return marks, marks, "BOS/EOS ids"
+
+
 def load_prepared_corpus(config: DataConfig, directory: str) -> Corpus:
     """A prepared folder: its train shards for training and its validation shards for
     validation (the split is the one ``prepare`` made, by document), in its manifest's dtype.
@@ -782,6 +918,9 @@ def load_prepared_corpus(config: DataConfig, directory: str) -> Corpus:
         )
     train_pieces = _shard_pieces(directory, train, manifest.dtype)
     val_pieces = _shard_pieces(directory, val, manifest.dtype)
+    train_docs, val_docs, note = (None, None, "")
+    if config.masks_documents:
+        train_docs, val_docs, note = _prepared_documents(directory, manifest, train, val)
     return Corpus(
         kind="tokens",
         path=config.path,
@@ -792,6 +931,9 @@ def load_prepared_corpus(config: DataConfig, directory: str) -> Corpus:
         validation_files=len(val_pieces),
         split_by="document",
         seconds=time.perf_counter() - t0,
+        train_documents=train_docs,
+        validation_documents=val_docs,
+        documents_note=note,
     )
 
 
@@ -821,6 +963,7 @@ def load_token_corpus(config: DataConfig) -> Corpus:
     stream = TokenStream(pieces)
     n = len(stream)
     cut = n - int(round(config.val_fraction * n))
+    marks, note = _raw_token_documents(config)
     return Corpus(
         kind="tokens",
         path=config.path,
@@ -831,7 +974,29 @@ def load_token_corpus(config: DataConfig) -> Corpus:
         validation_files=len(files) if cut < n else 0,
         split_by="stream",
         seconds=time.perf_counter() - t0,
+        train_documents=marks,
+        validation_documents=marks,
+        documents_note=note,
     )
+
+
+def _raw_token_documents(config: DataConfig) -> tuple[SpecialTokens | None, str]:
+    """Raw token files hold no index: their boundaries are the BOS/EOS ids of
+    ``data.tokenizer`` when it names one that has them."""
+    if config.tokenizer is None:
+        return None, (
+            f"the raw token files {config.path!r} carry no document index and data.tokenizer is "
+            f"unset, so their BOS/EOS ids are unknown"
+        )
+    if config.tokenizer == BYTE_TOKENIZER:
+        return SpecialTokens(BOS, EOS), "BOS/EOS ids"
+    tok = HFTokenizer(config.tokenizer)
+    if tok.bos_id is None and tok.eos_id is None:
+        return None, (
+            f"the raw token files {config.path!r} carry no document index and the tokenizer "
+            f"{config.tokenizer!r} has neither a BOS nor an EOS id"
+        )
+    return SpecialTokens(tok.bos_id, tok.eos_id), "BOS/EOS ids"
 
 
 def load_corpus(config: DataConfig) -> Corpus:
@@ -845,24 +1010,29 @@ def load_corpus(config: DataConfig) -> Corpus:
 class WindowSource:
     """Random access to the windows of a stream: example ``i`` is
     ``w = stream[i*T : i*T + T + 1]`` as ``inputs = w[:-1]``, ``targets = w[1:]``, ``weights``
-    = 1 (int32 / float32). A grain ``MapDataset`` source (``__len__``, ``__getitem__``)."""
+    = 1 (int32 / float32). With ``documents`` (the stream's boundaries) each example also
+    carries ``segment_ids`` and ``positions`` and weighs no target across a boundary
+    (:func:`diffjax.data.documents.mark_documents`). A grain ``MapDataset`` source
+    (``__len__``, ``__getitem__``)."""
 
     validation_metrics: dict = {}  # a corpus: validation loss and perplexity only
 
-    def __init__(self, stream: TokenStream, seq_len: int):
-        self.stream, self.seq_len = stream, int(seq_len)
+    def __init__(self, stream: TokenStream, seq_len: int, documents: Boundaries | None = None):
+        self.stream, self.seq_len, self.documents = stream, int(seq_len), documents
         self._len = max(0, (len(stream) - 1) // self.seq_len)
 
     def __len__(self) -> int:
         return self._len
 
     def __getitem__(self, index: int) -> dict[str, np.ndarray]:
-        index = int(index)
-        if not 0 <= index < self._len:
-            raise IndexError(f"window {index} out of range [0, {self._len})")
+        return self._getitems([index])[0]
+
+    def _example(self, start: int, w: np.ndarray) -> dict[str, np.ndarray]:
         T = self.seq_len
-        w = self.stream.read(index * T, index * T + T + 1)
-        return {"inputs": w[:-1], "targets": w[1:], "weights": np.ones((T,), np.float32)}
+        if self.documents is None:
+            return {"inputs": w[:-1], "targets": w[1:], "weights": np.ones((T,), np.float32)}
+        marks = mark_documents(T, self.documents.window_starts(start, w))
+        return {"inputs": w[:-1], "targets": w[1:], **marks}
 
     def _getitems(self, indices: Sequence[int]) -> list[dict[str, np.ndarray]]:
         """``[self[i] for i in indices]`` with the reads in flight together (grain's batched
@@ -871,9 +1041,10 @@ class WindowSource:
         for index in indices:
             if not 0 <= int(index) < self._len:
                 raise IndexError(f"window {index} out of range [0, {self._len})")
-        windows = self.stream.read_many([(int(i) * T, int(i) * T + T + 1) for i in indices])
-        ones = np.ones((T,), np.float32)
-        return [{"inputs": w[:-1], "targets": w[1:], "weights": ones.copy()} for w in windows]
+        starts = [int(i) * T for i in indices]
+        windows = self.stream.read_many([(a, a + T + 1) for a in starts])
+        return [self._example(a, w) for a, w in zip(starts, windows)]
 
     def __repr__(self) -> str:
-        return f"WindowSource({self._len} windows of {self.seq_len} + 1 tokens)"
+        docs = "" if self.documents is None else f", documents by {self.documents!r}"
+        return f"WindowSource({self._len} windows of {self.seq_len} + 1 tokens{docs})"

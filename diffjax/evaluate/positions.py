@@ -35,6 +35,7 @@ def corpus_for_positions(data: DataConfig, seq_len: int) -> DataConfig | None:
             val_fraction=data.val_fraction,
             max_files=data.max_files,
             stdlib_tests=data.stdlib_tests,
+            document_mask=False,  # as the haystacks the model trained on
         )
     return None
 
@@ -68,21 +69,26 @@ def validation_loss(losses: np.ndarray, weights: np.ndarray) -> tuple[float, flo
 
 
 def loss_by_position(
-    losses: np.ndarray, weights: np.ndarray, num_buckets: int = 16
+    losses: np.ndarray,
+    weights: np.ndarray,
+    num_buckets: int = 16,
+    positions: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Mean loss in ``num_buckets`` equal position buckets: ``(bucket end positions, loss)``
-    (weighted by ``weights``; NaN for a bucket with no weight)."""
+    (weighted by ``weights``; NaN for a bucket with no weight). ``positions`` ``[B, T]``: each
+    token's position counted from its document's start (a batch that keeps documents apart);
+    None: its column."""
     t = losses.shape[1]
     num_buckets = max(1, min(num_buckets, t))
     edges = np.linspace(0, t, num_buckets + 1).astype(int)
+    pos = np.broadcast_to(np.arange(t), losses.shape) if positions is None else positions
+    bucket = np.searchsorted(edges, np.asarray(pos), side="right") - 1
     w = np.asarray(weights, np.float64)
+    total = np.bincount(bucket.ravel(), (losses * w).ravel(), minlength=num_buckets)
+    weight = np.bincount(bucket.ravel(), w.ravel(), minlength=num_buckets)
     out = np.full(num_buckets, np.nan)
-    for i in range(num_buckets):
-        ws = w[:, edges[i] : edges[i + 1]].sum()
-        if ws > 0:
-            out[i] = float(
-                (losses[:, edges[i] : edges[i + 1]] * w[:, edges[i] : edges[i + 1]]).sum() / ws
-            )
+    seen = weight > 0
+    out[seen] = total[seen] / weight[seen]
     return edges[1:], out
 
 
@@ -114,11 +120,13 @@ def measure(inputs: ModelInputs) -> LossByPosition | None:
     if corpus is None:
         return None
     if corpus == data:
-        losses, weights = inputs.val_outputs[0], inputs.val["weights"]
+        losses, ex = inputs.val_outputs[0], inputs.val
     else:
         ex = validation_examples(corpus, settings.val_examples)
-        losses, weights = inputs.losses_and_predictions(ex)[0], ex["weights"]
-    ends, by_pos = loss_by_position(losses, weights, settings.loss_buckets)
+        losses = inputs.losses_and_predictions(ex)[0]
+    ends, by_pos = loss_by_position(
+        losses, ex["weights"], settings.loss_buckets, ex.get("positions")
+    )
     return LossByPosition(length, data.seq_len, ends.tolist(), by_pos.tolist())
 
 
@@ -166,7 +174,9 @@ def section(run: Run) -> list[str]:
         f"Per-token loss on validation text at context {p0.length} (the models were trained "
         f"at {p0.trained_length}"
         + ("; positions beyond it test length extrapolation" if beyond else "")
-        + f"), in equal position buckets. What it measures: {DOC}, section 6.",
+        + f"), in equal position buckets"
+        + (", each token's position counted from its document's start" if run.data.masks_documents else "")
+        + f". What it measures: {DOC}, section 6.",
         "",
     ]
     if run.data.source == "needle":

@@ -177,10 +177,13 @@ def layer_attention_maps(model, tokens, layer: int = -1) -> dict[str, np.ndarray
 
 
 @nnx.jit
-def _losses_and_predictions(model, inputs, targets, positions=None):
-    logits = model(inputs, positions=positions)
+def _losses_and_predictions(model, inputs, targets, masks):
+    logits = model(inputs, **masks)
     loss = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
     return loss, jnp.argmax(logits, axis=-1)
+
+
+MASKS = ("positions", "segment_ids")  # what a batch may carry beside its tokens
 
 
 def losses_and_predictions(
@@ -189,6 +192,9 @@ def losses_and_predictions(
     """Per-token cross-entropy ``[B, T]`` (nats, float64) and greedy predictions ``[B, T]`` of
     ``model`` on ``batch["inputs"]`` / ``batch["targets"]``, in fixed-size batches (the last one
     padded), so each model and length compiles once for every analysis that uses it.
+
+    The batch's ``segment_ids`` and ``positions`` (documents kept apart), when it has them,
+    go to the model with the tokens.
 
     ``runtime``: run on its mesh, the model built for it (:func:`diffjax.model.for_runtime`).
     Where the mesh's ``context`` axis splits the sequence, each batch goes in the model's token
@@ -205,25 +211,20 @@ def _losses_and_predictions_batched(model, batch: dict, batch_size: int):
     n = context.axis_size(sharding.context_mesh())
     order = model.context.order  # how the model's attention reads the tokens over the axis
     x_all = np.asarray(check_tokens(model, batch["inputs"]))
-    y_all = np.asarray(batch["targets"])
+    rows = {"inputs": x_all, "targets": np.asarray(batch["targets"])}
+    rows.update({k: np.asarray(batch[k], np.int32) for k in MASKS if batch.get(k) is not None})
     losses, preds = [], []
     for i in range(0, len(x_all), batch_size):
-        x, y = x_all[i : i + batch_size], y_all[i : i + batch_size]
-        pad = batch_size - len(x)
+        part = {k: v[i : i + batch_size] for k, v in rows.items()}
+        pad = batch_size - len(part["inputs"])
         if pad:
-            x = np.concatenate([x, np.repeat(x[-1:], pad, 0)])
-            y = np.concatenate([y, np.repeat(y[-1:], pad, 0)])
+            part = {k: np.concatenate([v, np.repeat(v[-1:], pad, 0)]) for k, v in part.items()}
         if n > 1:
-            o = context.order_batch({"inputs": x, "targets": y}, n, order)
-            loss, pred = jax.device_get(
-                _losses_and_predictions(model, o["inputs"], o["targets"], o["positions"])
-            )
+            part = context.order_batch(part, n, order)
+        x, y = (jnp.asarray(part.pop(k), jnp.int32) for k in ("inputs", "targets"))
+        loss, pred = jax.device_get(_losses_and_predictions(model, x, y, part))
+        if n > 1:
             loss, pred = (context.restore_order(np.asarray(a), n, order) for a in (loss, pred))
-        else:
-            loss, pred = _losses_and_predictions(
-                model, jnp.asarray(x, jnp.int32), jnp.asarray(y, jnp.int32)
-            )
-            loss, pred = jax.device_get((loss, pred))
         losses.append(np.asarray(loss, np.float64)[: batch_size - pad])
         preds.append(np.asarray(pred)[: batch_size - pad])
     return np.concatenate(losses), np.concatenate(preds)

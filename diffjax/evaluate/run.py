@@ -115,9 +115,9 @@ def read_run_config(run_dir: str) -> dict[str, Any]:
 
 
 def data_config(cfg: dict[str, Any]) -> DataConfig:
-    """The run's ``DataConfig`` (fields this version does not know are ignored)."""
-    names = {f.name for f in dataclasses.fields(DataConfig)}
-    return DataConfig(**{k: v for k, v in cfg.get("data", {}).items() if k in names})
+    """The run's ``DataConfig`` (:meth:`DataConfig.from_saved`: fields this version does not
+    know are ignored, those the run's version did not have take their value from before)."""
+    return DataConfig.from_saved(cfg.get("data", {}))
 
 
 # ---------------------------------------------------------------------------- one model

@@ -44,7 +44,8 @@ from .config import ExperimentConfig
 from .metrics import MetricsCollector, MetricsWriter, read_metrics
 from .optimizer import learning_rate_schedule, make_optimizer
 
-MODEL_INPUTS = ("inputs", "targets", "weights", "segment_ids", "positions")
+MODEL_INPUTS = ("inputs", "targets", "weights", "segment_ids", "positions", "token_index")
+MASK_INPUTS = ("positions", "segment_ids", "token_index")  # what the model reads beside tokens
 
 
 class TrainingDiverged(RuntimeError):
@@ -151,9 +152,7 @@ def weighted_cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.A
 
 
 def _call(model, batch) -> jax.Array:
-    return model(
-        batch["inputs"], **{k: batch[k] for k in ("segment_ids", "positions") if k in batch}
-    )
+    return model(batch["inputs"], **{k: batch[k] for k in MASK_INPUTS if k in batch})
 
 
 def _loss_terms(params, batch, graphdef, rest):
@@ -471,6 +470,19 @@ def model_inputs(
     return sharding.global_batch(arrays, runtime.mesh, global_rows)
 
 
+def step_inputs(data: data_lib.DataConfig, runtime: Runtime) -> dict[str, Any]:
+    """The arrays a step reads (as :func:`model_inputs` makes them) and their dtypes: the
+    tokens, targets and weights; ``segment_ids`` and ``positions`` where the data keeps
+    documents apart; ``positions`` and ``token_index`` where a ``context`` axis splits the
+    sequence (what a compile-only plan traces the step with)."""
+    names = {"inputs": jnp.int32, "targets": jnp.int32, "weights": jnp.float32}
+    if data.masks_documents:
+        names.update(segment_ids=jnp.int32, positions=jnp.int32)
+    if runtime.context_size > 1:
+        names.update(positions=jnp.int32, token_index=jnp.int32)
+    return names
+
+
 def process_stream(exp: ExperimentConfig, split: str, mesh) -> Iterator[dict[str, np.ndarray]]:
     """This process's rows of every global batch of ``split``: the same global batches in the
     same order for every model of the experiment and every mesh."""
@@ -524,10 +536,11 @@ def _open_run(
     if latest is not None:
         saved = ckpt.read_meta(latest)
         check_same_model(saved["model"], meta["model"], directory)
+        theirs = {**data_lib.config.SAVED_BEFORE, **saved.get("data", {})}
         changed = sorted(
             k
-            for k in set(saved.get("data", {})) | set(meta["data"])
-            if saved.get("data", {}).get(k) != meta["data"].get(k) and k != "prefetch"
+            for k in set(theirs) | set(meta["data"])
+            if theirs.get(k) != meta["data"].get(k) and k != "prefetch"
         )
         if changed:
             log(
