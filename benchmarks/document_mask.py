@@ -46,7 +46,7 @@ def pipeline_rates(exp, rounds: int, batches: int) -> dict[str, list[float]]:
         "off": exp.data.replace(prefetch=0, document_mask=False),
     }
     for r in range(rounds):
-        for name in (("on", "off") if r % 2 == 0 else ("off", "on")):
+        for name in ("on", "off") if r % 2 == 0 else ("off", "on"):
             it = iter(make_dataset(configs[name], "train", batch_size=exp.train.batch_size))
             first = next(it)
             t0 = time.perf_counter()
@@ -75,7 +75,7 @@ def step_times(exp, rounds: int, steps: int) -> dict[str, list[float]]:
             states[name] = state
         times: dict[str, list[float]] = {"on": [], "off": []}
         for r in range(rounds + 1):  # round 0 warms up
-            for name in (("on", "off") if r % 2 == 0 else ("off", "on")):
+            for name in ("on", "off") if r % 2 == 0 else ("off", "on"):
                 state = states[name]
                 t0 = time.perf_counter()
                 for batch in feeds[name]:
@@ -101,7 +101,10 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     exp = load_config(None)
     tokens = exp.train.batch_size * exp.data.seq_len
-    print(f"default data: {exp.data.source}, seq_len {exp.data.seq_len}, batch {exp.train.batch_size}", file=sys.stderr)
+    print(
+        f"default data: {exp.data.source}, seq_len {exp.data.seq_len}, batch {exp.train.batch_size}",
+        file=sys.stderr,
+    )
     pipe = pipeline_rates(exp, args.rounds, args.batches)
     step = step_times(exp, args.rounds, args.steps)
     pr, sr = _ratios(pipe["on"], pipe["off"]), _ratios(step["on"], step["off"])

@@ -43,7 +43,6 @@ import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from diffjax import cli, sharding

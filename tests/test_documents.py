@@ -6,7 +6,6 @@ context ring); prepared folders carry an index that is checked; masking off is t
 from __future__ import annotations
 
 import json
-import os
 
 import numpy as np
 import pytest
@@ -118,7 +117,11 @@ def test_masking_off_is_todays_batches_and_on_only_adds():
     src = make_source(off, "train")
     assert src.documents is None
     stream = src.stream.read(0, len(src.stream))
-    first = int(np.flatnonzero([np.array_equal(stream[j * 64 : j * 64 + 64], a["inputs"][0]) for j in range(len(src))])[0])
+    first = int(
+        np.flatnonzero(
+            [np.array_equal(stream[j * 64 : j * 64 + 64], a["inputs"][0]) for j in range(len(src))]
+        )[0]
+    )
     np.testing.assert_array_equal(a["targets"][0], stream[first * 64 + 1 : first * 64 + 65])
 
 
@@ -204,7 +207,10 @@ def test_an_index_that_does_not_match_its_shard_is_refused(tmp_path):
     good = idx.read_bytes()
     for bad, problem in (
         (good[:-8], "holds 0 starts|bytes for"),
-        (np.array([49, 3], "<i8").tobytes()[: len(good)] if len(good) == 16 else None, "not sorted"),
+        (
+            np.array([49, 3], "<i8").tobytes()[: len(good)] if len(good) == 16 else None,
+            "not sorted",
+        ),
         (np.full(len(good) // 8, 10**6, "<i8").tobytes(), "outside the shard"),
     ):
         if bad is None:
@@ -314,7 +320,10 @@ def test_a_packed_row_computes_each_document_alone(kind, impl):
         np.testing.assert_allclose(packed[0, a : a + n], each[i, :n], atol=1e-5, rtol=1e-5)
     # without the masks the later documents read the earlier ones
     unmasked = model(jnp.asarray(tokens[None, :-1]))
-    assert np.abs(np.asarray(unmasked[0, starts[1] :]) - np.asarray(packed[0, starts[1] :])).max() > 1e-3
+    assert (
+        np.abs(np.asarray(unmasked[0, starts[1] :]) - np.asarray(packed[0, starts[1] :])).max()
+        > 1e-3
+    )
 
 
 @pytest.mark.parametrize(
@@ -336,7 +345,11 @@ def test_a_packed_row_on_the_context_ring_computes_each_document_alone(kind, imp
 
     model = _model(kind, impl)
     tokens, marks, alone, starts, lengths = _packed_and_alone()
-    packed = {"inputs": tokens[None, :-1], "targets": tokens[None, 1:], **{k: marks[k][None] for k in ("segment_ids", "positions")}}
+    packed = {
+        "inputs": tokens[None, :-1],
+        "targets": tokens[None, 1:],
+        **{k: marks[k][None] for k in ("segment_ids", "positions")},
+    }
     single = {"inputs": alone[:, :-1], "targets": alone[:, 1:]}
     want, _ = losses_and_predictions(model, single, batch_size=4)
     runtime = Runtime.of(model.config, sharding.MeshConfig(context=4, context_order=order))

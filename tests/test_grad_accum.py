@@ -52,6 +52,12 @@ MODELS = {
 def make_batch(weights: str) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, 64, (BATCH, SEQ + 1)).astype(np.int32)
+    if weights == "documents":  # documents kept apart: segments, restarting positions
+        from diffjax.data.documents import mark_documents
+
+        rows = [mark_documents(SEQ, rng.choice(np.arange(1, SEQ + 1), 3)) for _ in range(BATCH)]
+        marks = {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+        return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], **marks}
     if weights == "uniform":
         w = np.ones((BATCH, SEQ), np.float32)
     else:  # answer-only style: a few weighted tokens, unevenly spread, some rows none at all
@@ -129,7 +135,7 @@ def _accum_cases():
     other combinations with -m exhaustive."""
     for k in (2, 4):
         for model in MODELS:
-            for weights in ("uniform", "answer_only"):
+            for weights in ("uniform", "answer_only", "documents"):
                 default = (k == 2 and weights == "uniform") or model == "diff_v1"
                 marks = () if default else (pytest.mark.exhaustive,)
                 yield pytest.param(k, model, weights, marks=marks, id=f"{k}-{model}-{weights}")

@@ -22,7 +22,7 @@ from test_storage_runs import ROOT, SHORT, fresh_machine, losses
 from diffjax import storage
 from diffjax.compare.cli import main as train_main
 from diffjax.config import ConfigError
-from diffjax.data import DataConfig, DataError, check_data, make_dataset
+from diffjax.data import DataConfig, DataError, check_data, make_dataset, make_source
 from diffjax.data import prepare as prep
 from diffjax.data.sources import load_corpus
 
@@ -366,3 +366,17 @@ def test_check_data_describes_the_bucket_without_reading_every_token(corpus, mon
         DataError, match=r"model.vocab_size: 100 is smaller than the vocab_size 259"
     ):
         check_data(DataConfig(source="tokens", path=remote, seq_len=16), 100)
+
+
+def test_a_prefix_in_a_bucket_keeps_documents_apart_as_the_local_folder(corpus):
+    """The document index is read from the bucket (each shard's .idx, fetched once): every
+    window's segment ids, positions and weights are the local folder's."""
+    local, remote, _ = corpus
+    here = make_source(DataConfig(source="tokens", path=local, seq_len=16), "train")
+    there = make_source(DataConfig(source="tokens", path=remote, seq_len=16), "train")
+    assert len(here) == len(there) and there.documents is not None
+    batch = there._getitems(list(range(len(there))))
+    assert any(ex["segment_ids"].max() > 1 for ex in batch)
+    for i, ex in enumerate(batch):
+        for k, v in here[i].items():
+            np.testing.assert_array_equal(ex[k], v, err_msg=f"window {i}: {k}")

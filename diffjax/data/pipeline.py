@@ -106,7 +106,9 @@ def documents(config: DataConfig, corpus: Corpus, split: str):
         "or set data.document_mask=false"
     )
     if config.document_mask:
-        raise DataError(f"DataConfig.document_mask: is true, but {corpus.documents_note}. Fix: {fix}")
+        raise DataError(
+            f"DataConfig.document_mask: is true, but {corpus.documents_note}. Fix: {fix}"
+        )
     note = (
         f"data.document_mask: documents are not kept apart: {corpus.documents_note}. To keep "
         f"them apart, {fix.replace(', or set data.document_mask=false', '')}."

@@ -833,7 +833,9 @@ def _check_index(directory: str, shard: Shard, starts: np.ndarray, first: bool) 
             "begin in it",
         )
     if len(starts) and (int(starts[0]) < 0 or int(starts[-1]) >= shard.tokens):
-        raise _index_error(directory, shard, f"holds offsets outside the shard's {shard.tokens} tokens")
+        raise _index_error(
+            directory, shard, f"holds offsets outside the shard's {shard.tokens} tokens"
+        )
     if len(starts) > 1 and bool(np.any(np.diff(starts) < 0)):
         raise _index_error(directory, shard, "is not sorted")
     if first and (not len(starts) or int(starts[0]) != 0):
@@ -852,7 +854,9 @@ def _shard_index(directory: str, shards: Sequence[Shard]) -> DocumentIndex:
                 raise _index_error(
                     directory,
                     shard,
-                    "is missing" if shard.index not in sizes else f"has {sizes[shard.index]} "
+                    "is missing"
+                    if shard.index not in sizes
+                    else f"has {sizes[shard.index]} "
                     f"bytes for {shard.documents} documents of {item} bytes",
                 )
         blobs = storage.read_ranges(
@@ -872,8 +876,9 @@ def _shard_index(directory: str, shards: Sequence[Shard]) -> DocumentIndex:
             st = os.stat(full)
             if st.st_size != shard.documents * item:
                 raise _index_error(
-                    directory, shard, f"has {st.st_size} bytes for {shard.documents} documents "
-                    f"of {item} bytes"
+                    directory,
+                    shard,
+                    f"has {st.st_size} bytes for {shard.documents} documents of {item} bytes",
                 )
             first = len(arrays) == 0
             arrays.append(_local_index(directory, shard, first, st.st_size, st.st_mtime_ns))
@@ -886,11 +891,19 @@ def _prepared_documents(
     """Each split's boundaries and how they are known: the index of a version-2 folder, else
     the manifest's BOS/EOS ids, else none (and why)."""
     if manifest.version >= 2:
-        return _shard_index(directory, train), _shard_index(directory, val) if val else None, "index"
+        return (
+            _shard_index(directory, train),
+            _shard_index(directory, val) if val else None,
+            "index",
+        )
     if manifest.bos_id is None and manifest.eos_id is None:
-        return None, None, (
-            f"{directory!r} was prepared by an older diffjax (no document index) with a tokenizer "
-            f"that has neither a BOS nor an EOS id"
+        return (
+            None,
+            None,
+            (
+                f"{directory!r} was prepared by an older diffjax (no document index) with a tokenizer "
+                f"that has neither a BOS nor an EOS id"
+            ),
         )
     marks = SpecialTokens(manifest.bos_id, manifest.eos_id)
     return marks, marks, "BOS/EOS ids"

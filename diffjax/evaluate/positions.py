@@ -174,8 +174,12 @@ def section(run: Run) -> list[str]:
         f"Per-token loss on validation text at context {p0.length} (the models were trained "
         f"at {p0.trained_length}"
         + ("; positions beyond it test length extrapolation" if beyond else "")
-        + f"), in equal position buckets"
-        + (", each token's position counted from its document's start" if run.data.masks_documents else "")
+        + "), in equal position buckets"
+        + (
+            ", each token's position counted from its document's start"
+            if run.data.masks_documents
+            else ""
+        )
         + f". What it measures: {DOC}, section 6.",
         "",
     ]
