@@ -7,11 +7,13 @@ validation metrics: :func:`validation_metrics`) and the grain pipeline.
     config = DataConfig(source="stdlib", seq_len=256)
     print(check_data(config, vocab_size=259).description)   # fails early on bad data
     it = iter(make_dataset(config, "train", batch_size=16))
-    batch = next(it)        # {"inputs": [16, 256] int32, "targets": ..., "weights": ...}
+    batch = next(it)        # {"inputs": [16, 256] int32, "targets": ..., "weights": ...,
+                            #  "segment_ids", "positions": documents kept apart}
     state = it.get_state()  # resume later with it.set_state(state)
 """
 
 from .config import SOURCES, TOKEN_DTYPES, DataConfig, DataError
+from .documents import DocumentIndex, SpecialTokens, mark_documents
 from .pipeline import (
     DataSummary,
     check_data,
@@ -57,8 +59,10 @@ __all__ = [
     "load_tokenizer",
     "DataError",
     "DataSummary",
+    "DocumentIndex",
     "MQARSource",
     "NeedleSource",
+    "SpecialTokens",
     "TokenStream",
     "ValidationMetric",
     "WindowSource",
@@ -70,6 +74,7 @@ __all__ = [
     "load_corpus",
     "make_dataset",
     "make_source",
+    "mark_documents",
     "num_examples",
     "num_tokens",
     "query_correct",

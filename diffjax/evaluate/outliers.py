@@ -49,12 +49,12 @@ def top_magnitudes(values, ks: Sequence[int] = KS, mask=None) -> dict[str, float
 
 
 @nnx.jit
-def _activations(model, tokens):
-    _, attn_in, outs = capture_layers(model, tokens)
+def _activations(model, tokens, masks):
+    _, attn_in, outs = capture_layers(model, tokens, **masks)
     logits = []
     mask = None
     for block, h in zip(model.layers, attn_in):
-        got = attention_logits(block.attn, h)
+        got = attention_logits(block.attn, h, masks.get("positions"), masks.get("segment_ids"))
         mask = got["mask"]
         logits += [got[k] for k in ("logits", "logits1", "logits2") if k in got]
     stacked = jnp.stack(logits)  # [L * maps, B, H, T, S]
@@ -66,15 +66,18 @@ def _activations(model, tokens):
 
 
 def activation_outliers(
-    model, tokens, *, batch_size: int = 4, ks: Sequence[int] = KS
+    model, tokens, *, batch_size: int = 4, ks: Sequence[int] = KS, masks: dict | None = None
 ) -> dict[str, dict[str, float]]:
     """Top-k and median magnitudes of ``model``'s attention logits and hidden states over the
-    ``tokens`` ``[B, T]`` given (the token budget is ``B * T``)."""
+    ``tokens`` ``[B, T]`` given (the token budget is ``B * T``); ``masks``: their
+    ``positions`` and ``segment_ids`` ``[B, T]`` (documents kept apart), if any."""
     model = for_analysis(model)
     tokens = np.asarray(check_tokens(model, tokens))
+    masks = {k: np.asarray(v, np.int32) for k, v in (masks or {}).items() if v is not None}
     logit_mags, hidden = [], []
     for i in range(0, len(tokens), batch_size):
-        lg, hs = _activations(model, jnp.asarray(tokens[i : i + batch_size], jnp.int32))
+        part = {k: jnp.asarray(v[i : i + batch_size]) for k, v in masks.items()}
+        lg, hs = _activations(model, jnp.asarray(tokens[i : i + batch_size], jnp.int32), part)
         lg = np.asarray(lg)
         logit_mags.append(lg[lg >= 0])
         hidden.append(np.abs(np.asarray(hs)).ravel())
@@ -112,12 +115,16 @@ def measure(inputs: ModelInputs) -> Outliers:
     (a needle run: its haystack text; MQAR: its own validation examples)."""
     data, n = inputs.data, inputs.settings.outlier_examples
     corpus = pos.corpus_for_positions(data, data.seq_len)
-    tokens = (
-        pos.validation_examples(corpus, n)["inputs"]
+    ex = (
+        pos.validation_examples(corpus, n)
         if corpus is not None
-        else inputs.val["inputs"][:n]
+        else {"inputs": inputs.val["inputs"][:n]}
     )
-    stats = activation_outliers(inputs.model, tokens, batch_size=min(inputs.settings.batch_size, 4))
+    tokens = ex["inputs"]
+    masks = {k: ex[k] for k in ("positions", "segment_ids") if k in ex}
+    stats = activation_outliers(
+        inputs.model, tokens, batch_size=min(inputs.settings.batch_size, 4), masks=masks
+    )
     return Outliers(stats, int(tokens.size))
 
 

@@ -55,11 +55,15 @@ def check_tokens(model, tokens) -> jax.Array:
     return tokens
 
 
-def capture_layers(model, tokens: jax.Array) -> tuple[jax.Array, list[jax.Array], list[jax.Array]]:
+def capture_layers(
+    model, tokens: jax.Array, **masks
+) -> tuple[jax.Array, list[jax.Array], list[jax.Array]]:
     """``(logits, attention_inputs, block_outputs)``: the model's logits and, per block, the
-    normalised input its attention layer sees and the block's output ``[B, T, D]``. Traceable
-    (call it inside ``nnx.jit``)."""
-    logits, inter = nnx.capture(model, nnx.Intermediate, method_outputs=nnx.Intermediate)(tokens)
+    normalised input its attention layer sees and the block's output ``[B, T, D]``; ``masks``:
+    the model's ``positions`` and ``segment_ids``, if any. Traceable (call it inside
+    ``nnx.jit``)."""
+    run = nnx.capture(model, nnx.Intermediate, method_outputs=nnx.Intermediate)
+    logits, inter = run(tokens, **masks)
     attn_in, outs = [], []
     for i in range(len(model.layers)):
         layer = inter["layers"][i]
