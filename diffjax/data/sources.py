@@ -13,6 +13,12 @@ does not depend on any other file, so adding or removing files never moves the o
 split is one stream ``BOS bytes EOS BOS bytes EOS ...`` (uint16, cached per process), and
 example ``i`` is the window ``stream[i*T : i*T + T + 1]`` (``inputs = w[:-1]``,
 ``targets = w[1:]``).
+
+Each corpus also says where its documents start (:mod:`diffjax.data.documents`): the text
+sources record it while building their streams (each file is a document), a prepared folder
+from the index beside each shard (a folder prepared before the index: its manifest's BOS/EOS
+ids), raw token files from the BOS/EOS ids of ``data.tokenizer``. The windows then carry
+``segment_ids`` and ``positions`` and weigh no target across a boundary.
 """
 
 from __future__ import annotations
