@@ -3,6 +3,7 @@ side by side.
 
     python benchmarks/document_mask.py                    # the default data and DIFF model
     python benchmarks/document_mask.py --rounds 10 --markdown out.md
+    python benchmarks/document_mask.py data.seq_len=512 model.max_seq_len=512   # any train.py setting
 
 Pipeline: tokens/s of ``make_dataset`` on the default data (the stdlib corpus, ``seq_len``
 and batch of the default ``train.py``), read on this thread (``data.prefetch=0``: the cost of
@@ -27,7 +28,7 @@ import jax
 import numpy as np
 
 from diffjax import machine
-from diffjax.train.config import load_config
+from diffjax.train.config import apply_overrides, load_config
 from diffjax.data import make_dataset
 from diffjax.runtime import Runtime
 from diffjax.train import loop
@@ -98,8 +99,9 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=8, help="train steps per round and setting")
     p.add_argument("--batches", type=int, default=40, help="pipeline batches per round")
     p.add_argument("--markdown", help="also write the table to this file")
+    p.add_argument("settings", nargs="*", help="KEY=VALUE settings of train.py (default: none)")
     args = p.parse_args(argv)
-    exp = load_config(None)
+    exp = apply_overrides(load_config(None), args.settings)
     tokens = exp.train.batch_size * exp.data.seq_len
     print(
         f"default data: {exp.data.source}, seq_len {exp.data.seq_len}, batch {exp.train.batch_size}",
@@ -110,7 +112,8 @@ def main(argv=None) -> int:
     pr, sr = _ratios(pipe["on"], pipe["off"]), _ratios(step["on"], step["off"])
     lines = [
         f"`python benchmarks/document_mask.py --rounds {args.rounds} --steps {args.steps} "
-        f"--batches {args.batches}`, {datetime.date.today()}, {machine.summary()}",
+        f"--batches {args.batches}{''.join(' ' + x for x in args.settings)}`, "
+        f"{datetime.date.today()}, {machine.summary()}",
         "",
         "| | masking off | masking on | on / off (median of rounds, min .. max) |",
         "|---|---:|---:|---:|",

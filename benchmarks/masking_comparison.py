@@ -3,12 +3,15 @@ does keeping documents apart change DIFF − twin?
 
     python benchmarks/masking_comparison.py --out runs/masking            # 4 seeds (~13 min)
     python benchmarks/masking_comparison.py --out runs/masking --seeds 6 --markdown out.md
+    python benchmarks/masking_comparison.py --out runs/masking512 data.seq_len=512 model.max_seq_len=512
 
 Trains ``python train.py`` (the default DIFF V1 and its twin) twice in ``--out``: ``on/`` with
 the default data (``data.document_mask`` unset: documents kept apart) and ``off/`` with
 ``data.document_mask=false`` (windows of the concatenated stream), each with init seeds 0 ..
 N-1 (seed ``s`` of both arms starts from the same parameters and reads the same windows in the
-same order). An interrupted run resumes where it stopped (``train.py`` resumes its run folder).
+same order); settings given as ``KEY=VALUE`` apply to both arms (longer windows, another corpus:
+more of the windows cross a boundary). An interrupted run resumes where it stopped
+(``train.py`` resumes its run folder).
 
 Each arm's validation loss is measured on its own data: with masking the loss leaves out the
 targets that cross a document boundary and each window's attention stops at them, so the
@@ -34,8 +37,9 @@ FAST = ["train.quick_eval=false", "train.throughput_rounds=0", "train.progress=f
 MODELS = {"diff": "DIFF V1", "standard": "twin"}
 
 
-def train_arm(out: str, arm: str, seeds: int) -> None:
-    argv = [f"run.dir={os.path.join(out, arm)}", f"train.num_seeds={seeds}", *FAST, *ARMS[arm]]
+def train_arm(out: str, arm: str, seeds: int, settings: list[str]) -> None:
+    argv = [f"run.dir={os.path.join(out, arm)}", f"train.num_seeds={seeds}", *FAST, *settings]
+    argv += ARMS[arm]
     if cli.main(argv):  # a run folder with checkpoints resumes
         raise SystemExit(f"train.py {' '.join(argv)} failed")
 
@@ -79,15 +83,16 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True, help="the folder both arms train in (resumable)")
     p.add_argument("--seeds", type=int, default=4, help="paired init seeds 0 .. N-1")
     p.add_argument("--markdown", help="also write the table to this file")
+    p.add_argument("settings", nargs="*", help="KEY=VALUE settings of train.py for both arms")
     args = p.parse_args(argv)
     for arm in ARMS:
         print(f"training the arm '{arm}' ({args.seeds} seeds) in {args.out}/{arm}", file=sys.stderr)
-        train_arm(args.out, arm, args.seeds)
+        train_arm(args.out, arm, args.seeds, args.settings)
     values = {arm: final_losses(args.out, arm, args.seeds) for arm in ARMS}
-    head = (
-        f"`python benchmarks/masking_comparison.py --seeds {args.seeds}`, {datetime.date.today()}, "
-        f"{machine.summary()}"
+    command = " ".join(
+        ["python benchmarks/masking_comparison.py", f"--seeds {args.seeds}", *args.settings]
     )
+    head = f"`{command}`, {datetime.date.today()}, {machine.summary()}"
     text = "\n".join([head, ""] + table(values, args.seeds))
     print(text)
     if args.markdown:

@@ -324,3 +324,30 @@ def test_reproduce_says_whether_the_machine_differs(monkeypatch):
     assert "this machine differs" in said and "cpu: Another CPU -> " in said
     assert "vector_extensions: ['sse4_2', 'avx', 'avx2'] -> " in said
     assert "not recorded" in reproduce.explain(None, now)
+
+
+TINY_RUN = ["model.d_model=32", "model.num_layers=1", "model.num_heads=1", "data.seq_len=32"]
+TINY_RUN += ["model.max_seq_len=32", "train.batch_size=8", "data.max_files=20"]
+
+
+def test_document_mask_benchmark_prints_both_settings(capsys):
+    bench = _load("document_mask")
+    assert bench.main(["--rounds", "1", "--steps", "2", "--batches", "2", *TINY_RUN]) == 0
+    out = capsys.readouterr().out
+    assert "| input pipeline, tokens/s" in out and "| train step, ms" in out
+    assert "data.seq_len=32" in out  # the command as run
+
+
+def test_masking_comparison_trains_both_arms_and_pairs_them(tmp_path, capsys):
+    bench = _load("masking_comparison")
+    settings = [*TINY_RUN, "train.steps=4", "train.eval_every=4", "train.eval_batches=1"]
+    settings += ["train.checkpoint_every=4", "train.tensorboard=false"]
+    assert bench.main(["--out", str(tmp_path), "--seeds", "2", *settings]) == 0
+    out = capsys.readouterr().out
+    for row in ("| DIFF V1 |", "| twin |", "| DIFF − twin (paired) |", "per seed"):
+        assert row in out
+    on = json.loads((tmp_path / "on" / "config.json").read_text())["data"]
+    off = json.loads((tmp_path / "off" / "config.json").read_text())["data"]
+    assert on["document_mask"] is None and off["document_mask"] is False
+    values = {a: bench.final_losses(str(tmp_path), a, 2) for a in ("on", "off")}
+    assert all(len(v) == 2 for arm in values.values() for v in arm.values())
