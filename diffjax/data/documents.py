@@ -78,6 +78,27 @@ class DocumentIndex:
         begins at stream offset ``start``."""
         return (self.between(start + 1, start + len(window)) - start).astype(np.int64)
 
+    def batch_starts(self, starts: np.ndarray, windows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`window_starts` of every window ``windows[i]`` (``[N, L]``) at stream offset
+        ``starts[i]``, as ``(row, offset)`` pairs (one search per piece for the whole batch)."""
+        starts = np.asarray(starts, np.int64)
+        length = windows.shape[1]
+        rows, offsets = [], []
+        for offset, piece in self._pieces:
+            lo = np.searchsorted(piece, starts + 1 - offset, side="left")
+            hi = np.searchsorted(piece, starts + length - offset, side="left")
+            counts = hi - lo
+            if not counts.sum():
+                continue
+            row = np.repeat(np.arange(len(starts)), counts)
+            first = np.repeat(lo - np.concatenate([[0], np.cumsum(counts)[:-1]]), counts)
+            at = first + np.arange(len(row))
+            rows.append(row)
+            offsets.append(np.asarray(piece[at], np.int64) + offset - starts[row])
+        if not rows:
+            return np.zeros((0,), np.int64), np.zeros((0,), np.int64)
+        return np.concatenate(rows), np.concatenate(offsets)
+
     def __repr__(self) -> str:
         return f"DocumentIndex({len(self):,} document starts)"
 
@@ -92,13 +113,18 @@ class SpecialTokens:
         self.bos, self.eos = bos, eos
 
     def window_starts(self, start: int, window: np.ndarray) -> np.ndarray:
-        del start
-        hit = np.zeros((max(len(window) - 1, 0),), bool)
+        return self.batch_starts(np.array([start]), np.asarray(window)[None])[1]
+
+    def batch_starts(self, starts: np.ndarray, windows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(row, offset)`` of each document start inside the windows ``[N, L]``."""
+        del starts
+        hit = np.zeros((windows.shape[0], max(windows.shape[1] - 1, 0)), bool)
         if self.bos is not None:
-            hit |= window[1:] == self.bos
+            hit |= windows[:, 1:] == self.bos
         if self.eos is not None:
-            hit |= window[:-1] == self.eos
-        return np.flatnonzero(hit).astype(np.int64) + 1
+            hit |= windows[:, :-1] == self.eos
+        rows, offsets = np.nonzero(hit)
+        return rows.astype(np.int64), offsets.astype(np.int64) + 1
 
     def __repr__(self) -> str:
         return f"SpecialTokens(bos={self.bos}, eos={self.eos})"
@@ -112,14 +138,24 @@ def mark_documents(num_inputs: int, starts: np.ndarray) -> dict[str, np.ndarray]
     window with ``T = num_inputs`` inputs (``T + 1`` tokens) in which documents start at the
     offsets ``starts`` (in ``[1, T]``; offset ``T`` is the last target's; repeats allowed).
     See the module doc."""
-    t = int(num_inputs)
-    begins = np.zeros((t + 1,), bool)
-    begins[0] = True
-    begins[np.asarray(starts, np.int64)] = True
+    starts = np.asarray(starts, np.int64)
+    marks = mark_windows(num_inputs, 1, np.zeros_like(starts), starts)
+    return {k: v[0] for k, v in marks.items()}
+
+
+def mark_windows(
+    num_inputs: int, num_windows: int, rows: np.ndarray, starts: np.ndarray
+) -> dict[str, np.ndarray]:
+    """:func:`mark_documents` of ``num_windows`` windows at once (``[N, T]`` arrays), with the
+    document starts given as ``(rows[i], starts[i])`` pairs."""
+    t, n = int(num_inputs), int(num_windows)
+    begins = np.zeros((n, t + 1), bool)
+    begins[:, 0] = True
+    begins[np.asarray(rows, np.int64), np.asarray(starts, np.int64)] = True
     index = np.arange(t, dtype=np.int32)
-    first = np.maximum.accumulate(np.where(begins[:t], index, 0))
+    first = np.maximum.accumulate(np.where(begins[:, :t], index, 0), axis=1)
     return {
-        "segment_ids": np.cumsum(begins[:t], dtype=np.int32),
+        "segment_ids": np.cumsum(begins[:, :t], axis=1, dtype=np.int32),
         "positions": (index - first).astype(np.int32),
-        "weights": (~begins[1:]).astype(np.float32),
+        "weights": (~begins[:, 1:]).astype(np.float32),
     }

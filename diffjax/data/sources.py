@@ -40,7 +40,7 @@ import numpy as np
 from diffjax import storage
 
 from .config import DataConfig, DataError
-from .documents import INDEX_DTYPE, Boundaries, DocumentIndex, SpecialTokens, mark_documents
+from .documents import INDEX_DTYPE, Boundaries, DocumentIndex, SpecialTokens, mark_windows
 from .tokenizer import BOS, EOS, HFTokenizer
 
 # Directories never part of the stdlib corpus (third-party packages, bytecode caches).
@@ -1046,13 +1046,6 @@ class WindowSource:
     def __getitem__(self, index: int) -> dict[str, np.ndarray]:
         return self._getitems([index])[0]
 
-    def _example(self, start: int, w: np.ndarray) -> dict[str, np.ndarray]:
-        T = self.seq_len
-        if self.documents is None:
-            return {"inputs": w[:-1], "targets": w[1:], "weights": np.ones((T,), np.float32)}
-        marks = mark_documents(T, self.documents.window_starts(start, w))
-        return {"inputs": w[:-1], "targets": w[1:], **marks}
-
     def _getitems(self, indices: Sequence[int]) -> list[dict[str, np.ndarray]]:
         """``[self[i] for i in indices]`` with the reads in flight together (grain's batched
         read: a batch of windows from a bucket is one round trip, not one per window)."""
@@ -1062,7 +1055,16 @@ class WindowSource:
                 raise IndexError(f"window {index} out of range [0, {self._len})")
         starts = [int(i) * T for i in indices]
         windows = self.stream.read_many([(a, a + T + 1) for a in starts])
-        return [self._example(a, w) for a, w in zip(starts, windows)]
+        if self.documents is None:
+            ones = np.ones((T,), np.float32)
+            return [{"inputs": w[:-1], "targets": w[1:], "weights": ones.copy()} for w in windows]
+        stacked = np.stack(windows)
+        rows, offsets = self.documents.batch_starts(np.array(starts, np.int64), stacked)
+        marks = mark_windows(T, len(windows), rows, offsets)
+        return [
+            {"inputs": w[:-1], "targets": w[1:], **{k: v[i] for k, v in marks.items()}}
+            for i, w in enumerate(windows)
+        ]
 
     def __repr__(self) -> str:
         docs = "" if self.documents is None else f", documents by {self.documents!r}"
