@@ -76,9 +76,11 @@ class DocumentIndex:
     def window_starts(self, start: int, window: np.ndarray) -> np.ndarray:
         """Offsets ``1 <= t < len(window)`` at which a document starts in the window that
         begins at stream offset ``start``."""
-        return (self.between(start + 1, start + len(window)) - start).astype(np.int64)
+        return self.batch_starts(np.array([start]), np.asarray(window)[None])[1]
 
-    def batch_starts(self, starts: np.ndarray, windows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def batch_starts(
+        self, starts: np.ndarray, windows: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`window_starts` of every window ``windows[i]`` (``[N, L]``) at stream offset
         ``starts[i]``, as ``(row, offset)`` pairs (one search per piece for the whole batch)."""
         starts = np.asarray(starts, np.int64)
@@ -115,7 +117,9 @@ class SpecialTokens:
     def window_starts(self, start: int, window: np.ndarray) -> np.ndarray:
         return self.batch_starts(np.array([start]), np.asarray(window)[None])[1]
 
-    def batch_starts(self, starts: np.ndarray, windows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def batch_starts(
+        self, starts: np.ndarray, windows: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
         """``(row, offset)`` of each document start inside the windows ``[N, L]``."""
         del starts
         hit = np.zeros((windows.shape[0], max(windows.shape[1] - 1, 0)), bool)

@@ -15,6 +15,7 @@ from flax import nnx
 
 from diffjax import context, sharding
 from diffjax.attention import AttentionLayer, Projection
+from diffjax.data.documents import DOCUMENT_ARRAYS
 from diffjax.kernels import reference
 from diffjax.model import TransformerLM, for_runtime, unstack_layers
 from diffjax.runtime import Runtime
@@ -187,7 +188,7 @@ def _losses_and_predictions(model, inputs, targets, masks):
     return loss, jnp.argmax(logits, axis=-1)
 
 
-MASKS = ("positions", "segment_ids")  # what a batch may carry beside its tokens
+MASKS = DOCUMENT_ARRAYS  # what a batch may carry beside its tokens
 
 
 def losses_and_predictions(
