@@ -370,3 +370,14 @@ def test_loss_by_position_counts_from_each_document_start():
     assert by_pos[0] == pytest.approx(np.mean([0, 1, 4, 5, 0, 1, 2, 3]))
     assert by_pos[2] == pytest.approx(6.5) and np.isnan(by_pos[3])  # no position past 5
     assert np.allclose(loss_by_position(losses, weights, 4)[1], [0.5, 2.5, 4.5, 6.5])
+
+
+def test_a_plan_knows_which_batches_carry_documents_without_reading_them(tmp_path):
+    from diffjax.data import carries_documents
+
+    out = _prepare(tmp_path, DOC_LENGTHS)
+    assert carries_documents(SMALL) and not carries_documents(SMALL.replace(document_mask=False))
+    assert carries_documents(DataConfig(source="tokens", path=str(out)))
+    assert not carries_documents(DataConfig(source="tokens", path="nowhere/*.bin"))  # raw files
+    assert carries_documents(DataConfig(source="tokens", path="x.bin", tokenizer="byte"))
+    assert not carries_documents(DataConfig(source="needle", seq_len=256))

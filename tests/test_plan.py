@@ -110,8 +110,11 @@ def test_tiny_plan_on_a_gpu_node(h100_plan):
 def test_a_context_axis_compiles_as_a_ring_for_a_gpu_node(tmp_path):
     """mesh.context=4 on an h100-8 (data=2): the DIFF step compiles with the sequence split,
     the ring's K/V hops in the program (its collective-permutes) and its blocks on the fused
-    kernels (Triton for the H100: the local block, the two halves a remote block can be, and
-    each one's dK/dV and dQ kernels)."""
+    kernels, in the zigzag order the loop lays its batches in (the planner traces the loop's
+    own batch: positions and token_index). Triton for the H100: five blocks (the local one, and
+    the two halves a remote block can be, inside the ring's loop and at its last step), each
+    with its forward, dK/dV and dQ kernels. In the contiguous order a remote block is whole or
+    hidden: three blocks."""
     out = tmp_path / "context.json"
     args = ["plan.target=h100-8", "plan.model=diff", "plan.search=none", f"plan.json={out}"]
     ctx = ["mesh.fsdp=1", "mesh.data=2", "mesh.context=4", "train.batch_size=2"]
@@ -120,8 +123,13 @@ def test_a_context_axis_compiles_as_a_ring_for_a_gpu_node(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "mesh data=2 fsdp=1 context=4 tensor=1" in proc.stdout
     (m,) = json.loads(out.read_text())["models"]
-    assert m["fits"] and m["permutes"] >= 2 and m["kernel_calls"] == 9, m
+    assert m["fits"] and m["permutes"] >= 2 and m["kernel_calls"] == 15, m
     assert f"{m['permutes']} collective-permutes in the program" in proc.stdout
+    contiguous = tmp_path / "contiguous.json"
+    args[-1] = f"plan.json={contiguous}"
+    proc = plan(*args, *TINY, *ctx, "mesh.context_order=contiguous")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert json.loads(contiguous.read_text())["models"][0]["kernel_calls"] == 9
 
 
 @needs_compilers

@@ -16,6 +16,7 @@ from .config import SOURCES, TOKEN_DTYPES, DataConfig, DataError
 from .documents import DocumentIndex, SpecialTokens, mark_documents
 from .pipeline import (
     DataSummary,
+    carries_documents,
     check_data,
     describe,
     make_dataset,
@@ -68,6 +69,7 @@ __all__ = [
     "WindowSource",
     "answer_accuracy",
     "answer_correct",
+    "carries_documents",
     "check_data",
     "describe",
     "is_validation_file",

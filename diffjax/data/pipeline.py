@@ -23,13 +23,21 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import sys
 from typing import Any
 
 import numpy as np
 
 from .config import DataConfig, DataError
-from .sources import Corpus, WindowSource, check_token_ids, load_corpus, stdlib_root
+from .sources import (
+    Corpus,
+    WindowSource,
+    check_token_ids,
+    is_prepared_dir,
+    load_corpus,
+    stdlib_root,
+)
 from .synthetic import SYNTHETIC_TRAIN_EXAMPLES, MQARSource, NeedleSource, ValidationMetric
 from .tokenizer import PAD, VOCAB_SIZE, HFTokenizer
 
@@ -90,6 +98,21 @@ def make_source(
 
 
 _NOTED: set[str] = set()  # the notes already printed by this process
+
+
+def carries_documents(config: DataConfig) -> bool:
+    """Whether the batches of ``config`` carry ``segment_ids`` and ``positions``, judged
+    without reading the data (a compile-only plan traces the step with them): masking on and
+    the boundaries knowable (text sources; token files in a prepared folder or with a
+    ``data.tokenizer``). :func:`make_source` decides from the data itself."""
+    if not config.masks_documents:
+        return False
+    if config.source != "tokens":
+        return True
+    if config.tokenizer is not None:
+        return True
+    paths = [p.strip() for p in (config.path or "").split(",") if p.strip()]
+    return len(paths) == 1 and is_prepared_dir(os.path.expanduser(paths[0]))
 
 
 def documents(config: DataConfig, corpus: Corpus, split: str):

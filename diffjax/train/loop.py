@@ -476,7 +476,7 @@ def step_inputs(data: data_lib.DataConfig, runtime: Runtime) -> dict[str, Any]:
     documents apart; ``positions`` and ``token_index`` where a ``context`` axis splits the
     sequence (what a compile-only plan traces the step with)."""
     names = {"inputs": jnp.int32, "targets": jnp.int32, "weights": jnp.float32}
-    if data.masks_documents:
+    if data_lib.carries_documents(data):
         names.update(segment_ids=jnp.int32, positions=jnp.int32)
     if runtime.context_size > 1:
         names.update(positions=jnp.int32, token_index=jnp.int32)
