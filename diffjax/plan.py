@@ -45,7 +45,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from diffjax import cli, sharding
+from diffjax import cli, sharding, storage
 from diffjax import flops as flops_lib
 from diffjax.config import ConfigError, ModelConfig, check_fields, fail
 from diffjax.param_count import count_params
@@ -327,10 +327,11 @@ def lower_train_step(
 
 
 def compile_train_step(
-    exp: ExperimentConfig, model_cfg: ModelConfig, devices, target: Target
+    exp: ExperimentConfig, model_cfg: ModelConfig, devices, target: Target, dump: str | None = None
 ) -> Measure:
     """Lower and compile the train step of ``model_cfg`` with ``exp``'s train config and mesh
-    on ``devices`` (compile-only); nothing is allocated."""
+    on ``devices`` (compile-only); nothing is allocated. ``dump``: a path prefix to write the
+    compiled program (``PREFIX.hlo.txt``) and its memory breakdown (``PREFIX.memory.json``)."""
     tcfg = exp.train
     setup, lowered, lower_s = lower_train_step(exp, model_cfg, devices, target)
     mesh = setup.mesh
@@ -375,6 +376,8 @@ def compile_train_step(
     )
     # the ring's K/V hops (sync or async form; counted once per op in the program text)
     permutes = len(re.findall(r" collective-permute(?:-start)?\(", text))
+    if dump is not None:
+        write_dump(dump, text, mem, params_bytes, opt_bytes)
     return Measure(
         model_cfg.remat,
         tcfg.grad_accum_steps,
@@ -390,6 +393,16 @@ def compile_train_step(
         kernels,
         permutes,
     )
+
+
+def write_dump(prefix: str, text: str, mem, params_bytes: int, opt_bytes: int) -> None:
+    """``PREFIX.hlo.txt`` (the compiled step, as the compiler optimised it) and
+    ``PREFIX.memory.json`` (its memory per device by kind, from ``memory_analysis()``)."""
+    storage.write_text(f"{prefix}.hlo.txt", text)
+    fields = [f for f in dir(mem) if f.endswith("_in_bytes")]
+    breakdown = {f[: -len("_in_bytes")]: int(getattr(mem, f)) for f in sorted(fields)}
+    breakdown.update(params=int(params_bytes), optimizer_state=int(opt_bytes))
+    storage.write_text(f"{prefix}.memory.json", json.dumps(breakdown, indent=1) + "\n")
 
 
 # ---------------------------------------------------------------------------- checks
@@ -617,9 +630,12 @@ def plan(
     peak: float | None = None,
     search: str = "all",
     only: str | None = None,
+    dump: str | None = None,
     out=sys.stdout,
 ) -> tuple[int, list[dict]]:
-    """Plan ``exp`` on ``target``; ``(exit status, one record per model)``."""
+    """Plan ``exp`` on ``target``; ``(exit status, one record per model)``. ``dump``: a
+    folder for each model's compiled step and memory breakdown (``LABEL.hlo.txt``,
+    ``LABEL.memory.json``)."""
     models = check_plan(exp, target)
     if only is not None:
         if only not in models:
@@ -648,10 +664,15 @@ def plan(
             file=out,
         )
     records, status = [], 0
+    if dump is not None:
+        storage.makedirs(dump)
     for label, cfg in models.items():
         one = dataclasses.replace(exp, model=cfg, compare=False, twin_init_std=None)
-        m = compile_train_step(one, cfg, devices, target)
+        prefix = None if dump is None else storage.join(dump, label)
+        m = compile_train_step(one, cfg, devices, target, prefix)
         rows, rec = model_table(label, cfg, m, exp, target, hbm, mfu, pk)
+        if prefix is not None and not m.compiler_oom:
+            print(f"[{label}] the compiled step: {prefix}.hlo.txt, {prefix}.memory.json", file=out)
         print("", file=out)
         print_table(
             f"[{label}] {cfg.attention}, {cfg.num_layers} layers, d_model {cfg.d_model}, "
@@ -731,6 +752,9 @@ class PlanSettings:
     # one of them, or nothing
     search: str = "all"
     json: str | None = None  # also write the records to this JSON file
+    # also write each model's compiled step (LABEL.hlo.txt) and its memory per device by kind
+    # (LABEL.memory.json) to this folder (local or gs://)
+    dump: str | None = None
 
     def __post_init__(self):
         check_fields(self)
@@ -795,6 +819,7 @@ def main(argv=None) -> int:
             peak=opts.peak_tflops,
             search=opts.search,
             only=opts.model,
+            dump=opts.dump,
         )
     except (PlanError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -88,8 +88,16 @@ def _check_both_models(proc, target: str):
 
 
 @needs_compilers
-def test_tiny_plan_on_a_tpu_slice():
-    _check_both_models(plan("plan.target=v5e-8", *TINY), "v5e-8")
+def test_tiny_plan_on_a_tpu_slice(tmp_path):
+    """...and plan.dump writes each model's compiled step and its memory breakdown."""
+    dump = tmp_path / "dump"
+    proc = plan("plan.target=v5e-8", f"plan.dump={dump}", *TINY)
+    _check_both_models(proc, "v5e-8")
+    for label in ("diff", "standard"):
+        assert f"[{label}] the compiled step: {dump / label}.hlo.txt" in proc.stdout
+        assert "HloModule" in (dump / f"{label}.hlo.txt").read_text()
+        memory = json.loads((dump / f"{label}.memory.json").read_text())
+        assert "temp_size" in memory and memory["params"] > 0 and memory["argument_size"] > 0
 
 
 @needs_compilers

@@ -400,6 +400,8 @@ def test_killed_and_resumed_run_equals_uninterrupted_bit_for_bit(
         (["train.batchsize=2"], r"unknown config key 'train.batchsize'"),
         (["train.steps=-1"], r"TrainConfig.steps"),
         (["model.num_layers=two"], r"model.num_layers: bad value"),
+        (["train.profile_steps=2:5"], r"profile_steps: the window 2:5 is not inside .* 1:2"),
+        (["train.profile_steps=1-2"], r"profile_steps: '1-2' is not START:END"),
     ],
 )
 def test_bad_input_stops_before_training(tmp_path, capsys, extra, message):
@@ -934,3 +936,17 @@ def test_report_rows_follow_the_metrics_the_run_produced():
     assert list(group_by_label(rs)) == ["standard", "diff"]
     dicts = [{"label": "a", "seed": 2}, {"label": "b", "seed": 0}, {"label": "a", "seed": 1}]
     assert group_by_label(dicts) == {"a": [dicts[2], dicts[0]], "b": [dicts[1]]}
+
+
+def test_a_profile_window_writes_a_trace_of_those_steps(tmp_path):
+    """train.profile_steps=2:3: a jax.profiler trace in each model's folder (the XPlane file
+    TensorBoard's profile plugin and XProf read, and a Perfetto trace), non-empty."""
+    import glob
+
+    args = ["train.steps=4", "train.profile_steps=2:3", "compare=false", "train.tensorboard=false"]
+    assert run_main(tmp_path, *args) == 0
+    profile = tmp_path / "run" / "diff" / "seed_0" / "profile"
+    xplanes = glob.glob(str(profile / "plugins" / "profile" / "*" / "*.xplane.pb"))
+    perfetto = glob.glob(str(profile / "plugins" / "profile" / "*" / "*.trace.json.gz"))
+    assert xplanes and all(os.path.getsize(f) > 0 for f in xplanes + perfetto), xplanes
+    assert perfetto

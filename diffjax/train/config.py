@@ -93,10 +93,15 @@ class TrainConfig:
     peak_tflops: float | None = None
     progress: bool = True  # show a progress bar
     tensorboard: bool = True  # write TensorBoard logs (tb/ in each model's folder)
+    # "START:END": a jax.profiler trace of steps START..END (1-based, both included) in each
+    # model's folder (profile/; TensorBoard's profile plugin, XProf and Perfetto read it).
+    # None: no trace
+    profile_steps: str | None = None
 
     def __post_init__(self):
         check_fields(self)
         c = "TrainConfig"
+        self._check_profile_steps()
         for name in (
             "steps",
             "batch_size",
@@ -198,6 +203,35 @@ class TrainConfig:
                 "throughput_rounds",
                 f"must be >= 0, got {self.throughput_rounds}",
                 "set train.throughput_rounds=0 to skip the side-by-side timing, or more",
+            )
+
+    @property
+    def profile_window(self) -> tuple[int, int] | None:
+        """``(start, end)`` of :attr:`profile_steps`, or None."""
+        if self.profile_steps is None:
+            return None
+        start, end = self.profile_steps.split(":")
+        return int(start), int(end)
+
+    def _check_profile_steps(self) -> None:
+        if self.profile_steps is None:
+            return
+        parts = self.profile_steps.split(":")
+        if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+            fail(
+                "TrainConfig",
+                "profile_steps",
+                f"{self.profile_steps!r} is not START:END",
+                "write the steps to trace as train.profile_steps=START:END, e.g. 10:12",
+            )
+        start, end = (int(p) for p in parts)
+        if not 1 <= start <= end <= self.steps:
+            fail(
+                "TrainConfig",
+                "profile_steps",
+                f"the window {start}:{end} is not inside the run's steps 1:{self.steps}",
+                f"choose 1 <= START <= END <= train.steps={self.steps}, e.g. "
+                f"{min(10, self.steps)}:{min(12, self.steps)}",
             )
 
 

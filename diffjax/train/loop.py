@@ -41,7 +41,7 @@ from diffjax.runtime import Runtime
 
 from .checkpoint import Checkpointer, CheckpointError, abstract_like, check_same_model
 from .config import ExperimentConfig
-from .metrics import MetricsCollector, MetricsWriter, read_metrics
+from .metrics import MetricsCollector, MetricsWriter, StepProfiler, read_metrics
 from .optimizer import learning_rate_schedule, make_optimizer
 
 MODEL_INPUTS = ("inputs", "targets", "weights", "segment_ids", "positions", "token_index")
@@ -1016,10 +1016,13 @@ def _train_model(
     tokens = tcfg.batch_size * exp.data.seq_len
     recorder = _Recorder(writer, tokens, bar, latest, ckpt.directory, throughput)
     run = _Steps(exp, runtime, label, ckpt, meta, train_iter, val, train_fn, eval_fn, recorder)
+    profiler = StepProfiler(tcfg.profile_window, directory)
     try:
         for step in range(start + 1, tcfg.steps + 1):
+            profiler.before(step)
             batch, wait = run.batch()
             state, metrics = train_fn(state, batch)
+            profiler.after(step, metrics)
             # the first step after a (re)start includes warm-up: not counted in throughput
             recorder.push(step, metrics, timed=step > start + 1, data_wait=wait)
             run.evaluate_and_save(step, state)
@@ -1027,6 +1030,7 @@ def _train_model(
                 after_step(step, ckpt)
             run.stop_if_preempted(step, state)
     finally:
+        profiler.close()
         recorder.close()
         ckpt.wait()
         ckpt.close()

@@ -132,3 +132,44 @@ class MetricsCollector:
 
     def close(self) -> None:
         pass
+
+
+class StepProfiler:
+    """A ``jax.profiler`` trace of the steps ``window = (start, end)`` of one run, written to
+    ``<directory>/profile`` (a bucket: traced to a local folder, uploaded when the window
+    closes). A resumed run traces what is left of the window. Open it with TensorBoard's
+    profile plugin (``tensorboard --logdir <directory>/profile``), XProf, or Perfetto (the
+    ``.trace.json.gz`` it writes beside the ``.xplane.pb``)."""
+
+    def __init__(self, window: tuple[int, int] | None, directory: storage.PathLike):
+        self.window, self.directory = window, directory
+        self._dir: storage.SyncedDir | None = None
+
+    def before(self, step: int) -> None:
+        """Called before step ``step``: starts the trace at the window's first step."""
+        if self.window is None or self._dir is not None:
+            return
+        start, end = self.window
+        if start <= step <= end:
+            import jax
+
+            self._dir = storage.SyncedDir(storage.join(self.directory, "profile"))
+            jax.profiler.start_trace(self._dir.local, create_perfetto_trace=True)
+
+    def after(self, step: int, outputs) -> None:
+        """Called after step ``step`` with its outputs: at the window's last step, waits for
+        them (the trace holds the whole step) and writes the trace."""
+        if self._dir is not None and step >= self.window[1]:
+            import jax
+
+            jax.block_until_ready(outputs)
+            self.close()
+
+    def close(self) -> None:
+        if self._dir is None:
+            return
+        import jax
+
+        jax.profiler.stop_trace()
+        self._dir.close()
+        self._dir = None
