@@ -235,6 +235,9 @@ class TrainConfig:
             )
 
 
+WANDB_MODES = ("off", "online", "offline")
+
+
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
     """Where a run writes: ``dir`` (default ``runs/<name>``), a local folder or a bucket."""
@@ -245,9 +248,25 @@ class RunConfig:
     # with a gs:// run.dir: upload metrics.jsonl and TensorBoard's files every this many seconds
     # (and at each checkpoint and at the end); a SIGKILL loses at most the records since then
     sync_every_s: float = 30.0
+    # Weights & Biases: "off", "online" (needs `wandb login` or WANDB_API_KEY) or "offline"
+    # (written under each model's folder; `wandb sync` uploads it later). Process 0 logs the
+    # scalars TensorBoard gets and the whole config, one W&B run per model and seed.
+    wandb: str = "off"
+    wandb_project: str = "diffjax"  # the W&B project
+    wandb_entity: str | None = None  # the W&B team or user (None: the login's default)
+    # the W&B run names' stem (None: run.name); each run is STEM-LABEL-seed_S, grouped by STEM
+    wandb_name: str | None = None
+    wandb_tags: tuple[str, ...] = ()  # tags on every W&B run of this experiment
 
     def __post_init__(self):
         check_fields(self)
+        if self.wandb not in WANDB_MODES:
+            fail(
+                "RunConfig",
+                "wandb",
+                f"unknown mode {self.wandb!r}",
+                f"use one of {', '.join(map(repr, WANDB_MODES))}",
+            )
         if self.dir is not None:
             storage.path(self.dir, what="run.dir")  # a scheme nobody handles: refused here
         if not self.sync_every_s > 0:

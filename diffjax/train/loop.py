@@ -41,7 +41,14 @@ from diffjax.runtime import Runtime
 
 from .checkpoint import Checkpointer, CheckpointError, abstract_like, check_same_model
 from .config import ExperimentConfig
-from .metrics import MetricsCollector, MetricsWriter, StepProfiler, read_metrics
+from .metrics import (
+    MetricsCollector,
+    MetricsWriter,
+    StepProfiler,
+    WandbRun,
+    check_wandb,
+    read_metrics,
+)
 from .optimizer import learning_rate_schedule, make_optimizer
 
 MODEL_INPUTS = ("inputs", "targets", "weights", "segment_ids", "positions", "token_index")
@@ -403,6 +410,7 @@ def check_run(exp: ExperimentConfig, mesh, models: Iterable[ModelConfig] | None 
     (:func:`check_grad_accum`), the sequence against the ``context`` axis and its order
     (:func:`diffjax.context.check_sequence`). ``models``: default every model of ``exp``;
     ``mesh`` may be abstract (a planner's target)."""
+    check_wandb(exp.run.wandb)
     order = exp.mesh.context_order
     for model_cfg in exp.models.values() if models is None else models:
         sharding.check_model_mesh(model_cfg, mesh, exp.train.batch_size, order)
@@ -505,12 +513,16 @@ def metrics_sink(
     in ``directory`` (from ``start``, the resumed step); the other processes keep them."""
     if jax.process_index() != 0:
         return MetricsCollector()
+    tracker = None
+    if exp.run.wandb != "off":
+        tracker = WandbRun(exp.run, exp.to_dict(), directory)
     return MetricsWriter(
         directory,
         resume_step=start,
         tensorboard=exp.train.tensorboard,
         log_every=exp.train.log_every,
         sync_every_s=exp.run.sync_every_s,
+        tracker=tracker,
     )
 
 

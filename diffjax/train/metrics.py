@@ -15,14 +15,18 @@ uploaded with it) writes again. TensorBoard reads the event files from the bucke
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import json
 import math
 import os
+import tempfile
 from typing import Any
 
 import numpy as np
 
 from diffjax import storage
+from diffjax.config import ConfigError
 
 
 def _plain(value: Any):
@@ -49,10 +53,94 @@ def read_metrics(path: storage.PathLike) -> list[dict[str, Any]]:
     return records
 
 
+def scalars(record: dict[str, Any]) -> dict[str, float]:
+    """The scalars of a step record that TensorBoard and W&B get: every number but ``step``,
+    and each layer's lambda as ``lambda/layer_I``."""
+    out = {}
+    for k, v in record.items():
+        if k == "step":
+            continue
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            out[k] = v
+        elif isinstance(v, list) and k == "lambda":
+            out.update({f"lambda/layer_{i}": x for i, x in enumerate(v)})
+    return out
+
+
+def check_wandb(mode: str) -> None:
+    """Before any compute: ``run.wandb`` other than ``off`` needs the ``wandb`` package, and
+    ``online`` a login (``WANDB_API_KEY`` or ``wandb login``'s netrc entry); else a
+    ConfigError naming the fix."""
+    if mode == "off":
+        return
+    if importlib.util.find_spec("wandb") is None:
+        raise ConfigError(
+            f"run.wandb: {mode!r} needs the wandb package, which is not installed. Fix: pip "
+            f"install -e '.[wandb]' (or run.wandb=off)"
+        )
+    if mode == "online" and not _wandb_logged_in():
+        raise ConfigError(
+            "run.wandb: 'online' needs a W&B login, and there is none (no WANDB_API_KEY, no "
+            "netrc entry for api.wandb.ai). Fix: wandb login (or export WANDB_API_KEY=...), "
+            "or run.wandb=offline to write the run locally and `wandb sync` it later"
+        )
+
+
+def _wandb_logged_in() -> bool:
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    import netrc
+
+    host = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai").split("://")[-1]
+    try:
+        return netrc.netrc().authenticators(host.split("/")[0]) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+class WandbRun:
+    """One W&B run: a model and seed of an experiment (``directory`` its folder), named
+    ``STEM-LABEL-seed_S`` and grouped by ``STEM`` (``run.wandb_name``, else ``run.name``), with
+    the whole experiment config logged once. Its files go under ``directory/wandb`` (a bucket:
+    a local folder, named in the log). A resumed run continues the same W&B run (its id comes
+    from the folder)."""
+
+    def __init__(self, run_cfg, config: dict[str, Any], directory: storage.PathLike, log=print):
+        import wandb
+
+        label, seed = str(directory).rstrip("/").split("/")[-2:]
+        stem = run_cfg.wandb_name or run_cfg.name
+        local = str(directory)
+        if storage.is_remote(directory):
+            local = tempfile.mkdtemp(prefix="diffjax-wandb-")
+            log(f"W&B ({run_cfg.wandb}): its files are in {local} (the run directory is a bucket)")
+        os.makedirs(local, exist_ok=True)
+        ident = hashlib.sha1(str(storage.absolute(directory)).encode()).hexdigest()[:16]
+        self._run = wandb.init(
+            mode=run_cfg.wandb,
+            project=run_cfg.wandb_project,
+            entity=run_cfg.wandb_entity,
+            name=f"{stem}-{label}-{seed}",
+            group=stem,
+            tags=list(run_cfg.wandb_tags),
+            config=config,
+            dir=local,
+            id=ident,
+            resume="allow",
+            settings=wandb.Settings(silent=True, console="off"),
+        )
+
+    def log(self, values: dict[str, float], step: int) -> None:
+        self._run.log(values, step=step)
+
+    def close(self) -> None:
+        self._run.finish()
+
+
 class MetricsWriter:
-    """Appends step records to ``<dir>/metrics.jsonl`` and scalars to TensorBoard (``<dir>/tb``);
-    ``<dir>`` local or ``gs://`` (see the module's doc: uploaded every ``sync_every_s``
-    seconds and at each :meth:`flush`)."""
+    """Appends step records to ``<dir>/metrics.jsonl`` and scalars to TensorBoard (``<dir>/tb``)
+    and, given a ``tracker`` (:class:`WandbRun`), to W&B; ``<dir>`` local or ``gs://`` (see the
+    module's doc: uploaded every ``sync_every_s`` seconds and at each :meth:`flush`)."""
 
     def __init__(
         self,
@@ -62,7 +150,9 @@ class MetricsWriter:
         tensorboard: bool = True,
         log_every: int = 1,
         sync_every_s: float = 30.0,
+        tracker: "WandbRun | None" = None,
     ):
+        self._tracker = tracker
         self._dir = storage.SyncedDir(directory, every_s=sync_every_s)
         self._dir.pull("metrics.jsonl")  # a resume on a machine with nothing of the run
         path = self._dir.local_path("metrics.jsonl")
@@ -83,18 +173,17 @@ class MetricsWriter:
     def write(self, record: dict[str, Any]) -> None:
         self._file.write(json.dumps({k: _plain(v) for k, v in record.items()}) + "\n")
         self._file.flush()
-        if self._tb is not None:
-            step = record["step"]
-            is_eval = any(k.startswith("val_") for k in record)
-            if step % self.log_every == 0 or is_eval:
-                for k, v in record.items():
-                    if k == "step":
-                        continue
-                    if isinstance(v, (int, float)) and not isinstance(v, bool):
-                        self._tb.add_scalar(k, v, step)
-                    elif isinstance(v, list) and k == "lambda":
-                        for i, x in enumerate(v):
-                            self._tb.add_scalar(f"lambda/layer_{i}", x, step)
+        step = record["step"]
+        is_eval = any(k.startswith("val_") for k in record)
+        if (self._tb is not None or self._tracker is not None) and (
+            step % self.log_every == 0 or is_eval
+        ):
+            values = scalars(record)
+            for k, v in values.items():
+                if self._tb is not None:
+                    self._tb.add_scalar(k, v, step)
+            if self._tracker is not None:
+                self._tracker.log(values, step)
         if self._dir.is_remote:
             self._upload(force=False)
 
@@ -114,6 +203,8 @@ class MetricsWriter:
         self._file.close()
         if self._tb is not None:
             self._tb.close()
+        if self._tracker is not None:
+            self._tracker.close()
         self._dir.close()
 
 
