@@ -9,27 +9,13 @@ import json
 
 import pytest
 
+from test_train import TINY as TRAIN_TINY
+
 from diffjax.compare.cli import main
 
-TINY = [
-    "model.d_model=32",
-    "model.num_layers=2",
-    "model.num_heads=1",
-    "model.max_seq_len=32",
-    "data.seq_len=16",
-    "data.max_files=12",
-    "train.batch_size=8",
-    "train.eval_batches=1",
-    "train.warmup_steps=2",
-    "train.progress=false",
-    "train.num_seeds=1",
-    "train.quick_eval=false",
-    "train.throughput_rounds=0",
-    "train.steps=6",
-    "train.eval_every=3",
-    "train.checkpoint_every=6",
-    "compare=false",
-]
+# tests/test_train.py's tiny experiment, one model, 6 steps with an evaluation at 3 and 6
+TINY = [*TRAIN_TINY, "model.num_layers=2", "train.eval_batches=1", "train.steps=6"]
+TINY += ["train.eval_every=3", "train.checkpoint_every=6", "compare=false"]
 
 
 def wandb_records(path: str) -> list:
