@@ -667,7 +667,7 @@ def step_record(
 ) -> dict[str, Any]:
     """The ``metrics.jsonl`` record of one step from its metrics on the host (with
     ``throughput``: its model TFLOP/s per device and MFU; ``data_wait``: the seconds the loop
-    waited for the step's batch, part of ``step_time``)."""
+    waited for input within ``step_time``)."""
     loss = float(host["loss"])
     record = {
         "step": step,
@@ -720,11 +720,14 @@ class _Recorder:
 
     def restart_clock(self) -> None:
         """The time until now (evaluation, checkpointing) is not step time."""
-        self.clock = time.perf_counter()
+        self.clock, self.waited = time.perf_counter(), 0.0
 
     def push(self, step: int, metrics: Any, timed: bool, data_wait: float | None = None) -> None:
-        """Queue this step's metrics; write the previous step's record."""
-        previous, self.queued = self.queued, (step, metrics, timed, data_wait)
+        """Queue this step's metrics; write the previous step's record. ``data_wait``, the wait
+        for this step's batch, falls inside the time of the step read next (the previous one:
+        reading lags a step), so each record's wait is the waiting within its own step time."""
+        self.waited += data_wait or 0.0
+        previous, self.queued = self.queued, (step, metrics, timed)
         if previous is not None:
             self.writer.write(self._read(*previous))
 
@@ -745,13 +748,13 @@ class _Recorder:
             self.bar.close()
         self.writer.close()
 
-    def _read(self, step: int, metrics: Any, timed: bool, data_wait=None) -> dict[str, Any]:
+    def _read(self, step: int, metrics: Any, timed: bool) -> dict[str, Any]:
         host = jax.device_get(metrics)
         now = time.perf_counter()
         record = step_record(
-            step, host, now - self.clock, self.tokens_per_step, timed, self.throughput, data_wait
+            step, host, now - self.clock, self.tokens_per_step, timed, self.throughput, self.waited
         )
-        self.clock = now
+        self.clock, self.waited = now, 0.0
         if not math.isfinite(record["loss"]):
             self.writer.write(record)
             raise TrainingDiverged(step, record["loss"], self.last_good, self.ckpt_dir)
