@@ -50,6 +50,10 @@ TINY = [
     # a constant lr after warmup: a run of 4 steps continued to 6 then follows the same
     # schedule as a run of 6 (a decaying schedule depends on train.steps)
     "train.schedule=constant",
+    # spike skipping on (nothing spikes here): its window lives in the optimizer state, saved
+    # by two processes and restored by one on another mesh
+    "train.skip_spikes=3",
+    "train.spike_window=2",
 ]
 
 

@@ -345,6 +345,8 @@ KILLED_CONFIG = [
     "train.steps=10",
     "train.eval_every=4",
     "train.checkpoint_every=4",
+    "train.skip_spikes=3",  # its running window is part of the state a resume restores
+    "train.spike_window=3",
 ]
 
 

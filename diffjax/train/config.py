@@ -41,6 +41,7 @@ from diffjax.sharding import MeshConfig
 
 SCHEDULES = ("linear", "cosine", "constant")
 KERNEL_CHECKS = ("auto", "off", "interpret")
+ON_NAN = ("stop", "rollback")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,11 +98,25 @@ class TrainConfig:
     # model's folder (profile/; TensorBoard's profile plugin, XProf and Perfetto read it).
     # None: no trace
     profile_steps: str | None = None
+    # DIFF's signals from the step, in every record: each layer's largest attention logit (both
+    # maps for DIFF), V2's sigma(lambda) spread, the largest hidden activation, the output
+    # logits' largest magnitude, the update-to-parameter RMS ratio. Off: the step is today's
+    diagnostics: bool = False
+    # skip the update (parameters and optimizer state unchanged, the batch consumed) of a step
+    # whose loss or gradient norm is above this multiple of its median over the last
+    # spike_window steps, or not finite; 0: never skip
+    skip_spikes: float = 0.0
+    spike_window: int = 64  # steps in the running median (skipping starts once it is full)
+    # a non-finite loss: "stop" (keep the last good checkpoint) or "rollback" (restore the last
+    # good checkpoint, skip past the batches read since, go on; at most nan_retries times)
+    on_nan: str = "stop"
+    nan_retries: int = 3
 
     def __post_init__(self):
         check_fields(self)
         c = "TrainConfig"
         self._check_profile_steps()
+        self._check_stability()
         for name in (
             "steps",
             "batch_size",
@@ -203,6 +218,37 @@ class TrainConfig:
                 "throughput_rounds",
                 f"must be >= 0, got {self.throughput_rounds}",
                 "set train.throughput_rounds=0 to skip the side-by-side timing, or more",
+            )
+
+    def _check_stability(self) -> None:
+        c = "TrainConfig"
+        if self.skip_spikes and not self.skip_spikes > 1:
+            fail(
+                c,
+                "skip_spikes",
+                f"must be 0 (off) or a multiple > 1 of the running median, got {self.skip_spikes}",
+                "set train.skip_spikes=0, or e.g. train.skip_spikes=3",
+            )
+        if self.spike_window < 2:
+            fail(
+                c,
+                "spike_window",
+                f"must be >= 2 steps, got {self.spike_window}",
+                "set train.spike_window to e.g. 64",
+            )
+        if self.on_nan not in ON_NAN:
+            fail(
+                c,
+                "on_nan",
+                f"unknown setting {self.on_nan!r}",
+                f"use one of {', '.join(map(repr, ON_NAN))}",
+            )
+        if self.nan_retries < 0:
+            fail(
+                c,
+                "nan_retries",
+                f"must be >= 0, got {self.nan_retries}",
+                "set train.nan_retries to 0 or more",
             )
 
     @property

@@ -49,7 +49,7 @@ from .metrics import (
     check_wandb,
     read_metrics,
 )
-from .optimizer import learning_rate_schedule, make_optimizer
+from .optimizer import learning_rate_schedule, make_optimizer, spike_metrics
 
 MODEL_INPUTS = ("inputs", "targets", "weights", "segment_ids", "positions", "token_index")
 MASK_INPUTS = ("positions", "segment_ids", "token_index")  # what the model reads beside tokens
@@ -133,6 +133,8 @@ class TrainResult:
     # the MFU (that / the device's peak; None when the peak is unknown, e.g. on CPU)
     tflops_per_device: float | None = None
     mfu: float | None = None
+    spikes_skipped: int | None = None  # train.skip_spikes: the updates skipped (None: off)
+    rollbacks: int = 0  # train.on_nan=rollback: the rollbacks in this process's last leg
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -235,13 +237,14 @@ def train_step(
         (loss, aux), grads = accumulated_loss_and_grads(
             state["params"], batch, graphdef, rest, accum_steps
         )
-    updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+    updates, opt_state = tx.update(grads, state["opt_state"], state["params"], value=loss)
     params = optax.apply_updates(state["params"], updates)
     metrics = {
         "loss": loss,
         "grad_norm": optax.tree.norm(grads),
         "lr": schedule(state["step"]),
         **aux,
+        **spike_metrics(opt_state),
     }
     return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
 
@@ -545,9 +548,11 @@ def _open_run(
             f"--resume to start a new run, or point run.dir at the run to resume."
         )
     meta = {"model": model_cfg.to_dict(), "label": label, "data": dataclasses.asdict(exp.data)}
+    meta["optimizer"] = {"skip_spikes": bool(exp.train.skip_spikes)}  # its state's shape
     if latest is not None:
         saved = ckpt.read_meta(latest)
         check_same_model(saved["model"], meta["model"], directory)
+        check_same_optimizer(saved.get("optimizer", {}), meta["optimizer"], directory)
         theirs = {**data_lib.config.SAVED_BEFORE, **saved.get("data", {})}
         changed = sorted(
             k
@@ -560,6 +565,20 @@ def _open_run(
                 f"the resumed run will not see the batches an uninterrupted run would have seen"
             )
     return ckpt, latest, meta
+
+
+def check_same_optimizer(saved: dict[str, Any], current: dict[str, Any], directory: str) -> None:
+    """Refuse a resume whose optimizer state has another shape than the checkpoint's: the spike
+    skipping keeps its window in it, so ``train.skip_spikes`` cannot be turned on or off."""
+    was, now = bool(saved.get("skip_spikes", False)), current["skip_spikes"]
+    if was != now:
+        state = "on" if was else "off"
+        raise ConfigError(
+            f"train.skip_spikes: the checkpoint in {directory} was written with spike skipping "
+            f"{state}, whose optimizer state has {'a' if was else 'no'} running window. Fix: "
+            f"resume with spike skipping {state} (train.skip_spikes="
+            f"{'a multiple, e.g. 3' if was else '0'}), or set run.dir to a new directory."
+        )
 
 
 def initial_state(
@@ -684,6 +703,9 @@ def step_record(
         record["data_wait"] = data_wait
     if host["lambda"].size:
         record["lambda"] = [float(x) for x in host["lambda"]]
+    if "skipped" in host:  # train.skip_spikes
+        record["skipped"] = bool(host["skipped"])
+        record["spikes_skipped"] = int(host["spikes_skipped"])
     if throughput is not None:
         throughput.add_to(record, step_time)
     return record
@@ -697,6 +719,13 @@ def _speed(record: dict[str, Any]) -> dict[str, str]:
     elif record.get("tflops_per_device") is not None:
         out["tflops"] = f"{record['tflops_per_device']:.3g}"
     return out
+
+
+class _KeepPosition:
+    """A data iterator stand-in for a rollback's restore: the live iterator keeps its place."""
+
+    def set_state(self, state) -> None:
+        del state
 
 
 class _Recorder:
@@ -716,6 +745,7 @@ class _Recorder:
         self.writer, self.tokens_per_step, self.bar = writer, tokens_per_step, bar
         self.last_good, self.ckpt_dir, self.throughput = last_good, ckpt_dir, throughput
         self.queued: tuple[int, Any, bool] | None = None
+        self.rollbacks = 0  # train.on_nan=rollback: how many so far
         self.restart_clock()
 
     def restart_clock(self) -> None:
@@ -736,6 +766,16 @@ class _Recorder:
         queued, self.queued = self.queued, None
         return self._read(*queued)
 
+    def rewind(self, step: int, rollbacks: int) -> None:
+        """After a rollback to ``step``: the queued step and every record after ``step`` are
+        dropped, and the records from here on carry the number of ``rollbacks``."""
+        self.queued, self.rollbacks = None, rollbacks
+        self.writer.rewind(step)
+        if self.bar is not None:
+            self.bar.n = step
+            self.bar.refresh()
+        self.restart_clock()
+
     def write_evaluated(self, record: dict[str, Any]) -> None:
         self.writer.write(record)
         if self.bar is not None:
@@ -755,7 +795,9 @@ class _Recorder:
             step, host, now - self.clock, self.tokens_per_step, timed, self.throughput, self.waited
         )
         self.clock, self.waited = now, 0.0
-        if not math.isfinite(record["loss"]):
+        if self.rollbacks:
+            record["rollbacks"] = self.rollbacks
+        if not (math.isfinite(record["loss"]) or record.get("skipped")):
             self.writer.write(record)
             raise TrainingDiverged(step, record["loss"], self.last_good, self.ckpt_dir)
         if self.bar is not None:
@@ -956,6 +998,8 @@ class _Steps:
     train_fn: Callable
     eval_fn: Callable
     recorder: "_Recorder"
+    rollbacks: int = 0  # train.on_nan=rollback: how many so far
+    rolled_back_to: int | None = None  # the checkpoint step the last rollback restored
 
     def batch(self) -> tuple[dict[str, jax.Array], float]:
         """The next training batch on the devices, and the seconds spent waiting for it."""
@@ -983,6 +1027,37 @@ class _Steps:
             self.recorder.last_good = step
             self.recorder.writer.flush()  # a bucket's metrics.jsonl holds this step's records
         self.recorder.restart_clock()
+
+    def roll_back(
+        self, diverged: TrainingDiverged, setup: ModelSetup, model_cfg, log
+    ) -> tuple[Any, int]:
+        """``train.on_nan=rollback``: ``(state, step)`` of the last good checkpoint (the initial
+        state when none was saved; the one before it when the loss went non-finite again
+        before a newer one was saved), with the data left where it is: the batches read since
+        that checkpoint are skipped. The records after that step are dropped from the metrics.
+        Raises ``diverged`` with ``train.on_nan=stop`` or after ``train.nan_retries``."""
+        tcfg = self.exp.train
+        if tcfg.on_nan != "rollback" or self.rollbacks >= tcfg.nan_retries:
+            raise diverged
+        target = diverged.last_checkpoint
+        self.ckpt.wait()
+        if target is not None and target == self.rolled_back_to:  # its parameters may be bad
+            target = max((s for s in self.ckpt.all_steps() if s < target), default=None)
+        if target is None:
+            state = initial_state(setup, model_cfg, tcfg, self.ckpt, None, None, log, self.label)[0]
+        else:
+            abstract = abstract_like(setup.abstract, setup.state_sh)
+            state = self.ckpt.restore(target, abstract, _KeepPosition())
+        self.rollbacks, self.rolled_back_to = self.rollbacks + 1, target
+        step = 0 if target is None else target
+        log(
+            f"[{self.label}] the loss is {diverged.loss} at step {diverged.step}: rolled back "
+            f"to {'the initial state' if target is None else f'the checkpoint at step {step}'}, "
+            f"skipping the batches read since (rollback {self.rollbacks} of at most "
+            f"{tcfg.nan_retries})"
+        )
+        self.recorder.rewind(step, self.rollbacks)
+        return state, step
 
     def stop_if_preempted(self, step: int, state) -> None:
         """On SIGTERM/SIGINT (every process at the same step): this step's record and a
@@ -1032,18 +1107,22 @@ def _train_model(
     recorder = _Recorder(writer, tokens, bar, latest, ckpt.directory, throughput)
     run = _Steps(exp, runtime, label, ckpt, meta, train_iter, val, train_fn, eval_fn, recorder)
     profiler = StepProfiler(tcfg.profile_window, directory)
+    step = start
     try:
-        for step in range(start + 1, tcfg.steps + 1):
+        while step < tcfg.steps:
+            step += 1
             profiler.before(step)
             batch, wait = run.batch()
             state, metrics = train_fn(state, batch)
             profiler.after(step, metrics)
-            # the first step after a (re)start includes warm-up: not counted in throughput
-            recorder.push(step, metrics, timed=step > start + 1, data_wait=wait)
-            run.evaluate_and_save(step, state)
-            if after_step is not None:
-                after_step(step, ckpt)
-            run.stop_if_preempted(step, state)
+            try:  # the first step after a (re)start includes warm-up: not counted in throughput
+                recorder.push(step, metrics, timed=step > start + 1, data_wait=wait)
+                run.evaluate_and_save(step, state)
+                if after_step is not None:
+                    after_step(step, ckpt)
+                run.stop_if_preempted(step, state)
+            except TrainingDiverged as diverged:  # train.on_nan=rollback, else raised again
+                state, step = run.roll_back(diverged, setup, model_cfg, log)
     finally:
         profiler.close()
         recorder.close()
@@ -1082,7 +1161,8 @@ def summarize(
     timed = [r for r in records if r.get("timed") and r.get("step_time")]
     step_time = float(np.median([r["step_time"] for r in timed])) if timed else float("nan")
     last = records[-1] if records else {}
-    tail = [r["loss"] for r in records[-max(1, len(records) // 20) :]]
+    trained = [r for r in records if not r.get("skipped")]  # a skipped step's loss may be NaN
+    tail = [r["loss"] for r in trained[-max(1, len(trained) // 20) :]]
     evals = [r for r in records if "val_loss" in r]
     device_peak = device_peak_memory()
     tokens_per_step = last.get("tokens", 0) / max(last.get("step", 1), 1)
@@ -1111,6 +1191,8 @@ def summarize(
             if k.startswith("val_") and k not in ("val_loss", "val_ppl")
         },
         resumed_from=resumed_from,
+        spikes_skipped=last.get("spikes_skipped"),
+        rollbacks=int(last.get("rollbacks", 0)),
     )
 
 

@@ -160,15 +160,7 @@ class MetricsWriter:
         storage.write_text(path, "".join(json.dumps(r) + "\n" for r in kept))
         self._file = open(path, "a")
         self.log_every = log_every
-        self._tb = None
-        if tensorboard:
-            from tensorboardX import SummaryWriter
-
-            self._tb = SummaryWriter(
-                self._dir.local_path("tb"),
-                purge_step=resume_step + 1,
-                filename_suffix=f".{os.getpid()}",  # a resume's file never replaces another's
-            )
+        self._tb = self._open_tb(resume_step) if tensorboard else None
 
     def write(self, record: dict[str, Any]) -> None:
         self._file.write(json.dumps({k: _plain(v) for k, v in record.items()}) + "\n")
@@ -186,6 +178,29 @@ class MetricsWriter:
                 self._tracker.log(values, step)
         if self._dir.is_remote:
             self._upload(force=False)
+
+    def rewind(self, step: int) -> None:
+        """Drop the records after ``step`` (a rollback): from ``metrics.jsonl``, and from
+        TensorBoard's view (a new events file that purges the later steps). W&B keeps what it
+        was sent: its steps only grow, so the retried steps reach it again only past the last
+        one logged."""
+        self._file.close()
+        path = self._dir.local_path("metrics.jsonl")
+        kept = [r for r in read_metrics(path) if r.get("step", 0) <= step]
+        storage.write_text(path, "".join(json.dumps(r) + "\n" for r in kept))
+        self._file = open(path, "a")
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = self._open_tb(step)
+
+    def _open_tb(self, step: int):
+        from tensorboardX import SummaryWriter
+
+        return SummaryWriter(
+            self._dir.local_path("tb"),
+            purge_step=step + 1,
+            filename_suffix=f".{os.getpid()}.{step}",  # a resume's file never replaces another's
+        )
 
     def _upload(self, force: bool) -> None:
         if not (force or self._dir.due()):
@@ -217,6 +232,9 @@ class MetricsCollector:
 
     def write(self, record: dict[str, Any]) -> None:
         self.records.append(dict(record))
+
+    def rewind(self, step: int) -> None:
+        self.records = [r for r in self.records if r.get("step", 0) <= step]
 
     def flush(self) -> None:
         pass
