@@ -98,19 +98,19 @@ class TrainConfig:
     # model's folder (profile/; TensorBoard's profile plugin, XProf and Perfetto read it).
     # None: no trace
     profile_steps: str | None = None
-    # DIFF's signals from the step, in every record: each layer's largest attention logit (both
-    # maps for DIFF), V2's sigma(lambda) spread, the largest hidden activation, the output
-    # logits' largest magnitude, the update-to-parameter RMS ratio. Off: the step is today's
+    # log DIFF's signals from the step in every record. Each layer's largest attention logit
+    # (both maps for DIFF), V2's sigma(lambda) spread, the largest hidden activation, the
+    # output logits' largest magnitude, the update-to-parameter RMS ratio. Off: today's step
     diagnostics: bool = False
-    # skip the update (parameters and optimizer state unchanged, the batch consumed) of a step
-    # whose loss or gradient norm is above this multiple of its median over the last
-    # spike_window steps, or not finite; 0: never skip
+    # skip a step's update when its loss or gradient norm passes this multiple of the running
+    # median. Also when either is not finite; parameters and optimizer state stay unchanged,
+    # the batch is consumed. 0: never skip
     skip_spikes: float = 0.0
     spike_window: int = 64  # steps in the running median (skipping starts once it is full)
-    # a non-finite loss: "stop" (keep the last good checkpoint) or "rollback" (restore the last
-    # good checkpoint, skip past the batches read since, go on; at most nan_retries times)
+    # on a non-finite loss: stop, or roll back to the last good checkpoint and go on. A
+    # rollback skips past the batches read since that checkpoint
     on_nan: str = "stop"
-    nan_retries: int = 3
+    nan_retries: int = 3  # the most rollbacks train.on_nan=rollback makes in one run
 
     def __post_init__(self):
         check_fields(self)
@@ -446,6 +446,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "data.token_dtype": TOKEN_DTYPES,
     "train.schedule": SCHEDULES,
     "train.kernel_check": KERNEL_CHECKS,
+    "train.on_nan": ON_NAN,
 }
 
 
