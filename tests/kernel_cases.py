@@ -203,9 +203,94 @@ def check_standard(kernel, case, tol, *, causal=True):
     return out, grads
 
 
+# ---------------------------------------------------------------------------- logit maxes
+def logit_max_oracle(q, k, *, scale, causal=True, segment_ids=None, kv_segment_ids=None):
+    """Each query row's largest logit ``(q . k) * scale`` over the keys it may see, in numpy
+    float64 (independent of diffjax): q ``[B, T, Hq, D]``, k ``[B, S, Hkv, D]`` (query head
+    ``h`` reads kv head ``h // (Hq // Hkv)``), bottom-right aligned causal mask, segment ids
+    ``[B, T]`` / ``[B, S]``. Returns ``[B, T, Hq]``, -inf for a row that sees no key."""
+    q, k = np.asarray(q, np.float64), np.asarray(k, np.float64)
+    (b, t, hq, _), (s, hkv) = q.shape, k.shape[1:3]
+    logits = np.einsum("bthd,bshd->bths", q, np.repeat(k, hq // hkv, axis=2)) * scale
+    visible = np.ones((b, t, s), bool)
+    if causal:
+        visible &= np.arange(s)[None, None, :] <= np.arange(t)[None, :, None] + (s - t)
+    if segment_ids is not None:
+        kv = segment_ids if kv_segment_ids is None else kv_segment_ids
+        visible &= np.asarray(segment_ids)[:, :, None] == np.asarray(kv)[:, None, :]
+    return np.where(visible[:, :, None, :], logits, -np.inf).max(axis=-1)
+
+
+def assert_logit_max(got, want, tol=(1e-5, 1e-5)):
+    """``got`` (float32) against the oracle's ``want`` (same shape): -inf exactly where
+    ``want`` is, elsewhere ``|got - want| <= atol + rtol * |want|``."""
+    atol, rtol = tol
+    got = np.asarray(got)
+    assert got.dtype == np.float32 and got.shape == want.shape, (got.dtype, got.shape, want.shape)
+    np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want))
+    seen = np.isfinite(want)
+    assert np.all(np.isfinite(got[seen]))
+    err = np.abs(got[seen] - want[seen]) - rtol * np.abs(want[seen])
+    assert np.all(err <= atol), f"logit max off by {float(np.max(err)) + atol:.3g}"
+
+
+def _outputs_and_grads(fn, args, ct, argnums):
+    """``(out, maxes, grads)`` of ``fn(*args)`` (``maxes`` None when it returns ``out``
+    alone), the gradients those of ``sum(out * ct)`` in ``args[argnums]``; one compiled call."""
+
+    def run(args, ct):
+        def f(*diff_args):
+            full = list(args)
+            for i, a in zip(argnums, diff_args):
+                full[i] = a
+            res = fn(*full)
+            out, maxes = res if isinstance(res, tuple) else (res, None)
+            return out.astype(jnp.float32), (out, maxes)
+
+        _, vjp, (out, maxes) = jax.vjp(f, *(args[i] for i in argnums), has_aux=True)
+        return out, maxes, vjp(ct)
+
+    return compile_fast(run, args, ct)(args, ct)
+
+
+def check_logit_max(attention, case, *, causal=True, shared=False, standard=False, tol=None):
+    """``attention(*args, causal=, segment_ids=, kv_segment_ids=, return_logit_max=)`` (a
+    ``differential_flash_attention`` on ``q1, k1, q2, k2, v, lam``, or with ``standard`` a
+    ``flash_attention`` on ``q1, k1, v``, other options bound; ``shared``: k2 None): with the
+    option its maxes are :func:`logit_max_oracle`'s of each map, and its output and the
+    gradients of every input are those of the call without it, bit for bit. Returns the
+    maxes ``[n_maps, B, T, Hq]``."""
+    masked = masks(case)
+    names = ("q1", "k1", "v") if standard else ("q1", "k1", "q2", "k2", "v", "lam")
+    maps = [("q1", "k1")] + ([] if standard else [("q2", "k1" if shared else "k2")])
+    args = tuple(case[n] for n in names)
+    argnums = tuple(i for i, n in enumerate(names) if not (shared and n == "k2"))
+
+    def call(on):
+        def fn(*a):
+            a = a[:3] + (None,) + a[4:] if shared else a
+            return attention(*a, causal=causal, return_logit_max=on, **masked)
+
+        return fn
+
+    out, maxes, grads = _outputs_and_grads(call(True), args, case["ct"], argnums)
+    out0, none, grads0 = _outputs_and_grads(call(False), args, case["ct"], argnums)
+    assert none is None  # without the option: the output alone
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(out0))
+    for i, g, g0 in zip(argnums, grads, grads0):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(g0), err_msg=f"d{names[i]}")
+    scale = case["q1"].shape[-1] ** -0.5
+    want = np.stack(
+        [logit_max_oracle(case[q], case[k], scale=scale, causal=causal, **masked) for q, k in maps]
+    )
+    assert_logit_max(maxes, want, *(() if tol is None else (tol,)))
+    return np.asarray(maxes)
+
+
 def check_partials(module, kind, interpret):
     """``module.flash_partials`` on two key blocks, merged by log-sum-exp, give the reference's
-    output; ``module.flash_partial_grads`` of each block from the merged statistics sum to
+    output, and their row maxes (``return_row_max``) merged by max each map's largest visible
+    logit; ``module.flash_partial_grads`` of each block from the merged statistics sum to
     autodiff of the reference. GQA 4/2, packed segments, length 24 cut 12/12 (one segment spans
     the cut)."""
     rng = np.random.default_rng(0)
@@ -231,8 +316,8 @@ def check_partials(module, kind, interpret):
             k1=k1[:, s], k2=None if k2 is None else k2[:, s], v=v[:, s], kv_segment_ids=seg[:, s]
         )
 
-    parts = [
-        module.flash_partials(
+    def partials(x, **opt):
+        return module.flash_partials(
             q1,
             x["k1"],
             q2 if diff else None,
@@ -240,10 +325,18 @@ def check_partials(module, kind, interpret):
             x["v"],
             kv_segment_ids=x["kv_segment_ids"],
             **kw,
+            **opt,
         )
-        for x in map(block, halves)
-    ]
-    merged = [context.merge_partials(*a, *b_) for a, b_ in zip(*parts)]
+
+    plain = jax.eval_shape(lambda: partials(block(halves[0])))  # (o, lse) per map
+    assert [len(p) for p in plain] == [2] * (1 + diff)
+    parts = [partials(x, return_row_max=True) for x in map(block, halves)]  # (o, lse, row max)
+    merged = [context.merge_partials(*a[:2], *b_[:2]) for a, b_ in zip(*parts)]
+    maps = [(q1, k1)] + ([(q2, k1 if k2 is None else k2)] if diff else [])
+    for (qm, km), a, b_ in zip(maps, *parts):  # the blocks' row maxes, merged by max
+        want = logit_max_oracle(qm, km, scale=d**-0.5, causal=False, segment_ids=seg)
+        assert_logit_max(jnp.maximum(a[2], b_[2]), want)
+        assert np.all(np.isneginf(np.asarray(b_[2])[:, :10]))  # segment 0: no key in half 2
 
     def ref(q1, k1, q2, k2, v):
         if diff:

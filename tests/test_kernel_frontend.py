@@ -122,6 +122,16 @@ BAD_CALLS = {
         ValueError,
         r"o2_dtype .* must be float32 or bfloat16, got 'half-precision'",
     ),
+    "logit-max-not-a-bool": (
+        _diff(q1, k1, q2, k2, v, 0.5, return_logit_max="yes"),
+        TypeError,
+        r"return_logit_max must be True or False .* got 'yes'\. Fix: pass return_logit_max=True",
+    ),
+    "logit-max-traced-standard": (
+        _std(q1, k1, v, return_logit_max=jnp.asarray(True)),
+        TypeError,
+        r"flash_attention: return_logit_max must be True or False .* got jax.*Array",
+    ),
 }
 
 
@@ -158,6 +168,11 @@ BAD_PARTIALS = {
         lambda m: m.flash_partials(q1, k1, None, None, v, block_sizes=[16], interpret=True),
         TypeError,
         r"flash_partials: block_sizes must be a diffjax\.kernels\.<backend>\.BlockSizes",
+    ),
+    "row-max-not-a-bool": (
+        lambda m: m.flash_partials(q1, k1, q2, k2, v, return_row_max=1, interpret=True),
+        TypeError,
+        r"flash_partials: return_row_max must be True or False .* got 1\. Fix",
     ),
     "grads-heads": (
         lambda m: m.flash_partial_grads(

@@ -20,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kernel_cases import ON_GPU, assert_close, check_differential, check_standard, make_inputs
-from kernel_cases import check_partials, value_and_grads
+from kernel_cases import check_logit_max, check_partials, value_and_grads
 
 from diffjax.kernels import gpu, reference
 
@@ -560,3 +560,83 @@ def test_partials_over_key_blocks_merge_to_the_reference(kind):
     ``flash_partial_grads`` of each block from the merged statistics sum to autodiff of the
     reference (ring attention's building blocks)."""
     check_partials(gpu, kind, interpret=True)
+
+
+# ---------------------------------------------------------------------------- logit maxes
+@pytest.mark.parametrize(
+    "kind", ["v1_fused", "v2_split_shared_k", "standard"], ids=lambda k: k.replace("_", "-")
+)
+def test_logit_max_is_the_forward_running_row_max(kind):
+    """``return_logit_max=True``: each map's largest visible logit per row (the forward's
+    running max, base 2 converted back) equals numpy's, -inf for a row that sees no key, on
+    the fused forward (V1: GQA, T > S under the causal mask so the first rows see no key,
+    separate key segments), the forward split per branch (V2: shared key, per-token lambda)
+    and the standard kernel (MQA, not causal); the output and every gradient are those of
+    the call without it, bit for bit."""
+    shared, standard = kind.startswith("v2"), kind == "standard"
+    shape = dict(b=2, t=24, s=20) if kind == "v1_fused" else dict(t=24, s=24)
+    case = make_inputs(
+        9,
+        **shape,
+        hq=4 if not standard else 2,
+        hkv=2 if not standard else 1,
+        d=16,
+        dv=16 if shared or standard else 32,
+        lam="token" if shared else "scalar",
+        seg="separate" if kind == "v1_fused" else "shared",
+    )
+    if case["kv_segment_ids"] is None:
+        case["kv_segment_ids"] = case["segment_ids"]
+    case["segment_ids"] = case["segment_ids"].at[:, 5].set(99)  # row 5: in no key's segment
+    blocks = dataclasses.replace(SMALL, split_forward=shared)
+    if standard:
+        attention = functools.partial(gpu.flash_attention, block_sizes=blocks, interpret=INTERPRET)
+    else:
+        attention = functools.partial(
+            gpu.differential_flash_attention, block_sizes=blocks, interpret=INTERPRET
+        )
+    maxes = check_logit_max(attention, case, causal=not standard, shared=shared, standard=standard)
+    assert np.all(np.isneginf(maxes[:, :, 5]))
+    if kind == "v1_fused":
+        assert np.all(np.isneginf(maxes[:, :, :4]))  # T - S = 4 rows before the first key
+
+
+def test_logit_max_adds_one_forward_output_per_map_and_nothing_else():
+    """The option is one more float32 ``[B, Hq, T]`` output per map of the forward kernel
+    (fused, standard; the forward split per branch, whose programs stack the maps as heads:
+    one ``[B, 2 Hq, T]``); the backward kernels are unchanged, and without it the call is
+    exactly the call without the option (same outputs, same jaxpr)."""
+    case = make_inputs(0, t=16, s=16, hq=2, hkv=1, d=16, lam="token")
+    args = [case[k] for k in ("q1", "k1", "q2", "k2", "v", "lam")]
+
+    def calls(on, split=False, standard=False):
+        blocks = dataclasses.replace(SMALL, split_forward=split)
+        opts = dict(block_sizes=blocks, interpret=INTERPRET)
+        if on is not None:
+            opts["return_logit_max"] = on
+
+        def loss(q1, k1, q2, k2, v, lam):
+            if standard:
+                res = gpu.flash_attention(q1, k1, v, **opts)
+            else:
+                res = gpu.differential_flash_attention(q1, k1, q2, k2, v, lam, **opts)
+            out = res[0] if on else res
+            return jnp.sum(out * case["ct"][..., : out.shape[-1]])
+
+        jaxpr = jax.make_jaxpr(jax.grad(loss, (0, 1, 2, 3, 4, 5)))(*args)
+        return str(jaxpr), [[v.aval for v in c.outvars] for c in _pallas_calls(jaxpr)]
+
+    def rows(heads):
+        return jax.core.ShapedArray((1, heads, 16), jnp.float32)
+
+    for split, standard, extra in (
+        (False, False, [rows(2), rows(2)]),
+        (True, False, [rows(4)]),
+        (False, True, [rows(2)]),
+    ):
+        text, plain = calls(None, split, standard)
+        assert calls(False, split, standard) == (text, plain)  # the default, spelled out
+        _, with_max = calls(True, split, standard)
+        assert len(plain) == len(with_max) == 3  # forward, dK/dV, dQ
+        assert with_max[0] == plain[0] + extra, (split, standard)
+        assert with_max[1:] == plain[1:]

@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jax.experimental.pallas import tpu as pltpu
 from kernel_cases import assert_close, check_partials, compile_fast, make_inputs, value_and_grads
+from kernel_cases import check_logit_max
 from kernel_cases import check_differential as _check_differential
 from kernel_cases import check_standard as _check_standard
 
@@ -193,6 +194,68 @@ def test_causal_skips_key_blocks_above_the_diagonal():
     )
     out = np.asarray(fn(case["q1"], case["k1"], case["q2"], case["k2"], v))
     assert np.all(np.isfinite(out[:, :24])) and np.all(np.isnan(out[:, -1]))
+
+
+# ============================================================================ logit maxes
+@pytest.mark.parametrize(
+    "kw, causal, bs, kind",
+    [
+        # V1: GQA, T > S under the causal mask (the first rows see no key), separate key
+        # segments, padded query and key blocks.
+        (dict(b=2, t=20, s=12, hq=4, hkv=2, dv=32, seg="separate"), True, blocks(8, 8), "v1"),
+        # V2: the shared-key kernel, per-token lambda, packed segments.
+        (dict(t=16, s=16, hq=2, hkv=1, lam="token", seg="shared"), True, blocks(8, 16), "v2"),
+        # Standard, MQA, not causal.
+        (dict(t=16, s=24, hq=2, hkv=1, seg="separate"), False, blocks(16, 8), "standard"),
+    ],
+    ids=["v1-gqa-empty-rows", "v2-shared-k", "standard-noncausal"],
+)
+def test_logit_max_is_the_forward_running_row_max(kw, causal, bs, kind):
+    """``return_logit_max=True``: each map's largest visible logit per row (the forward's
+    running max ``m``, lane-replicated in VMEM) equals numpy's, -inf for a row that sees no
+    key (including one whose every tile is skipped); the output and every gradient are those
+    of the call without it, bit for bit."""
+    case = make_inputs(4, d=16, **kw)
+    if case["kv_segment_ids"] is None:
+        case["kv_segment_ids"] = case["segment_ids"]
+    case["segment_ids"] = case["segment_ids"].at[:, 3].set(99)  # row 3: in no key's segment
+    fn = tpu.flash_attention if kind == "standard" else tpu.differential_flash_attention
+    attention = functools.partial(fn, block_sizes=bs, interpret=True)
+    maxes = check_logit_max(
+        attention, case, causal=causal, shared=kind == "v2", standard=kind == "standard"
+    )
+    assert np.all(np.isneginf(maxes[:, :, 3]))
+    if kind == "v1":
+        assert np.all(np.isneginf(maxes[:, :, :8]))  # T - S = 8 rows before the first key
+
+
+def test_logit_max_adds_one_forward_output_per_map_and_nothing_else():
+    """The option is one more output per map of the forward kernel (lane-replicated like the
+    log-sum-exps); the backward kernels and their names are unchanged, and without it the
+    call is exactly the call without the option (same jaxpr)."""
+    case = make_inputs(0, t=16, s=16, hq=2, hkv=1, d=16)
+    args = tuple(case[n] for n in ("q1", "k1", "q2", "v"))
+
+    def jaxpr(**opt):
+        def loss(q1, k, q2, v):
+            res = tpu.differential_flash_attention(
+                q1, k, q2, None, v, 0.5, block_sizes=blocks(8, 8), interpret=True, **opt
+            )
+            return jnp.sum((res[0] if opt.get("return_logit_max") else res) * case["ct"])
+
+        return jax.make_jaxpr(jax.grad(loss, (0, 1, 2, 3)))(*args)
+
+    def outputs(closed):
+        calls = [e for e in closed.jaxpr.eqns if e.primitive.name == "pallas_call"]
+        return [(e.params["name"], [v.aval for v in e.outvars]) for e in calls]
+
+    plain, off, on = jaxpr(), jaxpr(return_logit_max=False), jaxpr(return_logit_max=True)
+    assert str(off) == str(plain)
+    names = ["diff_flash_fwd_shared_k", "diff_flash_dkv_shared_k", "diff_flash_dq_shared_k"]
+    assert [n for n, _ in outputs(plain)] == names
+    row = jax.core.ShapedArray((1, 2, 16, 128), jnp.float32)
+    assert outputs(on)[0][1] == outputs(plain)[0][1] + [row, row]
+    assert outputs(on)[1:] == outputs(plain)[1:]
 
 
 # ============================================================================ hypothesis grids

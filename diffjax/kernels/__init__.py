@@ -84,7 +84,8 @@ def differential_flash_attention(
     backend: str | None = None,
     compute_capability: tuple[int, int] | None = None,
     o2_dtype: Any = jnp.float32,
-) -> jax.Array:
+    return_logit_max: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Fused differential attention, ``[B, T, Hq, Dv]`` in ``q1.dtype``.
 
     q1, q2 ``[B,T,Hq,Dqk]``; k1, k2 ``[B,S,Hkv,Dqk]`` (``k2=None``: both maps read
@@ -95,7 +96,10 @@ def differential_flash_attention(
     ``block_sizes``: the chosen kernel's ``BlockSizes``. ``compute_capability``: the GPU the
     GPU kernel is compiled for (default: this one), which its default block sizes follow.
     ``o2_dtype``: the saved second-branch output's dtype (a backward residual), float32 or
-    bfloat16 (half the memory; docs/kernels.md gives the cost in d(lam)). Both kernels check
+    bfloat16 (half the memory; docs/kernels.md gives the cost in d(lam)).
+    ``return_logit_max``: also return each map's largest logit per row, ``(out, maxes)`` with
+    ``maxes`` float32 ``[2, B, T, Hq]`` (the kernels' running row max; -inf for a row that sees
+    no key; no gradient); False leaves the kernels as they are without it. Both kernels check
     their inputs alike (:mod:`diffjax.kernels._frontend`): the same bad input raises the same
     error on either.
     """
@@ -123,6 +127,7 @@ def differential_flash_attention(
         block_sizes=block_sizes,
         interpret=interpret,
         o2_dtype=o2_dtype,
+        return_logit_max=return_logit_max,
         **_gpu_only(module, compute_capability),
     )
 
@@ -140,8 +145,10 @@ def flash_attention(
     interpret: Any = False,
     backend: str | None = None,
     compute_capability: tuple[int, int] | None = None,
-) -> jax.Array:
-    """Standard (MHA/GQA/MQA) flash attention through the same kernels, ``[B, T, Hq, Dv]``."""
+    return_logit_max: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """Standard (MHA/GQA/MQA) flash attention through the same kernels, ``[B, T, Hq, Dv]``
+    (``return_logit_max``: ``(out, maxes)``, ``maxes`` float32 ``[1, B, T, Hq]``)."""
     module = kernel_module(backend, interpret=interpret)
     return module.flash_attention(
         q,
@@ -153,6 +160,7 @@ def flash_attention(
         sm_scale=sm_scale,
         block_sizes=block_sizes,
         interpret=interpret,
+        return_logit_max=return_logit_max,
         **_gpu_only(module, compute_capability),
     )
 

@@ -86,6 +86,17 @@ def check_o2_dtype(what: str, o2_dtype) -> np.dtype:
     return dtype
 
 
+def static_flag(what: str, name: str, value) -> bool:
+    """``value`` of the option ``name`` as a python bool: it changes the kernels' outputs, so
+    it must be static (True or False), else a TypeError naming the fix."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise TypeError(
+        f"{what}: {name} must be True or False (a static python bool: it adds outputs to the "
+        f"kernels), got {_describe(value)}. Fix: pass {name}=True or {name}=False"
+    )
+
+
 def check_compute_capability(what: str, compute_capability, takes_it: bool, backend: str):
     """The target GPU as a ``(major, minor)`` tuple (None: this process's GPU); a ValueError
     when a backend that compiles for no GPU is given one."""
@@ -166,6 +177,7 @@ class Call:
     interpret: Any  # as given (the TPU kernels take a pltpu.InterpretParams)
     o2_dtype: np.dtype  # the saved second-branch output (a backward residual)
     compute_capability: tuple[int, int] | None  # the target GPU (None: this one; TPU: None)
+    logit_max: bool = False  # also return each map's largest logit per row (diagnostics)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,10 +186,13 @@ class Frontend:
 
     ``attention(call, q1, k1, q2, k2, v, lam, segment_ids, kv_segment_ids)``: the
     differentiable output ``[B, T, Hq, Dv]`` in q1's dtype (``q2``, ``k2``, ``lam`` None for
-    standard attention). ``partials(call, q1, k1, q2, k2, v, segment_ids, kv_segment_ids)`` and
-    ``partial_grads(call, q1, k1, q2, k2, v, lam, dout, lse1, delta1, lse2, delta2,
-    segment_ids, kv_segment_ids)``: the ring's interface (:meth:`flash_partials`,
-    :meth:`flash_partial_grads`). ``lam`` reaches them as a float32 array.
+    standard attention); with ``call.logit_max``, ``(out, maxes)``: ``maxes`` float32
+    ``[n_maps, B, T, Hq]``, each map's running row max in natural-scale logits (-inf for a row
+    that sees no key), whose cotangent the backward ignores. ``partials(call, q1, k1, q2, k2,
+    v, segment_ids, kv_segment_ids)`` and ``partial_grads(call, q1, k1, q2, k2, v, lam, dout,
+    lse1, delta1, lse2, delta2, segment_ids, kv_segment_ids)``: the ring's interface
+    (:meth:`flash_partials`, :meth:`flash_partial_grads`; with ``call.logit_max`` each map's
+    partial is ``(o, lse, row_max)``). ``lam`` reaches them as a float32 array.
     """
 
     backend: str  # "gpu" or "tpu", for messages
@@ -205,10 +220,13 @@ class Frontend:
         interpret,
         compute_capability,
         o2_dtype=jnp.float32,
+        logit_max=False,
+        logit_max_option="return_logit_max",
     ) -> Call:
         """Every check of a call (shapes, lambda, segment ids, lengths, then the options), in
         one order for every backend; the :class:`Call` the backend's functions take.
-        ``q2`` None: standard attention (``k2`` and ``lam`` unused)."""
+        ``q2`` None: standard attention (``k2`` and ``lam`` unused). ``logit_max``: the value
+        of the public option named ``logit_max_option`` (a static bool)."""
         differential = q2 is not None
         if differential:
             check_differential(q1, k1, q2, k2, v, lam, segment_ids, kv_segment_ids, what=what)
@@ -227,6 +245,7 @@ class Frontend:
             compute_capability=check_compute_capability(
                 what, compute_capability, self.takes_compute_capability, self.backend
             ),
+            logit_max=static_flag(what, logit_max_option, logit_max),
         )
 
     def differential_flash_attention(
@@ -246,7 +265,8 @@ class Frontend:
         interpret=False,
         compute_capability=None,
         o2_dtype=jnp.float32,
-    ) -> jax.Array:
+        return_logit_max=False,
+    ) -> jax.Array | tuple[jax.Array, jax.Array]:
         """Fused ``softmax(q1 k1^T s) v - lam * softmax(q2 k2^T s) v``, ``[B, T, Hq, Dv]`` in
         q1's dtype.
 
@@ -263,6 +283,14 @@ class Frontend:
         kernels take None). ``o2_dtype``: the dtype of the saved second-branch output (a
         backward residual, ``B*T*Hq*Dv`` elements per layer), float32 or bfloat16 (half of it,
         at the cost in d(lam) stated in docs/kernels.md); the output does not depend on it.
+
+        ``return_logit_max`` (a static bool, default False): also return each map's largest
+        logit per query row, ``(out, maxes)`` with ``maxes`` float32 ``[2, B, T, Hq]`` (map 1:
+        q1 k1, map 2: q2 k2, or q2 k1 with shared keys): the forward kernel's running row max
+        of ``(q k^T) * sm_scale`` over the keys the row sees, in natural scale, written as one
+        more output per branch; -inf for a row that sees no key. It carries no gradient (the
+        backward ignores its cotangent); ``out`` and the gradients are those of the call
+        without it. False: the kernels are exactly those of a call without the option.
         """
         if q2 is None:
             raise ValueError(
@@ -285,6 +313,7 @@ class Frontend:
             interpret=interpret,
             compute_capability=compute_capability,
             o2_dtype=o2_dtype,
+            logit_max=return_logit_max,
         )
         lam = jnp.asarray(lam, jnp.float32)
         return self.attention(call, q1, k1, q2, k2, v, lam, segment_ids, kv_segment_ids)
@@ -302,10 +331,12 @@ class Frontend:
         block_sizes=None,
         interpret=False,
         compute_capability=None,
-    ) -> jax.Array:
+        return_logit_max=False,
+    ) -> jax.Array | tuple[jax.Array, jax.Array]:
         """Standard fused softmax attention ``softmax(q k^T s) v`` with the same kernels (one
         branch): q ``[B, T, Hq, D]``, k ``[B, S, Hkv, D]``, v ``[B, S, Hkv, Dv]``; returns
-        ``[B, T, Hq, Dv]`` in q's dtype. Options as :meth:`differential_flash_attention`."""
+        ``[B, T, Hq, Dv]`` in q's dtype. Options as :meth:`differential_flash_attention`
+        (``return_logit_max``: ``(out, maxes)``, ``maxes`` float32 ``[1, B, T, Hq]``)."""
         call = self.check(
             "flash_attention",
             q,
@@ -321,6 +352,7 @@ class Frontend:
             block_sizes=block_sizes,
             interpret=interpret,
             compute_capability=compute_capability,
+            logit_max=return_logit_max,
         )
         return self.attention(call, q, k, None, None, v, None, segment_ids, kv_segment_ids)
 
@@ -342,13 +374,18 @@ class Frontend:
         block_sizes=None,
         interpret=False,
         compute_capability=None,
+        return_row_max=False,
     ):
         """Each softmax map of ``q`` against this key block, normalised over its visible keys,
         and its log-sum-exp: ``((o1, lse1), (o2, lse2))`` for DIFF, ``((o, lse),)`` for
         standard attention (``q2`` None; ``k2`` None with ``q2``: both maps read ``k1``). ``o``
         ``[B, T, Hq, Dv]`` and ``lse`` ``[B, T, Hq]`` (natural log) float32; a row that sees no
         key gets ``o = 0``, ``lse = -inf``. Arguments as :meth:`differential_flash_attention`.
-        Not differentiable: ring attention's backward calls :meth:`flash_partial_grads`."""
+        ``return_row_max`` (a static bool): each map's triple ``(o, lse, row_max)`` instead,
+        ``row_max`` ``[B, T, Hq]`` float32 the largest logit ``(q k^T) * sm_scale`` of the row
+        over this block's visible keys (-inf where none): the kernel's running max, which the
+        ring merges over blocks by max. Not differentiable: ring attention's backward calls
+        :meth:`flash_partial_grads`."""
         call = self.check(
             "flash_partials",
             q1,
@@ -364,6 +401,8 @@ class Frontend:
             block_sizes=block_sizes,
             interpret=interpret,
             compute_capability=compute_capability,
+            logit_max=return_row_max,
+            logit_max_option="return_row_max",
         )
         return self.partials(call, q1, k1, q2, k2, v, segment_ids, kv_segment_ids)
 

@@ -44,8 +44,13 @@ float32 accumulators (V1 at Dv=256), the forward runs one program per branch on 
 computes its tiles key-major (``K Q^T``, ``V dO^T``: the owned 64-key block as every dot's rows,
 so the warpgroup MMA serves them all) where its accumulators fit one warpgroup.
 
+Diagnostics (``return_logit_max``, ``flash_partials(return_row_max=True)``): the forward also
+writes each branch's running row max ``m`` (float32 ``[B, Hq, T]``, base 2; the wrapper divides
+it back by ``log2(e)``), an output that exists only when asked for.
+
 Each kernel takes its operands as named refs; those a configuration lacks (the second branch
-of the standard kernel, ``k2`` when keys are shared, segment ids) are passed as None.
+of the standard kernel, ``k2`` when keys are shared, segment ids, the row maxes) are passed as
+None.
 Block sizes and warps per kernel and GPU: :func:`default_block_sizes` (chosen with
 ``benchmarks/compile_kernels.py``; docs/kernels.md).
 
@@ -419,6 +424,7 @@ class _Config:
     num_warps_dq: int = 8
     split_forward: bool = False  # DIFF forward as one program per branch (BlockSizes)
     dkv_key_major: bool = False  # dK/dV tiles [keys, queries] (BlockSizes)
+    row_max: bool = False  # the forward also writes each branch's running row max (logit_max)
 
     @property
     def offset(self) -> int:  # query i sees key j iff j <= i + offset (bottom-right aligned)
@@ -531,11 +537,15 @@ def _fwd_kernel(
     lse1_ref,
     lse2_ref,
     o2_ref,
+    max1_ref,
+    max2_ref,
     *,
     cfg: _Config,
 ):
     """One query block of one head. Operands a configuration does not use are None: q2, k2,
-    lam, lse2, o2 for the standard kernel, k2 for shared keys, the segment ids when unpacked."""
+    lam, lse2, o2 for the standard kernel, k2 for shared keys, the segment ids when unpacked,
+    the row maxes (max1, max2: each branch's running max ``m``, base 2, ``MASK_VALUE`` where
+    the row saw no key) unless ``cfg.row_max``."""
     bq, bk = cfg.block_q, cfg.block_k
     qi = _q_block_id(cfg, cfg.block_q)
     q_idx = qi * bq + jnp.arange(bq, dtype=jnp.int32)
@@ -594,15 +604,22 @@ def _fwd_kernel(
         return acc / l_safe[:, None], m + jnp.log2(l_safe)  # lse in base 2
 
     o1, lse1_ref[...] = finish(*states[0])
+    if max1_ref is not None:
+        max1_ref[...] = states[0][0]
     if q2 is None:
         o_ref[...] = o1.astype(o_ref.dtype)
         return
     o2, lse2_ref[...] = finish(*states[1])
+    if max2_ref is not None:
+        max2_ref[...] = states[1][0]
     o_ref[...] = (o1 - lam_ref[...][:, None] * o2).astype(o_ref.dtype)
     o2_ref[...] = o2.astype(o2_ref.dtype)
 
 
 def _forward(cfg: _Config, q1, k1, q2, k2, v, lam, qseg, kseg):
+    """``(out, lse1, lse2, o2, maxes)``: the output, the residuals (None where the
+    configuration has none) and, with ``cfg.row_max``, a tuple of each branch's base-2 running
+    row max ``[B, Hq, T]`` (else None)."""
     if cfg.differential and cfg.split_forward:
         return _forward_split(cfg, q1, k1, q2, k2, v, lam, qseg, kseg)
     b, t, hq, d = q1.shape
@@ -644,14 +661,24 @@ def _forward(cfg: _Config, q1, k1, q2, k2, v, lam, qseg, kseg):
     ]
     out_spec = _spec((None, bq, None, dv), q_map)
     rows = jax.ShapeDtypeStruct((b, hq, t), jnp.float32)
+    rm = cfg.row_max
     out_shape = [
         jax.ShapeDtypeStruct((b, t, hq, dv), q1.dtype),
         rows,
         opt(diff, rows),
         opt(diff, jax.ShapeDtypeStruct((b, t, hq, dv), cfg.o2_dtype)),
+        opt(rm, rows),
+        opt(rm and diff, rows),
     ]
-    out_specs = [out_spec, row_spec, opt(diff, row_spec), opt(diff, out_spec)]
-    out, lse1, lse2, o2 = pl.pallas_call(
+    out_specs = [
+        out_spec,
+        row_spec,
+        opt(diff, row_spec),
+        opt(diff, out_spec),
+        opt(rm, row_spec),
+        opt(rm and diff, row_spec),
+    ]
+    out, lse1, lse2, o2, max1, max2 = pl.pallas_call(
         functools.partial(_fwd_kernel, cfg=cfg),
         grid=(n_q, b, hq),
         in_specs=in_specs,
@@ -661,16 +688,18 @@ def _forward(cfg: _Config, q1, k1, q2, k2, v, lam, qseg, kseg):
         interpret=cfg.interpret,
         name="diff_flash_fwd" if diff else "flash_fwd",
     )(q1, k1, q2, k2, v, lam, qseg, kseg)
-    return out, lse1, lse2, o2
+    maxes = None if not rm else (max1,) if max2 is None else (max1, max2)
+    return out, lse1, lse2, o2, maxes
 
 
 def _forward_split(cfg: _Config, q1, k1, q2, k2, v, lam, qseg, kseg):
     """The DIFF forward as one program per branch (:func:`_branch_outputs`); ``O1 - lam * O2``
-    follows in XLA. Same results and residuals as the fused kernel; every dot is issued once
-    per program."""
-    (o1, lse1), (o2, lse2) = _branch_outputs(cfg, q1, k1, q2, k2, v, qseg, kseg)
+    follows in XLA. Same results and residuals (and row maxes) as the fused kernel; every dot
+    is issued once per program."""
+    (o1, lse1, *max1), (o2, lse2, *max2) = _branch_outputs(cfg, q1, k1, q2, k2, v, qseg, kseg)
     out = o1 - jnp.transpose(lam, (0, 2, 1))[..., None] * o2
-    return out.astype(q1.dtype), lse1, lse2, o2.astype(cfg.o2_dtype)
+    maxes = (*max1, *max2) if cfg.row_max else None
+    return out.astype(q1.dtype), lse1, lse2, o2.astype(cfg.o2_dtype), maxes
 
 
 def _branch_outputs(cfg: _Config, q1, k1, q2, k2, v, qseg, kseg):
@@ -678,7 +707,8 @@ def _branch_outputs(cfg: _Config, q1, k1, q2, k2, v, qseg, kseg):
     ``[B, Hq, T]``, from the single-branch kernel over the branches stacked as heads (DIFF:
     program ``z`` of a (query block, batch, 2*Hq) grid is branch ``z % 2`` of head ``z // 2``,
     so the two branches of a head run side by side and share its V in L2; standard: one
-    branch, ``q2`` None). A list of ``(o, lse)``, one per branch."""
+    branch, ``q2`` None). A list of ``(o, lse)``, one per branch; with ``cfg.row_max``
+    ``(o, lse, m)``, ``m`` the branch's base-2 running row max ``[B, Hq, T]``."""
     b, t, hq, d = q1.shape
     s, hkv = k1.shape[1], k1.shape[2]
     dv = v.shape[-1]
@@ -713,7 +743,9 @@ def _branch_outputs(cfg: _Config, q1, k1, q2, k2, v, qseg, kseg):
         _spec((None, bq), lambda i, bi, z: (bi, _q_block_index(cfg, i, n_q))) if seg else None,
         _spec((None, s), lambda i, bi, z: (bi, 0)) if seg else None,
     ]
-    o12, lse12, _, _ = pl.pallas_call(
+    rows = jax.ShapeDtypeStruct((b, nb * hq, t), jnp.float32)
+    rm = cfg.row_max
+    o12, lse12, _, _, max12, _ = pl.pallas_call(
         functools.partial(_fwd_kernel, cfg=cfg),
         grid=(n_q, b, nb * hq),
         in_specs=in_specs,
@@ -722,11 +754,15 @@ def _branch_outputs(cfg: _Config, q1, k1, q2, k2, v, qseg, kseg):
             _spec((None, None, bq), row_map),
             None,
             None,
+            _spec((None, None, bq), row_map) if rm else None,
+            None,
         ],
         out_shape=[
             jax.ShapeDtypeStruct((b, t, nb * hq, dv), jnp.float32),
-            jax.ShapeDtypeStruct((b, nb * hq, t), jnp.float32),
+            rows,
             None,
+            None,
+            rows if rm else None,
             None,
         ],
         compiler_params=cfg.params(),
@@ -734,8 +770,8 @@ def _branch_outputs(cfg: _Config, q1, k1, q2, k2, v, qseg, kseg):
         name="diff_flash_fwd_split" if nb == 2 else "flash_fwd_f32",
     )(q12, k12, None, None, v, None, qseg, kseg)
     o12 = o12.reshape(b, t, hq, nb, dv)
-    lse12 = lse12.reshape(b, hq, nb, t)
-    return [(o12[:, :, :, i], lse12[:, :, i]) for i in range(nb)]
+    stats = [x.reshape(b, hq, nb, t) for x in (lse12, max12) if x is not None]
+    return [(o12[:, :, :, i], *(x[:, :, i] for x in stats)) for i in range(nb)]
 
 
 # ---------------------------------------------------------------------------- backward kernels
@@ -1032,17 +1068,22 @@ def _backward_kernels(
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _attention(cfg, q1, k1, q2, k2, v, lam, qseg, kseg):
     """Padded inputs. ``k2`` is None for shared keys; ``q2``/``k2``/``lam`` None when standard.
-    ``lam`` is float32 ``[B, Hq, T]``."""
-    return _forward(cfg, q1, k1, q2, k2, v, lam, qseg, kseg)[0]
+    ``lam`` is float32 ``[B, Hq, T]``. The output; with ``cfg.row_max`` ``(out, maxes)``, the
+    branches' base-2 row maxes (no gradient: the backward ignores their cotangent)."""
+    out, _, _, _, maxes = _forward(cfg, q1, k1, q2, k2, v, lam, qseg, kseg)
+    return (out, maxes) if cfg.row_max else out
 
 
 def _attention_fwd(cfg, q1, k1, q2, k2, v, lam, qseg, kseg):
-    out, lse1, lse2, o2 = _forward(cfg, q1, k1, q2, k2, v, lam, qseg, kseg)
-    return out, (q1, k1, q2, k2, v, lam, qseg, kseg, out, lse1, lse2, o2)
+    out, lse1, lse2, o2, maxes = _forward(cfg, q1, k1, q2, k2, v, lam, qseg, kseg)
+    primal = (out, maxes) if cfg.row_max else out
+    return primal, (q1, k1, q2, k2, v, lam, qseg, kseg, out, lse1, lse2, o2)
 
 
 def _attention_bwd(cfg, res, g):
     q1, k1, q2, k2, v, lam, qseg, kseg, out, lse1, lse2, o2 = res
+    if cfg.row_max:
+        g = g[0]  # the row maxes carry no gradient
     g32 = g.astype(jnp.float32)
     out32 = out.astype(jnp.float32)
     to_rows = lambda x: jnp.transpose(x, (0, 2, 1))  # noqa: E731  [B,T,H] -> [B,H,T]
@@ -1154,6 +1195,7 @@ def _prepare(call: Call, q1, k1, q2, k2, v, lam, segment_ids, kv_segment_ids):
         num_warps_dq=warps["num_warps_dq"],
         split_forward=split,
         dkv_key_major=key_major,
+        row_max=call.logit_max,
     )
 
     def pad_q(x):
@@ -1179,20 +1221,27 @@ def _prepare(call: Call, q1, k1, q2, k2, v, lam, segment_ids, kv_segment_ids):
 
 
 def _run(call: Call, q1, k1, q2, k2, v, lam, segment_ids, kv_segment_ids):
-    """The differentiable attention of a checked call, ``[B, T, Hq, Dv]`` in q1's dtype."""
+    """The differentiable attention of a checked call, ``[B, T, Hq, Dv]`` in q1's dtype; with
+    ``call.logit_max`` ``(out, maxes)``, ``maxes`` float32 ``[n_maps, B, T, Hq]``."""
     b, t, hq, _ = q1.shape
     dv, out_dtype = v.shape[-1], q1.dtype
     cfg, operands, _ = _prepare(call, q1, k1, q2, k2, v, lam, segment_ids, kv_segment_ids)
     out = _attention(cfg, *operands)
+    if cfg.row_max:
+        out, maxes = out
     if out.shape != (b, t, hq, dv):
         out = out[:, :t, :, :dv]
-    return out.astype(out_dtype)
+    out = out.astype(out_dtype)
+    if not cfg.row_max:
+        return out
+    return out, jnp.stack([_natural_lse(m[..., :t]) for m in maxes])
 
 
 # ---------------------------------------------------------------------------- partials
 def _natural_lse(lse2):
-    """Base-2 row statistics ``[B, H, T]`` -> natural log ``[B, T, H]``, -inf where the row saw
-    no key (the kernel's running max never left MASK_VALUE)."""
+    """Base-2 row statistics ``[B, H, T]`` (log-sum-exps, running maxes) -> natural scale
+    ``[B, T, H]``, -inf where the row saw no key (the kernel's running max never left
+    MASK_VALUE)."""
     lse = jnp.transpose(lse2, (0, 2, 1))
     return jnp.where(lse <= 0.5 * MASK_VALUE, -jnp.inf, lse * (1.0 / LOG2E))
 
@@ -1205,7 +1254,9 @@ def _partials(call: Call, q1, k1, q2, k2, v, segment_ids, kv_segment_ids):
         call, q1, k1, q2, k2, v, lam, segment_ids, kv_segment_ids
     )
     outs = _branch_outputs(cfg, q1p, k1p, q2p, k2p, vp, qseg, kseg)
-    return tuple((o[:, :t, :, :dv], _natural_lse(lse[..., :t])) for o, lse in outs)
+    return tuple(
+        (o[:, :t, :, :dv], *(_natural_lse(x[..., :t]) for x in stats)) for o, *stats in outs
+    )
 
 
 def _partial_grads(

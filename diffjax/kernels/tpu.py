@@ -21,7 +21,9 @@ Kernels (all ``pl.pallas_call`` with VMEM tiles):
   scratch holds a running max ``m``, denominator ``l`` (lane-replicated ``[block_q, 128]``) and a
   float32 accumulator ``[block_q, Dv]`` per branch; the last key block normalises each branch and
   subtracts. Residuals for the backward pass: each branch's log-sum-exp (float32) and the
-  normalised second-branch output ``O2`` (float32 unless ``o2_dtype``, as on the GPU).
+  normalised second-branch output ``O2`` (float32 unless ``o2_dtype``, as on the GPU). Asked
+  for (``return_logit_max``, ``flash_partials(return_row_max=True)``), each branch's running
+  max ``m`` is written too, lane-replicated like the log-sum-exps (diagnostics).
 - dK/dV, grid ``(batch, kv_heads, k_blocks, group, q_blocks)``: a key block stays resident while
   the kernel walks over the query heads of its GQA group (an ``"arbitrary"`` axis) and their query
   blocks (``"arbitrary"``), accumulating dK1, dK2 (or their sum for a shared K) and dV in VMEM.
@@ -178,6 +180,7 @@ class _Config:
     compute_dtype: Any
     interpret: Any
     o2_dtype: Any = jnp.float32  # the saved second-branch output (a backward residual)
+    row_max: bool = False  # the forward also writes each branch's running row max (logit_max)
 
     @property
     def group(self) -> int:
@@ -323,6 +326,8 @@ def _fwd_kernel(
     lse1_ref,
     lse2_ref,
     o2_ref,
+    max1_ref,
+    max2_ref,
     m1_ref,
     l1_ref,
     acc1_ref,
@@ -335,7 +340,9 @@ def _fwd_kernel(
     """One query block of one head against key block ``kj``. Operands a configuration does not
     use are None: q2, k2, lam, lse2, o2 and the second branch's scratch (m2, l2, acc2) for the
     standard kernel, k2 for shared keys, the segment ids when unpacked, the residuals (lse1,
-    lse2, o2) when no backward pass needs them."""
+    lse2, o2) when no backward pass needs them, the row maxes (max1, max2: each branch's
+    running max ``m``, lane-replicated; -inf or ``MASK_VALUE`` where the row saw no key) unless
+    ``cfg.row_max``."""
     bq, bk = cfg.blocks.block_q, cfg.blocks.block_k
     states = [(m1_ref, l1_ref, acc1_ref)]
     if cfg.differential:
@@ -389,6 +396,9 @@ def _fwd_kernel(
         else:
             out = outs[0]
         o_ref[...] = out.astype(o_ref.dtype)
+        for (m_ref, _, _), max_ref in zip(states, (max1_ref, max2_ref)):
+            if max_ref is not None:
+                max_ref[...] = m_ref[...]
         if lse1_ref is not None:
             lse1_ref[...] = lses[0]
             if cfg.differential:
@@ -699,8 +709,10 @@ def _q_major_specs(cfg: _Config, bq: int, bk: int, d: int, dv: int):
 def _forward(
     cfg: _Config, q1, k1, q2, k2, v, lam, qseg, kseg, *, save_residuals: bool, out_dtype=None
 ):
-    """Internal layout ``[B, H, T, D]``; returns ``(out, lse1, lse2, o2)`` (Nones if unsaved);
-    ``out`` in ``out_dtype`` (default q1's)."""
+    """Internal layout ``[B, H, T, D]``; returns ``(out, lse1, lse2, o2, maxes)`` (Nones if
+    unsaved); ``out`` in ``out_dtype`` (default q1's); ``maxes`` with ``cfg.row_max`` a tuple
+    of each branch's running row max ``[B, H, Tp]`` (natural scale; -inf or ``MASK_VALUE``
+    where the row saw no key), else None."""
     b, hq, tp, d = q1.shape
     bq, bk = cfg.blocks.block_q, cfg.blocks.block_k
     dv, diff = cfg.dv, cfg.differential
@@ -720,11 +732,14 @@ def _forward(
     lse_spec = pl.BlockSpec((None, None, bq, NUM_LANES), sp["q_map"])
     o_spec = pl.BlockSpec((None, None, bq, dv), sp["q_map"])
     saved, saved2 = save_residuals, save_residuals and diff
+    rm = cfg.row_max
     out_shape = [
         jax.ShapeDtypeStruct((b, hq, tp, dv), out_dtype or q1.dtype),
         _opt(saved, lse),
         _opt(saved2, lse),
         _opt(saved2, jax.ShapeDtypeStruct((b, hq, tp, dv), cfg.o2_dtype)),
+        _opt(rm, lse),
+        _opt(rm and diff, lse),
     ]
     row, acc = pltpu.VMEM((bq, NUM_LANES), _F32), pltpu.VMEM((bq, dv), _F32)
     scratch = [row, row, acc, _opt(diff, row), _opt(diff, row), _opt(diff, acc)]  # m, l, acc
@@ -737,7 +752,7 @@ def _forward(
         bytes_accessed=_nbytes([*operands, *out_shape]),
     )
 
-    out, lse1, lse2, o2 = _call(
+    out, lse1, lse2, o2, max1, max2 = _call(
         cfg,
         _fwd_kernel,
         "fwd",
@@ -745,7 +760,7 @@ def _forward(
         operands=operands,
         in_specs=in_specs,
         out_shape=out_shape,
-        out_specs=[o_spec, lse_spec, lse_spec, o_spec],
+        out_specs=[o_spec, lse_spec, lse_spec, o_spec, lse_spec, lse_spec],
         scratch=scratch,
         n_arbitrary=1,
         tile=(bq, bk),
@@ -756,7 +771,8 @@ def _forward(
     def first_lane(x):  # keep one lane, as a [B, H, 1, Tp] row for the backward pass
         return None if x is None else x[..., 0][:, :, None, :]
 
-    return out, first_lane(lse1), first_lane(lse2), o2
+    maxes = tuple(x[..., 0] for x in (max1, max2) if x is not None) if rm else None
+    return out, first_lane(lse1), first_lane(lse2), o2, maxes
 
 
 def _backward(cfg: _Config, q1, k1, q2, k2, v, lam, qseg, kseg, do, lse1, delta1, lse2, delta2):
@@ -848,17 +864,25 @@ def _backward(cfg: _Config, q1, k1, q2, k2, v, lam, qseg, kseg, do, lse1, delta1
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _attention(cfg: _Config, q1, k1, q2, k2, v, lam, qseg, kseg):
     """Internal layout, padded. ``k2`` is None for shared keys; ``q2``/``k2``/``lam`` None for
-    the standard kernel; the segment ids None when unpacked."""
-    return _forward(cfg, q1, k1, q2, k2, v, lam, qseg, kseg, save_residuals=False)[0]
+    the standard kernel; the segment ids None when unpacked. The output; with ``cfg.row_max``
+    ``(out, maxes)``, the branches' row maxes (no gradient: the backward ignores their
+    cotangent)."""
+    out, _, _, _, maxes = _forward(cfg, q1, k1, q2, k2, v, lam, qseg, kseg, save_residuals=False)
+    return (out, maxes) if cfg.row_max else out
 
 
 def _attention_fwd(cfg: _Config, q1, k1, q2, k2, v, lam, qseg, kseg):
-    out, lse1, lse2, o2 = _forward(cfg, q1, k1, q2, k2, v, lam, qseg, kseg, save_residuals=True)
-    return out, (q1, k1, q2, k2, v, lam, qseg, kseg, out, lse1, lse2, o2)
+    out, lse1, lse2, o2, maxes = _forward(
+        cfg, q1, k1, q2, k2, v, lam, qseg, kseg, save_residuals=True
+    )
+    primal = (out, maxes) if cfg.row_max else out
+    return primal, (q1, k1, q2, k2, v, lam, qseg, kseg, out, lse1, lse2, o2)
 
 
 def _attention_bwd(cfg: _Config, res, dout):
     q1, k1, q2, k2, v, lam, qseg, kseg, out, lse1, lse2, o2 = res
+    if cfg.row_max:
+        dout = dout[0]  # the row maxes carry no gradient
     do32 = dout.astype(_F32)
     # Padded query rows have dout == 0 (the output is sliced), so they contribute nothing.
     delta1 = jnp.sum(do32 * out.astype(_F32), axis=-1)  # rowsum(dO * out), [B, H, Tp]
@@ -953,6 +977,7 @@ def _prepare(call: Call, q1, k1, q2, k2, v, lam, segment_ids, kv_segment_ids):
         compute_dtype=cdt,
         interpret=call.interpret,
         o2_dtype=call.o2_dtype,
+        row_max=call.logit_max,
     )
 
     def prep(x, length):
@@ -971,11 +996,25 @@ def _prepare(call: Call, q1, k1, q2, k2, v, lam, segment_ids, kv_segment_ids):
     return cfg, operands
 
 
+def _natural_rows(m, t: int):
+    """A running row max ``[B, H, Tp]`` -> ``[B, T, H]``, -inf where the row saw no key (the
+    max stayed at its -inf start or at ``MASK_VALUE``, a masked tile's logit)."""
+    m = jnp.swapaxes(m[:, :, :t], 1, 2)
+    return jnp.where(m <= 0.5 * MASK_VALUE, -jnp.inf, m)
+
+
 def _run(call: Call, q1, k1, q2, k2, v, lam, segment_ids, kv_segment_ids):
-    """The differentiable attention of a checked call, ``[B, T, Hq, Dv]`` in q1's dtype."""
+    """The differentiable attention of a checked call, ``[B, T, Hq, Dv]`` in q1's dtype; with
+    ``call.logit_max`` ``(out, maxes)``, ``maxes`` float32 ``[n_maps, B, T, Hq]``."""
+    t = q1.shape[1]
     cfg, operands = _prepare(call, q1, k1, q2, k2, v, lam, segment_ids, kv_segment_ids)
     out = _attention(cfg, *operands)
-    return jnp.swapaxes(out[:, :, : q1.shape[1]], 1, 2).astype(q1.dtype)
+    if cfg.row_max:
+        out, maxes = out
+    out = jnp.swapaxes(out[:, :, :t], 1, 2).astype(q1.dtype)
+    if not cfg.row_max:
+        return out
+    return out, jnp.stack([_natural_rows(m, t) for m in maxes])
 
 
 # ============================================================================ partials
@@ -984,13 +1023,17 @@ def _partials(call: Call, q1, k1, q2, k2, v, segment_ids, kv_segment_ids):
     t = q1.shape[1]
     lam = 0.0 if call.differential else None  # out = O1 - 0 * O2 = O1, exactly
     cfg, operands = _prepare(call, q1, k1, q2, k2, v, lam, segment_ids, kv_segment_ids)
-    o1, lse1, lse2, o2 = _forward(cfg, *operands, save_residuals=True, out_dtype=_F32)
+    o1, lse1, lse2, o2, maxes = _forward(cfg, *operands, save_residuals=True, out_dtype=_F32)
 
-    def back(o, lse):  # internal [B, H, Tp, Dv] / [B, H, 1, Tp] -> [B, T, H, Dv] / [B, T, H]
+    def back(o, lse, *m):  # internal [B, H, Tp, Dv] / [B, H, 1, Tp] -> [B, T, H, Dv] / [B, T, H]
         lse = jnp.swapaxes(lse[:, :, 0, :t], 1, 2)
-        return jnp.swapaxes(o[:, :, :t], 1, 2), jnp.where(jnp.isinf(lse), -jnp.inf, lse)
+        o, lse = jnp.swapaxes(o[:, :, :t], 1, 2), jnp.where(jnp.isinf(lse), -jnp.inf, lse)
+        return (o, lse, *(_natural_rows(x, t) for x in m))
 
-    return (back(o1, lse1), back(o2, lse2)) if call.differential else (back(o1, lse1),)
+    maxes = [(m,) for m in maxes] if cfg.row_max else [(), ()]
+    if call.differential:
+        return back(o1, lse1, *maxes[0]), back(o2, lse2, *maxes[1])
+    return (back(o1, lse1, *maxes[0]),)
 
 
 def _partial_grads(
