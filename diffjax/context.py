@@ -38,6 +38,12 @@ With ``kernel="gpu"`` or ``"tpu"`` the ring's blocks run the fused Pallas kernel
 (``flash_partials`` / ``flash_partial_grads`` of :mod:`diffjax.kernels`), laid out by the token
 order instead of positions (see :data:`KERNEL_ORDERS`).
 
+``logit_max=True`` (diagnostics) also returns each map's largest logit per query row over the
+keys it sees, ``[n_maps, B, T, Hq]``: the ring keeps the running max its blocks' softmaxes
+already compute (the XLA chunks' or the kernels', ``flash_partials(return_row_max=True)``) and
+merges it over the blocks by max; the all-gather takes it from its logits. No gradient; without
+it the programs are unchanged.
+
 This module imports only jax, numpy, :mod:`diffjax.kernels` and
 :class:`diffjax.config.ConfigError`.
 """
@@ -214,21 +220,23 @@ def _safe(lse: jax.Array) -> jax.Array:
     return jnp.where(jnp.isneginf(lse), 0.0, lse)
 
 
-def _grouped_block(qg, kg, vg, gmask, scale):
+def _grouped_block(qg, kg, vg, gmask, scale, row_max: bool = False):
     """One map on one block: ``(o [B,G,RT,Dv], lse [B,G,RT])`` float32, ``o`` normalised
-    over the block's visible keys (0 for a row that sees none, whose ``lse`` is -inf)."""
+    over the block's visible keys (0 for a row that sees none, whose ``lse`` is -inf).
+    ``row_max``: ``(o, lse, row_max)``, ``row_max [B,G,RT]`` the block's largest visible
+    logit per row (the softmax's max; -inf for a row that sees none)."""
     s = jnp.einsum("bgqd,bgsd->bgqs", qg, kg, preferred_element_type=jnp.float32)
     s = s * jnp.float32(scale)
     if gmask is not None:
         s = jnp.where(gmask, s, -jnp.inf)
-    m = jnp.max(s, axis=-1)
+    m = row_m = jnp.max(s, axis=-1)
     m = jnp.where(jnp.isneginf(m), 0.0, m)
     p = jnp.exp(s - m[..., None])  # masked entries: exp(-inf) = 0
     l = jnp.sum(p, axis=-1)
     o = jnp.einsum("bgqs,bgsd->bgqd", p.astype(vg.dtype), vg, preferred_element_type=jnp.float32)
     o = o / jnp.where(l > 0, l, 1.0)[..., None]
     lse = m + jnp.log(l)  # log(0) = -inf where the row sees no key
-    return o, lse
+    return (o, lse, row_m) if row_max else (o, lse)
 
 
 def _merge(o_a, lse_a, o_b, lse_b):
@@ -301,7 +309,9 @@ def _block_grads(qg, kg, vg, gmask, scale, lse, do, delta):
 
 # ---------------------------------------------------------------------------- ring
 # The ring's key chunk: maps of [T/N, 512] per step. Its functions take their static settings
-# as one tuple ``static = (axis_name, causal, scale, block_k)``.
+# as one tuple ``static = (axis_name, causal, scale, block_k, logit_max)``; ``logit_max`` (last
+# here and in the kernel ring's, read as ``static[-1]``): also keep each map's running row max,
+# merged over the chunks by max, and return it beside the output.
 DEFAULT_BLOCK_K = 512
 
 
@@ -360,8 +370,10 @@ def _over_chunks(body, carry, kv, block_k):
 def _ring_forward(static, qs, shared, kv, q_pos, q_seg):
     """The ring's forward in grouped layout. ``qs``: the maps' grouped queries (1 or 2);
     ``kv`` the local K/V block (``shared``: both maps read its one key). Returns
-    ``(os, lses)``, one ``o [B,G,RT,Dv]`` and ``lse [B,G,RT]`` per map."""
-    axis_name, causal, scale, block_k = static
+    ``(os, lses)``, one ``o [B,G,RT,Dv]`` and ``lse [B,G,RT]`` per map; with ``logit_max``
+    ``(os, lses, maxes)``, each map's largest visible logit per row ``[B,G,RT]`` (-inf where
+    none)."""
+    axis_name, causal, scale, block_k, row_max = static
     n = jax.lax.axis_size(axis_name)
     r = qs[0].shape[2] // q_pos.shape[-1]
     perm = _ring_perm(n)
@@ -373,9 +385,11 @@ def _ring_forward(static, qs, shared, kv, q_pos, q_seg):
 
         def run(acc):
             merged = []
-            for q, k, o, lse in zip(qs, keys, *acc):
-                merged.append(_merge(o, lse, *_grouped_block(q, k, vg, gmask, scale)))
-            return [o for o, _ in merged], [lse for _, lse in merged]
+            for q, k, o, lse, *m in zip(qs, keys, *acc):
+                po, plse, *pm = _grouped_block(q, k, vg, gmask, scale, row_max)
+                maxes = tuple(jnp.maximum(a, b) for a, b in zip(m, pm))  # merged by max
+                merged.append((*_merge(o, lse, po, plse), *maxes))
+            return tuple(list(x) for x in zip(*merged))
 
         return _unless_masked(gmask, run, lambda acc: acc, acc), None
 
@@ -384,6 +398,8 @@ def _ring_forward(static, qs, shared, kv, q_pos, q_seg):
         [jnp.zeros(rows + kv[1].shape[3:], jnp.float32) for _ in qs],
         [jnp.full(rows, -jnp.inf, jnp.float32) for _ in qs],
     )
+    if row_max:
+        acc += ([jnp.full(rows, -jnp.inf, jnp.float32) for _ in qs],)
 
     # each step sends the block it holds on to the next device before computing on it, so the
     # transfer (an asynchronous collective-permute on GPU/TPU) overlaps the block's compute;
@@ -405,7 +421,7 @@ def _ring_backward(static, qs, shared, kv, q_pos, q_seg, lses, dos, deltas, dv_m
     probabilities from the saved ``lses``. ``dos``/``deltas``: each map's output cotangent
     ``[B,G,RT,Dv]`` and ``rowsum(dO * O)``; ``dv_map(ps)`` the combined map whose transpose
     times ``dos[0]`` is dv's part. Returns ``(dqs, dks, dv)`` (``dks`` one per own key)."""
-    axis_name, causal, scale, block_k = static
+    axis_name, causal, scale, block_k, _ = static
     n = jax.lax.axis_size(axis_name)
     r = qs[0].shape[2] // q_pos.shape[-1]
     perm = _ring_perm(n)
@@ -487,17 +503,28 @@ def _ring_diff(static, q1, k1, q2, k2, v, lam, q_pos, k_pos, q_seg, kv_seg):
     return _ring_diff_fwd(static, q1, k1, q2, k2, v, lam, q_pos, k_pos, q_seg, kv_seg)[0]
 
 
+def _with_maxes(logit_max: bool, out, maxes, t: int):
+    """The ring's primal output: ``out``, or ``(out, maxes)`` with the maps' row maxes
+    ``[B, G, RT]`` as ``[n_maps, B, T, Hq]``."""
+    if not logit_max:
+        return out
+    return out, jnp.stack([_rows_to_heads(m, t) for m in maxes])
+
+
 def _ring_diff_fwd(static, q1, k1, q2, k2, v, lam, q_pos, k_pos, q_seg, kv_seg):
     t, hkv = q1.shape[1], k1.shape[2]
     qs, shared, kv = _diff_layout(q1, k1, q2, k2, v, k_pos, kv_seg)
-    (o1, o2), (lse1, lse2) = _ring_forward(static, qs, shared, kv, q_pos, q_seg)
+    (o1, o2), (lse1, lse2), *maxes = _ring_forward(static, qs, shared, kv, q_pos, q_seg)
     out = o1 - _lam_rows(lam.astype(jnp.float32), hkv) * o2
     res = (q1, k1, q2, k2, v, lam, q_pos, k_pos, q_seg, kv_seg, o1, o2, lse1, lse2)
-    return reference._ungroup_queries(out, t).astype(q1.dtype), res
+    out = reference._ungroup_queries(out, t).astype(q1.dtype)
+    return _with_maxes(static[-1], out, maxes[0] if maxes else None, t), res
 
 
 def _ring_diff_bwd(static, res, dout):
     q1, k1, q2, k2, v, lam, q_pos, k_pos, q_seg, kv_seg, o1, o2, lse1, lse2 = res
+    if static[-1]:
+        dout = dout[0]  # the row maxes carry no gradient
     t, hkv = q1.shape[1], k1.shape[2]
     qs, shared, kv = _diff_layout(q1, k1, q2, k2, v, k_pos, kv_seg)
     lam_r = _lam_rows(lam.astype(jnp.float32), hkv)
@@ -544,13 +571,16 @@ def _std_layout(q, k, v, k_pos, kv_seg):
 
 def _ring_std_fwd(static, q, k, v, q_pos, k_pos, q_seg, kv_seg):
     qs, _, kv = _std_layout(q, k, v, k_pos, kv_seg)
-    (o,), (lse,) = _ring_forward(static, qs, False, kv, q_pos, q_seg)
+    (o,), (lse,), *maxes = _ring_forward(static, qs, False, kv, q_pos, q_seg)
     res = (q, k, v, q_pos, k_pos, q_seg, kv_seg, o, lse)
-    return reference._ungroup_queries(o, q.shape[1]).astype(q.dtype), res
+    out = reference._ungroup_queries(o, q.shape[1]).astype(q.dtype)
+    return _with_maxes(static[-1], out, maxes[0] if maxes else None, q.shape[1]), res
 
 
 def _ring_std_bwd(static, res, dout):
     q, k, v, q_pos, k_pos, q_seg, kv_seg, o, lse = res
+    if static[-1]:
+        dout = dout[0]  # the row maxes carry no gradient
     qs, _, kv = _std_layout(q, k, v, k_pos, kv_seg)
     do = reference._group_queries(dout.astype(jnp.float32), k.shape[2])
     delta = jnp.sum(do * o, axis=-1)
@@ -594,6 +624,7 @@ def ring_differential_attention(
     kv_segment_ids=None,
     scale: float | None = None,
     block_k: int | None = DEFAULT_BLOCK_K,
+    logit_max: bool = False,
 ):
     """``softmax(q1 k1^T s) v - lam * softmax(q2 k2^T s) v`` over a sequence sharded along
     ``axis_name``, by ring attention. Call inside ``jax.shard_map``; every array is this
@@ -613,12 +644,16 @@ def ring_differential_attention(
     local blocks, the two maps' outputs and log-sum-exps (``O(T/N)`` per device) and rotates
     K/V again with their gradients. The lam gradient is this device's part
     (``jax.shard_map``'s transpose sums a replicated lam's over the devices).
+
+    ``logit_max=True``: ``(out, maxes)``, ``maxes`` float32 ``[2, B, Tq, Hq]`` each map's
+    largest logit per local query row over every key it sees on the ring (each chunk's softmax
+    max, merged by max; -inf where none), without gradient.
     """
     scale = reference._default_scale(q1, scale)
     q_pos, k_pos = _positions(q_pos, k_pos)
     kv_seg = _kv_seg(segment_ids, kv_segment_ids)
     lam = jnp.asarray(lam, jnp.float32)
-    static = (axis_name, causal, scale, block_k)
+    static = (axis_name, causal, scale, block_k, bool(logit_max))
     return _ring_diff(static, q1, k1, q2, k2, v, lam, q_pos, k_pos, segment_ids, kv_seg)
 
 
@@ -635,15 +670,17 @@ def ring_attention(
     kv_segment_ids=None,
     scale: float | None = None,
     block_k: int | None = DEFAULT_BLOCK_K,
+    logit_max: bool = False,
 ):
     """``softmax(q k^T s) v`` over a sequence sharded along ``axis_name``, by ring attention
     (the standard twin of :func:`ring_differential_attention`, same arguments). q
     ``[B, Tq, Hq, D]``, k ``[B, Tk, Hkv, D]``, v ``[B, Tk, Hkv, Dv]``, local blocks. Returns
-    ``[B, Tq, Hq, Dv]`` in ``q.dtype``; a ``jax.custom_vjp`` in q, k, v."""
+    ``[B, Tq, Hq, Dv]`` in ``q.dtype`` (``logit_max``: ``(out, maxes)``, ``maxes``
+    ``[1, B, Tq, Hq]``); a ``jax.custom_vjp`` in q, k, v."""
     scale = reference._default_scale(q, scale)
     q_pos, k_pos = _positions(q_pos, k_pos)
     kv_seg = _kv_seg(segment_ids, kv_segment_ids)
-    static = (axis_name, causal, scale, block_k)
+    static = (axis_name, causal, scale, block_k, bool(logit_max))
     return _ring_std(static, q, k, v, q_pos, k_pos, segment_ids, kv_seg)
 
 
@@ -664,9 +701,10 @@ def _rows(x, rows):
     return x if x is None or rows is None or jnp.ndim(x) < 2 else x[:, rows]
 
 
-def _kernel_partials(kern, scale, qs, q_seg, kv, causal):
+def _kernel_partials(kern, scale, qs, q_seg, kv, causal, row_max=False):
     """Each map's ``(o, lse)`` of the queries ``qs`` (q1 or q1, q2) against ``kv`` =
-    ``(k1, k2, v, kv_seg)`` by the kernels' :func:`~diffjax.kernels.gpu.flash_partials`."""
+    ``(k1, k2, v, kv_seg)`` by the kernels' :func:`~diffjax.kernels.gpu.flash_partials`
+    (``row_max``: ``(o, lse, row_max)``, the kernel's running row max)."""
     module, interpret, extra = kern
     k1, k2, v, kv_seg = kv
     q2 = qs[1] if len(qs) > 1 else None
@@ -681,6 +719,7 @@ def _kernel_partials(kern, scale, qs, q_seg, kv, causal):
         kv_segment_ids=kv_seg if q_seg is not None else None,
         sm_scale=scale,
         interpret=interpret,
+        return_row_max=row_max,
         **dict(extra),
     )
 
@@ -697,11 +736,12 @@ def _kernel_plan(order, causal, c):
 
 
 def _kernel_ring_forward(static, me, qs, q_seg, kv):
-    """The kernel ring's forward: per map ``(o [B,T,Hq,Dv], lse [B,T,Hq])`` float32. ``me``:
+    """The kernel ring's forward: per map ``(o [B,T,Hq,Dv], lse [B,T,Hq])`` float32 (with
+    ``logit_max`` also ``row_max [B,T,Hq]``, the blocks' running maxes merged by max). ``me``:
     this device's index on the axis (an input, not ``lax.axis_index``: a value that depends on
     no operand would leave an operand-less manual computation when a scan over layers splits
     the shard_map for its backward, which Shardy refuses)."""
-    axis, causal, scale, order, kern = static
+    axis, causal, scale, order, kern, row_max = static
     n = jax.lax.axis_size(axis)
     c = qs[0].shape[1] // 2
     perm = _ring_perm(n)
@@ -715,11 +755,13 @@ def _kernel_ring_forward(static, me, qs, q_seg, kv):
             _rows(q_seg, q_rows),
             tuple(_rows(x, kv_rows) for x in kv),
             False,
+            row_max,
         )
         out = []
-        for (o, lse), (po, plse) in zip(acc, parts):
+        for (o, lse, *m), (po, plse, *pm) in zip(acc, parts):
             mo, ml = _merge(_rows(o, q_rows), _rows(lse, q_rows), po, plse)
-            out.append((o.at[:, q_rows].set(mo), lse.at[:, q_rows].set(ml)))
+            maxes = (x.at[:, q_rows].set(jnp.maximum(_rows(x, q_rows), y)) for x, y in zip(m, pm))
+            out.append((o.at[:, q_rows].set(mo), lse.at[:, q_rows].set(ml), *maxes))
         return out
 
     def remote(acc, kv, s):
@@ -733,7 +775,7 @@ def _kernel_ring_forward(static, me, qs, q_seg, kv):
             acc,
         )
 
-    acc = list(_kernel_partials(kern, scale, qs, q_seg, kv, causal))  # the local block
+    acc = list(_kernel_partials(kern, scale, qs, q_seg, kv, causal, row_max))  # the local block
     if n == 1:
         return acc
 
@@ -751,7 +793,7 @@ def _kernel_ring_backward(static, me, qs, q_seg, kv, lam, dout, lses, deltas):
     accumulators (home after ``N`` hops); each step's gradients come from the kernels'
     :func:`~diffjax.kernels.gpu.flash_partial_grads` with the merged ``lses`` and ``deltas``.
     Returns ``(dqs, (dk1, dk2, dv))`` float32 (``dk2`` None where there is no k2)."""
-    axis, causal, scale, order, kern = static
+    axis, causal, scale, order, kern, _ = static
     module, interpret, extra = kern
     n = jax.lax.axis_size(axis)
     c = qs[0].shape[1] // 2
@@ -834,13 +876,16 @@ def _lam_bth(lam):
 
 def _kernel_ring_diff_fwd(static, me, q1, k1, q2, k2, v, lam, q_seg, kv_seg):
     kv = (k1, k2, v, kv_seg)
-    (o1, lse1), (o2, lse2) = _kernel_ring_forward(static, me[0], [q1, q2], q_seg, kv)
+    (o1, lse1, *m1), (o2, lse2, *m2) = _kernel_ring_forward(static, me[0], [q1, q2], q_seg, kv)
     out = (o1 - _lam_bth(lam) * o2).astype(q1.dtype)
+    out = (out, jnp.stack(m1 + m2)) if static[-1] else out
     return out, (me, q1, k1, q2, k2, v, lam, q_seg, kv_seg, o1, o2, lse1, lse2)
 
 
 def _kernel_ring_diff_bwd(static, res, dout):
     me, q1, k1, q2, k2, v, lam, q_seg, kv_seg, o1, o2, lse1, lse2 = res
+    if static[-1]:
+        dout = dout[0]  # the row maxes carry no gradient
     g = dout.astype(jnp.float32)
     deltas = (jnp.sum(g * o1, axis=-1), jnp.sum(g * o2, axis=-1))
     (dq1, dq2), (dk1, dk2, dv) = _kernel_ring_backward(
@@ -870,12 +915,15 @@ def _kernel_ring_std(static, me, q, k, v, q_seg, kv_seg):
 
 
 def _kernel_ring_std_fwd(static, me, q, k, v, q_seg, kv_seg):
-    ((o, lse),) = _kernel_ring_forward(static, me[0], [q], q_seg, (k, None, v, kv_seg))
-    return o.astype(q.dtype), (me, q, k, v, q_seg, kv_seg, o, lse)
+    ((o, lse, *m),) = _kernel_ring_forward(static, me[0], [q], q_seg, (k, None, v, kv_seg))
+    out = (o.astype(q.dtype), jnp.stack(m)) if static[-1] else o.astype(q.dtype)
+    return out, (me, q, k, v, q_seg, kv_seg, o, lse)
 
 
 def _kernel_ring_std_bwd(static, res, dout):
     me, q, k, v, q_seg, kv_seg, o, lse = res
+    if static[-1]:
+        dout = dout[0]  # the row maxes carry no gradient
     delta = jnp.sum(dout.astype(jnp.float32) * o, axis=-1)
     (dq,), (dk, _, dv) = _kernel_ring_backward(
         static, me[0], [q], q_seg, (k, None, v, kv_seg), None, dout, (lse,), (delta,)
@@ -915,7 +963,9 @@ def _kernel_order(impl, order, positions):
     return order
 
 
-def _kernel_static(axis_name, causal, scale, order, kernel, interpret, compute_capability=None):
+def _kernel_static(
+    axis_name, causal, scale, order, kernel, interpret, compute_capability=None, logit_max=False
+):
     if order not in KERNEL_ORDERS:
         raise ConfigError(
             f"context.order: the ring on the Pallas kernels takes the tokens' layout from "
@@ -934,7 +984,7 @@ def _kernel_static(axis_name, causal, scale, order, kernel, interpret, compute_c
     extra = (
         (("compute_capability", tuple(compute_capability)),) if gpu and compute_capability else ()
     )
-    return (axis_name, causal, scale, order, (module, bool(interpret), extra))
+    return (axis_name, causal, scale, order, (module, bool(interpret), extra), bool(logit_max))
 
 
 # ---------------------------------------------------------------------------- all-gather
@@ -957,12 +1007,14 @@ def allgather_differential_attention(
     segment_ids=None,
     kv_segment_ids=None,
     scale: float | None = None,
+    logit_max: bool = False,
 ):
     """:func:`ring_differential_attention`'s result (same arguments, inside
     ``jax.shard_map``) by gathering K/V, their positions and segment ids whole on every
     device (``jax.lax.all_gather(tiled=True)``), then the reference's math on the
     ``[Tq, N*Tk]`` maps of the local queries. Plain autodiff; ``O(T)`` memory per device.
-    Returns ``[B, Tq, Hq, Dv]`` in ``q1.dtype``."""
+    Returns ``[B, Tq, Hq, Dv]`` in ``q1.dtype`` (``logit_max``: ``(out, maxes)``, each map's
+    largest visible logit per row from those maps' logits, ``[2, B, Tq, Hq]``)."""
     scale = reference._default_scale(q1, scale)
     q_pos, k_pos = _positions(q_pos, k_pos)
     kv_seg = _kv_seg(segment_ids, kv_segment_ids)
@@ -973,14 +1025,18 @@ def allgather_differential_attention(
     mask = position_mask(
         q_pos, k_pos, causal=causal, segment_ids=segment_ids, kv_segment_ids=kv_seg
     )
-    p1 = reference._grouped_probs(q1, k1, mask, scale, zero_masked=False)
-    p2 = reference._grouped_probs(q2, k1 if k2 is None else k2, mask, scale, zero_masked=False)
+    kw = dict(zero_masked=False, logit_max=logit_max)
+    p1 = reference._grouped_probs(q1, k1, mask, scale, **kw)
+    p2 = reference._grouped_probs(q2, k1 if k2 is None else k2, mask, scale, **kw)
+    if logit_max:
+        (p1, m1), (p2, m2) = p1, p2
     lam = jnp.asarray(lam, jnp.float32)
     diff = p1 - _lam_rows(lam, hkv) * p2
     gmask = reference._group_mask(mask, hq // hkv)
     if gmask is not None:
         diff = jnp.where(gmask, diff, 0.0)
-    return reference._attend(diff, v, t).astype(q1.dtype)
+    out = reference._attend(diff, v, t).astype(q1.dtype)
+    return _with_maxes(logit_max, out, (m1, m2) if logit_max else None, t)
 
 
 def allgather_attention(
@@ -995,10 +1051,11 @@ def allgather_attention(
     segment_ids=None,
     kv_segment_ids=None,
     scale: float | None = None,
+    logit_max: bool = False,
 ):
     """The standard twin of :func:`allgather_differential_attention` (same arguments): q
     ``[B, Tq, Hq, D]``, k ``[B, Tk, Hkv, D]``, v ``[B, Tk, Hkv, Dv]`` local blocks; returns
-    ``[B, Tq, Hq, Dv]`` in ``q.dtype``."""
+    ``[B, Tq, Hq, Dv]`` in ``q.dtype`` (``logit_max``: ``(out, maxes)``, ``[1, B, Tq, Hq]``)."""
     scale = reference._default_scale(q, scale)
     q_pos, k_pos = _positions(q_pos, k_pos)
     kv_seg = _kv_seg(segment_ids, kv_segment_ids)
@@ -1007,8 +1064,11 @@ def allgather_attention(
     mask = position_mask(
         q_pos, k_pos, causal=causal, segment_ids=segment_ids, kv_segment_ids=kv_seg
     )
-    probs = reference._grouped_probs(q, k, mask, scale)
-    return reference._attend(probs, v, q.shape[1]).astype(q.dtype)
+    probs = reference._grouped_probs(q, k, mask, scale, logit_max=logit_max)
+    if logit_max:
+        probs, m = probs
+    out = reference._attend(probs, v, q.shape[1]).astype(q.dtype)
+    return _with_maxes(logit_max, out, (m,) if logit_max else None, q.shape[1])
 
 
 # ---------------------------------------------------------------------------- wrappers
@@ -1064,6 +1124,12 @@ def _specs(axis, batch_axes, head_axes, positions):
     )
 
 
+def _out_spec(heads, rows, logit_max: bool):
+    """The wrappers' out specs: ``out`` like the heads; with ``logit_max`` also the maxes
+    ``[n_maps, B, T, Hq]``, each map split like the rows."""
+    return (heads, P(None, *rows)) if logit_max else heads
+
+
 def _run(fn, mesh, args, specs, out_spec):
     in_specs = tuple(None if a is None else s for a, s in zip(args, specs, strict=True))
     return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_spec, check_vma=False)(
@@ -1094,6 +1160,7 @@ def context_differential_attention(
     kernel: str | None = None,
     interpret: bool = False,
     compute_capability: tuple[int, int] | None = None,
+    logit_max: bool = False,
 ):
     """Differential attention with the sequence sharded over ``mesh``'s ``axis``; call from
     outside ``jax.shard_map``.
@@ -1118,6 +1185,11 @@ def context_differential_attention(
     ``order`` (``"zigzag"`` or ``"contiguous"``) and ``positions`` None (see
     :data:`KERNEL_ORDERS`' comment).
 
+    ``logit_max=True``: ``(out, maxes)``, ``maxes`` float32 ``[2, B, T, Hq]`` each map's
+    largest logit per row over the keys it sees (the ring's running maxes merged over the
+    blocks, or the all-gather's logits), in the inputs' token order and sharded like
+    ``out``'s rows; without gradient.
+
     Raises :class:`ConfigError` for an unknown impl or order, an axis not in the mesh, or a
     T that the axis size (2x the axis size for zigzag) does not divide.
     """
@@ -1137,6 +1209,7 @@ def context_differential_attention(
     kv_seg = _kv_seg(segment_ids, kv_segment_ids)
     lam = jnp.asarray(lam, jnp.float32)
     heads, rows, tokens, pos_spec = _specs(axis, batch_axes, head_axes, pos)
+    out_spec = _out_spec(heads, rows, logit_max)
     if kernel is not None:
         static = _kernel_static(
             axis,
@@ -1146,10 +1219,11 @@ def context_differential_attention(
             kernel,
             interpret,
             compute_capability,
+            logit_max,
         )
         specs = (P(axis),) + (heads,) * 5 + (P() if lam.ndim == 0 else rows, tokens, tokens)
         args = (_ring_index(mesh, axis), q1, k1, q2, k2, v, lam, segment_ids, kv_seg)
-        return _run(partial(_kernel_ring_diff, static), mesh, args, specs, heads)
+        return _run(partial(_kernel_ring_diff, static), mesh, args, specs, out_spec)
     fn = (
         partial(ring_differential_attention, block_k=block_k)
         if impl == "ring"
@@ -1171,12 +1245,13 @@ def context_differential_attention(
             segment_ids=seg,
             kv_segment_ids=kv_seg,
             scale=scale,
+            logit_max=logit_max,
         )
 
     lam_spec = P() if lam.ndim == 0 else rows
     specs = (heads,) * 5 + (lam_spec, pos_spec, tokens, tokens)
     args = (q1, k1, q2, k2, v, lam, pos, segment_ids, kv_seg)
-    return _run(run, mesh, args, specs, heads)
+    return _run(run, mesh, args, specs, out_spec)
 
 
 def context_dot_product_attention(
@@ -1199,15 +1274,18 @@ def context_dot_product_attention(
     kernel: str | None = None,
     interpret: bool = False,
     compute_capability: tuple[int, int] | None = None,
+    logit_max: bool = False,
 ):
     """Standard attention with the sequence sharded over ``mesh``'s ``axis``, the twin of
     :func:`context_differential_attention` (same options and errors): q ``[B, T, Hq, D]``,
-    k ``[B, T, Hkv, D]``, v ``[B, T, Hkv, Dv]`` in ``order``; returns ``[B, T, Hq, Dv]``."""
+    k ``[B, T, Hkv, D]``, v ``[B, T, Hkv, Dv]`` in ``order``; returns ``[B, T, Hq, Dv]``
+    (``logit_max``: ``(out, maxes)``, ``maxes`` ``[1, B, T, Hq]``)."""
     reference.check_qkv(q, k, v, segment_ids, kv_segment_ids, what="context_dot_product_attention")
     pos = _setup(mesh, axis, impl, order, q, k, positions)
     scale = reference._default_scale(q, scale)
     kv_seg = _kv_seg(segment_ids, kv_segment_ids)
-    heads, _, tokens, pos_spec = _specs(axis, batch_axes, head_axes, pos)
+    heads, rows, tokens, pos_spec = _specs(axis, batch_axes, head_axes, pos)
+    out_spec = _out_spec(heads, rows, logit_max)
     if kernel is not None:
         static = _kernel_static(
             axis,
@@ -1217,10 +1295,11 @@ def context_dot_product_attention(
             kernel,
             interpret,
             compute_capability,
+            logit_max,
         )
         specs = (P(axis),) + (heads,) * 3 + (tokens, tokens)
         args = (_ring_index(mesh, axis), q, k, v, segment_ids, kv_seg)
-        return _run(partial(_kernel_ring_std, static), mesh, args, specs, heads)
+        return _run(partial(_kernel_ring_std, static), mesh, args, specs, out_spec)
     fn = partial(ring_attention, block_k=block_k) if impl == "ring" else allgather_attention
 
     def run(q, k, v, pos, seg, kv_seg):
@@ -1235,7 +1314,8 @@ def context_dot_product_attention(
             segment_ids=seg,
             kv_segment_ids=kv_seg,
             scale=scale,
+            logit_max=logit_max,
         )
 
     specs = (heads,) * 3 + (pos_spec, tokens, tokens)
-    return _run(run, mesh, (q, k, v, pos, segment_ids, kv_seg), specs, heads)
+    return _run(run, mesh, (q, k, v, pos, segment_ids, kv_seg), specs, out_spec)

@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+from kernel_cases import assert_logit_max, logit_max_oracle
 
 from diffjax import context
 from diffjax.config import ConfigError
@@ -379,3 +381,105 @@ def test_per_row_positions_on_a_data_context_tensor_mesh(impl):
     np.testing.assert_allclose(got, want, **TOL)
     for name, g, wg in zip(args, grads, want_grads):
         np.testing.assert_allclose(g, wg, err_msg=name, **TOL)
+
+
+# ---------------------------------------------------------------------------- logit maxes
+# (kernel, kind, impl, order, n, (Hq, Hkv), segments, causal, block_k); order "striped": the
+# XLA blocks masked by positions given in that order (any order works for them)
+LOGIT_MAX_CASES = [
+    (None, "v1", "ring", "zigzag", 4, (4, 2), "orphan", True, 2),  # 4-key blocks, 2 chunks
+    (None, "standard", "ring", "striped", 2, (2, 1), "packed", True, None),
+    (None, "v2", "allgather", "zigzag", 2, (4, 2), "orphan", True, None),
+    ("gpu", "v1", "ring", "zigzag", 2, (4, 2), "orphan", True, None),
+    ("tpu", "v2", "ring", "contiguous", 2, (2, 1), "packed", True, None),
+    ("gpu", "standard", "ring", "contiguous", 2, (4, 2), "orphan", False, None),
+]
+
+
+@pytest.mark.parametrize(
+    "kernel,kind,impl,order,n,heads,segments,causal,block_k",
+    LOGIT_MAX_CASES,
+    ids=[f"{c[0] or 'xla'}-{_case_id(c[1:])}" for c in LOGIT_MAX_CASES],
+)
+def test_logit_max_is_the_ring_running_max(
+    kernel, kind, impl, order, n, heads, segments, causal, block_k
+):
+    """``logit_max=True``: each map's largest visible logit per row, from the ring's running
+    max merged over the K/V blocks and chunks by max (XLA blocks in any order, or the
+    kernels' row maxes), or from the all-gather's logits: numpy's on the unpermuted input
+    (-inf for a row that sees no key), in the inputs' token order and sharded over the
+    context axis like ``out``'s rows; ``out`` and every gradient are the call's without it,
+    bit for bit."""
+    b, t, d = 2, 16, 8
+    args, w = _inputs(kind, b, t, *heads, d, seed=2)
+    seg, kv_seg = _segments(b, t, segments, seed=3)
+    if order == "striped":
+        perm = context.striped_order(t, n)
+    else:
+        perm = context.zigzag_order(t, n) if order == "zigzag" else np.arange(t)
+    mesh = _mesh(n)
+    names = list(args)
+    opts = dict(mesh=mesh, impl=impl, causal=causal, block_k=block_k)
+    if order == "striped":
+        opts["positions"] = jnp.asarray(perm)
+    else:
+        opts["order"] = order
+    if kernel is not None:
+        opts.update(kernel=kernel, interpret=True)
+    for name, x in (("segment_ids", seg), ("kv_segment_ids", kv_seg)):
+        opts[name] = None if x is None else x[:, perm]
+
+    def loss(logit_max, *xs):
+        kw = {k: x[:, perm] if jnp.ndim(x) > 1 else x for k, x in zip(names, xs)}
+        if kind == "standard":
+            res = context.context_dot_product_attention(
+                kw["q"], kw["k"], kw["v"], logit_max=logit_max, **opts
+            )
+        else:
+            res = context.context_differential_attention(
+                kw["q1"],
+                kw["k1"],
+                kw["q2"],
+                kw.get("k2"),
+                kw["v"],
+                kw["lam"],
+                logit_max=logit_max,
+                **opts,
+            )
+        out, maxes = res if logit_max else (res, None)
+        return jnp.sum(w[:, perm] * out), (out, maxes)
+
+    argnums = tuple(range(len(names)))
+    grad = [
+        jax.jit(jax.value_and_grad(lambda *xs, on=on: loss(on, *xs), argnums, has_aux=True))
+        for on in (True, False)
+    ]
+    (_, (out, maxes)), grads = grad[0](*args.values())
+    (_, (out0, none)), grads0 = grad[1](*args.values())
+    assert none is None
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(out0))
+    for name, g, g0 in zip(names, grads, grads0):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(g0), err_msg=name)
+
+    assert maxes.sharding.is_equivalent_to(NamedSharding(mesh, P(None, None, "context")), 4)
+    q_k = (
+        [("q", "k")]
+        if kind == "standard"
+        else [("q1", "k1"), ("q2", "k2" if kind == "v1" else "k1")]
+    )
+    want = np.stack(
+        [
+            logit_max_oracle(
+                args[q],
+                args[k],
+                scale=d**-0.5,
+                causal=causal,
+                segment_ids=seg,
+                kv_segment_ids=kv_seg,
+            )
+            for q, k in q_k
+        ]
+    )
+    assert_logit_max(np.asarray(maxes)[:, :, context.inverse_order(perm)], want)
+    if segments == "orphan":
+        assert np.all(np.isneginf(want[:, :, t // 2 : t // 2 + 3]))

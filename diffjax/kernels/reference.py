@@ -19,7 +19,8 @@ dtype), the kernels two (``o1 - lam * o2`` in float32): equal in float32 to roun
 sequences.
 
 ``logit_bits`` simulates absmax quantization of the logits (the paper's Fig. 8): see
-:func:`absmax_quantize`.
+:func:`absmax_quantize`. ``logit_max=True`` also returns each map's largest logit per query row
+(training diagnostics), from the same logits the softmax reads: see :func:`dot_product_attention`.
 """
 
 from __future__ import annotations
@@ -216,6 +217,18 @@ def _grouped_logits(q: jax.Array, k: jax.Array, scale: float) -> jax.Array:
     return logits * jnp.float32(scale)
 
 
+def _row_max(logits: jax.Array, gmask: jax.Array | None) -> jax.Array:
+    """The largest visible logit of each row, ``[B, Hkv, R*T]`` (-inf for a row that sees no
+    key), without gradient."""
+    visible = logits if gmask is None else jnp.where(gmask, logits, -jnp.inf)
+    return jax.lax.stop_gradient(jnp.max(visible, axis=-1))
+
+
+def _ungroup_rows(x: jax.Array, t: int) -> jax.Array:
+    """Row statistics ``[B, Hkv, R*T]`` -> ``[B, T, Hq]`` (the inverse of :func:`_group_rows`)."""
+    return _ungroup_queries(x[..., None], t)[..., 0]
+
+
 def _grouped_probs(
     q: jax.Array,
     k: jax.Array,
@@ -224,14 +237,18 @@ def _grouped_probs(
     logit_bits: int | None = None,
     *,
     zero_masked: bool = True,
-) -> jax.Array:
+    logit_max: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Softmax probabilities ``[B, Hkv, R*T, S]`` in float32. ``zero_masked=False`` leaves the
-    masked entries of a row with no visible key uniform (the caller zeroes them)."""
+    masked entries of a row with no visible key uniform (the caller zeroes them).
+    ``logit_max``: ``(probs, maxes)``, ``maxes`` ``[B, Hkv, R*T]`` the largest visible logit of
+    each row (:func:`_row_max`; before any ``logit_bits`` quantization)."""
     b, t, hq, _ = q.shape
     hkv, s = k.shape[2], k.shape[1]
     r = hq // hkv
     logits = _grouped_logits(q, k, scale)
     gmask = _group_mask(mask, r)
+    maxes = _row_max(logits, gmask) if logit_max else None
     if logit_bits is not None:  # absmax blocks per query head: [.., R, T, S]
         logits = absmax_quantize(
             logits.reshape(b, hkv, r, t, s),
@@ -239,11 +256,13 @@ def _grouped_probs(
             mask=None if mask is None else mask[:, None, None],
         ).reshape(b, hkv, r * t, s)
     if gmask is None:
-        return jax.nn.softmax(logits, axis=-1)
-    probs = jax.nn.softmax(jnp.where(gmask, logits, MASK_VALUE), axis=-1)
-    # A query that sees no key at all gets zero weights (and a zero output), as flash attention
-    # gives, rather than a uniform average over keys it may not see.
-    return jnp.where(gmask, probs, 0.0) if zero_masked else probs
+        probs = jax.nn.softmax(logits, axis=-1)
+    else:
+        probs = jax.nn.softmax(jnp.where(gmask, logits, MASK_VALUE), axis=-1)
+        # A query that sees no key at all gets zero weights (and a zero output), as flash
+        # attention gives, rather than a uniform average over keys it may not see.
+        probs = jnp.where(gmask, probs, 0.0) if zero_masked else probs
+    return (probs, maxes) if logit_max else probs
 
 
 def _attend(probs: jax.Array, v: jax.Array, t: int) -> jax.Array:
@@ -300,10 +319,24 @@ def attention_weights(
 
 
 def dot_product_attention(
-    q, k, v, *, causal=True, segment_ids=None, kv_segment_ids=None, scale=None, logit_bits=None
+    q,
+    k,
+    v,
+    *,
+    causal=True,
+    segment_ids=None,
+    kv_segment_ids=None,
+    scale=None,
+    logit_bits=None,
+    logit_max=False,
 ):
     """``softmax(q k^T s) v``: ``[B, T, Hq, Dv]`` in ``q.dtype``. ``scale`` defaults to
-    ``D ** -0.5``."""
+    ``D ** -0.5``.
+
+    ``logit_max=True``: ``(out, maxes)``, ``maxes`` float32 ``[1, B, T, Hq]`` the largest
+    logit ``(q k^T) * scale`` of each query row over the keys it sees (the softmax's own
+    logits, before any ``logit_bits`` quantization), -inf for a row that sees no key; no
+    gradient. ``out`` is the same as without it."""
     mask = attention_mask(
         q.shape[1],
         k.shape[1],
@@ -311,8 +344,12 @@ def dot_product_attention(
         segment_ids=segment_ids,
         kv_segment_ids=kv_segment_ids,
     )
-    out = _attend(_grouped_probs(q, k, mask, _default_scale(q, scale), logit_bits), v, q.shape[1])
-    return out.astype(q.dtype)
+    t = q.shape[1]
+    probs = _grouped_probs(q, k, mask, _default_scale(q, scale), logit_bits, logit_max=logit_max)
+    if not logit_max:
+        return _attend(probs, v, t).astype(q.dtype)
+    probs, maxes = probs
+    return _attend(probs, v, t).astype(q.dtype), _ungroup_rows(maxes, t)[None]
 
 
 def differential_attention(
@@ -328,10 +365,13 @@ def differential_attention(
     kv_segment_ids=None,
     scale=None,
     logit_bits=None,
+    logit_max=False,
 ):
     """``softmax(q1 k1^T s) v - lam * softmax(q2 k2^T s) v``: ``[B, T, Hq, Dv]`` in
     ``q1.dtype``. ``lam`` a scalar (V1) or ``[B, T, Hq]`` (V2); ``k2=None``: both maps read
-    ``k1`` (DIFF V2's shared key).
+    ``k1`` (DIFF V2's shared key). ``logit_max=True``: ``(out, maxes)``, ``maxes`` float32
+    ``[2, B, T, Hq]`` each map's largest visible logit per row (map 1: q1 k1, map 2: q2 k2
+    or q2 k1), as in :func:`dot_product_attention`.
 
     Computed as one value product on the differential map, ``(A1 - lam A2) v``: lambda is
     constant along each map row, so this is the same sum as ``A1 v - lam A2 v`` with one
@@ -344,8 +384,11 @@ def differential_attention(
     mask = attention_mask(
         t, k1.shape[1], causal=causal, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids
     )
-    p1 = _grouped_probs(q1, k1, mask, scale, logit_bits, zero_masked=False)
-    p2 = _grouped_probs(q2, k1 if k2 is None else k2, mask, scale, logit_bits, zero_masked=False)
+    kw = dict(zero_masked=False, logit_max=logit_max)
+    p1 = _grouped_probs(q1, k1, mask, scale, logit_bits, **kw)
+    p2 = _grouped_probs(q2, k1 if k2 is None else k2, mask, scale, logit_bits, **kw)
+    if logit_max:
+        (p1, m1), (p2, m2) = p1, p2
     lam = jnp.asarray(lam, jnp.float32)
     if lam.ndim:  # [B, T, Hq] per-token, per-head lambda (V2): one value per map row
         lam = _group_rows(lam, hkv)
@@ -353,4 +396,7 @@ def differential_attention(
     gmask = _group_mask(mask, hq // hkv)
     if gmask is not None:  # a query that sees no key gets a zero output (see _grouped_probs)
         diff = jnp.where(gmask, diff, 0.0)
-    return _attend(diff, v, t).astype(q1.dtype)
+    out = _attend(diff, v, t).astype(q1.dtype)
+    if not logit_max:
+        return out
+    return out, jnp.stack([_ungroup_rows(m1, t), _ungroup_rows(m2, t)])
