@@ -24,6 +24,16 @@ runs sequence-parallel (:mod:`diffjax.context`): a ring that passes K/V around t
 ``impl="pallas"`` the ring's blocks run the fused kernels (GPU, TPU; interpreted on CPU), which mask
 by index: the tokens must then lie in ``ContextSpec.order`` ("zigzag" or "contiguous"; the natural
 order when no positions are given).
+
+``logit_max=True`` (training diagnostics) makes both functions return ``(out, maxes)``:
+``maxes`` float32 ``[n_maps, B, T, Hq]`` (1 map for standard attention, 2 for DIFF), each
+query row's largest attention logit ``(q . k) * scale`` over the keys it may see (-inf for a
+row that sees none), without gradient. It comes from what each path already computes: the XLA
+path's logits, the Pallas kernels' running row max (one more output of the forward kernel),
+the context ring's running max merged over the key blocks, the all-gather's logits; under a
+context axis in the token layout and sharding of ``out``'s rows. The built-in
+implementations only: a custom object is refused. ``logit_max=False`` (the default) runs
+exactly the program it runs without the option.
 """
 
 from __future__ import annotations
@@ -33,6 +43,7 @@ import types
 from typing import Callable
 
 import jax
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from . import context as context_lib
@@ -119,6 +130,39 @@ def _context_layout(impl, spec: ContextSpec, positions, target: KernelTarget) ->
     )
 
 
+def _check_logit_max(impl, logit_max, what: str) -> bool:
+    """``logit_max`` as a bool: a static python bool (it changes what the call returns), and
+    only with a built-in implementation (the maxes come from its logits or running max)."""
+    if not isinstance(logit_max, (bool, np.bool_)):
+        raise TypeError(
+            f"{what}: logit_max must be True or False (a static python bool: it changes what "
+            f"the call returns), got {type(logit_max).__name__}. Fix: pass logit_max=True or "
+            "logit_max=False"
+        )
+    if logit_max and not isinstance(impl, str):
+        raise ValueError(
+            f"{what}: logit_max=True needs a built-in implementation (the largest logits come "
+            f"from the XLA path's logits or the kernels' running row max), and impl is the "
+            f"object {impl!r}. Fix: use impl='xla' or impl='pallas' (or 'auto'), or turn the "
+            "logit diagnostics off (logit_max=False)"
+        )
+    return bool(logit_max)
+
+
+def _logit_max_option(logit_max: bool) -> dict:
+    """The keyword that asks a built-in implementation for the maxes; none when they are not
+    asked for, so the call is exactly the one without the option."""
+    return {"logit_max": True} if logit_max else {}
+
+
+def _returned(result, logit_max: bool):
+    """The call's result: ``out``, or ``(out, maxes)`` with the maxes' gradient stopped."""
+    if not logit_max:
+        return result
+    out, maxes = result
+    return out, jax.lax.stop_gradient(maxes)
+
+
 def _implementation(impl, target: KernelTarget):
     """The object whose two functions run the attention for ``impl`` on ``target``."""
     impl = check_impl(impl, target)
@@ -143,22 +187,25 @@ def dot_product_attention(
     positions: jax.Array | None = None,
     context: ContextSpec | None = None,
     target: KernelTarget | None = None,
-) -> jax.Array:
+    logit_max: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Standard softmax attention. q ``[B,T,Hq,D]``, k ``[B,S,Hkv,D]``, v ``[B,S,Hkv,Dv]``.
 
     Returns ``[B, T, Hq, Dv]``. ``scale`` defaults to ``D ** -0.5``. ``positions`` ``[B, T]``
     (default ``arange(T)``) and ``context`` (default ``ContextSpec()``: the ring, the natural
     order): see the module doc (sequence parallelism). ``target``: the machine it is traced
-    for (default :func:`current_target`).
+    for (default :func:`current_target`). ``logit_max=True``: ``(out, maxes)``, ``maxes``
+    float32 ``[1, B, T, Hq]`` each row's largest visible logit (module doc).
     """
     reference.check_qkv(q, k, v, segment_ids, kv_segment_ids, what="dot_product_attention")
+    logit_max = _check_logit_max(impl, logit_max, "dot_product_attention")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     mesh = _context_split(impl, q.shape[1], k.shape[1])
     spec = ContextSpec() if context is None else context
     target = current_target() if target is None else target
     if mesh is not None:
         _, b, h = _mesh_axes(q.shape[0], k.shape[2])
-        return context_lib.context_dot_product_attention(
+        result = context_lib.context_dot_product_attention(
             q,
             k,
             v,
@@ -172,8 +219,10 @@ def dot_product_attention(
             segment_ids=segment_ids,
             kv_segment_ids=kv_segment_ids,
             scale=scale,
+            logit_max=logit_max,
         )
-    return _implementation(impl, target).dot_product_attention(
+        return _returned(result, logit_max)
+    result = _implementation(impl, target).dot_product_attention(
         q,
         k,
         v,
@@ -181,7 +230,9 @@ def dot_product_attention(
         segment_ids=segment_ids,
         kv_segment_ids=kv_segment_ids,
         scale=scale,
+        **_logit_max_option(logit_max),
     )
+    return _returned(result, logit_max)
 
 
 def differential_attention(
@@ -200,7 +251,8 @@ def differential_attention(
     positions: jax.Array | None = None,
     context: ContextSpec | None = None,
     target: KernelTarget | None = None,
-) -> jax.Array:
+    logit_max: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """``softmax(q1 k1^T s) v - lam * softmax(q2 k2^T s) v``, ``[B, T, Hq, Dv]``.
 
     q1, q2 ``[B,T,Hq,D]``; k1, k2 ``[B,S,Hkv,D]`` (``k2=None``: both maps read ``k1``, as DIFF
@@ -208,18 +260,21 @@ def differential_attention(
     (V1) or ``[B, T, Hq]`` (V2). ``scale`` defaults to ``D ** -0.5``. ``positions`` ``[B, T]``
     (default ``arange(T)``) and ``context`` (default ``ContextSpec()``: the ring, the natural
     order): see the module doc (sequence parallelism). ``target``: the machine it is traced
-    for (default :func:`current_target`).
+    for (default :func:`current_target`). ``logit_max=True``: ``(out, maxes)``, ``maxes``
+    float32 ``[2, B, T, Hq]`` each row's largest visible logit of map 1 (q1 k1) and map 2
+    (q2 k2, or q2 k1 when ``k2`` is None) (module doc).
     """
     reference.check_differential(
         q1, k1, q2, k2, v, lam, segment_ids, kv_segment_ids, what="differential_attention"
     )
+    logit_max = _check_logit_max(impl, logit_max, "differential_attention")
     scale = q1.shape[-1] ** -0.5 if scale is None else scale
     mesh = _context_split(impl, q1.shape[1], k1.shape[1])
     spec = ContextSpec() if context is None else context
     target = current_target() if target is None else target
     if mesh is not None:
         _, b, h = _mesh_axes(q1.shape[0], k1.shape[2])
-        return context_lib.context_differential_attention(
+        result = context_lib.context_differential_attention(
             q1,
             k1,
             q2,
@@ -236,8 +291,10 @@ def differential_attention(
             segment_ids=segment_ids,
             kv_segment_ids=kv_segment_ids,
             scale=scale,
+            logit_max=logit_max,
         )
-    return _implementation(impl, target).differential_attention(
+        return _returned(result, logit_max)
+    result = _implementation(impl, target).differential_attention(
         q1,
         k1,
         q2,
@@ -248,7 +305,9 @@ def differential_attention(
         segment_ids=segment_ids,
         kv_segment_ids=kv_segment_ids,
         scale=scale,
+        **_logit_max_option(logit_max),
     )
+    return _returned(result, logit_max)
 
 
 # ---------------------------------------------------------------------------- kernel check
@@ -299,15 +358,25 @@ def _mesh_axes(batch: int, kv_heads: int):
     return mesh, (bspec[0] if len(bspec) else None), (hspec[0] if len(hspec) else None)
 
 
-def _per_shard(run, args, specs, batch: int, kv_heads: int):
+def _per_shard(run, args, specs, batch: int, kv_heads: int, logit_max: bool = False):
     """``run(*args)``, under a mesh inside ``jax.shard_map`` with ``specs(b, h)`` (the in
-    specs for batch axes ``b`` and head axes ``h``; a None argument gets a None spec)."""
+    specs for batch axes ``b`` and head axes ``h``; a None argument gets a None spec).
+    ``logit_max``: ``run`` returns ``(out, maxes)``, the maxes ``[n_maps, B, T, Hq]`` split
+    like ``out``'s rows."""
     mesh, b, h = _mesh_axes(batch, kv_heads)
     if mesh is None:
         return run(*args)
     in_specs = tuple(None if a is None else s for a, s in zip(args, specs(b, h), strict=True))
     out = P(b, None, h, None)
+    if logit_max:
+        out = (out, P(None, b, None, h))
     return jax.shard_map(run, mesh=mesh, in_specs=in_specs, out_specs=out, check_vma=False)(*args)
+
+
+def _logit_max_kernel_option(logit_max: bool) -> dict:
+    """The kernels' keyword for the maxes (their forward's running row max); none when not
+    asked for, so the call is exactly the one without the option."""
+    return {"return_logit_max": True} if logit_max else {}
 
 
 def _kernel_options(target: KernelTarget) -> dict:
@@ -318,7 +387,9 @@ def _kernel_options(target: KernelTarget) -> dict:
     )
 
 
-def _pallas_standard(q, k, v, *, causal, segment_ids, kv_segment_ids, scale, target):
+def _pallas_standard(
+    q, k, v, *, causal, segment_ids, kv_segment_ids, scale, target, logit_max=False
+):
     def run(q, k, v, segment_ids, kv_segment_ids):
         return kernels.flash_attention(
             q,
@@ -329,16 +400,18 @@ def _pallas_standard(q, k, v, *, causal, segment_ids, kv_segment_ids, scale, tar
             kv_segment_ids=kv_segment_ids,
             sm_scale=scale,
             **_kernel_options(target),
+            **_logit_max_kernel_option(logit_max),
         )
 
     def specs(b, h):
         return (P(b, None, h, None),) * 3 + (P(b, None),) * 2
 
-    return _per_shard(run, (q, k, v, segment_ids, kv_segment_ids), specs, q.shape[0], k.shape[2])
+    args = (q, k, v, segment_ids, kv_segment_ids)
+    return _per_shard(run, args, specs, q.shape[0], k.shape[2], logit_max)
 
 
 def _pallas_differential(
-    q1, k1, q2, k2, v, lam, *, causal, segment_ids, kv_segment_ids, scale, target
+    q1, k1, q2, k2, v, lam, *, causal, segment_ids, kv_segment_ids, scale, target, logit_max=False
 ):
     def run(q1, k1, q2, k2, v, lam, segment_ids, kv_segment_ids):
         return kernels.differential_flash_attention(
@@ -353,6 +426,7 @@ def _pallas_differential(
             kv_segment_ids=kv_segment_ids,
             sm_scale=scale,
             **_kernel_options(target),
+            **_logit_max_kernel_option(logit_max),
         )
 
     def specs(b, h):
@@ -361,7 +435,7 @@ def _pallas_differential(
         return (heads,) * 5 + (lam_spec, P(b, None), P(b, None))
 
     args = (q1, k1, q2, k2, v, lam, segment_ids, kv_segment_ids)
-    return _per_shard(run, args, specs, q1.shape[0], k1.shape[2])
+    return _per_shard(run, args, specs, q1.shape[0], k1.shape[2], logit_max)
 
 
 def _pallas(target: KernelTarget):
