@@ -87,7 +87,8 @@ class Projection(NamedTuple):
 def attend(p: Projection, *, scale: float, impl, **masks) -> jax.Array:
     """``[B, T, H, dv]``: softmax attention of ``p`` (differential when it has ``q2``).
     ``masks``: ``causal``, ``segment_ids``, ``kv_segment_ids``, and for a sequence split over a
-    ``context`` mesh axis the tokens' ``positions`` and the ``context`` spec."""
+    ``context`` mesh axis the tokens' ``positions`` and the ``context`` spec; ``logit_max=True``
+    returns ``(out, maxes)``, each row's largest logit per map (:func:`diffjax.ops.differential_attention`)."""
     if p.q2 is None:
         return ops.dot_product_attention(p.q, p.k, p.v, scale=scale, impl=impl, **masks)
     return ops.differential_attention(
@@ -141,7 +142,16 @@ def _with_cache(p: Projection, cache: dict[str, jax.Array], index, kv_segment_id
 class AttentionLayer(nnx.Module):
     """What the three layers share: head bookkeeping and its checks, bias-free linears, and
     the one body of the plain and the cached call. A layer defines ``project`` (q/k/v and
-    lambda), ``output`` and ``cache_layout``."""
+    lambda), ``output`` and ``cache_layout``.
+
+    ``diagnostics`` (False unless set, e.g. by ``TransformerLM(..., diagnostics=True)``): a
+    call under ``nnx.capture(..., nnx.Intermediate)`` also sows ``"logit_max"``, ``[maps]``
+    float32, the largest attention logit ``q . k * scale`` of each softmax map over the batch,
+    tokens and heads (the running row maximum of the fused kernels and the ring; the XLA
+    path's own logits), and for DIFF V2 ``"lambda_std"``, the spread of ``sigmoid(lambda)``.
+    Off, the call is exactly the plain one."""
+
+    diagnostics: bool = False
 
     def _init_heads(
         self,
@@ -262,8 +272,12 @@ class AttentionLayer(nnx.Module):
         if p.q.shape[1] > 1:  # a sequence split over a `context` mesh axis: the index orders it
             order = positions if token_index is None else token_index
             masks.update(positions=order, context=self.context)
-        masks.update(target=self.target)
-        o = attend(p, scale=self.scale, impl=self.attention_impl, segment_ids=segment_ids, **masks)
+        masks.update(target=self.target, scale=self.scale, impl=self.attention_impl)
+        if cached is None and self.diagnostics and capturing(self):
+            o, maxes = attend(p, segment_ids=segment_ids, logit_max=True, **masks)
+            _sow_diagnostics(self, p, maxes)
+        else:
+            o = attend(p, segment_ids=segment_ids, **masks)
         return self.output(checkpoint_name(o, "attn_out")), cache
 
     def project(self, x: jax.Array, positions: jax.Array | None = None) -> Projection:
@@ -533,6 +547,20 @@ class MultiheadDiffAttnV2(AttentionLayer):
         return {"k": (self.num_kv_heads, self.head_dim), "v": (self.num_kv_heads, self.head_dim)}
 
 
+def capturing(module: nnx.Module) -> bool:
+    """Whether a call of ``module`` runs under ``nnx.capture`` (see :func:`_sow_lambda` for
+    this test)."""
+    return hasattr(module, "__captures__")
+
+
+def _sow_diagnostics(layer: AttentionLayer, p: Projection, maxes: jax.Array) -> None:
+    """Sow ``"logit_max"`` (``maxes [maps, B, T, H]`` reduced to ``[maps]``; a row that sees no
+    key, at -inf, never wins) and, for a per-token lambda (V2), ``"lambda_std"``."""
+    layer.sow(nnx.Intermediate, "logit_max", jnp.max(maxes, axis=(1, 2, 3)))
+    if p.lam is not None and jnp.ndim(p.lam) > 0:
+        layer.sow(nnx.Intermediate, "lambda_std", jnp.std(p.lam))
+
+
 def _sow_lambda(layer: nnx.Module, lam: jax.Array) -> None:
     """Sow the mean of a DIFF layer's lambda in this call (V1: its scalar; V2: over batch,
     tokens and heads) as the ``nnx.Intermediate`` ``"lambda"`` when the call runs under
@@ -548,7 +576,7 @@ def _sow_lambda(layer: nnx.Module, lam: jax.Array) -> None:
     the call and deletes it after. The other ways out are worse: a flag the caller of capture
     sets is the mutable flag this replaced, and ``sow``'s return value only says whether a
     capture took the value, after an uncaptured call has already stored it."""
-    if hasattr(layer, "__captures__"):
+    if capturing(layer):
         layer.sow(nnx.Intermediate, "lambda", jnp.mean(lam))
 
 

@@ -21,6 +21,7 @@ from flax import nnx
 
 from . import ops
 from .attention import (
+    capturing,
     SAVED_NAMES,
     AttentionLayer,
     MultiheadAttention,
@@ -113,12 +114,15 @@ class Block(nnx.Module):
         context: ContextSpec | None = None,
         target: KernelTarget | None = None,
         attention_impl=None,
+        diagnostics: bool = False,
     ):
         pdt = as_dtype(config.param_dtype)
         self.attn_norm = RMSNorm(config.d_model, eps=config.norm_eps, param_dtype=pdt)
         self.attn = make_attention(
             config, depth, rngs=rngs, context=context, target=target, attention_impl=attention_impl
         )
+        # under nnx.capture: the attention's signals, and this block's largest |activation|
+        self.diagnostics = self.attn.diagnostics = diagnostics
         self.ffn_norm = RMSNorm(config.d_model, eps=config.norm_eps, param_dtype=pdt)
         self.ffn = SwiGLU(
             config.d_model,
@@ -131,18 +135,21 @@ class Block(nnx.Module):
 
     def __call__(self, x, positions=None, segment_ids=None, token_index=None):
         x = constrain(x + self.attn(self.attn_norm(x), positions, segment_ids, token_index), *_ACT)
-        return constrain(x + self.ffn(self.ffn_norm(x)), *_ACT)
+        x = constrain(x + self.ffn(self.ffn_norm(x)), *_ACT)
+        if self.diagnostics and capturing(self):  # the residual stream's largest magnitude
+            self.sow(nnx.Intermediate, "activation_max", jnp.max(jnp.abs(x)).astype(jnp.float32))
+        return x
 
     def run(self, x, positions=None, segment_ids=None, token_index=None, *, remat: str = "none"):
         """``self(x, ...)`` under the rematerialization policy ``remat`` (:func:`remat_policy`).
-        The attention layer's lambda is sown as in a plain call."""
+        What the block sows (the attention's lambda, the diagnostics) is sown as in a plain
+        call."""
         masks = (positions, segment_ids, token_index)
         if remat == "none":  # the plain call (what nnx.capture's method outputs record)
             return self(x, *masks)
         graphdef, state = nnx.split(self)
-        y, lam = apply_block(graphdef, state, x, masks, remat, _capturing(self))
-        if lam is not None:
-            self.attn.sow(nnx.Intermediate, "lambda", lam)
+        y, sown = apply_block(graphdef, state, x, masks, remat, capturing(self))
+        resow(self, sown)
         return y
 
     def extend(self, x, positions, cache, **step):
@@ -152,31 +159,40 @@ class Block(nnx.Module):
         return constrain(x + self.ffn(self.ffn_norm(x)), *_ACT), cache
 
 
-def _capturing(module: nnx.Module) -> bool:
-    """Whether a call of ``module`` runs under ``nnx.capture`` (see
-    :func:`diffjax.attention._sow_lambda` for this test)."""
-    return hasattr(module, "__captures__")
-
-
 def apply_block(graphdef, state, x, masks, remat: str, capture: bool):
-    """One block as a pure function of its state: ``(output, lambda or None)`` (the attention
-    layer's sown lambda, when ``capture``), under the policy ``remat``. Pure, so it can run
-    under ``jax.checkpoint`` and ``jax.lax.scan`` with a model closed over from outside (NNX's
-    own transforms refuse variables created at another trace level). ``masks``: the
-    block's ``(positions, segment_ids, token_index)``."""
+    """One block as a pure function of its state: ``(output, sown)``, ``sown`` what the block
+    sows when ``capture`` (``{"attn": {name: value}, name: value}``, the first value of each;
+    else None), under the policy ``remat``. Pure, so it can run under ``jax.checkpoint`` and
+    ``jax.lax.scan`` with a model closed over from outside (NNX's own transforms refuse
+    variables created at another trace level). ``masks``: the block's ``(positions,
+    segment_ids, token_index)``."""
 
     def call(state, x):
         block = nnx.merge(graphdef, state)
         if not capture:
             return block(x, *masks), None
         y, sown = nnx.capture(Block.__call__, nnx.Intermediate)(block, x, *masks)
-        lam = nnx.to_pure_dict(sown).get("attn", {}).get("lambda")
-        return y, None if lam is None else lam[0]
+        return y, jax.tree.map(lambda v: v[0], nnx.to_pure_dict(sown), is_leaf=_is_sown)
 
     policy = remat_policy(remat)
     if policy is not None:
         call = jax.checkpoint(call, policy=policy, prevent_cse=False)
     return call(state, x)
+
+
+def _is_sown(x) -> bool:
+    return isinstance(x, tuple)  # the values one name was sown with, in call order
+
+
+def resow(block: Block, sown: dict | None) -> None:
+    """Sow ``sown`` (what :func:`apply_block` returns, or the same stacked over layers) on
+    ``block`` and its attention layer, as a plain call of them would have."""
+    for name, value in (sown or {}).items():
+        if name == "attn":
+            for attn_name, v in value.items():
+                block.attn.sow(nnx.Intermediate, attn_name, v)
+        else:
+            block.sow(nnx.Intermediate, name, value)
 
 
 class TransformerLM(nnx.Module):
@@ -195,6 +211,8 @@ class TransformerLM(nnx.Module):
     (:class:`diffjax.config.KernelTarget`; default: this process's backend, taken when built).
     ``attention_impl``: every layer's implementation, a name or an object with the two
     functions (default: ``config.attention_impl``; e.g. the quantized logits of the analyses).
+    ``diagnostics``: a call under ``nnx.capture(..., nnx.Intermediate)`` also sows each
+    layer's signals (:func:`sown_diagnostics`); off, every call is the plain one.
     """
 
     def __init__(
@@ -205,6 +223,7 @@ class TransformerLM(nnx.Module):
         context: ContextSpec | None = None,
         target: KernelTarget | None = None,
         attention_impl=None,
+        diagnostics: bool = False,
     ):
         if not isinstance(config, ModelConfig):
             raise TypeError(f"TransformerLM takes a ModelConfig, got {type(config).__name__}")
@@ -213,7 +232,10 @@ class TransformerLM(nnx.Module):
         self.target = target
         # None: the config's; else a name or an implementation object for every layer
         self.attention_impl = attention_impl
-        attn = dict(context=context, target=target, attention_impl=attention_impl)
+        self.diagnostics = diagnostics
+        attn = dict(
+            context=context, target=target, attention_impl=attention_impl, diagnostics=diagnostics
+        )
         dt, pdt = as_dtype(config.dtype), as_dtype(config.param_dtype)
         init = nnx.initializers.normal(config.init_std)
         self.embed = nnx.Embed(
@@ -272,14 +294,13 @@ class TransformerLM(nnx.Module):
         x = constrain(self._embed(tokens), *_ACT)
         if cfg.scan_layers:
             graphdef, state = nnx.split(self.layers)
-            capture = _capturing(self.layers)
+            capture = capturing(self.layers)
 
             def body(x, layer):
                 return apply_block(graphdef, layer, x, masks, cfg.remat, capture)
 
-            x, lams = jax.lax.scan(body, x, state)
-            if lams is not None:  # [L], each layer's, as unrolled layers sow them
-                self.layers.attn.sow(nnx.Intermediate, "lambda", lams)
+            x, sown = jax.lax.scan(body, x, state)
+            resow(self.layers, sown)  # each value stacked, [L, ...]
         else:
             for block in self.layers:
                 x = block.run(x, *masks, remat=cfg.remat)
@@ -322,7 +343,12 @@ class TransformerLM(nnx.Module):
 
     def _attention_args(self) -> dict:
         """How this model's attention was built (to build another like it)."""
-        return dict(context=self.context, target=self.target, attention_impl=self.attention_impl)
+        return dict(
+            context=self.context,
+            target=self.target,
+            attention_impl=self.attention_impl,
+            diagnostics=self.diagnostics,
+        )
 
     def _logits(self, x: jax.Array) -> jax.Array:
         """Final norm and output head, float32 logits."""
@@ -472,3 +498,31 @@ def sown_lambdas(intermediates: nnx.State) -> list[jax.Array]:
         for i in sorted(layers)
         if "lambda" in layers[i].get("attn", {})
     ]
+
+
+# what sown_diagnostics reads: (where it is sown, its name), "attn" for the attention layer
+SOWN_DIAGNOSTICS = (
+    ("attn", "logit_max"),  # [maps]: the largest attention logit of each softmax map
+    ("attn", "lambda_std"),  # DIFF V2: the spread of sigmoid(lambda) over batch, tokens, heads
+    ("block", "activation_max"),  # the residual stream's largest |value| after the block
+)
+
+
+def sown_diagnostics(intermediates: nnx.State) -> dict[str, jax.Array]:
+    """Each layer's diagnostics in a call of a :class:`TransformerLM` built with
+    ``diagnostics=True`` under ``nnx.capture(..., nnx.Intermediate)``: ``{name: [L, ...]}``
+    for the names of :data:`SOWN_DIAGNOSTICS` the model sowed (the first call's). ::
+
+        model = TransformerLM(config, rngs=nnx.Rngs(0), diagnostics=True)
+        logits, intermediates = nnx.capture(model, nnx.Intermediate)(tokens)
+        sown_diagnostics(intermediates)["logit_max"]  # [num_layers, maps]
+    """
+    layers = nnx.to_pure_dict(intermediates).get("layers", {})
+    stacked = "attn" in layers or any(n in layers for _, n in SOWN_DIAGNOSTICS)
+    per_layer = [layers] if stacked else [layers[i] for i in sorted(layers)]
+    out = {}
+    for where, name in SOWN_DIAGNOSTICS:
+        found = [(d.get("attn", {}) if where == "attn" else d).get(name) for d in per_layer]
+        if found and all(f is not None for f in found):
+            out[name] = found[0][0] if stacked else jnp.stack([f[0] for f in found])
+    return out

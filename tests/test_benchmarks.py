@@ -351,3 +351,11 @@ def test_masking_comparison_trains_both_arms_and_pairs_them(tmp_path, capsys):
     assert on["document_mask"] is None and off["document_mask"] is False
     values = {a: bench.final_losses(str(tmp_path), a, 2) for a in ("on", "off")}
     assert all(len(v) == 2 for arm in values.values() for v in arm.values())
+
+
+def test_diagnostics_cost_benchmark_times_both_models_both_ways(capsys):
+    bench = _load("diagnostics_cost")
+    assert bench.main(["--rounds", "1", "--steps", "2", *TINY_RUN]) == 0
+    out = capsys.readouterr().out
+    assert "| diff (diff_v1) |" in out and "| standard (standard) |" in out
+    assert "data.seq_len=32" in out  # the command as run

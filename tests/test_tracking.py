@@ -52,6 +52,7 @@ def test_offline_wandb_holds_what_tensorboard_holds(tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     run = tmp_path / "run"
     args = [f"run.dir={run}", *TINY, "run.wandb=offline", "run.wandb_tags=a,b"]
+    args += ["train.diagnostics=true", "train.skip_spikes=3"]  # per-layer and per-map names
     assert main(args) == 0
     model = run / "diff" / "seed_0"
     (path,) = glob.glob(str(model / "wandb" / "offline-run-*" / "run-*.wandb"))
@@ -74,6 +75,8 @@ def test_offline_wandb_holds_what_tensorboard_holds(tmp_path, monkeypatch):
     acc.Reload()
     tags = acc.Tags()["scalars"]
     assert {"loss", "val_loss", "lambda/layer_0", "lambda/layer_1"} <= set(tags)
+    assert {"logit_max/layer_1/map_1", "activation_max/layer_1", "output_logit_max"} <= set(tags)
+    assert {"update_ratio", "spikes_skipped"} <= set(tags)
     for tag in tags:
         for event in acc.Scalars(tag):
             assert history[event.step][tag] == pytest.approx(event.value, rel=1e-6), tag

@@ -44,6 +44,7 @@ from diffjax.train.config import ExperimentConfig
 from diffjax.train.loop import TrainResult
 from diffjax.train.metrics import read_metrics
 
+from . import signals
 from .throughput import SideBySide
 
 # How a validation metric of TrainResult.metrics (its metrics.jsonl key) is shown: row name and
@@ -616,6 +617,7 @@ def write_report(
         _lambdas(groups),
         _per_seed(results, n_seeds),
         _plot(),
+        signals.section(run_dir, results),
         _setup(exp, results, data_description),
     ]
     text = "\n".join(line for section in sections for line in section)

@@ -35,7 +35,7 @@ from diffjax import flops as flops_lib
 from diffjax import hf, ops, sharding, storage
 from diffjax.compile_options import cpu_compile_options
 from diffjax.config import ConfigError, KernelTarget, ModelConfig
-from diffjax.model import TransformerLM, sown_lambdas
+from diffjax.model import TransformerLM, sown_diagnostics, sown_lambdas
 from diffjax.param_count import count_params
 from diffjax.runtime import Runtime
 
@@ -164,20 +164,40 @@ def _call(model, batch) -> jax.Array:
     return model(batch["inputs"], **{k: batch[k] for k in MASK_INPUTS if k in batch})
 
 
+# the signals of a step that are largest values (the rest are means): combined over
+# microbatches by their maximum (train.diagnostics; diffjax.model.SOWN_DIAGNOSTICS)
+MAX_SIGNALS = ("logit_max", "activation_max", "output_logit_max")
+# what train.diagnostics adds to each record: per layer ([L], logit_max [L, maps]), or one value
+DIAGNOSTICS = (
+    "logit_max",
+    "lambda_std",
+    "activation_max",
+    "output_logit_max",
+    "update_ratio",
+)
+
+
 def _loss_terms(params, batch, graphdef, rest):
-    """The batch's weighted cross-entropy sum, and ``(weight sum, per-layer lambdas)``."""
+    """The batch's weighted cross-entropy sum, and ``(weight sum, signals)``: each layer's
+    lambda as ``signals["lambda"]`` (:func:`diffjax.model.sown_lambdas`; empty for standard
+    attention) and, for a model built with diagnostics, what it sows
+    (:func:`diffjax.model.sown_diagnostics`) and the output logits' largest magnitude."""
     model = nnx.merge(graphdef, params, rest)
     logits, sown = nnx.capture(_call, nnx.Intermediate)(model, batch)
     total, weight = weighted_cross_entropy(logits, batch["targets"], batch["weights"])
     lambdas = sown_lambdas(sown)
-    return total, (weight, jnp.stack(lambdas) if lambdas else jnp.zeros((0,), jnp.float32))
+    signals = {"lambda": jnp.stack(lambdas) if lambdas else jnp.zeros((0,), jnp.float32)}
+    if model.diagnostics:
+        signals.update(sown_diagnostics(sown))
+        signals["output_logit_max"] = jnp.max(jnp.abs(logits))
+    return total, (weight, signals)
 
 
 def loss_fn(params, batch, graphdef, rest) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """The batch's mean weighted cross-entropy, and each layer's lambda as ``aux["lambda"]``
-    (:func:`diffjax.model.sown_lambdas`; empty for standard attention)."""
-    total, (weight, lambdas) = _loss_terms(params, batch, graphdef, rest)
-    return total / jnp.maximum(weight, 1.0), {"lambda": lambdas}
+    """The batch's mean weighted cross-entropy, and its signals (:func:`_loss_terms`): each
+    layer's lambda as ``aux["lambda"]``, and the diagnostics of a model built with them."""
+    total, (weight, signals) = _loss_terms(params, batch, graphdef, rest)
+    return total / jnp.maximum(weight, 1.0), signals
 
 
 def microbatches(batch: dict[str, jax.Array], k: int) -> dict[str, jax.Array]:
@@ -197,30 +217,39 @@ def accumulated_loss_and_grads(params, batch, graphdef, rest, accum_steps: int):
     the whole batch, computed over ``accum_steps`` microbatches (:func:`microbatches`) in a
     ``lax.scan``: the weighted cross-entropy sums and their gradients are summed, then divided
     by the whole batch's weight sum (so unevenly weighted microbatches, e.g. answer-only
-    weights, count by their tokens); the lambdas are averaged over the microbatches."""
+    weights, count by their tokens); the lambdas (and the mean signals) are averaged over the
+    microbatches, the largest values (:data:`MAX_SIGNALS`) are their maximum."""
     mbs = microbatches(batch, accum_steps)
     grad_fn = jax.value_and_grad(_loss_terms, has_aux=True)
     first = jax.tree.map(lambda x: x[0], mbs)
-    lam_shape = jax.eval_shape(lambda p, b: _loss_terms(p, b, graphdef, rest)[1][1], params, first)
+    shapes = jax.eval_shape(lambda p, b: _loss_terms(p, b, graphdef, rest)[1][1], params, first)
+
+    def combine(name, a, b):
+        return jnp.maximum(a, b) if name in MAX_SIGNALS else a + b
 
     def body(carry, mb):
-        total, weight, lambdas, grads = carry
-        (t, (w, lam)), g = grad_fn(params, mb, graphdef, rest)
+        total, weight, signals, grads = carry
+        (t, (w, sig)), g = grad_fn(params, mb, graphdef, rest)
         grads = jax.tree.map(lambda a, b: a + b.astype(a.dtype), grads, g)
-        return (total + t, weight + w, lambdas + lam, grads), None
+        signals = {k: combine(k, signals[k], sig[k]) for k in signals}
+        return (total + t, weight + w, signals, grads), None
 
     # the sums in float32 (also for bfloat16 parameters), the gradients cast back at the end
     zero = jnp.zeros((), jnp.float32)
     init = (
         zero,
         zero,
-        jnp.zeros(lam_shape.shape, lam_shape.dtype),
+        {
+            k: jnp.full(v.shape, -jnp.inf if k in MAX_SIGNALS else 0, v.dtype)
+            for k, v in shapes.items()
+        },
         jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.promote_types(p.dtype, jnp.float32)), params),
     )
-    (total, weight, lambdas, grads), _ = jax.lax.scan(body, init, mbs)
+    (total, weight, signals, grads), _ = jax.lax.scan(body, init, mbs)
     denom = jnp.maximum(weight, 1.0)
     grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), grads, params)
-    return (total / denom, {"lambda": lambdas / accum_steps}), grads
+    signals = {k: v if k in MAX_SIGNALS else v / accum_steps for k, v in signals.items()}
+    return (total / denom, signals), grads
 
 
 def train_step(
@@ -246,6 +275,8 @@ def train_step(
         **aux,
         **spike_metrics(opt_state),
     }
+    if "output_logit_max" in aux:  # train.diagnostics: the update's RMS over the parameters'
+        metrics["update_ratio"] = optax.tree.norm(updates) / optax.tree.norm(state["params"])
     return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
 
 
@@ -343,7 +374,11 @@ def _model_setup(model_cfg: ModelConfig, tcfg, runtime: Runtime, rules) -> Model
     init = seeded_state_init(model_cfg, tx, runtime.kernel_target)
     model = nnx.eval_shape(
         lambda: TransformerLM(
-            model_cfg, rngs=nnx.Rngs(0), context=runtime.context, target=runtime.kernel_target
+            model_cfg,
+            rngs=nnx.Rngs(0),
+            context=runtime.context,
+            target=runtime.kernel_target,
+            diagnostics=tcfg.diagnostics,
         )
     )
     graphdef = nnx.graphdef(model)
@@ -706,6 +741,9 @@ def step_record(
     if "skipped" in host:  # train.skip_spikes
         record["skipped"] = bool(host["skipped"])
         record["spikes_skipped"] = int(host["spikes_skipped"])
+    for name in DIAGNOSTICS:  # train.diagnostics
+        if name in host:
+            record[name] = np.asarray(host[name], np.float64).tolist()
     if throughput is not None:
         throughput.add_to(record, step_time)
     return record

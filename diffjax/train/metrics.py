@@ -55,15 +55,20 @@ def read_metrics(path: storage.PathLike) -> list[dict[str, Any]]:
 
 def scalars(record: dict[str, Any]) -> dict[str, float]:
     """The scalars of a step record that TensorBoard and W&B get: every number but ``step``,
-    and each layer's lambda as ``lambda/layer_I``."""
+    and each per-layer value as ``NAME/layer_I`` (each layer's lambda, the diagnostics), one
+    per softmax map as ``NAME/layer_I/map_J`` (the attention logits' maximum)."""
     out = {}
     for k, v in record.items():
         if k == "step":
             continue
         if isinstance(v, (int, float)) and not isinstance(v, bool):
             out[k] = v
-        elif isinstance(v, list) and k == "lambda":
-            out.update({f"lambda/layer_{i}": x for i, x in enumerate(v)})
+        elif isinstance(v, list):
+            for i, x in enumerate(v):
+                if isinstance(x, list):
+                    out.update({f"{k}/layer_{i}/map_{j}": y for j, y in enumerate(x)})
+                elif isinstance(x, (int, float)):
+                    out[f"{k}/layer_{i}"] = x
     return out
 
 
