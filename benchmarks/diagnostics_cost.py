@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import re
 import statistics
 import sys
 import time
@@ -30,9 +31,15 @@ from diffjax.train import loop
 from diffjax.train.config import apply_overrides, load_config
 
 
-def step_times(exp, label: str, rounds: int, steps: int) -> dict[str, list[float]]:
+def op_count(compiled) -> int:
+    """The fusions, reductions and copies of a compiled step: on CPU each costs a fixed launch
+    overhead, which at this size is what an added per-parameter reduction costs."""
+    return len(re.findall(r"\b(?:fusion|reduce|copy)\(", compiled.as_text()))
+
+
+def step_times(exp, label: str, rounds: int, steps: int) -> tuple[dict[str, list[float]], dict]:
     """Seconds per train step of model ``label`` with the diagnostics off and on, one figure per
-    round each."""
+    round each, and each compiled step's :func:`op_count`."""
     model_cfg = exp.models[label]
     runtime = Runtime.of(model_cfg, exp.mesh)
     rows = exp.train.batch_size
@@ -47,6 +54,7 @@ def step_times(exp, label: str, rounds: int, steps: int) -> dict[str, list[float
             state, rest = setup.init(jax.random.key(0))
             fns[name], _ = loop.compile_steps(setup, state, rest, feeds[0])
             states[name] = state
+        ops = {name: op_count(fn) for name, fn in fns.items()}
         times: dict[str, list[float]] = {"off": [], "on": []}
         for r in range(rounds + 1):  # round 0 warms up
             for name in ("off", "on") if r % 2 == 0 else ("on", "off"):
@@ -58,7 +66,7 @@ def step_times(exp, label: str, rounds: int, steps: int) -> dict[str, list[float
                 states[name] = state
                 if r:
                     times[name].append((time.perf_counter() - t0) / steps)
-    return times
+    return times, ops
 
 
 def main(argv=None) -> int:
@@ -75,16 +83,17 @@ def main(argv=None) -> int:
         f"{''.join(' ' + x for x in args.settings)}`, {datetime.date.today()}, "
         f"{machine.summary()}",
         "",
-        "| model | step, diagnostics off (ms) | on (ms) | on / off (median of rounds, min .. max) |",
-        "|---|---:|---:|---:|",
+        "| model | step, diagnostics off (ms) | on (ms) | on / off (median of rounds, min .. max) "
+        "| XLA ops (fusions, reductions, copies), off -> on |",
+        "|---|---:|---:|---:|---:|",
     ]
     for label, model_cfg in exp.models.items():
-        t = step_times(exp, label, args.rounds, args.steps)
+        t, ops = step_times(exp, label, args.rounds, args.steps)
         ratios = [a / b for a, b in zip(t["on"], t["off"])]
         lines.append(
             f"| {label} ({model_cfg.attention}) | {1e3 * statistics.median(t['off']):.1f} "
             f"| {1e3 * statistics.median(t['on']):.1f} | {statistics.median(ratios):.3f} "
-            f"({min(ratios):.3f} .. {max(ratios):.3f}) |"
+            f"({min(ratios):.3f} .. {max(ratios):.3f}) | {ops['off']} -> {ops['on']} |"
         )
     text = "\n".join(lines)
     print(text)
