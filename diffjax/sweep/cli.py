@@ -27,6 +27,7 @@ import dataclasses
 import functools
 import sys
 import time
+from typing import Any
 
 from diffjax import cli, storage
 from diffjax.compare import cli as compare_cli
@@ -62,39 +63,45 @@ def non_embedding_params(model: ModelConfig) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class SizeRun:
-    """One size of the sweep: its name, folder, the overrides of its comparison, its steps and
-    tokens, and the non-embedding parameters of DIFF and the twin."""
+    """One comparison of the sweep (a size, or a field's rung and an arm): its name, folder,
+    the overrides of its comparison, its steps and tokens, and the non-embedding parameters of
+    DIFF and the twin (None: an arm that trains DIFF alone)."""
 
     name: str
-    shape: tuple[int, ...]
+    shape: tuple[int, ...] | None
     directory: str
     overrides: tuple[str, ...]
     steps: int
     tokens: int
     diff_params: int
-    twin_params: int
+    twin_params: int | None
     note: str = ""
+    value: Any = None  # a sweep over a field: this rung's value
+    arm: str = ""  # the ladder's arm ("": none)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
 
 def size_overrides(
-    exp, ladder: Ladder, shape: tuple[int, ...], directory: str, user: list[str]
+    exp, ladder: Ladder, rung, directory: str, user: list[str], own: list[str]
 ) -> tuple[list[str], int, str]:
-    """The comparison's overrides for one size (the ladder's for this size, then the user's,
-    then the shape and steps), its steps, and a note on what the ladder changed beyond the
-    shape and steps. ``exp``: the base experiment with this size's and the user's overrides."""
-    model = exp.model.replace(
-        d_model=shape[0], num_layers=shape[1], **({"num_heads": shape[2]} if len(shape) > 2 else {})
-    )
+    """The comparison's overrides for one rung (``own``: the ladder's for this size or arm,
+    then the user's, then the rung's shape or field value and the steps), its steps, and a
+    note on what the ladder changed beyond them. ``exp``: the base experiment with ``own``
+    and the user's overrides; ``rung``: a size's shape, or the field's value."""
+    if ladder.field is not None:
+        model, rung_keys = exp.model, [f"{ladder.field}={rung}"]
+    else:
+        heads = {"num_heads": rung[2]} if len(rung) > 2 else {}
+        model = exp.model.replace(d_model=rung[0], num_layers=rung[1], **heads)
+        rung_keys = [f"model.d_model={rung[0]}", f"model.num_layers={rung[1]}"]
+        rung_keys += [f"model.num_heads={rung[2]}"] if len(rung) > 2 else []
     tokens_per_step = exp.train.batch_size * exp.data.seq_len
     steps = ladder.steps(tokens_per_step, non_embedding_params(model), exp.train.steps)
     extra = [
         f"run.dir={directory}",
-        f"model.d_model={shape[0]}",
-        f"model.num_layers={shape[1]}",
-        *([f"model.num_heads={shape[2]}"] if len(shape) > 2 else []),
+        *rung_keys,
         f"train.steps={steps}",
         f"train.eval_every={max(1, steps // ladder.evals)}",
     ]
@@ -105,7 +112,6 @@ def size_overrides(
         note = f"warmup {exp.train.warmup_steps} >= {steps} steps: {warmup} used"
     if not any(o.split("=", 1)[0].strip() == "train.progress" for o in user):
         extra.append("train.progress=false")
-    own = list(ladder.size_overrides.get(size_name(shape), ()))
     return [*own, *user, *extra], steps, note
 
 
@@ -124,30 +130,44 @@ def plan_sweep(config: str, overrides: list[str]) -> tuple[str, Ladder, list[Siz
         )
     run_dir = exp.run.path
     runs = []
-    for shape in ladder.sizes:
-        name = size_name(shape)
-        directory = storage.join(run_dir, f"size_{name}")
-        try:
-            own = list(ladder.size_overrides.get(name, ()))
-            inner, steps, note = size_overrides(
-                apply_overrides(base, [*own, *overrides]), ladder, shape, directory, overrides
+    arms = ladder.arms or {"": ()}
+    for folder, rung in ladder.rungs:
+        for arm, arm_overrides in arms.items():
+            sized = ladder.field is None
+            name = (size_name(rung) if sized else folder) + (f"/{arm}" if arm else "")
+            directory = storage.join(run_dir, folder, *([arm] if arm else []))
+            try:
+                own = [
+                    *(ladder.size_overrides.get(size_name(rung), ()) if sized else ()),
+                    *arm_overrides,
+                ]
+                inner, steps, note = size_overrides(
+                    apply_overrides(base, [*own, *overrides]),
+                    ladder,
+                    rung,
+                    directory,
+                    overrides,
+                    own,
+                )
+                size_exp = apply_overrides(base, inner)
+            except ConfigError as e:
+                raise ConfigError(f"{'size' if sized else 'rung'} {name}: {e}") from None
+            twin = size_exp.models.get("standard")
+            runs.append(
+                SizeRun(
+                    name,
+                    rung if sized else None,
+                    directory,
+                    tuple(inner),
+                    steps,
+                    steps * size_exp.train.batch_size * size_exp.data.seq_len,
+                    non_embedding_params(size_exp.models["diff"]),
+                    None if twin is None else non_embedding_params(twin),
+                    note,
+                    value=None if sized else rung,
+                    arm=arm,
+                )
             )
-            size_exp = apply_overrides(base, inner)
-        except ConfigError as e:
-            raise ConfigError(f"size {name}: {e}") from None
-        runs.append(
-            SizeRun(
-                name,
-                shape,
-                directory,
-                tuple(inner),
-                steps,
-                steps * size_exp.train.batch_size * size_exp.data.seq_len,
-                non_embedding_params(size_exp.models["diff"]),
-                non_embedding_params(size_exp.models["standard"]),
-                note,
-            )
-        )
     return run_dir, ladder, runs
 
 
@@ -257,18 +277,20 @@ def main(argv: list[str] | None = None, *, after_step: AfterStep | None = None) 
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     write_plan(run_dir, args.config, ladder, runs)
-    _say(f"sweep: {len(runs)} sizes into {run_dir}")
+    kind = "sizes" if ladder.field is None else f"comparisons over {ladder.field}"
+    _say(f"sweep: {len(runs)} {kind} into {run_dir}")
     total = len(runs)
     for i, run in enumerate(runs, 1):
         if args.report_only:
             break
-        where = f"[size {i}/{total}] {run.name}"
+        where = f"[{'size' if run.shape is not None else 'rung'} {i}/{total}] {run.name}"
         if is_done(run):
             _say(f"{where}: finished earlier, skipped")
             continue
+        twin = "" if run.twin_params is None else f" and the twin ({run.twin_params:,})"
         _say(
-            f"{where}: training DIFF ({run.diff_params:,} non-embedding parameters) and the twin "
-            f"({run.twin_params:,}), {run.steps} steps, {run.tokens:,} tokens each"
+            f"{where}: training DIFF ({run.diff_params:,} non-embedding parameters){twin}, "
+            f"{run.steps} steps, {run.tokens:,} tokens each"
             + (f" ({run.note})" if run.note else "")
             + f"; log: {storage.join(run.directory, 'train.log')}"
         )

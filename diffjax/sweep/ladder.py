@@ -1,12 +1,23 @@
-"""The ladder of a sweep: which model shapes to train and for how many tokens.
+"""The ladder of a sweep: which rungs to train (model shapes, or the values of any one setting)
+and for how many tokens.
 
 A sweep config file is an ordinary config file (``get_config()`` gives the base experiment:
 data, recipe, seeds) with a module-level ``SWEEP``, a :class:`Ladder` or a dict of its fields::
 
     SWEEP = Ladder(sizes=[(64, 2), (128, 2), (128, 4)], budget="fixed", tokens=400_000)
+    SWEEP = Ladder(field="train.lr", values=[1e-4, 1e-3, 1e-2], tokens=400_000)
 
 * ``sizes``: ``(d_model, num_layers)`` or ``(d_model, num_layers, num_heads)`` per size, from
   small to large (without heads: the base config's ``model.num_heads``).
+* or ``field`` and ``values``: the rungs set that one ``train.py`` key (``"train.lr"``) to each
+  value in turn, everything else as the base config; each rung's folder is
+  ``<last part of the key>_<value>`` (:func:`rung_name`). The report is then the field's
+  (:mod:`diffjax.sweep.field_report`): final loss against the value, and for ``train.lr`` the
+  learning-rate sensitivity.
+* ``arms``: ``{name: ["section.field=value", ...]}``: every rung runs one comparison per arm, in
+  ``<rung>/<name>/`` (e.g. DIFF V1 and DIFF V2 at every learning rate). An arm with
+  ``compare=false`` trains its DIFF model alone; the report pairs it with another arm's twin
+  when that is its twin (the same config). Default: one comparison in the rung's folder.
 * ``budget``: ``"fixed"``, every size trains on ``tokens`` tokens (None: the base config's
   ``train.steps``); or ``"proportional"``, each on ``tokens_per_param`` x its DIFF model's
   non-embedding parameters. Steps = tokens / (``train.batch_size`` x ``data.seq_len``),
@@ -57,7 +68,8 @@ def _size(entry: Any, i: int) -> tuple[int, ...]:
 class Ladder:
     """The sizes of a sweep and its token budget; checked at construction (see the module)."""
 
-    sizes: tuple[tuple[int, ...], ...]  # (d_model, num_layers[, num_heads]) per size, small first
+    # (d_model, num_layers[, num_heads]) per size, small first; None for a sweep over a field
+    sizes: tuple[tuple[int, ...], ...] | None = None
     # how each size's tokens are set: fixed (`tokens` each) or proportional (tokens_per_param x
     # the size's non-embedding parameters)
     budget: str = "fixed"
@@ -69,10 +81,23 @@ class Ladder:
     # the index in sizes whose learning curves give the tokens ratio (None: the largest)
     curve_size: int | None = None
     size_overrides: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    field: str | None = None  # a sweep over one setting: its train.py key, e.g. "train.lr"
+    values: tuple[Any, ...] | None = None  # the field's value at each rung, in order
+    # named groups of settings: one comparison per arm at every rung, in <rung>/<arm>/
+    arms: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
+        self._check_arms()
+        if self.field is not None or self.values is not None:
+            self._check_field()
+            return
         if not isinstance(self.sizes, (tuple, list)) or len(self.sizes) < 1:
-            _fail("sizes", f"got {self.sizes!r}", "give a list of (d_model, num_layers) pairs")
+            _fail(
+                "sizes",
+                f"got {self.sizes!r}",
+                "give a list of (d_model, num_layers) pairs, or field and values for a sweep "
+                "over one setting",
+            )
         sizes = tuple(_size(s, i) for i, s in enumerate(self.sizes))
         object.__setattr__(self, "sizes", sizes)
         names = [size_name(s) for s in sizes]
@@ -144,6 +169,57 @@ class Ladder:
             self, "size_overrides", {k: tuple(v) for k, v in self.size_overrides.items()}
         )
 
+    def _check_field(self) -> None:
+        """A sweep over ``field``: a ``section.key`` and at least two distinct values, a fixed
+        budget and none of the size-only fields."""
+        if self.sizes is not None:
+            _fail("sizes", "given with field/values", "give either sizes or field and values")
+        if not (isinstance(self.field, str) and "." in self.field):
+            _fail("field", f"got {self.field!r}", "give a train.py key, e.g. 'train.lr'")
+        if not isinstance(self.values, (tuple, list)) or len(self.values) < 2:
+            _fail("values", f"got {self.values!r}", "give at least two values of the field")
+        if len({repr(v) for v in self.values}) != len(self.values):
+            _fail("values", f"a value is listed twice: {list(self.values)}", "list each once")
+        object.__setattr__(self, "values", tuple(self.values))
+        if self.budget != "fixed" or self.tokens_per_param is not None:
+            _fail(
+                "budget",
+                "a sweep over a field trains every rung on the same tokens",
+                "use budget='fixed' with tokens (or the base config's train.steps)",
+            )
+        if self.tokens is not None and not (isinstance(self.tokens, int) and self.tokens >= 1):
+            _fail("tokens", f"got {self.tokens!r}", "give a positive integer, or None")
+        if self.curve_size is not None or self.size_overrides:
+            _fail(
+                "curve_size" if self.curve_size is not None else "size_overrides",
+                "is a setting of a sweep over sizes",
+                "leave it unset for a sweep over a field (arms set per-group settings)",
+            )
+        for name in ("min_steps", "evals"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                _fail(name, f"got {getattr(self, name)!r}", "give a positive integer")
+
+    def _check_arms(self) -> None:
+        if not isinstance(self.arms, Mapping):
+            _fail("arms", f"got {type(self.arms).__name__}", "give a dict {name: [key=value]}")
+        for name, items in self.arms.items():
+            if not (isinstance(name, str) and name.isidentifier()):
+                _fail("arms", f"name {name!r}", "use a plain name such as 'v1' (a folder name)")
+            if isinstance(items, str) or not all(isinstance(o, str) and "=" in o for o in items):
+                _fail(
+                    "arms",
+                    f"{name!r}: {items!r} is not a list of key=value strings",
+                    "give e.g. ['model.attention=diff_v2', 'model.num_heads=2']",
+                )
+        object.__setattr__(self, "arms", {k: tuple(v) for k, v in self.arms.items()})
+
+    @property
+    def rungs(self) -> list[tuple[str, Any]]:
+        """``(folder name, size or value)`` of each rung, in order."""
+        if self.field is not None:
+            return [(rung_name(self.field, v), v) for v in self.values]
+        return [(f"size_{size_name(s)}", s) for s in self.sizes]
+
     @classmethod
     def of(cls, value: Any) -> "Ladder":
         """A :class:`Ladder` from a config file's ``SWEEP`` (a Ladder or a dict of its fields)."""
@@ -158,8 +234,12 @@ class Ladder:
                     "unknown field",
                     f"use only {', '.join(f.name for f in dataclasses.fields(cls))}",
                 )
-            if "sizes" not in value:
-                _fail("sizes", "missing", "give a list of (d_model, num_layers) pairs")
+            if "sizes" not in value and "field" not in value:
+                _fail(
+                    "sizes",
+                    "missing",
+                    "give a list of (d_model, num_layers) pairs, or field and values",
+                )
             return cls(**value)
         raise ConfigError(
             f"SWEEP is a {type(value).__name__}. Fix: set SWEEP to a diffjax.sweep.Ladder or a "
@@ -212,6 +292,12 @@ def apply_ladder_overrides(ladder: Ladder, overrides: list[str]) -> Ladder:
                 f"sweep.{name}: bad value {raw!r}: {e}. Fix: give {describe_type(types[name])}."
             ) from None
     return dataclasses.replace(ladder, **changes) if changes else ladder
+
+
+def rung_name(field: str, value: Any) -> str:
+    """A field rung's folder name: ``"lr_0.001"`` for ``train.lr=0.001``."""
+    text = f"{value:g}" if isinstance(value, float) else str(value)
+    return f"{field.rsplit('.', 1)[-1]}_{text}"
 
 
 def size_name(size: tuple[int, ...]) -> str:

@@ -32,6 +32,8 @@ from diffjax.evaluate.stats import (
 )
 from diffjax.train.metrics import read_metrics
 
+from .field_report import write_field_report
+
 from . import fit
 
 PLAN_FILE = "sweep_plan.json"
@@ -469,6 +471,8 @@ def write_sweep_report(run_dir: str, resamples: int = 2000) -> str:
     """Write ``sweep.md``, ``sweep_loss.png`` and ``sweep_ratio.png`` in ``run_dir`` (local or
     ``gs://``) from what the sizes wrote there; returns the markdown."""
     plan = read_plan(run_dir)
+    if plan["ladder"].get("field") is not None:  # a sweep over one setting: its own report
+        return write_field_report(run_dir, plan)
     results = size_results(run_dir, plan)
     curve_index = plan["ladder"].get("curve_size")
     if curve_index is not None:  # an index into the ladder: its position among finished sizes

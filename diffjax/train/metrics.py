@@ -39,17 +39,30 @@ def _plain(value: Any):
     return value
 
 
+NON_FINITE = ("nan", "inf", "-inf")  # how _plain writes them (JSON has no NaN)
+
+
+def _number(value: Any):
+    """``_plain``'s inverse for the non-finite floats it wrote as text."""
+    if isinstance(value, str) and value in NON_FINITE:
+        return float(value)
+    if isinstance(value, list):
+        return [_number(v) for v in value]
+    return value
+
+
 def read_metrics(path: storage.PathLike) -> list[dict[str, Any]]:
     """The records of a ``metrics.jsonl``, local or ``gs://`` (a torn last line, from a kill
-    mid-write, is skipped)."""
+    mid-write, is skipped), non-finite values back as floats."""
     if not storage.exists(path):
         return []
     records = []
     for line in storage.read_text(path).splitlines(keepends=True):
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
         except json.JSONDecodeError:
             break
+        records.append({k: _number(v) for k, v in record.items()})
     return records
 
 
