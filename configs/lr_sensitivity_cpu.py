@@ -17,8 +17,9 @@ AdamW, warmup 20, cosine to 0.1, clipping at 1):
 | v2 | DIFF V2 | 2 x 32 | the same standard 2 x 32: V2 gets twice V1's heads so that its twin is V1's |
 
 Both DIFF models are paired with the one twin (seeds paired: the same init seed and data order).
-Time: about 20 minutes on 2 otherwise idle cores (48 runs of about 25 s: 18 s of steps and the
-compile and evaluations); docs/results.md gives the measured wall time.
+Time: 21 minutes on 2 otherwise idle cores (measured; about 100 s per rung for V1 and its twin,
+60 s for V2: 18 s of steps per run, the rest data loading, compiling and evaluating). Results:
+docs/results.md.
 """
 
 from diffjax.sweep import Ladder

@@ -315,6 +315,11 @@ def field_figure(plan: dict, fams: list[Family]) -> Figure:
             ax.set_xscale("log")
         if not numeric:
             ax.set_xticks(xs, [str(v) for v in values])
+        finite = [
+            y for line in ax.get_lines() for y in line.get_ydata() if np.isfinite(y) and y > 0
+        ]
+        if attr == "logit_max" and finite and max(finite) / min(finite) > 100:
+            ax.set_yscale("log")  # logits grow by orders of magnitude with the learning rate
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
