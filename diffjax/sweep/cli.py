@@ -92,6 +92,8 @@ def size_overrides(
     and the user's overrides; ``rung``: a size's shape, or the field's value."""
     if ladder.field is not None:
         model, rung_keys = exp.model, [f"{ladder.field}={rung}"]
+    elif ladder.arms_only:
+        model, rung_keys = exp.model, []
     else:
         heads = {"num_heads": rung[2]} if len(rung) > 2 else {}
         model = exp.model.replace(d_model=rung[0], num_layers=rung[1], **heads)
@@ -133,9 +135,9 @@ def plan_sweep(config: str, overrides: list[str]) -> tuple[str, Ladder, list[Siz
     arms = ladder.arms or {"": ()}
     for folder, rung in ladder.rungs:
         for arm, arm_overrides in arms.items():
-            sized = ladder.field is None
-            name = (size_name(rung) if sized else folder) + (f"/{arm}" if arm else "")
-            directory = storage.join(run_dir, folder, *([arm] if arm else []))
+            sized = ladder.field is None and not ladder.arms_only
+            name = "/".join(p for p in ((size_name(rung) if sized else folder), arm) if p)
+            directory = storage.join(run_dir, *[p for p in (folder, arm) if p])
             try:
                 own = [
                     *(ladder.size_overrides.get(size_name(rung), ()) if sized else ()),
@@ -277,7 +279,13 @@ def main(argv: list[str] | None = None, *, after_step: AfterStep | None = None) 
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     write_plan(run_dir, args.config, ladder, runs)
-    kind = "sizes" if ladder.field is None else f"comparisons over {ladder.field}"
+    kind = (
+        "arms"
+        if ladder.arms_only
+        else "sizes"
+        if ladder.field is None
+        else f"comparisons over {ladder.field}"
+    )
     _say(f"sweep: {len(runs)} {kind} into {run_dir}")
     total = len(runs)
     for i, run in enumerate(runs, 1):

@@ -15,7 +15,9 @@ data, recipe, seeds) with a module-level ``SWEEP``, a :class:`Ladder` or a dict 
   (:mod:`diffjax.sweep.field_report`): final loss against the value, and for ``train.lr`` the
   learning-rate sensitivity.
 * ``arms``: ``{name: ["section.field=value", ...]}``: every rung runs one comparison per arm, in
-  ``<rung>/<name>/`` (e.g. DIFF V1 and DIFF V2 at every learning rate). An arm with
+  ``<rung>/<name>/`` (e.g. DIFF V1 and DIFF V2 at every learning rate). Arms alone (neither
+  sizes nor a field) are one rung, the base config: a comparison per arm in ``<name>/``, its
+  report the arms' learning curves side by side (:mod:`diffjax.sweep.curves_report`). An arm with
   ``compare=false`` trains its DIFF model alone; the report pairs it with another arm's twin
   when that is its twin (the same config). Default: one comparison in the rung's folder.
 * ``budget``: ``"fixed"``, every size trains on ``tokens`` tokens (None: the base config's
@@ -90,6 +92,9 @@ class Ladder:
         self._check_arms()
         if self.field is not None or self.values is not None:
             self._check_field()
+            return
+        if self.sizes is None and self.arms:
+            self._check_arms_only()
             return
         if not isinstance(self.sizes, (tuple, list)) or len(self.sizes) < 1:
             _fail(
@@ -199,6 +204,32 @@ class Ladder:
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 _fail(name, f"got {getattr(self, name)!r}", "give a positive integer")
 
+    def _check_arms_only(self) -> None:
+        """Arms alone: one rung, the base config, a comparison per arm (e.g. DIFF V1 and DIFF
+        V2 beside one twin, trained long); a fixed budget and none of the size-only fields."""
+        if self.budget != "fixed" or self.tokens_per_param is not None:
+            _fail(
+                "budget",
+                "arms without sizes train every arm on the same tokens",
+                "use budget='fixed' with tokens (or the base config's train.steps)",
+            )
+        if self.tokens is not None and not (isinstance(self.tokens, int) and self.tokens >= 1):
+            _fail("tokens", f"got {self.tokens!r}", "give a positive integer, or None")
+        if self.curve_size is not None or self.size_overrides:
+            _fail(
+                "curve_size" if self.curve_size is not None else "size_overrides",
+                "is a setting of a sweep over sizes",
+                "leave it unset when the ladder has arms only",
+            )
+        for name in ("min_steps", "evals"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                _fail(name, f"got {getattr(self, name)!r}", "give a positive integer")
+
+    @property
+    def arms_only(self) -> bool:
+        """One rung (the base config) with a comparison per arm: neither sizes nor a field."""
+        return self.sizes is None and self.field is None
+
     def _check_arms(self) -> None:
         if not isinstance(self.arms, Mapping):
             _fail("arms", f"got {type(self.arms).__name__}", "give a dict {name: [key=value]}")
@@ -218,6 +249,8 @@ class Ladder:
         """``(folder name, size or value)`` of each rung, in order."""
         if self.field is not None:
             return [(rung_name(self.field, v), v) for v in self.values]
+        if self.arms_only:
+            return [("", None)]
         return [(f"size_{size_name(s)}", s) for s in self.sizes]
 
     @classmethod
@@ -234,11 +267,11 @@ class Ladder:
                     "unknown field",
                     f"use only {', '.join(f.name for f in dataclasses.fields(cls))}",
                 )
-            if "sizes" not in value and "field" not in value:
+            if "sizes" not in value and "field" not in value and not value.get("arms"):
                 _fail(
                     "sizes",
                     "missing",
-                    "give a list of (d_model, num_layers) pairs, or field and values",
+                    "give a list of (d_model, num_layers) pairs, field and values, or arms",
                 )
             return cls(**value)
         raise ConfigError(
