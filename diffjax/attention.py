@@ -69,6 +69,28 @@ def lambda_init_variables(value) -> tuple[LambdaInit, LambdaInit]:
     )
 
 
+class Ramp(nnx.Param):
+    """The weight w of DIFF's negative map in a retrofitted layer (``ModelConfig.ramp``):
+    ``lambda`` is used as ``w * lambda``. A parameter so that it lives in checkpoints and moves
+    with the parameters, but never trained: its gradient is stopped, weight decay skips it
+    (not a matrix), and the train step sets it from the retrofit's ramp (see
+    :mod:`diffjax.retrofit`). At w = 1 the layer is plain DIFF."""
+
+
+def ramp_param(ramp: bool) -> Ramp | None:
+    """A layer's :class:`Ramp` (float32 scalar at 1) when ``ramp``, else None."""
+    if not ramp:
+        return None
+    return Ramp(jnp.ones((), jnp.float32), out_sharding=(), eager_sharding=False)
+
+
+def _ramped(layer, lam: jax.Array) -> jax.Array:
+    """``w * lambda`` for a layer with a :class:`Ramp` (w not differentiated), else lambda."""
+    if getattr(layer, "ramp", None) is None:
+        return lam
+    return lam * jax.lax.stop_gradient(layer.ramp[...]).astype(lam.dtype)
+
+
 class Projection(NamedTuple):
     """A layer's attention inputs, after the projections and rotary (float32 lambda).
 
@@ -382,6 +404,7 @@ class MultiheadDiffAttn(AttentionLayer):
         lambda_init: float | None = None,
         norm: bool = True,
         norm_eps: float = 1e-5,
+        ramp: bool = False,
         rope_theta: float = 10000.0,
         rope_scaling: RopeScaling | None = None,
         causal: bool = True,
@@ -429,6 +452,7 @@ class MultiheadDiffAttn(AttentionLayer):
         self.lambda_q2 = param(init(k3, (head_dim,), jnp.float32), "head_dim")
         self.lambda_k2 = param(init(k4, (head_dim,), jnp.float32), "head_dim")
         self.subln = RMSNorm(2 * head_dim, eps=norm_eps, param_dtype=param_dtype) if norm else None
+        self.ramp = ramp_param(ramp)
 
     def lambda_full(self) -> jax.Array:
         """The layer's lambda (float32 scalar)."""
@@ -446,7 +470,7 @@ class MultiheadDiffAttn(AttentionLayer):
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         q, k, v = self._split_heads(x, positions, 2 * h, 2 * hkv, 2 * d)
         (q1, q2), (k1, k2) = _pair_halves(q, _Q_ACT), _pair_halves(k, _KV_ACT)
-        return Projection(q1, k1, v, q2=q2, k2=k2, lam=self.lambda_full())
+        return Projection(q1, k1, v, q2=q2, k2=k2, lam=_ramped(self, self.lambda_full()))
 
     def output(self, o: jax.Array) -> jax.Array:
         """The per-head RMSNorm times ``1 - lambda_init`` (unless built with ``norm=False``),
@@ -491,6 +515,7 @@ class MultiheadDiffAttnV2(AttentionLayer):
         param_dtype: Dtype = jnp.float32,
         kernel_init=torch_linear_init,
         lambda_proj_init=torch_linear_init,
+        ramp: bool = False,
         rngs: nnx.Rngs,
     ):
         if head_dim is None:
@@ -525,6 +550,7 @@ class MultiheadDiffAttnV2(AttentionLayer):
         self.lambda_proj = self._linear(
             embed_dim, h, jnp.float32, param_dtype, lambda_proj_init, rngs
         )
+        self.ramp = ramp_param(ramp)
 
     def lambda_values(self, x: jax.Array) -> jax.Array:
         """Per-token, per-head lambda ``sigmoid(lambda_proj(x))``, ``[batch, seq, h]`` float32."""
@@ -539,7 +565,7 @@ class MultiheadDiffAttnV2(AttentionLayer):
             x, positions, 2 * self.num_heads, self.num_kv_heads, self.head_dim
         )
         q1, q2 = _pair_halves(q, _Q_ACT)
-        return Projection(q1, k, v, q2=q2, lam=self.lambda_values(x))
+        return Projection(q1, k, v, q2=q2, lam=_ramped(self, self.lambda_values(x)))
 
     def cache_layout(self) -> dict[str, tuple[int, int]]:
         """The KV cache entries of this layer: name -> (kv heads, width) per token. One key and
@@ -600,6 +626,7 @@ __all__ = [
     "MultiheadDiffAttn",
     "MultiheadDiffAttnV2",
     "Projection",
+    "Ramp",
     "attend",
     "differential_lambda",
 ]

@@ -350,6 +350,9 @@ class ModelConfig:
     lambda_init: float | None = None
     diff_norm: bool = True  # DIFF V1's per-head RMSNorm (subln); false: the paper's ablation
     diff_norm_eps: float = 1e-5  # its eps: 1e-5 in the official code; DiffLlama uses norm_eps
+    # DIFF: the negative map's weight w is model state (a retrofit's ramp from 0 to 1, set by
+    # the train step; python -m diffjax.retrofit). At w = 1 the model is plain DIFF
+    ramp: bool = False
     # the blocks' parameters stacked on a leading layer axis and run with one scan: compile
     # time stays flat with depth. A checkpoint is saved in one layout; diffjax.model's
     # stack_layers / unstack_layers convert a model between them.
@@ -416,6 +419,12 @@ class ModelConfig:
             self._fail("rope_theta", f"must be > 0, got {self.rope_theta}", "use e.g. 10000.0")
         if not self.norm_eps > 0:
             self._fail("norm_eps", f"must be > 0, got {self.norm_eps}", "use e.g. 1e-5")
+        if self.ramp and self.attention == "standard":
+            self._fail(
+                "ramp",
+                "weighs DIFF's negative map, but model.attention is 'standard'",
+                "set model.attention=diff_v1 or diff_v2, or model.ramp=false",
+            )
         if not self.diff_norm_eps > 0:
             self._fail("diff_norm_eps", f"must be > 0, got {self.diff_norm_eps}", "use e.g. 1e-5")
         self._check_rope_scaling()
@@ -592,7 +601,7 @@ def twin(config: ModelConfig) -> ModelConfig:
     """
     if not isinstance(config, ModelConfig):
         raise TypeError(f"twin() takes a ModelConfig, got {type(config).__name__}")
-    common = dict(attention="standard", lambda_init=None, diff_norm=True)
+    common = dict(attention="standard", lambda_init=None, diff_norm=True, ramp=False)
     if config.attention == "diff_v1":
         return config.replace(
             num_heads=2 * config.num_heads,

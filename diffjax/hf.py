@@ -48,6 +48,7 @@ from flax import nnx
 
 from . import sharding, storage
 from .config import ConfigError, ModelConfig
+from .attention import Ramp
 from .model import TransformerLM, initial_rest, stack_layers, unstack_layers
 
 MODEL_TYPES = {"diffllama": "diff_v1", "llama": "standard"}
@@ -349,6 +350,21 @@ def check_exportable(config: ModelConfig) -> None:
                 f"norm_eps={config.norm_eps}, and DiffLlama uses rms_norm_eps for both. Fix: train "
                 f"with diff_norm_eps equal to norm_eps."
             )
+
+
+def check_ramp_done(model: TransformerLM) -> None:
+    """Refuse a retrofit whose negative map's weight w has not reached 1 in every layer: the
+    formats hold plain DIFF, which is w = 1."""
+    values = [
+        np.asarray(x, np.float32).reshape(-1) for x in jax.tree.leaves(nnx.state(model, Ramp))
+    ]
+    w = np.concatenate(values) if values else np.ones(1, np.float32)
+    if not np.all(w == 1.0):
+        raise PretrainedError(
+            f"save_pretrained: this retrofitted model is mid-ramp (its negative map's weight w "
+            f"is {float(np.min(w)):.4g}, and DiffLlama is DIFF at w = 1). Fix: train it past "
+            f"retrofit.warmup_steps (w reaches 1), then export that checkpoint."
+        )
 
 
 # ---------------------------------------------------------------------------- the layout
@@ -696,6 +712,9 @@ def save_pretrained(
     if model.config.scan_layers:  # the format has one entry per layer
         model = unstack_layers(model)
     config = model.config
+    if config.ramp:  # a retrofit: plain DIFF once its negative map's weight w reached 1
+        check_ramp_done(model)
+        config = config.replace(ramp=False)
     hf = hf_config(config)
     limit = _parse_size(max_shard_size)
     if _is_file(path):

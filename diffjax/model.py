@@ -95,10 +95,13 @@ def make_attention(
             lambda_init=config.lambda_init,
             norm=config.diff_norm,
             norm_eps=config.diff_norm_eps,
+            ramp=config.ramp,
             **common,
         )
     if config.attention == "diff_v2":
-        return MultiheadDiffAttnV2(*args, head_dim=config.resolved_head_dim, **common)
+        return MultiheadDiffAttnV2(
+            *args, head_dim=config.resolved_head_dim, ramp=config.ramp, **common
+        )
     raise AssertionError(config.attention)  # unreachable: ModelConfig validates the kind
 
 

@@ -8,6 +8,7 @@ import math
 import jax
 from flax import nnx
 
+from .attention import Ramp
 from .config import ModelConfig, twin
 from .model import TransformerLM
 
@@ -63,7 +64,8 @@ def count_params(config_or_model: ModelConfig | nnx.Module) -> ParamCount:
     else:
         model = config_or_model
     parts = dict.fromkeys(PARTS, 0)
-    state = nnx.state(model, nnx.Param)
+    # a retrofit's ramp w is a parameter in name only (never trained): not counted
+    state = nnx.state(model, nnx.All(nnx.Param, nnx.Not(Ramp)))
     for path, leaf in jax.tree_util.tree_leaves_with_path(state):
         parts[_part(path)] += math.prod(leaf.shape)
     return ParamCount(total=sum(parts.values()), parts=parts)

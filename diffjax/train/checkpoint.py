@@ -248,25 +248,31 @@ def abstract_like(tree: Any, sharding: Any = None) -> Any:
     return jax.tree.map(one, tree)
 
 
-def load_model(
-    directory: storage.PathLike, step: int | str = "best", *, mesh: jax.sharding.Mesh | None = None
-):
-    """The :class:`diffjax.TransformerLM` saved in a training run's checkpoints.
+def checkpoint_dir(directory: storage.PathLike) -> str:
+    """The ``checkpoints/`` folder of a model's run folder (or that folder itself)."""
+    directory = str(storage.absolute(directory))
+    if storage.path(directory).name == "checkpoints":
+        return directory
+    return storage.join(directory, "checkpoints")
 
-    ``directory``: a model's run folder (the one holding ``checkpoints/``) or the
-    ``checkpoints/`` folder itself, on local disk or in a bucket (``gs://``). ``step``: ``"best"`` (lowest validation loss; the latest
-    when no loss was recorded), ``"latest"`` or a step number. Only the parameters are read
-    (not the optimizer state); the model config comes from the checkpoint. With ``mesh`` the
-    parameters are placed on it by their logical axes as they are read; otherwise on the first
-    local device. Raises :class:`CheckpointError` naming the problem and the fix.
-    """
+
+def is_checkpoint_dir(directory: storage.PathLike) -> bool:
+    """Whether ``directory`` is a diffjax model folder (it or its ``checkpoints/`` holds a
+    committed step)."""
+    try:
+        return bool(committed_steps(checkpoint_dir(directory)))
+    except Exception:  # noqa: BLE001 - unreadable: not one
+        return False
+
+
+def read_checkpoint(
+    directory: storage.PathLike, step: int | str = "best"
+) -> tuple[str, int, dict[str, Any], ModelConfig]:
+    """``(checkpoints folder, step, meta, model config)`` of a model's run folder (see
+    :func:`load_model` for ``directory`` and ``step``); no weights are read."""
     storage.check_access(directory, what="the model's run folder", write=False)
     directory = str(storage.absolute(directory))
-    ckpt_dir = (
-        directory
-        if storage.path(directory).name == "checkpoints"
-        else storage.join(directory, "checkpoints")
-    )
+    ckpt_dir = checkpoint_dir(directory)
     steps = committed_steps(ckpt_dir)
     if not steps:
         raise CheckpointError(
@@ -296,7 +302,23 @@ def load_model(
             f"this version can read ({type(e).__name__}: {e}). Fix: load it with the diffjax "
             f"version that wrote it."
         ) from e
+    return ckpt_dir, step, meta, config
 
+
+def load_model(
+    directory: storage.PathLike, step: int | str = "best", *, mesh: jax.sharding.Mesh | None = None
+):
+    """The :class:`diffjax.TransformerLM` saved in a training run's checkpoints.
+
+    ``directory``: a model's run folder (the one holding ``checkpoints/``) or the
+    ``checkpoints/`` folder itself, on local disk or in a bucket (``gs://``). ``step``: ``"best"`` (lowest validation loss; the latest
+    when no loss was recorded), ``"latest"`` or a step number. Only the parameters are read
+    (not the optimizer state; a retrofit's ramp w is one of them); the model config comes from
+    the checkpoint. With ``mesh`` the
+    parameters are placed on it by their logical axes as they are read; otherwise on the first
+    local device. Raises :class:`CheckpointError` naming the problem and the fix.
+    """
+    ckpt_dir, step, _, config = read_checkpoint(directory, step)
     abstract = nnx.eval_shape(lambda: TransformerLM(config, rngs=nnx.Rngs(0)))
     graphdef, params, _ = nnx.split(abstract, nnx.Param, ...)
     if mesh is None:
@@ -322,3 +344,55 @@ def load_model(
     if mesh is not None:
         rest = jax.device_put(rest, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
     return nnx.merge(graphdef, params, rest)
+
+
+# ---------------------------------------------------------------------------- train.init_from
+def pretrained_source(path: str) -> tuple[str, ModelConfig, dict[str, Any]]:
+    """``(kind, model config, meta)`` of a checkpoint to start from (``train.init_from``, a
+    retrofit's source): ``"hf"``, a Hugging Face directory (``config.json``; meta ``{}``), or
+    ``"diffjax"``, a model's run folder (its best step's meta). Refuses anything else, before
+    any weight is read."""
+    from diffjax import hf
+
+    storage.check_access(path, what="train.init_from", write=False)
+    if storage.exists(storage.join(path, hf.CONFIG_FILE)):
+        return "hf", hf.config_from_pretrained(path), {}
+    if is_checkpoint_dir(path):
+        _, _, meta, config = read_checkpoint(path, "best")
+        return "diffjax", config, meta
+    raise CheckpointError(
+        f"{path} holds neither a Hugging Face checkpoint (config.json) nor a diffjax "
+        f"checkpoint (checkpoints/ with a committed step). Fix: pass a Hugging Face "
+        f"directory, a train.py model folder such as runs/NAME/standard/seed_0, or what "
+        f"python -m diffjax.retrofit wrote."
+    )
+
+
+def load_pretrained(path: str, *, mesh: jax.sharding.Mesh | None = None, **overrides: Any):
+    """The :class:`diffjax.TransformerLM` of a Hugging Face directory or a diffjax model folder
+    (:func:`pretrained_source`); ``overrides``: ModelConfig fields that change no weight
+    (:data:`diffjax.hf.OVERRIDABLE`), e.g. ``scan_layers`` (the layout is converted)."""
+    from diffjax import hf
+    from diffjax.model import stack_layers, unstack_layers
+
+    kind, config, _ = pretrained_source(path)
+    if kind == "hf":
+        return hf.from_pretrained(path, mesh=mesh, **overrides)
+    model = load_model(path, "best", mesh=mesh)
+    want = config.replace(**overrides)
+    if want.scan_layers != config.scan_layers:
+        model = stack_layers(model) if want.scan_layers else unstack_layers(model)
+    if model.config != want:  # the execution fields only (dtype, remat, ...): rebuilt alike
+        from diffjax.attention import Ramp
+
+        dtype = jax.numpy.dtype(want.param_dtype)
+
+        def cast(v):
+            if isinstance(v, nnx.Param) and not isinstance(v, Ramp):
+                return v.replace(v[...].astype(dtype))
+            return v
+
+        state = jax.tree.map(cast, nnx.state(model), is_leaf=lambda x: isinstance(x, nnx.Variable))
+        fresh = nnx.eval_shape(lambda: TransformerLM(want, rngs=nnx.Rngs(0)))
+        model = nnx.merge(nnx.graphdef(fresh), state)
+    return model

@@ -19,7 +19,7 @@ import importlib.util
 import os
 from typing import Any
 
-from diffjax import hf, storage
+from diffjax import storage
 from diffjax.cli import summary
 from diffjax.config import (
     ATTENTION_IMPLS,
@@ -37,6 +37,8 @@ from diffjax.config import (
     twin,
 )
 from diffjax.data import SOURCES, TOKEN_DTYPES, DataConfig
+from diffjax.train.checkpoint import pretrained_source
+from diffjax.retrofit.core import LAMBDA_PROJ, RAMPS, SECONDS, RetrofitConfig, retrofit_config
 from diffjax.sharding import MeshConfig
 
 SCHEDULES = ("linear", "cosine", "constant")
@@ -77,10 +79,14 @@ class TrainConfig:
     # rounds of the side-by-side timing after training (0: skip). Each round alternates the two
     # models' compiled steps to measure their throughput side by side.
     throughput_rounds: int = 5
-    # A Hugging Face checkpoint directory (model_type diffllama or llama) to start from. The
-    # model config comes from its config.json (model.dtype, param_dtype and attention_impl are
-    # kept), the parameters from its weights. A run that holds a checkpoint resumes from that.
+    # A checkpoint to start from: a Hugging Face directory (model_type diffllama or llama) or
+    # a diffjax model folder (a train.py run's <label>/seed_<s>, its best step; or what
+    # python -m diffjax.retrofit wrote). The model config comes from it (model.dtype,
+    # param_dtype and attention_impl are kept). A run that holds a checkpoint resumes from that.
     init_from: str | None = None
+    # convert train.init_from (a standard model) to model.attention (DIFF V1 or V2) with the
+    # retrofit.* settings before training: its negative map ramped in from weight 0
+    retrofit: bool = False
     # after training and the report, the quick subset of `python -m diffjax.evaluate` on the
     # run's best checkpoints. Written to eval.md and appended to report.md (the default
     # comparison turns it on).
@@ -342,6 +348,7 @@ class ExperimentConfig:
     data: DataConfig = DataConfig()
     train: TrainConfig = TrainConfig()
     mesh: MeshConfig = MeshConfig()
+    retrofit: RetrofitConfig = RetrofitConfig()
     compare: bool = True  # also train the standard-attention twin of `model`
     # The twin's init std, when it is not model.init_std (None: the same init for both). A
     # per-model choice like a per-model learning rate: the report states it.
@@ -379,6 +386,30 @@ class ExperimentConfig:
                 f"and its twin would start from random weights",
                 "set compare=false",
             )
+        if self.train.retrofit and self.train.init_from is None:
+            fail(
+                "ExperimentConfig",
+                "train.retrofit",
+                "converts the model train.init_from names, but train.init_from is unset",
+                "set train.init_from to a standard model (a diffjax run folder or a Hugging "
+                "Face Llama directory)",
+            )
+        if self.train.retrofit and not self.model.is_diff:
+            fail(
+                "ExperimentConfig",
+                "train.retrofit",
+                "converts to DIFF, but model.attention is 'standard'",
+                "set model.attention=diff_v2 (starts exactly at the source) or diff_v1",
+            )
+        if (self.model.ramp or self.train.retrofit) and self.retrofit.lambda_proj != "default":
+            if self.model.attention != "diff_v2":
+                fail(
+                    "ExperimentConfig",
+                    "retrofit.lambda_proj",
+                    f"is {self.retrofit.lambda_proj!r}, a DIFF V2 setting, but model.attention "
+                    f"is {self.model.attention!r}",
+                    "leave retrofit.lambda_proj at 'default' for DIFF V1",
+                )
         if self.train.init_from is not None and self.train.num_seeds > 1:
             fail(
                 "ExperimentConfig",
@@ -432,6 +463,7 @@ SECTIONS = {
     "data": DataConfig,
     "train": TrainConfig,
     "mesh": MeshConfig,
+    "retrofit": RetrofitConfig,
 }
 
 
@@ -447,6 +479,9 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "train.schedule": SCHEDULES,
     "train.kernel_check": KERNEL_CHECKS,
     "train.on_nan": ON_NAN,
+    "retrofit.ramp": RAMPS,
+    "retrofit.second": SECONDS,
+    "retrofit.lambda_proj": LAMBDA_PROJ,
 }
 
 
@@ -563,24 +598,36 @@ def load_config(path: str | None) -> ExperimentConfig:
 
 def resolve_init_from(config: ExperimentConfig) -> ExperimentConfig:
     """With ``train.init_from``: the experiment with the checkpoint's model config (keeping
-    ``model.dtype``, ``param_dtype`` and ``attention_impl``) and, for text data with no
-    ``data.tokenizer`` set, the checkpoint's ``tokenizer.json`` when it has one (``data.tokenizer=
-    byte`` keeps bytes); otherwise ``config`` unchanged. ``train.init_from`` may be local or
-    ``gs://`` (a bucket that does not exist or cannot be read is refused first)."""
+    ``model.dtype``, ``param_dtype`` and ``attention_impl``; with ``train.retrofit``, the DIFF
+    model of ``model.attention`` the source becomes, :func:`diffjax.retrofit.retrofit_config`)
+    and, for text data with no ``data.tokenizer`` set, the checkpoint's ``tokenizer.json`` when
+    it has one (``data.tokenizer=byte`` keeps bytes); otherwise ``config`` unchanged. A diffjax
+    checkpoint of a retrofit (``model.ramp``) brings its ``retrofit.*`` settings unless the
+    config sets any. ``train.init_from`` may be local or ``gs://`` (a bucket that does not
+    exist or cannot be read is refused first)."""
     if config.train.init_from is None:
         return config
     keep = {k: getattr(config.model, k) for k in ("dtype", "param_dtype", "attention_impl")}
-    data = config.data
-    storage.check_access(config.train.init_from, what="train.init_from", write=False)
+    data, path = config.data, config.train.init_from
+    _, model, meta = pretrained_source(path)
+    model = model.replace(**keep)
+    retrofit = config.retrofit
+    if config.train.retrofit:
+        model = retrofit_config(
+            model,
+            config.model.attention,
+            lambda_init=config.model.lambda_init,
+            diff_norm=config.model.diff_norm,
+        )
+    elif model.ramp and retrofit == RetrofitConfig() and "retrofit" in meta:
+        retrofit = RetrofitConfig(**meta["retrofit"])
     if (
         data.tokenizer is None
         and data.source in ("stdlib", "text")
-        and storage.path(storage.join(config.train.init_from, "tokenizer.json")).is_file()
+        and storage.path(storage.join(path, "tokenizer.json")).is_file()
     ):
-        data = data.replace(tokenizer=config.train.init_from)  # the checkpoint's own ids
-    return dataclasses.replace(
-        config, data=data, model=hf.config_from_pretrained(config.train.init_from, **keep)
-    )
+        data = data.replace(tokenizer=path)  # the checkpoint's own ids
+    return dataclasses.replace(config, data=data, model=model, retrofit=retrofit)
 
 
 def default_config() -> ExperimentConfig:

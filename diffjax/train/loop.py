@@ -37,9 +37,16 @@ from diffjax.compile_options import cpu_compile_options
 from diffjax.config import ConfigError, KernelTarget, ModelConfig
 from diffjax.model import TransformerLM, sown_diagnostics, sown_lambdas
 from diffjax.param_count import count_params
+from diffjax.retrofit.core import RampSchedule, RetrofitConfig, retrofit_model, set_ramp
 from diffjax.runtime import Runtime
 
-from .checkpoint import Checkpointer, CheckpointError, abstract_like, check_same_model
+from .checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    abstract_like,
+    check_same_model,
+    load_pretrained,
+)
 from .config import ExperimentConfig
 from .metrics import (
     MetricsCollector,
@@ -253,11 +260,22 @@ def accumulated_loss_and_grads(params, batch, graphdef, rest, accum_steps: int):
 
 
 def train_step(
-    state, batch, *, graphdef, rest, tx: optax.GradientTransformation, schedule, accum_steps=1
+    state,
+    batch,
+    *,
+    graphdef,
+    rest,
+    tx: optax.GradientTransformation,
+    schedule,
+    accum_steps=1,
+    ramp: RampSchedule | None = None,
 ):
     """One optimizer step: ``(new state, metrics)``; the state is donated by the jit.
     ``accum_steps > 1``: the gradient of the batch accumulated over that many microbatches
-    (:func:`accumulated_loss_and_grads`; the batch rows per data shard must divide by it)."""
+    (:func:`accumulated_loss_and_grads`; the batch rows per data shard must divide by it).
+    ``ramp``: a retrofit's schedule of the negative map's weight w (``ModelConfig.ramp``):
+    the step ran with ``w(step)``, and the new state holds ``w(step + 1)``, the model as the
+    next step and an evaluation of this state see it (recorded as ``ramp``)."""
     if accum_steps == 1:
         (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(
             state["params"], batch, graphdef, rest
@@ -268,6 +286,8 @@ def train_step(
         )
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"], value=loss)
     params = optax.apply_updates(state["params"], updates)
+    if ramp is not None:
+        params = set_ramp(params, ramp(state["step"] + 1))
     metrics = {
         "loss": loss,
         "grad_norm": optax.tree.norm(grads),
@@ -275,6 +295,8 @@ def train_step(
         **aux,
         **spike_metrics(opt_state),
     }
+    if ramp is not None:
+        metrics["ramp"] = ramp(state["step"])
     if "output_logit_max" in aux:  # train.diagnostics: the update's RMS over the parameters'
         metrics["update_ratio"] = optax.tree.norm(updates) / optax.tree.norm(state["params"])
     return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
@@ -307,6 +329,7 @@ class ModelSetup:
     jitted_init: Callable[[jax.Array], tuple[dict[str, Any], Any]]  # ``init``, jitted, sharded
     seed: int = 0
     accum_steps: int = 1  # microbatches per step (``train.grad_accum_steps``)
+    ramp: RampSchedule | None = None  # a retrofit's w(step) (``ModelConfig.ramp``)
 
     def fresh_state(self) -> tuple[dict[str, Any], Any]:
         """A new state from ``seed``, created sharded in one jitted function (one compile, not
@@ -351,7 +374,9 @@ def make_state_init(
     return init_state
 
 
-def model_setup(model_cfg: ModelConfig, tcfg, runtime: Runtime) -> ModelSetup:
+def model_setup(
+    model_cfg: ModelConfig, tcfg, runtime: Runtime, ramp: RampSchedule | None = None
+) -> ModelSetup:
     """The :class:`ModelSetup` of ``model_cfg`` trained with ``tcfg`` on ``runtime.mesh``: every
     parameter and both Adam moments placed by their logical axes, step and counts replicated.
     Built once per process for a model, train config up to the seed, mesh and logical-axis
@@ -363,12 +388,13 @@ def model_setup(model_cfg: ModelConfig, tcfg, runtime: Runtime) -> ModelSetup:
         dataclasses.replace(tcfg, seed=0, num_seeds=1),
         runtime,
         sharding.current_rules(),
+        ramp if model_cfg.ramp else None,
     )
     return dataclasses.replace(setup, seed=tcfg.seed)
 
 
 @functools.lru_cache(maxsize=8)
-def _model_setup(model_cfg: ModelConfig, tcfg, runtime: Runtime, rules) -> ModelSetup:
+def _model_setup(model_cfg: ModelConfig, tcfg, runtime: Runtime, rules, ramp) -> ModelSetup:
     del rules  # part of the cache key: the shardings depend on the logical-axis rules in force
     tx, mesh = make_optimizer(tcfg), runtime.mesh
     init = seeded_state_init(model_cfg, tx, runtime.kernel_target)
@@ -397,6 +423,7 @@ def _model_setup(model_cfg: ModelConfig, tcfg, runtime: Runtime, rules) -> Model
         runtime,
         jax.jit(init, out_shardings=(state_sh, rest_sh)),
         accum_steps=tcfg.grad_accum_steps,
+        ramp=ramp,
     )
 
 
@@ -424,6 +451,7 @@ def jit_steps(setup: ModelSetup, rest, batch_sh: dict) -> tuple[Callable, Callab
             tx=setup.tx,
             schedule=setup.schedule,
             accum_steps=setup.accum_steps,
+            ramp=setup.ramp,
             **model,
         ),
         donate_argnums=0,
@@ -476,12 +504,26 @@ def check_grad_accum(tcfg, mesh) -> None:
 
 
 def pretrained_state(
-    path: str, model_cfg: ModelConfig, setup: ModelSetup
+    path: str, model_cfg: ModelConfig, setup: ModelSetup, retrofit: RetrofitConfig | None = None
 ) -> tuple[dict[str, Any], Any]:
-    """The train state at step 0 with the parameters of the Hugging Face checkpoint ``path``
-    (``train.init_from``), read onto the mesh as :meth:`ModelSetup.fresh_state`'s would be."""
+    """The train state at step 0 with the parameters of the checkpoint ``path``
+    (``train.init_from``: a Hugging Face directory or a diffjax model folder), read onto the
+    mesh as :meth:`ModelSetup.fresh_state`'s would be; with ``retrofit`` (``train.retrofit``)
+    the standard model there converted to ``model_cfg``'s DIFF kind first
+    (:func:`diffjax.retrofit.retrofit_model`)."""
     keep = {k: getattr(model_cfg, k) for k in hf.OVERRIDABLE}
-    model = hf.from_pretrained(path, mesh=setup.mesh, **keep)
+    if retrofit is not None:
+        source = load_pretrained(path, **keep)
+        model = retrofit_model(
+            source,
+            model_cfg.attention,
+            retrofit,
+            lambda_init=model_cfg.lambda_init,
+            diff_norm=model_cfg.diff_norm,
+            seed=setup.seed,
+        )
+    else:
+        model = load_pretrained(path, mesh=setup.mesh, **keep)
     if model.config != model_cfg:
         diffs = [
             f"{k}: checkpoint {v!r}, config {getattr(model_cfg, k)!r}"
@@ -495,6 +537,8 @@ def pretrained_state(
             f"does)."
         )
     _, params, rest = nnx.split(model, nnx.Param, ...)
+    if setup.ramp is not None:
+        params = set_ramp(params, setup.ramp(0))
     params = jax.device_put(params, setup.state_sh["params"])
     rest = jax.device_put(rest, setup.rest_sh)
     opt_state = jax.jit(setup.tx.init, out_shardings=setup.state_sh["opt_state"])(params)
@@ -584,6 +628,8 @@ def _open_run(
         )
     meta = {"model": model_cfg.to_dict(), "label": label, "data": dataclasses.asdict(exp.data)}
     meta["optimizer"] = {"skip_spikes": bool(exp.train.skip_spikes)}  # its state's shape
+    if model_cfg.ramp:  # a retrofit: how its w moves (train.init_from of it brings them)
+        meta["retrofit"] = dataclasses.asdict(exp.retrofit)
     if latest is not None:
         saved = ckpt.read_meta(latest)
         check_same_model(saved["model"], meta["model"], directory)
@@ -625,9 +671,11 @@ def initial_state(
     train_iter,
     log,
     label: str,
+    retrofit: RetrofitConfig | None = None,
 ):
     """``(state, rest)`` to start from: the latest checkpoint's (which also moves ``train_iter``
-    to where it was), ``train.init_from``'s parameters, or a fresh initialisation."""
+    to where it was), ``train.init_from``'s parameters (converted to DIFF with ``retrofit``),
+    or a fresh initialisation."""
     if latest is not None:
         # the non-parameter state (DIFF V1's per-layer lambda_init) as a fresh model has it;
         # XLA drops the parameter initialisers this function does not return
@@ -639,9 +687,14 @@ def initial_state(
         )
         return state, rest
     if tcfg.init_from is not None:
-        log(f"[{label}] parameters from the Hugging Face checkpoint {tcfg.init_from}")
-        return pretrained_state(tcfg.init_from, model_cfg, setup)
-    return setup.fresh_state()
+        what = "retrofitted to DIFF from" if retrofit is not None else "from the checkpoint"
+        log(f"[{label}] parameters {what} {tcfg.init_from}")
+        return pretrained_state(tcfg.init_from, model_cfg, setup, retrofit)
+    state, rest = setup.fresh_state()
+    if setup.ramp is not None:
+        params = set_ramp(state["params"], setup.ramp(0))
+        state = {**state, "params": jax.device_put(params, setup.state_sh["params"])}
+    return state, rest
 
 
 # ---------------------------------------------------------------------------- evaluation
@@ -738,6 +791,8 @@ def step_record(
         record["data_wait"] = data_wait
     if host["lambda"].size:
         record["lambda"] = [float(x) for x in host["lambda"]]
+    if "ramp" in host:  # a retrofit: the negative map's weight w this step ran with
+        record["ramp"] = float(host["ramp"])
     if "skipped" in host:  # train.skip_spikes
         record["skipped"] = bool(host["skipped"])
         record["spikes_skipped"] = int(host["spikes_skipped"])
@@ -1132,8 +1187,11 @@ def _train_model(
         ops.check_kernels(model_cfg, interpret=tcfg.kernel_check == "interpret", log=log)
     ckpt, latest, meta = _open_run(exp, model_cfg, label, directory, require_checkpoint, log)
     train_iter, val = process_stream(exp, "train", mesh), _Validation.of(exp, mesh)
-    setup = model_setup(model_cfg, tcfg, runtime)
-    state, rest = initial_state(setup, model_cfg, tcfg, ckpt, latest, train_iter, log, label)
+    setup = model_setup(model_cfg, tcfg, runtime, exp.retrofit.schedule)
+    retrofit = exp.retrofit if tcfg.retrofit else None
+    state, rest = initial_state(
+        setup, model_cfg, tcfg, ckpt, latest, train_iter, log, label, retrofit
+    )
     start = int(state["step"])
     # compiled for a validation batch's shapes: no training batch is consumed
     example = model_inputs(val.batches[0], runtime, tcfg.batch_size)
