@@ -37,7 +37,7 @@ from flax import nnx
 
 from ..attention import Ramp
 from ..config import ConfigError, ModelConfig, check_fields, fail
-from ..model import TransformerLM, stack_layers, unstack_layers
+from ..model import TransformerLM
 
 RAMPS = ("linear", "cosine")
 SECONDS = ("zero", "mirror", "random")
@@ -270,28 +270,34 @@ def retrofit_model(
     vectors, V2's ``lambda_proj``) is a fresh init from ``seed``."""
     rcfg = rcfg or RetrofitConfig()
     cfg = retrofit_config(source.config, attention, lambda_init=lambda_init, diff_norm=diff_norm)
-    scanned = source.config.scan_layers
-    if scanned:
-        source = unstack_layers(source)
-    target = TransformerLM(cfg.replace(scan_layers=False), rngs=nnx.Rngs(seed))
+    target = TransformerLM(cfg, rngs=nnx.Rngs(seed))  # in the source's layout
     src, new = _pure(source), _pure(target)
+    # host arrays, one entry per layer (numpy: no device work, whatever mesh is in force)
+    n, scanned = cfg.num_layers, cfg.scan_layers
+    src_layers, new_layers = (
+        [jax.tree.map(lambda a, i=i: a[i], tree["layers"]) for i in range(n)]
+        if scanned
+        else [tree["layers"][i] for i in range(n)]
+        for tree in (src, new)
+    )
     for key in src:
         if key != "layers":
             new[key] = src[key]
-    for i, layer in src["layers"].items():
+    for layer, fresh in zip(src_layers, new_layers):
         for key in layer:
             if key != "attn":
-                new["layers"][i][key] = layer[key]
-        fresh = new["layers"][i]["attn"]
+                fresh[key] = layer[key]
         if attention == "diff_v2":
-            attn = v2_attention(layer["attn"], fresh, cfg, rcfg)
+            attn = v2_attention(layer["attn"], fresh["attn"], cfg, rcfg)
         else:
-            attn = v1_attention(layer["attn"], fresh, source.config, cfg, rcfg)
+            attn = v1_attention(layer["attn"], fresh["attn"], source.config, cfg, rcfg)
         attn["ramp"] = np.asarray(rcfg.schedule(0), np.float32)
-        new["layers"][i]["attn"] = attn
-    nnx.update(target, jax.tree.map(jnp.asarray, new))
+        fresh["attn"] = attn
     if scanned:
-        target = stack_layers(target)
+        new["layers"] = jax.tree.map(lambda *xs: np.stack(xs), *new_layers)
+    else:
+        new["layers"] = dict(enumerate(new_layers))
+    nnx.update(target, jax.tree.map(jnp.asarray, new))
     return target
 
 
