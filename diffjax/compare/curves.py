@@ -216,7 +216,7 @@ def describe_crossover(c: Crossover, a: str = "DIFF", b: str = "the twin") -> st
             "One seed: no crossover is claimed (a band over seeds needs two or more; set "
             "train.num_seeds=2 or more)."
         )
-    band = f"the upper bound of the {pct} band of {a} − {b} over {c.n_seeds} paired seeds"
+    band = f"the upper bound of the {pct} band of {a} minus {b} over {c.n_seeds} paired seeds"
     back = (
         f" It had been below 0 earlier, first at {_tokens(c.earlier_tokens)}, and went back above."
         if c.earlier_tokens is not None

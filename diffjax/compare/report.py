@@ -328,9 +328,12 @@ def difference_curve(results: Sequence[TrainResult]) -> DifferenceCurve | None:
     return curve if curve.tokens.size else None
 
 
-def draw_difference(ax, curve: DifferenceCurve, cross: Crossover, color: str = "C3") -> None:
+def draw_difference(
+    ax, curve: DifferenceCurve, cross: Crossover, color: str = "C3", what: str = "DIFF − twin"
+) -> None:
     """DIFF − twin against tokens on ``ax``: every seed thin, the mean over seeds thick, its
-    pointwise band shaded (several seeds), a line at zero and the crossover marked."""
+    pointwise band shaded (several seeds), a line at zero and the crossover marked; titled
+    ``what`` and the crossover."""
     for d in curve.per_seed:
         ax.plot(curve.tokens, d, color=color, lw=0.7, alpha=0.4)
     n = curve.n_seeds
@@ -353,7 +356,7 @@ def draw_difference(ax, curve: DifferenceCurve, cross: Crossover, color: str = "
         CROSSING: f"crossover at {compact_count(cross.tokens or 0)} tokens",
         FROM_START: "DIFF ahead from the start",
     }.get(cross.kind, "one seed: no crossover claimed" if n < 2 else "no crossover")
-    ax.set_title(f"DIFF − twin, validation loss ({verdict})", fontsize=10)
+    ax.set_title(f"{what}, validation loss ({verdict})", fontsize=10)
     ax.set_ylabel("DIFF − twin (nats/token; < 0: DIFF ahead)")
 
 
