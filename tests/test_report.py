@@ -201,3 +201,73 @@ def test_tflops_and_mfu_where_throughput_is_shown(tmp_path):
     assert f"no peak for {cpu.device_kind}; set train.peak_tflops" in text
     assert "TFLOP/s per device (during training)" in text
     assert per_token["diff"] == pytest.approx(per_token["standard"])  # V1 costs its twin's
+
+
+def _crossing_results(tmp_path, seeds=(0, 1, 2)):
+    """DIFF behind its twin early and ahead from step 30 on, in every seed (the twin's loss
+    varies by seed, the pairing removes it); an evaluation every 10 steps."""
+    noise = (0.004, -0.006, 0.002)
+    ahead = {10: 0.1, 20: 0.02, 30: -0.1, 40: -0.15}
+    out = []
+    for seed in seeds:
+        for label in ("diff", "standard"):
+            records = _records(offset=0.05 * seed)
+            for r in records:
+                if "val_loss" in r and label == "diff":
+                    r["val_loss"] += ahead[r["step"]] + noise[seed]
+            out.append(
+                _result(
+                    tmp_path / label / f"seed_{seed}",
+                    label,
+                    seed,
+                    records[-1]["val_loss"],
+                    0.0,
+                    records,
+                )
+            )
+    return out
+
+
+def test_the_report_gives_diff_minus_twin_over_training_and_its_crossover(tmp_path):
+    """report.md's DIFF − twin over training: the crossover at the evaluation from which the
+    band stays below 0, the final difference with its interval and the difference table; and
+    loss.png's third panel with the band, the zero line and the crossover."""
+    from diffjax.compare.report import difference_curve, over_training
+
+    results = _crossing_results(tmp_path)
+    curve = difference_curve(results)
+    assert curve.n_seeds == 3 and list(curve.tokens) == [s * 65_536 for s in (10, 20, 30, 40)]
+    lines = over_training(curve)
+    text = "\n".join(lines)
+    assert lines[0].startswith("**DIFF − twin over training** (validation loss, seed by seed")
+    assert "pointwise 95% Student-t interval over the 3 paired seeds" in text
+    assert "- Crossover at 1,966,080 tokens (step 30): from that evaluation on" in text
+    assert "- Validation loss at the last evaluation (2,621,440 tokens), DIFF minus the twin: " in (
+        text
+    )
+    assert "| step | tokens | DIFF − twin | 95% band |" in text
+    assert "| 40 | 2,621,440 | -0.1500 | [" in text
+    fig = loss_figure(str(tmp_path), results)
+    assert len(fig.axes) == 3
+    ax = fig.axes[2]
+    assert "crossover at 1.97M tokens" in ax.get_title()
+    assert len(ax.collections) == 1  # the band
+    labels = ax.get_legend_handles_labels()[1]
+    assert "95% t-band over seeds (pointwise)" in labels and "crossover" in labels
+    assert any(list(line.get_xdata()) == [30 * 65_536] * 2 for line in ax.get_lines())
+
+
+def test_one_seed_gives_the_curve_and_claims_no_crossover(tmp_path):
+    from diffjax.compare.report import difference_curve, over_training
+
+    results = _crossing_results(tmp_path, seeds=(0,))
+    text = "\n".join(over_training(difference_curve(results)))
+    assert "one seed: no band" in text
+    assert "One seed: no crossover is claimed" in text and "Crossover at" not in text
+    assert "from one seed; no confidence interval" in text
+    ax = loss_figure(str(tmp_path), results).axes[2]
+    assert "one seed: no crossover claimed" in ax.get_title() and not ax.collections
+    # DIFF alone (compare=false): no difference, two panels
+    alone = [r for r in results if r.label == "diff"]
+    assert difference_curve(alone) is None and over_training(None) == []
+    assert len(loss_figure(str(tmp_path), alone).axes) == 2

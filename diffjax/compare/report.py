@@ -1,8 +1,9 @@
 """The comparison report: ``report.md`` (per metric the mean +/- standard deviation over seeds,
 the paired difference DIFF - twin with its 95% t-interval, the side-by-side throughput, with
-model TFLOP/s per device and MFU from :mod:`diffjax.flops`) and
-``loss.png`` (validation and training curves against tokens: every seed thin, the mean over
-seeds thick) in the run directory.
+model TFLOP/s per device and MFU from :mod:`diffjax.flops`, DIFF − twin over training with its
+crossover from :mod:`diffjax.compare.curves`) and ``loss.png`` (validation and training curves
+against tokens: every seed thin, the mean over seeds thick; with DIFF and its twin, a third panel
+of the paired difference and its band) in the run directory.
 
 The rows are the losses, the validation metrics the run's data declared
 (:func:`diffjax.data.validation_metrics`; whatever ``TrainResult.metrics`` holds, named by
@@ -45,6 +46,19 @@ from diffjax.train.loop import TrainResult
 from diffjax.train.metrics import read_metrics
 
 from . import signals
+from .curves import (
+    CROSSING,
+    FROM_START,
+    Crossover,
+    DifferenceCurve,
+    crossover,
+    describe_crossover,
+    describe_final,
+    difference_table,
+    eval_curve,
+    mean_curve,
+    paired_difference_curve,
+)
 from .throughput import SideBySide
 
 # How a validation metric of TrainResult.metrics (its metrics.jsonl key) is shown: row name and
@@ -283,18 +297,6 @@ def per_seed_table(results: Sequence[TrainResult]) -> str:
     return "\n".join(lines)
 
 
-def _common_mean(curves: list[tuple[np.ndarray, np.ndarray]]):
-    """The mean over seeds at the x values every seed has."""
-    common = set(curves[0][0].tolist())
-    for x, _ in curves[1:]:
-        common &= set(x.tolist())
-    xs = np.array(sorted(common), float)
-    if xs.size == 0:
-        return xs, xs
-    ys = [np.interp(xs, x, y) for x, y in curves]  # exact at shared x values
-    return xs, np.mean(ys, axis=0)
-
-
 def compact_count(x: float, _pos=None) -> str:
     """A token count as a short tick label: ``0``, ``950``, ``100k``, ``1.5M``, ``2B``."""
     for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
@@ -303,11 +305,67 @@ def compact_count(x: float, _pos=None) -> str:
     return f"{x:.3g}"
 
 
+def difference_curve(results: Sequence[TrainResult]) -> DifferenceCurve | None:
+    """DIFF − twin over training (:func:`diffjax.compare.curves.paired_difference_curve`) from
+    the runs' ``metrics.jsonl``, over the seeds both models have; None without both models or
+    without an evaluation common to every seed."""
+    groups = group_by_label(results)
+    if "diff" not in groups or "standard" not in groups:
+        return None
+    curves = {
+        label: {
+            r.seed: eval_curve(read_metrics(storage.join(r.directory, "metrics.jsonl")))
+            for r in groups[label]
+        }
+        for label in ("diff", "standard")
+    }
+    seeds = sorted(set(curves["diff"]) & set(curves["standard"]))
+    if not seeds:
+        return None
+    curve = paired_difference_curve(
+        [curves["diff"][s] for s in seeds], [curves["standard"][s] for s in seeds]
+    )
+    return curve if curve.tokens.size else None
+
+
+def draw_difference(
+    ax, curve: DifferenceCurve, cross: Crossover, color: str = "C3", what: str = "DIFF − twin"
+) -> None:
+    """DIFF − twin against tokens on ``ax``: every seed thin, the mean over seeds thick, its
+    pointwise band shaded (several seeds), a line at zero and the crossover marked; titled
+    ``what`` and the crossover."""
+    for d in curve.per_seed:
+        ax.plot(curve.tokens, d, color=color, lw=0.7, alpha=0.4)
+    n = curve.n_seeds
+    label = f"mean of {n} seeds (thin: each seed)" if n > 1 else "one seed: no band"
+    ax.plot(curve.tokens, curve.mean, color=color, lw=2.2, marker="o", ms=2.5, label=label)
+    if n > 1:
+        ax.fill_between(
+            curve.tokens,
+            curve.low,
+            curve.high,
+            color=color,
+            alpha=0.2,
+            lw=0,
+            label=f"{curve.confidence:.0%} t-band over seeds (pointwise)",
+        )
+    ax.axhline(0.0, color="black", lw=0.9)
+    if cross.kind in (CROSSING, FROM_START):
+        ax.axvline(cross.tokens, color="black", ls="--", lw=1.0, label="crossover")
+    verdict = {
+        CROSSING: f"crossover at {compact_count(cross.tokens or 0)} tokens",
+        FROM_START: "DIFF ahead from the start",
+    }.get(cross.kind, "one seed: no crossover claimed" if n < 2 else "no crossover")
+    ax.set_title(f"{what}, validation loss ({verdict})", fontsize=10)
+    ax.set_ylabel("DIFF − twin (nats/token; < 0: DIFF ahead)")
+
+
 def loss_figure(run_dir: str, results: Sequence[TrainResult]) -> Figure:
     """The figure of ``loss.png`` (see :func:`plot_losses`), with the Agg canvas attached."""
-    fig = Figure(figsize=(11, 4))
+    difference = difference_curve(results)
+    fig = Figure(figsize=(11, 4) if difference is None else (16.5, 4))
     FigureCanvasAgg(fig)
-    ax_val, ax_train = fig.subplots(1, 2)
+    ax_val, ax_train, *ax_diff = fig.subplots(1, 2 if difference is None else 3)
     for i, (label, rs) in enumerate(group_by_label(results).items()):
         color = f"C{i}"
         val_curves, train_curves = [], []
@@ -342,7 +400,7 @@ def loss_figure(run_dir: str, results: Sequence[TrainResult]) -> Figure:
             for x, y in curves:
                 ax.plot(x, y, color=color, lw=0.7, alpha=0.45)
             if curves:
-                xs, mean = _common_mean(curves)
+                xs, mean = mean_curve(curves)
                 ax.plot(
                     xs,
                     mean,
@@ -351,9 +409,12 @@ def loss_figure(run_dir: str, results: Sequence[TrainResult]) -> Figure:
                     label=f"{name}: mean of {len(curves)} seeds (thin: each seed)",
                 )
     for ax, title in ((ax_val, "validation loss"), (ax_train, "training loss (smoothed)")):
-        ax.set_xlabel("tokens")
         ax.set_ylabel("loss (nats/token)")
         ax.set_title(title)
+    if difference is not None:
+        draw_difference(ax_diff[0], difference, crossover(difference))
+    for ax in (ax_val, ax_train, *ax_diff):
+        ax.set_xlabel("tokens")
         ax.grid(alpha=0.3)
         # few ticks with short labels (120k, 1.5M): long token counts otherwise run together
         ax.xaxis.set_major_locator(MaxNLocator(nbins=5))
@@ -366,7 +427,8 @@ def loss_figure(run_dir: str, results: Sequence[TrainResult]) -> Figure:
 
 def plot_losses(run_dir: str, results: Sequence[TrainResult], path: str) -> None:
     """``loss.png``: validation loss and smoothed training loss against tokens; every seed thin,
-    the mean over seeds thick, one colour per model. ``path``: local or ``gs://``."""
+    the mean over seeds thick, one colour per model; with DIFF and its twin, a third panel of
+    DIFF − twin against tokens (:func:`draw_difference`). ``path``: local or ``gs://``."""
     storage.save_figure(loss_figure(run_dir, results), path, dpi=110)
 
 
@@ -459,6 +521,32 @@ def _results(
 def _comparison(results: Sequence[TrainResult]) -> list[str]:
     sentences = comparison_sentences(results)
     return ["**DIFF against its twin:**", "", *sentences, ""] if sentences else []
+
+
+def over_training(curve: DifferenceCurve | None) -> list[str]:
+    """The lines of DIFF − twin over training: the crossover, the difference at the last
+    evaluation with its interval, and the difference at a handful of evaluations."""
+    if curve is None:
+        return []
+    n = curve.n_seeds
+    how = (
+        f"the band: the pointwise {curve.confidence:.0%} Student-t interval over the {n} paired "
+        f"seeds at each evaluation"
+        if n > 1
+        else "one seed: no band"
+    )
+    cross = crossover(curve)
+    return [
+        f"**DIFF − twin over training** (validation loss, seed by seed, at the "
+        f"{curve.tokens.size} evaluations every seed of both models has; {how}; the right "
+        f"panel of loss.png):",
+        "",
+        f"- {describe_crossover(cross)}",
+        f"- {describe_final(cross)}",
+        "",
+        difference_table(curve),
+        "",
+    ]
 
 
 def _retrieval(exp: ExperimentConfig, results: Sequence[TrainResult]) -> list[str]:
@@ -612,6 +700,7 @@ def write_report(
         _title(exp, groups),
         _results(results, groups, n_seeds, flops),
         _comparison(results),
+        over_training(difference_curve(results)),
         _retrieval(exp, results),
         _throughput(throughput, flops),
         _lambdas(groups),

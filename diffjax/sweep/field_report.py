@@ -47,6 +47,7 @@ class Family:
     logit_max: dict = dataclasses.field(default_factory=dict)
     output_max: dict = dataclasses.field(default_factory=dict)
     skipped: dict = dataclasses.field(default_factory=dict)
+    folders: dict = dataclasses.field(default_factory=dict)  # {value: the model's folder}
 
     @property
     def is_diff(self) -> bool:
@@ -88,15 +89,22 @@ def _name(config: ModelConfig, label: str, arm: str) -> str:
     return f"{kind} ({arm})" if arm else kind
 
 
+def run_folder(run_dir: str, plan: dict, run: dict) -> str:
+    """The folder of one comparison of the plan (an entry of ``plan["sizes"]``) inside
+    ``run_dir``, wherever the run directory now is: ``<rung>/<arm>/`` in a sweep over a field,
+    ``<arm>/`` when the ladder has arms only (no field: one rung, the base config)."""
+    field = plan["ladder"].get("field")
+    rung = [rung_name(field, run["value"])] if field is not None else []
+    return storage.join(run_dir, *rung, *([run["arm"]] if run["arm"] else []))
+
+
 def families(run_dir: str, plan: dict) -> list[Family]:
-    """Every model of the plan's comparisons over the rungs; a twin that another arm already
-    trained with the same config is that arm's family (its runs are the same runs)."""
-    field = plan["ladder"]["field"]
+    """Every model of the plan's comparisons over the rungs (a sweep over a field, or arms
+    only: one rung, value None); a twin that another arm already trained with the same config
+    is that arm's family (its runs are the same runs)."""
     out: dict[str, Family] = {}
     for run in plan["sizes"]:
-        folder = storage.join(
-            run_dir, rung_name(field, run["value"]), *([run["arm"]] if run["arm"] else [])
-        )
+        folder = run_folder(run_dir, plan, run)
         path = storage.join(folder, "config.json")
         if not storage.exists(path):
             continue
@@ -114,6 +122,7 @@ def families(run_dir: str, plan: dict) -> list[Family]:
                 if same:  # another arm's twin: the same model, already read
                     continue
                 family = out[key] = Family(key, _name(config, label, run["arm"]), config)
+            family.folders[run["value"]] = base
             for entry in sorted(p.name for p in storage.path(base).iterdir()):
                 seed_dir = storage.join(base, entry)
                 if entry.startswith("seed_") and storage.exists(

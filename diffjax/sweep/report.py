@@ -32,6 +32,7 @@ from diffjax.evaluate.stats import (
 )
 from diffjax.train.metrics import read_metrics
 
+from .curves_report import write_curves_report
 from .field_report import write_field_report
 
 from . import fit
@@ -467,12 +468,23 @@ def ratio_figure(results: Sequence[SizeResult], a: Analysis) -> Figure:
     return fig
 
 
+def is_arms_only(plan: dict) -> bool:
+    """Whether the plan's ladder has arms only (neither sizes nor a field: one rung, a
+    comparison per arm in ``RUN_DIR/<arm>/``; :attr:`diffjax.sweep.Ladder.arms_only`)."""
+    ladder = plan["ladder"]
+    return ladder.get("field") is None and ladder.get("sizes") is None and bool(ladder.get("arms"))
+
+
 def write_sweep_report(run_dir: str, resamples: int = 2000) -> str:
     """Write ``sweep.md``, ``sweep_loss.png`` and ``sweep_ratio.png`` in ``run_dir`` (local or
-    ``gs://``) from what the sizes wrote there; returns the markdown."""
+    ``gs://``) from what the sizes wrote there; returns the markdown. A sweep over a field gets
+    the field's report (:mod:`diffjax.sweep.field_report`), a ladder of arms only their
+    learning curves and crossovers (:mod:`diffjax.sweep.curves_report`)."""
     plan = read_plan(run_dir)
     if plan["ladder"].get("field") is not None:  # a sweep over one setting: its own report
         return write_field_report(run_dir, plan)
+    if is_arms_only(plan):  # arms only: their learning curves side by side
+        return write_curves_report(run_dir, plan)
     results = size_results(run_dir, plan)
     curve_index = plan["ladder"].get("curve_size")
     if curve_index is not None:  # an index into the ladder: its position among finished sizes
