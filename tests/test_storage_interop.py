@@ -177,7 +177,8 @@ def test_sample_and_lm_eval_read_an_export_in_a_bucket(
 def test_init_from_an_export_in_a_bucket(bucket, tok_dir):
     """train.init_from=gs://...: the export's model config (resolve_init_from)."""
     from diffjax.train import default_config
-    from diffjax.train.config import apply_overrides, resolve_init_from
+    from diffjax.train.checkpoint import resolve_init_from
+    from diffjax.train.config import apply_overrides
 
     model = _model(attention="standard")
     diffjax.save_pretrained(model, f"{bucket}/export", tokenizer_from=str(tok_dir))

@@ -107,7 +107,8 @@ def test_init_from_uses_the_checkpoints_tokenizer(tmp_path, tok_dir):
     import shutil
 
     from diffjax.train import default_config
-    from diffjax.train.config import apply_overrides, resolve_init_from
+    from diffjax.train.checkpoint import resolve_init_from
+    from diffjax.train.config import apply_overrides
 
     ckpt = tmp_path / "ckpt"
     shutil.copytree(tok_dir, ckpt)

@@ -27,13 +27,12 @@ from diffjax import data as data_lib
 from diffjax import ops, sharding, storage
 from diffjax.config import ConfigError
 from diffjax.evaluate import evaluate_run
-from diffjax.train.checkpoint import CheckpointError, committed_steps
+from diffjax.train.checkpoint import CheckpointError, committed_steps, resolve_init_from
 from diffjax.train.config import (
     apply_overrides,
     experiment_keys_help,
     load_config,
     model_directory,
-    resolve_init_from,
 )
 from diffjax.train.loop import (
     AfterStep,

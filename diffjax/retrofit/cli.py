@@ -28,7 +28,7 @@ from diffjax.train.checkpoint import (
     pretrained_source,
 )
 
-from .core import (
+from diffjax.conversion import (
     LAMBDA_PROJ,
     RAMPS,
     SECONDS,

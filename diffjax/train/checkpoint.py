@@ -29,9 +29,13 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from orbax.checkpoint import checkpoint_managers as cm
 
-from diffjax import sharding, storage
+from diffjax import hf, sharding, storage
+from diffjax.attention import Ramp
 from diffjax.config import ConfigError, ModelConfig
-from diffjax.model import TransformerLM, initial_rest
+from diffjax.conversion import RetrofitConfig, retrofit_config
+from diffjax.model import TransformerLM, initial_rest, stack_layers, unstack_layers
+
+from .config import ExperimentConfig
 
 
 class CheckpointError(RuntimeError):
@@ -352,8 +356,6 @@ def pretrained_source(path: str) -> tuple[str, ModelConfig, dict[str, Any]]:
     retrofit's source): ``"hf"``, a Hugging Face directory (``config.json``; meta ``{}``), or
     ``"diffjax"``, a model's run folder (its best step's meta). Refuses anything else, before
     any weight is read."""
-    from diffjax import hf
-
     storage.check_access(path, what="train.init_from", write=False)
     if storage.exists(storage.join(path, hf.CONFIG_FILE)):
         return "hf", hf.config_from_pretrained(path), {}
@@ -372,9 +374,6 @@ def load_pretrained(path: str, *, mesh: jax.sharding.Mesh | None = None, **overr
     """The :class:`diffjax.TransformerLM` of a Hugging Face directory or a diffjax model folder
     (:func:`pretrained_source`); ``overrides``: ModelConfig fields that change no weight
     (:data:`diffjax.hf.OVERRIDABLE`), e.g. ``scan_layers`` (the layout is converted)."""
-    from diffjax import hf
-    from diffjax.model import stack_layers, unstack_layers
-
     kind, config, _ = pretrained_source(path)
     if kind == "hf":
         return hf.from_pretrained(path, mesh=mesh, **overrides)
@@ -383,8 +382,6 @@ def load_pretrained(path: str, *, mesh: jax.sharding.Mesh | None = None, **overr
     if want.scan_layers != config.scan_layers:
         model = stack_layers(model) if want.scan_layers else unstack_layers(model)
     if model.config != want:  # the execution fields only (dtype, remat, ...): rebuilt alike
-        from diffjax.attention import Ramp
-
         dtype = jax.numpy.dtype(want.param_dtype)
 
         def cast(v):
@@ -396,3 +393,37 @@ def load_pretrained(path: str, *, mesh: jax.sharding.Mesh | None = None, **overr
         fresh = nnx.eval_shape(lambda: TransformerLM(want, rngs=nnx.Rngs(0)))
         model = nnx.merge(nnx.graphdef(fresh), state)
     return model
+
+
+def resolve_init_from(config: ExperimentConfig) -> ExperimentConfig:
+    """With ``train.init_from``: the experiment with the checkpoint's model config (keeping
+    ``model.dtype``, ``param_dtype`` and ``attention_impl``; with ``train.retrofit``, the DIFF
+    model of ``model.attention`` the source becomes, :func:`diffjax.retrofit.retrofit_config`)
+    and, for text data with no ``data.tokenizer`` set, the checkpoint's ``tokenizer.json`` when
+    it has one (``data.tokenizer=byte`` keeps bytes); otherwise ``config`` unchanged. A diffjax
+    checkpoint of a retrofit (``model.ramp``) brings its ``retrofit.*`` settings unless the
+    config sets any. ``train.init_from`` may be local or ``gs://`` (a bucket that does not
+    exist or cannot be read is refused first)."""
+    if config.train.init_from is None:
+        return config
+    keep = {k: getattr(config.model, k) for k in ("dtype", "param_dtype", "attention_impl")}
+    data, path = config.data, config.train.init_from
+    _, model, meta = pretrained_source(path)
+    model = model.replace(**keep)
+    retrofit = config.retrofit
+    if config.train.retrofit:
+        model = retrofit_config(
+            model,
+            config.model.attention,
+            lambda_init=config.model.lambda_init,
+            diff_norm=config.model.diff_norm,
+        )
+    elif model.ramp and retrofit == RetrofitConfig() and "retrofit" in meta:
+        retrofit = RetrofitConfig(**meta["retrofit"])
+    if (
+        data.tokenizer is None
+        and data.source in ("stdlib", "text")
+        and storage.path(storage.join(path, "tokenizer.json")).is_file()
+    ):
+        data = data.replace(tokenizer=path)  # the checkpoint's own ids
+    return dataclasses.replace(config, data=data, model=model, retrofit=retrofit)

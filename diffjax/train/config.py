@@ -37,8 +37,7 @@ from diffjax.config import (
     twin,
 )
 from diffjax.data import SOURCES, TOKEN_DTYPES, DataConfig
-from diffjax.train.checkpoint import pretrained_source
-from diffjax.retrofit.core import LAMBDA_PROJ, RAMPS, SECONDS, RetrofitConfig, retrofit_config
+from diffjax.conversion import LAMBDA_PROJ, RAMPS, SECONDS, RetrofitConfig
 from diffjax.sharding import MeshConfig
 
 SCHEDULES = ("linear", "cosine", "constant")
@@ -594,40 +593,6 @@ def load_config(path: str | None) -> ExperimentConfig:
             f"a diffjax.train.ExperimentConfig."
         )
     return config
-
-
-def resolve_init_from(config: ExperimentConfig) -> ExperimentConfig:
-    """With ``train.init_from``: the experiment with the checkpoint's model config (keeping
-    ``model.dtype``, ``param_dtype`` and ``attention_impl``; with ``train.retrofit``, the DIFF
-    model of ``model.attention`` the source becomes, :func:`diffjax.retrofit.retrofit_config`)
-    and, for text data with no ``data.tokenizer`` set, the checkpoint's ``tokenizer.json`` when
-    it has one (``data.tokenizer=byte`` keeps bytes); otherwise ``config`` unchanged. A diffjax
-    checkpoint of a retrofit (``model.ramp``) brings its ``retrofit.*`` settings unless the
-    config sets any. ``train.init_from`` may be local or ``gs://`` (a bucket that does not
-    exist or cannot be read is refused first)."""
-    if config.train.init_from is None:
-        return config
-    keep = {k: getattr(config.model, k) for k in ("dtype", "param_dtype", "attention_impl")}
-    data, path = config.data, config.train.init_from
-    _, model, meta = pretrained_source(path)
-    model = model.replace(**keep)
-    retrofit = config.retrofit
-    if config.train.retrofit:
-        model = retrofit_config(
-            model,
-            config.model.attention,
-            lambda_init=config.model.lambda_init,
-            diff_norm=config.model.diff_norm,
-        )
-    elif model.ramp and retrofit == RetrofitConfig() and "retrofit" in meta:
-        retrofit = RetrofitConfig(**meta["retrofit"])
-    if (
-        data.tokenizer is None
-        and data.source in ("stdlib", "text")
-        and storage.path(storage.join(path, "tokenizer.json")).is_file()
-    ):
-        data = data.replace(tokenizer=path)  # the checkpoint's own ids
-    return dataclasses.replace(config, data=data, model=model, retrofit=retrofit)
 
 
 def default_config() -> ExperimentConfig:

@@ -37,7 +37,7 @@ from diffjax.compile_options import cpu_compile_options
 from diffjax.config import ConfigError, KernelTarget, ModelConfig
 from diffjax.model import TransformerLM, sown_diagnostics, sown_lambdas
 from diffjax.param_count import count_params
-from diffjax.retrofit.core import RampSchedule, RetrofitConfig, retrofit_model, set_ramp
+from diffjax.conversion import RampSchedule, RetrofitConfig, retrofit_model, set_ramp
 from diffjax.runtime import Runtime
 
 from .checkpoint import (

@@ -1,5 +1,6 @@
-"""Retrofit a pretrained standard-attention model into DIFF V2 or DIFF V1: the settings, the
-ramp of the negative map's weight, and the weight mapping (pure functions on the parameters).
+"""The conversion behind a retrofit (:mod:`diffjax.retrofit`): a pretrained standard-attention
+model into DIFF V2 or DIFF V1. The settings, the ramp of the negative map's weight, and the
+weight mapping (pure functions on the parameters).
 
 How a source becomes DIFF (``ModelConfig.ramp``: each DIFF layer uses ``w * lambda``, with w a
 :class:`diffjax.attention.Ramp` the train step moves from 0 to 1 over
@@ -35,9 +36,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ..attention import Ramp
-from ..config import ConfigError, ModelConfig, check_fields, fail
-from ..model import TransformerLM
+from .attention import Ramp
+from .config import ConfigError, ModelConfig, check_fields, fail
+from .model import TransformerLM
 
 RAMPS = ("linear", "cosine")
 SECONDS = ("zero", "mirror", "random")
