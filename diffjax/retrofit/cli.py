@@ -20,6 +20,7 @@ from flax import nnx
 
 from diffjax import cli, storage
 from diffjax.config import ATTENTION_KINDS, ConfigError
+from diffjax.data import DataConfig
 from diffjax.train.checkpoint import (
     Checkpointer,
     CheckpointError,
@@ -72,6 +73,23 @@ SECTIONS = (
 )
 
 
+def source_data(source: str) -> dict:
+    """The data config of the run a diffjax source was trained in (its ``config.json``, in the
+    model folder or up to two levels above: ``RUN/<label>/seed_<s>``); else the default data,
+    with the source's ``tokenizer.json`` when it has one."""
+    folder = storage.absolute(source)
+    for parent in (folder, folder.parent, folder.parent.parent):
+        path = storage.join(str(parent), "config.json")
+        if storage.exists(path):
+            saved = storage.read_json(path)
+            if isinstance(saved.get("data"), dict):
+                return saved["data"]
+    data = DataConfig()
+    if storage.exists(storage.join(str(folder), "tokenizer.json")):
+        data = data.replace(tokenizer=str(folder))
+    return dataclasses.asdict(data)
+
+
 def retrofit_checkpoint(
     source: str, out: str, target: Target | None = None, rcfg: RetrofitConfig | None = None
 ) -> dict:
@@ -118,6 +136,17 @@ def retrofit_checkpoint(
         "source": str(source),
         "step0": gap,
     }
+    storage.makedirs(out)
+    storage.write_json(  # what python -m diffjax.evaluate OUT reads: the data it evaluates on
+        storage.join(out, "config.json"),
+        {
+            "model": model.config.to_dict(),
+            "data": source_data(source),
+            "retrofit": dataclasses.asdict(rcfg),
+            "compare": False,
+            "source": str(source),
+        },
+    )
     ckpt = Checkpointer(storage.join(out, "checkpoints"), async_save=False)
     try:
         ckpt.save(0, {"step": np.zeros((), np.int32), "params": params}, {}, meta)
