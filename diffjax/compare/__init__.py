@@ -8,6 +8,10 @@ two side by side (:func:`side_by_side_throughput`), and writes ``runs/<name>/``:
 :mod:`diffjax.evaluate.stats`) and ``<label>/seed_<seed>/`` per model and seed
 (:func:`diffjax.train.model_directory`); then, unless ``train.quick_eval=false``, the quick
 evaluation (:mod:`diffjax.evaluate`).
+
+A config file with a module-level ``RETROFIT`` (:class:`RetrofitStudy`) runs a retrofit study
+instead (:mod:`.retrofit_study`: a standard model trained, then continued unconverted and
+converted to DIFF V2 and V1; ``retrofit.md``, :mod:`.retrofit_report`).
 """
 
 from .cli import main, quick_evaluation, train_seeds
@@ -19,9 +23,12 @@ from .report import (
     results_table,
     write_report,
 )
+from .retrofit_report import write_study_report
+from .retrofit_study import RetrofitStudy, run_study
 from .throughput import SideBySide, side_by_side_throughput
 
 __all__ = [
+    "RetrofitStudy",
     "SideBySide",
     "comparison_sentences",
     "learned_counts",
@@ -30,7 +37,9 @@ __all__ = [
     "plot_losses",
     "quick_evaluation",
     "results_table",
+    "run_study",
     "side_by_side_throughput",
     "train_seeds",
     "write_report",
+    "write_study_report",
 ]

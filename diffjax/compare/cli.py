@@ -10,6 +10,11 @@ run directory that holds checkpoints resumes every unfinished model and seed fro
 SIGTERM or SIGINT (Ctrl-C) during training stops it at the next step, saves that step and exits
 with status 75 (EX_TEMPFAIL); running the same command again resumes from there.
 
+A config file that declares a module-level ``RETROFIT`` (:class:`diffjax.compare.RetrofitStudy`)
+runs that retrofit study instead (:mod:`diffjax.compare.retrofit_study`: a standard source per
+seed, continued unconverted and converted to DIFF; ``retrofit.md``); ``study.<field>=value``
+overrides its scalar fields.
+
 Several processes (hosts): start one per host with ``--coordinator_address HOST:PORT
 --num_processes N --process_id I``; on a TPU pod slice, under SLURM or Open MPI the flags may be
 left out (JAX finds the cluster). See docs/scaling.md.
@@ -46,6 +51,7 @@ from diffjax.train.loop import (
 )
 
 from .report import results_table, write_report
+from .retrofit_study import load_study, run_study, summary
 from .throughput import side_by_side_throughput
 
 EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_CHECKPOINT = 2, 3, 4
@@ -153,6 +159,13 @@ def main(argv: list[str] | None = None, *, after_step: AfterStep | None = None) 
     :func:`diffjax.train.loop.train_model` (every model and seed gets it)."""
     args = build_parser().parse_args(argv)
     try:
+        study = load_study(args.config)
+    except ConfigError as e:
+        _error(str(e))
+        return EXIT_BAD_INPUT
+    if study is not None:
+        return retrofit_study(args, study, after_step=after_step)
+    try:
         exp = resolve_init_from(apply_overrides(load_config(args.config), args.overrides))
         description = data_lib.check_data(exp.data, exp.model.vocab_size)
         # a bucket that does not exist, no credentials or no permission: refused before compute
@@ -226,6 +239,37 @@ def main(argv: list[str] | None = None, *, after_step: AfterStep | None = None) 
         )
     if exp.train.quick_eval:  # every process: its checkpoint reads are collective
         quick_evaluation(run_dir, main_process=main_process)
+    return 0
+
+
+def retrofit_study(args: argparse.Namespace, study, *, after_step: AfterStep | None = None) -> int:
+    """Run the config file's retrofit study (one process); returns the exit code."""
+    if any(f is not None for f in (args.coordinator_address, args.num_processes, args.process_id)):
+        _error(
+            "a retrofit study runs in one process. Fix: drop --coordinator_address, "
+            "--num_processes and --process_id (or run each of its runs with train.py)."
+        )
+        return EXIT_BAD_INPUT
+    try:
+        text = run_study(args.config, study, args.overrides, after_step=after_step)
+    except (ConfigError, data_lib.DataError) as e:
+        _error(str(e))
+        return EXIT_BAD_INPUT
+    except CheckpointError as e:
+        _error(str(e))
+        return EXIT_CHECKPOINT
+    except TrainingDiverged as e:
+        _error(str(e))
+        return EXIT_DIVERGED
+    except Preempted as e:
+        print(
+            f"{e.describe()}. Re-running the same command resumes from there (finished runs "
+            f"are skipped).",
+            file=sys.stderr,
+            flush=True,
+        )
+        return EXIT_PREEMPTED
+    print("\n" + summary(text))
     return 0
 
 
