@@ -14,7 +14,15 @@ import numpy as np
 import pytest
 
 from diffjax.compare import RetrofitStudy, main
-from diffjax.compare.retrofit_report import Curve, paired_band, recovery_step
+from diffjax.compare.curves import EvalCurve
+from diffjax.compare.retrofit_report import (
+    Run,
+    StudyData,
+    _final,
+    difference_curve,
+    recovery_step,
+    step_mean,
+)
 from diffjax.compare.retrofit_study import apply_study_overrides, load_study, plan_study
 from diffjax.config import ConfigError
 from diffjax.train.metrics import read_metrics
@@ -107,25 +115,54 @@ def test_a_source_that_cannot_become_an_arm_is_refused_before_training():
         plan_study(path, same, ["run.dir=/r"])
 
 
-def _curve(seed, steps, val):
+def _run(seed, steps, val):
     empty = np.zeros(0)
-    return Curve(seed, np.array(steps), np.array(val, float), empty, empty, None, {}, {})
+    curve = EvalCurve(256.0 * np.array(steps), np.array(val, float), np.array(steps))
+    return Run(seed, curve, empty, empty, None, {}, {})
 
 
-def test_the_paired_band_and_the_recovery():
-    a = {0: _curve(0, [10, 20], [3.0, 2.0]), 1: _curve(1, [10, 20], [3.2, 2.4])}
-    b = {0: _curve(0, [10, 20], [3.1, 2.1]), 1: _curve(1, [10, 20, 30], [3.0, 2.0, 1.9])}
-    band = paired_band(a, b)
-    assert band.steps.tolist() == [10, 20] and band.seeds == [0, 1]
-    np.testing.assert_allclose(band.mean, [0.05, 0.15])
+def _study(v2, base):
+    plan = {"study": {"baseline": "standard", "arms": ["v2"]}}
+    return StudyData("/r", plan, {"standard": base, "v2": v2})
+
+
+def test_the_paired_difference_and_the_recovery():
+    a = {0: _run(0, [10, 20], [3.0, 2.0]), 1: _run(1, [10, 20], [3.2, 2.4])}
+    b = {0: _run(0, [10, 20], [3.1, 2.1]), 1: _run(1, [10, 20, 30], [3.0, 2.0, 1.9])}
+    curve = difference_curve(_study(a, b), "v2")
+    assert curve.steps.tolist() == [10, 20] and curve.n_seeds == 2
+    np.testing.assert_allclose(curve.mean, [0.05, 0.15])
     # two seeds: t_{0.975, 1} = 12.706 times sd / sqrt(2)
     half = [12.7062 * np.std(d, ddof=1) / np.sqrt(2) for d in ([-0.1, 0.2], [-0.1, 0.4])]
-    np.testing.assert_allclose(band.high - band.mean, half, rtol=1e-4)
-    np.testing.assert_allclose(band.mean - band.low, half, rtol=1e-4)
+    np.testing.assert_allclose(curve.high - curve.mean, half, rtol=1e-4)
+    np.testing.assert_allclose(curve.mean - curve.low, half, rtol=1e-4)
+    steps, mean = step_mean(b)
+    assert steps.tolist() == [10, 20] and mean.tolist() == pytest.approx([3.05, 2.05])
     assert recovery_step([10, 20, 30], [3.0, 2.5, 2.0], 2.5) == 20
     assert recovery_step([10, 20], [3.0, 2.6], 2.5) is None
-    one = paired_band({0: a[0]}, {0: b[0]})
+    one = difference_curve(_study({0: a[0]}, b), "v2")
     assert np.isnan(one.low).all() and one.mean.tolist() == pytest.approx([-0.1, -0.1])
+    assert difference_curve(_study({}, b), "v2") is None
+
+
+def test_the_crossover_of_a_converted_arm():
+    base = {s: _run(s, [10, 20, 30], [3.0, 2.0, 1.9]) for s in range(3)}
+    # below the unconverted from step 20 on in every seed; at step 10 the seeds disagree
+    v2 = {
+        s: _run(s, [10, 20, 30], [3.0 + d, 1.5 + d / 10, 1.4]) for s, d in enumerate([-0.1, 0, 0.1])
+    }
+    data = _study(v2, base)
+    lines, sentences = _final(data, {"v2": difference_curve(data, "v2")})
+    assert "| -0.5000 (equal in all 3 seeds: no interval) | 3 |" in lines[-1]
+    text = sentences["v2"]
+    assert "minus the unconverted continuation" in text
+    assert "No crossover" in text  # no spread at the last evaluation: no band there
+    v2[2] = _run(2, [10, 20, 30], [3.1, 1.51, 1.41])
+    lines, sentences = _final(data, {"v2": difference_curve(data, "v2")})
+    assert "Crossover at 5,120 tokens (step 20)" in sentences["v2"]
+    one = _study({0: v2[0]}, base)
+    _, sentences = _final(one, {"v2": difference_curve(one, "v2")})
+    assert "study.seeds=2" in sentences["v2"] and "train.num_seeds" not in sentences["v2"]
 
 
 # ---------------------------------------------------------------------------- the command
@@ -207,6 +244,9 @@ def test_the_study_trains_stops_resumes_and_reports(tmp_path, capsys):
     assert "| v2 | DIFF V2, 2 heads x 16 (2 query maps each) |" in report
     assert "| v1 | DIFF V1, 1 head x (2 x 16) |" in report
     assert "MQAR: 8 pairs, 4 queries, 32 tokens, 32 queries per model" in report
+    # the crossover of each converted arm, whichever it is
+    band = "the upper bound of the 95% band of {} minus the unconverted continuation over 2"
+    assert band.format("v2 (DIFF V2)") in report and band.format("v1 (DIFF V1)") in report
     # the report's final difference is the runs' own
     finals = {arm: [records(arm, s)[-1]["val_loss"] for s in (0, 1)] for arm in ("standard", "v2")}
     diff = np.mean(np.subtract(finals["v2"], finals["standard"]))

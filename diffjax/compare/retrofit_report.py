@@ -5,9 +5,9 @@ and ``RUN_DIR/retrofit.png``, from the files the runs wrote (``retrofit_plan.jso
 Per converted arm, against the unconverted continuation (the baseline) of the same seed:
 
 - the paired validation-loss difference (converted − baseline) at every evaluation of the
-  continuation, with a pointwise 95% Student-t band over the seeds
-  (:func:`paired_band`, :func:`diffjax.evaluate.stats.t_interval`), and the final difference
-  with its interval;
+  continuation, with a pointwise 95% Student-t band over the seeds, the crossover (from which
+  evaluation the band stays below 0) and the final difference with its interval
+  (:func:`difference_curve`, :mod:`diffjax.compare.curves`);
 - the step-0 loss: the first record's training loss, the first batch before any update (the
   same batch for every arm of a seed);
 - the recovery of the source's loss: the first evaluation where the arm's validation loss,
@@ -30,15 +30,20 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from diffjax import storage
-from diffjax.evaluate.stats import (
-    describe_difference,
-    difference_cell,
-    fmt_mean_std,
-    mean_std,
-    paired_difference,
-    t_interval,
-)
+from diffjax.evaluate.stats import difference_cell, fmt_mean_std, mean_std
 from diffjax.train.metrics import read_metrics
+
+from .curves import (
+    DifferenceCurve,
+    EvalCurve,
+    band_cell,
+    crossover,
+    describe_crossover,
+    describe_final,
+    eval_curve,
+    mean_curve,
+    paired_difference_curve,
+)
 
 PLAN_FILE = "retrofit_plan.json"
 DONE_FILE = "study_done.json"
@@ -48,12 +53,11 @@ KINDS = {"standard": "standard", "diff_v1": "DIFF V1", "diff_v2": "DIFF V2"}
 
 
 @dataclasses.dataclass
-class Curve:
+class Run:
     """One finished run's records: its evaluations, its training loss and its first loss."""
 
     seed: int
-    steps: np.ndarray  # evaluation steps
-    val: np.ndarray  # validation loss at each
+    curve: EvalCurve  # the evaluations: tokens, validation loss, steps
     train_steps: np.ndarray
     train: np.ndarray  # training loss of every step
     first_loss: float | None  # the training loss of step 1 (the first batch, before an update)
@@ -62,11 +66,11 @@ class Curve:
 
     @property
     def final(self) -> float | None:
-        return float(self.val[-1]) if self.val.size else None
+        return float(self.curve.loss[-1]) if self.curve.loss.size else None
 
 
-def read_curve(run: dict[str, Any]) -> Curve | None:
-    """The :class:`Curve` of a finished run (its ``study_done.json`` written), else None."""
+def read_run(run: dict[str, Any]) -> Run | None:
+    """The :class:`Run` of a finished run (its ``study_done.json`` written), else None."""
     done = storage.join(run["directory"], DONE_FILE)
     if not storage.exists(done):
         return None
@@ -74,13 +78,11 @@ def read_curve(run: dict[str, Any]) -> Curve | None:
     cfg_path = storage.join(run["directory"], RUN_CONFIG)
     config = storage.read_json(cfg_path) if storage.exists(cfg_path) else {}
     records = read_metrics(storage.join(run["directory"], "metrics.jsonl"))
-    evals = [r for r in records if "val_loss" in r]
     trained = [r for r in records if not r.get("skipped")]
     first = records[0]["loss"] if records and records[0].get("step") == 1 else None
-    return Curve(
+    return Run(
         run["seed"],
-        np.array([r["step"] for r in evals], int),
-        np.array([r["val_loss"] for r in evals], float),
+        eval_curve(records),
         np.array([r["step"] for r in trained], int),
         np.array([r["loss"] for r in trained], float),
         first,
@@ -90,54 +92,13 @@ def read_curve(run: dict[str, Any]) -> Curve | None:
 
 
 # ---------------------------------------------------------------------------- statistics
-@dataclasses.dataclass(frozen=True)
-class Band:
-    """The paired difference a − b at each evaluation step the seeds share: its mean and the
-    95% Student-t band over the seeds (NaN with one seed, or no spread)."""
-
-    steps: np.ndarray
-    mean: np.ndarray
-    low: np.ndarray
-    high: np.ndarray
-    seeds: list[int]
-
-
-def paired_band(a: dict[int, Curve], b: dict[int, Curve], confidence: float = 0.95) -> Band:
-    """:class:`Band` of ``a - b`` over the seeds both have, at the evaluation steps every one of
-    those runs has."""
-    seeds = sorted(s for s in a if s in b and a[s].steps.size and b[s].steps.size)
-    if not seeds:
-        empty = np.zeros(0)
-        return Band(empty.astype(int), empty, empty, empty, [])
-    common = set(a[seeds[0]].steps.tolist())
-    for s in seeds:
-        common &= set(a[s].steps.tolist()) & set(b[s].steps.tolist())
-    steps = np.array(sorted(common), int)
-    mean, low, high = [], [], []
-    for t in steps:
-        d = [_at(a[s], t) - _at(b[s], t) for s in seeds]
-        m, half = t_interval(d, confidence)
-        mean.append(m)
-        ok = half is not None and half > 0
-        low.append(m - half if ok else math.nan)
-        high.append(m + half if ok else math.nan)
-    return Band(steps, np.array(mean), np.array(low), np.array(high), seeds)
-
-
-def _at(c: Curve, step: int) -> float:
-    return float(c.val[np.flatnonzero(c.steps == step)[-1]])
-
-
-def mean_curve(curves: dict[int, Curve]) -> tuple[np.ndarray, np.ndarray]:
-    """The validation loss, mean over the seeds, at the steps every seed has."""
-    runs = [c for c in curves.values() if c.steps.size]
-    if not runs:
-        return np.zeros(0, int), np.zeros(0)
-    common = set(runs[0].steps.tolist())
-    for c in runs[1:]:
-        common &= set(c.steps.tolist())
-    steps = np.array(sorted(common), int)
-    return steps, np.array([np.mean([_at(c, t) for c in runs]) for t in steps])
+def step_mean(runs: dict[int, Run]) -> tuple[np.ndarray, np.ndarray]:
+    """The validation loss, mean over the seeds, at the steps every seed has
+    (:func:`diffjax.compare.curves.mean_curve` over steps)."""
+    xs, mean = mean_curve(
+        [(r.curve.steps, r.curve.loss) for r in runs.values() if r.curve.loss.size]
+    )
+    return xs.astype(int), mean
 
 
 def recovery_step(steps: Sequence[int], losses: Sequence[float], level: float) -> int | None:
@@ -180,7 +141,7 @@ class StudyData:
 
     run_dir: str
     plan: dict[str, Any]
-    arms: dict[str, dict[int, Curve]]  # "source", the baseline and the converted arms
+    arms: dict[str, dict[int, Run]]  # "source", the baseline and the converted arms
 
     @property
     def baseline(self) -> str:
@@ -197,13 +158,26 @@ class StudyData:
 
 def read_study(run_dir: str) -> StudyData:
     plan = storage.read_json(storage.join(run_dir, PLAN_FILE))
-    arms: dict[str, dict[int, Curve]] = {}
+    arms: dict[str, dict[int, Run]] = {}
     for run in plan["runs"]:
-        curve = read_curve(run)
+        finished = read_run(run)
         arms.setdefault(run["arm"], {})
-        if curve is not None:
-            arms[run["arm"]][run["seed"]] = curve
+        if finished is not None:
+            arms[run["arm"]][run["seed"]] = finished
     return StudyData(run_dir, plan, arms)
+
+
+def difference_curve(data: StudyData, arm: str) -> DifferenceCurve | None:
+    """``arm`` − the unconverted continuation over the seeds both finished, paired by seed, at
+    the evaluations every one of those runs has
+    (:func:`diffjax.compare.curves.paired_difference_curve`); None without such an evaluation."""
+    runs, base = data.arms.get(arm, {}), data.arms.get(data.baseline, {})
+    seeds = sorted(s for s in runs if s in base)
+    seeds = [s for s in seeds if runs[s].curve.loss.size and base[s].curve.loss.size]
+    if not seeds:
+        return None
+    curve = paired_difference_curve([runs[s].curve for s in seeds], [base[s].curve for s in seeds])
+    return curve if curve.tokens.size else None
 
 
 def source_levels(data: StudyData) -> dict[int, float]:
@@ -339,14 +313,14 @@ def _recovery(data: StudyData) -> tuple[list[str], dict[str, str]]:
     found = {}
     for arm in data.continuations:
         runs = data.arms.get(arm, {})
-        steps, mean = mean_curve(runs)
+        steps, mean = step_mean(runs)
         at = recovery_step(steps, mean, level) if steps.size else None
         cell = f"step {at}" if at is not None else f"not within {steps_total} steps"
         found[arm] = cell
         per = []
         for s, c in sorted(runs.items()):
             if s in levels:
-                r = recovery_step(c.steps, c.val, levels[s])
+                r = recovery_step(c.curve.steps, c.curve.loss, levels[s])
                 per.append(f"seed {s}: {r if r is not None else '—'}")
         low = _fmt(float(mean.min()) if mean.size else None)
         lines.append(f"| {_name(data, arm)} | {cell} | {', '.join(per) or 'n/a'} | {low} |")
@@ -354,8 +328,9 @@ def _recovery(data: StudyData) -> tuple[list[str], dict[str, str]]:
     return lines, found
 
 
-def _final(data: StudyData) -> tuple[list[str], dict[str, str]]:
-    base = data.arms.get(data.baseline, {})
+def _final(
+    data: StudyData, curves: dict[str, DifferenceCurve | None]
+) -> tuple[list[str], dict[str, str]]:
     lines = [
         "## Final validation loss",
         "",
@@ -371,22 +346,20 @@ def _final(data: StudyData) -> tuple[list[str], dict[str, str]]:
                 f"| {_name(data, arm)} | {fmt_mean_std(finals, '{:.4f}')} | – | {len(runs)} |"
             )
             continue
-        seeds = sorted(s for s in runs if s in base)
-        d = paired_difference([runs[s].final for s in seeds], [base[s].final for s in seeds])
-        lines.append(
-            f"| {_name(data, arm)} | {fmt_mean_std(finals, '{:.4f}')} | {difference_cell(d)} "
-            f"| {d.n} |"
-        )
-        text = describe_difference(
-            d, "Final validation loss", a=_name(data, arm), b="the unconverted continuation"
-        )
-        sentences[arm] = text.replace("train.num_seeds=2", "study.seeds=2")
+        curve = curves[arm]
+        cross = crossover(curve) if curve is not None else None
+        cell, n = (difference_cell(cross.final), cross.final.n) if cross else ("n/a", 0)
+        lines.append(f"| {_name(data, arm)} | {fmt_mean_std(finals, '{:.4f}')} | {cell} | {n} |")
+        if cross is not None:
+            a, b = _name(data, arm), "the unconverted continuation"
+            text = f"{describe_final(cross, a, b)} {describe_crossover(cross, a, b)}"
+            sentences[arm] = text.replace("train.num_seeds=2", "study.seeds=2")
     return lines, sentences
 
 
-def _curve_table(data: StudyData, bands: dict[str, Band]) -> list[str]:
+def _curve_table(data: StudyData, curves: dict[str, DifferenceCurve | None]) -> list[str]:
     arms = data.continuations
-    means = {a: dict(zip(*[x.tolist() for x in mean_curve(data.arms.get(a, {}))])) for a in arms}
+    means = {a: dict(zip(*[x.tolist() for x in step_mean(data.arms.get(a, {}))])) for a in arms}
     steps = sorted(set().union(*[set(m) for m in means.values()]))
     head = [
         "step",
@@ -407,14 +380,14 @@ def _curve_table(data: StudyData, bands: dict[str, Band]) -> list[str]:
     for t in steps:
         cells = [str(t), *[_fmt(means[a].get(t)) for a in arms]]
         for a in data.converted:
-            b = bands[a]
-            hit = np.flatnonzero(b.steps == t)
-            if not hit.size:
+            c = curves[a]
+            hit = np.flatnonzero(c.steps == t) if c is not None else []
+            if not len(hit):
                 cells.append("")
                 continue
-            i = hit[0]
-            band = f" [{b.low[i]:+.4f}, {b.high[i]:+.4f}]" if math.isfinite(b.low[i]) else ""
-            cells.append(f"{b.mean[i]:+.4f}{band}")
+            i = int(hit[0])
+            band = f" {band_cell(c, i)}" if c.n_seeds > 1 else ""
+            cells.append(f"{_fmt(float(c.mean[i]), '{:+.4f}')}{band}")
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
@@ -497,12 +470,9 @@ def _runs(data: StudyData) -> list[str]:
 
 
 def render(data: StudyData) -> str:
-    bands = {
-        a: paired_band(data.arms.get(a, {}), data.arms.get(data.baseline, {}))
-        for a in data.converted
-    }
+    curves = {a: difference_curve(data, a) for a in data.converted}
     recovery, found = _recovery(data)
-    final, sentences = _final(data)
+    final, sentences = _final(data, curves)
     base = data.arms.get(data.baseline, {})
     summary = []
     for arm in data.converted:
@@ -548,7 +518,7 @@ def render(data: StudyData) -> str:
         "",
         *final,
         "",
-        *_curve_table(data, bands),
+        *_curve_table(data, curves),
         "",
         *_retrieval(data),
         "",
@@ -572,8 +542,8 @@ def figure(data: StudyData) -> Figure:
         runs = data.arms.get(arm, {})
         color, name = colors[arm], _name(data, arm)
         for c in runs.values():
-            ax_val.plot(c.steps, c.val, color=color, lw=0.6, alpha=0.4)
-        steps, mean = mean_curve(runs)
+            ax_val.plot(c.curve.steps, c.curve.loss, color=color, lw=0.6, alpha=0.4)
+        steps, mean = step_mean(runs)
         if steps.size:
             ax_val.plot(steps, mean, color=color, lw=2.2, marker="o", ms=3, label=name)
         trains = [c for c in runs.values() if c.train.size]
@@ -588,8 +558,8 @@ def figure(data: StudyData) -> Figure:
         for ax in (ax_val, ax_train):
             ax.axhline(level, color="k", ls="--", lw=1, label="the sources' validation loss")
     for arm in data.converted:
-        b = paired_band(data.arms.get(arm, {}), data.arms.get(data.baseline, {}))
-        if not b.steps.size:
+        b = difference_curve(data, arm)
+        if b is None:
             continue
         ax_diff.plot(
             b.steps,
@@ -598,7 +568,7 @@ def figure(data: StudyData) -> Figure:
             lw=2,
             marker="o",
             ms=3,
-            label=f"{_name(data, arm)} − unconverted ({_seeds(len(b.seeds))})",
+            label=f"{_name(data, arm)} − unconverted ({_seeds(b.n_seeds)})",
         )
         ok = np.isfinite(b.low)
         if ok.any():
