@@ -357,11 +357,11 @@ def pretrained_source(path: str) -> tuple[str, ModelConfig, dict[str, Any]]:
     ``"diffjax"``, a model's run folder (its best step's meta). Refuses anything else, before
     any weight is read."""
     storage.check_access(path, what="train.init_from", write=False)
-    if storage.exists(storage.join(path, hf.CONFIG_FILE)):
-        return "hf", hf.config_from_pretrained(path), {}
-    if is_checkpoint_dir(path):
+    if is_checkpoint_dir(path):  # first: a model folder may hold its run's config.json too
         _, _, meta, config = read_checkpoint(path, "best")
         return "diffjax", config, meta
+    if storage.exists(storage.join(path, hf.CONFIG_FILE)):
+        return "hf", hf.config_from_pretrained(path), {}
     raise CheckpointError(
         f"{path} holds neither a Hugging Face checkpoint (config.json) nor a diffjax "
         f"checkpoint (checkpoints/ with a committed step). Fix: pass a Hugging Face "

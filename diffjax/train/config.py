@@ -78,10 +78,11 @@ class TrainConfig:
     # rounds of the side-by-side timing after training (0: skip). Each round alternates the two
     # models' compiled steps to measure their throughput side by side.
     throughput_rounds: int = 5
-    # A checkpoint to start from: a Hugging Face directory (model_type diffllama or llama) or
-    # a diffjax model folder (a train.py run's <label>/seed_<s>, its best step; or what
-    # python -m diffjax.retrofit wrote). The model config comes from it (model.dtype,
-    # param_dtype and attention_impl are kept). A run that holds a checkpoint resumes from that.
+    # A checkpoint to start from: a Hugging Face directory or a diffjax model folder. Hugging
+    # Face: model_type diffllama or llama; diffjax: a train.py run's <label>/seed_<s> (its best
+    # step) or what python -m diffjax.retrofit wrote. The model config comes from it
+    # (model.dtype, param_dtype and attention_impl are kept). A run that holds a checkpoint
+    # resumes from that.
     init_from: str | None = None
     # convert train.init_from (a standard model) to model.attention (DIFF V1 or V2) with the
     # retrofit.* settings before training: its negative map ramped in from weight 0
