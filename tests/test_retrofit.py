@@ -346,9 +346,10 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 
-def test_hf_llama_source_and_diffllama_export(tmp_path):
-    """A Hugging Face Llama (GQA) retrofitted: V2 gives its logits exactly; V1 mid-ramp is
-    refused by export, and after its ramp exports to DiffLlama with transformers' logits."""
+@pytest.mark.parametrize("kv_heads", [4, 2])  # MHA, GQA
+def test_hf_llama_source_and_diffllama_export(tmp_path, kv_heads):
+    """A Hugging Face Llama retrofitted: V2 gives its logits exactly; V1 mid-ramp is refused by
+    export, and after its ramp exports to DiffLlama with transformers' logits."""
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
         vocab_size=VOCAB,
@@ -356,7 +357,7 @@ def test_hf_llama_source_and_diffllama_export(tmp_path):
         intermediate_size=48,
         num_hidden_layers=2,
         num_attention_heads=4,
-        num_key_value_heads=2,
+        num_key_value_heads=kv_heads,
         max_position_embeddings=64,
         attn_implementation="eager",
     )
