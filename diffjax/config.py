@@ -31,7 +31,10 @@ from typing import Any, NoReturn
 import numpy as np
 
 ATTENTION_KINDS = ("standard", "diff_v1", "diff_v2")
-ATTENTION_IMPLS = ("auto", "xla", "pallas")
+ATTENTION_IMPLS = ("auto", "xla", "pallas", "cudnn", "splash")
+# the vendors' attention and the platform each runs on (a CPU runs either's composition through
+# XLA or the interpreter, for tests)
+VENDOR_IMPLS = {"cudnn": "gpu", "splash": "tpu"}
 CONTEXT_ATTENTIONS = ("ring", "allgather")
 DTYPES = ("float32", "bfloat16", "float16")
 ROPE_SCALINGS = ("none", "linear", "llama3")
@@ -53,8 +56,9 @@ PLATFORMS = ("cpu", "gpu", "tpu")
 class KernelTarget:
     """The machine attention is traced for: its ``platform`` and, for a GPU, its
     ``compute_capability`` (the GPU kernels' block sizes follow it; None: this process's GPU).
-    ``attention_impl="auto"`` means the Pallas kernels on a GPU or TPU and the XLA math on a
-    CPU; on a CPU the kernels run interpreted (the GPU kernel). A run takes it from its devices
+    ``attention_impl="auto"`` picks per call from the measured table
+    (:func:`diffjax.ops.choose`); where nothing was measured it means the Pallas kernels on a GPU
+    or TPU and the XLA math on a CPU; on a CPU the kernels run interpreted (the GPU kernel). A run takes it from its devices
     or a planner's target (:class:`diffjax.runtime.Runtime`), a layer built by hand from the
     default backend when it is built: never read while tracing."""
 
@@ -81,7 +85,8 @@ class KernelTarget:
         return self.platform == "cpu"
 
     def resolve(self, impl: str) -> str:
-        """``"auto"`` as ``"pallas"`` (GPU, TPU) or ``"xla"`` (CPU); any other name as it is."""
+        """``"auto"`` where nothing was measured: ``"pallas"`` (GPU, TPU) or ``"xla"`` (CPU); any
+        other name as it is."""
         if impl != "auto":
             return impl
         return "xla" if self.platform == "cpu" else "pallas"
@@ -325,7 +330,9 @@ class ModelConfig:
     max_seq_len: int = 1024  # the longest sequence the model takes
     dtype: str = "float32"  # compute (activation) dtype
     param_dtype: str = "float32"  # parameter dtype
-    # how attention is computed: "auto" is the Pallas kernels on GPU/TPU and XLA on CPU
+    # how attention is computed: "xla", "pallas" (diffjax's fused kernels), "cudnn" (NVIDIA
+    # GPUs), "splash" (TPUs), or "auto": per call the fastest that can run it where the table
+    # measured it (diffjax/impl_table.json), else Pallas on GPU/TPU and XLA on CPU
     attention_impl: str = "auto"
     # attention over a mesh whose `context` axis splits the sequence: "ring" (K/V passed around
     # the devices, memory O(T / N)) or "allgather" (K/V gathered: simpler, for short rings)
@@ -401,6 +408,13 @@ class ModelConfig:
                 "attention_impl",
                 f"unknown implementation {self.attention_impl!r}",
                 f"use one of {', '.join(map(repr, ATTENTION_IMPLS))}",
+            )
+        if self.attention_impl == "cudnn" and self.dtype == "float32":
+            self._fail(
+                "attention_impl",
+                "cuDNN's flash attention takes bfloat16 or float16 activations, and dtype is "
+                "float32",
+                "set model.dtype=bfloat16, or model.attention_impl=pallas (or auto)",
             )
         if self.context_attention not in CONTEXT_ATTENTIONS:
             self._fail(

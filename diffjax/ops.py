@@ -11,7 +11,14 @@ Layout everywhere: ``[batch, seq, heads, dim]``.
 - ``"xla"``: the plain ``jax.numpy`` math of :mod:`diffjax.kernels.reference`;
 - ``"pallas"``: the fused kernels of :mod:`diffjax.kernels` (interpreted on CPU), run per shard
   under ``jax.shard_map`` when a mesh is set with ``jax.set_mesh``;
-- ``"auto"``: ``"pallas"`` on GPU and TPU, ``"xla"`` elsewhere;
+- ``"cudnn"`` (NVIDIA GPUs): cuDNN's flash attention, DIFF composed of standard calls as the
+  official code composes it (:mod:`diffjax.kernels.cudnn`); on a CPU the same composition on
+  XLA. ``"splash"`` (TPUs): jax's Splash attention likewise (:mod:`diffjax.kernels.splash`),
+  interpreted on a CPU. Both run per shard like the kernels; a decoded token (one query against
+  the KV cache) takes the XLA math, and what they cannot run is refused with the reason;
+- ``"auto"``: per call, the fastest of the implementations that can run it, from the table a
+  benchmark measured (:mod:`diffjax.impl_table`; :func:`choose`); where it measured nothing,
+  ``"pallas"`` on GPU and TPU and ``"xla"`` elsewhere;
 - or any object with the two functions ``dot_product_attention(q, k, v, *, causal,
   segment_ids, kv_segment_ids, scale)`` and ``differential_attention(q1, k1, q2, k2, v, lam,
   *, ...)`` (called after the shape checks; a layer keeps it as a static attribute, so make it
@@ -38,27 +45,29 @@ exactly the program it runs without the option.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import types
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from . import context as context_lib
-from . import kernels, sharding
+from . import impl_table, kernels, sharding
 from .config import (
     ATTENTION_IMPLS,
     KERNEL_ORDERS,
     NATURAL_ORDER,
+    VENDOR_IMPLS,
     ConfigError,
     ContextSpec,
     KernelTarget,
     ModelConfig,
 )
 from .kernels import check as kernel_check
-from .kernels import reference
+from .kernels import cudnn, reference, splash
 
 
 def current_target() -> KernelTarget:
@@ -81,9 +90,14 @@ def check_impl(impl, target: KernelTarget | None = None):
                 f"{', '.join(map(repr, ATTENTION_IMPLS))}, or an object with "
                 f"dot_product_attention and differential_attention."
             )
-        if impl == "auto":
-            return (current_target() if target is None else target).resolve(impl)
-        return impl
+        target = current_target() if target is None else target
+        if impl in VENDOR_IMPLS and target.platform not in (VENDOR_IMPLS[impl], "cpu"):
+            other = {v: k for k, v in VENDOR_IMPLS.items()}[target.platform]
+            raise ValueError(
+                f"attention impl {impl!r} runs on a {VENDOR_IMPLS[impl].upper()}, and this "
+                f"target is a {target.platform.upper()}. Fix: use {other!r}, 'pallas' or 'auto'"
+            )
+        return target.resolve(impl)
     missing = [f for f in _FUNCTIONS if not callable(getattr(impl, f, None))]
     if missing:
         raise ValueError(
@@ -116,6 +130,12 @@ def _context_layout(impl, spec: ContextSpec, positions, target: KernelTarget) ->
     and the XLA blocks elsewhere; an explicit ``"pallas"`` is refused where it cannot
     (:mod:`diffjax.context` names the fix)."""
     order = NATURAL_ORDER if positions is None else spec.order
+    if impl in VENDOR_IMPLS:
+        raise ValueError(
+            f"attention impl {impl!r} cannot be the blocks of the sequence-parallel ring over a "
+            f"context mesh axis (it returns no log-sum-exp to merge the blocks by). Fix: "
+            f"model.attention_impl=pallas or auto (the fused kernels as the ring's blocks)"
+        )
     if check_impl(impl, target) != "pallas":
         return dict(order=NATURAL_ORDER, positions=positions)
     usable = spec.impl == "ring" and order in KERNEL_ORDERS
@@ -163,13 +183,136 @@ def _returned(result, logit_max: bool):
     return out, jax.lax.stop_gradient(maxes)
 
 
-def _implementation(impl, target: KernelTarget):
-    """The object whose two functions run the attention for ``impl`` on ``target``."""
-    impl = check_impl(impl, target)
-    if impl == "xla":
+# ---------------------------------------------------------------------------- choosing
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """What an attention call is, as the choice of implementation sees it: the kind
+    ("standard", "v1": DIFF with its own second key, "v2": the maps share one key), the compute
+    dtype, the q/k and value widths, the query and key lengths, the masks and whether the
+    diagnostics' row maxima are asked for."""
+
+    kind: str
+    dtype: str
+    head_dim: int
+    v_head_dim: int
+    q_len: int
+    kv_len: int
+    causal: bool = True
+    segments: bool = False
+    kv_segments: bool = False  # kv_segment_ids other than the queries' (a KV cache's mask)
+    logit_max: bool = False
+
+    @classmethod
+    def of(cls, q, k, v, *, kind, causal, segment_ids, kv_segment_ids, logit_max) -> Call:
+        return cls(
+            kind,
+            jax.numpy.dtype(q.dtype).name,
+            q.shape[-1],
+            v.shape[-1],
+            q.shape[1],
+            k.shape[1],
+            causal,
+            segment_ids is not None,
+            kv_segment_ids is not None and kv_segment_ids is not segment_ids,
+            logit_max,
+        )
+
+    @property
+    def decoding(self) -> bool:
+        """One query token against a KV cache (its mask by kv_segment_ids)."""
+        return self.q_len == 1
+
+
+def unsupported(impl: str, target: KernelTarget, call: Call) -> str | None:
+    """Why ``impl`` (a built-in name) cannot run ``call`` on ``target`` (the reason, with its
+    fix), or None. A decoded token is no reason: the vendors' paths give it the XLA math."""
+    if impl in ("xla", "pallas"):
+        return None
+    if target.platform not in (VENDOR_IMPLS[impl], "cpu"):
+        return f"{impl} runs on a {VENDOR_IMPLS[impl].upper()} only"
+    if call.logit_max:
+        return (
+            f"{impl} returns no row maxima for the logit diagnostics. Fix: "
+            "model.attention_impl=pallas (or auto), or train.diagnostics=false"
+        )
+    if call.decoding:
+        return None
+    if impl == "splash":
+        return splash.unsupported(
+            q_len=call.q_len, kv_len=call.kv_len, kv_segments=call.kv_segments
+        )
+    return cudnn.unsupported(
+        dtype=call.dtype,
+        head_dim=call.head_dim,
+        v_head_dim=call.v_head_dim,
+        q_len=call.q_len,
+        kv_len=call.kv_len,
+        causal=call.causal,
+        segments=call.segments and target.platform == "gpu",
+        kv_segments=call.kv_segments,
+        compute_capability=target.compute_capability,
+    )
+
+
+def choose(impl, target: KernelTarget, call: Call) -> tuple[Any, str]:
+    """``(implementation, why)`` for ``call``: a name or object as given (checked: a built-in
+    that cannot run the call raises a ValueError with the reason), or for ``"auto"`` the fastest
+    that can run it in the measured table (:func:`diffjax.impl_table.fastest`), else the
+    target's default."""
+    impl = check_impl(impl, target) if impl != "auto" else impl
+    if impl != "auto":
+        if isinstance(impl, str) and (reason := unsupported(impl, target, call)) is not None:
+            raise ValueError(f"attention impl {impl!r}: {reason}")
+        return impl, "set explicitly"
+    default = target.resolve("auto")
+    if target.platform == "cpu":
+        return default, "the XLA math on a CPU"
+    eligible = [i for i in ATTENTION_IMPLS[1:] if unsupported(i, target, call) is None]
+    pick = impl_table.fastest(
+        platform=target.platform,
+        compute_capability=target.compute_capability,
+        kind=call.kind,
+        dtype=call.dtype,
+        head_dim=call.head_dim,
+        seq_len=call.q_len,
+        segments=call.segments,
+        eligible=eligible,
+    )
+    if pick is None:
+        return default, "nothing measured for this target and shape: the default"
+    return pick.impl, pick.describe()
+
+
+def model_call(config: ModelConfig, seq_len: int, segments: bool, logit_max: bool = False) -> Call:
+    """The :class:`Call` a layer of ``config`` makes in training on ``seq_len`` tokens."""
+    kind = {"diff_v1": "v1", "diff_v2": "v2", "standard": "standard"}[config.attention]
+    d = config.resolved_head_dim
+    dv = 2 * d if kind == "v1" else d
+    return Call(kind, config.dtype, d, dv, seq_len, seq_len, True, segments, False, logit_max)
+
+
+def model_impl(
+    config: ModelConfig,
+    target: KernelTarget,
+    seq_len: int,
+    segments: bool,
+    logit_max: bool = False,
+) -> tuple[str, str]:
+    """``(implementation, why)`` a model of ``config`` trains with on ``seq_len`` tokens
+    (``segments``: documents kept apart) on ``target``: what the run logs and reports, and what
+    its kernel check checks. Raises a ValueError (the reason) when an explicit one cannot run."""
+    return choose(config.attention_impl, target, model_call(config, seq_len, segments, logit_max))
+
+
+def _implementation(impl, target: KernelTarget, call: Call):
+    """The object whose two functions run ``call`` for ``impl`` on ``target``."""
+    impl, _ = choose(impl, target, call)
+    if impl == "xla" or (impl in VENDOR_IMPLS and call.decoding):
         return reference
     if impl == "pallas":
         return _pallas(target)
+    if impl in VENDOR_IMPLS:
+        return _vendor(impl, target)
     return impl
 
 
@@ -222,7 +365,17 @@ def dot_product_attention(
             logit_max=logit_max,
         )
         return _returned(result, logit_max)
-    result = _implementation(impl, target).dot_product_attention(
+    call = Call.of(
+        q,
+        k,
+        v,
+        kind="standard",
+        causal=causal,
+        segment_ids=segment_ids,
+        kv_segment_ids=kv_segment_ids,
+        logit_max=logit_max,
+    )
+    result = _implementation(impl, target, call).dot_product_attention(
         q,
         k,
         v,
@@ -294,7 +447,17 @@ def differential_attention(
             logit_max=logit_max,
         )
         return _returned(result, logit_max)
-    result = _implementation(impl, target).differential_attention(
+    call = Call.of(
+        q1,
+        k1,
+        v,
+        kind="v2" if k2 is None else "v1",
+        causal=causal,
+        segment_ids=segment_ids,
+        kv_segment_ids=kv_segment_ids,
+        logit_max=logit_max,
+    )
+    result = _implementation(impl, target, call).differential_attention(
         q1,
         k1,
         q2,
@@ -311,35 +474,49 @@ def differential_attention(
 
 
 # ---------------------------------------------------------------------------- kernel check
-def kernel_cases(config: ModelConfig) -> list[kernel_check.Case]:
-    """The kernel check's cases for a model: its attention kind, head and value widths, and
-    its compute dtype (and float32)."""
+def kernel_cases(config: ModelConfig, impl: str = "pallas") -> list[kernel_check.Case]:
+    """The kernel check's cases for a model run by ``impl`` ("pallas", "cudnn", "splash"): its
+    attention kind, head and value widths, and its compute dtype (and float32)."""
     kind = {"diff_v1": "v1", "diff_v2": "v2", "standard": "standard"}[config.attention]
     d = config.resolved_head_dim
-    return kernel_check.cases_for(kind, d, 2 * d if kind == "v1" else d, config.dtype)
+    return kernel_check.cases_for(kind, d, 2 * d if kind == "v1" else d, config.dtype, impl)
 
 
 def check_kernels(
-    config: ModelConfig, *, interpret: bool = False, log: Callable[[str], None] | None = None
+    config: ModelConfig,
+    *,
+    impl: str | None = None,
+    interpret: bool = False,
+    log: Callable[[str], None] | None = None,
 ) -> kernel_check.CheckReport | None:
-    """Before a run: check the Pallas kernels against the reference math for ``config``'s
-    shapes on this device (:func:`diffjax.kernels.check.ensure_checked`: once per device kind,
-    jax version and shape, cached), when the model runs them (``attention_impl`` resolves to
-    "pallas"; on CPU through the interpreters, as the model runs them there), or always with
-    ``interpret`` (through the interpreters). None when
-    nothing needed checking. A failure raises :class:`ConfigError` naming the failing cases and
-    the fix; it never falls back silently."""
-    if not interpret and check_impl(config.attention_impl) != "pallas":
-        return None
+    """Before a run: check what computes ``config``'s attention against the reference math for
+    its shapes on this device (:func:`diffjax.kernels.check.ensure_checked`: once per device
+    kind, jax version and shape, cached): the Pallas kernels, or the cuDNN or Splash
+    compositions. ``impl``: what the model runs (a run passes :func:`model_impl`'s choice;
+    default ``config.attention_impl`` without a shape, "auto" as its default). Nothing is
+    checked for the XLA path (None), unless ``interpret``: then the kernels (or the given
+    composition) run through the interpreters or XLA, as on CPU the model runs them. A failure
+    raises :class:`ConfigError` naming the failing cases and the fix; it never falls back
+    silently."""
+    impl = check_impl(config.attention_impl) if impl is None else impl
+    if impl not in kernel_check.IMPLS:
+        if not interpret:
+            return None
+        impl = "pallas"
     interpret = interpret or jax.default_backend() == "cpu"  # where the model interprets them
     try:
-        return kernel_check.ensure_checked(kernel_cases(config), interpret=interpret, log=log)
+        return kernel_check.ensure_checked(kernel_cases(config, impl), interpret=interpret, log=log)
     except kernel_check.KernelCheckError as e:
         lines = "\n".join(e.report.lines())
+        fix = (
+            "model.attention_impl=xla (the XLA path)"
+            if impl == "pallas"
+            else (f"model.attention_impl=pallas (diffjax's kernels) instead of {impl}")
+        )
         raise ConfigError(
-            f"ModelConfig.attention_impl: {e}.\n{lines}\nFix: set model.attention_impl=xla "
-            f"(the XLA path) to run without the kernels, and please report the lines above "
-            f"(python -m diffjax.kernels.check prints them) with your jax and jaxlib versions."
+            f"ModelConfig.attention_impl: {e}.\n{lines}\nFix: set {fix}, and please report "
+            f"the lines above (python -m diffjax.kernels.check prints them) with your jax and "
+            f"jaxlib versions."
         ) from e
 
 
@@ -387,32 +564,59 @@ def _kernel_options(target: KernelTarget) -> dict:
     )
 
 
-def _pallas_standard(
-    q, k, v, *, causal, segment_ids, kv_segment_ids, scale, target, logit_max=False
-):
-    def run(q, k, v, segment_ids, kv_segment_ids):
-        return kernels.flash_attention(
-            q,
-            k,
-            v,
-            causal=causal,
-            segment_ids=segment_ids,
-            kv_segment_ids=kv_segment_ids,
-            sm_scale=scale,
-            **_kernel_options(target),
-            **_logit_max_kernel_option(logit_max),
-        )
+def _sharded_standard(attend, q, k, v, segment_ids, kv_segment_ids, logit_max=False):
+    """``attend(q, k, v, segment_ids, kv_segment_ids)`` per shard: batch rows and heads."""
 
     def specs(b, h):
         return (P(b, None, h, None),) * 3 + (P(b, None),) * 2
 
     args = (q, k, v, segment_ids, kv_segment_ids)
-    return _per_shard(run, args, specs, q.shape[0], k.shape[2], logit_max)
+    return _per_shard(attend, args, specs, q.shape[0], k.shape[2], logit_max)
+
+
+def _sharded_differential(
+    attend, q1, k1, q2, k2, v, lam, segment_ids, kv_segment_ids, logit_max=False
+):
+    """``attend(q1, k1, q2, k2, v, lam, segment_ids, kv_segment_ids)`` per shard (lambda: V1's
+    scalar whole, V2's ``[B, T, Hq]`` split like the queries)."""
+
+    def specs(b, h):
+        heads = P(b, None, h, None)
+        lam_spec = P() if jax.numpy.ndim(lam) == 0 else P(b, None, h)
+        return (heads,) * 5 + (lam_spec, P(b, None), P(b, None))
+
+    args = (q1, k1, q2, k2, v, lam, segment_ids, kv_segment_ids)
+    return _per_shard(attend, args, specs, q1.shape[0], k1.shape[2], logit_max)
+
+
+def _pallas_standard(
+    q, k, v, *, causal, segment_ids, kv_segment_ids, scale, target, logit_max=False
+):
+    options = dict(
+        causal=causal,
+        sm_scale=scale,
+        **_kernel_options(target),
+        **_logit_max_kernel_option(logit_max),
+    )
+
+    def run(q, k, v, segment_ids, kv_segment_ids):
+        return kernels.flash_attention(
+            q, k, v, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, **options
+        )
+
+    return _sharded_standard(run, q, k, v, segment_ids, kv_segment_ids, logit_max)
 
 
 def _pallas_differential(
     q1, k1, q2, k2, v, lam, *, causal, segment_ids, kv_segment_ids, scale, target, logit_max=False
 ):
+    options = dict(
+        causal=causal,
+        sm_scale=scale,
+        **_kernel_options(target),
+        **_logit_max_kernel_option(logit_max),
+    )
+
     def run(q1, k1, q2, k2, v, lam, segment_ids, kv_segment_ids):
         return kernels.differential_flash_attention(
             q1,
@@ -421,21 +625,13 @@ def _pallas_differential(
             k2,
             v,
             lam,
-            causal=causal,
             segment_ids=segment_ids,
             kv_segment_ids=kv_segment_ids,
-            sm_scale=scale,
-            **_kernel_options(target),
-            **_logit_max_kernel_option(logit_max),
+            **options,
         )
 
-    def specs(b, h):
-        heads = P(b, None, h, None)
-        lam_spec = P() if jax.numpy.ndim(lam) == 0 else P(b, None, h)  # V1 scalar, V2 [B, T, Hq]
-        return (heads,) * 5 + (lam_spec, P(b, None), P(b, None))
-
     args = (q1, k1, q2, k2, v, lam, segment_ids, kv_segment_ids)
-    return _per_shard(run, args, specs, q1.shape[0], k1.shape[2], logit_max)
+    return _sharded_differential(run, *args, logit_max)
 
 
 def _pallas(target: KernelTarget):
@@ -443,4 +639,56 @@ def _pallas(target: KernelTarget):
     return types.SimpleNamespace(
         dot_product_attention=functools.partial(_pallas_standard, target=target),
         differential_attention=functools.partial(_pallas_differential, target=target),
+    )
+
+
+# ---------------------------------------------------------------------------- cuDNN, Splash
+# Run per shard like the kernels (Splash is a Pallas call GSPMD cannot split; cuDNN's calls
+# alike, so both take the heads and batch rows a device holds). A CPU target runs the cuDNN
+# composition on XLA and Splash interpreted.
+def _vendor(impl: str, target: KernelTarget):
+    """The "cudnn" or "splash" implementation for ``target`` (the diagnostics' ``logit_max`` is
+    refused before: :func:`unsupported`)."""
+    module = cudnn if impl == "cudnn" else splash
+    if impl == "cudnn":
+        options = {"implementation": "xla" if target.platform == "cpu" else "cudnn"}
+    else:
+        options = {"interpret": target.interpret}
+
+    def standard(q, k, v, *, causal, segment_ids, kv_segment_ids, scale):
+        def run(q, k, v, segment_ids, kv_segment_ids):
+            return module.dot_product_attention(
+                q,
+                k,
+                v,
+                causal=causal,
+                segment_ids=segment_ids,
+                kv_segment_ids=kv_segment_ids,
+                scale=scale,
+                **options,
+            )
+
+        return _sharded_standard(run, q, k, v, segment_ids, kv_segment_ids)
+
+    def differential(q1, k1, q2, k2, v, lam, *, causal, segment_ids, kv_segment_ids, scale):
+        def run(q1, k1, q2, k2, v, lam, segment_ids, kv_segment_ids):
+            return module.differential_attention(
+                q1,
+                k1,
+                q2,
+                k2,
+                v,
+                lam,
+                causal=causal,
+                segment_ids=segment_ids,
+                kv_segment_ids=kv_segment_ids,
+                scale=scale,
+                **options,
+            )
+
+        args = (q1, k1, q2, k2, v, lam, segment_ids, kv_segment_ids)
+        return _sharded_differential(run, *args)
+
+    return types.SimpleNamespace(
+        dot_product_attention=standard, differential_attention=differential
     )

@@ -364,6 +364,12 @@ def check_model_mesh(
     sizes = _mesh_sizes(mesh)
     n_ctx = sizes.get("context", 1)
     impl = model_cfg.attention_impl  # "auto" takes the XLA blocks where the kernels cannot
+    if n_ctx > 1 and impl in ("cudnn", "splash"):
+        raise ConfigError(
+            f"model.attention_impl={impl} with mesh.context={n_ctx}: the sequence-parallel ring "
+            f"merges its blocks by their log-sum-exp, which {impl} does not return. Fix: "
+            f"model.attention_impl=pallas or auto (the fused kernels as the ring's blocks)"
+        )
     if n_ctx > 1 and impl == "pallas":
         why = None
         if model_cfg.context_attention != "ring":

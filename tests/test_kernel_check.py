@@ -203,7 +203,7 @@ def test_a_failed_check_is_a_config_error_that_names_the_fix(monkeypatch):
     with pytest.raises(diffjax.ConfigError) as e:
         ops.check_kernels(cfg, interpret=True)
     msg = str(e.value)
-    assert msg.startswith("ModelConfig.attention_impl: the Pallas kernels disagree")
+    assert msg.startswith("ModelConfig.attention_impl: the attention kernels disagree")
     assert "FAIL v1 d=64 dv=128 float32" in msg and "Fix: set model.attention_impl=xla" in msg
 
 

@@ -32,6 +32,7 @@ from diffjax import data as data_lib
 from diffjax import ops, sharding, storage
 from diffjax.config import ConfigError
 from diffjax.evaluate import evaluate_run
+from diffjax.runtime import Runtime
 from diffjax.train.checkpoint import CheckpointError, committed_steps, resolve_init_from
 from diffjax.train.config import (
     apply_overrides,
@@ -44,6 +45,7 @@ from diffjax.train.loop import (
     Preempted,
     TrainingDiverged,
     TrainResult,
+    attention_choice,
     check_run,
     describe_mesh,
     preemption_guard,
@@ -173,10 +175,12 @@ def main(argv: list[str] | None = None, *, after_step: AfterStep | None = None) 
         distributed = init_distributed(args)
         mesh = sharding.make_mesh(exp.mesh)  # checks the sizes against the devices
         check_run(exp, mesh)  # every cross-field rule, in one place
-        if exp.train.kernel_check != "off":  # every model's kernels, before anything trains
-            for model_cfg in exp.models.values():
+        for model_cfg in exp.models.values():  # each model's attention, then its kernels
+            impl, _ = attention_choice(exp, model_cfg, Runtime.of(model_cfg, exp.mesh, mesh))
+            if exp.train.kernel_check != "off":
                 ops.check_kernels(
                     model_cfg,
+                    impl=impl,
                     interpret=exp.train.kernel_check == "interpret",
                     log=print if jax.process_index() == 0 else None,
                 )

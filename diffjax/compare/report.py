@@ -670,6 +670,28 @@ def _setup_machine(results: Sequence[TrainResult]) -> list[str]:
     return [f"- peak memory: {results[0].memory_source if results else ''}." + peaks, machine]
 
 
+def attention_lines(results: Sequence[TrainResult]) -> list[str]:
+    """Which implementation computed each model's attention in training, and why (one line per
+    model; a result saved before this was recorded says nothing)."""
+    seen: dict[str, TrainResult] = {}
+    for r in results:
+        if r.attention_impl is not None:
+            seen.setdefault(r.label, r)
+    if not seen:
+        return []
+    same = len({r.attention_impl for r in seen.values()}) == 1
+    lines = [
+        f"- attention: {label} ran {r.attention_impl} ({r.attention_impl_why})"
+        for label, r in seen.items()
+    ]
+    if not same:
+        lines.append(
+            "  (each model ran its own fastest implementation: the throughput compares them as "
+            "a user would run them; model.attention_impl=pallas makes both run one make)"
+        )
+    return lines
+
+
 def _setup(exp: ExperimentConfig, results: Sequence[TrainResult], description: str) -> list[str]:
     return [
         "## Setup",
@@ -677,6 +699,7 @@ def _setup(exp: ExperimentConfig, results: Sequence[TrainResult], description: s
         _setup_model(exp),
         *_setup_training(exp, description),
         _setup_measures(exp, results),
+        *attention_lines(results),
         *_setup_machine(results),
         "",
     ]

@@ -142,6 +142,10 @@ class TrainResult:
     mfu: float | None = None
     spikes_skipped: int | None = None  # train.skip_spikes: the updates skipped (None: off)
     rollbacks: int = 0  # train.on_nan=rollback: the rollbacks in this process's last leg
+    # what computed the attention in training ("xla", "pallas", "cudnn", "splash") and why
+    # (set explicitly, or auto's measurement: diffjax.ops.model_impl)
+    attention_impl: str | None = None
+    attention_impl_why: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -482,6 +486,22 @@ def check_run(exp: ExperimentConfig, mesh, models: Iterable[ModelConfig] | None 
         sharding.check_model_mesh(model_cfg, mesh, exp.train.batch_size, order)
     check_grad_accum(exp.train, mesh)
     context.check_sequence(exp.data.seq_len, context.axis_size(mesh), order)
+
+
+def attention_choice(exp: ExperimentConfig, model_cfg: ModelConfig, runtime: Runtime):
+    """``(implementation, why)`` of ``model_cfg``'s attention in training on ``runtime``
+    (:func:`diffjax.ops.model_impl` at the run's sequence length, documents and diagnostics); a
+    :class:`ConfigError` with the reason and fix when an explicit one cannot run them."""
+    try:
+        return ops.model_impl(
+            model_cfg,
+            runtime.kernel_target,
+            exp.data.seq_len,
+            data_lib.carries_documents(exp.data),
+            exp.train.diagnostics,
+        )
+    except ValueError as e:
+        raise ConfigError(f"model.attention_impl={model_cfg.attention_impl}: {e}") from None
 
 
 def check_grad_accum(tcfg, mesh) -> None:
@@ -1183,8 +1203,12 @@ def _train_model(
     if not _GUARD.synced and _GUARD.requested():  # came before this model started
         ckpt_dir = storage.join(str(storage.absolute(directory)), "checkpoints")
         raise Preempted(None, ckpt_dir, _GUARD.signal_name, label, tcfg.seed)
+    impl = attention_choice(exp, model_cfg, runtime)
+    log(f"[{label}] attention: {impl[0]} ({impl[1]})")
     if tcfg.kernel_check != "off":  # before anything is trained: a failure stops the run
-        ops.check_kernels(model_cfg, interpret=tcfg.kernel_check == "interpret", log=log)
+        ops.check_kernels(
+            model_cfg, impl=impl[0], interpret=tcfg.kernel_check == "interpret", log=log
+        )
     ckpt, latest, meta = _open_run(exp, model_cfg, label, directory, require_checkpoint, log)
     train_iter, val = process_stream(exp, "train", mesh), _Validation.of(exp, mesh)
     setup = model_setup(model_cfg, tcfg, runtime, exp.retrofit.schedule)
@@ -1224,21 +1248,22 @@ def _train_model(
         recorder.close()
         ckpt.wait()
         ckpt.close()
-    return _finish(model_cfg, label, directory, writer, train_fn, latest, mesh, tcfg.seed)
+    return _finish(model_cfg, label, directory, writer, train_fn, latest, mesh, tcfg.seed, impl)
 
 
 def _is_main() -> bool:
     return jax.process_index() == 0
 
 
-def _finish(model_cfg, label, directory, writer, train_fn, latest, mesh, seed) -> TrainResult:
+def _finish(model_cfg, label, directory, writer, train_fn, latest, mesh, seed, impl) -> TrainResult:
     """The model's :class:`TrainResult` from its metrics (process 0 also writes
-    ``result.json``)."""
+    ``result.json``); ``impl``: :func:`attention_choice`."""
     main = _is_main()
     records = read_metrics(storage.join(directory, "metrics.jsonl")) if main else writer.records
     n_params, memory = count_params(model_cfg).total, memory_estimate(train_fn)
     result = summarize(label, model_cfg, directory, records, n_params, memory, latest)
     result.mesh, result.seed = describe_mesh(mesh), seed
+    result.attention_impl, result.attention_impl_why = impl
     if main:
         storage.write_json(storage.join(directory, "result.json"), result.to_dict())
     return result

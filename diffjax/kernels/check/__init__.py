@@ -2,7 +2,8 @@
 
 ``python -m diffjax.kernels.check`` (or :func:`run_check`) runs the forward and backward of
 :func:`diffjax.kernels.differential_flash_attention` and :func:`diffjax.kernels.flash_attention`
-on small shapes that cover what a run uses and compares the output and every gradient with the
+(on a GPU also their cuDNN compositions, :mod:`diffjax.kernels.cudnn`; on a TPU the Splash
+ones, :mod:`diffjax.kernels.splash`; ``check.impl`` picks) on small shapes that cover what a run uses and compares the output and every gradient with the
 reference math (:mod:`diffjax.kernels.reference`, float32, matmuls at full precision): DIFF V1
 (separate K1/K2, V twice as wide, a scalar lambda), DIFF V2 (one shared key, lambda per token)
 and standard attention, at head widths 64 and 128, in float32 and bfloat16, with GQA, causal
@@ -40,10 +41,14 @@ import numpy as np
 
 from diffjax import cli
 
-from .. import flash_attention, reference
+from .. import cudnn, flash_attention, reference, splash
 from .. import differential_flash_attention as _differential
 
 KINDS = ("v1", "v2", "standard")  # what each case runs: see Case
+# what computes it: diffjax's fused kernels, or a vendor's attention composed into DIFF
+# (diffjax.kernels.cudnn on a GPU, .splash on a TPU; on a CPU through XLA and the interpreter)
+IMPLS = ("pallas", "cudnn", "splash")
+VENDOR = {"gpu": "cudnn", "tpu": "splash"}  # the vendor's attention of each platform
 # (atol, rtol) of the output and of the gradients; lambda's gradient by the L1 norm of its terms
 TOLERANCES = {
     "float32": dict(value=(1e-5, 2e-3), grad=(1e-5, 5e-3), dlam=(1e-5, 5e-3)),
@@ -52,6 +57,7 @@ TOLERANCES = {
 # the shapes every case runs: GQA (4 query heads over 2 kv heads), 2 packed segments per row,
 # causal, a length that no block size divides
 BATCH, SEQ, Q_HEADS, KV_HEADS = 2, 80, 4, 2
+SPLASH_SEQ = 256  # Splash's blocks are multiples of 128 tokens
 
 
 class KernelCheckError(RuntimeError):
@@ -61,7 +67,7 @@ class KernelCheckError(RuntimeError):
         self.report = report
         failed = [r for r in report.results if not r.passed]
         super().__init__(
-            f"the Pallas kernels disagree with the reference math on {report.device} in "
+            f"the attention kernels disagree with the reference math on {report.device} in "
             f"{len(failed)} of {len(report.results)} cases: " + "; ".join(r.line() for r in failed)
         )
 
@@ -75,33 +81,50 @@ class Case:
     head_dim: int
     v_head_dim: int
     dtype: str
+    impl: str = "pallas"  # see IMPLS
 
     def __post_init__(self):
         if self.kind not in KINDS:
             raise ValueError(f"Case.kind: unknown {self.kind!r}; use one of {KINDS}")
         if self.dtype not in TOLERANCES:
             raise ValueError(f"Case.dtype: {self.dtype!r}; use one of {tuple(TOLERANCES)}")
+        if self.impl not in IMPLS:
+            raise ValueError(f"Case.impl: unknown {self.impl!r}; use one of {IMPLS}")
 
     @property
     def name(self) -> str:
-        return f"{self.kind} d={self.head_dim} dv={self.v_head_dim} {self.dtype}"
+        name = f"{self.kind} d={self.head_dim} dv={self.v_head_dim} {self.dtype}"
+        return name if self.impl == "pallas" else f"{self.impl} {name}"
+
+    @property
+    def seq(self) -> int:
+        return SPLASH_SEQ if self.impl == "splash" else SEQ
 
 
-def standard_cases() -> list[Case]:
+def _dtypes(impl: str, dtype: str) -> tuple[str, ...]:
+    """A layer's compute dtype and float32 (the reference's); cuDNN takes no float32."""
+    dtype = "bfloat16" if dtype == "float16" else dtype  # float16 runs like bfloat16 here
+    return (dtype,) if impl == "cudnn" else tuple(dict.fromkeys(("float32", dtype)))
+
+
+def standard_cases(impls: Sequence[str] = ("pallas",)) -> list[Case]:
     """The standard set: V1 (V 2d wide), V2 and standard attention at d 64 and 128, in float32
-    and bfloat16."""
+    and bfloat16, for each of ``impls``."""
     return [
-        Case(kind, d, 2 * d if kind == "v1" else d, dtype)
+        Case(kind, d, 2 * d if kind == "v1" else d, dtype, impl)
+        for impl in impls
         for d in (64, 128)
         for kind in KINDS
-        for dtype in ("float32", "bfloat16")
+        for dtype in _dtypes(impl, "bfloat16")
     ]
 
 
-def cases_for(kind: str, head_dim: int, v_head_dim: int, dtype: str) -> list[Case]:
-    """The cases of one layer's shapes: its compute dtype, and float32 (the reference's)."""
-    dtype = "bfloat16" if dtype == "float16" else dtype  # float16 runs like bfloat16 here
-    return [Case(kind, head_dim, v_head_dim, dt) for dt in dict.fromkeys(("float32", dtype))]
+def cases_for(
+    kind: str, head_dim: int, v_head_dim: int, dtype: str, impl: str = "pallas"
+) -> list[Case]:
+    """The cases of one layer's shapes: its compute dtype, and float32 (the reference's; not for
+    cuDNN, which takes none)."""
+    return [Case(kind, head_dim, v_head_dim, dt, impl) for dt in _dtypes(impl, dtype)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,7 +173,7 @@ class CheckReport:
 # ---------------------------------------------------------------------------- one case
 def _inputs(case: Case, seed: int = 0) -> dict:
     rng = np.random.default_rng(seed)
-    b, t, hq, hkv = BATCH, SEQ, Q_HEADS, KV_HEADS
+    b, t, hq, hkv = BATCH, case.seq, Q_HEADS, KV_HEADS
 
     def normal(*shape, dt=case.dtype):
         return jnp.asarray(rng.standard_normal(shape, np.float32)).astype(jnp.dtype(dt))
@@ -185,19 +208,38 @@ def _value_and_grads(fn: Callable, args: tuple, ct) -> tuple[np.ndarray, tuple]:
     return np.asarray(out, np.float64), tuple(np.asarray(g, np.float64) for g in grads)
 
 
-def _functions(case: Case, x: dict, kernel_kw: dict):
-    """``(names, kernel fn, reference fn, args)`` for one case."""
+def _implementation(case: Case, interpret, backend: str | None):
+    """``(standard, differential)`` functions of the case's implementation, with their options."""
+    if case.impl == "cudnn":
+        kw = dict(implementation="xla" if interpret else "cudnn")
+        return (
+            functools.partial(cudnn.dot_product_attention, **kw),
+            functools.partial(cudnn.differential_attention, **kw),
+        )
+    if case.impl == "splash":
+        kw = dict(interpret=interpret)
+        return (
+            functools.partial(splash.dot_product_attention, **kw),
+            functools.partial(splash.differential_attention, **kw),
+        )
+    kw = dict(interpret=interpret, backend=backend)
+    return functools.partial(flash_attention, **kw), functools.partial(_differential, **kw)
+
+
+def _functions(case: Case, x: dict, interpret, backend: str | None):
+    """``(names, implementation fn, reference fn, args)`` for one case."""
     scale = case.head_dim**-0.5
     masks = dict(causal=True, segment_ids=x["segment_ids"])
+    standard, differential = _implementation(case, interpret, backend)
     if case.kind == "standard":
         args = (x["q1"], x["k1"], x["v"])
-        kernel = functools.partial(flash_attention, **masks, **kernel_kw)
+        kernel = functools.partial(standard, **masks)
         ref = functools.partial(reference.dot_product_attention, scale=scale, **masks)
         return ("out", "dq", "dk", "dv"), kernel, ref, args
     shared = case.kind == "v2"
 
     def kernel(q1, k1, q2, k2, v, lam):
-        return _differential(q1, k1, q2, None if shared else k2, v, lam, **masks, **kernel_kw)
+        return differential(q1, k1, q2, None if shared else k2, v, lam, **masks)
 
     def ref(q1, k1, q2, k2, v, lam):
         return reference.differential_attention(
@@ -212,7 +254,7 @@ def check_case(case: Case, *, interpret=False, backend: str | None = None) -> Ca
     """Run one case's kernel and the float32 reference; the errors against the tolerances."""
     x = _inputs(case)
     try:
-        names, kernel, ref, args = _functions(case, x, dict(interpret=interpret, backend=backend))
+        names, kernel, ref, args = _functions(case, x, interpret, backend)
         out, grads = _value_and_grads(kernel, args, x["ct"])
         with jax.default_matmul_precision("highest"):
             f32 = tuple(a.astype(jnp.float32) for a in args)
@@ -359,10 +401,13 @@ class CheckSettings:
     head_dim: tuple[int, ...] = ()  # only these q/k widths, comma-separated (empty: 64 and 128)
     kind: tuple[str, ...] = ()  # only these kinds, comma-separated (empty: every kind)
     dtype: tuple[str, ...] = ()  # only these dtypes, comma-separated (empty: every dtype)
+    # these implementations, comma-separated (empty: the fused kernels, and on a GPU or TPU the
+    # vendor's attention too: cudnn, splash)
+    impl: tuple[str, ...] = ()
 
     def __post_init__(self):
         cli.check_fields(self)
-        allowed = {"kind": KINDS, "dtype": tuple(TOLERANCES)}
+        allowed = {"kind": KINDS, "dtype": tuple(TOLERANCES), "impl": IMPLS}
         for name, values in allowed.items():
             for value in getattr(self, name):
                 if value not in values:
@@ -380,11 +425,18 @@ class CheckSettings:
                 f"use one of {', '.join(map(repr, BACKENDS))}, or none for the device's",
             )
 
+    def impls(self) -> tuple[str, ...]:
+        """The implementations checked: as given, else the kernels and the device's vendor."""
+        if self.impl:
+            return self.impl
+        vendor = VENDOR.get(jax.default_backend())
+        return ("pallas",) if self.interpret or vendor is None else ("pallas", vendor)
+
     def cases(self) -> list[Case]:
         """The standard cases these settings keep."""
         return [
             c
-            for c in standard_cases()
+            for c in standard_cases(self.impls())
             if (not self.head_dim or c.head_dim in self.head_dim)
             and (not self.kind or c.kind in self.kind)
             and (not self.dtype or c.dtype in self.dtype)
@@ -397,7 +449,7 @@ SECTIONS = (
     cli.Section(
         "check",
         CheckSettings(),
-        {"backend": BACKENDS, "kind": KINDS, "dtype": tuple(TOLERANCES)},
+        {"backend": BACKENDS, "kind": KINDS, "dtype": tuple(TOLERANCES), "impl": IMPLS},
     ),
 )
 # each old flag and what replaced it (refused with the new spelling)
