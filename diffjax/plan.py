@@ -30,6 +30,7 @@ compile, with the fix).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib.util
@@ -48,6 +49,7 @@ from flax import nnx
 from diffjax import cli, sharding, storage
 from diffjax import flops as flops_lib
 from diffjax.config import ConfigError, ModelConfig, check_fields, fail
+from diffjax.kernels import cudnn
 from diffjax.param_count import count_params
 from diffjax.runtime import Runtime
 from diffjax.train import loop
@@ -260,6 +262,8 @@ class Measure:
     compile_s: float
     kernel_calls: int = 0  # Pallas kernels (Mosaic / Triton custom calls) in the compiled step
     permutes: int = 0  # collective-permutes in the program (a ring over `context`; XLA's own)
+    cudnn_calls: int = 0  # cuDNN attention custom calls (forward and backward) in the step
+    splash_calls: int = 0  # of the kernel calls, jax's Splash attention kernels
     compiler_oom: bool = False  # the compiler refused it (over HBM); total_bytes is its count
 
     def fits(self, hbm_bytes: float) -> bool:
@@ -322,8 +326,18 @@ def lower_train_step(
         # the loop's own jitted step (its shardings, donation and compiler options)
         jitted, _ = loop.jit_steps(setup, rest, {k: batch_sh for k in abstract_batch})
         t0 = time.time()
-        lowered = jitted.trace(setup.abstract, abstract_batch).lower()
+        with _compile_only_cudnn(target):
+            lowered = jitted.trace(setup.abstract, abstract_batch).lower()
     return setup, lowered, time.time() - t0
+
+
+def _compile_only_cudnn(target: Target):
+    """On a GPU target, jax's cuDNN attention traced for that GPU (its compute capability and a
+    cuDNN 9.12, the version the compile-only device description declares) rather than for a
+    device here: :func:`diffjax.kernels.cudnn.compile_only`."""
+    if target.platform != "gpu":
+        return contextlib.nullcontext()
+    return cudnn.compile_only(91200, target.compute_capability)
 
 
 def compile_train_step(
@@ -376,6 +390,8 @@ def compile_train_step(
     )
     # the ring's K/V hops (sync or async form; counted once per op in the program text)
     permutes = len(re.findall(r" collective-permute(?:-start)?\(", text))
+    cudnn_calls = len(re.findall(r'custom_call_target="__cudnn\$fmha', text))
+    splash_calls = len(re.findall(r"^\s*%splash_\w*(?:\.\d+)? = [^\n]*custom-call\(", text, re.M))
     if dump is not None:
         write_dump(dump, text, mem, params_bytes, opt_bytes)
     return Measure(
@@ -392,7 +408,20 @@ def compile_train_step(
         compile_s,
         kernels,
         permutes,
+        cudnn_calls,
+        splash_calls,
     )
+
+
+def _attention_row(m: Measure) -> str:
+    """What computed the attention in the compiled step, from its custom calls."""
+    if m.cudnn_calls:
+        return f"cuDNN ({m.cudnn_calls} cuDNN attention calls in the step)"
+    if m.splash_calls:
+        return f"Splash ({m.splash_calls} Splash kernel calls in the step)"
+    if m.kernel_calls:
+        return f"Pallas ({m.kernel_calls} kernel calls in the step)"
+    return "XLA (no Pallas kernel in the step)"
 
 
 def write_dump(prefix: str, text: str, mem, params_bytes: int, opt_bytes: int) -> None:
@@ -542,11 +571,7 @@ def model_table(
             "attention",
             "? (not compiled)"
             if m.compiler_oom
-            else (
-                f"Pallas ({m.kernel_calls} kernel calls in the step)"
-                if m.kernel_calls
-                else "XLA (no Pallas kernel in the step)"
-            )
+            else _attention_row(m)
             + (f"; {m.permutes} collective-permutes in the program" if m.permutes else ""),
         ),
         ("parameters per device", _gib(m.params_bytes)),

@@ -141,6 +141,35 @@ def test_a_context_axis_compiles_as_a_ring_for_a_gpu_node(tmp_path):
 
 
 @needs_compilers
+@pytest.mark.parametrize(
+    "target,impl,calls",
+    [
+        # documents apart: V1 as four cuDNN calls (the packed layout takes V in halves), each
+        # with its backward; the twin one call and its backward
+        ("h100-8", "cudnn", {"diff": "cuDNN (8 cuDNN attention", "standard": "cuDNN (2 cuDNN"}),
+        # V1 as two Splash calls sharing V (forward, dQ and dK/dV kernels each); the twin one
+        ("v5e-8", "splash", {"diff": "Splash (6 Splash kernel", "standard": "Splash (3 Splash"}),
+    ],
+)
+def test_the_vendors_attention_is_in_the_compiled_step_of_its_target(tmp_path, target, impl, calls):
+    """The loop's train step compiled for an H100 node with model.attention_impl=cudnn holds
+    cuDNN's attention custom calls (jax traces them for the target's GPU and cuDNN 9.12,
+    compile-only); for a v5e slice with splash, the Splash kernels."""
+    dump = tmp_path / "dump"
+    tiny = [a for a in TINY if not a.startswith("train.batch_size")] + ["train.batch_size=8"]
+    proc = plan(
+        f"plan.target={target}", "plan.search=none", f"plan.dump={dump}", *tiny,
+        "model.dtype=bfloat16", f"model.attention_impl={impl}",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for label, line in calls.items():
+        assert line in proc.stdout, proc.stdout
+        text = (dump / f"{label}.hlo.txt").read_text()
+        marker = "__cudnn$fmhaSoftmax" if impl == "cudnn" else "splash_mha_fwd"
+        assert marker in text
+
+
+@needs_compilers
 def test_no_fit_names_a_setting_that_fits(h100_plan, tmp_path):
     _, rec = h100_plan
     diff = rec["models"][0]
