@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import subprocess
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -18,35 +19,45 @@ def _load(name):
     return module
 
 
-def test_attention_benchmark_runs_on_cpu(capsys, tmp_path):
-    bench = _load("attention")
-    md = tmp_path / "table.md"
-    assert (
-        bench.main(
-            [
-                "--seq-lens",
-                "32",
-                "--iters",
-                "1",
-                "--peak-n",
-                "64",
-                "--heads",
-                "1",
-                "--head-dim",
-                "16",
-                "--markdown",
-                str(md),
-            ]
-        )
-        == 0
+def test_the_gpu_script_rehearses_every_part_on_cpu(tmp_path):
+    """``benchmarks/gpu_train.sh`` with ``GPU_TRAIN_TINY=1``: the same script the GPU runs, at a
+    tiny size (the kernel check interpreted, cuDNN's compositions on XLA), writes every table."""
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        ["bash", os.path.join(ROOT, "benchmarks", "gpu_train.sh")],
+        cwd=ROOT,
+        env={**os.environ, "GPU_TRAIN_TINY": "1", "OUT": str(out), "JAX_PLATFORMS": "cpu"},
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
-    out = capsys.readouterr().out
-    assert "skipped: fused" in out  # says what it cannot run here
-    for variant in ("xla", "two-call", "twin jax.nn"):
-        assert f"    32 {variant}" in out
-    assert "| 32 | xla |" in md.read_text()
-    # the FLOP count is the reference page's: 6d MACs per visible pair per V1 head
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "gpu_train.sh: done" in proc.stdout
+    assert "jax 0.10" in (out / "env.txt").read_text() or "jax 0.1" in (out / "env.txt").read_text()
+    assert "PASS: 3 of 3 cases" in (out / "kernel_check.txt").read_text()
+    attention = json.loads((out / "attention.json").read_text())
+    got = {(r["kind"], r["impl"]) for r in attention["rows"] if "error" not in r}
+    for kind in ("v1", "standard", "v2", "std-2h"):
+        assert {(kind, "xla"), (kind, "cudnn")} <= got, got
+    assert ("v1", "cudnn-4") in got
+    assert "V2 / std-2h on cudnn" in (out / "attention.md").read_text()
+    docs = json.loads((out / "attention_docs.json").read_text())
+    assert {r["documents"] for r in docs["rows"]} == {32}
+    # a CPU rehearsal never writes its times into auto's table
+    assert (out / "impl_table.json").read_text() == open(
+        os.path.join(ROOT, "diffjax", "impl_table.json")
+    ).read()
+    step = json.loads((out / "train_step.json").read_text())
+    rows = {(r["model"], r["impl"]): r for r in step["rows"]}
+    assert set(rows) == {(m, i) for m in ("DIFF V1", "DIFF V2", "twin") for i in ("xla", "cudnn")}
+    assert all("error" not in r and r["step_ms"] > 0 for r in rows.values()), rows
+    assert step["env"]["documents"] == 40
+    md = (out / "train_step.md").read_text()
+    assert "cudnn: DIFF V1 / twin step time" in md and "DIFF V2 / twin" in md
+    bench = _load("attention")  # the FLOP count is the reference page's
     assert bench.visible_pairs(4, True) == 10 and bench.visible_pairs(4, False) == 16
+    assert bench.flops("v1", 1, 4, 1, 8, True) == 2 * 6 * 8 * 10
+    assert bench.flops("v2", 1, 4, 1, 8, True) == bench.flops("std-2h", 1, 4, 1, 8, True)
 
 
 def test_decode_benchmark_runs_on_cpu(capsys, tmp_path):
