@@ -493,25 +493,35 @@ def check_kernels(
     its shapes on this device (:func:`diffjax.kernels.check.ensure_checked`: once per device
     kind, jax version and shape, cached): the Pallas kernels, or the cuDNN or Splash
     compositions. ``impl``: what the model runs (a run passes :func:`model_impl`'s choice;
-    default ``config.attention_impl`` without a shape, "auto" as its default). Nothing is
+    default ``config.attention_impl``, and for "auto" on a GPU or TPU both the kernels and the
+    vendor's composition, either of which it may pick for a shape). Nothing is
     checked for the XLA path (None), unless ``interpret``: then the kernels (or the given
     composition) run through the interpreters or XLA, as on CPU the model runs them. A failure
     raises :class:`ConfigError` naming the failing cases and the fix; it never falls back
     silently."""
-    impl = check_impl(config.attention_impl) if impl is None else impl
-    if impl not in kernel_check.IMPLS:
+    impls = [check_impl(config.attention_impl) if impl is None else impl]
+    target = current_target()
+    vendor = kernel_check.VENDOR.get(target.platform)
+    if impl is None and config.attention_impl == "auto" and vendor is not None:
+        call = model_call(config, config.max_seq_len, segments=False)
+        if unsupported(vendor, target, call) is None:  # what auto may pick at some shape
+            impls.append(vendor)
+    impls = [i for i in impls if i in kernel_check.IMPLS]
+    if not impls:
         if not interpret:
             return None
-        impl = "pallas"
+        impls = ["pallas"]
     interpret = interpret or jax.default_backend() == "cpu"  # where the model interprets them
+    cases = [c for i in impls for c in kernel_cases(config, i)]
     try:
-        return kernel_check.ensure_checked(kernel_cases(config, impl), interpret=interpret, log=log)
+        return kernel_check.ensure_checked(cases, interpret=interpret, log=log)
     except kernel_check.KernelCheckError as e:
         lines = "\n".join(e.report.lines())
+        failed = {r.case.impl for r in e.report.results if not r.passed}
         fix = (
             "model.attention_impl=xla (the XLA path)"
-            if impl == "pallas"
-            else (f"model.attention_impl=pallas (diffjax's kernels) instead of {impl}")
+            if "pallas" in failed
+            else f"model.attention_impl=pallas (diffjax's kernels) instead of {', '.join(failed)}"
         )
         raise ConfigError(
             f"ModelConfig.attention_impl: {e}.\n{lines}\nFix: set {fix}, and please report "

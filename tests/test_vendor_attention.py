@@ -419,3 +419,41 @@ def test_a_run_records_and_reports_the_implementation_each_model_ran(tmp_path):
     report = (run / "report.md").read_text()
     assert "- attention: diff ran cudnn (set explicitly)" in report
     assert math.isfinite(result["final_train_loss"])
+
+
+def test_the_run_check_covers_what_auto_may_pick_and_a_failing_composition_names_the_fix(
+    monkeypatch,
+):
+    """Without a shape (generation, evaluation), "auto" on a GPU may pick the kernels or cuDNN:
+    both are checked. A planted error in the cuDNN composition (lambda dropped) fails its
+    cases, and the fix names the kernels."""
+    from diffjax.kernels import check
+
+    monkeypatch.setattr(ops, "current_target", lambda: H100)
+    monkeypatch.setattr(check, "_PASSED", set())
+    monkeypatch.setattr(check, "cache_path", lambda: "/nonexistent/diffjax-kernel-check.json")
+    monkeypatch.setattr(check, "_record", lambda path, passed: None)
+    seen = []
+    real = check.run_check
+    monkeypatch.setattr(
+        check,
+        "run_check",
+        lambda cases, **kw: seen.extend(cases) or check.CheckReport("x", "y", ()),
+    )
+    cfg = diffjax.ModelConfig(d_model=128, num_heads=1, num_layers=1, dtype="bfloat16")
+    ops.check_kernels(cfg, interpret=True)
+    assert {c.impl for c in seen} == {"pallas", "cudnn"}
+    seen.clear()
+    ops.check_kernels(dataclasses.replace(cfg, dtype="float32"), interpret=True)
+    assert {c.impl for c in seen} == {"pallas"}  # cuDNN takes no float32: auto never picks it
+    monkeypatch.setattr(check, "run_check", real)
+    combine = _compose.combine
+    monkeypatch.setattr(
+        _compose, "combine", lambda o1, o2, lam, dtype: combine(o1, o2, 0 * lam, dtype)
+    )
+    with pytest.raises(ConfigError) as e:
+        ops.check_kernels(cfg, impl="cudnn", interpret=True)
+    assert "FAIL cudnn v1 d=64" in str(e.value)
+    assert "Fix: set model.attention_impl=pallas (diffjax's kernels) instead of cudnn" in str(
+        e.value
+    )
