@@ -131,6 +131,36 @@ def _hand_made(run_dir, v1_ahead, v2_ahead, seeds=(0, 1, 2)):
     return plan
 
 
+def test_twins_pair_a_parameter_matched_arm_with_another_arms_twin(tmp_path):
+    """A DIFF V2 with a narrower FFN (parameter-matched to the twin) is not the twin's own V2:
+    ``twins`` pairs it with that twin all the same; a bad ``twins`` is refused."""
+    arms = {**ARMS, "v2m": [*ARMS["v2"], "model.ffn_dim=48"]}
+    with pytest.raises(ConfigError, match=r"SWEEP.twins: 'v2m': 'nope' does not name"):
+        Ladder(arms=arms, twins={"v2m": "nope"})
+    with pytest.raises(ConfigError, match="train 'v1' alone"):
+        Ladder(arms=arms, twins={"v1": "v2"})
+    plan = _hand_made(str(tmp_path), [0.1] * 5, [0.2] * 5)
+    matched = ModelConfig(
+        attention="diff_v2", d_model=32, num_layers=1, num_heads=2, vocab_size=64, ffn_dim=48
+    )
+    os.makedirs(tmp_path / "v2m")
+    (tmp_path / "v2m" / "config.json").write_text(
+        json.dumps({"model": dataclasses.asdict(matched)})
+    )
+    for s in (0, 1, 2):
+        base = 3.0 - 0.1 * np.arange(5) + 0.05 * s
+        loss = base - 0.05 + [0.004, -0.006, 0.002][s]
+        _write_seed(os.path.join(tmp_path, "v2m", "diff", f"seed_{s}"), list(loss))
+    plan["ladder"]["arms"] = arms
+    plan["sizes"].append({"name": "v2m", "arm": "v2m", "value": None, "steps": 50, "tokens": 5000})
+    (tmp_path / "sweep_plan.json").write_text(json.dumps(plan))
+    assert "**DIFF V2 (v2m) against twin**" not in write_sweep_report(str(tmp_path))
+    plan["ladder"]["twins"] = {"v2m": "v1"}
+    (tmp_path / "sweep_plan.json").write_text(json.dumps(plan))
+    text = write_sweep_report(str(tmp_path))
+    assert "- **DIFF V2 (v2m) against twin**: DIFF is ahead of the twin from the first" in text
+
+
 def test_the_report_of_hand_made_arms(tmp_path):
     """V1 pulls ahead of the twin at the 4th evaluation, V2 never does: sweep.md's summary,
     table and per-pair tables say so, and curves.png has a panel per DIFF model and one of the
@@ -153,7 +183,7 @@ def test_the_report_of_hand_made_arms(tmp_path):
     assert f"{d.mean():+.4f} [" in v1
     # 50 steps of 0.5 s (DIFF) and 0.3 s (the twin) per seed
     assert v1.endswith("| 25 s ± 0 s | 15 s ± 0 s |")
-    assert "| twin | 0, 1, 2 | 2.6500 ± 0.0500 | 15 s ± 0 s |" in text
+    assert "| twin | - | 0, 1, 2 | 2.6500 ± 0.0500 | 15 s ± 0 s | - | - | - |" in text
     assert "## DIFF V1 (v1) − twin over training" in text
     assert "## DIFF V2 (v2) − twin over training" in text
     assert "| 50 | 5,000 | -0.2000 | [" in text
@@ -251,7 +281,9 @@ def test_a_tiny_ladder_of_arms_trains_and_reports(tmp_path, capsys):
         ["| DIFF V2 (v2)", "twin", "2"],
     ]
     assert all(" s |" in x for x in rows)  # the training times
-    assert "| twin | 0, 1 |" in report
+    (twin_row,) = [x for x in report.splitlines() if x.startswith("| twin | ")]
+    assert "| 0, 1 |" in twin_row and "xla" in twin_row  # seeds; and what computed attention
+    assert float(twin_row.split(" | ")[1].replace(",", "")) > 0  # its parameters
     assert (run / "curves.png").stat().st_size > 10_000
     # each comparison's own report has DIFF − twin over training (V2's has no twin)
     assert "**DIFF − twin over training**" in (run / "v1" / "report.md").read_text()

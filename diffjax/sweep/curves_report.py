@@ -62,6 +62,8 @@ class Model:
     curves: dict[int, EvalCurve]
     final: dict[int, float]
     time_s: dict[int, float | None]
+    # per seed its result.json (tokens/s, MFU, parameters, the attention implementation)
+    results: dict[int, dict] = dataclasses.field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -93,13 +95,16 @@ def training_time(records: Sequence[Mapping[str, Any]]) -> float | None:
 def read_model(family: Family, value: Any = None) -> Model:
     """The finished seeds of ``family`` at rung ``value`` (arms only: None), read from each
     seed's ``metrics.jsonl``."""
-    curves, times = {}, {}
+    curves, times, results = {}, {}, {}
     final = dict(family.final.get(value, {}))
     for seed in sorted(final):
-        records = read_metrics(storage.join(family.folders[value], f"seed_{seed}", "metrics.jsonl"))
+        folder = storage.join(family.folders[value], f"seed_{seed}")
+        records = read_metrics(storage.join(folder, "metrics.jsonl"))
         curves[seed] = eval_curve(records)
         times[seed] = training_time(records)
-    return Model(family, curves, final, times)
+        result = storage.join(folder, "result.json")
+        results[seed] = storage.read_json(result) if storage.exists(result) else {}
+    return Model(family, curves, final, times, results)
 
 
 def pair_models(diff: Model, twin: Model) -> Pair:
@@ -189,16 +194,29 @@ def pairs_table(pairs_: Sequence[Pair]) -> str:
     return "\n".join(lines)
 
 
+def _result_cell(m: Model, key: str, spec: str, scale: float = 1.0) -> str:
+    """The mean over seeds of a ``result.json`` number (``-`` where none has it)."""
+    xs = [r[key] * scale for r in m.results.values() if isinstance(r.get(key), (int, float))]
+    xs = [x for x in xs if math.isfinite(x)]
+    return spec.format(float(np.mean(xs))) if xs else "-"
+
+
 def models_table(models: Sequence[Model]) -> str:
-    """Every model once: its finished seeds, final validation loss and training time."""
+    """Every model once: its parameters, finished seeds, final validation loss, training time,
+    tokens/s and MFU (medians of its timed steps, mean over seeds) and the attention that ran."""
     lines = [
-        "| model | seeds finished | final val loss | training time per seed |",
-        "|---|---|---:|---:|",
+        "| model | parameters | seeds finished | final val loss | training time per seed | "
+        "tokens/s | MFU | attention |",
+        "|---|---:|---|---:|---:|---:|---:|---|",
     ]
     for m in models:
+        impls = sorted({r["attention_impl"] for r in m.results.values() if r.get("attention_impl")})
         lines.append(
-            f"| {m.name} | {', '.join(map(str, m.seeds))} | "
-            f"{fmt_mean_std(list(m.final.values()), '{:.4f}')} | {time_cell(m)} |"
+            f"| {m.name} | {_result_cell(m, 'params', '{:,.0f}')} | "
+            f"{', '.join(map(str, m.seeds))} | "
+            f"{fmt_mean_std(list(m.final.values()), '{:.4f}')} | {time_cell(m)} | "
+            f"{_result_cell(m, 'tokens_per_s', '{:,.0f}')} | "
+            f"{_result_cell(m, 'mfu', '{:.1f}%', 100.0)} | {', '.join(impls) or '-'} |"
         )
     return "\n".join(lines)
 
@@ -289,7 +307,8 @@ def write_curves_report(run_dir: str, plan: dict) -> str:
     fams = families(run_dir, plan)
     models = [read_model(f) for f in fams]
     by_key = {m.family.key: m for m in models}
-    pairs_ = [pair_models(by_key[d.key], by_key[t.key]) for d, t in pairs(fams)]
+    twins = plan["ladder"].get("twins")
+    pairs_ = [pair_models(by_key[d.key], by_key[t.key]) for d, t in pairs(fams, twins)]
     text = curves_markdown(plan, models, pairs_)
     if any(m.final for m in models):
         storage.save_figure(curves_figure(models, pairs_), storage.join(run_dir, FIGURE), dpi=100)

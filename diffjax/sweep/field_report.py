@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -136,8 +136,11 @@ def families(run_dir: str, plan: dict) -> list[Family]:
     return list(out.values())
 
 
-def pairs(fams: list[Family]) -> list[tuple[Family, Family]]:
-    """Each DIFF family with its twin: its arm's, else another arm's of the same config."""
+def pairs(
+    fams: list[Family], twins: Mapping[str, str] | None = None
+) -> list[tuple[Family, Family]]:
+    """Each DIFF family with its twin: its arm's, else the arm ``twins`` names for it (the
+    ladder's), else another arm's of the same config."""
     out = []
     for f in fams:
         if not f.is_diff:
@@ -145,9 +148,12 @@ def pairs(fams: list[Family]) -> list[tuple[Family, Family]]:
         arm = f.key.split("/")[0]
         want = twin(f.config)
         mine = [t for t in fams if not t.is_diff and t.key == f"{arm}/standard"]
+        named = [
+            t for t in fams if not t.is_diff and t.key == f"{(twins or {}).get(arm)}/standard"
+        ]
         other = [t for t in fams if not t.is_diff and t.config == want]
-        if mine or other:
-            out.append((f, (mine or other)[0]))
+        if mine or named or other:
+            out.append((f, (mine or named or other)[0]))
     return out
 
 

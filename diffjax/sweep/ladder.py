@@ -87,6 +87,9 @@ class Ladder:
     values: tuple[Any, ...] | None = None  # the field's value at each rung, in order
     # named groups of settings: one comparison per arm at every rung, in <rung>/<arm>/
     arms: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    # {arm: other arm}: the DIFF model of an arm trained alone (compare=false) is paired with
+    # the other arm's twin although that is not its own twin (a parameter-matched variant)
+    twins: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         self._check_arms()
@@ -243,6 +246,22 @@ class Ladder:
                     "give e.g. ['model.attention=diff_v2', 'model.num_heads=2']",
                 )
         object.__setattr__(self, "arms", {k: tuple(v) for k, v in self.arms.items()})
+        if not isinstance(self.twins, Mapping):
+            _fail("twins", f"got {type(self.twins).__name__}", "give a dict {arm: other arm}")
+        for arm, other in self.twins.items():
+            if arm not in self.arms or other not in self.arms or arm == other:
+                _fail(
+                    "twins",
+                    f"{arm!r}: {other!r} does not name two different arms of {list(self.arms)}",
+                    "give {arm: the arm whose twin it is compared with}",
+                )
+            if "compare=false" in self.arms[other] or "compare=false" not in self.arms[arm]:
+                _fail(
+                    "twins",
+                    f"{arm!r}: {other!r}",
+                    f"train {arm!r} alone (compare=false) and {other!r} with its twin",
+                )
+        object.__setattr__(self, "twins", dict(self.twins))
 
     @property
     def rungs(self) -> list[tuple[str, Any]]:
