@@ -148,9 +148,7 @@ def pairs(
         arm = f.key.split("/")[0]
         want = twin(f.config)
         mine = [t for t in fams if not t.is_diff and t.key == f"{arm}/standard"]
-        named = [
-            t for t in fams if not t.is_diff and t.key == f"{(twins or {}).get(arm)}/standard"
-        ]
+        named = [t for t in fams if not t.is_diff and t.key == f"{(twins or {}).get(arm)}/standard"]
         other = [t for t in fams if not t.is_diff and t.config == want]
         if mine or named or other:
             out.append((f, (mine or named or other)[0]))
