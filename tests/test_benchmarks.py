@@ -370,3 +370,56 @@ def test_diagnostics_cost_benchmark_times_both_models_both_ways(capsys):
     out = capsys.readouterr().out
     assert "| diff (diff_v1) |" in out and "| standard (standard) |" in out
     assert "data.seq_len=32" in out  # the command as run
+
+
+def test_the_stage0_script_rehearses_on_cpu_and_resumes_its_run(tmp_path):
+    """``benchmarks/gpu_stage0.sh`` with ``STAGE0_TINY=1``: the probe, the tokens that fit, every
+    arm and seed of configs/gpu_stage0.py at a tiny size, the report under ``$OUT``; a second
+    call finds every arm done and rebuilds the same report."""
+    out, run = tmp_path / "out", tmp_path / "run"
+    env = {**os.environ, "STAGE0_TINY": "1", "OUT": str(out), "STAGE0_RUN": str(run)}
+    env.update(JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="1")  # one device, as on the GPU
+
+    def call():
+        return subprocess.run(
+            ["bash", os.path.join(ROOT, "benchmarks", "gpu_stage0.sh")],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+        )  # fmt: skip
+
+    proc = call()
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    sweep = (out / "sweep.md").read_text()
+    for arm in ("v1", "v2", "v2m"):
+        assert f"**DIFF V{arm[1]} ({arm}) against twin**" in sweep, sweep
+    assert "| tokens/s | MFU | attention |" in sweep
+    assert (out / "curves.png").stat().st_size > 10_000
+    reached = (out / "reached.txt").read_text().splitlines()
+    assert len(reached) == 8 and all("2,560 tokens" in line for line in reached), reached
+    assert "tokens per model:" in (out / "env.txt").read_text()
+    again = call()
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "probe" not in again.stdout.split("tokens per model")[0].lower().replace("probe.", "")
+    assert (out / "sweep.md").read_text() == sweep
+
+
+def test_the_stage0_config_states_its_parameter_counts():
+    """configs/gpu_stage0.py's table: each arm's model and its non-embedding parameters, the
+    twin shared by V1 and V2, the matched V2 within 0.2% of the twin."""
+    from diffjax import twin
+    from diffjax.sweep.cli import non_embedding_params
+    from diffjax.train.config import apply_overrides, load_config
+
+    path = os.path.join(ROOT, "configs", "gpu_stage0.py")
+    exp = load_config(path)
+    spec = importlib.util.spec_from_file_location("gpu_stage0", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    models = {arm: apply_overrides(exp, list(o)).model for arm, o in module.SWEEP.arms.items()}
+    doc = module.__doc__
+    for arm, n in (("v1", models["v1"]), ("v2", models["v2"]), ("v2m", models["v2m"])):
+        assert f"{non_embedding_params(n):,}" in doc, (arm, non_embedding_params(n))
+    tw = twin(models["v1"])
+    assert twin(models["v2"]) == tw and f"{non_embedding_params(tw):,}" in doc
+    assert abs(non_embedding_params(models["v2m"]) / non_embedding_params(tw) - 1) < 0.002
+    assert exp.model.dtype == "bfloat16" and exp.data.seq_len == 1024 and exp.train.num_seeds == 2
+    assert module.SWEEP.twins == {"v2m": "v1"}
