@@ -203,12 +203,11 @@ def convert(tp: Any, value: Any, *, text: bool = False) -> Any:
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value
-        if isinstance(value, dict):  # as dataclasses.asdict wrote it (a saved config)
-            names = {f.name for f in dataclasses.fields(tp)}
-            if set(value) <= names:
-                return tp(**value)
-        if text and isinstance(value, str) and hasattr(tp, "from_text"):
-            return tp.from_text(value)  # a dataclass with a command-line spelling
+        if hasattr(tp, "from_text"):  # a value with a command-line spelling (a list's item)
+            if isinstance(value, dict) and set(value) <= set(field_types(tp)):
+                return tp(**value)  # as dataclasses.asdict wrote it (a saved config)
+            if text and isinstance(value, str):
+                return tp.from_text(value)
         raise ValueError(f"expected a {tp.__name__}, got {value!r}")
     raise TypeError(f"unsupported config field type {tp!r}")  # a new field's type: add it above
 
