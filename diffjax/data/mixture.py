@@ -210,14 +210,16 @@ class MixturePlan:
         return last.batch + len(mixed) // self.global_batch
 
     def ran_out(self) -> list[str]:
-        """The components of a ``"stop"`` mixture that cannot fill the batch after its last."""
-        end = self.available_batches()
-        if end is None:
+        """The components that end a ``"stop"`` mixture: those with the fewest examples left
+        for their share (Grain's mix ends where the first would run out)."""
+        if self.passes is None:
             return []
-        i = self._stage(end)
-        stage = self.stages[i]
-        need = self._counts_in(stage, self._offsets[i], end + 1 - stage.batch)
-        return [n for n in stage.mixed if need[n] > self.lengths[n] * self.passes]
+        last, offsets = self.stages[-1], self._offsets[-1]
+        left = {n: self.lengths[n] * self.passes - offsets[n] for n in last.mixed}
+        if min(left.values()) <= 0:
+            return [n for n, k in left.items() if k <= 0]
+        bound = {n: left[n] / p for n, p in zip(last.mixed, self.proportions(last))}
+        return [n for n, b in bound.items() if b == min(bound.values())]
 
     def stop_note(self, steps: int) -> str | None:
         """The line to log before training when a ``"stop"`` mixture ends before ``steps``."""

@@ -642,16 +642,14 @@ def _tokenizer_of(part: DataConfig) -> tuple[str, int, str]:
 def _check_mixture(config: DataConfig, vocab_size: int) -> DataSummary:
     """:func:`check_data` of every component (its errors named by it), and one tokenizer for
     them all: a model reads one vocabulary."""
-    summaries, tokenizers = {}, {}
-    for c in config.mixture:
-        part = config.component(c.name)
+    parts, tokenizers = {c.name: config.component(c.name) for c in config.mixture}, {}
+    for name, part in parts.items():
         try:
             if part.source == "tokens":
-                _check_prepared(c.name, part.path)
-            tokenizers[c.name] = _tokenizer_of(part)
-            summaries[c.name] = check_data(part, vocab_size)
+                _check_prepared(name, part.path)
+            tokenizers[name] = _tokenizer_of(part)
         except DataError as e:
-            raise _in_component(c.name, e) from None
+            raise _in_component(name, e) from None
     (first, (ident, vocab, tname)), *rest = tokenizers.items()
     for name, (other, other_vocab, other_name) in rest:
         if (other, other_vocab) != (ident, vocab):
@@ -661,6 +659,12 @@ def _check_mixture(config: DataConfig, vocab_size: int) -> DataSummary:
                 f"({vocab:,} ids): one model reads one vocabulary. Fix: prepare {name!r} again "
                 f"with prepare.tokenizer={tname} (or leave it out of data.mixture)"
             )
+    summaries = {}
+    for name, part in parts.items():  # one vocabulary: each component's own checks
+        try:
+            summaries[name] = check_data(part, vocab_size)
+        except DataError as e:
+            raise _in_component(name, e) from None
     shares_ = shares(config.weights)
     words = "; ".join(
         f"{name} ({shares_[name]:.0%}): {summary.description}"
