@@ -21,6 +21,9 @@ from diffjax.config import ConfigError, check_fields, fail
 SOURCES = ("stdlib", "text", "tokens", "needle", "mqar", "mixture")
 COMPONENT_SOURCES = ("tokens", "text", "stdlib")  # what a mixture's component may be
 MIXTURE_EXHAUSTED = ("repeat", "stop")  # what a mixture does when a component runs out
+# Which of the stdlib corpus's files: all, its top-level modules (os.py, typing.py, ...) or
+# the files of its packages (asyncio/, email/, ...): two disjoint kinds of code
+STDLIB_PARTS = ("all", "modules", "packages")
 TOKEN_DTYPES = ("uint16", "uint32", "int32")
 SYNTHETIC_SOURCES = ("needle", "mqar")
 
@@ -37,6 +40,7 @@ SAVED_BEFORE: dict[str, Any] = {
     "mixture": [],
     "mixture_exhausted": "repeat",
     "mixture_reweight": False,
+    "stdlib_part": "all",
 }
 
 
@@ -82,7 +86,9 @@ def _fail(field: str, problem: str, fix: str) -> NoReturn:
 
 
 _COMPONENT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
-COMPONENT_TEXT = "NAME:WEIGHT:PATH (a prepared folder), NAME:WEIGHT:text:PATH or NAME:WEIGHT:stdlib"
+COMPONENT_TEXT = (
+    "NAME:WEIGHT:PATH (a prepared folder), NAME:WEIGHT:text:PATH or NAME:WEIGHT:stdlib[:PART]"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +100,8 @@ class MixtureComponent:
     mixture's ``data.seq_len`` and read with its ``data.tokenizer``.
 
     On the command line a component is written ``NAME:WEIGHT:PATH`` (a prepared corpus),
-    ``NAME:WEIGHT:text:PATH`` or ``NAME:WEIGHT:stdlib``; one field of a component is set as
+    ``NAME:WEIGHT:text:PATH`` or ``NAME:WEIGHT:stdlib`` (``...:stdlib:modules`` or
+    ``...:stdlib:packages``: a part of it); one field of a component is set as
     ``data.mixture.NAME.FIELD=VALUE`` (e.g. ``data.mixture.web.weight=0.5``)."""
 
     name: str  # letters, digits, '_', '-', '.': the metrics call it val_loss/NAME
@@ -108,6 +115,7 @@ class MixtureComponent:
     # its held-out share (None: the mixture's data.val_fraction); 0: no validation of it
     val_fraction: float | None = None
     stdlib_tests: bool = False  # stdlib: include its test packages
+    stdlib_part: str = "all"  # stdlib: "all", its top-level "modules" or its "packages"
 
     # how the command line writes one (diffjax.config.describe_type says it in messages)
     TEXT = f"components written {COMPONENT_TEXT}"
@@ -149,10 +157,19 @@ class MixtureComponent:
             )
         if self.stdlib_tests and self.source != "stdlib":
             fail(where, "stdlib_tests", "is a stdlib setting", "leave it false")
+        if self.stdlib_part not in STDLIB_PARTS:
+            fail(
+                where,
+                "stdlib_part",
+                f"unknown part {self.stdlib_part!r}",
+                f"use one of {', '.join(map(repr, STDLIB_PARTS))}",
+            )
+        if self.stdlib_part != "all" and self.source != "stdlib":
+            fail(where, "stdlib_part", "is a stdlib setting", "leave it 'all'")
 
     @classmethod
     def from_text(cls, text: str) -> "MixtureComponent":
-        """``NAME:WEIGHT:PATH``, ``NAME:WEIGHT:text:PATH`` or ``NAME:WEIGHT:stdlib`` (the
+        """``NAME:WEIGHT:PATH``, ``NAME:WEIGHT:text:PATH`` or ``NAME:WEIGHT:stdlib[:PART]`` (the
         command line's spelling); ValueError when it is none of them."""
         parts = text.strip().split(":", 2)
         if len(parts) < 3:
@@ -163,15 +180,16 @@ class MixtureComponent:
         except ValueError:
             raise ValueError(f"the weight {weight!r} of {text!r} is not a number") from None
         head, _, tail = rest.partition(":")
-        if rest == "stdlib":
-            return cls(name, None, value, "stdlib")
+        if head == "stdlib" and (not tail or tail in STDLIB_PARTS):
+            return cls(name, None, value, "stdlib", stdlib_part=tail or "all")
         if head in ("text", "tokens") and tail and not tail.startswith("//"):
             return cls(name, tail, value, head)
         return cls(name, rest, value, "tokens")
 
     def __str__(self) -> str:
         if self.source == "stdlib":
-            return f"{self.name}:{self.weight:g}:stdlib"
+            part = "" if self.stdlib_part == "all" else f":{self.stdlib_part}"
+            return f"{self.name}:{self.weight:g}:stdlib{part}"
         kind = "text:" if self.source == "text" else ""
         return f"{self.name}:{self.weight:g}:{kind}{self.path}"
 
@@ -207,6 +225,9 @@ class DataConfig:
     # the speed depends on it, never the batches (benchmarks/data_speed.py measures it).
     prefetch: int = 8
     stdlib_tests: bool = False  # include the stdlib's test packages (test/, tests/, idle_test/)
+    # the stdlib corpus's files: "all", its top-level "modules" (os.py, typing.py, ...) or the
+    # files of its "packages" (asyncio/, email/, ...); a file's split is the same in each
+    stdlib_part: str = "all"
     # needle: how many sentences "The magic number for <key> is <value>." hide in a haystack.
     # Of them, num_queries are asked at the end; the loss counts only the answer digits.
     num_needles: int = 4
@@ -327,6 +348,20 @@ class DataConfig:
         if not 0 <= self.seed < 2**32:
             _fail(
                 "seed", f"must be in [0, 2**32), got {self.seed}", "use a non-negative 32-bit seed"
+            )
+        if self.stdlib_part not in STDLIB_PARTS:
+            _fail(
+                "stdlib_part",
+                f"unknown part {self.stdlib_part!r}",
+                f"use one of {', '.join(map(repr, STDLIB_PARTS))}",
+            )
+        reads_stdlib = self.source == "stdlib" or (self.source == "needle" and self.path is None)
+        if self.stdlib_part != "all" and not reads_stdlib:
+            _fail(
+                "stdlib_part",
+                f"is a stdlib setting but source={self.source!r}"
+                + (f" reads {self.path!r}" if self.path else ""),
+                "leave data.stdlib_part=all, or use source='stdlib'",
             )
         if self.token_dtype not in TOKEN_DTYPES:
             _fail(
@@ -585,6 +620,7 @@ class DataConfig:
                 max_files=c.max_files,
                 prefetch=self.prefetch,
                 stdlib_tests=c.stdlib_tests,
+                stdlib_part=c.stdlib_part,
                 tokenizer=self.tokenizer,
                 document_mask=self.document_mask,
             )

@@ -517,7 +517,8 @@ def _corpus_words(corpus: Corpus, config: DataConfig) -> str:
         how = " (split by position: too few files to split by file)"
     if corpus.kind == "stdlib":
         tests = "with" if config.stdlib_tests else "without"
-        return f"stdlib corpus ({stdlib_root()}, {tests} tests): {files}, {tokens}{how}"
+        part = "" if config.stdlib_part == "all" else f"its {config.stdlib_part}, "
+        return f"stdlib corpus ({stdlib_root()}, {part}{tests} tests): {files}, {tokens}{how}"
     if corpus.kind == "text":
         return f"text corpus {config.path!r}: {files}, {tokens}{how}"
     return f"token files {config.path!r}: {files}, {tokens}"

@@ -36,7 +36,14 @@ from diffjax.config import (
     field_types,
     twin,
 )
-from diffjax.data import MIXTURE_EXHAUSTED, SOURCES, TOKEN_DTYPES, DataConfig, MixtureComponent
+from diffjax.data import (
+    MIXTURE_EXHAUSTED,
+    SOURCES,
+    STDLIB_PARTS,
+    TOKEN_DTYPES,
+    DataConfig,
+    MixtureComponent,
+)
 from diffjax.conversion import LAMBDA_PROJ, RAMPS, SECONDS, RetrofitConfig
 from diffjax.sharding import MeshConfig
 
@@ -477,6 +484,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "data.source": SOURCES,
     "data.token_dtype": TOKEN_DTYPES,
     "data.mixture_exhausted": MIXTURE_EXHAUSTED,
+    "data.stdlib_part": STDLIB_PARTS,
     "train.schedule": SCHEDULES,
     "train.kernel_check": KERNEL_CHECKS,
     "train.on_nan": ON_NAN,
