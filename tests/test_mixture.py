@@ -148,26 +148,28 @@ def test_a_mixture_is_written_in_a_config_file_or_on_the_command_line():
         default_config(),
         [
             "data.source=mixture",
-            "data.mixture=web:0.7:gs://bucket/web,code:0.2:text:src/,lib:0.1:stdlib",
+            "data.mixture=web:0.7:gs://bucket/web,code:0.2:text:src/,lib:0.1:stdlib,"
+            "mods:0.1:stdlib:modules",
             "data.mixture.code.max_files=3",
             "data.mixture.web.val_fraction=0",
             "data.mixture_exhausted=stop",
         ],
     )
-    web, code, lib = exp.data.mixture
+    web, code, lib, mods = exp.data.mixture
+    assert mods == MixtureComponent("mods", None, 0.1, "stdlib", stdlib_part="modules")
     assert web == MixtureComponent("web", "gs://bucket/web", 0.7, "tokens", val_fraction=0.0)
     assert code == MixtureComponent("code", "src/", 0.2, "text", max_files=3)
     assert lib == MixtureComponent("lib", None, 0.1, "stdlib")
     # the command-line text holds name, weight and where (a component's other fields are set
     # one by one)
     assert MixtureComponent.from_text(str(web)) == dataclasses_replace(web, val_fraction=None)
-    assert [MixtureComponent.from_text(str(c)) for c in (lib,)] == [lib]
+    assert [MixtureComponent.from_text(str(c)) for c in (lib, mods)] == [lib, mods]
     assert MixtureComponent.from_text(str(code)) == dataclasses_replace(code, max_files=None)
     saved = json.loads(json.dumps(exp.to_dict()["data"]))
     assert DataConfig.from_saved(saved) == exp.data
     part = exp.data.component("code")  # its own settings, the mixture's seq_len
     assert (part.source, part.path, part.max_files, part.seq_len) == ("text", "src/", 3, 128)
-    assert exp.data.weights == {"web": 0.7, "code": 0.2, "lib": 0.1}
+    assert exp.data.weights == {"web": 0.7, "code": 0.2, "lib": 0.1, "mods": 0.1}
     assert shares({"a": 0.7, "b": 0.3})["a"] == pytest.approx(233 / 333)
 
 
@@ -191,6 +193,12 @@ def test_a_mixture_is_written_in_a_config_file_or_on_the_command_line():
          r"DataConfig.path: source='mixture' reads its components' paths"),
         (["data.source=mixture", "data.mixture=a:1:p", "data.mixture_exhausted=wrap"],
          r"DataConfig.mixture_exhausted: unknown setting 'wrap'"),
+        (["data.source=mixture", "data.mixture=a:1:p", "data.mixture.a.stdlib_part=modules"],
+         r"DataConfig.mixture\[a\].stdlib_part: is a stdlib setting"),
+        (["data.source=mixture", "data.mixture=a:1:stdlib", "data.mixture.a.stdlib_part=docs"],
+         r"DataConfig.mixture\[a\].stdlib_part: unknown part 'docs'"),
+        (["data.source=text", "data.path=x", "data.stdlib_part=modules"],
+         r"DataConfig.stdlib_part: is a stdlib setting but source='text'"),
     ],
 )  # fmt: skip
 def test_bad_mixture_settings_are_refused_at_construction(overrides, message):
@@ -254,6 +262,29 @@ def test_bad_components_are_refused_before_training_naming_the_component(
     assert err.startswith("error: DataConfig.mixture[beta]") and "Fix:" in err, err
     assert __import__("re").search(message, err), err
     assert not (run / "diff").exists()
+
+
+def test_the_example_config_mixes_two_disjoint_parts_of_the_stdlib():
+    """configs/mixture_cpu.py loads and validates; its components, the stdlib's top-level
+    modules and its packages, are disjoint, together the stdlib corpus, each file in the split
+    it has there."""
+    from diffjax.data.sources import load_corpus, text_files
+    from diffjax.train import load_config
+
+    exp = load_config(os.path.join(ROOT, "configs", "mixture_cpu.py"))
+    assert exp.data.source == "mixture" and exp.data.weights == {"modules": 0.5, "packages": 0.5}
+    summary = check_data(exp.data, exp.model.vocab_size)
+    assert "modules (50%)" in summary.description and "its packages" in summary.description
+    keys = {
+        c.name: {k for k, _ in text_files(exp.data.component(c.name))} for c in exp.data.mixture
+    }
+    whole = DataConfig(source="stdlib", seq_len=exp.data.seq_len)
+    assert keys["modules"] and all("/" not in k for k in keys["modules"])
+    assert keys["packages"] and all("/" in k for k in keys["packages"])
+    assert keys["modules"] | keys["packages"] == {k for k, _ in text_files(whole)}
+    assert not keys["modules"] & keys["packages"]
+    val = [len(load_corpus(exp.data.component(n)).validation) for n in keys]
+    assert sum(val) == len(load_corpus(whole).validation) and min(val) > 0
 
 
 # ---------------------------------------------------------------------------- the batches
@@ -339,6 +370,31 @@ def test_the_loops_stream_on_two_processes_of_two_devices(corpora, tmp_path):
             np.testing.assert_array_equal(np.concatenate(halves), want[key])
             for g in got:
                 np.testing.assert_array_equal(g[f"tensor/{j}/{key}"], want[key])
+
+
+def test_a_component_in_a_bucket_gives_the_local_batches(corpora, bucket):
+    """beta uploaded to a bucket (a real GCS API server on 127.0.0.1): the mixture's batches
+    of each of two processes, and the iterator's state after them, are those of the local
+    folders bit for bit; the prefix without its manifest is refused naming the component."""
+    from diffjax import storage
+
+    for name in os.listdir(corpora["beta"]):
+        storage.upload(os.path.join(corpora["beta"], name), f"{bucket}/beta/{name}")
+    local = mixture(corpora)
+    remote = mixture({**corpora, "beta": f"{bucket}/beta"})
+    check_data(remote)
+    for pi in range(2):
+        a = iter(make_dataset(local, "train", batch_size=B // 2, process_index=pi, process_count=2))
+        b = iter(
+            make_dataset(remote, "train", batch_size=B // 2, process_index=pi, process_count=2)
+        )
+        for _ in range(8):
+            x, y = next(a), next(b)
+            assert all(np.array_equal(x[k], y[k]) for k in x)
+        assert a.get_state() == b.get_state()
+    storage.remove(f"{bucket}/beta/manifest.json")
+    with pytest.raises(DataError, match=r"^DataConfig.mixture\[beta\].*manifest.json.*Fix:"):
+        check_data(remote)
 
 
 def test_realised_shares_match_the_weights(corpora):
