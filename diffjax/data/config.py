@@ -225,8 +225,9 @@ class DataConfig:
     # the speed depends on it, never the batches (benchmarks/data_speed.py measures it).
     prefetch: int = 8
     stdlib_tests: bool = False  # include the stdlib's test packages (test/, tests/, idle_test/)
-    # the stdlib corpus's files: "all", its top-level "modules" (os.py, typing.py, ...) or the
-    # files of its "packages" (asyncio/, email/, ...); a file's split is the same in each
+    # which stdlib files: "all", its top-level "modules" or those in its "packages". The
+    # modules are os.py, typing.py, ...; the packages asyncio/, email/, ...; a file's split is
+    # the same in each
     stdlib_part: str = "all"
     # needle: how many sentences "The magic number for <key> is <value>." hide in a haystack.
     # Of them, num_queries are asked at the end; the loss counts only the answer digits.
@@ -280,8 +281,9 @@ class DataConfig:
     # the command line data.mixture=NAME:WEIGHT:PATH,NAME:WEIGHT:PATH (text:PATH for text
     # files, stdlib for the stdlib corpus); one field of a component data.mixture.NAME.FIELD=V
     mixture: tuple[MixtureComponent, ...] = ()
-    # source="mixture": when a component has given all its train examples, "repeat" it (in a
-    # new order; said in the log) or "stop" training there (said in the log before and then)
+    # source="mixture": a component that has given all its train examples is read again in
+    # a new order ("repeat") or ends training ("stop"). Either is said in the log (a stop also
+    # before training, where it will come)
     mixture_exhausted: str = "repeat"
     # source="mixture": at a resume, allow weights other than the checkpoint's. They apply
     # from the resumed step on and are recorded in the checkpoints and the report; without
