@@ -208,6 +208,11 @@ def convert(tp: Any, value: Any, *, text: bool = False) -> Any:
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value
+        if hasattr(tp, "from_text"):  # a value with a command-line spelling (a list's item)
+            if isinstance(value, dict) and set(value) <= set(field_types(tp)):
+                return tp(**value)  # as dataclasses.asdict wrote it (a saved config)
+            if text and isinstance(value, str):
+                return tp.from_text(value)
         raise ValueError(f"expected a {tp.__name__}, got {value!r}")
     raise TypeError(f"unsupported config field type {tp!r}")  # a new field's type: add it above
 
@@ -227,6 +232,8 @@ def describe_type(tp: Any) -> str:
     words = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
     if tp in words:
         return words[tp]
+    if isinstance(getattr(tp, "TEXT", None), str):  # a dataclass with a command-line spelling
+        return tp.TEXT
     return f"a {getattr(tp, '__name__', tp)}"
 
 
@@ -272,6 +279,8 @@ def check_fields(config: Any) -> None:
         value = getattr(config, f.name)
         try:
             new = convert(field_types(cls)[f.name], value)
+        except ConfigError:  # a nested config's own check: its message names the fix
+            raise
         except ValueError:
             fail(
                 cls.__name__,

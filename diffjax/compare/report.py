@@ -31,6 +31,7 @@ from diffjax import flops as flops_lib
 from diffjax import machine as machine_lib
 from diffjax import storage
 from diffjax.config import ModelConfig
+from diffjax.data.mixture import stage_words
 from diffjax.data.synthetic import query_chance
 from diffjax.evaluate.stats import (
     clopper_pearson,
@@ -70,6 +71,7 @@ METRIC_DISPLAY: dict[str, tuple[str, str]] = {
     "val_repeat_query_accuracy": ("repeated queries (copyable)", "{:.3f}"),
 }
 DEFAULT_METRIC_FORMAT = "{:.3f}"
+COMPONENT_LOSS = "val_loss/"  # a mixture's validation loss of one component: val_loss/<name>
 
 # The per-seed table's columns after the validation loss: of each group, the first metric some
 # result has, under its column name. A query task's example accuracy would read near 0 for
@@ -219,6 +221,8 @@ def metric_keys(results: Sequence[TrainResult]) -> list[str]:
 
 def _metric_row(key: str) -> Row:
     name, spec = METRIC_DISPLAY.get(key, (key, DEFAULT_METRIC_FORMAT))
+    if key.startswith(COMPONENT_LOSS):  # a mixture's component
+        name, spec = f"validation loss: {key[len(COMPONENT_LOSS) :]}", "{:.4f}"
     return Row(name, lambda r: r.metrics.get(key), spec)
 
 
@@ -557,6 +561,40 @@ def _retrieval(exp: ExperimentConfig, results: Sequence[TrainResult]) -> list[st
     return learned_counts(results, chance["no_retrieval"], chance["no_retrieval_first"])
 
 
+def mixture_lines(exp: ExperimentConfig, results: Sequence[TrainResult]) -> list[str]:
+    """A mixture run's section: per component its weight, its share of the examples trained
+    on and the passes over it (``TrainResult.mixture``), and DIFF − twin in its validation loss
+    with the 95% interval over paired seeds (where DIFF helps, if anywhere); the weights over
+    the run when they changed at a resume."""
+    mixed = next((r.mixture for r in results if r.mixture), None)
+    if exp.data.source != "mixture" or mixed is None:
+        return []
+    groups = group_by_label(results)
+    paired = "diff" in groups and "standard" in groups
+    lines = [
+        f"**The mixture** ({len(mixed['components'])} components; the validation loss above is "
+        f"their blend by the training shares; when a component runs out: "
+        f"{exp.data.mixture_exhausted}):",
+        "",
+        "| component | weight | share of trained examples | passes over it | validation loss"
+        + (" DIFF − twin [95% CI] |" if paired else " |"),
+        "|---|---:|---:|---:|---:|",
+    ]
+    for name, c in mixed["components"].items():
+        row = _metric_row(COMPONENT_LOSS + name)
+        if paired:
+            cell = _difference_cell(groups, row)
+        else:
+            cell = fmt_mean_std([row.get(r) for r in results], row.spec)
+        lines.append(
+            f"| {name} | {c['weight']:g} | {c['share']:.1%} | {c['passes']:.3g} | {cell} |"
+        )
+    lines.append("")
+    if len(mixed["stages"]) > 1:
+        lines += ["Weights over the run: " + "; ".join(stage_words(mixed["stages"])) + ".", ""]
+    return lines
+
+
 def throughput_table(throughput: SideBySide, flops: Flops) -> str:
     """The side-by-side throughput per model: median tokens/s, model TFLOP/s per device and
     MFU (``n/a`` without a peak: :meth:`Flops.note`, under the results table, says why)."""
@@ -724,6 +762,7 @@ def write_report(
         _results(results, groups, n_seeds, flops),
         _comparison(results),
         over_training(difference_curve(results)),
+        mixture_lines(exp, results),
         _retrieval(exp, results),
         _throughput(throughput, flops),
         _lambdas(groups),

@@ -12,12 +12,24 @@ validation metrics: :func:`validation_metrics`) and the grain pipeline.
     state = it.get_state()  # resume later with it.set_state(state)
 """
 
-from .config import SOURCES, TOKEN_DTYPES, DataConfig, DataError
+from .config import (
+    COMPONENT_SOURCES,
+    MIXTURE_EXHAUSTED,
+    SOURCES,
+    STDLIB_PARTS,
+    TOKEN_DTYPES,
+    DataConfig,
+    DataError,
+    MixtureComponent,
+)
 from .documents import DocumentIndex, SpecialTokens, mark_documents
+from .mixture import MixturePlan, Stage, batches_read, resume_stages
 from .pipeline import (
     DataSummary,
     carries_documents,
     check_data,
+    component_sources,
+    mixture_plan,
     describe,
     make_dataset,
     make_source,
@@ -48,6 +60,16 @@ from .tokenizer import BOS, EOS, PAD, VOCAB_SIZE, ByteTokenizer, HFTokenizer, lo
 
 __all__ = [
     "BOS",
+    "COMPONENT_SOURCES",
+    "MIXTURE_EXHAUSTED",
+    "MixtureComponent",
+    "STDLIB_PARTS",
+    "MixturePlan",
+    "Stage",
+    "batches_read",
+    "component_sources",
+    "mixture_plan",
+    "resume_stages",
     "EOS",
     "PAD",
     "RETRIEVAL_METRICS",

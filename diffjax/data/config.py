@@ -10,12 +10,20 @@ one ``except ConfigError`` catches both before training starts.
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
+import zlib
 from typing import Any, NoReturn
 
 from diffjax import storage
 from diffjax.config import ConfigError, check_fields, fail
 
-SOURCES = ("stdlib", "text", "tokens", "needle", "mqar")
+SOURCES = ("stdlib", "text", "tokens", "needle", "mqar", "mixture")
+COMPONENT_SOURCES = ("tokens", "text", "stdlib")  # what a mixture's component may be
+MIXTURE_EXHAUSTED = ("repeat", "stop")  # what a mixture does when a component runs out
+# Which of the stdlib corpus's files: all, its top-level modules (os.py, typing.py, ...) or
+# the files of its packages (asyncio/, email/, ...): two disjoint kinds of code
+STDLIB_PARTS = ("all", "modules", "packages")
 TOKEN_DTYPES = ("uint16", "uint32", "int32")
 SYNTHETIC_SOURCES = ("needle", "mqar")
 
@@ -27,7 +35,13 @@ MQAR_MAX_PAIRS = 128  # keys are byte ids 0..127, values byte ids 128..255
 
 # What a saved data config that lacks a field meant: a run saved before `document_mask` existed
 # trained on windows of the concatenated stream.
-SAVED_BEFORE: dict[str, Any] = {"document_mask": False}
+SAVED_BEFORE: dict[str, Any] = {
+    "document_mask": False,
+    "mixture": [],
+    "mixture_exhausted": "repeat",
+    "mixture_reweight": False,
+    "stdlib_part": "all",
+}
 
 
 class DataError(ConfigError):
@@ -61,8 +75,123 @@ def template_problem(template: str) -> str | None:
     return None
 
 
+def component_seed(seed: int, name: str) -> int:
+    """The shuffle seed of a mixture's component ``name`` under ``data.seed``: its own order,
+    unchanged when other components are added or removed."""
+    return (int(seed) + zlib.crc32(name.encode("utf-8"))) % 2**32
+
+
 def _fail(field: str, problem: str, fix: str) -> NoReturn:
     fail("DataConfig", field, problem, fix)
+
+
+_COMPONENT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+COMPONENT_TEXT = (
+    "NAME:WEIGHT:PATH (a prepared folder), NAME:WEIGHT:text:PATH or NAME:WEIGHT:stdlib[:PART]"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class MixtureComponent:
+    """One corpus of a mixture (``DataConfig.mixture``): its name (the metrics' and the
+    report's), where it is and its weight. A component is a prepared corpus (``source="tokens"``:
+    a folder or ``gs://`` prefix written by ``python -m diffjax.data.prepare``), text files
+    (``"text"``) or the stdlib corpus (``"stdlib"``); every component is cut into examples of the
+    mixture's ``data.seq_len`` and read with its ``data.tokenizer``.
+
+    On the command line a component is written ``NAME:WEIGHT:PATH`` (a prepared corpus),
+    ``NAME:WEIGHT:text:PATH`` or ``NAME:WEIGHT:stdlib`` (``...:stdlib:modules`` or
+    ``...:stdlib:packages``: a part of it); one field of a component is set as
+    ``data.mixture.NAME.FIELD=VALUE`` (e.g. ``data.mixture.web.weight=0.5``)."""
+
+    name: str  # letters, digits, '_', '-', '.': the metrics call it val_loss/NAME
+    # a prepared folder or gs:// prefix ("tokens"), text files ("text"), None ("stdlib")
+    path: str | None = None
+    # the share of training examples, relative to the other components' weights (their sum
+    # need not be 1). 0: evaluated only, never trained on
+    weight: float = 1.0
+    source: str = "tokens"  # "tokens" (a prepared corpus), "text" or "stdlib"
+    max_files: int | None = None  # use only its first N files (prepared: shards per split)
+    # its held-out share (None: the mixture's data.val_fraction); 0: no validation of it
+    val_fraction: float | None = None
+    stdlib_tests: bool = False  # stdlib: include its test packages
+    stdlib_part: str = "all"  # stdlib: "all", its top-level "modules" or its "packages"
+
+    # how the command line writes one (diffjax.config.describe_type says it in messages)
+    TEXT = f"components written {COMPONENT_TEXT}"
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        where = f"DataConfig.mixture[{self.name}]"
+        if not _COMPONENT_NAME.match(self.name):
+            fail(
+                "DataConfig.mixture",
+                "name",
+                f"{self.name!r} is not a component name (letters, digits, '_', '-', '.'; "
+                "starting with a letter or digit)",
+                "name each component like 'web', 'code' or 'books-2'",
+            )
+        if self.source not in COMPONENT_SOURCES:
+            fail(
+                where,
+                "source",
+                f"unknown component source {self.source!r}",
+                f"use one of {', '.join(map(repr, COMPONENT_SOURCES))}",
+            )
+        if not (math.isfinite(self.weight) and self.weight >= 0):
+            fail(
+                where,
+                "weight",
+                f"must be a finite number >= 0, got {self.weight}",
+                f"give a weight like data.mixture.{self.name}.weight=0.5 (0: evaluate only)",
+            )
+        if self.source == "stdlib" and self.path is not None:
+            fail(where, "path", "a stdlib component reads no files", "leave its path unset")
+        if self.source != "stdlib" and not (self.path or "").strip():
+            what = "a prepared folder or gs:// prefix" if self.source == "tokens" else "text files"
+            fail(
+                where,
+                "path",
+                f"a {self.source!r} component reads {what} from its path, which is unset",
+                f"set data.mixture.{self.name}.path (or write it {COMPONENT_TEXT})",
+            )
+        if self.stdlib_tests and self.source != "stdlib":
+            fail(where, "stdlib_tests", "is a stdlib setting", "leave it false")
+        if self.stdlib_part not in STDLIB_PARTS:
+            fail(
+                where,
+                "stdlib_part",
+                f"unknown part {self.stdlib_part!r}",
+                f"use one of {', '.join(map(repr, STDLIB_PARTS))}",
+            )
+        if self.stdlib_part != "all" and self.source != "stdlib":
+            fail(where, "stdlib_part", "is a stdlib setting", "leave it 'all'")
+
+    @classmethod
+    def from_text(cls, text: str) -> "MixtureComponent":
+        """``NAME:WEIGHT:PATH``, ``NAME:WEIGHT:text:PATH`` or ``NAME:WEIGHT:stdlib[:PART]`` (the
+        command line's spelling); ValueError when it is none of them."""
+        parts = text.strip().split(":", 2)
+        if len(parts) < 3:
+            raise ValueError(f"{text!r} is not {COMPONENT_TEXT}")
+        name, weight, rest = (p.strip() for p in parts)
+        try:
+            value = float(weight)
+        except ValueError:
+            raise ValueError(f"the weight {weight!r} of {text!r} is not a number") from None
+        head, _, tail = rest.partition(":")
+        if head == "stdlib" and (not tail or tail in STDLIB_PARTS):
+            return cls(name, None, value, "stdlib", stdlib_part=tail or "all")
+        if head in ("text", "tokens") and tail and not tail.startswith("//"):
+            return cls(name, tail, value, head)
+        return cls(name, rest, value, "tokens")
+
+    def __str__(self) -> str:
+        if self.source == "stdlib":
+            part = "" if self.stdlib_part == "all" else f":{self.stdlib_part}"
+            return f"{self.name}:{self.weight:g}:stdlib{part}"
+        kind = "text:" if self.source == "text" else ""
+        return f"{self.name}:{self.weight:g}:{kind}{self.path}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +206,7 @@ class DataConfig:
     # Where the examples come from. "stdlib": this interpreter's standard-library .py sources
     # (built in, nothing to download). "text": UTF-8 text files under `path`. "tokens":
     # pre-tokenized .npy / .bin files. "needle": multi-needle retrieval. "mqar": multi-query
-    # associative recall.
+    # associative recall. "mixture": the weighted corpora of `mixture`.
     source: str = "stdlib"
     # A file, a directory or a glob; several separated by commas. Required for "text" and
     # "tokens"; for "needle" the text the haystack is cut from (default: the stdlib corpus).
@@ -96,6 +225,10 @@ class DataConfig:
     # the speed depends on it, never the batches (benchmarks/data_speed.py measures it).
     prefetch: int = 8
     stdlib_tests: bool = False  # include the stdlib's test packages (test/, tests/, idle_test/)
+    # which stdlib files: "all", its top-level "modules" or those in its "packages". The
+    # modules are os.py, typing.py, ...; the packages asyncio/, email/, ...; a file's split is
+    # the same in each
+    stdlib_part: str = "all"
     # needle: how many sentences "The magic number for <key> is <value>." hide in a haystack.
     # Of them, num_queries are asked at the end; the loss counts only the answer digits.
     num_needles: int = 4
@@ -144,10 +277,23 @@ class DataConfig:
     # are one document each). True: on, refused where the boundaries are unknown. False: windows
     # of the concatenated stream.
     document_mask: bool | None = None
+    # source="mixture": the corpora trained on, each with its weight (MixtureComponent). On
+    # the command line data.mixture=NAME:WEIGHT:PATH,NAME:WEIGHT:PATH (text:PATH for text
+    # files, stdlib for the stdlib corpus); one field of a component data.mixture.NAME.FIELD=V
+    mixture: tuple[MixtureComponent, ...] = ()
+    # source="mixture": a component that has given all its train examples is read again in
+    # a new order ("repeat") or ends training ("stop"). Either is said in the log (a stop also
+    # before training, where it will come)
+    mixture_exhausted: str = "repeat"
+    # source="mixture": at a resume, allow weights other than the checkpoint's. They apply
+    # from the resumed step on and are recorded in the checkpoints and the report; without
+    # it such a resume is refused
+    mixture_reweight: bool = False
 
     def __post_init__(self) -> None:
         check_fields(self)
         self._check_values()
+        self._check_mixture()
 
     # ------------------------------------------------------------------ validation
     def _check_values(self) -> None:
@@ -184,7 +330,7 @@ class DataConfig:
                 f"source={self.source!r} does not read files, but path={self.path!r}",
                 "leave path=None, or use source='text' (or 'tokens') to read these files",
             )
-        if self.tokenizer not in (None, "byte") and self.source not in ("stdlib", "text", "tokens"):
+        if self.tokenizer not in (None, "byte") and self.source in SYNTHETIC_SOURCES:
             _fail(
                 "tokenizer",
                 f"source={self.source!r} does not tokenize text (its ids are byte-level by "
@@ -204,6 +350,20 @@ class DataConfig:
         if not 0 <= self.seed < 2**32:
             _fail(
                 "seed", f"must be in [0, 2**32), got {self.seed}", "use a non-negative 32-bit seed"
+            )
+        if self.stdlib_part not in STDLIB_PARTS:
+            _fail(
+                "stdlib_part",
+                f"unknown part {self.stdlib_part!r}",
+                f"use one of {', '.join(map(repr, STDLIB_PARTS))}",
+            )
+        reads_stdlib = self.source == "stdlib" or (self.source == "needle" and self.path is None)
+        if self.stdlib_part != "all" and not reads_stdlib:
+            _fail(
+                "stdlib_part",
+                f"is a stdlib setting but source={self.source!r}"
+                + (f" reads {self.path!r}" if self.path else ""),
+                "leave data.stdlib_part=all, or use source='stdlib'",
             )
         if self.token_dtype not in TOKEN_DTYPES:
             _fail(
@@ -393,6 +553,90 @@ class DataConfig:
                 f"set seq_len >= {need} or fewer pairs/queries",
             )
 
+    def _check_mixture(self) -> None:
+        if self.source != "mixture":
+            for name in ("mixture", "mixture_exhausted", "mixture_reweight"):
+                if getattr(self, name) != getattr(DataConfig, name):
+                    _fail(
+                        name,
+                        f"is a mixture setting but source={self.source!r}",
+                        f"set data.source=mixture to train on data.mixture, or leave {name} unset",
+                    )
+            return
+        if not self.mixture:
+            _fail(
+                "mixture",
+                "source='mixture' but no component is given",
+                "give the components, e.g. data.mixture=web:0.7:prepared/web,code:0.3:text:src/",
+            )
+        if self.path is not None:
+            _fail(
+                "path",
+                f"source='mixture' reads its components' paths, but path={self.path!r}",
+                "leave data.path unset and give each component its path in data.mixture",
+            )
+        names = [c.name for c in self.mixture]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            _fail(
+                "mixture",
+                f"names the component {twice[0]!r} more than once",
+                "give each component one entry (and a name of its own)",
+            )
+        if not sum(c.weight for c in self.mixture) > 0:
+            _fail(
+                "mixture",
+                f"every weight is 0 ({', '.join(names)}): nothing to train on",
+                f"give at least one component a weight > 0, e.g. data.mixture.{names[0]}.weight=1",
+            )
+        if self.mixture_exhausted not in MIXTURE_EXHAUSTED:
+            _fail(
+                "mixture_exhausted",
+                f"unknown setting {self.mixture_exhausted!r}",
+                f"use one of {', '.join(map(repr, MIXTURE_EXHAUSTED))}",
+            )
+        for c in self.mixture:
+            self.component(c.name)  # each component's own settings, checked as a DataConfig
+
+    def component(self, name: str) -> "DataConfig":
+        """The data config of the mixture's component ``name``: its corpus with this config's
+        ``seq_len``, tokenizer, seed, shuffle and document settings (its own ``max_files`` and
+        ``val_fraction`` where it sets them)."""
+        found = [c for c in self.mixture if c.name == name]
+        if not found:
+            names = ", ".join(c.name for c in self.mixture) or "none"
+            raise ConfigError(
+                f"DataConfig.mixture: no component {name!r} (the components: {names}). Fix: "
+                f"name one of them, or add {name!r} to data.mixture."
+            )
+        c = found[0]
+        try:
+            return DataConfig(
+                source=c.source,
+                path=c.path,
+                seq_len=self.seq_len,
+                val_fraction=self.val_fraction if c.val_fraction is None else c.val_fraction,
+                seed=component_seed(self.seed, c.name),
+                token_dtype=self.token_dtype,
+                shuffle=self.shuffle,
+                max_files=c.max_files,
+                prefetch=self.prefetch,
+                stdlib_tests=c.stdlib_tests,
+                stdlib_part=c.stdlib_part,
+                tokenizer=self.tokenizer,
+                document_mask=self.document_mask,
+            )
+        except ConfigError as e:  # "DataConfig.<field>: ..." -> "DataConfig.mixture[name].<field>"
+            text = str(e)
+            if text.startswith("DataConfig."):
+                text = f"DataConfig.mixture[{c.name}]." + text[len("DataConfig.") :]
+            raise ConfigError(text) from None
+
+    @property
+    def weights(self) -> dict[str, float]:
+        """A mixture's weights by component name, as given (not normalised)."""
+        return {c.name: c.weight for c in self.mixture}
+
     # ------------------------------------------------------------------ derived values
     @property
     def needle_min_seq_len(self) -> int:
@@ -438,6 +682,10 @@ class DataConfig:
     def uses_byte_tokenizer(self) -> bool:
         """Whether token ids are bytes (+ BOS/EOS/PAD): every source but ``tokens`` and a text
         source with a ``tokenizer``."""
+        if self.source == "mixture":
+            return self.tokenizer in (None, "byte") and all(
+                c.source != "tokens" for c in self.mixture
+            )
         return self.source != "tokens" and self.tokenizer in (None, "byte")
 
     @property

@@ -25,18 +25,24 @@ import dataclasses
 import math
 import os
 import sys
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
+from diffjax import storage
+
 from .config import DataConfig, DataError
+from .mixture import MixturePlan, Stage, first_stage, shares
 from .sources import (
+    MANIFEST_FILE,
     Corpus,
     WindowSource,
     check_token_ids,
     is_prepared_dir,
     load_corpus,
+    read_manifest,
     stdlib_root,
+    tokenizer_identity,
 )
 from .synthetic import SYNTHETIC_TRAIN_EXAMPLES, MQARSource, NeedleSource, ValidationMetric
 from .tokenizer import PAD, VOCAB_SIZE, HFTokenizer
@@ -93,8 +99,150 @@ def make_source(
         _, stream = _haystack(config, split)
         n = SYNTHETIC_TRAIN_EXAMPLES if split == "train" else config.num_val_examples
         return NeedleSource(config, split, seed, stream, n, global_batch)
+    if config.source == "mixture":
+        import grain
+
+        parts = [src for src in component_sources(config, split).values() if len(src)]
+        return grain.MapDataset.concatenate(parts) if parts else grain.MapDataset.range(0)
     corpus = load_corpus(config)
     return WindowSource(corpus.stream(split), config.seq_len, documents(config, corpus, split))
+
+
+# ============================================================================ mixtures
+def _in_component(name: str, error: DataError) -> DataError:
+    """``error`` of one component, said of it: the component's name, then the message."""
+    text = str(error)
+    if text.startswith("DataConfig.") and not text.startswith("DataConfig.mixture"):
+        text = f"DataConfig.mixture[{name}]." + text[len("DataConfig.") :]
+    else:
+        text = f"DataConfig.mixture[{name}]: {text}"
+    return DataError(text)
+
+
+def _component_windows(config: DataConfig, split: str) -> dict[str, WindowSource]:
+    out = {}
+    for c in config.mixture:
+        part = config.component(c.name)
+        if split == "validation" and part.val_fraction == 0:
+            continue  # a component without a validation split is not validated
+        try:
+            if part.source == "tokens":
+                _check_prepared(c.name, part.path)
+            out[c.name] = make_source(part, split)
+        except DataError as e:
+            raise _in_component(c.name, e) from None
+    return out
+
+
+def component_sources(config: DataConfig, split: str) -> dict[str, Any]:
+    """The ``split`` examples of each component of a mixture, by name: a ``grain.MapDataset``
+    of its windows, each carrying ``component`` (the component's index in ``data.mixture``).
+    A component with ``val_fraction=0`` has no validation split (left out). Documents are kept
+    apart where every component knows its boundaries; where one does not (and
+    ``data.document_mask`` is None), for none of them, with one printed line naming it."""
+    import grain
+
+    windows = _component_windows(config, split)
+    unknown = [name for name, src in windows.items() if src.documents is None]
+    if config.masks_documents and unknown and len(unknown) < len(windows):
+        note = (
+            f"data.document_mask: documents are not kept apart in the mixture: component "
+            f"{unknown[0]!r} does not know where its documents start (prepare it with python -m "
+            f"diffjax.data.prepare, or set data.document_mask=false to silence this)."
+        )
+        if note not in _NOTED:
+            _NOTED.add(note)
+            print(note, file=sys.stderr)
+        windows = _component_windows(config.replace(document_mask=False), split)
+    index = {c.name: i for i, c in enumerate(config.mixture)}
+    return {
+        name: grain.MapDataset.source(src).map(_Tag(index[name])) for name, src in windows.items()
+    }
+
+
+class _Tag:
+    """Adds ``component``: the index of the example's component in ``data.mixture``."""
+
+    def __init__(self, index: int):
+        self.index = np.int32(index)
+
+    def __call__(self, example: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {**example, "component": self.index}
+
+
+def _check_prepared(name: str, path: str) -> None:
+    """A ``tokens`` component is a prepared corpus: a folder with its manifest (written last,
+    so a folder without one is a preparation that did not finish)."""
+    if storage.is_remote(path) or is_prepared_dir(os.path.expanduser(path)):
+        return
+    if not os.path.exists(os.path.expanduser(path)):
+        problem = "does not exist"
+    else:
+        problem = (
+            f"holds no {MANIFEST_FILE}: it is not a prepared corpus, or its preparation did not "
+            f"finish (the manifest is written last)"
+        )
+    raise DataError(
+        f"DataConfig.mixture[{name}].path: {path!r} {problem}. Fix: prepare it (python -m "
+        f"diffjax.data.prepare INPUT... prepare.tokenizer=T prepare.out={path}; an interrupted "
+        f"preparation continues), or point data.mixture.{name}.path at a prepared folder "
+        f"(text files: data.mixture.{name}.source=text)"
+    )
+
+
+def mixture_plan(
+    config: DataConfig,
+    global_batch: int,
+    stages: Sequence[Any] | None = None,
+    num_epochs: int | None = None,
+) -> MixturePlan:
+    """The :class:`~diffjax.data.mixture.MixturePlan` of a mixture's train split read in global
+    batches of ``global_batch`` examples: its components' sizes, the ``stages`` (dicts as
+    checkpoints record them, or :class:`~diffjax.data.mixture.Stage`; default the config's
+    weights from step 0) and the passes over each component (``data.mixture_exhausted``, or
+    ``num_epochs`` when given)."""
+    if config.source != "mixture":
+        raise DataError(
+            f"mixture_plan: source={config.source!r} is not a mixture. Fix: pass a config "
+            f"with data.source=mixture"
+        )
+    lengths = {name: len(src) for name, src in component_sources(config, "train").items()}
+    staged = tuple(
+        s if isinstance(s, Stage) else Stage.from_dict(s) for s in (stages or first_stage(config))
+    )
+    for stage in staged:
+        for name in stage.mixed:
+            if name not in lengths:
+                raise DataError(
+                    f"DataConfig.mixture: the run mixed the component {name!r} from step "
+                    f"{stage.step}, and this config has none. Fix: keep it in data.mixture "
+                    f"(weight 0 stops training on it)"
+                )
+            if lengths[name] == 0:
+                raise DataError(
+                    f"DataConfig.mixture[{name}]: its train split holds fewer than seq_len + 1 "
+                    f"= {config.seq_len + 1} tokens, so no example, but its weight is "
+                    f"{stage.weights[name]:g}. Fix: give it more data, use a shorter "
+                    f"data.seq_len, or weight 0"
+                )
+    repeat = config.mixture_exhausted == "repeat" and num_epochs is None
+    return MixturePlan(lengths, int(global_batch), staged, None if repeat else (num_epochs or 1))
+
+
+def _mixture_train(
+    config: DataConfig, batch_size: int, pi: int, pc: int, seed: int, num_epochs, stages
+):
+    """A mixture's train split as this process's batches (a ``grain.MapDataset``)."""
+    global_batch = pc * batch_size
+    plan = mixture_plan(config, global_batch, stages, num_epochs)
+    ds = plan.dataset(component_sources(config, "train"), seed, config.shuffle)
+    if len(ds) < global_batch:
+        raise DataError(
+            f"make_dataset: the mixture holds {len(ds)} train examples before a component runs "
+            f"out, fewer than one global batch of {pc} x {batch_size}. Fix: use a smaller "
+            f"batch_size or seq_len, more data, or data.mixture_exhausted=repeat"
+        )
+    return _process_batches(ds, global_batch, batch_size, pi)
 
 
 _NOTED: set[str] = set()  # the notes already printed by this process
@@ -107,6 +255,8 @@ def carries_documents(config: DataConfig) -> bool:
     ``data.tokenizer``). :func:`make_source` decides from the data itself."""
     if not config.masks_documents:
         return False
+    if config.source == "mixture":
+        return all(carries_documents(config.component(c.name)) for c in config.mixture)
     if config.source != "tokens":
         return True
     if config.tokenizer is not None:
@@ -183,7 +333,7 @@ class _PadSource:
         self._example = {}
         for k, v in template.items():
             v = np.asarray(v)
-            fill = PAD if k in ("inputs", "targets") else 0
+            fill = PAD if k in ("inputs", "targets") else -1 if k == "component" else 0
             self._example[k] = np.full(v.shape, fill, v.dtype)
 
     def __len__(self) -> int:
@@ -205,6 +355,7 @@ def make_dataset(
     num_epochs: int | None = None,
     vocab_size: int | None = None,
     read_options=None,
+    mixture_stages: Sequence[Any] | None = None,
 ):
     """A ``grain.IterDataset`` of batches: dicts of numpy arrays ``inputs`` [B, T] int32,
     ``targets`` [B, T] int32, ``weights`` [B, T] float32 (1 where the target counts), plus the
@@ -223,6 +374,12 @@ def make_dataset(
       vocab_size: if given, :func:`check_data` runs first (token ids < vocab_size).
       read_options: ``grain.ReadOptions`` (default: 2 threads, ``config.prefetch`` batches
         read ahead).
+      mixture_stages: a mixture's weights over the run (:func:`mixture_plan`; a checkpoint's
+        ``mixture_stages``); default the config's weights from the start.
+
+    A mixture (``config.source == "mixture"``): the train batches mix the components
+    (:mod:`diffjax.data.mixture`), each row carrying ``component``, its index in
+    ``data.mixture``; the validation batches hold every component's validation examples once.
 
     ``iter(dataset)`` supports ``get_state()`` / ``set_state()``. Problems with the data raise
     :class:`DataError` here, before any batch is read.
@@ -256,6 +413,9 @@ def make_dataset(
             f"make_dataset: seed must be in [0, 2**32), got {seed}. Fix: pass a "
             f"non-negative 32-bit seed"
         )
+    if config.source == "mixture" and split == "train":
+        ds = _mixture_train(config, batch_size, pi, pc, train_seed, num_epochs, mixture_stages)
+        return ds.to_iter_dataset(read_options or _read_options(config))
     src = make_source(config, split, seed=train_seed, global_batch=pc * batch_size)
     n = len(src)
     if n == 0:
@@ -270,7 +430,7 @@ def make_dataset(
             f"seq_len + 1 = {config.seq_len + 1} tokens, so no example. Fix: use a "
             f"shorter seq_len, more data, or another val_fraction"
         )
-    ds = grain.MapDataset.source(src)
+    ds = src if isinstance(src, grain.MapDataset) else grain.MapDataset.source(src)
     shuffle = config.shuffle and not config.is_synthetic  # synthetic examples are i.i.d. already
     if split == "train":
         if n * (num_epochs or 1) < batch_size * pc:
@@ -294,12 +454,17 @@ def make_dataset(
         if num_epochs is not None and num_epochs > 1:
             ds = ds.repeat(num_epochs)  # padded to whole global batches: epochs stay aligned
         ds = _process_batches(ds, chunk, batch_size, pi)
-    if read_options is None:
-        depth = config.prefetch
-        read_options = grain.ReadOptions(
-            num_threads=min(DEFAULT_NUM_THREADS, depth), prefetch_buffer_size=depth
-        )
-    return ds.to_iter_dataset(read_options)
+    return ds.to_iter_dataset(read_options or _read_options(config))
+
+
+def _read_options(config: DataConfig):
+    """Two reading threads (at most ``data.prefetch``), ``data.prefetch`` batches ahead."""
+    import grain
+
+    depth = config.prefetch
+    return grain.ReadOptions(
+        num_threads=min(DEFAULT_NUM_THREADS, depth), prefetch_buffer_size=depth
+    )
 
 
 def steps_per_epoch(
@@ -352,7 +517,8 @@ def _corpus_words(corpus: Corpus, config: DataConfig) -> str:
         how = " (split by position: too few files to split by file)"
     if corpus.kind == "stdlib":
         tests = "with" if config.stdlib_tests else "without"
-        return f"stdlib corpus ({stdlib_root()}, {tests} tests): {files}, {tokens}{how}"
+        part = "" if config.stdlib_part == "all" else f"its {config.stdlib_part}, "
+        return f"stdlib corpus ({stdlib_root()}, {part}{tests} tests): {files}, {tokens}{how}"
     if corpus.kind == "text":
         return f"text corpus {config.path!r}: {files}, {tokens}{how}"
     return f"token files {config.path!r}: {files}, {tokens}"
@@ -364,6 +530,8 @@ def check_data(config: DataConfig, vocab_size: int = VOCAB_SIZE) -> DataSummary:
     ``vocab_size``, each split holds at least one example. Raises :class:`DataError` (a
     ``ConfigError``) naming the path or field and the fix."""
     _check_config(config)
+    if config.source == "mixture":
+        return _check_mixture(config, vocab_size)
     if not config.uses_byte_tokenizer and config.source != "tokens":
         tok = HFTokenizer(config.tokenizer)
         if tok.vocab_size > vocab_size:
@@ -459,6 +627,68 @@ def check_data(config: DataConfig, vocab_size: int = VOCAB_SIZE) -> DataSummary:
     )
 
 
+def _tokenizer_of(part: DataConfig) -> tuple[str, int, str]:
+    """``(identity, vocab size, name)`` of the tokenizer a component's ids come from: a
+    prepared corpus's manifest, else ``data.tokenizer`` (the byte tokenizer when unset)."""
+    if part.source == "tokens":
+        path = part.path if storage.is_remote(part.path) else os.path.expanduser(part.path)
+        m = read_manifest(path.rstrip("/") if storage.is_remote(path) else path)
+        return m.tokenizer, m.vocab_size, m.tokenizer_name
+    if part.tokenizer in (None, "byte"):
+        return "byte", VOCAB_SIZE, "byte"
+    tok = HFTokenizer(part.tokenizer)
+    return tokenizer_identity(part.tokenizer), tok.vocab_size, str(tok.path)
+
+
+def _check_mixture(config: DataConfig, vocab_size: int) -> DataSummary:
+    """:func:`check_data` of every component (its errors named by it), and one tokenizer for
+    them all: a model reads one vocabulary."""
+    parts, tokenizers = {c.name: config.component(c.name) for c in config.mixture}, {}
+    for name, part in parts.items():
+        try:
+            if part.source == "tokens":
+                _check_prepared(name, part.path)
+            tokenizers[name] = _tokenizer_of(part)
+        except DataError as e:
+            raise _in_component(name, e) from None
+    (first, (ident, vocab, tname)), *rest = tokenizers.items()
+    for name, (other, other_vocab, other_name) in rest:
+        if (other, other_vocab) != (ident, vocab):
+            raise DataError(
+                f"DataConfig.mixture[{name}]: its ids come from the tokenizer {other_name!r} "
+                f"({other_vocab:,} ids), those of component {first!r} from {tname!r} "
+                f"({vocab:,} ids): one model reads one vocabulary. Fix: prepare {name!r} again "
+                f"with prepare.tokenizer={tname} (or leave it out of data.mixture)"
+            )
+    summaries = {}
+    for name, part in parts.items():  # one vocabulary: each component's own checks
+        try:
+            summaries[name] = check_data(part, vocab_size)
+        except DataError as e:
+            raise _in_component(name, e) from None
+    shares_ = shares(config.weights)
+    words = "; ".join(
+        f"{name} ({shares_[name]:.0%}): {summary.description}"
+        for name, summary in summaries.items()
+    )
+    total = lambda key: sum(getattr(x, key) for x in summaries.values())  # noqa: E731
+    return DataSummary(
+        "mixture",
+        f"mixture of {len(summaries)} components (realised train shares in parentheses; "
+        f"when one runs out: {config.mixture_exhausted}): {words}",
+        config.seq_len,
+        total("files"),
+        total("train_files"),
+        total("validation_files"),
+        total("train_tokens"),
+        total("validation_tokens"),
+        total("train_examples"),
+        total("validation_examples"),
+        "component",
+        total("seconds"),
+    )
+
+
 def describe(config: DataConfig) -> str:
     """One line, e.g. ``"stdlib corpus (...): 1,234 files, 12.1 M train tokens, 0.6 M
     validation tokens"``."""
@@ -471,6 +701,9 @@ def num_tokens(config: DataConfig, split: str) -> int:
     _check_config(config)
     if config.is_synthetic:
         return num_examples(config, split) * (config.seq_len + 1)
+    if config.source == "mixture":
+        parts = [config.component(c.name) for c in config.mixture]
+        return sum(num_tokens(p, split) for p in parts if split == "train" or p.val_fraction)
     return len(load_corpus(config).stream(split))
 
 

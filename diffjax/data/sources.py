@@ -61,13 +61,17 @@ def stdlib_root() -> pathlib.Path:
     return pathlib.Path(sysconfig.get_paths()["stdlib"])
 
 
-@functools.lru_cache(maxsize=4)
-def _stdlib_files(root: str, include_tests: bool) -> tuple[tuple[str, str], ...]:
+@functools.lru_cache(maxsize=8)
+def _stdlib_files(root: str, include_tests: bool, part: str = "all") -> tuple[tuple[str, str], ...]:
     base = pathlib.Path(root)
     excluded = set(STDLIB_EXCLUDED_DIRS) | (set() if include_tests else set(STDLIB_TEST_DIRS))
     found = []
     for dirpath, dirnames, filenames in os.walk(base):
         dirnames[:] = [d for d in dirnames if d not in excluded and not d.startswith(".")]
+        if part == "modules":
+            dirnames[:] = []  # the top-level modules: the files beside the packages
+        if part == "packages" and dirpath == str(base):
+            continue  # the packages: the files in the directories below
         for name in filenames:
             if name.endswith(".py"):
                 full = os.path.join(dirpath, name)
@@ -77,12 +81,14 @@ def _stdlib_files(root: str, include_tests: bool) -> tuple[tuple[str, str], ...]
 
 
 def stdlib_files(
-    *, include_tests: bool = False, max_files: int | None = None
+    *, include_tests: bool = False, max_files: int | None = None, part: str = "all"
 ) -> list[pathlib.Path]:
     """The stdlib corpus's files: every ``.py`` under the interpreter's stdlib directory, except
     ``site-packages``, ``dist-packages``, ``__pycache__`` (and the test packages unless
-    ``include_tests``), sorted by relative POSIX path; the first ``max_files`` if given."""
-    files = _stdlib_files(str(stdlib_root()), bool(include_tests))
+    ``include_tests``), sorted by relative POSIX path; of ``part`` (``"modules"``: the
+    top-level ones, ``"packages"``: those in its packages; ``"all"``: both); the first
+    ``max_files`` if given."""
+    files = _stdlib_files(str(stdlib_root()), bool(include_tests), part)
     if max_files is not None:
         files = files[:max_files]
     return [pathlib.Path(full) for _, full in files]
@@ -447,7 +453,7 @@ def text_files(config: DataConfig) -> list[tuple[str, str]]:
     """``[(key, full path)]`` of a stdlib/text(/needle haystack) corpus, sorted, capped by
     ``max_files``."""
     if config.path is None:
-        files = list(_stdlib_files(str(stdlib_root()), config.stdlib_tests))
+        files = list(_stdlib_files(str(stdlib_root()), config.stdlib_tests, config.stdlib_part))
         if not files:
             raise DataError(
                 f"DataConfig.source: no .py files under {str(stdlib_root())!r} "

@@ -60,6 +60,7 @@ def needle_task(
             val_fraction=base.val_fraction,
             max_files=base.max_files,
             stdlib_tests=base.stdlib_tests,
+            stdlib_part=base.stdlib_part,
         )
     elif base is not None and base.source in ("stdlib", "text"):
         kw = dict(
@@ -67,6 +68,7 @@ def needle_task(
             val_fraction=base.val_fraction,
             max_files=base.max_files,
             stdlib_tests=base.stdlib_tests,
+            stdlib_part=base.stdlib_part,
         )
     return DataConfig(
         source="needle",

@@ -159,6 +159,15 @@ class Checkpointer:
         except Exception as e:  # noqa: BLE001 - any failure to read is a bad checkpoint
             raise CheckpointError(_unreadable(self.directory, step, e)) from e
 
+    def read_data(self, step: int) -> dict[str, Any]:
+        """The data iterator's state saved at ``step`` (what :meth:`restore` sets it to)."""
+        try:
+            return self.manager.restore(step, args=ocp.args.Composite(data=ocp.args.JsonRestore()))[
+                "data"
+            ]
+        except Exception as e:  # noqa: BLE001 - any failure to read is a bad checkpoint
+            raise CheckpointError(_unreadable(self.directory, step, e)) from e
+
     def restore(self, step: int, abstract_state: Any, data_iterator: Any) -> Any:
         """The state at ``step``, placed like ``abstract_state`` (``ShapeDtypeStruct``s with
         shardings: any mesh); sets ``data_iterator``'s position in place."""

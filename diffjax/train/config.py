@@ -36,7 +36,14 @@ from diffjax.config import (
     field_types,
     twin,
 )
-from diffjax.data import SOURCES, TOKEN_DTYPES, DataConfig
+from diffjax.data import (
+    MIXTURE_EXHAUSTED,
+    SOURCES,
+    STDLIB_PARTS,
+    TOKEN_DTYPES,
+    DataConfig,
+    MixtureComponent,
+)
 from diffjax.conversion import LAMBDA_PROJ, RAMPS, SECONDS, RetrofitConfig
 from diffjax.sharding import MeshConfig
 
@@ -476,6 +483,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "model.rope_scaling": ROPE_SCALINGS,
     "data.source": SOURCES,
     "data.token_dtype": TOKEN_DTYPES,
+    "data.mixture_exhausted": MIXTURE_EXHAUSTED,
+    "data.stdlib_part": STDLIB_PARTS,
     "train.schedule": SCHEDULES,
     "train.kernel_check": KERNEL_CHECKS,
     "train.on_nan": ON_NAN,
@@ -537,6 +546,7 @@ def apply_overrides(config: ExperimentConfig, overrides: list[str]) -> Experimen
     sections = {**SECTIONS, "compare": ExperimentConfig, "twin_init_std": ExperimentConfig}
     changes: dict[str, dict[str, Any]] = {}
     top: dict[str, Any] = {}
+    components: list[tuple[str, str, Any]] = []
     for item in overrides:
         if "=" not in item:
             raise ConfigError(
@@ -545,6 +555,9 @@ def apply_overrides(config: ExperimentConfig, overrides: list[str]) -> Experimen
             )
         key, raw = item.split("=", 1)
         key = key.strip()
+        if key.startswith(COMPONENT_KEY):
+            components.append(_component_change(key, raw))
+            continue
         if key not in known:
             close = difflib.get_close_matches(key, list(known), n=3)
             hint = f"did you mean {', '.join(close)}? " if close else ""
@@ -554,6 +567,8 @@ def apply_overrides(config: ExperimentConfig, overrides: list[str]) -> Experimen
         section, _, name = key.rpartition(".")
         try:
             value = convert(field_types(sections[section or key])[name], raw, text=True)
+        except ConfigError:  # a nested config's own check (a mixture component's)
+            raise
         except ValueError as e:
             tp = field_types(sections[section or key])[name]
             raise ConfigError(
@@ -563,8 +578,48 @@ def apply_overrides(config: ExperimentConfig, overrides: list[str]) -> Experimen
             changes.setdefault(section, {})[name] = value
         else:
             top[key] = value
+    data = changes.get("data", {})
+    if components:  # data.mixture.NAME.FIELD=VALUE, applied to the mixture given or set here
+        data["mixture"] = _set_components(data.get("mixture", config.data.mixture), components)
+        changes["data"] = data
     replaced = {s: dataclasses.replace(getattr(config, s), **c) for s, c in changes.items()}
     return dataclasses.replace(config, **replaced, **top)
+
+
+COMPONENT_KEY = "data.mixture."
+
+
+def _component_change(key: str, raw: str) -> tuple[str, str, Any]:
+    """``(name, field, value)`` of a ``data.mixture.NAME.FIELD=VALUE`` override."""
+    name, _, field = key[len(COMPONENT_KEY) :].rpartition(".")
+    types = field_types(MixtureComponent)
+    if not name or field not in types or field == "name":
+        fields = ", ".join(f for f in types if f != "name")
+        raise ConfigError(
+            f"{key}: not a component setting. Fix: write data.mixture.NAME.FIELD=VALUE with "
+            f"FIELD one of {fields} (e.g. data.mixture.web.weight=0.5)."
+        )
+    try:
+        return name, field, convert(types[field], raw, text=True)
+    except ValueError as e:
+        raise ConfigError(
+            f"{key}: bad value {raw!r}: {e}. Fix: give {describe_type(types[field])}."
+        ) from None
+
+
+def _set_components(mixture, changes: list[tuple[str, str, Any]]):
+    """``mixture`` with each ``(name, field, value)`` applied to the component ``name``."""
+    by_name = {c.name: c for c in mixture}
+    for name, field, value in changes:
+        if name not in by_name:
+            names = ", ".join(by_name) or "none"
+            raise ConfigError(
+                f"data.mixture.{name}.{field}: the mixture has no component {name!r} (its "
+                f"components: {names}). Fix: name one of them, or add it: data.mixture="
+                f"{','.join([*map(str, mixture), name + ':WEIGHT:PATH'])}."
+            )
+        by_name[name] = dataclasses.replace(by_name[name], **{field: value})
+    return tuple(by_name.values())
 
 
 def load_config(path: str | None) -> ExperimentConfig:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import json
 import math
 import os
 import signal
@@ -146,6 +147,9 @@ class TrainResult:
     # (set explicitly, or auto's measurement: diffjax.ops.model_impl)
     attention_impl: str | None = None
     attention_impl_why: str | None = None
+    # a mixture (data.source=mixture): what the run read of each component and the weights
+    # over the run (diffjax.data.MixturePlan.summary); None for one corpus
+    mixture: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -593,17 +597,25 @@ def step_inputs(data: data_lib.DataConfig, runtime: Runtime) -> dict[str, Any]:
     return names
 
 
-def process_stream(exp: ExperimentConfig, split: str, mesh) -> Iterator[dict[str, np.ndarray]]:
-    """This process's rows of every global batch of ``split``: the same global batches in the
+def process_stream(
+    exp: ExperimentConfig,
+    split: str,
+    mesh,
+    data: data_lib.DataConfig | None = None,
+    stages: list[dict] | None = None,
+) -> Iterator[dict[str, np.ndarray]]:
+    """This process's rows of every global batch of ``split`` of ``data`` (default
+    ``exp.data``; ``stages``: a mixture's weights over the run): the same global batches in the
     same order for every model of the experiment and every mesh."""
     share, shares = sharding.process_batch_share(mesh, exp.train.batch_size)
     return iter(
         data_lib.make_dataset(
-            exp.data,
+            exp.data if data is None else data,
             split,
             batch_size=exp.train.batch_size // shares,
             process_index=share,
             process_count=shares,
+            mixture_stages=stages,
         )
     )
 
@@ -650,22 +662,52 @@ def _open_run(
     meta["optimizer"] = {"skip_spikes": bool(exp.train.skip_spikes)}  # its state's shape
     if model_cfg.ramp:  # a retrofit: how its w moves (train.init_from of it brings them)
         meta["retrofit"] = dataclasses.asdict(exp.retrofit)
+    saved = None if latest is None else ckpt.read_meta(latest)
+    if exp.data.source == "mixture":  # the weights over the run, in every checkpoint
+        meta["mixture_stages"] = mixture_stages(exp.data, ckpt, latest, saved, log, label)
     if latest is not None:
-        saved = ckpt.read_meta(latest)
         check_same_model(saved["model"], meta["model"], directory)
         check_same_optimizer(saved.get("optimizer", {}), meta["optimizer"], directory)
-        theirs = {**data_lib.config.SAVED_BEFORE, **saved.get("data", {})}
-        changed = sorted(
-            k
-            for k in set(theirs) | set(meta["data"])
-            if theirs.get(k) != meta["data"].get(k) and k != "prefetch"
-        )
+        changed = data_changes(saved.get("data", {}), meta["data"])
         if changed:
             log(
                 f"[{label}] note: the data config differs from the checkpoint's ({', '.join(changed)}); "
                 f"the resumed run will not see the batches an uninterrupted run would have seen"
             )
     return ckpt, latest, meta
+
+
+def data_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """The data settings that differ from a checkpoint's (as JSON: a saved config's lists are
+    its tuples), leaving out those that change no batch (``prefetch``) and a mixture's weights,
+    which :func:`mixture_stages` handles."""
+    theirs = {**data_lib.config.SAVED_BEFORE, **saved}
+    mine = json.loads(json.dumps(current))
+
+    def strip(k: str, v: Any) -> Any:
+        return [{**c, "weight": None} for c in v or ()] if k == "mixture" else v
+
+    return sorted(
+        k
+        for k in set(theirs) | set(mine)
+        if strip(k, theirs.get(k)) != strip(k, mine.get(k))
+        and k not in ("prefetch", "mixture_reweight")
+    )
+
+
+def mixture_stages(data, ckpt: Checkpointer, latest, saved, log, label: str) -> list[dict]:
+    """A mixture's weights over the run (:func:`diffjax.data.resume_stages`): the config's
+    from step 0 for a new run; a resumed run's from its checkpoint, with a change of weights
+    (allowed by ``data.mixture_reweight``, else refused) starting at the resumed step."""
+    if latest is None:
+        return [s.to_dict() for s in data_lib.mixture.first_stage(data)]
+    batch = data_lib.batches_read(ckpt.read_data(latest))
+    stages, note = data_lib.resume_stages(
+        data, saved.get("mixture_stages"), saved.get("data", {}), batch, latest
+    )
+    if note:
+        log(f"[{label}] {note}")
+    return [s.to_dict() for s in stages]
 
 
 def check_same_optimizer(saved: dict[str, Any], current: dict[str, Any], directory: str) -> None:
@@ -1080,20 +1122,66 @@ class _Validation:
 
     batches: list[dict[str, np.ndarray]]
     metrics: dict[str, data_lib.ValidationMetric]
+    # a mixture: each validated component's own batches (``eval_batches`` of each), and the
+    # shares its losses are blended by into val_loss (the training weights, as realised)
+    components: dict[str, list[dict[str, np.ndarray]]] = dataclasses.field(default_factory=dict)
+    blend: dict[str, float] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def of(cls, exp: ExperimentConfig, mesh) -> "_Validation":
-        tcfg = exp.train
-        stream = process_stream(exp, "validation", mesh)
-        batches = list(itertools.islice(stream, tcfg.eval_batches))
-        if not batches:
-            local_batch = tcfg.batch_size // sharding.process_batch_share(mesh, tcfg.batch_size)[1]
-            raise data_lib.DataError(
-                f"the validation split of {exp.data.source!r} data holds no batch of "
-                f"{local_batch} x {exp.data.seq_len} tokens. Fix: add data, or lower "
-                f"train.batch_size or data.seq_len, or raise data.val_fraction."
+        data, n = exp.data, exp.train.eval_batches
+        if data.source != "mixture":
+            batches = list(itertools.islice(process_stream(exp, "validation", mesh), n))
+            return cls(
+                _some(batches, exp, mesh, repr(data.source)), data_lib.validation_metrics(data)
             )
-        return cls(batches, data_lib.validation_metrics(exp.data))
+        parts = {c.name: data.component(c.name) for c in data.mixture}
+        components = {
+            name: _some(
+                list(itertools.islice(process_stream(exp, "validation", mesh, part), n)),
+                exp,
+                mesh,
+                f"component {name!r}",
+            )
+            for name, part in parts.items()
+            if part.val_fraction > 0  # a component without a validation split
+        }
+        if not components:
+            raise data_lib.DataError(
+                "DataConfig.mixture: no component has a validation split (each sets "
+                "val_fraction=0). Fix: give one a val_fraction > 0."
+            )
+        batches = [b for bs in components.values() for b in bs]
+        shares = data_lib.mixture.shares(data.weights)
+        return cls(batches, {}, components, {k: shares[k] for k in components})
+
+    def evaluate(self, eval_fn, params, runtime: Runtime, rows: int) -> dict[str, float]:
+        """The validation metrics of ``params``. A mixture's: each component's loss as
+        ``val_loss/<name>``, and ``val_loss`` their blend by the training shares (the mean where
+        no validated component is trained on)."""
+        if not self.components:
+            return evaluate(eval_fn, params, self.batches, runtime, rows, self.metrics)
+        out = {
+            f"val_loss/{name}": evaluate(eval_fn, params, batches, runtime, rows)["val_loss"]
+            for name, batches in self.components.items()
+        }
+        total = sum(self.blend.values())
+        weights = self.blend if total > 0 else dict.fromkeys(self.blend, 1.0)
+        loss = sum(w * out[f"val_loss/{n}"] for n, w in weights.items()) / sum(weights.values())
+        return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0)), **out}
+
+
+def _some(batches: list, exp: ExperimentConfig, mesh, what: str) -> list:
+    """``batches``, or a DataError when the validation split of ``what`` gave none."""
+    if not batches:
+        tcfg = exp.train
+        local_batch = tcfg.batch_size // sharding.process_batch_share(mesh, tcfg.batch_size)[1]
+        raise data_lib.DataError(
+            f"the validation split of {what} data holds no batch of "
+            f"{local_batch} x {exp.data.seq_len} tokens. Fix: add data, or lower "
+            f"train.batch_size or data.seq_len, or raise data.val_fraction."
+        )
+    return batches
 
 
 @dataclasses.dataclass
@@ -1113,27 +1201,42 @@ class _Steps:
     recorder: "_Recorder"
     rollbacks: int = 0  # train.on_nan=rollback: how many so far
     rolled_back_to: int | None = None  # the checkpoint step the last rollback restored
+    plan: data_lib.MixturePlan | None = None  # a mixture's: what each batch reads
+    log: Callable[[str], None] = print
+    read: int = 0  # global batches the train iterator has read (a rollback skips, not rereads)
 
-    def batch(self) -> tuple[dict[str, jax.Array], float]:
-        """The next training batch on the devices, and the seconds spent waiting for it."""
+    def batch(self) -> tuple[dict[str, jax.Array] | None, float]:
+        """The next training batch on the devices (None: the data has ended, a mixture with
+        ``data.mixture_exhausted=stop``), and the seconds spent waiting for it."""
         t = time.perf_counter()
-        host = next(self.train_iter)
+        host = next(self.train_iter, None)
         wait = time.perf_counter() - t
+        if host is None:
+            return None, wait
+        for note in self.plan.notes(self.read) if self.plan is not None else ():
+            self.log(f"[{self.label}] {note}")  # a component ran out and starts over
+        self.read += 1
         return model_inputs(host, self.runtime, self.exp.train.batch_size), wait
+
+    def end_of_data(self, step: int, state) -> None:
+        """The data ended after ``step``: said in the log, that step evaluated and saved."""
+        self.log(f"[{self.label}] {self.plan.end_note(step)}")
+        if self.recorder.queued is not None:
+            self.evaluate_and_save(step, state, force=True)
 
     def is_checkpoint(self, step: int) -> bool:
         return step % self.exp.train.checkpoint_every == 0 or step == self.exp.train.steps
 
-    def evaluate_and_save(self, step: int, state) -> None:
-        """At an evaluation or checkpoint step: validation into the step's record, and the
-        checkpoint (with the data iterator's position) once the record is written."""
-        tcfg, save = self.exp.train, self.is_checkpoint(step)
+    def evaluate_and_save(self, step: int, state, force: bool = False) -> None:
+        """At an evaluation or checkpoint step (or ``force``: the data ended): validation into
+        the step's record, and the checkpoint (with the data iterator's position) once the
+        record is written."""
+        tcfg, save = self.exp.train, self.is_checkpoint(step) or force
         if not (save or step % tcfg.eval_every == 0):
             return
         record = self.recorder.pop()
-        val, rows = self.val, tcfg.batch_size
-        params = state["params"]
-        record.update(evaluate(self.eval_fn, params, val.batches, self.runtime, rows, val.metrics))
+        rows = tcfg.batch_size
+        record.update(self.val.evaluate(self.eval_fn, state["params"], self.runtime, rows))
         self.recorder.write_evaluated(record)
         if save:
             self.ckpt.save(step, state, self.train_iter.get_state(), self.meta, record["val_loss"])
@@ -1210,7 +1313,8 @@ def _train_model(
             model_cfg, impl=impl[0], interpret=tcfg.kernel_check == "interpret", log=log
         )
     ckpt, latest, meta = _open_run(exp, model_cfg, label, directory, require_checkpoint, log)
-    train_iter, val = process_stream(exp, "train", mesh), _Validation.of(exp, mesh)
+    stages = meta.get("mixture_stages")
+    train_iter, val = process_stream(exp, "train", mesh, None, stages), _Validation.of(exp, mesh)
     setup = model_setup(model_cfg, tcfg, runtime, exp.retrofit.schedule)
     retrofit = exp.retrofit if tcfg.retrofit else None
     state, rest = initial_state(
@@ -1226,13 +1330,17 @@ def _train_model(
     tokens = tcfg.batch_size * exp.data.seq_len
     recorder = _Recorder(writer, tokens, bar, latest, ckpt.directory, throughput)
     run = _Steps(exp, runtime, label, ckpt, meta, train_iter, val, train_fn, eval_fn, recorder)
+    run.plan, run.log, run.read = _mixture_plan(exp, stages, log, label), log, _read(train_iter)
     profiler = StepProfiler(tcfg.profile_window, directory)
     step = start
     try:
         while step < tcfg.steps:
-            step += 1
-            profiler.before(step)
+            profiler.before(step + 1)
             batch, wait = run.batch()
+            if batch is None:  # a mixture that stops when a component runs out has ended
+                run.end_of_data(step, state)
+                break
+            step += 1
             state, metrics = train_fn(state, batch)
             profiler.after(step, metrics)
             try:  # the first step after a (re)start includes warm-up: not counted in throughput
@@ -1248,21 +1356,44 @@ def _train_model(
         recorder.close()
         ckpt.wait()
         ckpt.close()
-    return _finish(model_cfg, label, directory, writer, train_fn, latest, mesh, tcfg.seed, impl)
+    mixture = run.plan.summary(run.read) if run.plan is not None else None
+    return _finish(
+        model_cfg, label, directory, writer, train_fn, latest, mesh, tcfg.seed, impl, mixture
+    )
+
+
+def _mixture_plan(exp: ExperimentConfig, stages, log, label: str):
+    """A mixture's :class:`diffjax.data.MixturePlan` (None for one corpus); logs, before
+    training, where a mixture that stops when a component runs out will end."""
+    if exp.data.source != "mixture":
+        return None
+    plan = data_lib.mixture_plan(exp.data, exp.train.batch_size, stages)
+    note = plan.stop_note(exp.train.steps)
+    if note:
+        log(f"[{label}] {note}")
+    return plan
+
+
+def _read(train_iter) -> int:
+    """The global batches a (restored) train iterator has read."""
+    return data_lib.batches_read(train_iter.get_state())
 
 
 def _is_main() -> bool:
     return jax.process_index() == 0
 
 
-def _finish(model_cfg, label, directory, writer, train_fn, latest, mesh, seed, impl) -> TrainResult:
+def _finish(
+    model_cfg, label, directory, writer, train_fn, latest, mesh, seed, impl, mixture=None
+) -> TrainResult:
     """The model's :class:`TrainResult` from its metrics (process 0 also writes
-    ``result.json``); ``impl``: :func:`attention_choice`."""
+    ``result.json``); ``impl``: :func:`attention_choice`; ``mixture``: what a mixture run read
+    of each component."""
     main = _is_main()
     records = read_metrics(storage.join(directory, "metrics.jsonl")) if main else writer.records
     n_params, memory = count_params(model_cfg).total, memory_estimate(train_fn)
     result = summarize(label, model_cfg, directory, records, n_params, memory, latest)
-    result.mesh, result.seed = describe_mesh(mesh), seed
+    result.mesh, result.seed, result.mixture = describe_mesh(mesh), seed, mixture
     result.attention_impl, result.attention_impl_why = impl
     if main:
         storage.write_json(storage.join(directory, "result.json"), result.to_dict())
