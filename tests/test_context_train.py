@@ -228,7 +228,8 @@ def test_evaluate_long_context_on_a_run(needle_run, capsys):
     # the noise floor at each length, from the answer rows' maps under the ring: the numbers
     # one device gives on the same examples
     from diffjax.evaluate import allocation, retrieval
-    from diffjax.evaluate.run import _task, data_config, read_run_config
+    from diffjax.evaluate.inputs import run_needle_task
+    from diffjax.evaluate.run import data_config, read_run_config
     from diffjax.train.checkpoint import load_model
 
     assert "## The noise floor at each length" in md
@@ -237,7 +238,7 @@ def test_evaluate_long_context_on_a_run(needle_run, capsys):
         assert [x["length"] for x in m["noise_measured"]] == [128, 256]
         model = load_model(str(reference / m["label"] / "seed_0"), "best")
         batch = retrieval.task_examples(
-            _task(data, 256, data.num_needles, data.num_queries, num_examples=4, seed=1)
+            run_needle_task(data, 256, data.num_needles, data.num_queries, num_examples=4, seed=1)
         )
         want = allocation.measured_noise_floor(model, batch, batch_size=1)
         got = m["noise_measured"][1]

@@ -46,7 +46,7 @@ from diffjax.evaluate import (
     with_quantized_logits,
 )
 from diffjax.evaluate import allocation as alloc_lib
-from diffjax.evaluate import run as run_lib
+from diffjax.evaluate import inputs as inputs_lib
 from diffjax.evaluate.__main__ import main as evaluate_main
 from diffjax.evaluate.positions import loss_by_position
 from diffjax.evaluate.retrieval import depth_bins
@@ -257,9 +257,12 @@ def test_the_runs_own_setting_keeps_its_query_replacement():
         needle_template="\n${key}{value}\n",
         query_template="\n${key}{value}",
     )
-    assert run_lib._fits(data, 64, 2, 4) and run_lib._task(data, 64, 2, 4).query_replacement
-    assert not run_lib._task(data, 64, 2, 2).query_replacement
-    batch = task_examples(run_lib._task(data, 64, 2, 4, num_examples=8))
+    assert (
+        inputs_lib.fits(data, 64, 2, 4)
+        and inputs_lib.run_needle_task(data, 64, 2, 4).query_replacement
+    )
+    assert not inputs_lib.run_needle_task(data, 64, 2, 2).query_replacement
+    batch = task_examples(inputs_lib.run_needle_task(data, 64, 2, 4, num_examples=8))
     assert batch["query_needle"].shape == (8, 4)
     with pytest.raises(ConfigError, match="num_queries"):
         needle_task(data, seq_len=64, num_needles=2, num_queries=4)

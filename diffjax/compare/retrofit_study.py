@@ -63,7 +63,8 @@ from diffjax import sharding, storage
 from diffjax.config import ConfigError, convert, describe_type, field_types
 from diffjax.data.synthetic import query_chance
 from diffjax.evaluate.probe import losses_and_predictions
-from diffjax.evaluate.retrieval import multi_needle_retrieval, task_examples
+from diffjax.evaluate.inputs import task_examples
+from diffjax.evaluate.retrieval import multi_needle_retrieval
 from diffjax.conversion import retrofit_config
 from diffjax.train.checkpoint import (
     load_model,

@@ -39,7 +39,8 @@ from .noise_floor import (
     noise_floor_streamed,
 )
 from .outliers import activation_outliers, top_magnitudes
-from .positions import corpus_for_positions, loss_by_position, validation_examples, validation_loss
+from .inputs import ModelInputs, needle_task, task_examples, validation_examples
+from .positions import corpus_for_positions, loss_by_position, validation_loss
 from .probe import (
     attention_logits,
     attention_maps,
@@ -51,10 +52,8 @@ from .quantize import QuantizedLogits, absmax_quantize, quantization_sweep, with
 from .retrieval import (
     RetrievalGrid,
     multi_needle_retrieval,
-    needle_task,
     query_correct,
     query_depths,
-    task_examples,
 )
 from .run import ModelEntry, discover_models, evaluate_model, evaluate_run
 from .settings import EvalSettings
@@ -66,6 +65,7 @@ __all__ = [
     "CATEGORIES",
     "EvalSettings",
     "ModelEntry",
+    "ModelInputs",
     "QuantizedLogits",
     "RetrievalGrid",
     "absmax_quantize",

@@ -31,7 +31,6 @@ one (layer, head, category) at a time; the ablations of all queries are batched 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -43,11 +42,9 @@ from diffjax.kernels import reference
 
 from .allocation import CATEGORIES, answer_rows, position_categories
 from .analysis import DOC, Analysis, Run, model_name, paired, table
+from .inputs import ModelInputs
 from .probe import for_analysis
 from .stats import fmt_mean_std
-
-if TYPE_CHECKING:
-    from .run import ModelInputs
 
 # the ablations of one layer run on from it in chunks of this many (query, head, category)
 _CHUNK = 16

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import TYPE_CHECKING
 import warnings
 
 import jax
@@ -47,13 +46,11 @@ from diffjax import storage
 
 from . import paper, plots
 from .analysis import DOC, Analysis, Run, image, model_name, paired, table
+from .inputs import ModelInputs
 from .probe import attention_rows, capture_layers, for_analysis
 from .results import seed_mean
 from .retrieval import depth_bins, query_depths
 from .stats import fmt_mean_std
-
-if TYPE_CHECKING:
-    from .run import ModelInputs
 
 CATEGORIES = ("answer", "needle", "other needles", "noise context", "rest")
 NORMALIZATIONS = ("abs", "sum", "none")

@@ -27,7 +27,7 @@ DOC = "docs/evaluation.md"
 
 @dataclasses.dataclass(frozen=True)
 class Analysis:
-    """One analysis: ``measure(inputs)`` (a :class:`diffjax.evaluate.run.ModelInputs`) gives
+    """One analysis: ``measure(inputs)`` (a :class:`diffjax.evaluate.inputs.ModelInputs`) gives
     its typed result or None; ``result`` is the result's type (``to_dict``/``from_dict``);
     ``name`` its key in a model's entry of eval.json (with ``flat``, its fields are the
     entry's own keys); ``section(run)`` its lines of eval.md."""

@@ -31,8 +31,8 @@ from diffjax.train.checkpoint import load_model
 from . import allocation as alloc
 from . import retrieval as ret
 from .results import model_name
-from .run import _fits, _needle_setting, _replacement, _task, data_config, discover_models
-from .run import read_run_config
+from .inputs import fits, keeps_replacement, run_needle_setting, run_needle_task
+from .run import data_config, discover_models, read_run_config
 from .stats import describe_difference, fmt_mean_std, group_by_label, paired_difference
 
 __all__ = ["LongContextSettings", "evaluate_long_context", "render"]
@@ -107,7 +107,7 @@ def evaluate_long_context(
     mesh = sharding.make_mesh(mesh_config)
     n = context.axis_size(mesh)
     lengths = _check_lengths(lengths, n, mesh_config.context_order)
-    needles, queries = _needle_setting(data)
+    needles, queries = run_needle_setting(data)
     models = [(e, load_model(e.path, "best")) for e in entries]
     for e, model in models:
         if lengths[-1] > model.config.max_seq_len:
@@ -136,15 +136,15 @@ def evaluate_long_context(
                 num_examples=examples,
                 num_depth_bins=1,
                 batch_size=batch_size,
-                query_replacement=_replacement(data, needles, queries),
+                query_replacement=keeps_replacement(data, needles, queries),
                 runtime=Runtime.of(model.config, mesh_config, mesh),
             )
             acc = [float(a) for a in grid.length_accuracy()]
             noise = []  # the measured noise floor: only the answer rows' maps, keys gathered
             for x in lengths:
-                if noise_floor and _fits(data, x, needles, queries):
+                if noise_floor and fits(data, x, needles, queries):
                     b = ret.task_examples(
-                        _task(data, x, needles, queries, num_examples=examples, seed=1)
+                        run_needle_task(data, x, needles, queries, num_examples=examples, seed=1)
                     )
                     m = alloc.measured_noise_floor(rep, b, batch_size=batch_size)
                     noise.append({"length": x, **m})

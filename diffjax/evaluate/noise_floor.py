@@ -52,7 +52,6 @@ eval.md that sets it beside the closed form, with its plot.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 import numpy as np
 from scipy.special import expit, logsumexp
@@ -62,10 +61,8 @@ from diffjax import storage
 from . import plots
 from .allocation import measured_noise_floor
 from .analysis import DOC, Analysis, Run, image, model_name, table
+from .inputs import ModelInputs
 from .stats import fmt_mean_std, ratio_of_means
-
-if TYPE_CHECKING:
-    from .run import ModelInputs
 
 DEFAULT_NS = tuple(2**k for k in range(10, 19))  # 1K .. 256K
 # The closed form eval.md shows: the signal key's logit margin, and lambda (the depth schedule's

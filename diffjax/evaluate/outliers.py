@@ -13,7 +13,7 @@ its plot here too."""
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import jax.numpy as jnp
 import numpy as np
@@ -24,10 +24,8 @@ from diffjax import storage
 from . import paper, plots
 from . import positions as pos
 from .analysis import DOC, Analysis, Run, image, paired, table
+from .inputs import ModelInputs
 from .probe import attention_logits, capture_layers, check_tokens, for_analysis
-
-if TYPE_CHECKING:
-    from .run import ModelInputs
 
 KS = (1, 2, 3, 10, 100)
 

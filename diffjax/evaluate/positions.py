@@ -5,21 +5,18 @@ section of eval.md and its plot)."""
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 import math
 
 import numpy as np
 
 from diffjax import storage
-from diffjax.data import DataConfig, DataError, make_source
+from diffjax.data import DataConfig
 
 from . import plots
 from .analysis import DOC, Analysis, Run, image, model_name, table
+from .inputs import ModelInputs, validation_examples
 from .results import seed_mean
 from .stats import fmt_mean_std
-
-if TYPE_CHECKING:
-    from .run import ModelInputs
 
 
 def corpus_for_positions(data: DataConfig, seq_len: int) -> DataConfig | None:
@@ -39,25 +36,6 @@ def corpus_for_positions(data: DataConfig, seq_len: int) -> DataConfig | None:
             document_mask=False,  # as the haystacks the model trained on
         )
     return None
-
-
-def validation_examples(config: DataConfig, num: int) -> dict[str, np.ndarray]:
-    """``num`` validation examples spread evenly over the split (all when it has fewer),
-    stacked. Raises ``DataError`` with the fix when the split holds none."""
-    src = make_source(config, "validation")
-    if len(src) == 0:
-        raise DataError(
-            f"the validation split of {config.source!r} holds no example of "
-            f"{config.seq_len + 1} tokens. Fix: use a shorter length or more data"
-        )
-    idx = np.unique(np.linspace(0, len(src) - 1, min(num, len(src))).astype(int))
-    return stack_examples(src, idx)
-
-
-def stack_examples(src, indices) -> dict[str, np.ndarray]:
-    """Examples ``indices`` of a data source, each field stacked into ``[len(indices), ...]``."""
-    rows = [src[int(i)] for i in indices]
-    return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
 
 
 def validation_loss(losses: np.ndarray, weights: np.ndarray) -> tuple[float, float]:

@@ -21,7 +21,6 @@ has its section of eval.md and its plot here too.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 import numpy as np
 from flax import nnx
@@ -33,14 +32,12 @@ from diffjax.kernels.reference import absmax_quantize, check_logit_bits
 
 from . import paper, plots
 from .analysis import DOC, Analysis, Run, image, model_name, table
+from .inputs import ModelInputs
 from .paper import QUANTIZATION_BITS as PAPER_BITS
 from .results import seed_mean
 from .positions import validation_loss
 from .probe import losses_and_predictions
 from .retrieval import query_correct
-
-if TYPE_CHECKING:
-    from .run import ModelInputs
 
 __all__ = [
     "PAPER_BITS",

@@ -13,81 +13,21 @@ its heatmaps here too."""
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import numpy as np
 
 from diffjax import storage
-from diffjax.data import DataConfig, make_source
+from diffjax.data import DataConfig
 from diffjax.data import query_correct as data_query_correct
 from diffjax.runtime import Runtime
 
 from . import paper, plots
 from .analysis import DOC, Analysis, Run, image, model_name, paired, table
-from .positions import stack_examples
+from .inputs import ModelInputs, needle_task, task_examples
 from .probe import check_model, losses_and_predictions
 from .results import seed_mean
 from .stats import fmt_mean_std
-
-if TYPE_CHECKING:
-    from .run import ModelInputs
-
-
-def needle_task(
-    base: DataConfig | None = None,
-    *,
-    seq_len: int,
-    num_needles: int,
-    num_queries: int,
-    num_examples: int = 64,
-    seed: int = 0,
-    query_replacement: bool = False,
-) -> DataConfig:
-    """A needle-task ``DataConfig``: the keys, values, templates and haystack text of ``base``
-    when it is a needle task (the haystack's ``path`` too when it is a text corpus), the stdlib
-    corpus otherwise; ``query_replacement`` as in ``DataConfig`` (False: the paper's R distinct
-    needles). Validated: a ``seq_len`` too short for the needles raises ``ConfigError``."""
-    kw: dict = {}
-    if base is not None and base.source == "needle":
-        kw = dict(
-            path=base.path,
-            key_len=base.key_len,
-            value_len=base.value_len,
-            needle_template=base.needle_template,
-            query_template=base.query_template,
-            needle_key_letters=base.needle_key_letters,
-            needle_num_key_letters=base.needle_num_key_letters,
-            val_fraction=base.val_fraction,
-            max_files=base.max_files,
-            stdlib_tests=base.stdlib_tests,
-            stdlib_part=base.stdlib_part,
-        )
-    elif base is not None and base.source in ("stdlib", "text"):
-        kw = dict(
-            path=base.path,
-            val_fraction=base.val_fraction,
-            max_files=base.max_files,
-            stdlib_tests=base.stdlib_tests,
-            stdlib_part=base.stdlib_part,
-        )
-    return DataConfig(
-        source="needle",
-        seq_len=seq_len,
-        num_needles=num_needles,
-        num_queries=num_queries,
-        num_val_examples=num_examples,
-        seed=seed,
-        query_replacement=query_replacement,
-        **kw,
-    )
-
-
-def task_examples(config: DataConfig, num: int | None = None) -> dict[str, np.ndarray]:
-    """The first ``num`` validation examples of a task (all ``num_val_examples`` by default),
-    stacked into ``[num, ...]`` numpy arrays."""
-    src = make_source(config, "validation")
-    num = len(src) if num is None else min(int(num), len(src))
-    return stack_examples(src, range(num))
 
 
 def query_correct(preds_or_logits, batch: dict) -> np.ndarray:

@@ -10,7 +10,6 @@ the plots ``RUN_DIR/eval_*.png`` (each analysis's own). RUN_DIR is a local folde
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import re
 import time
@@ -26,10 +25,8 @@ from diffjax.train.checkpoint import Checkpointer, committed_steps, load_model
 
 from . import analyses as registry
 from . import noise_floor as nf
-from . import positions as pos
-from . import retrieval as ret
 from .analysis import Analysis
-from .probe import losses_and_predictions
+from .inputs import ModelInputs
 from .report import render
 from .settings import EvalSettings
 
@@ -118,93 +115,6 @@ def data_config(cfg: dict[str, Any]) -> DataConfig:
     """The run's ``DataConfig`` (:meth:`DataConfig.from_saved`: fields this version does not
     know are ignored, those the run's version did not have take their value from before)."""
     return DataConfig.from_saved(cfg.get("data", {}))
-
-
-# ---------------------------------------------------------------------------- one model
-def _needle_setting(data: DataConfig) -> tuple[int, int]:
-    return (data.num_needles, data.num_queries) if data.source == "needle" else (1, 1)
-
-
-def _replacement(data: DataConfig, n: int, r: int) -> bool:
-    """The run's own needle setting keeps its query_replacement; the paper's settings ask R
-    distinct needles."""
-    return data.source == "needle" and data.query_replacement and (n, r) == _needle_setting(data)
-
-
-def _task(data: DataConfig, seq_len: int, n: int, r: int, **kw) -> DataConfig:
-    return ret.needle_task(
-        data,
-        seq_len=seq_len,
-        num_needles=n,
-        num_queries=r,
-        query_replacement=_replacement(data, n, r),
-        **kw,
-    )
-
-
-def _fits(data: DataConfig, seq_len: int, n: int, r: int) -> bool:
-    try:
-        _task(data, seq_len, n, r)
-        return True
-    except ConfigError:
-        return False
-
-
-@dataclasses.dataclass
-class ModelInputs:
-    """What the analyses of one model read (each analysis's ``measure`` takes it): the model,
-    the run's data and the settings, and the inputs several analyses share, computed once: the
-    validation examples and the model's losses and predictions on them, the needle examples of
-    the run's own needle setting at the trained context."""
-
-    model: Any
-    data: DataConfig
-    settings: EvalSettings
-
-    @functools.cached_property
-    def val(self) -> dict[str, np.ndarray]:
-        return pos.validation_examples(self.data, self.settings.val_examples)
-
-    @functools.cached_property
-    def val_outputs(self) -> tuple[np.ndarray, np.ndarray]:
-        """``(per-token losses, predictions)`` on :attr:`val`."""
-        return self.losses_and_predictions(self.val)
-
-    def losses_and_predictions(self, batch: dict) -> tuple[np.ndarray, np.ndarray]:
-        return losses_and_predictions(self.model, batch, self.settings.batch_size)
-
-    @property
-    def needle_setting(self) -> tuple[int, int]:
-        """``(N needles, R queried)`` of the run (1, 1 for a run not on the needle task)."""
-        return _needle_setting(self.data)
-
-    @property
-    def lengths(self) -> list[int]:
-        """The contexts of the retrieval grid: the trained one (quick), or a quarter, half, one
-        and the longest the model takes."""
-        seq_len, max_len = self.data.seq_len, self.model.config.max_seq_len
-        if self.settings.quick:
-            return [seq_len]
-        return sorted({x for x in (seq_len // 4, seq_len // 2, seq_len, max_len) if x <= max_len})
-
-    def fits(self, seq_len: int, n: int, r: int) -> bool:
-        return _fits(self.data, seq_len, n, r)
-
-    def replacement(self, n: int, r: int) -> bool:
-        return _replacement(self.data, n, r)
-
-    def needle_examples(self, seq_len: int, num: int | None = None, seed: int = 1) -> dict:
-        """``num`` (default: the allocation's) needle examples of the run's setting."""
-        n0, r0 = self.needle_setting
-        num = self.settings.allocation_examples if num is None else num
-        return ret.task_examples(_task(self.data, seq_len, n0, r0, num_examples=num, seed=seed))
-
-    @functools.cached_property
-    def needle_batch(self) -> dict | None:
-        """The allocation's examples at the trained context; None where they do not fit."""
-        if not self.fits(self.data.seq_len, *self.needle_setting):
-            return None
-        return self.needle_examples(self.data.seq_len)
 
 
 # A model's entry of eval.json holds the analyses' results in this order, the one earlier

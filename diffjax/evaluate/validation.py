@@ -5,7 +5,6 @@ eval.md."""
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -14,9 +13,7 @@ from diffjax.data import query_kinds
 from . import positions as pos
 from . import retrieval as ret
 from .analysis import Analysis, Run, paired, table
-
-if TYPE_CHECKING:
-    from .run import ModelInputs
+from .inputs import ModelInputs
 
 # the optional rows of the table: eval.json key, row name
 ACCURACY_ROWS = (
