@@ -628,6 +628,36 @@ def test_training_reports_each_component_and_a_kill_resumes_bit_for_bit(
 
 
 @pytest.mark.xdist_group("mixture-train")
+def test_the_evaluation_gives_each_components_loss_and_its_difference(straight, tmp_path):
+    """python -m diffjax.evaluate on a mixture run: eval.json holds each component's loss, the
+    loss of the model on that component alone (evaluated as a run on the component's corpus),
+    and eval.md a row per component and DIFF − twin on each."""
+    import dataclasses
+
+    from diffjax.evaluate import EvalSettings, evaluate_model, evaluate_run
+    from diffjax.evaluate.run import data_config, read_run_config
+    from diffjax.train.checkpoint import load_model
+
+    run, _ = straight
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    settings = dataclasses.replace(EvalSettings.for_run(True), val_examples=6, bits=(8,))
+    text = evaluate_run(str(copy), settings=settings, log=lambda *_: None)
+    assert "| validation loss: alpha |" in text and "| validation loss: beta |" in text
+    assert "- validation loss on beta (nats), DIFF minus the twin:" in text
+    entries = json.loads((copy / "eval.json").read_text())["models"]
+    data = data_config(read_run_config(str(copy)))
+    for entry in entries:
+        by = entry["val_loss_by_component"]
+        assert sorted(by) == ["alpha", "beta"] and by["alpha"] != by["beta"]
+        model = load_model(str(copy / entry["label"] / "seed_0"), "best")
+        for name in ("alpha", "beta"):
+            alone = evaluate_model(model, data.component(name), settings, log=lambda *_: None)
+            assert by[name] == pytest.approx(alone["val_loss"], rel=1e-6)
+            assert "val_loss_by_component" not in alone  # one corpus: no components
+
+
+@pytest.mark.xdist_group("mixture-train")
 def test_weights_changed_at_a_resume_are_refused_then_recorded(corpora, straight, tmp_path, capsys):
     """The finished run continued to 12 steps at 0.5/0.5: refused before training without
     data.mixture_reweight (nothing written); with it, the log, every later checkpoint,

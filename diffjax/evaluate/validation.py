@@ -1,6 +1,6 @@
-"""Validation loss, perplexity and (a task with answers) answer accuracy on the run's own data:
-its result (:class:`Validation`, the entry's ``val_*`` keys in eval.json) and its section of
-eval.md."""
+"""Validation loss, perplexity and (a task with answers) answer accuracy on the run's own data,
+and for a mixture the loss on each component's own validation split: its result
+(:class:`Validation`, the entry's ``val_*`` keys in eval.json) and its section of eval.md."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from diffjax.data import query_kinds
 from . import positions as pos
 from . import retrieval as ret
 from .analysis import Analysis, Run, paired, table
-from .inputs import ModelInputs
+from .inputs import ModelInputs, validation_examples
 
 # the optional rows of the table: eval.json key, row name
 ACCURACY_ROWS = (
@@ -33,6 +33,7 @@ class Validation:
     accuracy: float | None = None
     first_query_accuracy: float | None = None
     repeat_query_accuracy: float | None = None
+    by_component: dict[str, float] | None = None  # a mixture: each component's loss
 
     def to_dict(self) -> dict:
         out = {"val_loss": self.loss, "val_ppl": self.ppl}
@@ -40,17 +41,37 @@ class Validation:
         for (key, _), value in zip(ACCURACY_ROWS, accuracies):
             if value is not None:
                 out[key] = value
+        if self.by_component is not None:
+            out["val_loss_by_component"] = dict(self.by_component)
         return out
 
     @classmethod
     def from_dict(cls, d: dict) -> "Validation | None":
         if "val_loss" not in d:
             return None
-        return cls(d["val_loss"], d["val_ppl"], *(d.get(key) for key, _ in ACCURACY_ROWS))
+        accuracies = (d.get(key) for key, _ in ACCURACY_ROWS)
+        return cls(d["val_loss"], d["val_ppl"], *accuracies, d.get("val_loss_by_component"))
 
     def get(self, key: str) -> float | None:
         """A row's value by its eval.json key."""
         return self.to_dict().get(key)
+
+
+def by_component(inputs: ModelInputs) -> dict[str, float] | None:
+    """A mixture run: the loss on each component's own validation split (``val_examples`` of
+    each, spread over it; a component without a validation split is left out), by name."""
+    data = inputs.data
+    if data.source != "mixture":
+        return None
+    out = {}
+    for c in data.mixture:
+        part = data.component(c.name)
+        if part.val_fraction == 0:
+            continue
+        batch = validation_examples(part, inputs.settings.val_examples)
+        losses, _ = inputs.losses_and_predictions(batch)
+        out[c.name] = pos.validation_loss(losses, batch["weights"])[0]
+    return out
 
 
 def measure(inputs: ModelInputs) -> Validation:
@@ -58,7 +79,7 @@ def measure(inputs: ModelInputs) -> Validation:
     losses, preds = inputs.val_outputs
     loss, ppl = pos.validation_loss(losses, val["weights"])
     if "answer_spans" not in val:
-        return Validation(loss, ppl)
+        return Validation(loss, ppl, by_component=by_component(inputs))
     correct = ret.query_correct(preds, val)
     first_acc = repeat_acc = None
     if "query_needle" in val or "query_pair" in val:
@@ -82,9 +103,24 @@ def section(run: Run) -> list[str]:
     for key, name in ACCURACY_ROWS:
         if any(v.get(key) is not None for v in run.measured("validation")):
             rows.append([name] + [run.cell(lab, lambda r: val(r).get(key)) for lab in run.labels])
+    components = sorted(
+        {name for v in run.measured("validation") for name in (v.by_component or {})},
+        key=[c.name for c in run.data.mixture].index,
+    )
+
+    def component_loss(name):
+        return lambda r: (val(r).by_component or {}).get(name)
+
+    for name in components:
+        rows.append(
+            [f"validation loss: {name}"]
+            + [run.cell(lab, component_loss(name), "{:.4f}") for lab in run.labels]
+        )
     L = ["## Validation loss and perplexity", ""]
     L += table([""] + run.names(), rows) + [""]
     line = paired(run.groups, lambda r: val(r).loss, "validation loss", "nats")
+    for name in components:
+        line += paired(run.groups, component_loss(name), f"validation loss on {name}", "nats")
     L += line + [""] if line else []
     L += [
         f"Over {run.settings.val_examples} validation examples of the run's data spread over the "
@@ -92,6 +128,13 @@ def section(run: Run) -> list[str]:
         f"same batches as the training report's, so the numbers differ slightly.",
         "",
     ]
+    if components:
+        L += [
+            f"The mixture's components: {run.settings.val_examples} validation examples of each "
+            f"component's own split (the first row draws from all of them together, in "
+            f"proportion to their validation splits, not to the training weights).",
+            "",
+        ]
     return L
 
 
