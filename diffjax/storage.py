@@ -13,11 +13,23 @@ Objects cannot be appended to: :class:`SyncedDir` keeps a local folder of the fi
 (``metrics.jsonl``, TensorBoard's event files) and uploads each changed file whole every
 ``every_s`` seconds and whenever asked (at each checkpoint and at the end).
 
-Pointing the clients at an emulator: ``STORAGE_EMULATOR_HOST`` (the Google client libraries and
-gcsfs) and ``TENSORSTORE_GCS_HTTP_URL`` (tensorstore, the checkpoints); when only the first is
-set, the second is set to it. On Google Cloud the application default
+Pointing the clients at an emulator: ``STORAGE_EMULATOR_HOST`` is all a user sets. From it
+diffjax derives the rest (:func:`_configure_clients`): tensorstore (the checkpoints) to the same
+server (``TENSORSTORE_GCS_HTTP_URL``, unless set), gcsfs's plain JSON-API filesystem without
+credentials (its zonal/hierarchical-bucket support asks a gRPC storage-control service for each
+bucket's type, which an emulator does not serve: gcsfs would retry that for a minute on every
+call), and no Google metadata-server probe. On Google Cloud the application default
 credentials are used (a VM's service account, ``gcloud auth application-default login``, or
-``GOOGLE_APPLICATION_CREDENTIALS``).
+``GOOGLE_APPLICATION_CREDENTIALS``), and gcsfs's bucket-type lookup gets
+:data:`LOOKUP_TIMEOUT_S` seconds before it falls back to the plain API.
+
+No call into a bucket waits forever: each gcsfs call (read, write, listing) is bounded by
+:func:`timeout_s` (``DIFFJAX_STORAGE_TIMEOUT_S``, default 120 s; ``run.storage_timeout_s``), one
+request by a connect and a read timeout; gcsfs retries 429, 5xx and dropped connections with
+capped exponential backoff and jitter inside that budget. Past it the call fails with a
+:class:`StorageError` naming the operation, the path, the cause and the fix. Tensorstore's
+requests (checkpoints) get a connect timeout and abort a transfer that stalls
+(``TENSORSTORE_CURL_*``, unless set), and retry with its own backoff.
 """
 
 from __future__ import annotations
@@ -70,22 +82,148 @@ def path(p: PathLike, *, what: str = "path") -> epath.Path:
             f"(Google Cloud Storage), e.g. gs://my-bucket/runs/default."
         )
     if s is not None:
-        _use_emulator()
+        _configure_clients()
     return p if isinstance(p, epath.Path) else epath.Path(p)
 
 
-def _use_emulator() -> None:
-    """With ``STORAGE_EMULATOR_HOST`` set: tensorstore to the same server (unless
-    ``TENSORSTORE_GCS_HTTP_URL`` says otherwise) and gcsfs without credentials (an emulator
-    checks none; looking for them costs seconds per process)."""
+TIMEOUT_VAR = "DIFFJAX_STORAGE_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 120.0  # one gcsfs call, retries included
+CONNECT_TIMEOUT_S = 10.0  # one request's connection
+READ_TIMEOUT_S = 30.0  # one request's silence (a stalled server)
+LOOKUP_TIMEOUT_S = 10.0  # gcsfs's bucket-type lookup on Google Cloud (then the plain API)
+_state: dict[str, Any] = {"timeout_s": None, "configured": None}
+
+
+def timeout_s() -> float:
+    """The budget of one call into a bucket, retries included: :func:`set_timeout`'s, else
+    ``DIFFJAX_STORAGE_TIMEOUT_S``, else :data:`DEFAULT_TIMEOUT_S`."""
+    if _state["timeout_s"] is not None:
+        return _state["timeout_s"]
+    raw = os.environ.get(TIMEOUT_VAR)
+    if not raw:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise StorageError(
+            f"{TIMEOUT_VAR}={raw!r} is not a number of seconds > 0. Fix: e.g. "
+            f"{TIMEOUT_VAR}=300, or unset it for {DEFAULT_TIMEOUT_S:.0f} s."
+        )
+    return value
+
+
+def set_timeout(seconds: float | None) -> None:
+    """Bound every later call into a bucket by ``seconds`` (None: back to the default)."""
+    if seconds is not None and not float(seconds) > 0:
+        raise StorageError(f"a storage timeout must be > 0 s, not {seconds!r}.")
+    _state["timeout_s"] = None if seconds is None else float(seconds)
+    _state["configured"] = None
+
+
+def _configure_clients() -> None:
+    """The settings every client needs, derived from the environment once per timeout: the
+    emulator's (see the module's docstring) and the timeouts."""
+    budget = timeout_s()
     host = os.environ.get(EMULATOR_VAR)
-    if not host:
+    key = (budget, host)
+    if _state["configured"] == key:
         return
-    os.environ.setdefault(TENSORSTORE_VAR, host if "://" in host else f"http://{host}")
+    if host:
+        os.environ.setdefault(TENSORSTORE_VAR, host if "://" in host else f"http://{host}")
+        # before gcsfs is first imported (it reads this then): no storage-control lookups
+        os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+        os.environ.setdefault("NO_GCE_CHECK", "True")  # google-auth: no metadata probe
+    for var, value in (
+        ("TENSORSTORE_CURL_CONNECT_TIMEOUT_SECONDS", CONNECT_TIMEOUT_S),
+        ("TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS", READ_TIMEOUT_S),
+        ("TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES", 1),
+    ):
+        os.environ.setdefault(var, str(int(value)))
+    import aiohttp
+    import fsspec
     import fsspec.config
 
+    options = {
+        "requests_timeout": aiohttp.ClientTimeout(
+            sock_connect=min(CONNECT_TIMEOUT_S, budget), sock_read=min(READ_TIMEOUT_S, budget)
+        ),
+    }
+    if host:
+        from gcsfs.core import GCSFileSystem
+
+        # gcsfs was imported before the variable was set (by the user, or another library):
+        # its JSON-API filesystem all the same
+        for protocol in ("gs", "gcs"):
+            fsspec.register_implementation(protocol, GCSFileSystem, clobber=True)
+        options["token"] = "anon"  # an emulator checks none; looking for them costs seconds
+        options["endpoint_url"] = host if "://" in host else f"http://{host}"
+    else:
+        options["retry_timeout"] = LOOKUP_TIMEOUT_S  # the bucket-type lookup (a gRPC call)
+    token = options.pop("token", None)
     for protocol in ("gs", "gcs"):
-        fsspec.config.conf.setdefault(protocol, {}).setdefault("token", "anon")
+        conf = fsspec.config.conf.setdefault(protocol, {})
+        conf.pop("endpoint_url", None)  # the emulator of an earlier configuration
+        if token is not None:
+            conf.setdefault("token", token)  # the user's own fsspec token wins
+        conf.update(options)
+    _state["configured"] = key
+
+
+def _use_emulator() -> None:  # the earlier name, for callers outside this module
+    _configure_clients()
+
+
+_TRANSIENT_FIX = (
+    "check the network and that the bucket answers{where}; a slow bucket may need a larger "
+    "budget ({var}=SECONDS or run.storage_timeout_s, now {budget:.0f} s)"
+)
+
+
+def _failed(op: str, p: PathLike, error: BaseException) -> StorageError:
+    """A :class:`StorageError` for a bucket call that failed past its retries or its budget."""
+    host = os.environ.get(EMULATOR_VAR)
+    where = f" ({EMULATOR_VAR}={host})" if host else ""
+    cause = f"{type(error).__name__}: {str(error)[:200]}".rstrip(": ")
+    if "Timeout" in type(error).__name__:
+        cause = f"no answer within {timeout_s():.0f} s ({cause})"
+    fix = _TRANSIENT_FIX.format(where=where, var=TIMEOUT_VAR, budget=timeout_s())
+    return StorageError(f"{op} {_text(p)}: {cause}. Fix: {fix}. Nothing was changed by it.")
+
+
+def _bounded(op: str, p: PathLike, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)``, a call into the bucket of ``p``: an error that is not the
+    answer itself (a missing object, a refused permission) becomes :func:`_failed`'s."""
+    try:
+        return fn(*args, **kwargs)
+    except (FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError):
+        raise
+    except PermissionError:
+        raise
+    except StorageError:
+        raise
+    except Exception as e:
+        if _is_transport_error(e):
+            raise _failed(op, p, e) from e
+        raise
+
+
+def _is_transport_error(e: BaseException) -> bool:
+    import asyncio
+
+    import aiohttp
+    from fsspec.exceptions import FSTimeoutError
+
+    if isinstance(e, (FSTimeoutError, asyncio.TimeoutError, TimeoutError, aiohttp.ClientError)):
+        return True
+    if isinstance(e, (ConnectionError, OSError)):
+        return True
+    try:
+        from gcsfs.retry import HttpError
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(e, HttpError) and (e.code in (408, 429) or (e.code or 0) >= 500)
 
 
 def is_remote(p: PathLike) -> bool:
@@ -110,20 +248,36 @@ def makedirs(p: PathLike) -> None:
         os.makedirs(p, exist_ok=True)
 
 
+def _remote(op: str, p: PathLike, method: str, *args):
+    """``filesystem().method(*args)`` bounded by :func:`timeout_s` (fsspec cancels the call
+    past it), its failure said by :func:`_failed`."""
+    fs = filesystem()
+    return _bounded(op, p, getattr(fs, method), *args, timeout=timeout_s())
+
+
 def exists(p: PathLike) -> bool:
-    return path(p).exists()
+    if is_remote(p):
+        path(p)
+        return _remote("checking", p, "exists", _text(p))
+    return os.path.exists(p)
 
 
 def isdir(p: PathLike) -> bool:
-    return path(p).is_dir()
+    if is_remote(p):
+        path(p)
+        return _remote("listing", p, "isdir", _text(p))
+    return os.path.isdir(p)
 
 
 def read_bytes(p: PathLike) -> bytes:
+    if is_remote(p):
+        path(p)
+        return _remote("reading", p, "cat_file", _text(p))
     return path(p).read_bytes()
 
 
 def read_text(p: PathLike) -> str:
-    return path(p).read_text()
+    return read_bytes(p).decode()
 
 
 def read_json(p: PathLike) -> Any:
@@ -134,7 +288,8 @@ def write_bytes(p: PathLike, data: bytes) -> None:
     """Write ``data`` whole or not at all: a bucket's object appears when its upload completes;
     a local file is written under a temporary name and renamed."""
     if is_remote(p):
-        path(p).write_bytes(data)
+        path(p)
+        _remote("writing", p, "pipe_file", _text(p), data)
         return
     p = os.fspath(p)
     parent = os.path.dirname(os.path.abspath(p))
@@ -171,8 +326,7 @@ def download(p: PathLike, local_dir: str) -> str:
     if not is_remote(p):
         return os.fspath(p)
     out = os.path.join(local_dir, path(p).name)
-    with path(p).open("rb") as src, open(out, "wb") as dst:
-        shutil.copyfileobj(src, dst, 16 << 20)
+    _remote("downloading", p, "get_file", _text(p), out)
     return out
 
 
@@ -181,8 +335,8 @@ def upload(local: str, p: PathLike) -> None:
     if not is_remote(p):
         shutil.copyfile(local, os.fspath(p))
         return
-    with open(local, "rb") as src, path(p).open("wb") as dst:
-        shutil.copyfileobj(src, dst, 16 << 20)
+    path(p)
+    _remote("uploading", p, "put_file", local, _text(p))
 
 
 # ------------------------------------------------------------------------ objects in a bucket
@@ -191,7 +345,7 @@ def filesystem():
     on its own event loop)."""
     import fsspec
 
-    _use_emulator()
+    _configure_clients()
     return fsspec.filesystem("gs")
 
 
@@ -200,7 +354,17 @@ def read_ranges(urls: list[str], starts: list[int], stops: list[int]) -> list[by
     ranged reads (HTTP ``Range`` requests, all in flight at once)."""
     if not urls:
         return []
-    return filesystem().cat_ranges(list(urls), list(starts), list(stops), on_error="raise")
+    fs = filesystem()
+    return _bounded(
+        "reading",
+        urls[0] if len(urls) == 1 else f"{urls[0]} (and {len(urls) - 1} more)",
+        fs.cat_ranges,
+        list(urls),
+        list(starts),
+        list(stops),
+        on_error="raise",
+        timeout=timeout_s(),
+    )
 
 
 def object_sizes(prefix: PathLike) -> dict[str, int]:
@@ -208,7 +372,9 @@ def object_sizes(prefix: PathLike) -> dict[str, int]:
     one listing."""
     fs = filesystem()
     try:
-        listed = fs.ls(_text(prefix), detail=True, refresh=True)
+        listed = _bounded(
+            "listing", prefix, fs.ls, _text(prefix), detail=True, refresh=True, timeout=timeout_s()
+        )
     except FileNotFoundError:
         return {}
     return {
@@ -228,7 +394,8 @@ def same_bytes(p: PathLike, data: bytes) -> bool:
         with open(p, "rb") as fh:
             return fh.read() == data
     try:
-        info = filesystem().info(_text(p), refresh=True)
+        fs = filesystem()
+        info = _bounded("checking", p, fs.info, _text(p), refresh=True, timeout=timeout_s())
     except FileNotFoundError:
         return False
     if int(info.get("size", -1)) != len(data):
@@ -243,7 +410,7 @@ def remove(p: PathLike) -> None:
     """Delete the file or object ``p`` (nothing when it is missing)."""
     if is_remote(p):
         try:
-            filesystem().rm_file(_text(p))
+            _remote("deleting", p, "rm_file", _text(p))
         except FileNotFoundError:
             pass
     elif os.path.exists(p):
@@ -307,14 +474,26 @@ def check_access(p: PathLike, *, what: str, write: bool) -> None:
             f"{what}={shown!r}: no Google Cloud credentials were found ({str(e)[:200]}). "
             f"Fix: {_credentials_fix()}."
         ) from None
+    from google.cloud.storage.retry import DEFAULT_RETRY
+
+    # 429, 5xx and dropped connections retried with capped backoff and jitter, within the budget
+    bounded = {
+        "retry": DEFAULT_RETRY.with_timeout(timeout_s()),
+        "timeout": (min(CONNECT_TIMEOUT_S, timeout_s()), min(READ_TIMEOUT_S, timeout_s())),
+    }
     try:
-        list(client.list_blobs(bucket, prefix=prefix + "/" if prefix else None, max_results=1))
+        listing = client.list_blobs(
+            bucket, prefix=prefix + "/" if prefix else None, max_results=1, **bounded
+        )
+        list(listing)
         if write:
             probe = client.bucket(bucket).blob(
                 f"{prefix}/.diffjax-write-check-{uuid.uuid4().hex}".lstrip("/")
             )
-            probe.upload_from_string(b"", if_generation_match=0)
-            probe.delete()
+            probe.upload_from_string(
+                b"", if_generation_match=0, retry=bounded["retry"], timeout=bounded["timeout"]
+            )
+            probe.delete(**bounded)
     except (google.auth.exceptions.GoogleAuthError, api.Unauthorized) as e:
         raise StorageError(
             f"{what}={shown!r}: Google Cloud Storage refused the credentials (401 "
@@ -335,7 +514,7 @@ def check_access(p: PathLike, *, what: str, write: bool) -> None:
             f"buckets add-iam-policy-binding gs://{bucket} --member=... --role={role}), or use "
             f"a bucket it can write."
         ) from None
-    except (api.GoogleAPICallError, OSError) as e:
+    except (api.GoogleAPIError, OSError) as e:  # RetryError: the budget ran out
         raise StorageError(
             f"{what}={shown!r}: Google Cloud Storage could not be reached "
             f"({type(e).__name__}: {str(e)[:200]}). Fix: check the network and the bucket name"
@@ -344,7 +523,8 @@ def check_access(p: PathLike, *, what: str, write: bool) -> None:
                 if os.environ.get(EMULATOR_VAR)
                 else ""
             )
-            + "."
+            + f"; a slow bucket may need a larger budget ({TIMEOUT_VAR}=SECONDS or "
+            f"run.storage_timeout_s, now {timeout_s():.0f} s)."
         ) from None
 
 
@@ -377,7 +557,7 @@ class SyncedDir:
         if not self.is_remote:
             return
         src = path(self.remote) / name
-        if src.exists():
+        if exists(src):
             download(src, os.path.dirname(self.local_path(name)) or self.local)
             self._sent[name] = self._stamp(name)
 

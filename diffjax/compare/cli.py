@@ -168,7 +168,9 @@ def main(argv: list[str] | None = None, *, after_step: AfterStep | None = None) 
     if study is not None:
         return retrofit_study(args, study, after_step=after_step)
     try:
-        exp = resolve_init_from(apply_overrides(load_config(args.config), args.overrides))
+        exp = apply_overrides(load_config(args.config), args.overrides)
+        storage.set_timeout(exp.run.storage_timeout_s)  # every bucket call from here on
+        exp = resolve_init_from(exp)
         description = data_lib.check_data(exp.data, exp.model.vocab_size)
         # a bucket that does not exist, no credentials or no permission: refused before compute
         storage.check_access(exp.run.path, what="run.dir", write=True)
@@ -208,6 +210,12 @@ def main(argv: list[str] | None = None, *, after_step: AfterStep | None = None) 
         storage.write_json(storage.join(run_dir, "config.json"), exp.to_dict(), default=str)
     try:
         results = train_seeds(exp, run_dir, mesh, after_step=after_step)
+    except storage.StorageError as e:  # the bucket stopped answering mid-run
+        _error(
+            f"{e} Training stopped; the last committed checkpoint in {run_dir} is kept. "
+            f"Re-running the same command once the bucket answers resumes from it."
+        )
+        return EXIT_PREEMPTED
     except (ConfigError, data_lib.DataError) as e:  # DataError is a ConfigError
         _error(str(e))
         return EXIT_BAD_INPUT

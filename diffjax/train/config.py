@@ -307,6 +307,9 @@ class RunConfig:
     # with a gs:// run.dir: upload metrics.jsonl and TensorBoard's files every this many seconds
     # (and at each checkpoint and at the end); a SIGKILL loses at most the records since then
     sync_every_s: float = 30.0
+    # the budget of one call into a bucket (read, write, listing), retries included; past it the
+    # call fails naming the path (None: $DIFFJAX_STORAGE_TIMEOUT_S, else 120 s)
+    storage_timeout_s: float | None = None
     # Weights & Biases: "off", "online" (needs `wandb login` or WANDB_API_KEY) or "offline"
     # (written under each model's folder; `wandb sync` uploads it later). Process 0 logs the
     # scalars TensorBoard gets and the whole config, one W&B run per model and seed.
@@ -334,6 +337,13 @@ class RunConfig:
                 "sync_every_s",
                 f"must be > 0, got {self.sync_every_s}",
                 "set run.sync_every_s to a number of seconds, e.g. 30",
+            )
+        if self.storage_timeout_s is not None and not self.storage_timeout_s > 0:
+            fail(
+                "RunConfig",
+                "storage_timeout_s",
+                f"must be > 0, got {self.storage_timeout_s}",
+                "set run.storage_timeout_s to a number of seconds, e.g. 300, or leave it unset",
             )
         if not self.name or os.sep in self.name:
             fail(
