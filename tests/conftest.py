@@ -32,6 +32,21 @@ import pytest  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", int(os.environ["JAX_NUM_CPU_DEVICES"]))
 
+# the clients the gs:// tests ran with, in the run's header (pyproject bounds them to these)
+STORAGE_CLIENTS = ("gcsfs", "fsspec", "tensorstore", "google-cloud-storage", "orbax-checkpoint")
+
+
+def pytest_report_header(config):
+    from importlib.metadata import PackageNotFoundError, version
+
+    def one(name):
+        try:
+            return f"{name} {version(name)}"
+        except PackageNotFoundError:
+            return f"{name} (not installed)"
+
+    return "storage clients: " + ", ".join(one(n) for n in STORAGE_CLIENTS)
+
 
 @pytest.fixture
 def optimizing_compiler(monkeypatch):
