@@ -8,9 +8,7 @@ python train.py --help                            # every config key with its de
 The same as ``python -m diffjax.compare`` (:func:`diffjax.compare.main`).
 """
 
-import sys
-
-from diffjax.compare import main
+from diffjax.compare import exit_process, main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

@@ -35,9 +35,11 @@ requests (checkpoints) get a connect timeout and abort a transfer that stalls
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import io
 import json
+import logging
 import os
 import re
 import shutil
@@ -141,6 +143,11 @@ def _configure_clients() -> None:
         ("TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES", 1),
     ):
         os.environ.setdefault(var, str(int(value)))
+    gcsfs_log = logging.getLogger("gcsfs")
+    if gcsfs_log.level == logging.NOTSET:
+        # gcsfs logs each exhausted retry with its traceback; the StorageError that follows
+        # names the path, the cause and the fix (a level the user set is kept)
+        gcsfs_log.setLevel(logging.CRITICAL)
     import aiohttp
     import fsspec
     import fsspec.config
@@ -207,6 +214,30 @@ def _bounded(op: str, p: PathLike, fn, *args, **kwargs):
         if _is_transport_error(e):
             raise _failed(op, p, e) from e
         raise
+
+
+@contextlib.contextmanager
+def guarded(op: str, p: PathLike):
+    """Calls into the bucket of ``p`` that another library makes (Orbax's checkpoint saves,
+    through gcsfs and tensorstore): a transport error past that library's own retries becomes
+    :func:`_failed`'s :class:`StorageError` (``op`` names what was being done). Local paths and
+    any other error pass through unchanged."""
+    try:
+        yield
+    except StorageError:
+        raise
+    except Exception as e:
+        if is_remote(p) and (_is_transport_error(e) or _is_tensorstore_unavailable(e)):
+            raise _failed(op, p, e) from e
+        raise
+
+
+# tensorstore's status codes for a server that is gone, stalled or refusing for now
+_TENSORSTORE_TRANSIENT = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "ABORTED")
+
+
+def _is_tensorstore_unavailable(e: BaseException) -> bool:
+    return isinstance(e, ValueError) and str(e).startswith(_TENSORSTORE_TRANSIENT)
 
 
 def _is_transport_error(e: BaseException) -> bool:
@@ -557,9 +588,11 @@ class SyncedDir:
         if not self.is_remote:
             return
         src = path(self.remote) / name
-        if exists(src):
+        try:  # no existence check first: a missing object is the download's own answer
             download(src, os.path.dirname(self.local_path(name)) or self.local)
-            self._sent[name] = self._stamp(name)
+        except FileNotFoundError:
+            return
+        self._sent[name] = self._stamp(name)
 
     def _stamp(self, rel: str) -> tuple[int, int]:
         st = os.stat(self.local_path(rel))

@@ -16,6 +16,7 @@ Standard library only::
     with FaultProxy(gcs_server.url, seed=0) as proxy:
         proxy.set("503", rate=0.3)  # about a third of the requests answer 503
         proxy.down_for(1.0)  # every connection refused for a second
+        proxy.down_after("commit_success.txt")  # gone once a checkpoint has committed
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import http.client
 import http.server
 import json
 import random
+import re
 import socket
 import struct
 import threading
@@ -98,7 +100,8 @@ def is_object_data(path: str) -> bool:
 class FaultProxy:
     """A proxy to ``upstream_url`` on a free port of 127.0.0.1, serving in a daemon thread
     while entered; :meth:`set` picks the fault. ``requests`` counts the requests (connections
-    while down) it saw, ``injected`` the faults it injected; the draws of which requests are hit
+    while down) it saw, ``log`` each request's method and path, ``injected`` the faults it
+    injected; the draws of which requests are hit
     come from ``random.Random(seed)``, so a sequence of requests meets the same faults each run.
     """
 
@@ -117,9 +120,15 @@ class FaultProxy:
         self._rate = 0.0
         self._stall_s = 0.0
         self._timer: threading.Timer | None = None
+        self._trigger: str | None = None
+        self._then_down = False
+        self.triggered = threading.Event()  # set when down_after's request has been answered
         self.requests = 0
         self.injected = 0
-        self._httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
+        # (method, path with its query) of each request read; a multipart upload's gets
+        # "&name=OBJECT" from its body
+        self.log: list[tuple[str, str]] = []
+        self._httpd = _Server(("127.0.0.1", 0), _handler(self))
         self._httpd.daemon_threads = True
         self.url = f"http://127.0.0.1:{self._httpd.server_address[1]}"
         self._netloc = self.url.removeprefix("http://").encode()
@@ -140,6 +149,7 @@ class FaultProxy:
                 self._timer.cancel()
                 self._timer = None
             self._kind, self._rate, self._stall_s = kind, float(rate), float(stall_s)
+            self._trigger = None
 
     def down_for(self, seconds: float) -> None:
         """Refuse every connection now, and pass everything through again after ``seconds``."""
@@ -149,6 +159,35 @@ class FaultProxy:
         with self._lock:
             self._timer = timer
         timer.start()
+
+    def down_after(self, substring: str) -> None:
+        """Pass everything through until a write (POST, PUT, PATCH; of a resumable upload,
+        the one that sends the data) whose path (query included) contains ``substring`` has
+        succeeded, then refuse every connection
+        (:attr:`triggered` is set then): a server that goes away at a chosen point of a run,
+        e.g. right after a checkpoint's commit marker is written."""
+        self.set(None)
+        self.watch(substring, then_down=True)
+
+    def watch(self, substring: str, *, then_down: bool = False) -> None:
+        """Set :attr:`triggered` once a write as in :meth:`down_after` has succeeded (the
+        current fault, if any, kept); ``then_down``: refuse every connection from then on."""
+        self.triggered.clear()
+        with self._lock:
+            self._trigger, self._then_down = substring, then_down
+
+    def _answered(self, method: str, path: str, status: int) -> None:
+        with self._lock:
+            if self._trigger is None or self._trigger not in urllib.parse.unquote(path):
+                return
+            if method not in ("POST", "PUT", "PATCH") or not 200 <= status < 300:
+                return
+            if "uploadType=resumable" in path and "upload_id=" not in path:
+                return  # a resumable upload begun, its data not yet sent
+            self._trigger = None
+            if self._then_down:
+                self._kind, self._rate, self._stall_s = "down", 1.0, 0.0
+        self.triggered.set()
 
     def _recover(self) -> None:
         with self._lock:
@@ -187,6 +226,15 @@ class FaultProxy:
         self._httpd.server_close()
 
 
+class _Server(http.server.ThreadingHTTPServer):
+    def handle_error(self, request, client_address):
+        """A client that gave up on its request (its own timeout) is not the proxy's error."""
+        import sys
+
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
+
+
 def _handler(proxy: FaultProxy) -> type[http.server.BaseHTTPRequestHandler]:
     class Handler(http.server.BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"  # chunked request bodies, Expect: 100-continue
@@ -223,6 +271,12 @@ def _handler(proxy: FaultProxy) -> type[http.server.BaseHTTPRequestHandler]:
 
         def _proxy(self):
             body = self._body()
+            logged = self.path
+            if "uploadType=multipart" in logged:  # the object's name is in the body
+                named = re.search(rb'"name"\s*:\s*"([^"]+)"', body[:4096])
+                logged += f"&name={named.group(1).decode()}" if named else ""
+            with proxy._lock:
+                proxy.log.append((self.command, logged))
             kind, stall_s = proxy._draw()
             if kind == "down":  # went down while this request was read
                 return self._reset()
@@ -261,6 +315,7 @@ def _handler(proxy: FaultProxy) -> type[http.server.BaseHTTPRequestHandler]:
                 and not is_object_data(self.path)
             ):
                 data = proxy._rewrite(data)
+            proxy._answered(self.command, self.path, resp.status)  # before the client hears
             self._send(resp.status, out, data, length)
 
         do_GET = do_HEAD = do_POST = do_PUT = do_PATCH = do_DELETE = do_OPTIONS = _proxy

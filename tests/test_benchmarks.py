@@ -6,6 +6,7 @@ import importlib.util
 import json
 import os
 import subprocess
+import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -15,6 +16,7 @@ def _load(name):
         name, os.path.join(ROOT, "benchmarks", f"{name}.py")
     )
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # its dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
@@ -423,3 +425,48 @@ def test_the_stage0_config_states_its_parameter_counts():
     assert abs(non_embedding_params(models["v2m"]) / non_embedding_params(tw) - 1) < 0.002
     assert exp.model.dtype == "bfloat16" and exp.data.seq_len == 1024 and exp.train.num_seeds == 2
     assert module.SWEEP.twins == {"v2m": "v1"}
+
+
+def test_the_storage_fault_rows_are_bounded_and_the_requests_classified(gcs_server, tmp_path):
+    """benchmarks/storage_faults.py: a child past its row's deadline is killed with what it
+    started and the row reads as timed out (no row blocks the table); the proxy's log of a
+    run is sorted into what each request was for (the per-step, per-save, per-resume figures)."""
+    sf = _load("storage_faults")
+    import time
+
+    bench = sf.Bench(gcs_server, str(tmp_path), time.monotonic() + 60)
+    t0 = time.monotonic()
+    child = bench.spawn(["-c", "import time; time.sleep(60)"], bench.env(gcs_server.url))
+    try:
+        bench.wait([child], t0 + 1.0)
+        raise AssertionError("the sleeping child was not stopped")
+    except sf.TimedOut:
+        pass
+    assert time.monotonic() - t0 < 10 and child[0].poll() is not None
+    assert bench.run(["-c", "import sys; sys.exit('last words')"], bench.env("x"), t0 + 30) == (
+        1,
+        "last words",
+    )
+    b = "/storage/v1/b/bkt"
+    log = [
+        ("GET", "/download/storage/v1/b/bkt/o/prep%2Ftrain_00000.bin?alt=media"),
+        ("GET", "/download/storage/v1/b/bkt/o/prep%2Fval_00000.bin?alt=media"),
+        ("GET", f"{b}/o/prep%2Fmanifest.json"),
+        (
+            "POST",
+            "/upload/storage/v1/b/bkt/o?uploadType=multipart&name=r/diff/seed_0/metrics.jsonl",
+        ),
+        ("GET", f"{b}/o/r%2Fdiff%2Fseed_0%2Fcheckpoints%2F2%2Fstate"),
+        ("GET", f"{b}/o/r%2Fdiff%2Fseed_0%2Fcheckpoints%2F6%2Fstate"),
+        ("GET", f"{b}?projection=noAcl"),
+    ]
+    kinds = [sf.request_kind(m, p, {"6"}) for m, p in log]
+    assert kinds == [
+        "training windows",
+        "validation windows",
+        "prepared data: manifest, listing, indexes",
+        "metrics syncs (metrics.jsonl uploads)",
+        "earlier checkpoints: restore",
+        "checkpoint saves",
+        "bucket access checks",
+    ]

@@ -143,6 +143,20 @@ def test_down_for_refuses_then_recovers(proxy, name):
     assert proxy.injected == 1
 
 
+def test_down_after_passes_until_the_named_request_is_answered(proxy, gcs_server, name):
+    proxy.down_after("dir/commit_success.txt")
+    assert upload(proxy.url, name, "dir/a.bin", b"a")[0] == 200
+    assert download(proxy.url, name, "dir%2Fcommit_success.txt")[0] == 404  # a read: no trigger
+    assert not proxy.triggered.is_set()
+    assert upload(proxy.url, name, "dir/commit_success.txt", b"ok")[0] == 200  # answered
+    assert proxy.triggered.is_set()
+    with pytest.raises(ConnectionError):
+        request(proxy.url, "GET", f"/storage/v1/b/{name}/o")
+    assert gcs_server.objects(f"gs://{name}/dir") == {"a.bin": b"a", "commit_success.txt": b"ok"}
+    proxy.set(None)
+    assert request(proxy.url, "GET", f"/storage/v1/b/{name}/o")[0] == 200
+
+
 def test_the_settings_are_checked(proxy):
     with pytest.raises(ValueError, match="fault kind"):
         proxy.set("500")
@@ -171,3 +185,24 @@ def test_gcsfs_reads_and_writes_through_the_proxy_and_retries_its_503s(
     for _ in range(4):
         assert fs.cat_file(f"{name}/f.bin") == data
     assert proxy.injected > 0 and proxy.requests > seen + 4
+
+
+def test_the_log_names_each_request_and_a_multipart_uploads_object(proxy, gcs_server, name):
+    """The proxy's log (the storage benchmark counts requests by what they were for from it):
+    each request's method and path, and for a multipart upload, whose object name travels in
+    the body, ``&name=OBJECT`` added."""
+    boundary = "b0undary"
+    meta = json.dumps({"name": "run/metrics.jsonl"})
+    body = (
+        f"--{boundary}\r\nContent-Type: application/json\r\n\r\n{meta}\r\n"
+        f"--{boundary}\r\nContent-Type: application/octet-stream\r\n\r\nline\n\r\n--{boundary}--\r\n"
+    ).encode()
+    path = f"/upload/storage/v1/b/{name}/o?uploadType=multipart"
+    headers = {"Content-Type": f"multipart/related; boundary={boundary}"}
+    assert request(proxy.url, "POST", path, body, headers)[0] == 200
+    assert download(proxy.url, name, "run%2Fmetrics.jsonl")[0] == 200
+    assert proxy.log == [
+        ("POST", f"{path}&name=run/metrics.jsonl"),
+        ("GET", f"/download/storage/v1/b/{name}/o/run%2Fmetrics.jsonl?alt=media"),
+    ]
+    assert gcs_server.objects(f"gs://{name}/run") == {"metrics.jsonl": b"line\n"}

@@ -40,7 +40,7 @@ TINY = [
     "train.tensorboard=false",
     "train.eval_every=2",
     "train.checkpoint_every=2",
-    "run.sync_every_s=0.5",
+    "run.sync_every_s=1",
 ]
 
 
@@ -156,6 +156,34 @@ def test_a_bucket_that_is_gone_is_refused_within_the_budget(clean_run, gcs_serve
 
 
 @pytest.mark.xdist_group("storage-faults")
+def test_a_bucket_gone_mid_run_stops_it_and_the_rerun_resumes_exactly(
+    clean_run, gcs_server, tmp_path
+):
+    """The server goes away right after the first checkpoint's commit marker is written: the
+    run stops (exit 75, as on SIGTERM) with one message naming the path, the cause and the fix,
+    without waiting for Orbax's threads of the save it gave up; the rerun with the server back
+    resumes from that checkpoint, and the losses equal the clean run's bit for bit.
+    (The same 400 steps into a run, and its time cost: benchmarks/storage_faults.py.)"""
+    bucket, data = clean_run
+    with FaultProxy(gcs_server.url) as proxy:
+        proxy.down_after("checkpoints/2/commit_success.txt")
+        env = only_emulator_env(proxy.url, tmp_path, DIFFJAX_STORAGE_TIMEOUT_S="4")
+        args = ["train.py", f"run.dir={bucket}/mid", *TINY, *data, "train.steps=4"]
+        out = run(args, env, timeout=200)
+        assert proxy.triggered.is_set()
+        assert out.returncode == 75, out.stderr[-3000:]
+        assert "Training stopped; the last committed checkpoint" in out.stderr
+        assert f"{bucket}/mid" in out.stderr and "Fix:" in out.stderr
+        assert "Traceback" not in out.stderr
+        proxy.set(None)
+        out = run([*args, "--resume"], env)
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert "resuming from the checkpoint at step 2" in out.stdout
+    # the clean run's first 4 steps were trained with train.steps=4 too (its schedule)
+    assert losses(f"{bucket}/mid/diff/seed_0") == losses(f"{bucket}/run/diff/seed_0")[:4]
+
+
+@pytest.mark.xdist_group("storage-faults")
 def test_a_stalled_server_fails_a_call_within_its_budget(gcs_server, bucket, monkeypatch):
     """Every request stalls for longer than the budget: the read fails in about the budget with
     the path, the cause and the fix, never blocks; with the stall under the read timeout the
@@ -210,3 +238,44 @@ def test_the_timeout_setting_is_checked():
 
     with pytest.raises(ConfigError, match="run.storage_timeout_s"):
         RunConfig(storage_timeout_s=-1)
+
+
+def test_a_sync_interval_under_a_second_is_refused_for_a_bucket_only():
+    """Cloud Storage allows about one write a second to one object, and each sync rewrites
+    metrics.jsonl: under 1 s on gs:// is refused with the reason; a local run may sync faster."""
+    from diffjax.config import ConfigError
+    from diffjax.train.config import RunConfig
+
+    with pytest.raises(ConfigError, match=r"RunConfig.sync_every_s: 0.5 s .*one write per second"):
+        RunConfig(dir="gs://b/run", sync_every_s=0.5)
+    assert RunConfig(dir="gs://b/run", sync_every_s=1).sync_every_s == 1
+    assert RunConfig(dir="/tmp/run", sync_every_s=0.5).sync_every_s == 0.5
+
+
+def test_guarded_turns_a_remote_transport_error_into_a_storage_error():
+    """Orbax's calls into a bucket (storage.guarded): a connection error or tensorstore's
+    UNAVAILABLE past its retries names the operation, the path and the fix; a local path's
+    errors and any other error pass through as they are."""
+    with pytest.raises(storage.StorageError) as e:
+        with storage.guarded("saving the checkpoint at step 4 in", "gs://b/run/checkpoints"):
+            raise ConnectionResetError(104, "Connection reset by peer")
+    text = str(e.value)
+    assert text.startswith("saving the checkpoint at step 4 in gs://b/run/checkpoints: ")
+    assert "ConnectionResetError" in text and "Fix:" in text
+    with pytest.raises(storage.StorageError, match="UNAVAILABLE"):
+        with storage.guarded("saving", "gs://b/c"):
+            raise ValueError("UNAVAILABLE: CURL error [7] Couldn't connect to server")
+    with pytest.raises(ValueError, match="shape"):
+        with storage.guarded("saving", "gs://b/c"):
+            raise ValueError("shape mismatch")
+    with pytest.raises(ConnectionResetError):
+        with storage.guarded("saving", "/tmp/run"):
+            raise ConnectionResetError(104, "reset")
+
+
+def test_exit_process_is_sys_exit_without_an_abandoned_save():
+    from diffjax.compare import exit_process
+
+    with pytest.raises(SystemExit) as e:
+        exit_process(75)
+    assert e.value.code == 75

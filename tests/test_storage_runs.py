@@ -85,7 +85,7 @@ def test_default_run_lives_in_the_bucket_and_nothing_local(
     monkeypatch.chdir(tmp_path)
     args = [f"run.dir={run}", *TINY, "train.steps=4", "train.eval_every=2"]
     with LocalPathGuard() as guard:
-        rc = main([*args, "train.checkpoint_every=2", "run.sync_every_s=0.5"])
+        rc = main([*args, "train.checkpoint_every=2", "run.sync_every_s=1"])
     assert rc == 0, capsys.readouterr().err[-3000:]
     assert guard.violations == []
     assert os.listdir(tmp_path) == []  # no "gs:" folder, nothing else

@@ -14,7 +14,7 @@ instead (:mod:`.retrofit_study`: a standard model trained, then continued unconv
 converted to DIFF V2 and V1; ``retrofit.md``, :mod:`.retrofit_report`).
 """
 
-from .cli import main, quick_evaluation, train_seeds
+from .cli import exit_process, main, quick_evaluation, train_seeds
 from .report import (
     comparison_sentences,
     learned_counts,
@@ -32,6 +32,7 @@ __all__ = [
     "SideBySide",
     "comparison_sentences",
     "learned_counts",
+    "exit_process",
     "main",
     "per_seed_table",
     "plot_losses",

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import NoReturn
 
 import jax
 
@@ -33,7 +34,12 @@ from diffjax import ops, sharding, storage
 from diffjax.config import ConfigError
 from diffjax.evaluate import evaluate_run
 from diffjax.runtime import Runtime
-from diffjax.train.checkpoint import CheckpointError, committed_steps, resolve_init_from
+from diffjax.train.checkpoint import (
+    CheckpointError,
+    committed_steps,
+    lingering_save_threads,
+    resolve_init_from,
+)
 from diffjax.train.config import (
     apply_overrides,
     experiment_keys_help,
@@ -154,6 +160,18 @@ def init_distributed(args: argparse.Namespace) -> str | None:
 
 def _error(message: str) -> None:
     print(f"error: {message}", file=sys.stderr)
+
+
+def exit_process(code: int) -> NoReturn:
+    """End the process with ``code`` (``sys.exit``), except after a checkpoint save that the
+    bucket stopped answering: Orbax's threads of that save end only at their own timeouts
+    (minutes) and the interpreter would wait for them, so the process ends at once instead,
+    its output flushed. The last committed checkpoint is already on storage."""
+    if lingering_save_threads():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
 
 
 def main(argv: list[str] | None = None, *, after_step: AfterStep | None = None) -> int:

@@ -788,11 +788,14 @@ def check_manifest_tokenizer(directory: str, manifest: Manifest, tokenizer: str 
         )
 
 
-def _shard_pieces(directory: str, shards: Sequence[Shard], dtype: str) -> list[_Piece]:
+def _shard_pieces(
+    directory: str, shards: Sequence[Shard], dtype: str, sizes: dict[str, int] | None
+) -> list[_Piece]:
+    """``sizes``: a bucket's objects under ``directory`` (one listing for every shard and
+    index of a load); None for a local folder."""
     pieces = []
     item = np.dtype(dtype).itemsize
-    if storage.is_remote(directory):
-        sizes = storage.object_sizes(directory)  # one listing for every shard
+    if sizes is not None:
         for shard in shards:
             size = sizes.get(shard.file)
             if size != shard.tokens * item:
@@ -854,13 +857,15 @@ def _check_index(directory: str, shard: Shard, starts: np.ndarray, first: bool) 
         raise _index_error(directory, shard, "does not start a document at the split's offset 0")
 
 
-def _shard_index(directory: str, shards: Sequence[Shard]) -> DocumentIndex:
+def _shard_index(
+    directory: str, shards: Sequence[Shard], sizes: dict[str, int] | None
+) -> DocumentIndex:
     """The document starts of the stream of ``shards`` from their index files: memory-mapped
-    from a folder, fetched once (concurrently) from a bucket; each checked against its shard."""
+    from a folder, fetched once (concurrently) from a bucket (``sizes``: its listing, as in
+    :func:`_shard_pieces`); each checked against its shard."""
     item = np.dtype(INDEX_DTYPE).itemsize
     offsets = np.concatenate([[0], np.cumsum([s.tokens for s in shards])]).astype(np.int64)
-    if storage.is_remote(directory):
-        sizes = storage.object_sizes(directory)
+    if sizes is not None:
         for shard in shards:
             if sizes.get(shard.index) != shard.documents * item:
                 raise _index_error(
@@ -898,14 +903,18 @@ def _shard_index(directory: str, shards: Sequence[Shard]) -> DocumentIndex:
 
 
 def _prepared_documents(
-    directory: str, manifest: Manifest, train: Sequence[Shard], val: Sequence[Shard]
+    directory: str,
+    manifest: Manifest,
+    train: Sequence[Shard],
+    val: Sequence[Shard],
+    sizes: dict[str, int] | None,
 ) -> tuple[Boundaries | None, Boundaries | None, str]:
     """Each split's boundaries and how they are known: the index of a version-2 folder, else
     the manifest's BOS/EOS ids, else none (and why)."""
     if manifest.version >= 2:
         return (
-            _shard_index(directory, train),
-            _shard_index(directory, val) if val else None,
+            _shard_index(directory, train, sizes),
+            _shard_index(directory, val, sizes) if val else None,
             "index",
         )
     if manifest.bos_id is None and manifest.eos_id is None:
@@ -941,11 +950,13 @@ def load_prepared_corpus(config: DataConfig, directory: str) -> Corpus:
             f"prepare.val_fraction=0, or too few documents). Fix: set data.val_fraction=0, or "
             f"prepare it again with prepare.val_fraction > 0"
         )
-    train_pieces = _shard_pieces(directory, train, manifest.dtype)
-    val_pieces = _shard_pieces(directory, val, manifest.dtype)
+    # a bucket's prefix is listed once for the shards and indexes of both splits
+    sizes = storage.object_sizes(directory) if storage.is_remote(directory) else None
+    train_pieces = _shard_pieces(directory, train, manifest.dtype, sizes)
+    val_pieces = _shard_pieces(directory, val, manifest.dtype, sizes)
     train_docs, val_docs, note = (None, None, "")
     if config.masks_documents:
-        train_docs, val_docs, note = _prepared_documents(directory, manifest, train, val)
+        train_docs, val_docs, note = _prepared_documents(directory, manifest, train, val, sizes)
     return Corpus(
         kind="tokens",
         path=config.path,

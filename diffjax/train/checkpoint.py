@@ -19,6 +19,7 @@ another number of processes.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -88,9 +89,27 @@ class KeepPolicy:
         return out
 
 
+# checkpointers whose save in flight was given up (the bucket stopped answering): see
+# Checkpointer.abandon and lingering_save_threads
+_ABANDONED: list[Checkpointer] = []
+
+
+def lingering_save_threads() -> bool:
+    """Whether a save that :meth:`Checkpointer.abandon` gave up may still hold threads alive:
+    Orbax's threads of a save that the bucket stopped answering end only at their own timeouts
+    (minutes), and the interpreter waits for them at exit."""
+    import threading
+
+    main = threading.main_thread()
+    return bool(_ABANDONED) and any(
+        t.is_alive() and not t.daemon and t is not main for t in threading.enumerate()
+    )
+
+
 class Checkpointer:
     def __init__(self, directory: storage.PathLike, *, keep: int = 3, async_save: bool = True):
         self.directory = str(storage.absolute(directory))  # a local path or a gs:// URL
+        self.abandoned = False
         # best_fn is what makes Orbax write each step's metrics to disk: without it they live
         # only in this manager's memory, and after a resume BestN sees none and deletes the
         # best checkpoint. (Preservation itself is decided by ``policy`` alone.)
@@ -141,15 +160,17 @@ class Checkpointer:
             metrics = {PREEMPTED: 1.0}
         else:
             metrics = None if val_loss is None else {"val_loss": float(val_loss)}
-        self.manager.save(
-            step,
-            metrics=metrics,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state),
-                data=ocp.args.JsonSave(json.loads(json.dumps(data_state))),  # a snapshot now
-                meta=ocp.args.JsonSave(meta),
-            ),
-        )
+        # the previous save is waited for here: its failure surfaces now
+        with self._guarded(f"saving the checkpoint at step {step} in"):
+            self.manager.save(
+                step,
+                metrics=metrics,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(state),
+                    data=ocp.args.JsonSave(json.loads(json.dumps(data_state))),  # a snapshot now
+                    meta=ocp.args.JsonSave(meta),
+                ),
+            )
 
     def read_meta(self, step: int) -> dict[str, Any]:
         try:
@@ -184,10 +205,36 @@ class Checkpointer:
         return out["state"]
 
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        """Until the save in flight has committed (a no-op once :meth:`abandon` was called)."""
+        if self.abandoned:
+            return
+        with self._guarded("finishing the checkpoint save in"):
+            self.manager.wait_until_finished()
+
+    def abandon(self) -> None:
+        """Give up the save in flight without waiting for it: the bucket stopped answering.
+        What it wrote has no commit marker, so it is ignored and cleaned up on the next start;
+        the last committed checkpoint is untouched. :meth:`wait` and :meth:`close` return at
+        once from now on."""
+        if not self.abandoned:
+            self.abandoned = True
+            _ABANDONED.append(self)
 
     def close(self) -> None:
-        self.manager.close()
+        if self.abandoned:
+            return
+        with self._guarded("finishing the checkpoint save in"):
+            self.manager.close()
+
+    @contextlib.contextmanager
+    def _guarded(self, op: str):
+        """:func:`storage.guarded`; a save that failed so is abandoned."""
+        try:
+            with storage.guarded(op, self.directory):
+                yield
+        except storage.StorageError:
+            self.abandon()
+            raise
 
 
 def committed_steps(directory: storage.PathLike) -> list[int]:

@@ -338,6 +338,16 @@ class RunConfig:
                 f"must be > 0, got {self.sync_every_s}",
                 "set run.sync_every_s to a number of seconds, e.g. 30",
             )
+        if self.dir is not None and storage.is_remote(self.dir) and self.sync_every_s < 1:
+            fail(
+                "RunConfig",
+                "sync_every_s",
+                f"{self.sync_every_s} s is below 1 s for a run in a bucket ({self.dir}): each "
+                "sync rewrites metrics.jsonl, and Cloud Storage allows about one write per second "
+                "to one object (faster writes are answered 429 and retried)",
+                "set run.sync_every_s=1 or more (the default, 30, writes each file at most "
+                "once every 30 s)",
+            )
         if self.storage_timeout_s is not None and not self.storage_timeout_s > 0:
             fail(
                 "RunConfig",

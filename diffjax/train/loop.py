@@ -1351,11 +1351,19 @@ def _train_model(
                 run.stop_if_preempted(step, state)
             except TrainingDiverged as diverged:  # train.on_nan=rollback, else raised again
                 state, step = run.roll_back(diverged, setup, model_cfg, log)
+    except storage.StorageError:  # the bucket stopped answering: a save in flight cannot commit
+        ckpt.abandon()
+        raise
     finally:
         profiler.close()
-        recorder.close()
-        ckpt.wait()
-        ckpt.close()
+        try:
+            recorder.close()
+        except storage.StorageError:
+            ckpt.abandon()
+            raise
+        finally:
+            ckpt.wait()
+            ckpt.close()
     mixture = run.plan.summary(run.read) if run.plan is not None else None
     return _finish(
         model_cfg, label, directory, writer, train_fn, latest, mesh, tcfg.seed, impl, mixture

@@ -54,10 +54,12 @@ def _number(value: Any):
 def read_metrics(path: storage.PathLike) -> list[dict[str, Any]]:
     """The records of a ``metrics.jsonl``, local or ``gs://`` (a torn last line, from a kill
     mid-write, is skipped), non-finite values back as floats."""
-    if not storage.exists(path):
+    try:  # one request for an object in a bucket (no existence check before it)
+        text = storage.read_text(path)
+    except FileNotFoundError:
         return []
     records = []
-    for line in storage.read_text(path).splitlines(keepends=True):
+    for line in text.splitlines(keepends=True):
         try:
             record = json.loads(line)
         except json.JSONDecodeError:
