@@ -319,6 +319,52 @@ def generate(
         with runtime.activate():
             return generate(for_runtime(model, runtime), prompt, max_new_tokens, **args)
     cfg = model.config
+    tokens, lengths = _check_prompt(prompt, prompt_lengths, cfg.vocab_size)
+    max_new_tokens = _check_int("max_new_tokens", max_new_tokens, 0, None, "an int >= 0")
+    longest = int(lengths.max())
+    if longest + max_new_tokens > cfg.max_seq_len:
+        raise ValueError(
+            f"generate(): the longest prompt ({longest} tokens) plus max_new_tokens="
+            f"{max_new_tokens} is {longest + max_new_tokens} tokens, more than the model's "
+            f"max_seq_len={cfg.max_seq_len}. Fix: shorten the prompt or ask for at most "
+            f"{max(cfg.max_seq_len - longest, 0)} new tokens."
+        )
+    greedy, temperature, key = _check_sampling(temperature, top_k, rng, cfg.vocab_size)
+    if eos_id is not None:
+        what = f"None or a token id in [0, {cfg.vocab_size})"
+        eos_id = _check_int("eos_id", eos_id, 0, cfg.vocab_size, what)
+    if not isinstance(length_bucket, int) or length_bucket < 1:
+        raise ValueError(f"generate(): length_bucket must be an int >= 1, got {length_bucket!r}")
+    if max_new_tokens == 0:
+        return jnp.asarray(tokens, jnp.int32)
+    ops.check_kernels(cfg)  # with the kernels: checked on this device first (once, cached)
+
+    padded, start, slots = _bucketed(
+        tokens, lengths, max_new_tokens, length_bucket, cfg.max_seq_len
+    )
+    graphdef, state = nnx.split(model)
+    logits, cache = _prefill_jit(
+        graphdef, state, jnp.asarray(padded), jnp.asarray(start), max_length=slots
+    )
+    new, _ = _decode_jit(
+        graphdef,
+        state,
+        cache,
+        logits,
+        key,
+        jnp.int32(max_new_tokens),
+        jnp.float32(temperature),
+        jnp.int32(-1 if eos_id is None else eos_id),
+        num_slots=slots - padded.shape[1],
+        greedy=greedy,
+        top_k=None if greedy or top_k is None else int(top_k),
+    )
+    return jnp.concatenate([jnp.asarray(tokens, jnp.int32), new[:, :max_new_tokens]], axis=1)
+
+
+def _check_prompt(prompt, prompt_lengths, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`generate`'s prompt ``[B, P]`` and each row's real length ``[B]`` (int64), checked:
+    2-D integer tokens, lengths in ``[1, P]``, every real token in the vocabulary."""
     tokens = np.asarray(prompt)
     if tokens.ndim != 2 or tokens.shape[1] < 1 or tokens.shape[0] < 1:
         raise ValueError(
@@ -329,13 +375,6 @@ def generate(
     if not np.issubdtype(tokens.dtype, np.integer):
         raise ValueError(f"generate(): prompt must hold integer tokens, got dtype {tokens.dtype}")
     b, p = tokens.shape
-    if (
-        not isinstance(max_new_tokens, (int, np.integer))
-        or isinstance(max_new_tokens, bool)
-        or max_new_tokens < 0
-    ):
-        raise ValueError(f"generate(): max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-    max_new_tokens = int(max_new_tokens)
     if prompt_lengths is None:
         lengths = np.full((b,), p, np.int64)
     else:
@@ -350,91 +389,66 @@ def generate(
             f"generate(): prompt_lengths must be in [1, {p}] (each row has at least "
             f"one real token, at most the prompt's width), got {lengths.tolist()}"
         )
-    longest = int(lengths.max())
     real = np.arange(p)[None, :] >= (p - lengths)[:, None]
-    bad = real & ((tokens < 0) | (tokens >= cfg.vocab_size))
+    bad = real & ((tokens < 0) | (tokens >= vocab_size))
     if bad.any():
         r, c = map(int, np.argwhere(bad)[0])
         raise ValueError(
             f"generate(): prompt token {int(tokens[r, c])} at row {r}, column {c} is "
-            f"outside the vocabulary [0, {cfg.vocab_size})"
+            f"outside the vocabulary [0, {vocab_size})"
         )
-    if longest + max_new_tokens > cfg.max_seq_len:
-        raise ValueError(
-            f"generate(): the longest prompt ({longest} tokens) plus max_new_tokens="
-            f"{max_new_tokens} is {longest + max_new_tokens} tokens, more than the model's "
-            f"max_seq_len={cfg.max_seq_len}. Fix: shorten the prompt or ask for at most "
-            f"{max(cfg.max_seq_len - longest, 0)} new tokens."
-        )
+    return tokens, lengths
+
+
+def _check_int(name: str, value, low: int, high: int | None, what: str) -> int:
+    """``value`` as an int in ``[low, high)`` (no upper bound when ``high`` is None), else a
+    ValueError saying :func:`generate`'s argument ``name`` must be ``what``."""
+    if (
+        isinstance(value, (int, np.integer))
+        and not isinstance(value, bool)
+        and low <= value
+        and (high is None or value < high)
+    ):
+        return int(value)
+    raise ValueError(f"generate(): {name} must be {what}, got {value!r}")
+
+
+def _check_sampling(temperature, top_k, rng, vocab_size: int):
+    """(greedy, temperature as a float, the sampling key) from :func:`generate`'s arguments,
+    checked: a finite temperature >= 0 (0: greedy, no key needed), ``top_k`` None or in
+    ``[1, vocab_size]``, an ``rng`` when sampling."""
     temperature = float(temperature)
     if not (math.isfinite(temperature) and temperature >= 0):
         raise ValueError(
             f"generate(): temperature must be a finite number >= 0 (0 is greedy), got {temperature}"
         )
+    if top_k is not None:
+        _check_int("top_k", top_k, 1, vocab_size + 1, f"None or an int in [1, {vocab_size}]")
     greedy = temperature == 0.0
-    if top_k is not None and (
-        not isinstance(top_k, (int, np.integer))
-        or isinstance(top_k, bool)
-        or not 1 <= top_k <= cfg.vocab_size
-    ):
-        raise ValueError(
-            f"generate(): top_k must be None or an int in [1, {cfg.vocab_size}], got {top_k!r}"
-        )
-    if eos_id is not None and (
-        not isinstance(eos_id, (int, np.integer))
-        or isinstance(eos_id, bool)
-        or not 0 <= eos_id < cfg.vocab_size
-    ):
-        raise ValueError(
-            f"generate(): eos_id must be None or a token id in [0, {cfg.vocab_size}), "
-            f"got {eos_id!r}"
-        )
-    if not isinstance(length_bucket, int) or length_bucket < 1:
-        raise ValueError(f"generate(): length_bucket must be an int >= 1, got {length_bucket!r}")
     if greedy:
-        key = jax.random.key(0)  # unused
-    elif rng is None:
+        return greedy, temperature, jax.random.key(0)  # unused
+    if rng is None:
         raise ValueError(
             "generate(): sampling (temperature > 0) needs rng, e.g. "
             "rng=jax.random.key(0) (the same key gives the same tokens); "
             "temperature=0 is greedy and needs none"
         )
-    else:
-        key = _as_key(rng)
-    if max_new_tokens == 0:
-        return jnp.asarray(tokens, jnp.int32)
-    ops.check_kernels(cfg)  # with the kernels: checked on this device first (once, cached)
+    return greedy, temperature, _as_key(rng)
 
-    # Left-pad to the bucket: drop the columns that are padding in every row, then pad again
-    # up to a bucket boundary (never past what max_seq_len allows).
-    slots_p = min(
-        math.ceil(longest / length_bucket) * length_bucket, cfg.max_seq_len - max_new_tokens
-    )
-    slots = min(
-        math.ceil((slots_p + max_new_tokens) / length_bucket) * length_bucket, cfg.max_seq_len
-    )
+
+def _bucketed(tokens, lengths, max_new_tokens: int, bucket: int, max_seq_len: int):
+    """The prompts left-padded to a length bucket: ``(padded [B, slots_p], each row's first
+    real slot [B], the cache's slots)``. The columns that are padding in every row are dropped,
+    then the prompts padded again up to a bucket boundary (never past what ``max_seq_len``
+    allows with ``max_new_tokens`` after them)."""
+    b, p = tokens.shape
+    longest = int(lengths.max())
+    slots_p = min(math.ceil(longest / bucket) * bucket, max_seq_len - max_new_tokens)
+    slots = min(math.ceil((slots_p + max_new_tokens) / bucket) * bucket, max_seq_len)
     padded = np.zeros((b, slots_p), np.int32)
     padded[:, slots_p - longest :] = tokens[:, p - longest :]
     start = (slots_p - lengths).astype(np.int32)
-
-    graphdef, state = nnx.split(model)
-    logits, cache = _prefill_jit(
-        graphdef, state, jnp.asarray(padded), jnp.asarray(start), max_length=slots
-    )
-    new, _ = _decode_jit(
-        graphdef,
-        state,
-        cache,
-        logits,
-        key,
-        jnp.int32(max_new_tokens),
-        jnp.float32(temperature),
-        jnp.int32(-1 if eos_id is None else eos_id),
-        num_slots=slots - slots_p,
-        greedy=greedy,
-        top_k=None if greedy or top_k is None else int(top_k),
-    )
-    return jnp.concatenate([jnp.asarray(tokens, jnp.int32), new[:, :max_new_tokens]], axis=1)
+    return padded, start, slots
 
 
 def pad_prompts(prompts, pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
