@@ -3,7 +3,7 @@ implementation this device has, through diffjax's one dispatch point (``diffjax.
 
     python benchmarks/attention.py                           # GPU/TPU: T = 2K..32K, bf16, d = 128
     python benchmarks/attention.py --segments 0 1024         # also with 1K-token documents apart
-    python benchmarks/attention.py --table diffjax/impl_table.json   # merge into auto's table
+    python benchmarks/attention.py --table diffjax/ops/impl_table.json   # merge into auto's table
     python benchmarks/attention.py --json rows.json --markdown table.md
     python benchmarks/attention.py --seq-lens 128 --interpret        # CPU: a rehearsal, no timing
 
@@ -25,7 +25,7 @@ one-pass work: 6d multiply-adds per visible (query, key) pair per V1 head; 2d pe
 It ends with the targets: V2 against std-2h on the same implementation (forward+backward; target
 <= 1.05x), and V1's best path against ``cudnn-4`` at 8K-32K (target <= 1x). ``--table`` merges
 each kind's forward+backward times into the table ``attention_impl="auto"`` reads
-(``diffjax.impl_table``), keyed by this device.
+(``diffjax.ops.impl_table``), keyed by this device.
 
 On CPU cuDNN's compositions run on XLA and the Pallas kernels and Splash only interpreted
 (``--interpret``): a rehearsal of the script, not a measurement (the table refuses CPU rows).
@@ -44,7 +44,8 @@ import time
 import jax
 import jax.numpy as jnp
 
-from diffjax import impl_table, ops
+from diffjax.ops import impl_table
+from diffjax import ops
 from diffjax.kernels import cudnn
 
 BWD_FACTOR = 3.5
@@ -298,7 +299,7 @@ def to_markdown(rows: list[dict], env: dict) -> str:
 
 
 def table_entries(rows: list[dict], env: dict) -> list[dict]:
-    """The rows as ``diffjax.impl_table`` entries: per kind, length and documents, every
+    """The rows as ``diffjax.ops.impl_table`` entries: per kind, length and documents, every
     implementation's forward+backward milliseconds (``cudnn-4`` is a reference, not an
     implementation auto can pick)."""
     cc = ops.current_target().compute_capability
@@ -346,7 +347,9 @@ def main(argv=None) -> int:
     p.add_argument("--interpret", action="store_true", help="CPU: the kernels interpreted too")
     p.add_argument("--markdown", help="also write the table to this markdown file")
     p.add_argument("--json", help="also write the rows and the device to this JSON file")
-    p.add_argument("--table", help="merge the times into this impl table (diffjax/impl_table.json)")
+    p.add_argument(
+        "--table", help="merge the times into this impl table (diffjax/ops/impl_table.json)"
+    )
     args = p.parse_args(argv)
     rows, env = run(args)
     for line in targets(rows):

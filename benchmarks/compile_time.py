@@ -24,9 +24,9 @@ import jax
 import jax.numpy as jnp
 
 from diffjax import ModelConfig
-from diffjax.model import initial_rest
-from diffjax.runtime import Runtime
-from diffjax.sharding import MeshConfig, make_mesh
+from diffjax.nn.model import initial_rest
+from diffjax.infra.runtime import Runtime
+from diffjax.infra.sharding import MeshConfig, make_mesh
 from diffjax.train import TrainConfig
 from diffjax.train.loop import model_setup, train_step
 

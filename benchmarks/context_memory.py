@@ -6,7 +6,7 @@
 
 For one DIFF V1 attention layer's forward + backward (the gradient of ``sum(out**2)`` in q1, k1,
 q2, k2, v and lambda; B=1, Hq=Hkv=4, D=64, v 2D wide) it compiles, for each sequence length T
-and context size N, the program of :func:`diffjax.context.context_differential_attention`
+and context size N, the program of :func:`diffjax.ops.context.context_differential_attention`
 (zigzag order, inputs sharded over the ``context`` axis) with ``impl="ring"`` (key chunks of
 ``--block-k``) and ``impl="allgather"``, and for N=1 the plain reference
 (:func:`diffjax.kernels.reference.differential_attention`) on one device. It prints a markdown
@@ -59,7 +59,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from diffjax import context  # noqa: E402
+from diffjax.ops import context
 from diffjax.kernels import reference  # noqa: E402
 
 MIB = 1024**2

@@ -123,7 +123,7 @@ def pipeline_rate(path: str, prefetch: int, batches: int) -> tuple[float, float]
 def step_rate(path: str, steps: int, run_dir: str) -> tuple[float, float, float]:
     """The default model's train step: (tokens/s, median and largest wait for a batch in ms),
     over the steps after the 5th."""
-    from diffjax import storage
+    from diffjax.infra import storage
     from diffjax.compare.cli import main
     from diffjax.train.metrics import read_metrics
 

@@ -12,7 +12,7 @@ same config) has 2h heads of width d over 2h_kv kv heads. Per model it prints:
 
   params        parameters (V2 adds the second query projection and lambda_proj)
 
-  cache B/tok   KV cache bytes per token of one sequence, all layers (diffjax.decode.
+  cache B/tok   KV cache bytes per token of one sequence, all layers (diffjax.nn.decode.
                 cache_bytes_per_token)
   prefill       prompt tokens per second: the compiled prefill of a [batch, prompt] batch
   decode        generated tokens per second: the compiled greedy decode loop with the cache
@@ -38,7 +38,7 @@ import numpy as np
 from flax import nnx
 
 import diffjax
-from diffjax import decode
+from diffjax.nn import decode
 
 
 def _median_time(fn, iters: int) -> float:

@@ -24,9 +24,9 @@ import time
 
 import jax
 
-from diffjax import machine
+from diffjax.infra import machine
 from diffjax.data import make_dataset
-from diffjax.runtime import Runtime
+from diffjax.infra.runtime import Runtime
 from diffjax.train import loop
 from diffjax.train.config import apply_overrides, load_config
 

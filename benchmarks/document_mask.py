@@ -27,10 +27,10 @@ import time
 import jax
 import numpy as np
 
-from diffjax import machine
+from diffjax.infra import machine
 from diffjax.train.config import apply_overrides, load_config
 from diffjax.data import make_dataset
-from diffjax.runtime import Runtime
+from diffjax.infra.runtime import Runtime
 from diffjax.train import loop
 
 

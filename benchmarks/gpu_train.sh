@@ -11,7 +11,7 @@
 #                          % of the measured matmul peak, the targets (V2 vs standard with 2h
 #                          query heads; V1's best vs cuDNN's four calls); impl_table.json: the
 #                          repo's table with this GPU's times merged (what auto reads: commit it
-#                          as diffjax/impl_table.json)
+#                          as diffjax/ops/impl_table.json)
 #   4. train_step.md/json  configs/diff_125m.py's DIFF V1, V2 and their twin (bf16, seq 2048,
 #                          documents apart) per implementation: step time, tokens/s, MFU,
 #                          DIFF/twin, memory
@@ -61,7 +61,7 @@ fi
 
 timeout "${LIMIT[0]}" "$PY" -m diffjax.kernels.check "${CHECK[@]}" 2>&1 | tee "$OUT/kernel_check.txt"
 
-cp diffjax/impl_table.json "$OUT/impl_table.json"
+cp diffjax/ops/impl_table.json "$OUT/impl_table.json"
 timeout "${LIMIT[1]}" "$PY" benchmarks/attention.py "${ATT[@]}" --markdown "$OUT/attention.md" \
   --json "$OUT/attention.json" --table "$OUT/impl_table.json" 2>&1 | tee "$OUT/attention.txt"
 

@@ -27,7 +27,7 @@ import json
 import os
 import sys
 
-from diffjax import machine
+from diffjax.infra import machine
 from diffjax.compare import cli
 from diffjax.evaluate.stats import difference_cell, fmt_mean_std, paired_difference
 from diffjax.train import TrainResult

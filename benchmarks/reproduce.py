@@ -1,7 +1,7 @@
 """Re-run the published per-seed numbers and say which differ.
 
 ``benchmarks/published.json`` holds, per experiment, the command, the date, the machine it was
-measured on (:func:`diffjax.machine.describe`: the CPU and its vector extensions, jax and
+measured on (:func:`diffjax.infra.machine.describe`: the CPU and its vector extensions, jax and
 jaxlib), the metric and its per-seed values for each model, as docs/results.md shows them. This
 script trains the chosen experiments and seeds again with the code it ships with (each seed
 alone: seed ``s`` of a paired run starts from init seed ``s`` and sees the same batches, so it is
@@ -27,7 +27,7 @@ import shlex
 import sys
 import tempfile
 
-from diffjax import machine
+from diffjax.infra import machine
 from diffjax.compare import cli
 from diffjax.train import TrainResult
 

@@ -5,7 +5,7 @@
 
 For the config's DIFF model and its standard twin (``exp.models``) it builds the abstract train
 state ``{"step", "params", "opt_state"}`` with ``jax.eval_shape(make_state_init(...))`` (nothing
-is allocated), places it by its logical axis names (:mod:`diffjax.sharding`, ``DEFAULT_RULES``)
+is allocated), places it by its logical axis names (:mod:`diffjax.infra.sharding`, ``DEFAULT_RULES``)
 and prints, per mesh, the bytes one device holds of the parameters and of the optimizer state
 (AdamW: mu and nu shaped like the parameters, plus scalar step counts), their total, the
 unsharded total and the ratio of the two. The meshes over N devices (N = 8 by default):
@@ -68,7 +68,7 @@ def _build_mesh(sizes: dict[str, int], devices: int):
     import jax
     from jax.sharding import AbstractMesh, AxisType
 
-    from diffjax import sharding
+    from diffjax.infra import sharding
 
     config = sharding.MeshConfig(**sizes)
     for backend in (None, "cpu"):
@@ -122,7 +122,7 @@ def not_fully_sharded(params, mesh) -> list[dict[str, Any]]:
     import numpy as np
     from flax import nnx
 
-    from diffjax import sharding
+    from diffjax.infra import sharding
 
     is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
     specs = jax.tree.leaves(sharding.tree_specs(params, mesh), is_leaf=is_var)
@@ -176,9 +176,9 @@ def report(config_path: str = DEFAULT_CONFIG, devices: int = 8) -> list[dict[str
     abstract."""
     _prepare_devices(devices)
     note = None
-    from diffjax import sharding
+    from diffjax.infra import sharding
     from diffjax.config import ConfigError
-    from diffjax.param_count import count_params
+    from diffjax.nn.param_count import count_params
     from diffjax.train.config import load_config
 
     if not os.path.isfile(config_path) and os.path.isfile(os.path.join(ROOT, config_path)):

@@ -426,7 +426,7 @@ def main() -> int:
     from fault_proxy import FaultProxy
     from gcs_emulator import GcsEmulator
 
-    from diffjax import storage
+    from diffjax.infra import storage
 
     start = time.monotonic()
     chosen = [r for r in plan() if not args.rows or any(k in r[0] for k in args.rows.split(","))]

@@ -14,7 +14,7 @@ one device's mesh, then timed on the same batches: ``--batch`` sequences of the 
 ``data.seq_len`` tokens holding documents of ``--doc-len`` tokens on average (lengths drawn
 from a seeded geometric law), kept apart by segment ids as a run keeps them
 (``--no-documents``: one stream). ``auto`` runs what ``attention_impl="auto"`` picks here (the
-row says what). MFU is the model FLOPs (``diffjax.flops``) over the device's bf16 peak.
+row says what). MFU is the model FLOPs (``diffjax.infra.flops``) over the device's bf16 peak.
 """
 
 from __future__ import annotations
@@ -30,10 +30,11 @@ import time
 import jax
 import numpy as np
 
-from diffjax import ModelConfig, ops, sharding, twin
-from diffjax import flops as flops_lib
+from diffjax import ModelConfig, ops, twin
+from diffjax.infra import sharding
+from diffjax.infra import flops as flops_lib
 from diffjax.data import DataConfig, carries_documents
-from diffjax.runtime import Runtime
+from diffjax.infra.runtime import Runtime
 from diffjax.train import loop
 from diffjax.train.config import load_config
 

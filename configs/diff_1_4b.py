@@ -26,7 +26,7 @@ v5e-8 plan it again (it will need more accumulation, as diff_830m.py does).
 import dataclasses
 import os
 
-from diffjax.sharding import MeshConfig
+from diffjax.infra.sharding import MeshConfig
 from diffjax.train import load_config
 
 

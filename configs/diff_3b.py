@@ -27,7 +27,7 @@ model.remat=none train.grad_accum_steps=1 to search from the paper's).
 import dataclasses
 import os
 
-from diffjax.sharding import MeshConfig
+from diffjax.infra.sharding import MeshConfig
 from diffjax.train import load_config
 
 

@@ -24,7 +24,7 @@ train.grad_accum_steps=1: it names what fits there.
 import dataclasses
 import os
 
-from diffjax.sharding import MeshConfig
+from diffjax.infra.sharding import MeshConfig
 from diffjax.train import load_config
 
 

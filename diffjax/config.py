@@ -38,7 +38,7 @@ VENDOR_IMPLS = {"cudnn": "gpu", "splash": "tpu"}
 CONTEXT_ATTENTIONS = ("ring", "allgather")
 DTYPES = ("float32", "bfloat16", "float16")
 ROPE_SCALINGS = ("none", "linear", "llama3")
-# what a block keeps for the backward pass (diffjax.model.remat_policy): everything, nothing
+# what a block keeps for the backward pass (diffjax.nn.model.remat_policy): everything, nothing
 # (recompute the block), the matmul outputs, the named q/k/v projections and the attention
 # output, or those names moved to host memory
 REMAT_POLICIES = ("none", "full", "dots", "minimal", "minimal_offload")
@@ -59,7 +59,7 @@ class KernelTarget:
     ``attention_impl="auto"`` picks per call from the measured table
     (:func:`diffjax.ops.choose`); where nothing was measured it means the Pallas kernels on a GPU
     or TPU and the XLA math on a CPU; on a CPU the kernels run interpreted (the GPU kernel). A run takes it from its devices
-    or a planner's target (:class:`diffjax.runtime.Runtime`), a layer built by hand from the
+    or a planner's target (:class:`diffjax.infra.runtime.Runtime`), a layer built by hand from the
     default backend when it is built: never read while tracing."""
 
     platform: str
@@ -93,7 +93,7 @@ class KernelTarget:
 
 
 # ------------------------------------------------------------------ sequence parallelism
-# How a batch's tokens lie over a ``context`` mesh axis (diffjax.context.order_batch): zigzag
+# How a batch's tokens lie over a ``context`` mesh axis (diffjax.ops.context.order_batch): zigzag
 # and striped balance the causal work over the devices, contiguous is the natural order.
 TOKEN_ORDERS = ("zigzag", "striped", "contiguous")
 # The orders the ring on the fused kernels can read (their masks are by index, so the blocks'
@@ -108,7 +108,7 @@ class ContextSpec:
     """How self-attention runs when a ``context`` mesh axis splits the sequence: ``impl``
     (``"ring"``: K/V passed round the devices; ``"allgather"``: K/V gathered whole), the
     ``order`` the tokens lie in over the axis (how the batch was laid out:
-    :func:`diffjax.context.order_batch`; a model built by hand sees them in the natural,
+    :func:`diffjax.ops.context.order_batch`; a model built by hand sees them in the natural,
     contiguous order) and the mesh ``axis``. One value carries all three from the run to the
     batches and to the model, so they cannot disagree. Without such an axis it changes
     nothing."""
@@ -299,7 +299,7 @@ def _divisors(n: int) -> list[int]:
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
     """A rescaling of the rotary frequencies (Hugging Face's ``rope_type``), applied by
-    :func:`diffjax.layers.scale_inv_freq`.
+    :func:`diffjax.nn.layers.scale_inv_freq`.
 
     - ``"linear"``: every frequency divided by ``factor`` (position interpolation).
     - ``"llama3"``: Llama 3.1's: wavelengths longer than ``original_max_len / low_freq_factor``
@@ -341,7 +341,7 @@ class ModelConfig:
     param_dtype: str = "float32"  # parameter dtype
     # how attention is computed: "xla", "pallas" (diffjax's fused kernels), "cudnn" (NVIDIA
     # GPUs), "splash" (TPUs), or "auto": per call the fastest that can run it where the table
-    # measured it (diffjax/impl_table.json), else Pallas on GPU/TPU and XLA on CPU
+    # measured it (diffjax/ops/impl_table.json), else Pallas on GPU/TPU and XLA on CPU
     attention_impl: str = "auto"
     # attention over a mesh whose `context` axis splits the sequence: "ring" (K/V passed around
     # the devices, memory O(T / N)) or "allgather" (K/V gathered: simpler, for short rings)
@@ -370,7 +370,7 @@ class ModelConfig:
     # the train step; python -m diffjax.retrofit). At w = 1 the model is plain DIFF
     ramp: bool = False
     # the blocks' parameters stacked on a leading layer axis and run with one scan: compile
-    # time stays flat with depth. A checkpoint is saved in one layout; diffjax.model's
+    # time stays flat with depth. A checkpoint is saved in one layout; diffjax.nn.model's
     # stack_layers / unstack_layers convert a model between them.
     scan_layers: bool = False
     # rematerialization: what each block keeps for the backward pass. "none" keeps every

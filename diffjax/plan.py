@@ -18,7 +18,7 @@ Per device, per model, it prints the parameter and optimizer bytes (from the sha
 temporaries and the total (``compiled.memory_analysis()``) against the target's HBM (on a GPU
 the part JAX's allocator takes: 75% unless ``XLA_CLIENT_MEM_FRACTION`` says otherwise) with a
 verdict, the FLOPs per step from XLA (``cost_analysis``: the Pallas kernels' work is not in it)
-and from the formula (:func:`diffjax.flops.train_flops_per_token`), and the step time and
+and from the formula (:func:`diffjax.infra.flops.train_flops_per_token`), and the step time and
 tokens/s at a stated MFU (``plan.mfu``). When a model does not fit it compiles the settings that
 trade compute for memory, cheapest first (``model.remat`` policies, ``train.grad_accum_steps``
 doubled), and names the first that fits as the overrides to pass.
@@ -46,12 +46,13 @@ from typing import Any
 import jax
 from flax import nnx
 
-from diffjax import cli, sharding, storage
-from diffjax import flops as flops_lib
+from diffjax import cli
+from diffjax.infra import sharding, storage
+from diffjax.infra import flops as flops_lib
 from diffjax.config import ConfigError, ModelConfig, check_fields, fail
 from diffjax.kernels import cudnn
-from diffjax.param_count import count_params
-from diffjax.runtime import Runtime
+from diffjax.nn.param_count import count_params
+from diffjax.infra.runtime import Runtime
 from diffjax.train import loop
 from diffjax.train.config import (
     ExperimentConfig,
@@ -93,7 +94,7 @@ class Target:
     devices: int
     hbm_gib: float
     device_kind: str  # what jax.devices()[0].device_kind says on it
-    peak_tflops: float  # dense bf16 per device (a fallback when diffjax.flops lacks it)
+    peak_tflops: float  # dense bf16 per device (a fallback when diffjax.infra.flops lacks it)
     topology: str  # libtpu's topology name, or the CUDA topology "slices x hosts x devices"
     note: str = ""
     gpu_memory_bytes: int = 0
@@ -296,7 +297,7 @@ def _concrete_rest(setup: loop.ModelSetup):
 
 
 def target_runtime(exp: ExperimentConfig, model_cfg: ModelConfig, mesh, target: Target) -> Runtime:
-    """The :class:`~diffjax.runtime.Runtime` of ``model_cfg`` on ``target``: its platform and
+    """The :class:`~diffjax.infra.runtime.Runtime` of ``model_cfg`` on ``target``: its platform and
     (a GPU's) compute capability as data, so the step is traced as it would be there."""
     run = Runtime.of(model_cfg, exp.mesh, mesh)
     cc = target.compute_capability if target.platform == "gpu" else None

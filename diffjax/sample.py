@@ -31,13 +31,14 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
-from . import cli, storage
-from .config import ConfigError, check_fields, fail
-from .data.config import DataError
-from .data.tokenizer import ByteTokenizer, load_tokenizer
-from .decode import generate, pad_prompts
-from .hf import from_pretrained
-from .train.checkpoint import CheckpointError, load_model
+from diffjax import cli
+from diffjax.infra import storage
+from diffjax.config import ConfigError, check_fields, fail
+from diffjax.data.config import DataError
+from diffjax.data.tokenizer import ByteTokenizer, load_tokenizer
+from diffjax.nn.decode import generate, pad_prompts
+from diffjax.interop.hf import from_pretrained
+from diffjax.train.checkpoint import CheckpointError, load_model
 
 _SEED = re.compile(r"seed_(\d+)$")
 

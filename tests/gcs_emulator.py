@@ -188,7 +188,7 @@ class LocalPathGuard:
     """While entered, a ``gs://`` URL that diffjax's own code hands to ``open``, ``os`` or
     ``os.path`` raises AssertionError naming the call (libraries that take URLs, Orbax and
     gcsfs, are not watched): the check that every user-given path goes through
-    :mod:`diffjax.storage`."""
+    :mod:`diffjax.infra.storage`."""
 
     def __init__(self):
         import builtins
@@ -234,7 +234,7 @@ class LocalPathGuard:
 
         def watched(*args, **kwargs):
             caller = sys._getframe(1).f_globals.get("__name__", "")
-            if caller.startswith("diffjax") and caller != "diffjax.storage":
+            if caller.startswith("diffjax") and caller != "diffjax.infra.storage":
                 for a in args:
                     text = a if isinstance(a, str) else getattr(a, "__fspath__", lambda: "")()
                     if isinstance(text, str) and text.startswith(("gs:/", "gs:\\")):

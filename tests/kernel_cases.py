@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from diffjax import context
+from diffjax.ops import context
 from diffjax.kernels import reference
 
 ON_GPU = jax.default_backend() == "gpu"

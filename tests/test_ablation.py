@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 import diffjax
-from diffjax.attention import Projection
+from diffjax.nn.attention import Projection
 from diffjax.data import DataConfig
 from diffjax.evaluate import (
     CATEGORIES,

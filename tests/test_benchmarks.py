@@ -324,7 +324,7 @@ def test_the_latency_relay_holds_each_request_and_passes_the_bytes_unchanged(gcs
 def test_reproduce_says_whether_the_machine_differs(monkeypatch):
     """A differing value is explained by the machines' differences, or by the code when the
     machine is the publishing one; the record names the CPU, its extensions and any XLA cap."""
-    from diffjax import machine
+    from diffjax.infra import machine
 
     reproduce = _load("reproduce")
     monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_max_isa=AVX2")

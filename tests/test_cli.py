@@ -159,7 +159,7 @@ def test_evaluate_help_lists_every_key_with_its_allowed_values(capsys):
     from diffjax.evaluate import EvalSettings
     from diffjax.evaluate.lm_eval_run import LmEvalSettings
     from diffjax.evaluate.long_context import LongContextSettings
-    from diffjax.sharding import MeshConfig
+    from diffjax.infra.sharding import MeshConfig
 
     lines = _help(_evaluate().main, capsys)
     for prefix, cls in (

@@ -1,4 +1,4 @@
-"""diffjax.context: sequence-parallel attention over a "context" mesh axis (ring and all-gather,
+"""diffjax.ops.context: sequence-parallel attention over a "context" mesh axis (ring and all-gather,
 zigzag and contiguous orders) against the reference math on the unsharded input, outputs and
 gradients; the flash block math; the token orders; the errors; the ring's O(T/N) backward."""
 
@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 from kernel_cases import assert_logit_max, logit_max_oracle
 
-from diffjax import context
+from diffjax.ops import context
 from diffjax.config import ConfigError
 from diffjax.kernels import reference
 

@@ -8,7 +8,7 @@ import shutil
 import numpy as np
 import pytest
 
-from diffjax import context
+from diffjax.ops import context
 from diffjax.compare.cli import main
 from diffjax.train.metrics import read_metrics
 
@@ -162,10 +162,11 @@ def test_predictions_on_a_context_mesh_equal_one_device():
     import jax
     from flax import nnx
 
-    from diffjax import ModelConfig, TransformerLM, sharding
+    from diffjax import ModelConfig, TransformerLM
+    from diffjax.infra import sharding
     from diffjax.evaluate.long_context import replicate
     from diffjax.evaluate.probe import losses_and_predictions
-    from diffjax.runtime import Runtime
+    from diffjax.infra.runtime import Runtime
 
     cfg = ModelConfig(
         vocab_size=64, d_model=32, num_layers=2, num_heads=2, max_seq_len=64, attention="diff_v2"
@@ -264,8 +265,9 @@ def test_generate_prefills_through_the_ring_and_gives_the_same_tokens(monkeypatc
     import jax
     from flax import nnx
 
-    from diffjax import ModelConfig, TransformerLM, generate, ops, sharding
-    from diffjax.decode import pad_prompts
+    from diffjax import ModelConfig, TransformerLM, generate, ops
+    from diffjax.infra import sharding
+    from diffjax.nn.decode import pad_prompts
     from diffjax.kernels import gpu
     from diffjax.evaluate.long_context import replicate
 

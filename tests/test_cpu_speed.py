@@ -9,9 +9,9 @@ import pytest
 from flax import nnx
 
 import diffjax
-from diffjax import compile_options
+from diffjax.infra import compile_options
 from diffjax.kernels import reference
-from diffjax.layers import Linear
+from diffjax.nn.layers import Linear
 
 
 # ---------------------------------------------------------------------------- compiler options

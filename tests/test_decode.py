@@ -1,4 +1,4 @@
-"""Generation with a KV cache (diffjax.decode): the cache against the full forward at every step,
+"""Generation with a KV cache (diffjax.nn.decode): the cache against the full forward at every step,
 for every attention kind and head layout, with left-padded prompts of mixed, odd lengths;
 generate() against argmax of repeated full forwards; the sampling contracts; one compilation
 per bucket; sharded decoding on an 8-device mesh; the fused kernels (interpreted) against XLA;
@@ -13,8 +13,9 @@ import pytest
 from flax import nnx
 
 import diffjax
-from diffjax import decode, sharding
-from diffjax.sharding import MeshConfig, make_mesh
+from diffjax.nn import decode
+from diffjax.infra import sharding
+from diffjax.infra.sharding import MeshConfig, make_mesh
 
 VOCAB = 61
 KINDS = {  # name: (attention, num_heads, num_kv_heads)

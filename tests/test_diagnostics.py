@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from diffjax import sharding
+from diffjax.infra import sharding
 from diffjax.config import ModelConfig
-from diffjax.model import TransformerLM
-from diffjax.runtime import Runtime
-from diffjax.sharding import MeshConfig
+from diffjax.nn.model import TransformerLM
+from diffjax.infra.runtime import Runtime
+from diffjax.infra.sharding import MeshConfig
 from diffjax.train import TrainConfig
 from diffjax.train.loop import loss_fn, model_inputs, model_setup, train_step
 from diffjax.train.metrics import scalars

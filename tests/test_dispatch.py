@@ -15,10 +15,12 @@ from flax import nnx
 from kernel_cases import assert_logit_max, check_logit_max, logit_max_oracle, make_inputs
 
 import diffjax
-from diffjax import context, kernels, ops
+from diffjax.ops import context
+from diffjax import kernels, ops
+from diffjax.ops import dispatch
 from diffjax.config import ContextSpec
 from diffjax.kernels import reference
-from diffjax.sharding import MeshConfig, make_mesh
+from diffjax.infra.sharding import MeshConfig, make_mesh
 
 
 def test_auto_is_xla_on_cpu_and_pallas_on_accelerators():
@@ -239,7 +241,7 @@ def test_without_logit_max_the_dispatch_runs_exactly_the_implementation():
     )
     assert jaxpr(lambda *a: ops.differential_attention(*a, impl="pallas", **kw)) == jaxpr(
         lambda *a: kernels.differential_flash_attention(
-            *a, sm_scale=scale, **kw, **ops._kernel_options(target)
+            *a, sm_scale=scale, **kw, **dispatch._kernel_options(target)
         )
     )
 

@@ -338,10 +338,10 @@ def test_a_packed_row_computes_each_document_alone(kind, impl):
 def test_a_packed_row_on_the_context_ring_computes_each_document_alone(kind, impl, order):
     """Over mesh.context=4 (every order; the kernel ring interpreted): a document split over
     devices is still one segment, and restarting positions never loosen causality."""
-    from diffjax import sharding
+    from diffjax.infra import sharding
     from diffjax.evaluate.long_context import replicate
     from diffjax.evaluate.probe import losses_and_predictions
-    from diffjax.runtime import Runtime
+    from diffjax.infra.runtime import Runtime
 
     model = _model(kind, impl)
     tokens, marks, alone, starts, lengths = _packed_and_alone()

@@ -172,7 +172,7 @@ def test_gcsfs_reads_and_writes_through_the_proxy_and_retries_its_503s(
     import gcsfs.core
 
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.url)
-    # endpoint_url: fsspec applies its config to every instance, and diffjax.storage puts the
+    # endpoint_url: fsspec applies its config to every instance, and diffjax.infra.storage puts the
     # emulator it was configured for there
     fs = gcsfs.core.GCSFileSystem(token="anon", endpoint_url=proxy.url, skip_instance_cache=True)
     data = bytes(range(256)) * 2400  # 600 KiB: a resumable upload in 256 KiB chunks

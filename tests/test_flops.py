@@ -1,4 +1,4 @@
-"""diffjax.flops: the FLOP formula against what the model computes, the peak table, MFU.
+"""diffjax.infra.flops: the FLOP formula against what the model computes, the peak table, MFU.
 
 Two checks of the formula, both from abstract shapes (nothing is run, nothing allocated):
 
@@ -21,9 +21,9 @@ import pytest
 from flax import nnx
 from jax.extend import core as jcore
 
-from diffjax import flops
+from diffjax.infra import flops
 from diffjax.config import ModelConfig, twin
-from diffjax.model import TransformerLM
+from diffjax.nn.model import TransformerLM
 from diffjax.train.loop import weighted_cross_entropy
 
 # Small, but with head widths of 32-64 so that the elementwise work XLA also counts stays a

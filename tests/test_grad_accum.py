@@ -16,12 +16,12 @@ import optax
 import pytest
 from flax import nnx
 
-from diffjax import sharding
+from diffjax.infra import sharding
 from diffjax.compare.cli import main
 from diffjax.config import ConfigError, ModelConfig
-from diffjax.sharding import MeshConfig
+from diffjax.infra.sharding import MeshConfig
 from diffjax.train import TrainConfig
-from diffjax.runtime import Runtime
+from diffjax.infra.runtime import Runtime
 from diffjax.train.loop import (
     accumulated_loss_and_grads,
     check_grad_accum,

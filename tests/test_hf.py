@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints in and out (diffjax.hf), against transformers itself.
+"""Hugging Face checkpoints in and out (diffjax.interop.hf), against transformers itself.
 
 Tiny random ``DiffLlamaForCausalLM`` / ``LlamaForCausalLM`` models (float32, eager attention)
 are written with ``save_pretrained`` and read with ``diffjax.from_pretrained``; diffjax models
@@ -21,8 +21,8 @@ import pytest
 from flax import nnx
 
 import diffjax
-from diffjax import hf
-from diffjax.sharding import MeshConfig, make_mesh
+from diffjax.interop import hf
+from diffjax.infra.sharding import MeshConfig, make_mesh
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -176,7 +176,7 @@ def test_scaled_frequencies_match_transformers(kind):
     ref, _ = ROPE_INIT_FUNCTIONS[kind](config)
     cfg = hf.config_from_hf(config.to_dict())
     base = 1.0 / (500000.0 ** (jnp.arange(0, 128, 2, dtype=jnp.float32) / 128))
-    ours = diffjax.layers.scale_inv_freq(base, cfg.rope_scaling_spec)
+    ours = diffjax.nn.layers.scale_inv_freq(base, cfg.rope_scaling_spec)
     np.testing.assert_allclose(np.asarray(ours), ref.numpy(), rtol=1e-6)
     assert not np.allclose(np.asarray(base), ref.numpy())  # the scaling did something
 

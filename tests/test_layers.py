@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from diffjax import RMSNorm, SwiGLU, apply_rotary, rotary_angles
-from diffjax.layers import rms_norm
+from diffjax.nn.layers import rms_norm
 from oracle import np_rmsnorm as np_rms_norm
 from oracle import np_rotary, np_silu
 

@@ -41,7 +41,7 @@ def test_deferred_imports_are_found(tmp_path):
     path = tmp_path / "probe.py"
     path.write_text(
         "import os\nfrom . import a\n\ndef f():\n    from .b import c\n    import json\n\n"
-        "class K:\n    def m(self):\n        import diffjax.model\n"
+        "class K:\n    def m(self):\n        import diffjax.nn.model\n"
     )
     assert deferred_imports(path) == [5, 10]
 

@@ -376,7 +376,7 @@ def test_a_component_in_a_bucket_gives_the_local_batches(corpora, bucket):
     """beta uploaded to a bucket (a real GCS API server on 127.0.0.1): the mixture's batches
     of each of two processes, and the iterator's state after them, are those of the local
     folders bit for bit; the prefix without its manifest is refused naming the component."""
-    from diffjax import storage
+    from diffjax.infra import storage
 
     for name in os.listdir(corpora["beta"]):
         storage.upload(os.path.join(corpora["beta"], name), f"{bucket}/beta/{name}")

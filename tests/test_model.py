@@ -393,7 +393,7 @@ def test_v1_lambdas_move_during_training():
 
 
 def test_v2_records_batch_mean_lambda_only_when_asked():
-    from diffjax.model import sown_lambdas
+    from diffjax.nn.model import sown_lambdas
 
     cfg = diffjax.ModelConfig(
         attention="diff_v2", d_model=32, num_heads=2, num_layers=2, vocab_size=64
@@ -420,7 +420,7 @@ def test_v2_records_batch_mean_lambda_only_when_asked():
 
 @pytest.mark.parametrize("name", ["diff_v1", "standard"])
 def test_sown_lambdas_are_v1_scalars_and_nothing_for_standard(name):
-    from diffjax.model import sown_lambdas
+    from diffjax.nn.model import sown_lambdas
 
     model = built_model(name)
     _, sown = nnx.capture(model, nnx.Intermediate)(jnp.zeros((2, 8), jnp.int32))

@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from diffjax import ModelConfig, ParamCount, TransformerLM, compare_params, count_params, twin
-from diffjax.param_count import PARTS
+from diffjax.nn.param_count import PARTS
 
 
 def cfg(**kw) -> ModelConfig:

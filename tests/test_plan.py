@@ -253,8 +253,8 @@ def test_the_planner_lowers_the_program_train_py_runs():
     import jax
     from flax import nnx
 
-    from diffjax import sharding
-    from diffjax.runtime import Runtime
+    from diffjax.infra import sharding
+    from diffjax.infra.runtime import Runtime
     from diffjax.train import loop
     from diffjax.train.config import apply_overrides, load_config
 

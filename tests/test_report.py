@@ -136,12 +136,12 @@ def test_spread_differences_keep_their_interval(tmp_path):
 
 def test_tflops_and_mfu_where_throughput_is_shown(tmp_path):
     """The results table and the side-by-side throughput give model TFLOP/s per device (the
-    formula of diffjax.flops) and, with a peak, MFU; without one (a CPU), the report says so."""
+    formula of diffjax.infra.flops) and, with a peak, MFU; without one (a CPU), the report says so."""
     import dataclasses
 
     import pytest
 
-    from diffjax import flops
+    from diffjax.infra import flops
     from diffjax.compare.report import Flops, write_report
     from diffjax.compare.throughput import SideBySide
     from diffjax.train.config import apply_overrides, default_config

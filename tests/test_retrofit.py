@@ -18,9 +18,9 @@ import pytest
 from flax import nnx
 
 import diffjax
-from diffjax.attention import Ramp, attend
+from diffjax.nn.attention import Ramp, attend
 from diffjax.config import ConfigError, ModelConfig
-from diffjax.model import TransformerLM
+from diffjax.nn.model import TransformerLM
 from diffjax.retrofit import (
     RampSchedule,
     RetrofitConfig,
@@ -376,7 +376,7 @@ def test_hf_llama_source_and_diffllama_export(tmp_path, kv_heads):
     assert float(np.abs(got - ref).max()) <= 2e-5 * float(np.abs(ref).max())
 
     v1 = retrofit_model(diffjax.from_pretrained(str(tmp_path / "llama")), "diff_v1")
-    with pytest.raises(diffjax.hf.PretrainedError, match="mid-ramp"):
+    with pytest.raises(diffjax.interop.hf.PretrainedError, match="mid-ramp"):
         diffjax.save_pretrained(v1, str(tmp_path / "mid"))
     nnx.update(v1, jax.tree.map(lambda v: jnp.ones_like(v), nnx.state(v1, Ramp)))
     diffjax.save_pretrained(v1, str(tmp_path / "diffllama"))

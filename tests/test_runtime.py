@@ -1,4 +1,4 @@
-"""How a run executes: :class:`diffjax.runtime.Runtime` and the one :class:`ContextSpec` that
+"""How a run executes: :class:`diffjax.infra.runtime.Runtime` and the one :class:`ContextSpec` that
 carries sequence parallelism (implementation, token order, axis) from the run to the batches
 and the model; each allowed value list and each default defined once."""
 
@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from diffjax import ModelConfig, TransformerLM, sharding
+from diffjax import ModelConfig, TransformerLM
+from diffjax.infra import sharding
 from diffjax.config import (
     KERNEL_ORDERS,
     NATURAL_ORDER,
@@ -21,8 +22,8 @@ from diffjax.config import (
     ConfigError,
     ContextSpec,
 )
-from diffjax.model import with_context
-from diffjax.runtime import Runtime
+from diffjax.nn.model import with_context
+from diffjax.infra.runtime import Runtime
 from diffjax.train.loop import model_inputs
 
 SRC = pathlib.Path(__file__).parent.parent / "diffjax"
@@ -109,7 +110,7 @@ def test_a_runtime_takes_the_platform_from_its_devices_and_the_spec_from_the_con
 
 def test_for_runtime_builds_for_the_runtimes_target_and_spec_and_nothing_else():
     from diffjax.config import KernelTarget
-    from diffjax.model import for_runtime
+    from diffjax.nn.model import for_runtime
 
     model = TransformerLM(TINY, rngs=nnx.Rngs(1))
     one = Runtime(sharding.make_mesh(sharding.MeshConfig(data=1), jax.devices()[:1]))
@@ -126,7 +127,8 @@ def test_for_runtime_builds_for_the_runtimes_target_and_spec_and_nothing_else():
 def test_generation_takes_a_runtime_and_gives_the_tokens_of_one_device(monkeypatch):
     """On a data mesh, and on a context mesh whose runs lay batches out in zigzag order: the
     prompt's prefill runs over the context axis, taking the prompt in its natural order."""
-    from diffjax import context, generate
+    from diffjax.ops import context
+    from diffjax import generate
 
     real, rings = context.context_differential_attention, []
     monkeypatch.setattr(
@@ -147,7 +149,7 @@ def test_generation_takes_a_runtime_and_gives_the_tokens_of_one_device(monkeypat
 def test_model_inputs_lay_the_tokens_out_in_the_runtimes_order():
     """On a context axis of 2 the inputs come out in the runtime's order, with their positions;
     the same batch under the natural order keeps the data's order."""
-    from diffjax import context
+    from diffjax.ops import context
 
     mesh = sharding.make_mesh(sharding.MeshConfig(data=1, context=2), jax.devices()[:2])
     batch = {"inputs": np.arange(16, dtype=np.int32).reshape(2, 8)}

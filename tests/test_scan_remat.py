@@ -11,7 +11,7 @@ from flax import nnx
 
 from diffjax import ModelConfig
 from diffjax.config import REMAT_POLICIES, ConfigError
-from diffjax.model import TransformerLM, sown_lambdas, stack_layers, unstack_layers
+from diffjax.nn.model import TransformerLM, sown_lambdas, stack_layers, unstack_layers
 from diffjax.train.checkpoint import check_same_model
 
 KINDS = [  # V1, V2 and the twin; MHA and GQA
@@ -108,7 +108,7 @@ def test_generate_with_scanned_layers(kind):
     """Decoding with a KV cache: the scanned model's one stacked cache gives the unrolled
     model's tokens (greedy)."""
     from diffjax import generate
-    from diffjax.decode import init_cache
+    from diffjax.nn.decode import init_cache
 
     unrolled = TransformerLM(_config(kind, 2, None), rngs=nnx.Rngs(0))
     scanned = stack_layers(unrolled)
@@ -214,8 +214,8 @@ def test_per_layer_analyses_read_a_scanned_model_by_layer_index():
 def test_interop_and_hf_with_scanned_layers(tmp_path):
     """The official per-layer state dicts go into and out of a scanned model's stacked layer
     by index; a Hugging Face checkpoint saved from a scanned model loads into either layout."""
-    from diffjax import hf
-    from diffjax.interop import load_unilm_state_dict, unilm_state_dict
+    from diffjax.interop import hf
+    from diffjax.interop.unilm import load_unilm_state_dict, unilm_state_dict
 
     unrolled = TransformerLM(_config("diff_v1", 2, None), rngs=nnx.Rngs(0))
     scanned = TransformerLM(_config("diff_v1", 2, None, scan_layers=True), rngs=nnx.Rngs(7))
@@ -247,7 +247,7 @@ def test_a_scanned_run_trains_resumes_restores_and_evaluates(tmp_path, capsys):
 
     from diffjax.compare.cli import main
     from diffjax.evaluate import EvalSettings, evaluate_run
-    from diffjax.sharding import MeshConfig, make_mesh
+    from diffjax.infra.sharding import MeshConfig, make_mesh
     from diffjax.train.checkpoint import load_model
     from diffjax.train.metrics import read_metrics
 

@@ -1,4 +1,4 @@
-"""Meshes and partitioning (diffjax.sharding) on 8 CPU devices (tests/conftest.py).
+"""Meshes and partitioning (diffjax.infra.sharding) on 8 CPU devices (tests/conftest.py).
 
 - every parameter carries the logical axes it should, and lands on the devices the rules say;
 - the Adam moments are sharded like the parameters;
@@ -22,9 +22,10 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from diffjax import ModelConfig, TransformerLM, ops, sharding
+from diffjax import ModelConfig, TransformerLM, ops
+from diffjax.infra import sharding
 from diffjax.config import ConfigError
-from diffjax.sharding import DEFAULT_RULES, MeshConfig, make_mesh
+from diffjax.infra.sharding import DEFAULT_RULES, MeshConfig, make_mesh
 from diffjax.train import TrainConfig
 from diffjax.train.loop import make_state_init, train_step
 from diffjax.train.optimizer import learning_rate_schedule, make_optimizer

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from diffjax.param_count import count_params
+from diffjax.nn.param_count import count_params
 from diffjax.train.config import load_config
 from diffjax.train.optimizer import make_optimizer
 

@@ -19,7 +19,7 @@ from gcs_emulator import LocalPathGuard, StatusServer
 from test_prepare import write_corpus
 from test_storage_runs import ROOT, SHORT, fresh_machine, losses
 
-from diffjax import storage
+from diffjax.infra import storage
 from diffjax.compare.cli import main as train_main
 from diffjax.config import ConfigError
 from diffjax.data import DataConfig, DataError, check_data, make_dataset, make_source

@@ -1,4 +1,4 @@
-"""A bucket that answers slowly, wrongly or not at all: diffjax.storage's calls are bounded and
+"""A bucket that answers slowly, wrongly or not at all: diffjax.infra.storage's calls are bounded and
 retried, and train.py needs nothing but ``STORAGE_EMULATOR_HOST`` to use an emulator.
 
 The faults come from ``fault_proxy.FaultProxy`` on 127.0.0.1 in front of the real emulator
@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from diffjax import storage
+from diffjax.infra import storage
 from diffjax.train.metrics import read_metrics
 from fault_proxy import FaultProxy
 

@@ -17,7 +17,9 @@ import pytest
 from flax import nnx
 
 import diffjax
-from diffjax import hf, sample, storage
+from diffjax.interop import hf
+from diffjax import sample
+from diffjax.infra import storage
 from gcs_emulator import LocalPathGuard
 
 DOCS = ["def add(a, b):\n    return a + b\n", "for i in range(10):\n    print(i * i)\n"]

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from gcs_emulator import LocalPathGuard
 
-from diffjax import storage
+from diffjax.infra import storage
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

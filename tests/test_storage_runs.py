@@ -18,7 +18,7 @@ import time
 import pytest
 from gcs_emulator import LocalPathGuard, StatusServer
 
-from diffjax import storage
+from diffjax.infra import storage
 from diffjax.compare.cli import main
 from diffjax.train.checkpoint import Checkpointer, committed_steps, load_model
 from diffjax.train.metrics import read_metrics

@@ -32,8 +32,8 @@ from diffjax.train import (
     learning_rate_schedule,
     load_config,
 )
-from diffjax.runtime import Runtime
-from diffjax import machine
+from diffjax.infra.runtime import Runtime
+from diffjax.infra import machine
 from diffjax.train.metrics import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -768,7 +768,7 @@ def test_every_seed_reuses_one_compiled_init_and_gets_the_constant_seed_state():
     gives (jit of make_state_init, the path before the seed became an argument)."""
     import dataclasses
 
-    from diffjax import sharding
+    from diffjax.infra import sharding
     from diffjax.train.loop import make_state_init, model_setup
 
     exp = apply_overrides(
@@ -822,7 +822,7 @@ def test_validation_splits_first_and_repeated_queries():
     share of repeats, the first-query accuracy 0 and the repeat accuracy 1."""
     import jax.numpy as jnp
 
-    from diffjax import sharding
+    from diffjax.infra import sharding
     from diffjax.data import DataConfig, make_source, query_kinds, validation_metrics
     from diffjax.train import loop
 
@@ -860,7 +860,7 @@ def test_a_corpus_declares_no_validation_metric_and_the_loop_computes_none():
     """The loop sums only what the data declares: a corpus has loss and perplexity alone."""
     import jax.numpy as jnp
 
-    from diffjax import sharding
+    from diffjax.infra import sharding
     from diffjax.data import DataConfig, RETRIEVAL_METRICS, make_source, validation_metrics
     from diffjax.train import loop
 

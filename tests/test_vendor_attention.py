@@ -28,10 +28,12 @@ from flax import nnx
 from kernel_cases import make_inputs, value_and_grads
 
 import diffjax
-from diffjax import impl_table, ops
+from diffjax.ops import impl_table
+from diffjax import ops
+from diffjax.ops import dispatch
 from diffjax.config import ConfigError, KernelTarget
 from diffjax.kernels import _compose, cudnn, reference, splash
-from diffjax.sharding import MeshConfig, make_mesh
+from diffjax.infra.sharding import MeshConfig, make_mesh
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 T = 128  # Splash's smallest block
@@ -292,10 +294,10 @@ def test_prefill_and_decoding_on_cudnn_equal_the_xla_path():
 
         @jax.jit
         def run(prompt, start, model=model):
-            out, cache = diffjax.decode.prefill(model, prompt, 16, start)
+            out, cache = diffjax.nn.decode.prefill(model, prompt, 16, start)
             steps = [out[:, -1]]
             for token in (3, 5, 7):
-                step, cache = diffjax.decode.decode_step(model, jnp.full((2,), token), cache)
+                step, cache = diffjax.nn.decode.decode_step(model, jnp.full((2,), token), cache)
                 steps.append(step)
             return out, jnp.stack(steps)
 
@@ -320,7 +322,7 @@ def test_the_dispatch_refuses_a_vendor_where_it_cannot_run():
         diffjax.ModelConfig(attention_impl="cudnn")
     cfg = diffjax.ModelConfig(attention_impl="splash", max_seq_len=256)
     with pytest.raises(ConfigError, match="log-sum-exp.*attention_impl=pallas or auto"):
-        diffjax.sharding.check_model_mesh(cfg, make_mesh(MeshConfig(context=2, fsdp=-1)), 8)
+        diffjax.infra.sharding.check_model_mesh(cfg, make_mesh(MeshConfig(context=2, fsdp=-1)), 8)
 
 
 # ---------------------------------------------------------------------------- auto
@@ -429,7 +431,7 @@ def test_the_run_check_covers_what_auto_may_pick_and_a_failing_composition_names
     cases, and the fix names the kernels."""
     from diffjax.kernels import check
 
-    monkeypatch.setattr(ops, "current_target", lambda: H100)
+    monkeypatch.setattr(dispatch, "current_target", lambda: H100)
     monkeypatch.setattr(check, "_PASSED", set())
     monkeypatch.setattr(check, "cache_path", lambda: "/nonexistent/diffjax-kernel-check.json")
     monkeypatch.setattr(check, "_record", lambda path, passed: None)

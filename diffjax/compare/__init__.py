@@ -14,8 +14,8 @@ instead (:mod:`.retrofit_study`: a standard model trained, then continued unconv
 converted to DIFF V2 and V1; ``retrofit.md``, :mod:`.retrofit_report`).
 """
 
-from .cli import exit_process, main, quick_evaluation, train_seeds
-from .report import (
+from diffjax.compare.cli import exit_process, main, quick_evaluation, train_seeds
+from diffjax.compare.report import (
     comparison_sentences,
     learned_counts,
     per_seed_table,
@@ -23,9 +23,9 @@ from .report import (
     results_table,
     write_report,
 )
-from .retrofit_report import write_study_report
-from .retrofit_study import RetrofitStudy, run_study
-from .throughput import SideBySide, side_by_side_throughput
+from diffjax.compare.retrofit_report import write_study_report
+from diffjax.compare.retrofit_study import RetrofitStudy, run_study
+from diffjax.compare.throughput import SideBySide, side_by_side_throughput
 
 __all__ = [
     "RetrofitStudy",

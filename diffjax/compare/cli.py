@@ -30,10 +30,11 @@ from typing import NoReturn
 import jax
 
 from diffjax import data as data_lib
-from diffjax import ops, sharding, storage
+from diffjax import ops
+from diffjax.infra import sharding, storage
 from diffjax.config import ConfigError
 from diffjax.evaluate import evaluate_run
-from diffjax.runtime import Runtime
+from diffjax.infra.runtime import Runtime
 from diffjax.train.checkpoint import (
     CheckpointError,
     committed_steps,
@@ -58,9 +59,9 @@ from diffjax.train.loop import (
     train_model,
 )
 
-from .report import results_table, write_report
-from .retrofit_study import load_study, run_study, summary
-from .throughput import side_by_side_throughput
+from diffjax.compare.report import results_table, write_report
+from diffjax.compare.retrofit_study import load_study, run_study, summary
+from diffjax.compare.throughput import side_by_side_throughput
 
 EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_CHECKPOINT = 2, 3, 4
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped by SIGTERM/SIGINT after saving; rerun to resume

@@ -1,6 +1,6 @@
 """The comparison report: ``report.md`` (per metric the mean +/- standard deviation over seeds,
 the paired difference DIFF - twin with its 95% t-interval, the side-by-side throughput, with
-model TFLOP/s per device and MFU from :mod:`diffjax.flops`, DIFF − twin over training with its
+model TFLOP/s per device and MFU from :mod:`diffjax.infra.flops`, DIFF − twin over training with its
 crossover from :mod:`diffjax.compare.curves`) and ``loss.png`` (validation and training curves
 against tokens: every seed thin, the mean over seeds thick; with DIFF and its twin, a third panel
 of the paired difference and its band) in the run directory.
@@ -27,9 +27,9 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, MaxNLocator
 
-from diffjax import flops as flops_lib
-from diffjax import machine as machine_lib
-from diffjax import storage
+from diffjax.infra import flops as flops_lib
+from diffjax.infra import machine as machine_lib
+from diffjax.infra import storage
 from diffjax.config import ModelConfig
 from diffjax.data.mixture import stage_words
 from diffjax.data.synthetic import query_chance
@@ -46,8 +46,8 @@ from diffjax.train.config import ExperimentConfig
 from diffjax.train.loop import TrainResult
 from diffjax.train.metrics import read_metrics
 
-from . import signals
-from .curves import (
+from diffjax.compare import signals
+from diffjax.compare.curves import (
     CROSSING,
     FROM_START,
     Crossover,
@@ -60,7 +60,7 @@ from .curves import (
     mean_curve,
     paired_difference_curve,
 )
-from .throughput import SideBySide
+from diffjax.compare.throughput import SideBySide
 
 # How a validation metric of TrainResult.metrics (its metrics.jsonl key) is shown: row name and
 # number format. A metric not listed here is shown under its key with DEFAULT_METRIC_FORMAT.
@@ -138,7 +138,7 @@ class Flops(NamedTuple):
     @classmethod
     def of(cls, exp: ExperimentConfig, device_kind: str | None = None) -> "Flops":
         """For ``exp`` on this machine's devices (or ``device_kind``); the peak from
-        ``train.peak_tflops`` or :data:`diffjax.flops.PEAK_TFLOPS`."""
+        ``train.peak_tflops`` or :data:`diffjax.infra.flops.PEAK_TFLOPS`."""
         kind = jax.devices()[0].device_kind if device_kind is None else device_kind
         peak = flops_lib.peak_tflops(kind, exp.train.peak_tflops)
         return cls(dict(exp.models), exp.data.seq_len, kind, peak)
@@ -161,7 +161,7 @@ class Flops(NamedTuple):
     def note(self) -> str:
         """One sentence: what the TFLOP/s are, and the peak of the MFU or why there is none."""
         text = (
-            "TFLOP/s per device: model FLOPs (`diffjax.flops.train_flops_per_token`: the "
+            "TFLOP/s per device: model FLOPs (`diffjax.infra.flops.train_flops_per_token`: the "
             "forward's matmuls x3 for forward and backward, causal attention maps halved, "
             "rematerialization not counted) x tokens/s / devices; "
         )
@@ -703,7 +703,7 @@ def _setup_machine(results: Sequence[TrainResult]) -> list[str]:
     if results and results[0].mesh:
         machine += (
             f"\n- mesh: {results[0].mesh}; parameters and optimizer state placed by the logical "
-            f"axis rules of diffjax.sharding."
+            f"axis rules of diffjax.infra.sharding."
         )
     return [f"- peak memory: {results[0].memory_source if results else ''}." + peaks, machine]
 

@@ -29,11 +29,11 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from diffjax import storage
+from diffjax.infra import storage
 from diffjax.evaluate.stats import difference_cell, fmt_mean_std, mean_std
 from diffjax.train.metrics import read_metrics
 
-from .curves import (
+from diffjax.compare.curves import (
     DifferenceCurve,
     EvalCurve,
     band_cell,

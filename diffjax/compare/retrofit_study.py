@@ -59,13 +59,13 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from diffjax import data as data_lib
-from diffjax import sharding, storage
+from diffjax.infra import sharding, storage
 from diffjax.config import ConfigError, convert, describe_type, field_types
 from diffjax.data.synthetic import query_chance
 from diffjax.evaluate.probe import losses_and_predictions
 from diffjax.evaluate.inputs import task_examples
 from diffjax.evaluate.retrieval import multi_needle_retrieval
-from diffjax.conversion import retrofit_config
+from diffjax.interop.conversion import retrofit_config
 from diffjax.train.checkpoint import (
     load_model,
     load_pretrained,
@@ -76,7 +76,7 @@ from diffjax.train.config import ExperimentConfig, apply_overrides, load_config
 from diffjax.train.loop import AfterStep, Preempted, check_run, preemption_guard, train_model
 from diffjax.train.metrics import read_metrics
 
-from .retrofit_report import DONE_FILE, PLAN_FILE, RUN_CONFIG, write_study_report
+from diffjax.compare.retrofit_report import DONE_FILE, PLAN_FILE, RUN_CONFIG, write_study_report
 
 SOURCE = "source"  # the source's folder name
 # the keys the study sets for every run (each has its own field of RetrofitStudy)

@@ -12,7 +12,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, MaxNLocator
 
-from diffjax import storage
+from diffjax.infra import storage
 from diffjax.evaluate.stats import fmt_mean_std, group_by_label
 from diffjax.train.loop import TrainResult
 from diffjax.train.metrics import read_metrics

@@ -18,10 +18,10 @@ import jax
 import numpy as np
 from flax import nnx
 
-from diffjax import sharding
+from diffjax.infra import sharding
 from diffjax.config import ModelConfig
 from diffjax.train.config import ExperimentConfig
-from diffjax.runtime import Runtime
+from diffjax.infra.runtime import Runtime
 from diffjax.train.loop import compile_steps, model_inputs, model_setup, process_stream
 
 

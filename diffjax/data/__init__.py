@@ -12,7 +12,7 @@ validation metrics: :func:`validation_metrics`) and the grain pipeline.
     state = it.get_state()  # resume later with it.set_state(state)
 """
 
-from .config import (
+from diffjax.data.config import (
     COMPONENT_SOURCES,
     MIXTURE_EXHAUSTED,
     SOURCES,
@@ -22,9 +22,9 @@ from .config import (
     DataError,
     MixtureComponent,
 )
-from .documents import DocumentIndex, SpecialTokens, mark_documents
-from .mixture import MixturePlan, Stage, batches_read, resume_stages
-from .pipeline import (
+from diffjax.data.documents import DocumentIndex, SpecialTokens, mark_documents
+from diffjax.data.mixture import MixturePlan, Stage, batches_read, resume_stages
+from diffjax.data.pipeline import (
     DataSummary,
     carries_documents,
     check_data,
@@ -38,7 +38,7 @@ from .pipeline import (
     steps_per_epoch,
     validation_metrics,
 )
-from .sources import (
+from diffjax.data.sources import (
     TokenStream,
     WindowSource,
     is_validation_file,
@@ -46,7 +46,7 @@ from .sources import (
     stdlib_files,
     stdlib_root,
 )
-from .synthetic import (
+from diffjax.data.synthetic import (
     RETRIEVAL_METRICS,
     MQARSource,
     NeedleSource,
@@ -56,7 +56,15 @@ from .synthetic import (
     query_correct,
     query_kinds,
 )
-from .tokenizer import BOS, EOS, PAD, VOCAB_SIZE, ByteTokenizer, HFTokenizer, load_tokenizer
+from diffjax.data.tokenizer import (
+    BOS,
+    EOS,
+    PAD,
+    VOCAB_SIZE,
+    ByteTokenizer,
+    HFTokenizer,
+    load_tokenizer,
+)
 
 __all__ = [
     "BOS",

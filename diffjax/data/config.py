@@ -15,7 +15,7 @@ import re
 import zlib
 from typing import Any, NoReturn
 
-from diffjax import storage
+from diffjax.infra import storage
 from diffjax.config import ConfigError, check_fields, fail
 
 SOURCES = ("stdlib", "text", "tokens", "needle", "mqar", "mixture")

@@ -29,7 +29,7 @@ from typing import Any, Sequence
 
 from diffjax.config import ConfigError
 
-from .config import DataConfig, DataError, component_seed
+from diffjax.data.config import DataConfig, DataError, component_seed
 
 GRAIN_SCALE = 100  # Grain scales the smallest weight to this many parts (then rounds down)
 

@@ -29,11 +29,11 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from diffjax import storage
+from diffjax.infra import storage
 
-from .config import DataConfig, DataError
-from .mixture import MixturePlan, Stage, first_stage, shares
-from .sources import (
+from diffjax.data.config import DataConfig, DataError
+from diffjax.data.mixture import MixturePlan, Stage, first_stage, shares
+from diffjax.data.sources import (
     MANIFEST_FILE,
     Corpus,
     WindowSource,
@@ -44,8 +44,13 @@ from .sources import (
     stdlib_root,
     tokenizer_identity,
 )
-from .synthetic import SYNTHETIC_TRAIN_EXAMPLES, MQARSource, NeedleSource, ValidationMetric
-from .tokenizer import PAD, VOCAB_SIZE, HFTokenizer
+from diffjax.data.synthetic import (
+    SYNTHETIC_TRAIN_EXAMPLES,
+    MQARSource,
+    NeedleSource,
+    ValidationMetric,
+)
+from diffjax.data.tokenizer import PAD, VOCAB_SIZE, HFTokenizer
 
 SPLITS = ("train", "validation")
 VALIDATION_SHUFFLE_SEED = 0x5EED  # the validation order: one fixed permutation
@@ -369,7 +374,7 @@ def make_dataset(
         validation does not depend on it.
       process_index, process_count: this process's share: rows ``[process_index * B,
         (process_index + 1) * B)`` of every global batch of ``process_count * B`` (the train
-        loop derives them from the mesh: ``diffjax.sharding.process_batch_share``).
+        loop derives them from the mesh: ``diffjax.infra.sharding.process_batch_share``).
       num_epochs: passes over the data; None = forever for train, 1 for validation.
       vocab_size: if given, :func:`check_data` runs first (token ids < vocab_size).
       read_options: ``grain.ReadOptions`` (default: 2 threads, ``config.prefetch`` batches

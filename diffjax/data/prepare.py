@@ -46,12 +46,13 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from diffjax import cli, storage
+from diffjax import cli
+from diffjax.infra import storage
 from diffjax.config import ConfigError, check_fields
 
-from .config import DataError
-from .documents import INDEX_DTYPE
-from .sources import (
+from diffjax.data.config import DataError
+from diffjax.data.documents import INDEX_DTYPE
+from diffjax.data.sources import (
     BYTE_TOKENIZER,
     MANIFEST_FILE,
     MANIFEST_FORMAT,
@@ -61,7 +62,7 @@ from .sources import (
     file_sha256,
     is_validation_file,
 )
-from .tokenizer import BOS, EOS, VOCAB_SIZE, HFTokenizer, load_tokenizer
+from diffjax.data.tokenizer import BOS, EOS, VOCAB_SIZE, HFTokenizer, load_tokenizer
 
 KINDS = {".txt": "txt", ".jsonl": "jsonl", ".jsonl.gz": "jsonl.gz", ".parquet": "parquet"}
 DTYPES = ("auto", "uint16", "uint32")

@@ -37,11 +37,17 @@ from typing import Sequence
 
 import numpy as np
 
-from diffjax import storage
+from diffjax.infra import storage
 
-from .config import DataConfig, DataError
-from .documents import INDEX_DTYPE, Boundaries, DocumentIndex, SpecialTokens, mark_windows
-from .tokenizer import BOS, EOS, HFTokenizer
+from diffjax.data.config import DataConfig, DataError
+from diffjax.data.documents import (
+    INDEX_DTYPE,
+    Boundaries,
+    DocumentIndex,
+    SpecialTokens,
+    mark_windows,
+)
+from diffjax.data.tokenizer import BOS, EOS, HFTokenizer
 
 # Directories never part of the stdlib corpus (third-party packages, bytecode caches).
 STDLIB_EXCLUDED_DIRS = ("site-packages", "dist-packages", "__pycache__")

@@ -28,9 +28,9 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from .config import DataConfig
-from .sources import TokenStream
-from .tokenizer import BOS, PAD
+from diffjax.data.config import DataConfig
+from diffjax.data.sources import TokenStream
+from diffjax.data.tokenizer import BOS, PAD
 
 # A validation metric: (predictions [B, T] token ids, batch) -> (items right, items counted)
 ValidationMetric = Callable[[np.ndarray, Mapping[str, Any]], tuple[int, int]]

@@ -6,9 +6,9 @@ import os
 
 import numpy as np
 
-from diffjax import storage
+from diffjax.infra import storage
 
-from .config import DataError
+from diffjax.data.config import DataError
 
 BOS = 256  # beginning of a document
 EOS = 257  # end of a document

@@ -21,8 +21,8 @@ RUN_DIR [--quick]`` for a whole run (see docs/evaluation.md).
   :mod:`.paper`).
 """
 
-from .ablation import Ablation, best_ablation_head, contribution_by_ablation
-from .allocation import (
+from diffjax.evaluate.ablation import Ablation, best_ablation_head, contribution_by_ablation
+from diffjax.evaluate.allocation import (
     CATEGORIES,
     Allocation,
     attention_allocation,
@@ -31,33 +31,38 @@ from .allocation import (
     measured_noise_floor,
     position_categories,
 )
-from .noise_floor import (
+from diffjax.evaluate.noise_floor import (
     asymptotic_gain,
     cancellation_point,
     closed_form_gain,
     noise_floor_closed_form,
     noise_floor_streamed,
 )
-from .outliers import activation_outliers, top_magnitudes
-from .inputs import ModelInputs, needle_task, task_examples, validation_examples
-from .positions import corpus_for_positions, loss_by_position, validation_loss
-from .probe import (
+from diffjax.evaluate.outliers import activation_outliers, top_magnitudes
+from diffjax.evaluate.inputs import ModelInputs, needle_task, task_examples, validation_examples
+from diffjax.evaluate.positions import corpus_for_positions, loss_by_position, validation_loss
+from diffjax.evaluate.probe import (
     attention_logits,
     attention_maps,
     attention_rows,
     layer_attention_maps,
     losses_and_predictions,
 )
-from .quantize import QuantizedLogits, absmax_quantize, quantization_sweep, with_quantized_logits
-from .retrieval import (
+from diffjax.evaluate.quantize import (
+    QuantizedLogits,
+    absmax_quantize,
+    quantization_sweep,
+    with_quantized_logits,
+)
+from diffjax.evaluate.retrieval import (
     RetrievalGrid,
     multi_needle_retrieval,
     query_correct,
     query_depths,
 )
-from .run import ModelEntry, discover_models, evaluate_model, evaluate_run
-from .settings import EvalSettings
-from .stats import mean_std
+from diffjax.evaluate.run import ModelEntry, discover_models, evaluate_model, evaluate_run
+from diffjax.evaluate.settings import EvalSettings
+from diffjax.evaluate.stats import mean_std
 
 __all__ = [
     "Ablation",

@@ -13,16 +13,17 @@ import argparse
 import sys
 from typing import Sequence
 
-from diffjax import cli, storage
+from diffjax import cli
+from diffjax.infra import storage
 from diffjax.config import TOKEN_ORDERS, ConfigError
-from diffjax.sharding import MeshConfig
+from diffjax.infra.sharding import MeshConfig
 from diffjax.train.checkpoint import CheckpointError
 
-from . import lm_eval_run
-from .lm_eval_run import LmEvalSettings
-from .long_context import LongContextSettings, evaluate_long_context
-from .run import evaluate_run
-from .settings import EvalSettings
+from diffjax.evaluate import lm_eval_run
+from diffjax.evaluate.lm_eval_run import LmEvalSettings
+from diffjax.evaluate.long_context import LongContextSettings, evaluate_long_context
+from diffjax.evaluate.run import evaluate_run
+from diffjax.evaluate.settings import EvalSettings
 
 PROG = "python -m diffjax.evaluate"
 

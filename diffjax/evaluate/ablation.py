@@ -37,14 +37,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from diffjax.attention import Projection, attend
+from diffjax.nn.attention import Projection, attend
 from diffjax.kernels import reference
 
-from .allocation import CATEGORIES, answer_rows, position_categories
-from .analysis import DOC, Analysis, Run, model_name, paired, table
-from .inputs import ModelInputs
-from .probe import for_analysis
-from .stats import fmt_mean_std
+from diffjax.evaluate.allocation import CATEGORIES, answer_rows, position_categories
+from diffjax.evaluate.analysis import DOC, Analysis, Run, model_name, paired, table
+from diffjax.evaluate.inputs import ModelInputs
+from diffjax.evaluate.probe import for_analysis
+from diffjax.evaluate.stats import fmt_mean_std
 
 # the ablations of one layer run on from it in chunks of this many (query, head, category)
 _CHUNK = 16

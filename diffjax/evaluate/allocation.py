@@ -42,15 +42,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from diffjax import storage
+from diffjax.infra import storage
 
-from . import paper, plots
-from .analysis import DOC, Analysis, Run, image, model_name, paired, table
-from .inputs import ModelInputs
-from .probe import attention_rows, capture_layers, for_analysis
-from .results import seed_mean
-from .retrieval import depth_bins, query_depths
-from .stats import fmt_mean_std
+from diffjax.evaluate import paper, plots
+from diffjax.evaluate.analysis import DOC, Analysis, Run, image, model_name, paired, table
+from diffjax.evaluate.inputs import ModelInputs
+from diffjax.evaluate.probe import attention_rows, capture_layers, for_analysis
+from diffjax.evaluate.results import seed_mean
+from diffjax.evaluate.retrieval import depth_bins, query_depths
+from diffjax.evaluate.stats import fmt_mean_std
 
 CATEGORIES = ("answer", "needle", "other needles", "noise context", "rest")
 NORMALIZATIONS = ("abs", "sum", "none")

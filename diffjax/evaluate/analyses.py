@@ -5,9 +5,17 @@ typed result in eval.json, its section and plot); the runner (:mod:`.run`) and t
 
 from __future__ import annotations
 
-from . import ablation, allocation, noise_floor, outliers, positions, quantize, retrieval
-from . import validation
-from .analysis import Analysis
+from diffjax.evaluate import (
+    ablation,
+    allocation,
+    noise_floor,
+    outliers,
+    positions,
+    quantize,
+    retrieval,
+)
+from diffjax.evaluate import validation
+from diffjax.evaluate.analysis import Analysis
 
 ANALYSES: tuple[Analysis, ...] = (
     validation.ANALYSIS,

@@ -18,9 +18,14 @@ from typing import Any, Callable, Sequence
 
 from diffjax.data import DataConfig
 
-from .results import model_name
-from .settings import EvalSettings
-from .stats import describe_difference, fmt_mean_std, paired_by_seed, paired_difference
+from diffjax.evaluate.results import model_name
+from diffjax.evaluate.settings import EvalSettings
+from diffjax.evaluate.stats import (
+    describe_difference,
+    fmt_mean_std,
+    paired_by_seed,
+    paired_difference,
+)
 
 DOC = "docs/evaluation.md"
 

@@ -15,8 +15,8 @@ import numpy as np
 from diffjax.config import ConfigError
 from diffjax.data import DataConfig, DataError, make_source
 
-from .probe import losses_and_predictions
-from .settings import EvalSettings
+from diffjax.evaluate.probe import losses_and_predictions
+from diffjax.evaluate.settings import EvalSettings
 
 __all__ = [
     "ModelInputs",

@@ -14,10 +14,10 @@ import dataclasses
 import time
 from typing import Any, Callable, Sequence
 
-from diffjax import storage
+from diffjax.infra import storage
 from diffjax.config import ConfigError, check_fields, fail
 
-from .lm_tasks import (
+from diffjax.evaluate.lm_tasks import (
     HEADING,
     PAPER_SCALE,
     PAPER_TASKS,
@@ -26,7 +26,7 @@ from .lm_tasks import (
     render_section,
     replace_section,
 )
-from .run import ModelEntry, discover_models, relative_path
+from diffjax.evaluate.run import ModelEntry, discover_models, relative_path
 
 try:  # the `eval` extra
     import lm_eval

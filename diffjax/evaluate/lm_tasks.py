@@ -8,10 +8,15 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence
 
-from diffjax import storage
+from diffjax.infra import storage
 
-from .results import model_name
-from .stats import describe_difference, fmt_mean_std, group_by_label, paired_difference
+from diffjax.evaluate.results import model_name
+from diffjax.evaluate.stats import (
+    describe_difference,
+    fmt_mean_std,
+    group_by_label,
+    paired_difference,
+)
 
 __all__ = [
     "HEADING",

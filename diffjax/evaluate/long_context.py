@@ -2,10 +2,10 @@
 long_context.lengths=8192,32768 mesh.context=8``.
 
 Every model of the run (its best checkpoint) is replicated over a mesh whose ``context`` axis
-splits the sequence (:class:`diffjax.sharding.MeshConfig`), and the multi-needle grid of the
+splits the sequence (:class:`diffjax.infra.sharding.MeshConfig`), and the multi-needle grid of the
 run's needle setting (:func:`.retrieval.multi_needle_retrieval`) runs at each length: the tokens
 in the balanced (zigzag) order, attention as a ring over the ``context`` devices
-(:mod:`diffjax.context`), the predictions returned to the data's order. Writes
+(:mod:`diffjax.ops.context`), the predictions returned to the data's order. Writes
 ``RUN_DIR/long_context.json`` and ``RUN_DIR/long_context.md`` (accuracy per length, each model's
 mean ± sd over seeds, the paired DIFF - twin difference with its 95% t-interval), and the
 measured noise floor at each length (the share of the answer rows' absolute attention mass on
@@ -23,17 +23,23 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from diffjax import context, sharding, storage
-from diffjax.runtime import Runtime
+from diffjax.ops import context
+from diffjax.infra import sharding, storage
+from diffjax.infra.runtime import Runtime
 from diffjax.config import ConfigError, check_fields, fail
 from diffjax.train.checkpoint import load_model
 
-from . import allocation as alloc
-from . import retrieval as ret
-from .results import model_name
-from .inputs import fits, keeps_replacement, run_needle_setting, run_needle_task
-from .run import data_config, discover_models, read_run_config
-from .stats import describe_difference, fmt_mean_std, group_by_label, paired_difference
+from diffjax.evaluate import allocation as alloc
+from diffjax.evaluate import retrieval as ret
+from diffjax.evaluate.results import model_name
+from diffjax.evaluate.inputs import fits, keeps_replacement, run_needle_setting, run_needle_task
+from diffjax.evaluate.run import data_config, discover_models, read_run_config
+from diffjax.evaluate.stats import (
+    describe_difference,
+    fmt_mean_std,
+    group_by_label,
+    paired_difference,
+)
 
 __all__ = ["LongContextSettings", "evaluate_long_context", "render"]
 

@@ -56,13 +56,13 @@ import dataclasses
 import numpy as np
 from scipy.special import expit, logsumexp
 
-from diffjax import storage
+from diffjax.infra import storage
 
-from . import plots
-from .allocation import measured_noise_floor
-from .analysis import DOC, Analysis, Run, image, model_name, table
-from .inputs import ModelInputs
-from .stats import fmt_mean_std, ratio_of_means
+from diffjax.evaluate import plots
+from diffjax.evaluate.allocation import measured_noise_floor
+from diffjax.evaluate.analysis import DOC, Analysis, Run, image, model_name, table
+from diffjax.evaluate.inputs import ModelInputs
+from diffjax.evaluate.stats import fmt_mean_std, ratio_of_means
 
 DEFAULT_NS = tuple(2**k for k in range(10, 19))  # 1K .. 256K
 # The closed form eval.md shows: the signal key's logit margin, and lambda (the depth schedule's

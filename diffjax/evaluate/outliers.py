@@ -19,13 +19,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from diffjax import storage
+from diffjax.infra import storage
 
-from . import paper, plots
-from . import positions as pos
-from .analysis import DOC, Analysis, Run, image, paired, table
-from .inputs import ModelInputs
-from .probe import attention_logits, capture_layers, check_tokens, for_analysis
+from diffjax.evaluate import paper, plots
+from diffjax.evaluate import positions as pos
+from diffjax.evaluate.analysis import DOC, Analysis, Run, image, paired, table
+from diffjax.evaluate.inputs import ModelInputs
+from diffjax.evaluate.probe import attention_logits, capture_layers, check_tokens, for_analysis
 
 KS = (1, 2, 3, 10, 100)
 

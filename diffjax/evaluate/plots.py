@@ -10,7 +10,7 @@ import textwrap
 
 import numpy as np
 
-from diffjax import storage
+from diffjax.infra import storage
 
 
 def figure(width: float, height: float, ncols: int = 1, sharey: bool = False):

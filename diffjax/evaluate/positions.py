@@ -9,14 +9,14 @@ import math
 
 import numpy as np
 
-from diffjax import storage
+from diffjax.infra import storage
 from diffjax.data import DataConfig
 
-from . import plots
-from .analysis import DOC, Analysis, Run, image, model_name, table
-from .inputs import ModelInputs, validation_examples
-from .results import seed_mean
-from .stats import fmt_mean_std
+from diffjax.evaluate import plots
+from diffjax.evaluate.analysis import DOC, Analysis, Run, image, model_name, table
+from diffjax.evaluate.inputs import ModelInputs, validation_examples
+from diffjax.evaluate.results import seed_mean
+from diffjax.evaluate.stats import fmt_mean_std
 
 
 def corpus_for_positions(data: DataConfig, seq_len: int) -> DataConfig | None:

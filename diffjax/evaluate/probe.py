@@ -13,12 +13,13 @@ import numpy as np
 import optax
 from flax import nnx
 
-from diffjax import context, sharding
-from diffjax.attention import AttentionLayer, Projection
+from diffjax.ops import context
+from diffjax.infra import sharding
+from diffjax.nn.attention import AttentionLayer, Projection
 from diffjax.data.documents import DOCUMENT_ARRAYS
 from diffjax.kernels import reference
-from diffjax.model import TransformerLM, for_runtime, unstack_layers
-from diffjax.runtime import Runtime
+from diffjax.nn.model import TransformerLM, for_runtime, unstack_layers
+from diffjax.infra.runtime import Runtime
 
 
 def check_model(model) -> None:
@@ -31,7 +32,7 @@ def check_model(model) -> None:
 
 
 def for_analysis(model: TransformerLM) -> TransformerLM:
-    """``model`` as the per-layer analyses read it: one :class:`~diffjax.model.Block` per layer
+    """``model`` as the per-layer analyses read it: one :class:`~diffjax.nn.model.Block` per layer
     (a scanned model is unstacked; layer i keeps its index) and no rematerialization (nothing
     is differentiated, and each block's call must be the model's own for ``nnx.capture``).
     The parameters are shared or sliced, never changed."""
@@ -201,9 +202,9 @@ def losses_and_predictions(
     The batch's ``segment_ids`` and ``positions`` (documents kept apart), when it has them,
     go to the model with the tokens.
 
-    ``runtime``: run on its mesh, the model built for it (:func:`diffjax.model.for_runtime`).
+    ``runtime``: run on its mesh, the model built for it (:func:`diffjax.nn.model.for_runtime`).
     Where the mesh's ``context`` axis splits the sequence, each batch goes in the model's token
-    order with its positions (:func:`diffjax.context.order_batch`) and the results come back in
+    order with its positions (:func:`diffjax.ops.context.order_batch`) and the results come back in
     the data's order. None: the mesh set by the caller (``jax.set_mesh``), if any."""
     check_model(model)
     if runtime is None:

@@ -25,19 +25,19 @@ import dataclasses
 import numpy as np
 from flax import nnx
 
-from diffjax import storage
-from diffjax.model import TransformerLM, rebuilt
+from diffjax.infra import storage
+from diffjax.nn.model import TransformerLM, rebuilt
 from diffjax.kernels import reference
 from diffjax.kernels.reference import absmax_quantize, check_logit_bits
 
-from . import paper, plots
-from .analysis import DOC, Analysis, Run, image, model_name, table
-from .inputs import ModelInputs
-from .paper import QUANTIZATION_BITS as PAPER_BITS
-from .results import seed_mean
-from .positions import validation_loss
-from .probe import losses_and_predictions
-from .retrieval import query_correct
+from diffjax.evaluate import paper, plots
+from diffjax.evaluate.analysis import DOC, Analysis, Run, image, model_name, table
+from diffjax.evaluate.inputs import ModelInputs
+from diffjax.evaluate.paper import QUANTIZATION_BITS as PAPER_BITS
+from diffjax.evaluate.results import seed_mean
+from diffjax.evaluate.positions import validation_loss
+from diffjax.evaluate.probe import losses_and_predictions
+from diffjax.evaluate.retrieval import query_correct
 
 __all__ = [
     "PAPER_BITS",

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from diffjax import storage
+from diffjax.infra import storage
 from diffjax.data import DataConfig
 
-from . import lm_tasks, paper
-from . import analyses as registry
-from .analysis import DOC, Analysis, ModelResult, Run
-from .settings import EvalSettings
-from .stats import fmt_mean_std, group_by_label
+from diffjax.evaluate import lm_tasks, paper
+from diffjax.evaluate import analyses as registry
+from diffjax.evaluate.analysis import DOC, Analysis, ModelResult, Run
+from diffjax.evaluate.settings import EvalSettings
+from diffjax.evaluate.stats import fmt_mean_std, group_by_label
 
 
 def best_checkpoints(rs: Sequence[ModelResult | dict]) -> str:

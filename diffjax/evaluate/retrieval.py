@@ -17,17 +17,17 @@ from typing import Sequence
 
 import numpy as np
 
-from diffjax import storage
+from diffjax.infra import storage
 from diffjax.data import DataConfig
 from diffjax.data import query_correct as data_query_correct
-from diffjax.runtime import Runtime
+from diffjax.infra.runtime import Runtime
 
-from . import paper, plots
-from .analysis import DOC, Analysis, Run, image, model_name, paired, table
-from .inputs import ModelInputs, needle_task, task_examples
-from .probe import check_model, losses_and_predictions
-from .results import seed_mean
-from .stats import fmt_mean_std
+from diffjax.evaluate import paper, plots
+from diffjax.evaluate.analysis import DOC, Analysis, Run, image, model_name, paired, table
+from diffjax.evaluate.inputs import ModelInputs, needle_task, task_examples
+from diffjax.evaluate.probe import check_model, losses_and_predictions
+from diffjax.evaluate.results import seed_mean
+from diffjax.evaluate.stats import fmt_mean_std
 
 
 def query_correct(preds_or_logits, batch: dict) -> np.ndarray:

@@ -5,7 +5,7 @@
 best checkpoint of each, runs the analyses of the registry (:mod:`.analyses`, each on a
 :class:`ModelInputs`) and writes ``RUN_DIR/eval.json``, ``RUN_DIR/eval.md`` (:mod:`.report`) and
 the plots ``RUN_DIR/eval_*.png`` (each analysis's own). RUN_DIR is a local folder or a
-``gs://`` URL: every read and write goes through :mod:`diffjax.storage`."""
+``gs://`` URL: every read and write goes through :mod:`diffjax.infra.storage`."""
 
 from __future__ import annotations
 
@@ -17,18 +17,19 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from diffjax import ops, storage
+from diffjax import ops
+from diffjax.infra import storage
 from diffjax.config import ConfigError
 from diffjax.data import DataConfig
-from diffjax.param_count import count_params
+from diffjax.nn.param_count import count_params
 from diffjax.train.checkpoint import Checkpointer, committed_steps, load_model
 
-from . import analyses as registry
-from . import noise_floor as nf
-from .analysis import Analysis
-from .inputs import ModelInputs
-from .report import render
-from .settings import EvalSettings
+from diffjax.evaluate import analyses as registry
+from diffjax.evaluate import noise_floor as nf
+from diffjax.evaluate.analysis import Analysis
+from diffjax.evaluate.inputs import ModelInputs
+from diffjax.evaluate.report import render
+from diffjax.evaluate.settings import EvalSettings
 
 __all__ = [
     "EvalSettings",

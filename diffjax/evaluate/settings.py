@@ -7,7 +7,7 @@ import dataclasses
 
 from diffjax.config import check_fields, fail
 
-from .paper import QUANTIZATION_BITS
+from diffjax.evaluate.paper import QUANTIZATION_BITS
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,10 +10,10 @@ import numpy as np
 
 from diffjax.data import query_kinds
 
-from . import positions as pos
-from . import retrieval as ret
-from .analysis import Analysis, Run, paired, table
-from .inputs import ModelInputs, validation_examples
+from diffjax.evaluate import positions as pos
+from diffjax.evaluate import retrieval as ret
+from diffjax.evaluate.analysis import Analysis, Run, paired, table
+from diffjax.evaluate.inputs import ModelInputs, validation_examples
 
 # the optional rows of the table: eval.json key, row name
 ACCURACY_ROWS = (

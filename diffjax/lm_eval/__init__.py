@@ -12,7 +12,7 @@
 with the model registered; docs/lm_eval.md describes the model arguments and each request
 type."""
 
-from .loading import load
-from .model import DiffJaxLM, data_mesh, parse_batch_size
+from diffjax.lm_eval.loading import load
+from diffjax.lm_eval.model import DiffJaxLM, data_mesh, parse_batch_size
 
 __all__ = ["DiffJaxLM", "data_mesh", "load", "parse_batch_size"]

@@ -11,11 +11,11 @@ from typing import Any
 
 import jax
 
-from diffjax import storage
+from diffjax.infra import storage
 from diffjax.config import ConfigError
 from diffjax.data.tokenizer import TOKENIZER_JSON, ByteTokenizer, HFTokenizer, load_tokenizer
-from diffjax.hf import from_pretrained
-from diffjax.model import TransformerLM
+from diffjax.interop.hf import from_pretrained
+from diffjax.nn.model import TransformerLM
 from diffjax.train.checkpoint import committed_steps, load_model
 from diffjax.train.config import model_directory
 
@@ -118,7 +118,7 @@ def load(
     ``"latest"`` or a step). ``tokenizer``: a ``tokenizer.json`` (or its directory) or
     ``"byte"`` instead of the run's or the directory's own. ``mesh``: place the parameters on
     it as they are read. ``path`` (and ``tokenizer``) may be local or ``gs://``: a bucket that
-    does not exist or cannot be read is refused first (:class:`diffjax.storage.StorageError`).
+    does not exist or cannot be read is refused first (:class:`diffjax.infra.storage.StorageError`).
     """
     path = os.fspath(path)
     storage.check_access(path, what="path", write=False)

@@ -32,13 +32,13 @@ from tqdm import tqdm
 
 from diffjax import ops
 from diffjax.config import ConfigError
-from diffjax.decode import generate, pad_prompts
-from diffjax.model import TransformerLM
-from diffjax.runtime import Runtime
-from diffjax.sharding import MeshConfig, batch_sharding, make_mesh
+from diffjax.nn.decode import generate, pad_prompts
+from diffjax.nn.model import TransformerLM
+from diffjax.infra.runtime import Runtime
+from diffjax.infra.sharding import MeshConfig, batch_sharding, make_mesh
 
-from . import loading
-from . import scoring as sc
+from diffjax.lm_eval import loading
+from diffjax.lm_eval import scoring as sc
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ import numpy as np
 from flax import nnx
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
-from diffjax.compile_options import lazy_jit
+from diffjax.infra.compile_options import lazy_jit
 
 # (model input, targets: the input shifted by one, number of last targets that are scored)
 Row = tuple[list[int], list[int], int]

@@ -2,7 +2,7 @@
 into DIFF V2 or DIFF V1 and continue training it (``python -m diffjax.retrofit SOURCE OUT``);
 see :mod:`diffjax.retrofit.core` for the weight mapping and the ramp."""
 
-from diffjax.conversion import (
+from diffjax.interop.conversion import (
     RampSchedule,
     RetrofitConfig,
     logit_gap,

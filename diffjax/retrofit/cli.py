@@ -18,7 +18,8 @@ import sys
 import numpy as np
 from flax import nnx
 
-from diffjax import cli, storage
+from diffjax import cli
+from diffjax.infra import storage
 from diffjax.config import ATTENTION_KINDS, ConfigError
 from diffjax.data import DataConfig
 from diffjax.train.checkpoint import (
@@ -29,7 +30,7 @@ from diffjax.train.checkpoint import (
     pretrained_source,
 )
 
-from diffjax.conversion import (
+from diffjax.interop.conversion import (
     LAMBDA_PROJ,
     RAMPS,
     SECONDS,

@@ -9,8 +9,8 @@ parameters, or training tokens, that reach the twin's loss, over the twin's).
 (:mod:`diffjax.sweep.fit`). See docs/sweep.md.
 """
 
-from .cli import main, non_embedding_params, plan_sweep
-from .fit import (
+from diffjax.sweep.cli import main, non_embedding_params, plan_sweep
+from diffjax.sweep.fit import (
     Interval,
     ScalingFit,
     bootstrap_parameter_ratio,
@@ -24,8 +24,8 @@ from .fit import (
     tokens_to_reach,
     unmatched_bound,
 )
-from .ladder import Ladder, load_ladder, size_name
-from .report import write_sweep_report
+from diffjax.sweep.ladder import Ladder, load_ladder, size_name
+from diffjax.sweep.report import write_sweep_report
 
 __all__ = [
     "Interval",

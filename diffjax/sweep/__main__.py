@@ -3,7 +3,7 @@ DIFF and its twin over the config file's ladder (:mod:`diffjax.sweep.cli`)."""
 
 import sys
 
-from .cli import main
+from diffjax.sweep.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -29,15 +29,16 @@ import sys
 import time
 from typing import Any
 
-from diffjax import cli, storage
+from diffjax import cli
+from diffjax.infra import storage
 from diffjax.compare import cli as compare_cli
 from diffjax.config import ConfigError, ModelConfig
 from diffjax.data import DataError
-from diffjax.param_count import count_params
+from diffjax.nn.param_count import count_params
 from diffjax.train.config import apply_overrides, experiment_keys_help, load_config
 from diffjax.train.loop import AfterStep
 
-from .ladder import (
+from diffjax.sweep.ladder import (
     BUDGETS,
     SCALAR_FIELDS,
     Ladder,
@@ -46,7 +47,7 @@ from .ladder import (
     size_name,
     split_overrides,
 )
-from .report import PLAN_FILE, write_sweep_report
+from diffjax.sweep.report import PLAN_FILE, write_sweep_report
 
 EXIT_BAD_INPUT = compare_cli.EXIT_BAD_INPUT
 EXIT_PREEMPTED = compare_cli.EXIT_PREEMPTED

@@ -30,7 +30,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, MaxNLocator
 
-from diffjax import storage
+from diffjax.infra import storage
 from diffjax.compare.curves import (
     Crossover,
     DifferenceCurve,
@@ -48,7 +48,7 @@ from diffjax.compare.report import compact_count, draw_difference
 from diffjax.evaluate.stats import difference_cell, fmt_mean_std
 from diffjax.train.metrics import read_metrics
 
-from .field_report import Family, families, pairs
+from diffjax.sweep.field_report import Family, families, pairs
 
 FIGURE = "curves.png"
 

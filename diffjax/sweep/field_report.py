@@ -23,12 +23,12 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from diffjax import storage
+from diffjax.infra import storage
 from diffjax.config import ModelConfig, twin
 from diffjax.train.metrics import read_metrics
 
-from .ladder import rung_name
-from .sensitivity import Estimate, bootstrap, lr_sensitivity
+from diffjax.sweep.ladder import rung_name
+from diffjax.sweep.sensitivity import Estimate, bootstrap, lr_sensitivity
 
 FIGURE = "sweep_field.png"
 NAN = float("nan")

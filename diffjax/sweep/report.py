@@ -23,7 +23,7 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from diffjax import storage
+from diffjax.infra import storage
 from diffjax.evaluate.stats import (
     describe_difference,
     difference_cell,
@@ -32,10 +32,10 @@ from diffjax.evaluate.stats import (
 )
 from diffjax.train.metrics import read_metrics
 
-from .curves_report import write_curves_report
-from .field_report import write_field_report
+from diffjax.sweep.curves_report import write_curves_report
+from diffjax.sweep.field_report import write_field_report
 
-from . import fit
+from diffjax.sweep import fit
 
 PLAN_FILE = "sweep_plan.json"
 PAPER_RATIO = (0.62, 0.65)

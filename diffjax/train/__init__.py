@@ -5,8 +5,8 @@ A model and seed of a run lives in ``<run dir>/<label>/seed_<seed>/`` (:func:`mo
 ``metrics.jsonl``, ``tb/``, ``checkpoints/`` and ``result.json``.
 """
 
-from .checkpoint import Checkpointer, CheckpointError, load_model
-from .config import (
+from diffjax.train.checkpoint import Checkpointer, CheckpointError, load_model
+from diffjax.train.config import (
     ExperimentConfig,
     RunConfig,
     TrainConfig,
@@ -16,8 +16,14 @@ from .config import (
     load_config,
     model_directory,
 )
-from .loop import Preempted, TrainingDiverged, TrainResult, preemption_guard, train_model
-from .optimizer import decay_mask, learning_rate_schedule, make_optimizer
+from diffjax.train.loop import (
+    Preempted,
+    TrainingDiverged,
+    TrainResult,
+    preemption_guard,
+    train_model,
+)
+from diffjax.train.optimizer import decay_mask, learning_rate_schedule, make_optimizer
 
 __all__ = [
     "CheckpointError",

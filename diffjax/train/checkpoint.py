@@ -30,13 +30,14 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from orbax.checkpoint import checkpoint_managers as cm
 
-from diffjax import hf, sharding, storage
-from diffjax.attention import Ramp
+from diffjax.interop import hf
+from diffjax.infra import sharding, storage
+from diffjax.nn.attention import Ramp
 from diffjax.config import ConfigError, ModelConfig
-from diffjax.conversion import RetrofitConfig, retrofit_config
-from diffjax.model import TransformerLM, initial_rest, stack_layers, unstack_layers
+from diffjax.interop.conversion import RetrofitConfig, retrofit_config
+from diffjax.nn.model import TransformerLM, initial_rest, stack_layers, unstack_layers
 
-from .config import ExperimentConfig
+from diffjax.train.config import ExperimentConfig
 
 
 class CheckpointError(RuntimeError):
@@ -273,7 +274,7 @@ def check_same_model(saved: dict[str, Any], current: dict[str, Any], directory: 
             f"parameters, but model.scan_layers={current.get('scan_layers')}. Fix: resume with "
             f"model.scan_layers={saved.get('scan_layers')}, or copy the run into the other "
             f"layout with `python -m diffjax.train.convert {directory} NEW_DIR` "
-            f"(optimizer state included; for a model alone: diffjax.model.stack_layers / "
+            f"(optimizer state included; for a model alone: diffjax.nn.model.stack_layers / "
             f"unstack_layers)."
         )
     diffs = [
@@ -293,7 +294,7 @@ def check_same_model(saved: dict[str, Any], current: dict[str, Any], directory: 
 def abstract_like(tree: Any, sharding: Any = None) -> Any:
     """Shape/dtype/sharding structs of ``tree`` (arrays or ``ShapeDtypeStruct``s), the restore
     target. ``sharding``: a tree of shardings like ``tree`` (e.g.
-    :func:`diffjax.sharding.tree_shardings`: restore onto that mesh), or one sharding for every
+    :func:`diffjax.infra.sharding.tree_shardings`: restore onto that mesh), or one sharding for every
     leaf; leaves left without one get the first local device."""
     default = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     if sharding is not None and not isinstance(sharding, jax.sharding.Sharding):
@@ -429,7 +430,7 @@ def pretrained_source(path: str) -> tuple[str, ModelConfig, dict[str, Any]]:
 def load_pretrained(path: str, *, mesh: jax.sharding.Mesh | None = None, **overrides: Any):
     """The :class:`diffjax.TransformerLM` of a Hugging Face directory or a diffjax model folder
     (:func:`pretrained_source`); ``overrides``: ModelConfig fields that change no weight
-    (:data:`diffjax.hf.OVERRIDABLE`), e.g. ``scan_layers`` (the layout is converted)."""
+    (:data:`diffjax.interop.hf.OVERRIDABLE`), e.g. ``scan_layers`` (the layout is converted)."""
     kind, config, _ = pretrained_source(path)
     if kind == "hf":
         return hf.from_pretrained(path, mesh=mesh, **overrides)

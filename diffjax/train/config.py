@@ -2,7 +2,7 @@
 
 An experiment is :class:`ExperimentConfig` = ``run`` (where it writes) + ``model``
 (:class:`diffjax.ModelConfig`) + ``data`` (:class:`diffjax.data.DataConfig`) + ``train``
-(:class:`TrainConfig`) + ``mesh`` (:class:`diffjax.sharding.MeshConfig`: the data / fsdp /
+(:class:`TrainConfig`) + ``mesh`` (:class:`diffjax.infra.sharding.MeshConfig`: the data / fsdp /
 tensor axis sizes) + ``compare`` (also train the model's standard-attention twin).
 
 A config file is a Python file with ``get_config() -> ExperimentConfig``. Any field can be
@@ -19,7 +19,7 @@ import importlib.util
 import os
 from typing import Any
 
-from diffjax import storage
+from diffjax.infra import storage
 from diffjax.cli import summary
 from diffjax.config import (
     ATTENTION_IMPLS,
@@ -44,8 +44,8 @@ from diffjax.data import (
     DataConfig,
     MixtureComponent,
 )
-from diffjax.conversion import LAMBDA_PROJ, RAMPS, SECONDS, RetrofitConfig
-from diffjax.sharding import MeshConfig
+from diffjax.interop.conversion import LAMBDA_PROJ, RAMPS, SECONDS, RetrofitConfig
+from diffjax.infra.sharding import MeshConfig
 
 SCHEDULES = ("linear", "cosine", "constant")
 KERNEL_CHECKS = ("auto", "off", "interpret")
@@ -103,7 +103,7 @@ class TrainConfig:
     # "off", or "interpret" (through the interpreters, also on CPU; for tests)
     kernel_check: str = "auto"
     # the accelerator's peak dense bf16 TFLOP/s per device, for MFU (model FLOPs utilisation).
-    # None: looked up from the device kind (diffjax.flops.PEAK_TFLOPS); no MFU on CPU unless set
+    # None: looked up from the device kind (diffjax.infra.flops.PEAK_TFLOPS); no MFU on CPU unless set
     peak_tflops: float | None = None
     progress: bool = True  # show a progress bar
     tensorboard: bool = True  # write TensorBoard logs (tb/ in each model's folder)

@@ -20,10 +20,10 @@ from typing import Any, Callable
 import numpy as np
 import orbax.checkpoint as ocp
 
-from diffjax import storage
+from diffjax.infra import storage
 from diffjax.config import ModelConfig
 
-from .checkpoint import Checkpointer, CheckpointError, committed_steps
+from diffjax.train.checkpoint import Checkpointer, CheckpointError, committed_steps
 
 
 def _convert_tree(tree: Any, stack: bool) -> Any:

@@ -5,7 +5,7 @@ The state is a plain pytree ``{"step", "params", "opt_state"}`` (the model's ``n
 state and Optax's state), so one jitted function updates it and Orbax saves it. It lives on a
 ``("data", "fsdp", "context", "tensor")`` mesh (``exp.mesh``; one device is the 1x1x1x1 mesh): every
 parameter and both Adam moments are placed by their logical axis names
-(:mod:`diffjax.sharding`), batches are global arrays assembled from each process's rows, and
+(:mod:`diffjax.infra.sharding`), batches are global arrays assembled from each process's rows, and
 the step is compiled once with those shardings. Every step's loss reaches ``metrics.jsonl``
 (written by process 0); the host reads step ``n``'s metrics while step ``n + 1`` runs.
 """
@@ -30,26 +30,28 @@ import optax
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from diffjax import context
+from diffjax.ops import context
 from diffjax import data as data_lib
-from diffjax import flops as flops_lib
-from diffjax import hf, ops, sharding, storage
-from diffjax.compile_options import cpu_compile_options
+from diffjax.infra import flops as flops_lib
+from diffjax.interop import hf
+from diffjax import ops
+from diffjax.infra import sharding, storage
+from diffjax.infra.compile_options import cpu_compile_options
 from diffjax.config import ConfigError, KernelTarget, ModelConfig
-from diffjax.model import TransformerLM, sown_diagnostics, sown_lambdas
-from diffjax.param_count import count_params
-from diffjax.conversion import RampSchedule, RetrofitConfig, retrofit_model, set_ramp
-from diffjax.runtime import Runtime
+from diffjax.nn.model import TransformerLM, sown_diagnostics, sown_lambdas
+from diffjax.nn.param_count import count_params
+from diffjax.interop.conversion import RampSchedule, RetrofitConfig, retrofit_model, set_ramp
+from diffjax.infra.runtime import Runtime
 
-from .checkpoint import (
+from diffjax.train.checkpoint import (
     Checkpointer,
     CheckpointError,
     abstract_like,
     check_same_model,
     load_pretrained,
 )
-from .config import ExperimentConfig
-from .metrics import (
+from diffjax.train.config import ExperimentConfig
+from diffjax.train.metrics import (
     MetricsCollector,
     MetricsWriter,
     StepProfiler,
@@ -57,7 +59,7 @@ from .metrics import (
     check_wandb,
     read_metrics,
 )
-from .optimizer import learning_rate_schedule, make_optimizer, spike_metrics
+from diffjax.train.optimizer import learning_rate_schedule, make_optimizer, spike_metrics
 
 MODEL_INPUTS = ("inputs", "targets", "weights", "segment_ids", "positions", "token_index")
 MASK_INPUTS = ("positions", "segment_ids", "token_index")  # what the model reads beside tokens
@@ -137,7 +139,7 @@ class TrainResult:
     # the final evaluation's metrics beyond loss and perplexity, those the data declares
     # (diffjax.data.validation_metrics), by their metrics.jsonl key: {"val_<name>": value}
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)
-    # the median over the timed steps of the model TFLOP/s per device (diffjax.flops), and of
+    # the median over the timed steps of the model TFLOP/s per device (diffjax.infra.flops), and of
     # the MFU (that / the device's peak; None when the peak is unknown, e.g. on CPU)
     tflops_per_device: float | None = None
     mfu: float | None = None
@@ -180,7 +182,7 @@ def _call(model, batch) -> jax.Array:
 
 
 # the signals of a step that are largest values (the rest are means): combined over
-# microbatches by their maximum (train.diagnostics; diffjax.model.SOWN_DIAGNOSTICS)
+# microbatches by their maximum (train.diagnostics; diffjax.nn.model.SOWN_DIAGNOSTICS)
 MAX_SIGNALS = ("logit_max", "activation_max", "output_logit_max")
 # what train.diagnostics adds to each record: per layer ([L], logit_max [L, maps]), or one value
 DIAGNOSTICS = (
@@ -194,9 +196,9 @@ DIAGNOSTICS = (
 
 def _loss_terms(params, batch, graphdef, rest):
     """The batch's weighted cross-entropy sum, and ``(weight sum, signals)``: each layer's
-    lambda as ``signals["lambda"]`` (:func:`diffjax.model.sown_lambdas`; empty for standard
+    lambda as ``signals["lambda"]`` (:func:`diffjax.nn.model.sown_lambdas`; empty for standard
     attention) and, for a model built with diagnostics, what it sows
-    (:func:`diffjax.model.sown_diagnostics`) and the output logits' largest magnitude."""
+    (:func:`diffjax.nn.model.sown_diagnostics`) and the output logits' largest magnitude."""
     model = nnx.merge(graphdef, params, rest)
     logits, sown = nnx.capture(_call, nnx.Intermediate)(model, batch)
     total, weight = weighted_cross_entropy(logits, batch["targets"], batch["weights"])
@@ -480,9 +482,9 @@ def check_run(exp: ExperimentConfig, mesh, models: Iterable[ModelConfig] | None 
     """Every rule that joins the experiment's configs to a mesh, checked in this one place
     before any compute (``train.py``, :func:`train_model` and the planner call it), each with
     its "field: problem. Fix: ..." message: each model's heads and the batch against the mesh
-    axes (:func:`diffjax.sharding.check_model_mesh`), the accumulation against the data shards
+    axes (:func:`diffjax.infra.sharding.check_model_mesh`), the accumulation against the data shards
     (:func:`check_grad_accum`), the sequence against the ``context`` axis and its order
-    (:func:`diffjax.context.check_sequence`). ``models``: default every model of ``exp``;
+    (:func:`diffjax.ops.context.check_sequence`). ``models``: default every model of ``exp``;
     ``mesh`` may be abstract (a planner's target)."""
     check_wandb(exp.run.wandb)
     order = exp.mesh.context_order
@@ -575,7 +577,7 @@ def model_inputs(
 ) -> dict[str, jax.Array]:
     """The global arrays a step reads (:data:`MODEL_INPUTS`) from this process's batch rows.
     On a mesh whose ``context`` axis splits the sequence, the tokens are put in
-    ``runtime.context.order`` (:func:`diffjax.context.order_batch`: every input, with
+    ``runtime.context.order`` (:func:`diffjax.ops.context.order_batch`: every input, with
     explicit positions, so the model computes the same function and the loss the same sum)."""
     arrays = {k: v for k, v in batch.items() if k in MODEL_INPUTS}
     n = runtime.context_size
@@ -799,7 +801,7 @@ def evaluate(
 @dataclasses.dataclass(frozen=True)
 class Throughput:
     """What turns a step time into model TFLOP/s per device and MFU: the model FLOPs of a step
-    (:func:`diffjax.flops.train_flops_per_token` x tokens), the devices, and the device's peak
+    (:func:`diffjax.infra.flops.train_flops_per_token` x tokens), the devices, and the device's peak
     TFLOP/s (None: no MFU)."""
 
     flops_per_step: float

@@ -5,7 +5,7 @@ Every line has ``step`` and ``loss`` (that step's training loss); evaluation ste
 restored step are dropped, so a resumed run's file equals an uninterrupted run's.
 
 In a bucket (a ``gs://`` run directory), where objects cannot be appended to, both are written
-to a local folder and uploaded whole (:class:`diffjax.storage.SyncedDir`) every ``sync_every_s``
+to a local folder and uploaded whole (:class:`diffjax.infra.storage.SyncedDir`) every ``sync_every_s``
 seconds, at each checkpoint (:meth:`MetricsWriter.flush`) and at the end: a reader sees the
 files as of the last upload, never a torn one, and a process killed with SIGKILL loses at most
 the records since then, which the resumed run (from the last checkpoint, whose records were
@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from diffjax import storage
+from diffjax.infra import storage
 from diffjax.config import ConfigError
 
 

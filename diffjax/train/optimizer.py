@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from .config import TrainConfig
+from diffjax.train.config import TrainConfig
 
 NO_DECAY_NAMES = ("lambda",)  # matrices that get no weight decay, by path name
 

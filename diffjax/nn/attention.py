@@ -16,7 +16,7 @@ steps::
 
 ``project`` is also what analyses read (maps and logits are computed from it with
 :mod:`diffjax.kernels.reference`). For decoding, ``extend`` runs the same body against a KV
-cache (``cache_layout()`` says what it holds; :mod:`diffjax.decode`).
+cache (``cache_layout()`` says what it holds; :mod:`diffjax.nn.decode`).
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from . import ops
-from .config import ContextSpec, KernelTarget, RopeScaling, lambda_init_fn
-from .layers import (
+from diffjax import ops
+from diffjax.config import ContextSpec, KernelTarget, RopeScaling, lambda_init_fn
+from diffjax.nn.layers import (
     Dtype,
     Linear,
     RMSNorm,
@@ -41,14 +41,14 @@ from .layers import (
     rotary_angles,
     torch_linear_init,
 )
-from .sharding import constrain, param, param_init
+from diffjax.infra.sharding import constrain, param, param_init
 
-# Logical axis names (see diffjax.sharding): the fused head dimension of a projection is
+# Logical axis names (see diffjax.infra.sharding): the fused head dimension of a projection is
 # "heads" (query side) or "kv_heads"; activations [B, T, heads, d] are constrained by head.
 _Q_ACT = ("act_batch", "act_seq", "act_heads", None)
 _KV_ACT = ("act_batch", "act_seq", "act_kv_heads", None)
 CACHE_AXES = ("act_batch", None, "act_kv_heads", None)  # a KV cache [B, L, H_kv, width]
-# the activations named for rematerialization (diffjax.model.remat_policy's "minimal"): the
+# the activations named for rematerialization (diffjax.nn.model.remat_policy's "minimal"): the
 # q/k/v projections and the attention output before out_proj
 SAVED_NAMES = ("query_proj", "key_proj", "value_proj", "attn_out")
 
@@ -134,7 +134,7 @@ def _pair_halves(x: jax.Array, axes) -> tuple[jax.Array, jax.Array]:
 
 
 # ---------------------------------------------------------------------------- KV cache
-# Decoding (diffjax.decode) calls ``extend``: the layer's keys and values go into a per-layer
+# Decoding (diffjax.nn.decode) calls ``extend``: the layer's keys and values go into a per-layer
 # cache ``{name: [B, L, kv_heads, width]}`` (names: the Projection fields k, v and V1's k2) at
 # slot ``index``. Two cases:
 #
@@ -267,7 +267,7 @@ class AttentionLayer(nnx.Module):
         kv_segment_ids: jax.Array | None = None,
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """Decoding: ``(output, updated cache)`` for ``x`` ``[B, T, D]`` written at slot
-        ``index`` (see the KV cache notes above; :mod:`diffjax.decode` drives it)."""
+        ``index`` (see the KV cache notes above; :mod:`diffjax.nn.decode` drives it)."""
         name = type(self).__name__
         if not self.causal:
             raise ValueError(
@@ -590,7 +590,7 @@ def _sow_diagnostics(layer: AttentionLayer, p: Projection, maxes: jax.Array) -> 
 def _sow_lambda(layer: nnx.Module, lam: jax.Array) -> None:
     """Sow the mean of a DIFF layer's lambda in this call (V1: its scalar; V2: over batch,
     tokens and heads) as the ``nnx.Intermediate`` ``"lambda"`` when the call runs under
-    ``nnx.capture(..., nnx.Intermediate)`` (:func:`diffjax.model.sown_lambdas` reads it).
+    ``nnx.capture(..., nnx.Intermediate)`` (:func:`diffjax.nn.model.sown_lambdas` reads it).
     Elsewhere nothing is kept.
 
     Why the guard: flax 0.12's ``Module.sow`` outside ``nnx.capture`` stores the value on the

@@ -2,7 +2,7 @@
 the accelerators' peak dense bf16 TFLOP/s, and MFU (model FLOPs utilisation).
 
 The count is of the matrix multiplications the model computes (2 FLOPs per multiply-add), from
-the real shapes of :mod:`diffjax.attention` and :mod:`diffjax.model`. Per token and per layer,
+the real shapes of :mod:`diffjax.nn.attention` and :mod:`diffjax.nn.model`. Per token and per layer,
 with D = ``d_model``, h = ``num_heads``, h_kv = ``kv_heads``, d = ``resolved_head_dim``,
 F = ``resolved_ffn_dim``, T = the sequence length:
 
@@ -56,7 +56,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from .config import ModelConfig
+from diffjax.config import ModelConfig
 
 # ---------------------------------------------------------------------------- the formula
 

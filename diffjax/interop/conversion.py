@@ -3,7 +3,7 @@ model into DIFF V2 or DIFF V1. The settings, the ramp of the negative map's weig
 weight mapping (pure functions on the parameters).
 
 How a source becomes DIFF (``ModelConfig.ramp``: each DIFF layer uses ``w * lambda``, with w a
-:class:`diffjax.attention.Ramp` the train step moves from 0 to 1 over
+:class:`diffjax.nn.attention.Ramp` the train step moves from 0 to 1 over
 ``retrofit.warmup_steps``):
 
 - **DIFF V2 starts exactly where the source is.** Same ``num_heads``, ``num_kv_heads`` and
@@ -36,9 +36,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .attention import Ramp
-from .config import ConfigError, ModelConfig, check_fields, fail
-from .model import TransformerLM
+from diffjax.nn.attention import Ramp
+from diffjax.config import ConfigError, ModelConfig, check_fields, fail
+from diffjax.nn.model import TransformerLM
 
 RAMPS = ("linear", "cosine")
 SECONDS = ("zero", "mirror", "random")

@@ -8,7 +8,7 @@ projection, ``("mlp", "embed")`` for the FFN's down projection, ...), stored as 
 - batch over ``data`` and ``fsdp`` (data parallelism; FSDP is data parallelism whose
   parameters and optimizer state are sharded too);
 - the sequence of the activations over ``context`` (sequence parallelism: attention runs as a
-  ring or an all-gather over it, :mod:`diffjax.context`; everything else is token-local);
+  ring or an all-gather over it, :mod:`diffjax.ops.context`; everything else is token-local);
 - the model width (``embed``) of every weight over ``fsdp``;
 - attention heads, MLP hidden units and the vocabulary over ``tensor`` (Megatron-style
   tensor parallelism).
@@ -42,7 +42,7 @@ from flax import nnx
 from flax.linen import spmd as flax_spmd
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from .config import KERNEL_ORDERS, RUN_TOKEN_ORDER, TOKEN_ORDERS, ConfigError
+from diffjax.config import KERNEL_ORDERS, RUN_TOKEN_ORDER, TOKEN_ORDERS, ConfigError
 
 MESH_AXES = ("data", "fsdp", "context", "tensor")
 BATCH_AXES = ("data", "fsdp")
@@ -227,7 +227,7 @@ def logical_to_spec(
         if name is not None and name not in known:
             raise ValueError(
                 f"logical axis {name!r} has no rule. Fix: add ({name!r}, mesh axis or "
-                f"None) to the logical axis rules (see diffjax.sharding.DEFAULT_RULES)"
+                f"None) to the logical axis rules (see diffjax.infra.sharding.DEFAULT_RULES)"
             )
     sizes = _mesh_sizes(mesh)
     # a name repeated in one array is mapped at its first place only (flax refuses repeats)

@@ -8,9 +8,9 @@ import math
 import jax
 from flax import nnx
 
-from .attention import Ramp
-from .config import ModelConfig, twin
-from .model import TransformerLM
+from diffjax.nn.attention import Ramp
+from diffjax.config import ModelConfig, twin
+from diffjax.nn.model import TransformerLM
 
 # Parts, in report order, keyed by the last path components that identify them.
 PARTS = (

@@ -57,10 +57,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from . import kernels
-from .config import CONTEXT_ATTENTIONS as IMPLS
-from .config import KERNEL_ORDERS, RUN_TOKEN_ORDER, TOKEN_ORDERS, ConfigError
-from .kernels import reference
+from diffjax import kernels
+from diffjax.config import CONTEXT_ATTENTIONS as IMPLS
+from diffjax.config import KERNEL_ORDERS, RUN_TOKEN_ORDER, TOKEN_ORDERS, ConfigError
+from diffjax.kernels import reference
 
 
 # ---------------------------------------------------------------------------- token orders

@@ -2,7 +2,7 @@
 
 A checkpoint is a directory with ``config.json`` and ``model.safetensors`` (or the shards that
 ``model.safetensors.index.json`` lists), on local disk or in a bucket (``gs://``, see
-:mod:`diffjax.storage`). Reading and writing need numpy and safetensors only; no torch, and
+:mod:`diffjax.infra.storage`). Reading and writing need numpy and safetensors only; no torch, and
 nothing is downloaded from the Hugging Face Hub. A checkpoint in a bucket is read through a
 local temporary copy of each file (safetensors memory-maps a real file) and written to a local
 temporary directory first, each file then uploaded whole: the weights first, ``config.json``
@@ -46,10 +46,10 @@ import jax
 import numpy as np
 from flax import nnx
 
-from . import sharding, storage
-from .config import ConfigError, ModelConfig
-from .attention import Ramp
-from .model import TransformerLM, initial_rest, stack_layers, unstack_layers
+from diffjax.infra import sharding, storage
+from diffjax.config import ConfigError, ModelConfig
+from diffjax.nn.attention import Ramp
+from diffjax.nn.model import TransformerLM, initial_rest, stack_layers, unstack_layers
 
 MODEL_TYPES = {"diffllama": "diff_v1", "llama": "standard"}
 ARCHITECTURES = {"diffllama": "DiffLlamaForCausalLM", "llama": "LlamaForCausalLM"}
@@ -87,7 +87,7 @@ def _is_file(path: str) -> bool:
 def read_config(path: str) -> dict[str, Any]:
     """The ``config.json`` of the checkpoint directory ``path`` (local or ``gs://``; checked to
     exist and parse). A bucket that does not exist or cannot be read is refused first
-    (:class:`diffjax.storage.StorageError`)."""
+    (:class:`diffjax.infra.storage.StorageError`)."""
     path = os.fspath(path)
     storage.check_access(path, what="path", write=False)
     if not storage.isdir(path):
@@ -551,13 +551,13 @@ def from_pretrained(
     ``path``: a directory with ``config.json`` and ``model.safetensors`` or a sharded
     ``model.safetensors.index.json``, local or in a bucket (``gs://``: each weights file is
     downloaded to a temporary directory, deleted on return). ``mesh``: place every parameter on it by its logical axes
-    (``rules``: default :data:`diffjax.sharding.DEFAULT_RULES`) as it is read, one tensor at a
+    (``rules``: default :data:`diffjax.infra.sharding.DEFAULT_RULES`) as it is read, one tensor at a
     time, so a checkpoint larger than one device's memory loads onto an fsdp mesh; without a
     mesh the parameters go to the default device. ``overrides``: ``dtype``, ``param_dtype``
     (default float32: the checkpoint's bfloat16 weights are upcast exactly),
     ``attention_impl``, ``max_seq_len``. Raises :class:`PretrainedError` (a
     :class:`diffjax.ConfigError`) naming the file, tensor or field, before anything is placed;
-    a bucket that does not exist or cannot be read, :class:`diffjax.storage.StorageError`
+    a bucket that does not exist or cannot be read, :class:`diffjax.infra.storage.StorageError`
     before anything is read.
     """
     path = os.fspath(path)
@@ -695,7 +695,7 @@ def save_pretrained(
     ``lambda_init``, ``diff_norm=False`` or a ``diff_norm_eps`` other than ``norm_eps`` are
     refused (the formats cannot express them); so is a directory that already holds a
     checkpoint (nothing saved is overwritten), and, before any work, a bucket that does not
-    exist or cannot be written (:class:`diffjax.storage.StorageError`). Returns ``path``. With
+    exist or cannot be written (:class:`diffjax.infra.storage.StorageError`). Returns ``path``. With
     several processes every process calls it and process 0 writes.
     """
     from safetensors.numpy import save_file

@@ -13,7 +13,7 @@ throughput measurement, the planner), so none of them re-derives one from anothe
 
 Evaluation (:func:`diffjax.evaluate.losses_and_predictions` and what builds on it) and
 generation (:func:`diffjax.generate`) take one as ``runtime=``: the model is used as built for
-it (:func:`diffjax.model.for_runtime`) and the batches are laid out in its token order.
+it (:func:`diffjax.nn.model.for_runtime`) and the batches are laid out in its token order.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from typing import Any, Iterator
 import jax
 from flax import nnx
 
-from . import sharding
-from .config import PLATFORMS, ContextSpec, KernelTarget, ModelConfig
+from diffjax.infra import sharding
+from diffjax.config import PLATFORMS, ContextSpec, KernelTarget, ModelConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +76,7 @@ class Runtime:
     @contextlib.contextmanager
     def activate(self) -> Iterator[Runtime]:
         """Run under this runtime's mesh (``jax.set_mesh``) and the logical-axis rules in force
-        (:data:`diffjax.sharding.DEFAULT_RULES` unless a caller set others)."""
+        (:data:`diffjax.infra.sharding.DEFAULT_RULES` unless a caller set others)."""
         with jax.set_mesh(self.mesh), nnx.logical_axis_rules(sharding.current_rules()):
             yield self
 

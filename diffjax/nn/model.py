@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from . import ops
-from .attention import (
+from diffjax import ops
+from diffjax.nn.attention import (
     capturing,
     SAVED_NAMES,
     AttentionLayer,
@@ -29,9 +29,9 @@ from .attention import (
     MultiheadDiffAttnV2,
     lambda_init_variables,
 )
-from .config import ConfigError, ContextSpec, KernelTarget, ModelConfig, lambda_init_fn
-from .layers import Linear, RMSNorm, SwiGLU, as_dtype
-from .sharding import constrain, param_init
+from diffjax.config import ConfigError, ContextSpec, KernelTarget, ModelConfig, lambda_init_fn
+from diffjax.nn.layers import Linear, RMSNorm, SwiGLU, as_dtype
+from diffjax.infra.sharding import constrain, param_init
 
 _ACT = ("act_batch", "act_seq", "act_embed")
 
@@ -41,7 +41,7 @@ def remat_policy(name: str):
     rematerialization). ``"full"`` saves nothing inside a block; ``"dots"`` saves the outputs of
     the matmuls with no batch dimension (the projections and the FFN, not the attention maps);
     ``"minimal"`` saves the named q/k/v projections and attention output
-    (:data:`diffjax.attention.SAVED_NAMES`); ``"minimal_offload"`` moves those to host memory
+    (:data:`diffjax.nn.attention.SAVED_NAMES`); ``"minimal_offload"`` moves those to host memory
     (pinned host) and brings them back for the backward pass."""
     policies = jax.checkpoint_policies
     if name == "none":
@@ -156,7 +156,7 @@ class Block(nnx.Module):
         return y
 
     def extend(self, x, positions, cache, **step):
-        """Decoding with a KV cache: ``(x, updated layer cache)`` (see :mod:`diffjax.decode`)."""
+        """Decoding with a KV cache: ``(x, updated layer cache)`` (see :mod:`diffjax.nn.decode`)."""
         a, cache = self.attn.extend(self.attn_norm(x), positions, cache, **step)
         x = constrain(x + a, *_ACT)
         return constrain(x + self.ffn(self.ffn_norm(x)), *_ACT), cache
@@ -312,8 +312,8 @@ class TransformerLM(nnx.Module):
     def extend(self, tokens: jax.Array, positions: jax.Array, caches, **step):
         """Decoding: ``(logits [B, T, vocab], updated caches)`` for ``tokens`` ``[B, T]`` at
         ``positions``, with one cache per layer (scanned layers: one cache whose arrays have a
-        leading layer axis). Use :func:`diffjax.decode.prefill`,
-        :func:`diffjax.decode.decode_step` or :func:`diffjax.generate`, which build the masks."""
+        leading layer axis). Use :func:`diffjax.nn.decode.prefill`,
+        :func:`diffjax.nn.decode.decode_step` or :func:`diffjax.generate`, which build the masks."""
         x = constrain(self._embed(tokens), *_ACT)
         if self.config.scan_layers:
             graphdef, state = nnx.split(self.layers)
@@ -444,7 +444,7 @@ def with_context(model: TransformerLM, context: ContextSpec) -> TransformerLM:
 
 
 def for_runtime(model: TransformerLM, runtime) -> TransformerLM:
-    """``model`` as a :class:`diffjax.runtime.Runtime` runs it: built for the runtime's kernel
+    """``model`` as a :class:`diffjax.infra.runtime.Runtime` runs it: built for the runtime's kernel
     target and, where its mesh splits the sequence, its context spec (``model`` itself when it
     was built for both; otherwise a new model holding the same arrays)."""
     changes = {}

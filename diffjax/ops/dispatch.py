@@ -17,7 +17,7 @@ Layout everywhere: ``[batch, seq, heads, dim]``.
   interpreted on a CPU. Both run per shard like the kernels; a decoded token (one query against
   the KV cache) takes the XLA math, and what they cannot run is refused with the reason;
 - ``"auto"``: per call, the fastest of the implementations that can run it, from the table a
-  benchmark measured (:mod:`diffjax.impl_table`; :func:`choose`); where it measured nothing,
+  benchmark measured (:mod:`diffjax.ops.impl_table`; :func:`choose`); where it measured nothing,
   ``"pallas"`` on GPU and TPU and ``"xla"`` elsewhere;
 - or any object with the two functions ``dot_product_attention(q, k, v, *, causal,
   segment_ids, kv_segment_ids, scale)`` and ``differential_attention(q1, k1, q2, k2, v, lam,
@@ -25,7 +25,7 @@ Layout everywhere: ``[batch, seq, heads, dim]``.
   hashable, e.g. a frozen dataclass).
 
 Under a mesh whose ``context`` axis splits the sequence (``mesh.context > 1``), self-attention
-runs sequence-parallel (:mod:`diffjax.context`): a ring that passes K/V around the devices
+runs sequence-parallel (:mod:`diffjax.ops.context`): a ring that passes K/V around the devices
 (``ContextSpec.impl="ring"``) or an all-gather of K/V (``"allgather"``), masked by the tokens'
 ``positions`` so that any token order (the balanced zigzag) computes the same function. With
 ``impl="pallas"`` the ring's blocks run the fused kernels (GPU, TPU; interpreted on CPU), which mask
@@ -54,9 +54,11 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from . import context as context_lib
-from . import impl_table, kernels, sharding
-from .config import (
+from diffjax.ops import context as context_lib
+from diffjax.ops import impl_table
+from diffjax import kernels
+from diffjax.infra import sharding
+from diffjax.config import (
     ATTENTION_IMPLS,
     KERNEL_ORDERS,
     NATURAL_ORDER,
@@ -66,8 +68,8 @@ from .config import (
     KernelTarget,
     ModelConfig,
 )
-from .kernels import check as kernel_check
-from .kernels import cudnn, reference, splash
+from diffjax.kernels import check as kernel_check
+from diffjax.kernels import cudnn, reference, splash
 
 
 def current_target() -> KernelTarget:
@@ -128,7 +130,7 @@ def _context_layout(impl, spec: ContextSpec, positions, target: KernelTarget) ->
     takes its blocks' layout from ``order`` (the natural, contiguous one when no positions
     are given); ``"auto"`` uses it where it can run (the ring, the zigzag or contiguous order)
     and the XLA blocks elsewhere; an explicit ``"pallas"`` is refused where it cannot
-    (:mod:`diffjax.context` names the fix)."""
+    (:mod:`diffjax.ops.context` names the fix)."""
     order = NATURAL_ORDER if positions is None else spec.order
     if impl in VENDOR_IMPLS:
         raise ValueError(
@@ -257,7 +259,7 @@ def unsupported(impl: str, target: KernelTarget, call: Call) -> str | None:
 def choose(impl, target: KernelTarget, call: Call) -> tuple[Any, str]:
     """``(implementation, why)`` for ``call``: a name or object as given (checked: a built-in
     that cannot run the call raises a ValueError with the reason), or for ``"auto"`` the fastest
-    that can run it in the measured table (:func:`diffjax.impl_table.fastest`), else the
+    that can run it in the measured table (:func:`diffjax.ops.impl_table.fastest`), else the
     target's default."""
     impl = check_impl(impl, target) if impl != "auto" else impl
     if impl != "auto":

@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from .config import RopeScaling
-from .sharding import constrain, param, param_init
+from diffjax.config import RopeScaling
+from diffjax.infra.sharding import constrain, param, param_init
 
 Dtype = Any
 

@@ -3,7 +3,7 @@
 A state dict maps the official parameter names to arrays in torch layout (``nn.Linear.weight``
 is ``[out, in]``). :func:`load_unilm_state_dict` writes them into the matching diffjax module so
 that the same weights give the same outputs; :func:`unilm_state_dict` goes the other way.
-Whole models in Hugging Face's DiffLlama / Llama format: :mod:`diffjax.hf`.
+Whole models in Hugging Face's DiffLlama / Llama format: :mod:`diffjax.interop.hf`.
 
 =====================  =====================================================================
 module                 official names
@@ -23,8 +23,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .attention import AttentionLayer, MultiheadAttention, MultiheadDiffAttn, MultiheadDiffAttnV2
-from .sharding import logical_axes
+from diffjax.nn.attention import (
+    AttentionLayer,
+    MultiheadAttention,
+    MultiheadDiffAttn,
+    MultiheadDiffAttnV2,
+)
+from diffjax.infra.sharding import logical_axes
 
 
 def _param_table(module: nnx.Module) -> dict[str, tuple[nnx.Param, bool]]:

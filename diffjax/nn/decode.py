@@ -41,13 +41,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from . import ops
-from .attention import CACHE_AXES
-from .compile_options import lazy_jit
-from .config import NATURAL_ORDER, ModelConfig
-from .model import TransformerLM, for_runtime, make_attention
-from .runtime import Runtime
-from .sharding import constrain
+from diffjax import ops
+from diffjax.nn.attention import CACHE_AXES
+from diffjax.infra.compile_options import lazy_jit
+from diffjax.config import NATURAL_ORDER, ModelConfig
+from diffjax.nn.model import TransformerLM, for_runtime, make_attention
+from diffjax.infra.runtime import Runtime
+from diffjax.infra.sharding import constrain
 
 # Number of times each compiled piece was traced (a trace precedes each compilation): what a
 # test or a user checks to see that decoding is not recompiled per token or per prompt.
@@ -303,7 +303,7 @@ def generate(
     ``model.config.max_seq_len`` is refused before any compute.
 
     Lengths are rounded up to ``length_bucket`` slots, so prompts within a bucket reuse the same
-    compiled prefill and decode loop. ``runtime`` (:class:`diffjax.runtime.Runtime`): decode on
+    compiled prefill and decode loop. ``runtime`` (:class:`diffjax.infra.runtime.Runtime`): decode on
     its mesh, the model built for its kernel target, the batch and the cache sharded like the
     activations; where the mesh splits the sequence, the prompt's prefill runs over the
     ``context`` axis with the prompt in its natural order (whatever order the runtime's training

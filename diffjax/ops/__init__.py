@@ -1,0 +1,39 @@
+"""The attention computation: what the attention layers call for one or two softmax maps.
+
+- :mod:`.dispatch`: the one dispatch point (shape checks, the implementation per call:
+  ``xla``, ``pallas``, ``cudnn``, ``splash`` or ``auto``, the kernels' self-check);
+- :mod:`.context`: attention over the ``context`` mesh axis (the ring, the all-gather, the
+  kernel ring);
+- :mod:`.impl_table`: the measured table behind ``attention_impl="auto"``
+  (``impl_table.json``, beside it).
+
+The kernels themselves (Pallas for GPU and TPU, their reference, the cuDNN and Splash
+compositions, the self-check) are :mod:`diffjax.kernels`, which imports nothing else of
+diffjax.
+"""
+
+from diffjax.ops.dispatch import (
+    check_impl,
+    check_kernels,
+    choose,
+    current_target,
+    differential_attention,
+    dot_product_attention,
+    kernel_cases,
+    model_call,
+    model_impl,
+    unsupported,
+)
+
+__all__ = [
+    "check_impl",
+    "check_kernels",
+    "choose",
+    "current_target",
+    "differential_attention",
+    "dot_product_attention",
+    "kernel_cases",
+    "model_call",
+    "model_impl",
+    "unsupported",
+]
