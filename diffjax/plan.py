@@ -647,6 +647,45 @@ def print_table(title: str, rows: list[tuple[str, str]], out) -> None:
 
 
 # ---------------------------------------------------------------------------- main
+def search_fix(
+    label: str, one: ExperimentConfig, devices, target: Target, hbm: float, dp: int, search, out
+) -> tuple[list[dict], list[str] | None]:
+    """For a model that does not fit: compile it with each remat and accumulation setting of
+    :func:`candidates` (skipping any that keeps at least what a failed one kept) until one
+    fits in ``hbm`` bytes; ``(what was tried, the overrides that fit or None)``, each said on
+    ``out``."""
+    tried, fix = [], None
+    for r, a in candidates(
+        one.model.remat, one.train.grad_accum_steps, one.train.batch_size, dp, search
+    ):
+        if any(_keeps_more(r, a, t["remat"], t["accum"]) for t in tried):
+            continue  # keeps at least what a setting that did not fit kept
+        trial = with_setting(one, r, a)
+        tm = compile_train_step(trial, trial.model, devices, target)
+        ok = tm.fits(hbm)
+        tried.append(dict(remat=r, accum=a, total_bytes=tm.total_bytes, fits=ok))
+        print(
+            f"  try model.remat={r} train.grad_accum_steps={a}: "
+            f"{_gib(tm.total_bytes) if tm.total_bytes > 0 else '?'}"
+            f"{' (compiler: out of HBM)' if tm.compiler_oom else ''} -> "
+            f"{'fits' if ok else 'does not fit'} "
+            f"({tm.compile_s:.0f} s)",
+            file=out,
+        )
+        if ok:
+            fix = overrides_for(r, a, one)
+            break
+    if fix:
+        print(f"  FIX [{label}]: pass {' '.join(fix)}", file=out)
+    else:
+        print(
+            f"  [{label}] nothing tried fits: use more devices (a larger target or "
+            f"mesh.fsdp), a smaller train.batch_size or a smaller model",
+            file=out,
+        )
+    return tried, fix
+
+
 def plan(
     exp: ExperimentConfig,
     target: Target,
@@ -717,37 +756,9 @@ def plan(
                     file=out,
                 )
             if search != "none":
-                dp = shape[0] * shape[1]
-                tried = []
-                for r, a in candidates(
-                    cfg.remat, exp.train.grad_accum_steps, exp.train.batch_size, dp, search
-                ):
-                    if any(_keeps_more(r, a, t["remat"], t["accum"]) for t in tried):
-                        continue  # keeps at least what a setting that did not fit kept
-                    trial = with_setting(one, r, a)
-                    tm = compile_train_step(trial, trial.model, devices, target)
-                    ok = tm.fits(hbm)
-                    tried.append(dict(remat=r, accum=a, total_bytes=tm.total_bytes, fits=ok))
-                    print(
-                        f"  try model.remat={r} train.grad_accum_steps={a}: "
-                        f"{_gib(tm.total_bytes) if tm.total_bytes > 0 else '?'}"
-                        f"{' (compiler: out of HBM)' if tm.compiler_oom else ''} -> "
-                        f"{'fits' if ok else 'does not fit'} "
-                        f"({tm.compile_s:.0f} s)",
-                        file=out,
-                    )
-                    if ok:
-                        rec["fix"] = overrides_for(r, a, one)
-                        break
-                rec["tried"] = tried
-                if rec["fix"]:
-                    print(f"  FIX [{label}]: pass {' '.join(rec['fix'])}", file=out)
-                else:
-                    print(
-                        f"  [{label}] nothing tried fits: use more devices (a larger target or "
-                        f"mesh.fsdp), a smaller train.batch_size or a smaller model",
-                        file=out,
-                    )
+                rec["tried"], rec["fix"] = search_fix(
+                    label, one, devices, target, hbm, shape[0] * shape[1], search, out
+                )
         records.append(rec)
     fixes = [r for r in records if not r["fits"]]
     print("", file=out)

@@ -393,6 +393,41 @@ def make_dataset(
 
     _check_config(config)
     _check_split(split)
+    _check_share(batch_size, process_index, process_count, num_epochs)
+    batch_size, pi, pc = int(batch_size), int(process_index), int(process_count)
+    if vocab_size is not None:
+        check_data(config, vocab_size)
+    train_seed = config.seed if seed is None else int(seed)
+    if not 0 <= train_seed < 2**32:
+        raise DataError(
+            f"make_dataset: seed must be in [0, 2**32), got {seed}. Fix: pass a "
+            f"non-negative 32-bit seed"
+        )
+    if config.source == "mixture" and split == "train":
+        ds = _mixture_train(config, batch_size, pi, pc, train_seed, num_epochs, mixture_stages)
+        return ds.to_iter_dataset(read_options or _read_options(config))
+    src = make_source(config, split, seed=train_seed, global_batch=pc * batch_size)
+    if len(src) == 0:
+        raise _no_examples(config, split)
+    ds = src if isinstance(src, grain.MapDataset) else grain.MapDataset.source(src)
+    shuffle = config.shuffle and not config.is_synthetic  # synthetic examples are i.i.d. already
+    if split == "train":
+        if len(src) * (num_epochs or 1) < batch_size * pc:
+            raise DataError(
+                f"make_dataset: the train split has {len(src)} examples, fewer than one global "
+                f"batch of {pc} x {batch_size} in {num_epochs or 1} epoch(s). Fix: use a "
+                f"smaller batch_size or seq_len, more epochs, or more data"
+            )
+        if shuffle:
+            ds = ds.shuffle(seed=train_seed)
+        ds = _process_batches(ds.repeat(num_epochs), pc * batch_size, batch_size, pi)
+    else:
+        ds = _validation_batches(ds, src, shuffle, pc * batch_size, batch_size, pi, num_epochs)
+    return ds.to_iter_dataset(read_options or _read_options(config))
+
+
+def _check_share(batch_size, process_index, process_count, num_epochs) -> None:
+    """:func:`make_dataset`'s batch size, process share and epochs, else a DataError."""
     for name, value, low in (("batch_size", batch_size, 1), ("process_count", process_count, 1)):
         if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < low:
             raise DataError(
@@ -409,57 +444,38 @@ def make_dataset(
             f"make_dataset: num_epochs must be None or >= 1, got {num_epochs!r}. "
             f"Fix: pass None (train: forever; validation: one pass) or a positive int"
         )
-    batch_size, pi, pc = int(batch_size), int(process_index), int(process_count)
-    if vocab_size is not None:
-        check_data(config, vocab_size)
-    train_seed = config.seed if seed is None else int(seed)
-    if not 0 <= train_seed < 2**32:
-        raise DataError(
-            f"make_dataset: seed must be in [0, 2**32), got {seed}. Fix: pass a "
-            f"non-negative 32-bit seed"
+
+
+def _no_examples(config: DataConfig, split: str) -> DataError:
+    """The error for a split that holds no example."""
+    if split == "validation" and config.val_fraction == 0:
+        return DataError(
+            "DataConfig.val_fraction: is 0, so there is no validation split. "
+            "Fix: set data.val_fraction > 0 (e.g. 0.05)"
         )
-    if config.source == "mixture" and split == "train":
-        ds = _mixture_train(config, batch_size, pi, pc, train_seed, num_epochs, mixture_stages)
-        return ds.to_iter_dataset(read_options or _read_options(config))
-    src = make_source(config, split, seed=train_seed, global_batch=pc * batch_size)
+    where = config.path if config.path is not None else str(stdlib_root())
+    return DataError(
+        f"DataConfig.seq_len: the {split} split of {where!r} holds fewer than "
+        f"seq_len + 1 = {config.seq_len + 1} tokens, so no example. Fix: use a "
+        f"shorter seq_len, more data, or another val_fraction"
+    )
+
+
+def _validation_batches(ds, src, shuffle: bool, chunk: int, batch_size: int, pi: int, num_epochs):
+    """The validation examples (one fixed permutation when shuffled) padded to whole global
+    batches of ``chunk`` (so epochs stay aligned), this process's rows of each."""
+    import grain
+
     n = len(src)
-    if n == 0:
-        if split == "validation" and config.val_fraction == 0:
-            raise DataError(
-                "DataConfig.val_fraction: is 0, so there is no validation split. "
-                "Fix: set data.val_fraction > 0 (e.g. 0.05)"
-            )
-        where = config.path if config.path is not None else str(stdlib_root())
-        raise DataError(
-            f"DataConfig.seq_len: the {split} split of {where!r} holds fewer than "
-            f"seq_len + 1 = {config.seq_len + 1} tokens, so no example. Fix: use a "
-            f"shorter seq_len, more data, or another val_fraction"
-        )
-    ds = src if isinstance(src, grain.MapDataset) else grain.MapDataset.source(src)
-    shuffle = config.shuffle and not config.is_synthetic  # synthetic examples are i.i.d. already
-    if split == "train":
-        if n * (num_epochs or 1) < batch_size * pc:
-            raise DataError(
-                f"make_dataset: the train split has {n} examples, fewer than one global batch "
-                f"of {pc} x {batch_size} in {num_epochs or 1} epoch(s). Fix: use a smaller "
-                f"batch_size or seq_len, more epochs, or more data"
-            )
-        if shuffle:
-            ds = ds.shuffle(seed=train_seed)
+    if shuffle:
+        ds = ds.shuffle(seed=VALIDATION_SHUFFLE_SEED)
+    padded = math.ceil(n / chunk) * chunk
+    if padded > n:
+        pad = grain.MapDataset.source(_PadSource(padded - n, src[0]))
+        ds = grain.MapDataset.concatenate([ds, pad])
+    if num_epochs is not None and num_epochs > 1:
         ds = ds.repeat(num_epochs)
-        ds = _process_batches(ds, pc * batch_size, batch_size, pi)
-    else:
-        if shuffle:
-            ds = ds.shuffle(seed=VALIDATION_SHUFFLE_SEED)
-        chunk = pc * batch_size
-        padded = math.ceil(n / chunk) * chunk
-        if padded > n:
-            pad = grain.MapDataset.source(_PadSource(padded - n, src[0]))
-            ds = grain.MapDataset.concatenate([ds, pad])
-        if num_epochs is not None and num_epochs > 1:
-            ds = ds.repeat(num_epochs)  # padded to whole global batches: epochs stay aligned
-        ds = _process_batches(ds, chunk, batch_size, pi)
-    return ds.to_iter_dataset(read_options or _read_options(config))
+    return _process_batches(ds, chunk, batch_size, pi)
 
 
 def _read_options(config: DataConfig):
@@ -529,6 +545,55 @@ def _corpus_words(corpus: Corpus, config: DataConfig) -> str:
     return f"token files {config.path!r}: {files}, {tokens}"
 
 
+def _synthetic_summary(config: DataConfig) -> DataSummary:
+    """:func:`check_data`'s summary of a synthetic task (needle retrieval or MQAR): what one
+    example holds and how many there are (the needle's haystack corpus read and checked)."""
+    T = config.seq_len
+    if config.source == "needle":
+        corpus, _ = _haystack(config, "train")
+        hay = (
+            "the stdlib corpus"
+            if corpus.kind == "stdlib"
+            else f"{len(corpus.files):,} text file(s) {config.path!r}"
+        )
+        F = config.seq_len - config.needle_min_seq_len
+        fill = dict(key="k" * config.key_len, value="0" * config.value_len)
+        desc = (
+            f"needle retrieval: {config.num_needles} needles "
+            f"{config.needle_template.format(**fill)!r}, {config.num_queries} queries "
+            f"{config.query_template.format(**fill)!r} (keys: {config.key_len} of "
+            f"{config.key_alphabet!r}), seq_len {T} ({F:,} haystack bytes per example "
+            f"from {hay})"
+        )
+        files, secs = len(corpus.files), corpus.seconds
+    else:
+        desc = (
+            f"MQAR: {config.num_pairs} key-value pairs, {config.num_queries} queries, seq_len {T}"
+        )
+        files, secs = 0, 0.0
+    ntr, nva = SYNTHETIC_TRAIN_EXAMPLES, config.num_val_examples
+    desc += f", {nva:,} validation examples"
+    if config.curriculum_steps:
+        desc += (
+            f"; curriculum: train examples grow from {config.context_len(0)} to {T} "
+            f"tokens over the first {config.curriculum_steps:,} steps (PAD after each)"
+        )
+    return DataSummary(
+        config.source,
+        desc,
+        T,
+        files,
+        files,
+        files,
+        ntr * (T + 1),
+        nva * (T + 1),
+        ntr,
+        nva,
+        "synthetic",
+        secs,
+    )
+
+
 def check_data(config: DataConfig, vocab_size: int = VOCAB_SIZE) -> DataSummary:
     """Read (and cache) the data of ``config`` and check it against a model with
     ``vocab_size`` token ids: paths exist, files hold text / tokens, every token id is below
@@ -553,50 +618,7 @@ def check_data(config: DataConfig, vocab_size: int = VOCAB_SIZE) -> DataSummary:
         )
     T = config.seq_len
     if config.is_synthetic:
-        if config.source == "needle":
-            corpus, _ = _haystack(config, "train")
-            hay = (
-                "the stdlib corpus"
-                if corpus.kind == "stdlib"
-                else f"{len(corpus.files):,} text file(s) {config.path!r}"
-            )
-            F = config.seq_len - config.needle_min_seq_len
-            fill = dict(key="k" * config.key_len, value="0" * config.value_len)
-            desc = (
-                f"needle retrieval: {config.num_needles} needles "
-                f"{config.needle_template.format(**fill)!r}, {config.num_queries} queries "
-                f"{config.query_template.format(**fill)!r} (keys: {config.key_len} of "
-                f"{config.key_alphabet!r}), seq_len {T} ({F:,} haystack bytes per example "
-                f"from {hay})"
-            )
-            files, secs = len(corpus.files), corpus.seconds
-        else:
-            desc = (
-                f"MQAR: {config.num_pairs} key-value pairs, {config.num_queries} queries, "
-                f"seq_len {T}"
-            )
-            files, secs = 0, 0.0
-        ntr, nva = SYNTHETIC_TRAIN_EXAMPLES, config.num_val_examples
-        desc += f", {nva:,} validation examples"
-        if config.curriculum_steps:
-            desc += (
-                f"; curriculum: train examples grow from {config.context_len(0)} to {T} "
-                f"tokens over the first {config.curriculum_steps:,} steps (PAD after each)"
-            )
-        return DataSummary(
-            config.source,
-            desc,
-            T,
-            files,
-            files,
-            files,
-            ntr * (T + 1),
-            nva * (T + 1),
-            ntr,
-            nva,
-            "synthetic",
-            secs,
-        )
+        return _synthetic_summary(config)
     # the streams and their sizes (document boundaries are read by make_source, when used)
     corpus = load_corpus(config.replace(document_mask=False))
     if config.source == "tokens":

@@ -82,6 +82,54 @@ def _check_lengths(lengths: Sequence[int], n: int, order: str) -> list[int]:
     return lengths
 
 
+def _one_model(e, model, mesh, runtime, data, lengths, examples, batch_size, noise_floor, log):
+    """One model's record of ``long_context.json``: its multi-needle grid at ``lengths`` and,
+    with ``noise_floor``, the measured noise floor at each length that fits (only the answer
+    rows' maps, keys gathered); its line said with ``log``."""
+    needles, queries = run_needle_setting(data)
+    t0 = time.perf_counter()
+    rep = replicate(model, mesh)
+    grid = ret.multi_needle_retrieval(
+        rep,
+        lengths=lengths,
+        num_needles=needles,
+        num_queries=queries,
+        data=data,
+        num_examples=examples,
+        num_depth_bins=1,
+        batch_size=batch_size,
+        query_replacement=keeps_replacement(data, needles, queries),
+        runtime=runtime,
+    )
+    acc = [float(a) for a in grid.length_accuracy()]
+    noise = []
+    for x in lengths:
+        if noise_floor and fits(data, x, needles, queries):
+            b = ret.task_examples(
+                run_needle_task(data, x, needles, queries, num_examples=examples, seed=1)
+            )
+            m = alloc.measured_noise_floor(rep, b, batch_size=batch_size)
+            noise.append({"length": x, **m})
+    log(
+        f"    {e.label} (seed {e.seed}): "
+        + ", ".join(f"{x}: {a:.3f}" for x, a in zip(lengths, acc))
+        + "".join(
+            f"; noise floor at {m['length']}: signal {m['signal_share']:.3f}, "
+            f"distractors {m['distractor_share']:.3f}"
+            for m in noise
+        )
+        + f" ({time.perf_counter() - t0:.1f}s)"
+    )
+    return {
+        "label": e.label,
+        "seed": e.seed,
+        "attention": model.config.attention,
+        "accuracy": acc,
+        "grid": grid.to_dict(),
+        "noise_measured": noise,
+    }
+
+
 def evaluate_long_context(
     run_dir: str,
     lengths: Sequence[int],
@@ -131,48 +179,11 @@ def evaluate_long_context(
     results = []
     with jax.set_mesh(mesh), nnx.logical_axis_rules(sharding.current_rules()):
         for e, model in models:
-            t0 = time.perf_counter()
-            rep = replicate(model, mesh)
-            grid = ret.multi_needle_retrieval(
-                rep,
-                lengths=lengths,
-                num_needles=needles,
-                num_queries=queries,
-                data=data,
-                num_examples=examples,
-                num_depth_bins=1,
-                batch_size=batch_size,
-                query_replacement=keeps_replacement(data, needles, queries),
-                runtime=Runtime.of(model.config, mesh_config, mesh),
-            )
-            acc = [float(a) for a in grid.length_accuracy()]
-            noise = []  # the measured noise floor: only the answer rows' maps, keys gathered
-            for x in lengths:
-                if noise_floor and fits(data, x, needles, queries):
-                    b = ret.task_examples(
-                        run_needle_task(data, x, needles, queries, num_examples=examples, seed=1)
-                    )
-                    m = alloc.measured_noise_floor(rep, b, batch_size=batch_size)
-                    noise.append({"length": x, **m})
+            runtime = Runtime.of(model.config, mesh_config, mesh)
             results.append(
-                {
-                    "label": e.label,
-                    "seed": e.seed,
-                    "attention": model.config.attention,
-                    "accuracy": acc,
-                    "grid": grid.to_dict(),
-                    "noise_measured": noise,
-                }
-            )
-            log(
-                f"    {e.label} (seed {e.seed}): "
-                + ", ".join(f"{x}: {a:.3f}" for x, a in zip(lengths, acc))
-                + "".join(
-                    f"; noise floor at {m['length']}: signal {m['signal_share']:.3f}, "
-                    f"distractors {m['distractor_share']:.3f}"
-                    for m in noise
+                _one_model(
+                    e, model, mesh, runtime, data, lengths, examples, batch_size, noise_floor, log
                 )
-                + f" ({time.perf_counter() - t0:.1f}s)"
             )
     out = {
         "lengths": lengths,

@@ -717,6 +717,39 @@ def save_pretrained(
         config = config.replace(ramp=False)
     hf = hf_config(config)
     limit = _parse_size(max_shard_size)
+    _check_new_checkpoint_dir(path)
+    tok_files = _tokenizer_files(tokenizer_from) if tokenizer_from is not None else []
+    tensors = _hf_tensors(model, config)
+    if jax.process_index() != 0:
+        return path
+    names, shards = _shards(tensors, limit)
+    with _staging(path) as (out, done):
+        for file, shard in zip(names, shards):
+            tmp = os.path.join(out, file + ".tmp")
+            save_file(dict(shard), tmp, metadata={"format": "pt"})
+            os.replace(tmp, os.path.join(out, file))
+            done(file)
+        if len(shards) > 1:
+            index = {
+                "metadata": {"total_size": sum(a.nbytes for _, a in tensors)},
+                "weight_map": {
+                    name: file for file, shard in zip(names, shards) for name, _ in shard
+                },
+            }
+            _write_json(os.path.join(out, INDEX_FILE), index)
+            done(INDEX_FILE)
+        for f in tok_files:
+            if not storage.exists(storage.join(path, f)):
+                src = storage.join(tokenizer_from, f)
+                storage.write_bytes(os.path.join(out, f), storage.read_bytes(src))
+                done(f)
+        _write_json(os.path.join(out, CONFIG_FILE), hf)  # last: it marks a whole checkpoint
+        done(CONFIG_FILE)
+    return path
+
+
+def _check_new_checkpoint_dir(path: str) -> None:
+    """``path`` is a directory (new or empty of checkpoints): nothing saved is overwritten."""
     if _is_file(path):
         _fail(path, "is a file", "pass a directory (new or empty) to write the checkpoint into")
     taken = [
@@ -734,16 +767,23 @@ def save_pretrained(
             f"already holds a checkpoint ({', '.join(taken)}); nothing is overwritten",
             "pass a new directory, or move the old checkpoint away first",
         )
-    tok_files = []
-    if tokenizer_from is not None:
-        tok_files = [f for f in TOKENIZER_FILES if _is_file(storage.join(tokenizer_from, f))]
-        if not tok_files:
-            _fail(
-                tokenizer_from,
-                f"holds none of {', '.join(TOKENIZER_FILES)}",
-                "pass the directory holding the tokenizer files, or leave tokenizer_from out",
-            )
 
+
+def _tokenizer_files(tokenizer_from: str) -> list[str]:
+    """The tokenizer files in ``tokenizer_from`` to copy beside the weights (at least one)."""
+    tok_files = [f for f in TOKENIZER_FILES if _is_file(storage.join(tokenizer_from, f))]
+    if not tok_files:
+        _fail(
+            tokenizer_from,
+            f"holds none of {', '.join(TOKENIZER_FILES)}",
+            "pass the directory holding the tokenizer files, or leave tokenizer_from out",
+        )
+    return tok_files
+
+
+def _hf_tensors(model: TransformerLM, config: ModelConfig) -> list[tuple[str, np.ndarray]]:
+    """``(Hugging Face name, host array in its layout)`` for every weight of the unrolled
+    ``model``, in :func:`weight_table`'s order (DIFF V1's subln scale folded into ``o_proj``)."""
     state = nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
     def value(key: tuple) -> jax.Array:
@@ -765,9 +805,12 @@ def save_pretrained(
         else:
             host = from_diffjax(config, kind, host)
         tensors.append((name, np.ascontiguousarray(host)))
+    return tensors
 
-    if jax.process_index() != 0:
-        return path
+
+def _shards(tensors, limit: int) -> tuple[list[str], list[list[tuple[str, np.ndarray]]]]:
+    """The tensors in order, cut into shards of at most ``limit`` bytes (a tensor larger than
+    the limit gets a shard of its own), and each shard's file name."""
     shards: list[list[tuple[str, np.ndarray]]] = [[]]
     size = 0
     for name, arr in tensors:
@@ -777,34 +820,9 @@ def save_pretrained(
         shards[-1].append((name, arr))
         size += arr.nbytes
     n = len(shards)
-    names = (
-        [WEIGHTS_FILE]
-        if n == 1
-        else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-    )
-    with _staging(path) as (out, done):
-        for file, shard in zip(names, shards):
-            tmp = os.path.join(out, file + ".tmp")
-            save_file(dict(shard), tmp, metadata={"format": "pt"})
-            os.replace(tmp, os.path.join(out, file))
-            done(file)
-        if n > 1:
-            index = {
-                "metadata": {"total_size": sum(a.nbytes for _, a in tensors)},
-                "weight_map": {
-                    name: file for file, shard in zip(names, shards) for name, _ in shard
-                },
-            }
-            _write_json(os.path.join(out, INDEX_FILE), index)
-            done(INDEX_FILE)
-        for f in tok_files:
-            if not storage.exists(storage.join(path, f)):
-                src = storage.join(tokenizer_from, f)
-                storage.write_bytes(os.path.join(out, f), storage.read_bytes(src))
-                done(f)
-        _write_json(os.path.join(out, CONFIG_FILE), hf)  # last: it marks a whole checkpoint
-        done(CONFIG_FILE)
-    return path
+    if n == 1:
+        return [WEIGHTS_FILE], shards
+    return [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)], shards
 
 
 @contextlib.contextmanager

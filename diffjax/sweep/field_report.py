@@ -195,28 +195,9 @@ def _value_text(v: Any) -> str:
     return f"{v:g}" if isinstance(v, float) else str(v)
 
 
-def sweep_field_markdown(plan: dict, fams: list[Family], resamples: int = 10_000) -> str:
-    ladder = plan["ladder"]
-    field, values = ladder["field"], list(ladder["values"])
-    steps = {r["steps"] for r in plan["sizes"]}
-    tokens = {r["tokens"] for r in plan["sizes"]}
-    lines = [
-        f"# Sweep over `{field}`",
-        "",
-        f"Config `{plan['config']}`: {len(values)} rungs ({', '.join(map(_value_text, values))}), "
-        f"{', '.join(map(str, sorted(steps)))} steps and {', '.join(f'{t:,}' for t in sorted(tokens))} "
-        f"tokens per run; arms: {', '.join(ladder.get('arms') or ['one comparison'])}.",
-        "",
-    ]
-    done = [f for f in fams if f.final]
-    if not done:
-        return "\n".join(lines + ["Nothing has finished yet."]) + "\n"
-    sens_rows = []
-    if field == "train.lr":
-        for pair in pairs(done):
-            est, seeds = sensitivity(pair, values, resamples)
-            if est:
-                sens_rows.append((pair, est, seeds))
+def _summary(sens_rows, done: list[Family], values: list) -> list[str]:
+    """The summary: each pair's learning-rate sensitivity with its verdict, the best rung per model."""
+    lines: list[str] = []
     lines += ["## Summary", ""]
     for (diff, tw), est, seeds in sens_rows:
         d = est["diff - twin"]
@@ -235,6 +216,12 @@ def sweep_field_markdown(plan: dict, fams: list[Family], resamples: int = 10_000
         + ", ".join(f"{f.name} {_value_text(_best(f, values))}" for f in done)
         + "."
     )
+    return lines
+
+
+def _final_losses(field: str, values: list, done: list[Family]) -> list[str]:
+    """The final validation loss per rung and model (mean ± sd over seeds, divergences) and the figure."""
+    lines: list[str] = []
     lines += ["", f"## Final validation loss against `{field}`", ""]
     lines += ["| " + field + " | " + " | ".join(f.name for f in done) + " |"]
     lines += ["|---:|" + "---:|" * len(done)]
@@ -253,6 +240,12 @@ def sweep_field_markdown(plan: dict, fams: list[Family], resamples: int = 10_000
         f"![final loss, attention and output logits, spikes against {field}]({FIGURE})",
         "",
     ]
+    return lines
+
+
+def _sensitivity(sens_rows) -> list[str]:
+    """The learning-rate sensitivity table (empty unless the ladder is over train.lr)."""
+    lines: list[str] = []
     if sens_rows:
         lines += [
             "## Learning-rate sensitivity",
@@ -271,6 +264,12 @@ def sweep_field_markdown(plan: dict, fams: list[Family], resamples: int = 10_000
                 f"{est['twin'].cell()} | {est['diff - twin'].cell('{:+.4f}')} |"
             )
         lines.append("")
+    return lines
+
+
+def _inside_the_runs(field: str, values: list, done: list[Family]) -> list[str]:
+    """Per rung and model: the largest attention and output logits, spikes skipped, divergences."""
+    lines: list[str] = []
     lines += [
         "## Inside the runs",
         "",
@@ -295,6 +294,35 @@ def sweep_field_markdown(plan: dict, fams: list[Family], resamples: int = 10_000
                 f"{_cell([f.output_max[v][s] for s in seeds], '{:.3g}')} | {skip} | "
                 f"{sum(f.diverged(v, s) for s in seeds)} of {len(seeds)} |"
             )
+    return lines
+
+
+def sweep_field_markdown(plan: dict, fams: list[Family], resamples: int = 10_000) -> str:
+    ladder = plan["ladder"]
+    field, values = ladder["field"], list(ladder["values"])
+    steps = {r["steps"] for r in plan["sizes"]}
+    tokens = {r["tokens"] for r in plan["sizes"]}
+    lines = [
+        f"# Sweep over `{field}`",
+        "",
+        f"Config `{plan['config']}`: {len(values)} rungs ({', '.join(map(_value_text, values))}), "
+        f"{', '.join(map(str, sorted(steps)))} steps and {', '.join(f'{t:,}' for t in sorted(tokens))} "
+        f"tokens per run; arms: {', '.join(ladder.get('arms') or ['one comparison'])}.",
+        "",
+    ]
+    done = [f for f in fams if f.final]
+    if not done:
+        return "\n".join(lines + ["Nothing has finished yet."]) + "\n"
+    sens_rows = []
+    if field == "train.lr":
+        for pair in pairs(done):
+            est, seeds = sensitivity(pair, values, resamples)
+            if est:
+                sens_rows.append((pair, est, seeds))
+    lines += _summary(sens_rows, done, values)
+    lines += _final_losses(field, values, done)
+    lines += _sensitivity(sens_rows)
+    lines += _inside_the_runs(field, values, done)
     return "\n".join(lines) + "\n"
 
 
