@@ -4,7 +4,7 @@
     python benchmarks/compile_time.py --layers 4,8 --attention diff_v2 --remat full
 
 For each depth it builds the abstract train state of the model (nothing is allocated), then
-lowers and compiles the real train step (:func:`diffjax.train.loop.train_step`: forward,
+lowers and compiles the real train step (:func:`diffjax.train.step.train_step`: forward,
 backward, AdamW update) once with ``model.scan_layers=false`` (a Python loop over the blocks:
 XLA sees L copies) and once with ``scan_layers=true`` (one block inside a scan), and prints the
 seconds of each (tracing plus lowering, and XLA's compile). The scanned column should stay
@@ -28,7 +28,8 @@ from diffjax.nn.model import initial_rest
 from diffjax.infra.runtime import Runtime
 from diffjax.infra.sharding import MeshConfig, make_mesh
 from diffjax.train import TrainConfig
-from diffjax.train.loop import model_setup, train_step
+from diffjax.train.setup import model_setup
+from diffjax.train.step import train_step
 
 
 def compile_seconds(cfg: ModelConfig, batch: int, seq: int) -> tuple[float, float]:

@@ -5,7 +5,7 @@ on and off, side by side, for DIFF and its twin.
     python benchmarks/diagnostics_cost.py --rounds 10 --markdown out.md
     python benchmarks/diagnostics_cost.py model.attention=diff_v2   # any train.py setting
 
-Each model's step (``diffjax.train.loop.compile_steps``, the step ``train.py`` runs) is compiled
+Each model's step (``diffjax.train.setup.compile_steps``, the step ``train.py`` runs) is compiled
 twice, with ``train.diagnostics`` off and on, and fed the same real batches. Each round times
 ``--steps`` steps of one then the other (the order reversed every other round), so whatever else
 the machine runs lands on both; the table gives the median over rounds and the median of the
@@ -27,7 +27,8 @@ import jax
 from diffjax.infra import machine
 from diffjax.data import make_dataset
 from diffjax.infra.runtime import Runtime
-from diffjax.train import loop
+from diffjax.train import setup as setup_lib
+from diffjax.train import step as step_lib
 from diffjax.train.config import apply_overrides, load_config
 
 
@@ -47,12 +48,12 @@ def step_times(exp, label: str, rounds: int, steps: int) -> tuple[dict[str, list
     host = [next(it) for _ in range(steps)]
     fns, states, feeds = {}, {}, []
     with runtime.activate():
-        feeds = [loop.model_inputs(b, runtime, rows) for b in host]
+        feeds = [step_lib.model_inputs(b, runtime, rows) for b in host]
         for name, on in (("off", False), ("on", True)):
             tcfg = dataclasses.replace(exp.train, diagnostics=on)
-            setup = loop.model_setup(model_cfg, tcfg, runtime)
+            setup = setup_lib.model_setup(model_cfg, tcfg, runtime)
             state, rest = setup.init(jax.random.key(0))
-            fns[name], _ = loop.compile_steps(setup, state, rest, feeds[0])
+            fns[name], _ = setup_lib.compile_steps(setup, state, rest, feeds[0])
             states[name] = state
         ops = {name: op_count(fn) for name, fn in fns.items()}
         times: dict[str, list[float]] = {"off": [], "on": []}

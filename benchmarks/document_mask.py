@@ -9,7 +9,7 @@ Pipeline: tokens/s of ``make_dataset`` on the default data (the stdlib corpus, `
 and batch of the default ``train.py``), read on this thread (``data.prefetch=0``: the cost of
 cutting the windows and marking their documents, not hidden behind the step).
 
-Step: the loop's own jitted train step (``diffjax.train.loop.jit_steps``) of the default DIFF
+Step: the loop's own jitted train step (``diffjax.train.setup.jit_steps``) of the default DIFF
 model, on real batches with ``segment_ids`` and ``positions`` against the same batches without
 them. Each round times ``--steps`` steps of one then the other (the order reversed every other
 round), so whatever else the machine runs lands on both; the table gives the median over rounds
@@ -31,7 +31,8 @@ from diffjax.infra import machine
 from diffjax.train.config import apply_overrides, load_config
 from diffjax.data import make_dataset
 from diffjax.infra.runtime import Runtime
-from diffjax.train import loop
+from diffjax.train import setup as setup_lib
+from diffjax.train import step as step_lib
 
 
 def _batches(data, batch_size: int, n: int) -> list[dict[str, np.ndarray]]:
@@ -61,7 +62,7 @@ def step_times(exp, rounds: int, steps: int) -> dict[str, list[float]]:
     """Seconds per train step of each setting, one figure per round."""
     model_cfg = exp.models["diff"]
     runtime = Runtime.of(model_cfg, exp.mesh)
-    setup = loop.model_setup(model_cfg, exp.train, runtime)
+    setup = setup_lib.model_setup(model_cfg, exp.train, runtime)
     rows = exp.train.batch_size
     host = {
         "on": _batches(exp.data.replace(document_mask=None), rows, steps),
@@ -70,9 +71,9 @@ def step_times(exp, rounds: int, steps: int) -> dict[str, list[float]]:
     feeds, steps_fn, states = {}, {}, {}
     with runtime.activate():
         for name, batches in host.items():
-            feeds[name] = [loop.model_inputs(b, runtime, rows) for b in batches]
+            feeds[name] = [step_lib.model_inputs(b, runtime, rows) for b in batches]
             state, rest = setup.init(jax.random.key(0))
-            steps_fn[name], _ = loop.compile_steps(setup, state, rest, feeds[name][0])
+            steps_fn[name], _ = setup_lib.compile_steps(setup, state, rest, feeds[name][0])
             states[name] = state
         times: dict[str, list[float]] = {"on": [], "off": []}
         for r in range(rounds + 1):  # round 0 warms up

@@ -96,7 +96,7 @@ def abstract_states(exp) -> dict[str, Any]:
     """``{label: abstract train state}`` of every model of ``exp`` (``jax.eval_shape``)."""
     import jax
 
-    from diffjax.train.loop import make_state_init
+    from diffjax.train.setup import make_state_init
 
     out = {}
     for label, model_cfg in exp.models.items():

@@ -35,7 +35,9 @@ from diffjax.infra import sharding
 from diffjax.infra import flops as flops_lib
 from diffjax.data import DataConfig, carries_documents
 from diffjax.infra.runtime import Runtime
-from diffjax.train import loop
+from diffjax.train import recorder
+from diffjax.train import setup as setup_lib
+from diffjax.train import step as step_lib
 from diffjax.train.config import load_config
 
 TINY = dict(vocab_size=256, d_model=64, num_layers=2, num_heads=2, max_seq_len=128)
@@ -70,10 +72,10 @@ def batch(rng, data: DataConfig, runtime: Runtime, rows: int, vocab: int, mean: 
         targets=tokens[:, 1:],
         weights=np.ones((rows, data.seq_len), np.float32),
     )
-    names = loop.step_inputs(data, runtime)
+    names = step_lib.step_inputs(data, runtime)
     if "segment_ids" in names:
         host["segment_ids"], host["positions"] = documents(rng, rows, data.seq_len, mean)
-    return loop.model_inputs(host, runtime, rows)
+    return step_lib.model_inputs(host, runtime, rows)
 
 
 def time_model(exp, cfg: ModelConfig, impl: str, args, mesh) -> dict:
@@ -86,16 +88,16 @@ def time_model(exp, cfg: ModelConfig, impl: str, args, mesh) -> dict:
     row = dict(impl=impl, ran=chosen, why=why)
     rng = np.random.default_rng(0)
     with runtime.activate():
-        setup = loop.model_setup(cfg, tcfg, runtime)
+        setup = setup_lib.model_setup(cfg, tcfg, runtime)
         state, rest = setup.fresh_state()
         batches = [
             batch(rng, exp.data, runtime, args.batch, cfg.vocab_size, args.doc_len)
             for _ in range(2)
         ]
         t0 = time.perf_counter()
-        step, _ = loop.compile_steps(setup, state, rest, batches[0])
+        step, _ = setup_lib.compile_steps(setup, state, rest, batches[0])
         row["compile_s"] = time.perf_counter() - t0
-        memory = loop.memory_estimate(step)
+        memory = recorder.memory_estimate(step)
         for i in range(2):  # warm-up
             state, m = step(state, batches[i % 2])
         jax.block_until_ready(m)

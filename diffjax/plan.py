@@ -7,7 +7,7 @@
 For the config's DIFF model and (``compare=true``) its standard twin (:func:`diffjax.config.twin`)
 this builds the config's mesh (``mesh.data/fsdp/tensor``) over the target's devices, the train
 state abstractly (shapes and shardings only: nothing is allocated) and lowers and compiles
-:func:`diffjax.train.loop.train_step`, with the shardings the loop uses and the model's attention
+:func:`diffjax.train.step.train_step`, with the shardings the loop uses and the model's attention
 (the Pallas kernels on GPU/TPU), with the compiler the target would run: libtpu's for a TPU
 topology (``jax.experimental.topologies``, as MaxText's ``train_compile.py`` does), XLA's CUDA
 compiler for a deviceless GPU. Both come with the ``compile`` extra (``pip install -e
@@ -53,7 +53,8 @@ from diffjax.config import ConfigError, ModelConfig, check_fields, fail
 from diffjax.kernels import cudnn
 from diffjax.nn.param_count import count_params
 from diffjax.infra.runtime import Runtime
-from diffjax.train import loop
+from diffjax.train import setup as setup_lib
+from diffjax.train import step as step_lib
 from diffjax.train.config import (
     ExperimentConfig,
     apply_overrides,
@@ -289,9 +290,9 @@ def _compiler_oom_bytes(message: str) -> int | None:
     return -1 if "RESOURCE_EXHAUSTED" in message or "Ran out of memory" in message else None
 
 
-def _concrete_rest(setup: loop.ModelSetup):
+def _concrete_rest(setup: setup_lib.ModelSetup):
     """The model's non-parameter state (DIFF V1's lambda_init per layer) as the loop holds it, a
-    constant of the step (:func:`diffjax.train.loop.compile_steps`), computed here on the CPU
+    constant of the step (:func:`diffjax.train.setup.compile_steps`), computed here on the CPU
     (XLA drops the parameter initialisers this does not return)."""
     return jax.jit(lambda: setup.init(jax.random.key(0))[1])()
 
@@ -306,8 +307,8 @@ def target_runtime(exp: ExperimentConfig, model_cfg: ModelConfig, mesh, target: 
 
 def lower_train_step(
     exp: ExperimentConfig, model_cfg: ModelConfig, devices, target: Target
-) -> tuple[loop.ModelSetup, Any, float]:
-    """The loop's own train step (:func:`diffjax.train.loop.jit_steps`) of ``model_cfg`` with
+) -> tuple[setup_lib.ModelSetup, Any, float]:
+    """The loop's own train step (:func:`diffjax.train.setup.jit_steps`) of ``model_cfg`` with
     ``exp``'s train config and mesh on ``devices`` (compile-only: nothing is allocated),
     lowered for ``target``: ``(setup, lowered, seconds to trace and lower)``."""
     tcfg = exp.train
@@ -316,16 +317,16 @@ def lower_train_step(
     with nnx.logical_axis_rules(sharding.DEFAULT_RULES):
         # shapes and shardings (jax.eval_shape; outside jax.set_mesh, whose compile-only devices
         # cannot hold the init key)
-        setup = loop.model_setup(model_cfg, tcfg, target_runtime(exp, model_cfg, mesh, target))
+        setup = setup_lib.model_setup(model_cfg, tcfg, target_runtime(exp, model_cfg, mesh, target))
         rest = _concrete_rest(setup)
     with jax.set_mesh(mesh), nnx.logical_axis_rules(sharding.DEFAULT_RULES):
         batch_sh = sharding.batch_sharding(mesh, 2)
         abstract_batch = {
             name: jax.ShapeDtypeStruct((batch, seq), dtype, sharding=batch_sh)
-            for name, dtype in loop.step_inputs(exp.data, setup.runtime).items()
+            for name, dtype in step_lib.step_inputs(exp.data, setup.runtime).items()
         }
         # the loop's own jitted step (its shardings, donation and compiler options)
-        jitted, _ = loop.jit_steps(setup, rest, {k: batch_sh for k in abstract_batch})
+        jitted, _ = setup_lib.jit_steps(setup, rest, {k: batch_sh for k in abstract_batch})
         t0 = time.time()
         with _compile_only_cudnn(target):
             lowered = jitted.trace(setup.abstract, abstract_batch).lower()
@@ -448,7 +449,7 @@ def check_plan(exp: ExperimentConfig, target: Target) -> dict[str, ModelConfig]:
     mesh = jax.sharding.AbstractMesh(shape, sharding.MESH_AXES)  # the target's axes, no devices
     for label, cfg in models.items():
         try:
-            loop.check_run(exp, mesh, [cfg])  # the rules train.py checks, in the same words
+            setup_lib.check_run(exp, mesh, [cfg])  # the rules train.py checks, in the same words
         except ConfigError as e:
             raise PlanError(f"[{label}] on {target.name} (mesh {_fmt_mesh(shape)}): {e}") from None
     return models

@@ -20,7 +20,8 @@ from diffjax.nn.model import TransformerLM
 from diffjax.infra.runtime import Runtime
 from diffjax.infra.sharding import MeshConfig
 from diffjax.train import TrainConfig
-from diffjax.train.loop import loss_fn, model_inputs, model_setup, train_step
+from diffjax.train.step import loss_fn, model_inputs, train_step
+from diffjax.train.setup import model_setup
 from diffjax.train.metrics import scalars
 
 BATCH, SEQ, VOCAB = 4, 16, 64

@@ -24,7 +24,7 @@ from jax.extend import core as jcore
 from diffjax.infra import flops
 from diffjax.config import ModelConfig, twin
 from diffjax.nn.model import TransformerLM
-from diffjax.train.loop import weighted_cross_entropy
+from diffjax.train.step import weighted_cross_entropy
 
 # Small, but with head widths of 32-64 so that the elementwise work XLA also counts stays a
 # few percent of the matmuls (a softmax map element costs ~10 elementwise FLOPs against

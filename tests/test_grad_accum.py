@@ -22,15 +22,8 @@ from diffjax.config import ConfigError, ModelConfig
 from diffjax.infra.sharding import MeshConfig
 from diffjax.train import TrainConfig
 from diffjax.infra.runtime import Runtime
-from diffjax.train.loop import (
-    accumulated_loss_and_grads,
-    check_grad_accum,
-    compile_steps,
-    loss_fn,
-    model_inputs,
-    model_setup,
-    train_step,
-)
+from diffjax.train.step import accumulated_loss_and_grads, loss_fn, model_inputs, train_step
+from diffjax.train.setup import check_grad_accum, compile_steps, model_setup
 from diffjax.train.metrics import read_metrics
 
 BATCH, SEQ = 8, 16

@@ -255,7 +255,8 @@ def test_the_planner_lowers_the_program_train_py_runs():
 
     from diffjax.infra import sharding
     from diffjax.infra.runtime import Runtime
-    from diffjax.train import loop
+    from diffjax.train import setup as setup_lib
+    from diffjax.train import step as step_lib
     from diffjax.train.config import apply_overrides, load_config
 
     overrides = ["model.d_model=32", "model.num_layers=2", "model.num_heads=1", "data.seq_len=16"]
@@ -269,10 +270,10 @@ def test_the_planner_lowers_the_program_train_py_runs():
         _, lowered, _ = planner.lower_train_step(exp, model_cfg, devices, target)
         runtime = Runtime.of(model_cfg, exp.mesh, mesh)
         with jax.set_mesh(mesh), nnx.logical_axis_rules(sharding.current_rules()):
-            setup = loop.model_setup(model_cfg, exp.train, runtime)
+            setup = setup_lib.model_setup(model_cfg, exp.train, runtime)
             state, rest = setup.fresh_state()
-            rows = next(loop.process_stream(exp, "train", mesh))
-            batch = loop.model_inputs(rows, runtime, exp.train.batch_size)
-            train, _ = loop.jit_steps(setup, rest, {k: v.sharding for k, v in batch.items()})
+            rows = next(setup_lib.process_stream(exp, "train", mesh))
+            batch = step_lib.model_inputs(rows, runtime, exp.train.batch_size)
+            train, _ = setup_lib.jit_steps(setup, rest, {k: v.sharding for k, v in batch.items()})
             ours = train.lower(state, batch).as_text()
         assert lowered.as_text() == ours

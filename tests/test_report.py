@@ -16,7 +16,7 @@ from diffjax.compare.report import (
     plot_losses,
     results_table,
 )
-from diffjax.train.loop import TrainResult
+from diffjax.train.recorder import TrainResult
 
 
 def _result(directory, label, seed, val_loss, accuracy, records):

@@ -24,7 +24,7 @@ from diffjax.config import (
 )
 from diffjax.nn.model import with_context
 from diffjax.infra.runtime import Runtime
-from diffjax.train.loop import model_inputs
+from diffjax.train.step import model_inputs
 
 SRC = pathlib.Path(__file__).parent.parent / "diffjax"
 TINY = ModelConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=1, max_seq_len=32)

@@ -27,7 +27,8 @@ from diffjax.infra import sharding
 from diffjax.config import ConfigError
 from diffjax.infra.sharding import DEFAULT_RULES, MeshConfig, make_mesh
 from diffjax.train import TrainConfig
-from diffjax.train.loop import make_state_init, train_step
+from diffjax.train.setup import make_state_init
+from diffjax.train.step import train_step
 from diffjax.train.optimizer import learning_rate_schedule, make_optimizer
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs JAX_NUM_CPU_DEVICES=8")

@@ -14,6 +14,8 @@ import orbax.checkpoint as ocp
 import pytest
 
 from diffjax.train import loop
+
+from diffjax.train import step as step_lib
 from diffjax.train.metrics import read_metrics
 from diffjax.train.optimizer import skip_spikes, spike_test
 
@@ -102,7 +104,7 @@ def planted(monkeypatch):
     sum of any batch whose weights pass 1 by ``factor``. Yields a setter for the factor."""
     factor = {"value": 1e3}
     read = {"n": 0}
-    original_batch, original_ce = loop._Steps.batch, loop.weighted_cross_entropy
+    original_batch, original_ce = loop._Steps.batch, step_lib.weighted_cross_entropy
 
     def batch(self):
         b, wait = original_batch(self)
@@ -116,7 +118,7 @@ def planted(monkeypatch):
         return total * jnp.where(jnp.max(weights) > 1.5, factor["value"], 1.0), weight
 
     monkeypatch.setattr(loop._Steps, "batch", batch)
-    monkeypatch.setattr(loop, "weighted_cross_entropy", ce)
+    monkeypatch.setattr(step_lib, "weighted_cross_entropy", ce)
     return lambda value: factor.update(value=value)
 
 

@@ -769,7 +769,7 @@ def test_every_seed_reuses_one_compiled_init_and_gets_the_constant_seed_state():
     import dataclasses
 
     from diffjax.infra import sharding
-    from diffjax.train.loop import make_state_init, model_setup
+    from diffjax.train.setup import make_state_init, model_setup
 
     exp = apply_overrides(
         ExperimentConfig(),
@@ -817,14 +817,14 @@ def test_report_leaves_the_matplotlib_backend_alone(tmp_path):
 
 
 def test_validation_splits_first_and_repeated_queries():
-    """loop.evaluate on a needle batch with queries drawn with replacement, with predictions
+    """diffjax.train.step.evaluate on a needle batch with queries drawn with replacement, with predictions
     that are right on every repeated query and wrong on every other: the query accuracy is the
     share of repeats, the first-query accuracy 0 and the repeat accuracy 1."""
     import jax.numpy as jnp
 
     from diffjax.infra import sharding
     from diffjax.data import DataConfig, make_source, query_kinds, validation_metrics
-    from diffjax.train import loop
+    from diffjax.train import step as step_lib
 
     d = DataConfig(
         source="needle",
@@ -850,7 +850,7 @@ def test_validation_splits_first_and_repeated_queries():
         return jnp.float32(1.0), jnp.float32(1.0), inputs["inputs"] * 0 + jnp.asarray(preds)
 
     mesh = sharding.make_mesh()
-    out = loop.evaluate(eval_fn, None, [batch], Runtime(mesh), 8, validation_metrics(d))
+    out = step_lib.evaluate(eval_fn, None, [batch], Runtime(mesh), 8, validation_metrics(d))
     assert out["val_first_query_accuracy"] == 0.0 and out["val_repeat_query_accuracy"] == 1.0
     assert out["val_query_accuracy"] == pytest.approx(repeat.mean())
     assert repeat.mean() > 0.6 and not repeat[:, 0].any() and first[:, 0].all()
@@ -860,9 +860,9 @@ def test_a_corpus_declares_no_validation_metric_and_the_loop_computes_none():
     """The loop sums only what the data declares: a corpus has loss and perplexity alone."""
     import jax.numpy as jnp
 
-    from diffjax.infra import sharding
     from diffjax.data import DataConfig, RETRIEVAL_METRICS, make_source, validation_metrics
-    from diffjax.train import loop
+    from diffjax.infra import sharding
+    from diffjax.train import step as step_lib
 
     assert validation_metrics(DataConfig(max_files=4)) == {}
     assert validation_metrics(DataConfig(source="mqar", seq_len=64)) == dict(RETRIEVAL_METRICS)
@@ -872,11 +872,11 @@ def test_a_corpus_declares_no_validation_metric_and_the_loop_computes_none():
     def eval_fn(params, inputs):
         return jnp.float32(2.0), jnp.float32(1.0), inputs["inputs"]
 
-    out = loop.evaluate(eval_fn, None, [batch], Runtime(sharding.make_mesh()), 8)
+    out = step_lib.evaluate(eval_fn, None, [batch], Runtime(sharding.make_mesh()), 8)
     assert set(out) == {"val_loss", "val_ppl"} and out["val_loss"] == 2.0
     counted = {"twos": lambda preds, b: (int((preds == 2).sum()), 0)}  # nothing counted: left out
     assert set(
-        loop.evaluate(eval_fn, None, [batch], Runtime(sharding.make_mesh()), 8, counted)
+        step_lib.evaluate(eval_fn, None, [batch], Runtime(sharding.make_mesh()), 8, counted)
     ) == {
         "val_loss",
         "val_ppl",

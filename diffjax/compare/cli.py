@@ -47,17 +47,10 @@ from diffjax.train.config import (
     load_config,
     model_directory,
 )
-from diffjax.train.loop import (
-    AfterStep,
-    Preempted,
-    TrainingDiverged,
-    TrainResult,
-    attention_choice,
-    check_run,
-    describe_mesh,
-    preemption_guard,
-    train_model,
-)
+from diffjax.train.loop import AfterStep, train_model
+from diffjax.train.preemption import Preempted, TrainingDiverged, preemption_guard
+from diffjax.train.recorder import TrainResult
+from diffjax.train.setup import attention_choice, check_run, describe_mesh
 
 from diffjax.compare.report import results_table, write_report
 from diffjax.compare.retrofit_study import load_study, run_study, summary

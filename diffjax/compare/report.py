@@ -43,7 +43,7 @@ from diffjax.evaluate.stats import (
     paired_difference,
 )
 from diffjax.train.config import ExperimentConfig
-from diffjax.train.loop import TrainResult
+from diffjax.train.recorder import TrainResult
 from diffjax.train.metrics import read_metrics
 
 from diffjax.compare import signals

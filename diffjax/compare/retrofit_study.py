@@ -73,7 +73,9 @@ from diffjax.train.checkpoint import (
     resolve_init_from,
 )
 from diffjax.train.config import ExperimentConfig, apply_overrides, load_config
-from diffjax.train.loop import AfterStep, Preempted, check_run, preemption_guard, train_model
+from diffjax.train.loop import AfterStep, train_model
+from diffjax.train.preemption import Preempted, preemption_guard
+from diffjax.train.setup import check_run
 from diffjax.train.metrics import read_metrics
 
 from diffjax.compare.retrofit_report import DONE_FILE, PLAN_FILE, RUN_CONFIG, write_study_report

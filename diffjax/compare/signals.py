@@ -14,7 +14,7 @@ from matplotlib.ticker import FuncFormatter, MaxNLocator
 
 from diffjax.infra import storage
 from diffjax.evaluate.stats import fmt_mean_std, group_by_label
-from diffjax.train.loop import TrainResult
+from diffjax.train.recorder import TrainResult
 from diffjax.train.metrics import read_metrics
 
 

@@ -22,7 +22,8 @@ from diffjax.infra import sharding
 from diffjax.config import ModelConfig
 from diffjax.train.config import ExperimentConfig
 from diffjax.infra.runtime import Runtime
-from diffjax.train.loop import compile_steps, model_inputs, model_setup, process_stream
+from diffjax.train.setup import compile_steps, model_setup, process_stream
+from diffjax.train.step import model_inputs
 
 
 @dataclasses.dataclass
