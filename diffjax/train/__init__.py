@@ -4,8 +4,9 @@ its :class:`TrainResult`), Orbax checkpoints and metrics files.
 By concern: :mod:`.step` (the loss, accumulation, the jitted train and eval steps),
 :mod:`.setup` (the run's checks, the model, optimizer, compiled steps and initial state),
 :mod:`.recorder` (each step's record: metrics.jsonl, TensorBoard, W&B; the summary),
-:mod:`.preemption` (SIGTERM/SIGINT to a saved stop; divergence), :mod:`.loop` (one model's
-training, from these), :mod:`.checkpoint`, :mod:`.metrics`, :mod:`.optimizer`, :mod:`.config`.
+:mod:`.preemption` (SIGTERM/SIGINT to a saved stop; divergence), :mod:`.hooks` (what runs
+after a step, every N steps), :mod:`.loop` (one model's training, from these),
+:mod:`.checkpoint`, :mod:`.metrics`, :mod:`.optimizer`, :mod:`.config`.
 
 A model and seed of a run lives in ``<run dir>/<label>/seed_<seed>/`` (:func:`model_directory`):
 ``metrics.jsonl``, ``tb/``, ``checkpoints/`` and ``result.json``.

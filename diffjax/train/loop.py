@@ -15,13 +15,10 @@ the step is compiled once with those shardings. Every step's loss reaches ``metr
 from __future__ import annotations
 
 import dataclasses
-import itertools
-import math
 import time
 from typing import Any, Callable
 
 import jax
-import numpy as np
 from flax import nnx
 
 from diffjax import data as data_lib
@@ -40,8 +37,9 @@ from diffjax.train.metrics import (
     StepProfiler,
     read_metrics,
 )
-from diffjax.train.step import evaluate, model_inputs
+from diffjax.train.step import model_inputs
 from diffjax.train.setup import (
+    Validation,
     ModelSetup,
     open_run,
     attention_choice,
@@ -61,6 +59,7 @@ from diffjax.train.recorder import (
     metrics_sink,
     summarize,
 )
+from diffjax.train.hooks import Hooks
 from diffjax.train.preemption import KeepPosition, Preempted, TrainingDiverged, preemption_guard
 
 
@@ -100,75 +99,6 @@ def train_model(
 
 
 @dataclasses.dataclass
-class _Validation:
-    """The validation batches every evaluation of a model reads (this process's rows), and the
-    metrics the data declares beyond loss and perplexity."""
-
-    batches: list[dict[str, np.ndarray]]
-    metrics: dict[str, data_lib.ValidationMetric]
-    # a mixture: each validated component's own batches (``eval_batches`` of each), and the
-    # shares its losses are blended by into val_loss (the training weights, as realised)
-    components: dict[str, list[dict[str, np.ndarray]]] = dataclasses.field(default_factory=dict)
-    blend: dict[str, float] = dataclasses.field(default_factory=dict)
-
-    @classmethod
-    def of(cls, exp: ExperimentConfig, mesh) -> "_Validation":
-        data, n = exp.data, exp.train.eval_batches
-        if data.source != "mixture":
-            batches = list(itertools.islice(process_stream(exp, "validation", mesh), n))
-            return cls(
-                _some(batches, exp, mesh, repr(data.source)), data_lib.validation_metrics(data)
-            )
-        parts = {c.name: data.component(c.name) for c in data.mixture}
-        components = {
-            name: _some(
-                list(itertools.islice(process_stream(exp, "validation", mesh, part), n)),
-                exp,
-                mesh,
-                f"component {name!r}",
-            )
-            for name, part in parts.items()
-            if part.val_fraction > 0  # a component without a validation split
-        }
-        if not components:
-            raise data_lib.DataError(
-                "DataConfig.mixture: no component has a validation split (each sets "
-                "val_fraction=0). Fix: give one a val_fraction > 0."
-            )
-        batches = [b for bs in components.values() for b in bs]
-        shares = data_lib.mixture.shares(data.weights)
-        return cls(batches, {}, components, {k: shares[k] for k in components})
-
-    def evaluate(self, eval_fn, params, runtime: Runtime, rows: int) -> dict[str, float]:
-        """The validation metrics of ``params``. A mixture's: each component's loss as
-        ``val_loss/<name>``, and ``val_loss`` their blend by the training shares (the mean where
-        no validated component is trained on)."""
-        if not self.components:
-            return evaluate(eval_fn, params, self.batches, runtime, rows, self.metrics)
-        out = {
-            f"val_loss/{name}": evaluate(eval_fn, params, batches, runtime, rows)["val_loss"]
-            for name, batches in self.components.items()
-        }
-        total = sum(self.blend.values())
-        weights = self.blend if total > 0 else dict.fromkeys(self.blend, 1.0)
-        loss = sum(w * out[f"val_loss/{n}"] for n, w in weights.items()) / sum(weights.values())
-        return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0)), **out}
-
-
-def _some(batches: list, exp: ExperimentConfig, mesh, what: str) -> list:
-    """``batches``, or a DataError when the validation split of ``what`` gave none."""
-    if not batches:
-        tcfg = exp.train
-        local_batch = tcfg.batch_size // sharding.process_batch_share(mesh, tcfg.batch_size)[1]
-        raise data_lib.DataError(
-            f"the validation split of {what} data holds no batch of "
-            f"{local_batch} x {exp.data.seq_len} tokens. Fix: add data, or lower "
-            f"train.batch_size or data.seq_len, or raise data.val_fraction."
-        )
-    return batches
-
-
-@dataclasses.dataclass
 class _Steps:
     """What the steps of one model's run share besides the state: the config, the mesh, the
     checkpointer and the checkpoint metadata, the data, the compiled steps and the recorder."""
@@ -179,7 +109,7 @@ class _Steps:
     ckpt: Checkpointer
     meta: dict
     train_iter: Any
-    val: _Validation
+    val: Validation
     train_fn: Callable
     eval_fn: Callable
     recorder: "Recorder"
@@ -188,6 +118,7 @@ class _Steps:
     plan: data_lib.MixturePlan | None = None  # a mixture's: what each batch reads
     log: Callable[[str], None] = print
     read: int = 0  # global batches the train iterator has read (a rollback skips, not rereads)
+    val_loss: float | None = None  # the last evaluation's, saved with the checkpoint after it
 
     def batch(self) -> tuple[dict[str, jax.Array] | None, float]:
         """The next training batch on the devices (None: the data has ended, a mixture with
@@ -206,26 +137,39 @@ class _Steps:
         """The data ended after ``step``: said in the log, that step evaluated and saved."""
         self.log(f"[{self.label}] {self.plan.end_note(step)}")
         if self.recorder.queued is not None:
-            self.evaluate_and_save(step, state, force=True)
+            self.evaluate(step, state)
+            self.save(step, state)
 
     def is_checkpoint(self, step: int) -> bool:
         return step % self.exp.train.checkpoint_every == 0 or step == self.exp.train.steps
 
-    def evaluate_and_save(self, step: int, state, force: bool = False) -> None:
-        """At an evaluation or checkpoint step (or ``force``: the data ended): validation into
-        the step's record, and the checkpoint (with the data iterator's position) once the
-        record is written."""
-        tcfg, save = self.exp.train, self.is_checkpoint(step) or force
-        if not (save or step % tcfg.eval_every == 0):
-            return
+    def hooks(self, after_step: AfterStep | None) -> Hooks:
+        """After each step, in order: the evaluation (every ``train.eval_every`` steps and at
+        each checkpoint step), the checkpoint (every ``train.checkpoint_every`` steps and the
+        last), the caller's ``after_step`` and the preemption stop."""
+        tcfg, hooks = self.exp.train, Hooks()
+        hooks.add(self.evaluate, every=tcfg.eval_every, also=self.is_checkpoint)
+        hooks.add(self.save, every=tcfg.checkpoint_every, also=lambda s: s == tcfg.steps)
+        if after_step is not None:
+            hooks.add(lambda step, state: after_step(step, self.ckpt), name="after_step")
+        hooks.add(self.stop_if_preempted)
+        return hooks
+
+    def evaluate(self, step: int, state) -> None:
+        """Validation into the step's record, written now."""
         record = self.recorder.pop()
-        rows = tcfg.batch_size
+        rows = self.exp.train.batch_size
         record.update(self.val.evaluate(self.eval_fn, state["params"], self.runtime, rows))
         self.recorder.write_evaluated(record)
-        if save:
-            self.ckpt.save(step, state, self.train_iter.get_state(), self.meta, record["val_loss"])
-            self.recorder.last_good = step
-            self.recorder.writer.flush()  # a bucket's metrics.jsonl holds this step's records
+        self.val_loss = record["val_loss"]
+        self.recorder.restart_clock()
+
+    def save(self, step: int, state) -> None:
+        """The checkpoint of ``step`` (with the data iterator's position and the step's
+        validation loss; the evaluation hook ran first), and the metrics flushed."""
+        self.ckpt.save(step, state, self.train_iter.get_state(), self.meta, self.val_loss)
+        self.recorder.last_good = step
+        self.recorder.writer.flush()  # a bucket's metrics.jsonl holds this step's records
         self.recorder.restart_clock()
 
     def roll_back(
@@ -299,7 +243,7 @@ def _train_model(
         )
     ckpt, latest, meta = open_run(exp, model_cfg, label, directory, require_checkpoint, log)
     stages = meta.get("mixture_stages")
-    train_iter, val = process_stream(exp, "train", mesh, None, stages), _Validation.of(exp, mesh)
+    train_iter, val = process_stream(exp, "train", mesh, None, stages), Validation.of(exp, mesh)
     setup = model_setup(model_cfg, tcfg, runtime, exp.retrofit.schedule)
     retrofit = exp.retrofit if tcfg.retrofit else None
     state, rest = initial_state(
@@ -316,6 +260,7 @@ def _train_model(
     recorder = Recorder(writer, tokens, bar, latest, ckpt.directory, throughput)
     run = _Steps(exp, runtime, label, ckpt, meta, train_iter, val, train_fn, eval_fn, recorder)
     run.plan, run.log, run.read = _mixture_plan(exp, stages, log, label), log, _read(train_iter)
+    hooks = run.hooks(after_step)
     profiler = StepProfiler(tcfg.profile_window, directory)
     step = start
     try:
@@ -330,10 +275,7 @@ def _train_model(
             profiler.after(step, metrics)
             try:  # the first step after a (re)start includes warm-up: not counted in throughput
                 recorder.push(step, metrics, timed=step > start + 1, data_wait=wait)
-                run.evaluate_and_save(step, state)
-                if after_step is not None:
-                    after_step(step, ckpt)
-                run.stop_if_preempted(step, state)
+                hooks.run(step, state)
             except TrainingDiverged as diverged:  # train.on_nan=rollback, else raised again
                 state, step = run.roll_back(diverged, setup, model_cfg, log)
     except storage.StorageError:  # the bucket stopped answering: a save in flight cannot commit

@@ -5,6 +5,8 @@ checkpoint, and the data streams of this process."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import math
 import functools
 import json
 from typing import Any, Callable, Iterable, Iterator
@@ -38,7 +40,7 @@ from diffjax.train.metrics import (
     check_wandb,
 )
 from diffjax.train.optimizer import learning_rate_schedule, make_optimizer
-from diffjax.train.step import eval_step, train_step
+from diffjax.train.step import eval_step, evaluate, train_step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -441,3 +443,72 @@ def describe_mesh(mesh) -> str:
         f"{sizes} ({mesh.devices.size} device{'s' * (mesh.devices.size > 1)}, "
         f"{jax.process_count()} process{'es' * (jax.process_count() > 1)})"
     )
+
+
+@dataclasses.dataclass
+class Validation:
+    """The validation batches every evaluation of a model reads (this process's rows), and the
+    metrics the data declares beyond loss and perplexity."""
+
+    batches: list[dict[str, np.ndarray]]
+    metrics: dict[str, data_lib.ValidationMetric]
+    # a mixture: each validated component's own batches (``eval_batches`` of each), and the
+    # shares its losses are blended by into val_loss (the training weights, as realised)
+    components: dict[str, list[dict[str, np.ndarray]]] = dataclasses.field(default_factory=dict)
+    blend: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def of(cls, exp: ExperimentConfig, mesh) -> "Validation":
+        data, n = exp.data, exp.train.eval_batches
+        if data.source != "mixture":
+            batches = list(itertools.islice(process_stream(exp, "validation", mesh), n))
+            return cls(
+                _some(batches, exp, mesh, repr(data.source)), data_lib.validation_metrics(data)
+            )
+        parts = {c.name: data.component(c.name) for c in data.mixture}
+        components = {
+            name: _some(
+                list(itertools.islice(process_stream(exp, "validation", mesh, part), n)),
+                exp,
+                mesh,
+                f"component {name!r}",
+            )
+            for name, part in parts.items()
+            if part.val_fraction > 0  # a component without a validation split
+        }
+        if not components:
+            raise data_lib.DataError(
+                "DataConfig.mixture: no component has a validation split (each sets "
+                "val_fraction=0). Fix: give one a val_fraction > 0."
+            )
+        batches = [b for bs in components.values() for b in bs]
+        shares = data_lib.mixture.shares(data.weights)
+        return cls(batches, {}, components, {k: shares[k] for k in components})
+
+    def evaluate(self, eval_fn, params, runtime: Runtime, rows: int) -> dict[str, float]:
+        """The validation metrics of ``params``. A mixture's: each component's loss as
+        ``val_loss/<name>``, and ``val_loss`` their blend by the training shares (the mean where
+        no validated component is trained on)."""
+        if not self.components:
+            return evaluate(eval_fn, params, self.batches, runtime, rows, self.metrics)
+        out = {
+            f"val_loss/{name}": evaluate(eval_fn, params, batches, runtime, rows)["val_loss"]
+            for name, batches in self.components.items()
+        }
+        total = sum(self.blend.values())
+        weights = self.blend if total > 0 else dict.fromkeys(self.blend, 1.0)
+        loss = sum(w * out[f"val_loss/{n}"] for n, w in weights.items()) / sum(weights.values())
+        return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0)), **out}
+
+
+def _some(batches: list, exp: ExperimentConfig, mesh, what: str) -> list:
+    """``batches``, or a DataError when the validation split of ``what`` gave none."""
+    if not batches:
+        tcfg = exp.train
+        local_batch = tcfg.batch_size // sharding.process_batch_share(mesh, tcfg.batch_size)[1]
+        raise data_lib.DataError(
+            f"the validation split of {what} data holds no batch of "
+            f"{local_batch} x {exp.data.seq_len} tokens. Fix: add data, or lower "
+            f"train.batch_size or data.seq_len, or raise data.val_fraction."
+        )
+    return batches
