@@ -6,7 +6,7 @@
 
 For one DIFF V1 attention layer's forward + backward (the gradient of ``sum(out**2)`` in q1, k1,
 q2, k2, v and lambda; B=1, Hq=Hkv=4, D=64, v 2D wide) it compiles, for each sequence length T
-and context size N, the program of :func:`diffjax.ops.context.context_differential_attention`
+and context size N, the program of :func:`diffjax.ops.context.context_attention` (two maps)
 (zigzag order, inputs sharded over the ``context`` axis) with ``impl="ring"`` (key chunks of
 ``--block-k``) and ``impl="allgather"``, and for N=1 the plain reference
 (:func:`diffjax.kernels.reference.differential_attention`) on one device. It prints a markdown
@@ -92,8 +92,15 @@ def _program(impl: str, n: int, t: int, dtype):
     )
 
     def attn(q1, k1, q2, k2, v, lam):
-        return context.context_differential_attention(
-            q1, k1, q2, k2, v, lam, mesh=mesh, impl=impl, order="zigzag", block_k=ARGS.block_k
+        return context.context_attention(
+            q1,
+            k1,
+            v,
+            second=(q2, k2, lam),
+            mesh=mesh,
+            impl=impl,
+            order="zigzag",
+            block_k=ARGS.block_k,
         )
 
     seq = NamedSharding(mesh, P(None, "context"))

@@ -18,6 +18,11 @@ from diffjax.kernels import reference
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 
+def context_diff(q1, k1, q2, k2, v, lam, **options):
+    """Differential attention over the context axis: the two-map case of context_attention."""
+    return context.context_attention(q1, k1, v, second=(q2, k2, lam), **options)
+
+
 def _mesh(n: int, name: str = "context"):
     return jax.make_mesh(
         (n,), (name,), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:n]
@@ -152,11 +157,10 @@ def _check_against_reference(kind, impl, order, n, heads, segments, causal, bloc
         if kernel is not None:
             opts.update(kernel=kernel, interpret=True)
         if kind == "standard":
-            out = context.context_dot_product_attention(kw["q"], kw["k"], kw["v"], **opts)
+            out = context.context_attention(kw["q"], kw["k"], kw["v"], **opts)
         else:
-            out = context.context_differential_attention(
-                kw["q1"], kw["k1"], kw["q2"], kw.get("k2"), kw["v"], kw["lam"], **opts
-            )
+            second = (kw["q2"], kw.get("k2"), kw["lam"])
+            out = context.context_attention(kw["q1"], kw["k1"], kw["v"], second=second, **opts)
         out = out[:, inv]
         return jnp.sum(w * out), out
 
@@ -271,7 +275,7 @@ def test_errors_name_the_field_and_the_fix():
     q = jnp.zeros((1, 36, 2, 8))
     v = jnp.zeros((1, 36, 2, 16))
     mesh = _mesh(4)
-    call = context.context_differential_attention
+    call = context_diff
     with pytest.raises(ConfigError, match=r"context\.seq_len.*2\*4.*Fix"):
         call(q, q, q, q, v, 0.5, mesh=mesh)  # 36 splits 4 ways, not 8
     with pytest.raises(ConfigError, match=r"context\.seq_len.*Fix"):
@@ -288,9 +292,9 @@ def test_errors_name_the_field_and_the_fix():
     with pytest.raises(ConfigError, match=r"context\.impl.*'flash'.*Fix.*'ring'"):
         call(q, q, q, q, v, 0.5, mesh=mesh, impl="flash")
     with pytest.raises(ConfigError, match=r"context\.order.*'random'.*Fix.*'zigzag'"):
-        context.context_dot_product_attention(q, q, q, mesh=mesh, order="random")
+        context.context_attention(q, q, q, mesh=mesh, order="random")
     with pytest.raises(ConfigError, match=r"context\.axis.*'seq'.*Fix"):
-        context.context_dot_product_attention(q, q, q, mesh=mesh, axis="seq")
+        context.context_attention(q, q, q, mesh=mesh, axis="seq")
     with pytest.raises(ValueError, match="lam must be"):
         call(q, q, q, q, v, jnp.zeros((3,)), mesh=mesh)
 
@@ -298,9 +302,7 @@ def test_errors_name_the_field_and_the_fix():
 # ---------------------------------------------------------------------------- the ring's backward
 def _loss_fn(impl, mesh):
     def loss(q1, k1, q2, k2, v, lam):
-        out = context.context_differential_attention(
-            q1, k1, q2, k2, v, lam, mesh=mesh, impl=impl, order="zigzag"
-        )
+        out = context_diff(q1, k1, q2, k2, v, lam, mesh=mesh, impl=impl, order="zigzag")
         return jnp.sum(out.astype(jnp.float32) ** 2)
 
     return jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5))
@@ -309,9 +311,7 @@ def _loss_fn(impl, mesh):
 def test_ring_backward_is_a_custom_vjp_that_rotates():
     mesh = _mesh(2)
     args, _ = _inputs("v1", 1, 16, 2, 2, 8)
-    fwd = jax.make_jaxpr(
-        lambda *a: context.context_differential_attention(*a, mesh=mesh, impl="ring")
-    )(*args.values())
+    fwd = jax.make_jaxpr(lambda *a: context_diff(*a, mesh=mesh, impl="ring"))(*args.values())
     assert "custom_vjp_call" in str(fwd)
     grad = str(jax.make_jaxpr(_loss_fn("ring", mesh))(*args.values()))
     assert "ppermute" in grad and "all_gather" not in grad
@@ -353,7 +353,7 @@ def test_per_row_positions_on_a_data_context_tensor_mesh(impl):
 
     def context_loss(q1, k1, q2, v, lam):
         q1, k1, q2, v, lam = (x[rows, perms] for x in (q1, k1, q2, v, lam))
-        out = context.context_differential_attention(
+        out = context_diff(
             q1,
             k1,
             q2,
@@ -432,11 +432,9 @@ def test_logit_max_is_the_ring_running_max(
     def loss(logit_max, *xs):
         kw = {k: x[:, perm] if jnp.ndim(x) > 1 else x for k, x in zip(names, xs)}
         if kind == "standard":
-            res = context.context_dot_product_attention(
-                kw["q"], kw["k"], kw["v"], logit_max=logit_max, **opts
-            )
+            res = context.context_attention(kw["q"], kw["k"], kw["v"], logit_max=logit_max, **opts)
         else:
-            res = context.context_differential_attention(
+            res = context_diff(
                 kw["q1"],
                 kw["k1"],
                 kw["q2"],

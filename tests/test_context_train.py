@@ -78,21 +78,18 @@ def reference(tmp_path_factory):
     ],
 )
 def test_training_with_a_context_axis_gives_the_same_losses(reference, tmp_path, mesh, monkeypatch):
-    calls = {}
-    for name in ("context_differential_attention", "context_dot_product_attention"):
-        real = getattr(context, name)
+    calls, real = {}, context.context_attention
 
-        def counted(*a, _real=real, _name=name, **k):
-            calls[_name] = calls.get(_name, 0) + 1  # at trace time
-            return _real(*a, **k)
+    def counted(*a, **k):
+        kind = "standard" if k.get("second") is None else "diff"
+        calls[kind] = calls.get(kind, 0) + 1  # at trace time
+        return real(*a, **k)
 
-        monkeypatch.setattr(context, name, counted)
+    monkeypatch.setattr(context, "context_attention", counted)
     run = tmp_path / "run"
     assert main([f"run.dir={run}", *TINY, *mesh]) == 0
     # both models attended through the sequence-parallel path (traced at least once each)
-    assert calls.get("context_differential_attention") and calls.get(
-        "context_dot_product_attention"
-    )
+    assert calls.get("diff") and calls.get("standard")
     for label in ("diff", "standard"):
         np.testing.assert_allclose(
             _losses(run, label), _losses(reference, label), rtol=RTOL, err_msg=label
@@ -286,9 +283,9 @@ def test_generate_prefills_through_the_ring_and_gives_the_same_tokens(monkeypatc
     prompt, lengths = pad_prompts([rng.integers(1, 64, n).tolist() for n in (40, 57)])
     ref = np.asarray(generate(model, prompt, 8, prompt_lengths=lengths))
     calls = []
-    real = context.context_differential_attention
+    real = context.context_attention
     monkeypatch.setattr(
-        context, "context_differential_attention", lambda *a, **k: calls.append(1) or real(*a, **k)
+        context, "context_attention", lambda *a, **k: calls.append(1) or real(*a, **k)
     )
     real_partials, blocks = gpu.flash_partials, []
     monkeypatch.setattr(

@@ -130,9 +130,9 @@ def test_generation_takes_a_runtime_and_gives_the_tokens_of_one_device(monkeypat
     from diffjax.ops import context
     from diffjax import generate
 
-    real, rings = context.context_differential_attention, []
+    real, rings = context.context_attention, []
     monkeypatch.setattr(
-        context, "context_differential_attention", lambda *a, **k: rings.append(1) or real(*a, **k)
+        context, "context_attention", lambda *a, **k: rings.append(1) or real(*a, **k)
     )
     model = TransformerLM(TINY, rngs=nnx.Rngs(2))
     prompt = np.arange(16, dtype=np.int32).reshape(2, 8) * 3 % 64

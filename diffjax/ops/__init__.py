@@ -1,6 +1,8 @@
 """The attention computation: what the attention layers call for one or two softmax maps.
 
-- :mod:`.dispatch`: the one dispatch point (shape checks, the implementation per call:
+- :mod:`.dispatch`: the one dispatch point, :func:`attention` for one softmax map or two
+  (:func:`dot_product_attention` and :func:`differential_attention` call it; shape checks, the
+  implementation per call:
   ``xla``, ``pallas``, ``cudnn``, ``splash`` or ``auto``, the kernels' self-check);
 - :mod:`.context`: attention over the ``context`` mesh axis (the ring, the all-gather, the
   kernel ring);
@@ -13,6 +15,7 @@ diffjax.
 """
 
 from diffjax.ops.dispatch import (
+    attention,
     check_impl,
     check_kernels,
     choose,
@@ -26,6 +29,7 @@ from diffjax.ops.dispatch import (
 )
 
 __all__ = [
+    "attention",
     "check_impl",
     "check_kernels",
     "choose",

@@ -16,8 +16,8 @@ Queries stay where they are; keys and values travel:
   gathered whole on every device (``jax.lax.all_gather(tiled=True)``), then the reference's
   math on ``[T/N, T]`` maps; plain autodiff. Simpler, ``O(T)`` memory per device.
 
-Both are called *inside* ``jax.shard_map``; :func:`context_differential_attention` and
-:func:`context_dot_product_attention` are the wrappers to call from outside.
+Both are called *inside* ``jax.shard_map``; :func:`context_attention` (one softmax map or two)
+is the wrapper to call from outside.
 
 **Token order and positions.** Masks are built from the *global* positions of the tokens
 (``q_pos``, ``k_pos``: a key is visible to a query iff ``k_pos <= q_pos`` under the causal
@@ -1137,14 +1137,12 @@ def _run(fn, mesh, args, specs, out_spec):
     )
 
 
-def context_differential_attention(
-    q1,
-    k1,
-    q2,
-    k2,
+def context_attention(
+    q,
+    k,
     v,
-    lam,
     *,
+    second=None,
     mesh,
     axis: str = "context",
     impl: str = "ring",
@@ -1162,21 +1160,25 @@ def context_differential_attention(
     compute_capability: tuple[int, int] | None = None,
     logit_max: bool = False,
 ):
-    """Differential attention with the sequence sharded over ``mesh``'s ``axis``; call from
-    outside ``jax.shard_map``.
+    """Attention with the sequence sharded over ``mesh``'s ``axis``, for one softmax map or
+    two; call from outside ``jax.shard_map``.
 
-    Inputs are whole arrays already in ``order`` along T: q1, q2 ``[B, T, Hq, D]``; k1, k2
-    ``[B, T, Hkv, D]`` (``k2`` None: both maps read k1); v ``[B, T, Hkv, Dv]``; lam a scalar
-    or ``[B, T, Hq]``; segment ids ``[B, T]``. For ``order="zigzag"`` the caller permuted
-    them with ``x[:, zigzag_order(T, n)]`` (``n`` the axis size) and un-permutes the output
-    with :func:`inverse_order`; ``"contiguous"`` is the natural order. ``positions`` ``[T]``
-    or ``[B, T]`` (int), when given, are the tokens' global positions in whatever order the
-    inputs are in, and ``order`` is not used. ``impl``: ``"ring"`` or ``"allgather"``;
-    ``block_k``: the ring's key chunk (see :func:`ring_differential_attention`).
+    One map (``second`` None): standard attention ``softmax(q k^T s) v``. Two maps
+    (``second=(q2, k2, lam)``): differential attention ``softmax(q k^T s) v - lam *
+    softmax(q2 k2^T s) v`` (``k2`` None: both maps read ``k``; ``lam`` a scalar or
+    ``[B, T, Hq]``).
+
+    Inputs are whole arrays already in ``order`` along T: q, q2 ``[B, T, Hq, D]``; k, k2
+    ``[B, T, Hkv, D]``; v ``[B, T, Hkv, Dv]``; segment ids ``[B, T]``. For ``order="zigzag"``
+    the caller permuted them with ``x[:, zigzag_order(T, n)]`` (``n`` the axis size) and
+    un-permutes the output with :func:`inverse_order`; ``"contiguous"`` is the natural order.
+    ``positions`` ``[T]`` or ``[B, T]`` (int), when given, are the tokens' global positions in
+    whatever order the inputs are in, and ``order`` is not used. ``impl``: ``"ring"`` or
+    ``"allgather"``; ``block_k``: the ring's key chunk (see :func:`ring_differential_attention`).
 
     ``batch_axes`` / ``head_axes``: mesh axes (a name, a tuple of names, or None) that split
     the batch and the heads (kv and query heads alike, so each query head keeps its kv group);
-    other mesh axes replicate. Returns ``[B, T, Hq, Dv]`` in ``q1.dtype``, in the inputs'
+    other mesh axes replicate. Returns ``[B, T, Hq, Dv]`` in ``q.dtype``, in the inputs'
     token order.
 
     ``kernel`` (``"gpu"``, ``"tpu"``; None: the XLA math): the ring's blocks run the fused
@@ -1185,7 +1187,7 @@ def context_differential_attention(
     ``order`` (``"zigzag"`` or ``"contiguous"``) and ``positions`` None (see
     :data:`KERNEL_ORDERS`' comment).
 
-    ``logit_max=True``: ``(out, maxes)``, ``maxes`` float32 ``[2, B, T, Hq]`` each map's
+    ``logit_max=True``: ``(out, maxes)``, ``maxes`` float32 ``[n_maps, B, T, Hq]`` each map's
     largest logit per row over the keys it sees (the ring's running maxes merged over the
     blocks, or the all-gather's logits), in the inputs' token order and sharded like
     ``out``'s rows; without gradient.
@@ -1193,98 +1195,21 @@ def context_differential_attention(
     Raises :class:`ConfigError` for an unknown impl or order, an axis not in the mesh, or a
     T that the axis size (2x the axis size for zigzag) does not divide.
     """
-    reference.check_differential(
-        q1,
-        k1,
-        q2,
-        k2,
-        v,
-        lam,
-        segment_ids,
-        kv_segment_ids,
-        what="context_differential_attention",
-    )
-    pos = _setup(mesh, axis, impl, order, q1, k1, positions)
-    scale = reference._default_scale(q1, scale)
-    kv_seg = _kv_seg(segment_ids, kv_segment_ids)
-    lam = jnp.asarray(lam, jnp.float32)
-    heads, rows, tokens, pos_spec = _specs(axis, batch_axes, head_axes, pos)
-    out_spec = _out_spec(heads, rows, logit_max)
-    if kernel is not None:
-        static = _kernel_static(
-            axis,
-            causal,
-            scale,
-            _kernel_order(impl, order, positions),
-            kernel,
-            interpret,
-            compute_capability,
-            logit_max,
+    if second is None:
+        reference.check_qkv(q, k, v, segment_ids, kv_segment_ids, what="context_attention")
+        maps = (q, k, v)
+    else:
+        q2, k2, lam = second
+        reference.check_differential(
+            q, k, q2, k2, v, lam, segment_ids, kv_segment_ids, what="context_attention"
         )
-        specs = (P(axis),) + (heads,) * 5 + (P() if lam.ndim == 0 else rows, tokens, tokens)
-        args = (_ring_index(mesh, axis), q1, k1, q2, k2, v, lam, segment_ids, kv_seg)
-        return _run(partial(_kernel_ring_diff, static), mesh, args, specs, out_spec)
-    fn = (
-        partial(ring_differential_attention, block_k=block_k)
-        if impl == "ring"
-        else allgather_differential_attention
-    )
-
-    def run(q1, k1, q2, k2, v, lam, pos, seg, kv_seg):
-        return fn(
-            q1,
-            k1,
-            q2,
-            k2,
-            v,
-            lam,
-            axis_name=axis,
-            q_pos=pos,
-            k_pos=pos,
-            causal=causal,
-            segment_ids=seg,
-            kv_segment_ids=kv_seg,
-            scale=scale,
-            logit_max=logit_max,
-        )
-
-    lam_spec = P() if lam.ndim == 0 else rows
-    specs = (heads,) * 5 + (lam_spec, pos_spec, tokens, tokens)
-    args = (q1, k1, q2, k2, v, lam, pos, segment_ids, kv_seg)
-    return _run(run, mesh, args, specs, out_spec)
-
-
-def context_dot_product_attention(
-    q,
-    k,
-    v,
-    *,
-    mesh,
-    axis: str = "context",
-    impl: str = "ring",
-    order: str = RUN_TOKEN_ORDER,
-    positions=None,
-    batch_axes=None,
-    head_axes=None,
-    causal: bool = True,
-    segment_ids=None,
-    kv_segment_ids=None,
-    scale: float | None = None,
-    block_k: int | None = DEFAULT_BLOCK_K,
-    kernel: str | None = None,
-    interpret: bool = False,
-    compute_capability: tuple[int, int] | None = None,
-    logit_max: bool = False,
-):
-    """Standard attention with the sequence sharded over ``mesh``'s ``axis``, the twin of
-    :func:`context_differential_attention` (same options and errors): q ``[B, T, Hq, D]``,
-    k ``[B, T, Hkv, D]``, v ``[B, T, Hkv, Dv]`` in ``order``; returns ``[B, T, Hq, Dv]``
-    (``logit_max``: ``(out, maxes)``, ``maxes`` ``[1, B, T, Hq]``)."""
-    reference.check_qkv(q, k, v, segment_ids, kv_segment_ids, what="context_dot_product_attention")
+        maps = (q, k, q2, k2, v, jnp.asarray(lam, jnp.float32))
     pos = _setup(mesh, axis, impl, order, q, k, positions)
+    heads, rows, tokens, pos_spec = _specs(axis, batch_axes, head_axes, pos)
+    map_specs = (heads,) * (len(maps) - 1)  # q, k, (q2, k2,) v; then lam's
+    map_specs += (heads,) if second is None else (P() if maps[-1].ndim == 0 else rows,)
     scale = reference._default_scale(q, scale)
     kv_seg = _kv_seg(segment_ids, kv_segment_ids)
-    heads, rows, tokens, pos_spec = _specs(axis, batch_axes, head_axes, pos)
     out_spec = _out_spec(heads, rows, logit_max)
     if kernel is not None:
         static = _kernel_static(
@@ -1297,16 +1222,21 @@ def context_dot_product_attention(
             compute_capability,
             logit_max,
         )
-        specs = (P(axis),) + (heads,) * 3 + (tokens, tokens)
-        args = (_ring_index(mesh, axis), q, k, v, segment_ids, kv_seg)
-        return _run(partial(_kernel_ring_std, static), mesh, args, specs, out_spec)
-    fn = partial(ring_attention, block_k=block_k) if impl == "ring" else allgather_attention
+        ring = _kernel_ring_std if second is None else _kernel_ring_diff
+        specs = (P(axis), *map_specs, tokens, tokens)
+        args = (_ring_index(mesh, axis), *maps, segment_ids, kv_seg)
+        return _run(partial(ring, static), mesh, args, specs, out_spec)
+    if impl == "ring":
+        fn = ring_attention if second is None else ring_differential_attention
+        fn = partial(fn, block_k=block_k)
+    else:
+        fn = allgather_attention if second is None else allgather_differential_attention
+    n = len(maps)
 
-    def run(q, k, v, pos, seg, kv_seg):
+    def run(*args):
+        pos, seg, kv_seg = args[n:]
         return fn(
-            q,
-            k,
-            v,
+            *args[:n],
             axis_name=axis,
             q_pos=pos,
             k_pos=pos,
@@ -1317,5 +1247,5 @@ def context_dot_product_attention(
             logit_max=logit_max,
         )
 
-    specs = (heads,) * 3 + (pos_spec, tokens, tokens)
-    return _run(run, mesh, (q, k, v, pos, segment_ids, kv_seg), specs, out_spec)
+    specs = (*map_specs, pos_spec, tokens, tokens)
+    return _run(run, mesh, (*maps, pos, segment_ids, kv_seg), specs, out_spec)

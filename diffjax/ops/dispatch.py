@@ -319,6 +319,69 @@ def _implementation(impl, target: KernelTarget, call: Call):
 
 
 # ---------------------------------------------------------------------------- public API
+def attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    second: tuple[jax.Array, jax.Array | None, jax.Array | float] | None = None,
+    causal: bool = True,
+    segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+    scale: float | None = None,
+    impl="auto",
+    positions: jax.Array | None = None,
+    context: ContextSpec | None = None,
+    target: KernelTarget | None = None,
+    logit_max: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """Softmax attention with one map (``second`` None: :func:`dot_product_attention`) or two
+    (``second=(q2, k2, lam)``: :func:`differential_attention` of ``q, k, q2, k2, v, lam``):
+    the one path both take, checked once, then over the ``context`` mesh axis
+    (:func:`diffjax.ops.context.context_attention`) or by the implementation ``impl`` picks for
+    this call."""
+    what = "dot_product_attention" if second is None else "differential_attention"
+    if second is None:
+        reference.check_qkv(q, k, v, segment_ids, kv_segment_ids, what=what)
+    else:
+        q2, k2, lam = second
+        reference.check_differential(q, k, q2, k2, v, lam, segment_ids, kv_segment_ids, what=what)
+    logit_max = _check_logit_max(impl, logit_max, what)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    mesh = _context_split(impl, q.shape[1], k.shape[1])
+    spec = ContextSpec() if context is None else context
+    target = current_target() if target is None else target
+    masks = dict(causal=causal, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids)
+    if mesh is not None:
+        _, b, h = _mesh_axes(q.shape[0], k.shape[2])
+        result = context_lib.context_attention(
+            q,
+            k,
+            v,
+            second=second,
+            mesh=mesh,
+            axis=spec.axis,
+            impl=spec.impl,
+            **_context_layout(impl, spec, positions, target),
+            batch_axes=b,
+            head_axes=h,
+            scale=scale,
+            logit_max=logit_max,
+            **masks,
+        )
+        return _returned(result, logit_max)
+    kind = "standard" if second is None else ("v2" if second[1] is None else "v1")
+    chosen = _implementation(
+        impl, target, Call.of(q, k, v, kind=kind, logit_max=logit_max, **masks)
+    )
+    options = dict(scale=scale, **masks, **_logit_max_option(logit_max))
+    if second is None:
+        result = chosen.dot_product_attention(q, k, v, **options)
+    else:
+        result = chosen.differential_attention(q, k, *second[:2], v, second[2], **options)
+    return _returned(result, logit_max)
+
+
 def dot_product_attention(
     q: jax.Array,
     k: jax.Array,
@@ -342,42 +405,7 @@ def dot_product_attention(
     for (default :func:`current_target`). ``logit_max=True``: ``(out, maxes)``, ``maxes``
     float32 ``[1, B, T, Hq]`` each row's largest visible logit (module doc).
     """
-    reference.check_qkv(q, k, v, segment_ids, kv_segment_ids, what="dot_product_attention")
-    logit_max = _check_logit_max(impl, logit_max, "dot_product_attention")
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    mesh = _context_split(impl, q.shape[1], k.shape[1])
-    spec = ContextSpec() if context is None else context
-    target = current_target() if target is None else target
-    if mesh is not None:
-        _, b, h = _mesh_axes(q.shape[0], k.shape[2])
-        result = context_lib.context_dot_product_attention(
-            q,
-            k,
-            v,
-            mesh=mesh,
-            axis=spec.axis,
-            impl=spec.impl,
-            **_context_layout(impl, spec, positions, target),
-            batch_axes=b,
-            head_axes=h,
-            causal=causal,
-            segment_ids=segment_ids,
-            kv_segment_ids=kv_segment_ids,
-            scale=scale,
-            logit_max=logit_max,
-        )
-        return _returned(result, logit_max)
-    call = Call.of(
-        q,
-        k,
-        v,
-        kind="standard",
-        causal=causal,
-        segment_ids=segment_ids,
-        kv_segment_ids=kv_segment_ids,
-        logit_max=logit_max,
-    )
-    result = _implementation(impl, target, call).dot_product_attention(
+    return attention(
         q,
         k,
         v,
@@ -385,9 +413,12 @@ def dot_product_attention(
         segment_ids=segment_ids,
         kv_segment_ids=kv_segment_ids,
         scale=scale,
-        **_logit_max_option(logit_max),
+        impl=impl,
+        positions=positions,
+        context=context,
+        target=target,
+        logit_max=logit_max,
     )
-    return _returned(result, logit_max)
 
 
 def differential_attention(
@@ -419,60 +450,21 @@ def differential_attention(
     float32 ``[2, B, T, Hq]`` each row's largest visible logit of map 1 (q1 k1) and map 2
     (q2 k2, or q2 k1 when ``k2`` is None) (module doc).
     """
-    reference.check_differential(
-        q1, k1, q2, k2, v, lam, segment_ids, kv_segment_ids, what="differential_attention"
-    )
-    logit_max = _check_logit_max(impl, logit_max, "differential_attention")
-    scale = q1.shape[-1] ** -0.5 if scale is None else scale
-    mesh = _context_split(impl, q1.shape[1], k1.shape[1])
-    spec = ContextSpec() if context is None else context
-    target = current_target() if target is None else target
-    if mesh is not None:
-        _, b, h = _mesh_axes(q1.shape[0], k1.shape[2])
-        result = context_lib.context_differential_attention(
-            q1,
-            k1,
-            q2,
-            k2,
-            v,
-            lam,
-            mesh=mesh,
-            axis=spec.axis,
-            impl=spec.impl,
-            **_context_layout(impl, spec, positions, target),
-            batch_axes=b,
-            head_axes=h,
-            causal=causal,
-            segment_ids=segment_ids,
-            kv_segment_ids=kv_segment_ids,
-            scale=scale,
-            logit_max=logit_max,
-        )
-        return _returned(result, logit_max)
-    call = Call.of(
+    return attention(
         q1,
         k1,
         v,
-        kind="v2" if k2 is None else "v1",
-        causal=causal,
-        segment_ids=segment_ids,
-        kv_segment_ids=kv_segment_ids,
-        logit_max=logit_max,
-    )
-    result = _implementation(impl, target, call).differential_attention(
-        q1,
-        k1,
-        q2,
-        k2,
-        v,
-        lam,
+        second=(q2, k2, lam),
         causal=causal,
         segment_ids=segment_ids,
         kv_segment_ids=kv_segment_ids,
         scale=scale,
-        **_logit_max_option(logit_max),
+        impl=impl,
+        positions=positions,
+        context=context,
+        target=target,
+        logit_max=logit_max,
     )
-    return _returned(result, logit_max)
 
 
 # ---------------------------------------------------------------------------- kernel check
