@@ -568,81 +568,44 @@ def _kernel_options(target: KernelTarget) -> dict:
     )
 
 
-def _sharded_standard(attend, q, k, v, segment_ids, kv_segment_ids, logit_max=False):
-    """``attend(q, k, v, segment_ids, kv_segment_ids)`` per shard: batch rows and heads."""
-
-    def specs(b, h):
-        return (P(b, None, h, None),) * 3 + (P(b, None),) * 2
-
-    args = (q, k, v, segment_ids, kv_segment_ids)
-    return _per_shard(attend, args, specs, q.shape[0], k.shape[2], logit_max)
-
-
-def _sharded_differential(
-    attend, q1, k1, q2, k2, v, lam, segment_ids, kv_segment_ids, logit_max=False
-):
-    """``attend(q1, k1, q2, k2, v, lam, segment_ids, kv_segment_ids)`` per shard (lambda: V1's
-    scalar whole, V2's ``[B, T, Hq]`` split like the queries)."""
+def _sharded(attend, maps: tuple, segment_ids, kv_segment_ids, logit_max=False):
+    """``attend(*maps, segment_ids, kv_segment_ids)`` per shard: batch rows and heads.
+    ``maps``: one softmax map's ``(q, k, v)`` or two maps' ``(q1, k1, q2, k2, v, lam)``
+    (lambda: V1's scalar whole, V2's ``[B, T, Hq]`` split like the queries)."""
 
     def specs(b, h):
         heads = P(b, None, h, None)
-        lam_spec = P() if jax.numpy.ndim(lam) == 0 else P(b, None, h)
+        if len(maps) == 3:
+            return (heads,) * 3 + (P(b, None),) * 2
+        lam_spec = P() if jax.numpy.ndim(maps[5]) == 0 else P(b, None, h)
         return (heads,) * 5 + (lam_spec, P(b, None), P(b, None))
 
-    args = (q1, k1, q2, k2, v, lam, segment_ids, kv_segment_ids)
-    return _per_shard(attend, args, specs, q1.shape[0], k1.shape[2], logit_max)
-
-
-def _pallas_standard(
-    q, k, v, *, causal, segment_ids, kv_segment_ids, scale, target, logit_max=False
-):
-    options = dict(
-        causal=causal,
-        sm_scale=scale,
-        **_kernel_options(target),
-        **_logit_max_kernel_option(logit_max),
-    )
-
-    def run(q, k, v, segment_ids, kv_segment_ids):
-        return kernels.flash_attention(
-            q, k, v, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, **options
-        )
-
-    return _sharded_standard(run, q, k, v, segment_ids, kv_segment_ids, logit_max)
-
-
-def _pallas_differential(
-    q1, k1, q2, k2, v, lam, *, causal, segment_ids, kv_segment_ids, scale, target, logit_max=False
-):
-    options = dict(
-        causal=causal,
-        sm_scale=scale,
-        **_kernel_options(target),
-        **_logit_max_kernel_option(logit_max),
-    )
-
-    def run(q1, k1, q2, k2, v, lam, segment_ids, kv_segment_ids):
-        return kernels.differential_flash_attention(
-            q1,
-            k1,
-            q2,
-            k2,
-            v,
-            lam,
-            segment_ids=segment_ids,
-            kv_segment_ids=kv_segment_ids,
-            **options,
-        )
-
-    args = (q1, k1, q2, k2, v, lam, segment_ids, kv_segment_ids)
-    return _sharded_differential(run, *args, logit_max)
+    args = (*maps, segment_ids, kv_segment_ids)
+    return _per_shard(attend, args, specs, maps[0].shape[0], maps[1].shape[2], logit_max)
 
 
 def _pallas(target: KernelTarget):
-    """The "pallas" implementation for ``target``: the two functions above."""
+    """The "pallas" implementation for ``target``: the fused kernels of one map
+    (``kernels.flash_attention``) or two (``kernels.differential_flash_attention``), per
+    shard."""
+
+    def attend(kernel, *maps, causal, segment_ids, kv_segment_ids, scale, logit_max=False):
+        options = dict(
+            causal=causal,
+            sm_scale=scale,
+            **_kernel_options(target),
+            **_logit_max_kernel_option(logit_max),
+        )
+
+        def run(*args):
+            *maps, segment_ids, kv_segment_ids = args
+            return kernel(*maps, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, **options)
+
+        return _sharded(run, maps, segment_ids, kv_segment_ids, logit_max)
+
     return types.SimpleNamespace(
-        dot_product_attention=functools.partial(_pallas_standard, target=target),
-        differential_attention=functools.partial(_pallas_differential, target=target),
+        dot_product_attention=functools.partial(attend, kernels.flash_attention),
+        differential_attention=functools.partial(attend, kernels.differential_flash_attention),
     )
 
 
@@ -659,12 +622,11 @@ def _vendor(impl: str, target: KernelTarget):
     else:
         options = {"interpret": target.interpret}
 
-    def standard(q, k, v, *, causal, segment_ids, kv_segment_ids, scale):
-        def run(q, k, v, segment_ids, kv_segment_ids):
-            return module.dot_product_attention(
-                q,
-                k,
-                v,
+    def attend(fn, *maps, causal, segment_ids, kv_segment_ids, scale):
+        def run(*args):
+            *maps, segment_ids, kv_segment_ids = args
+            return fn(
+                *maps,
                 causal=causal,
                 segment_ids=segment_ids,
                 kv_segment_ids=kv_segment_ids,
@@ -672,27 +634,9 @@ def _vendor(impl: str, target: KernelTarget):
                 **options,
             )
 
-        return _sharded_standard(run, q, k, v, segment_ids, kv_segment_ids)
-
-    def differential(q1, k1, q2, k2, v, lam, *, causal, segment_ids, kv_segment_ids, scale):
-        def run(q1, k1, q2, k2, v, lam, segment_ids, kv_segment_ids):
-            return module.differential_attention(
-                q1,
-                k1,
-                q2,
-                k2,
-                v,
-                lam,
-                causal=causal,
-                segment_ids=segment_ids,
-                kv_segment_ids=kv_segment_ids,
-                scale=scale,
-                **options,
-            )
-
-        args = (q1, k1, q2, k2, v, lam, segment_ids, kv_segment_ids)
-        return _sharded_differential(run, *args)
+        return _sharded(run, maps, segment_ids, kv_segment_ids)
 
     return types.SimpleNamespace(
-        dot_product_attention=standard, differential_attention=differential
+        dot_product_attention=functools.partial(attend, module.dot_product_attention),
+        differential_attention=functools.partial(attend, module.differential_attention),
     )
