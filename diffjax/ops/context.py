@@ -4,7 +4,7 @@ The math of :mod:`diffjax.kernels.reference` (DIFF V1, DIFF V2 and standard atte
 sequence cut into ``N`` blocks, one per device along a mesh axis (``"context"`` by default).
 Queries stay where they are; keys and values travel:
 
-- **ring** (:func:`ring_differential_attention`, :func:`ring_attention`): each device keeps its
+- **ring** (:func:`ring_attention`, one softmax map or two): each device keeps its
   query block and passes its K/V block round the ring with ``jax.lax.ppermute`` for ``N``
   steps, taking each arriving block in chunks of ``block_k`` keys and merging each softmax
   map's partial result by its log-sum-exp (flash attention across devices and within them;
@@ -12,7 +12,7 @@ Queries stay where they are; keys and values travel:
   ``[T/N, block_k]``): the backward is a ``jax.custom_vjp`` that saves only the local
   blocks, the per-map outputs and log-sum-exps, and rotates K/V again together with their
   gradient accumulators, which arrive home after a full cycle.
-- **all-gather** (:func:`allgather_differential_attention`, :func:`allgather_attention`): K/V
+- **all-gather** (:func:`allgather_attention`, one map or two): K/V
   gathered whole on every device (``jax.lax.all_gather(tiled=True)``), then the reference's
   math on ``[T/N, T]`` maps; plain autodiff. Simpler, ``O(T)`` memory per device.
 
@@ -491,16 +491,29 @@ def _lam_rows(lam, hkv):
     return lam if lam.ndim == 0 else reference._group_rows(lam, hkv)
 
 
-def _diff_layout(q1, k1, q2, k2, v, k_pos, kv_seg):
-    hkv = k1.shape[2]
-    qs = [reference._group_queries(q1, hkv), reference._group_queries(q2, hkv)]
-    keys = [_kv_layout(k1)] + ([] if k2 is None else [_kv_layout(k2)])
-    return qs, k2 is None, (keys, _kv_layout(v), k_pos, kv_seg)
+def _unpack(maps):
+    """The ring's arrays: one map's ``(q, k, v)`` or two maps' ``(q1, k1, q2, k2, v, lam)`` as
+    ``(queries, keys, v, lam)``; ``keys`` holds one array when both maps read the first."""
+    if len(maps) == 3:
+        q, k, v = maps
+        return [q], [k], v, None
+    q1, k1, q2, k2, v, lam = maps
+    return [q1, q2], [k1] + ([] if k2 is None else [k2]), v, lam
+
+
+def _layout(maps, k_pos, kv_seg):
+    """``(queries grouped by kv head, shared keys, (keys, v, k_pos, kv_seg))`` in the ring's
+    layout."""
+    queries, keys, v, _ = _unpack(maps)
+    hkv = keys[0].shape[2]
+    qs = [reference._group_queries(q, hkv) for q in queries]
+    shared = len(queries) == 2 and len(keys) == 1
+    return qs, shared, ([_kv_layout(k) for k in keys], _kv_layout(v), k_pos, kv_seg)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ring_diff(static, q1, k1, q2, k2, v, lam, q_pos, k_pos, q_seg, kv_seg):
-    return _ring_diff_fwd(static, q1, k1, q2, k2, v, lam, q_pos, k_pos, q_seg, kv_seg)[0]
+def _ring(static, maps, q_pos, k_pos, q_seg, kv_seg):
+    return _ring_fwd(static, maps, q_pos, k_pos, q_seg, kv_seg)[0]
 
 
 def _with_maxes(logit_max: bool, out, maxes, t: int):
@@ -511,91 +524,49 @@ def _with_maxes(logit_max: bool, out, maxes, t: int):
     return out, jnp.stack([_rows_to_heads(m, t) for m in maxes])
 
 
-def _ring_diff_fwd(static, q1, k1, q2, k2, v, lam, q_pos, k_pos, q_seg, kv_seg):
-    t, hkv = q1.shape[1], k1.shape[2]
-    qs, shared, kv = _diff_layout(q1, k1, q2, k2, v, k_pos, kv_seg)
-    (o1, o2), (lse1, lse2), *maxes = _ring_forward(static, qs, shared, kv, q_pos, q_seg)
-    out = o1 - _lam_rows(lam.astype(jnp.float32), hkv) * o2
-    res = (q1, k1, q2, k2, v, lam, q_pos, k_pos, q_seg, kv_seg, o1, o2, lse1, lse2)
-    out = reference._ungroup_queries(out, t).astype(q1.dtype)
+def _ring_fwd(static, maps, q_pos, k_pos, q_seg, kv_seg):
+    queries, keys, _, lam = _unpack(maps)
+    t, hkv = queries[0].shape[1], keys[0].shape[2]
+    qs, shared, kv = _layout(maps, k_pos, kv_seg)
+    outs, lses, *maxes = _ring_forward(static, qs, shared, kv, q_pos, q_seg)
+    out = outs[0] if lam is None else outs[0] - _lam_rows(lam.astype(jnp.float32), hkv) * outs[1]
+    res = (maps, q_pos, k_pos, q_seg, kv_seg, outs, lses)
+    out = reference._ungroup_queries(out, t).astype(queries[0].dtype)
     return _with_maxes(static[-1], out, maxes[0] if maxes else None, t), res
 
 
-def _ring_diff_bwd(static, res, dout):
-    q1, k1, q2, k2, v, lam, q_pos, k_pos, q_seg, kv_seg, o1, o2, lse1, lse2 = res
+def _ring_bwd(static, res, dout):
+    maps, q_pos, k_pos, q_seg, kv_seg, outs, lses = res
     if static[-1]:
         dout = dout[0]  # the row maxes carry no gradient
-    t, hkv = q1.shape[1], k1.shape[2]
-    qs, shared, kv = _diff_layout(q1, k1, q2, k2, v, k_pos, kv_seg)
-    lam_r = _lam_rows(lam.astype(jnp.float32), hkv)
+    queries, keys, v, lam = _unpack(maps)
+    t, hkv = queries[0].shape[1], keys[0].shape[2]
+    qs, shared, kv = _layout(maps, k_pos, kv_seg)
     do1 = reference._group_queries(dout.astype(jnp.float32), hkv)  # dO1 = dout
-    do2 = -lam_r * do1  # dO2 = -lam dout
-    deltas = (jnp.sum(do1 * o1, axis=-1), jnp.sum(do2 * o2, axis=-1))
-    dlam_rows = -jnp.sum(do1 * o2, axis=-1)  # [B, G, RT]
+    if lam is None:
+        douts, combine = (do1,), lambda ps: ps[0]
+    else:
+        lam_r = _lam_rows(lam.astype(jnp.float32), hkv)
+        douts, combine = (do1, -lam_r * do1), lambda ps: ps[0] - lam_r * ps[1]  # dO2 = -lam dout
+    deltas = tuple(jnp.sum(do * o, axis=-1) for do, o in zip(douts, outs))
     dqs, dks, dv = _ring_backward(
-        static,
-        qs,
-        shared,
-        kv,
-        q_pos,
-        q_seg,
-        (lse1, lse2),
-        (do1, do2),
-        deltas,
-        lambda ps: ps[0] - lam_r * ps[1],
+        static, qs, shared, kv, q_pos, q_seg, lses, douts, deltas, combine
     )
-    dq1 = reference._ungroup_queries(dqs[0], t).astype(q1.dtype)
-    dq2 = reference._ungroup_queries(dqs[1], t).astype(q2.dtype)
-    dk1 = _from_kv_layout(dks[0]).astype(k1.dtype)
-    dk2 = None if shared else _from_kv_layout(dks[1]).astype(k2.dtype)
+    dq = [reference._ungroup_queries(d, t).astype(q.dtype) for d, q in zip(dqs, queries)]
+    dk = [_from_kv_layout(d).astype(k.dtype) for d, k in zip(dks, keys)]
+    dv = _from_kv_layout(dv).astype(v.dtype)
+    ints = tuple(_float0_like(x) for x in (q_pos, k_pos, q_seg, kv_seg))
+    if lam is None:
+        return ((dq[0], dk[0], dv),) + ints
+    dlam_rows = -jnp.sum(do1 * outs[1], axis=-1)  # [B, G, RT]
     if lam.ndim == 0:
         dlam = jnp.sum(dlam_rows).astype(lam.dtype)
     else:
         dlam = _rows_to_heads(dlam_rows, t).astype(lam.dtype)
-    ints = tuple(_float0_like(x) for x in (q_pos, k_pos, q_seg, kv_seg))
-    return (dq1, dk1, dq2, dk2, _from_kv_layout(dv).astype(v.dtype), dlam) + ints
+    return ((dq[0], dk[0], dq[1], None if shared else dk[1], dv, dlam),) + ints
 
 
-_ring_diff.defvjp(_ring_diff_fwd, _ring_diff_bwd)
-
-
-@partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ring_std(static, q, k, v, q_pos, k_pos, q_seg, kv_seg):
-    return _ring_std_fwd(static, q, k, v, q_pos, k_pos, q_seg, kv_seg)[0]
-
-
-def _std_layout(q, k, v, k_pos, kv_seg):
-    qs = [reference._group_queries(q, k.shape[2])]
-    return qs, False, ([_kv_layout(k)], _kv_layout(v), k_pos, kv_seg)
-
-
-def _ring_std_fwd(static, q, k, v, q_pos, k_pos, q_seg, kv_seg):
-    qs, _, kv = _std_layout(q, k, v, k_pos, kv_seg)
-    (o,), (lse,), *maxes = _ring_forward(static, qs, False, kv, q_pos, q_seg)
-    res = (q, k, v, q_pos, k_pos, q_seg, kv_seg, o, lse)
-    out = reference._ungroup_queries(o, q.shape[1]).astype(q.dtype)
-    return _with_maxes(static[-1], out, maxes[0] if maxes else None, q.shape[1]), res
-
-
-def _ring_std_bwd(static, res, dout):
-    q, k, v, q_pos, k_pos, q_seg, kv_seg, o, lse = res
-    if static[-1]:
-        dout = dout[0]  # the row maxes carry no gradient
-    qs, _, kv = _std_layout(q, k, v, k_pos, kv_seg)
-    do = reference._group_queries(dout.astype(jnp.float32), k.shape[2])
-    delta = jnp.sum(do * o, axis=-1)
-    (dq,), (dk,), dv = _ring_backward(
-        static, qs, False, kv, q_pos, q_seg, (lse,), (do,), (delta,), lambda ps: ps[0]
-    )
-    ints = tuple(_float0_like(x) for x in (q_pos, k_pos, q_seg, kv_seg))
-    return (
-        reference._ungroup_queries(dq, q.shape[1]).astype(q.dtype),
-        _from_kv_layout(dk).astype(k.dtype),
-        _from_kv_layout(dv).astype(v.dtype),
-    ) + ints
-
-
-_ring_std.defvjp(_ring_std_fwd, _ring_std_bwd)
+_ring.defvjp(_ring_fwd, _ring_bwd)
 
 
 def _kv_seg(segment_ids, kv_segment_ids):
@@ -608,14 +579,12 @@ def _positions(q_pos, k_pos):
     return jnp.asarray(q_pos, jnp.int32), jnp.asarray(k_pos, jnp.int32)
 
 
-def ring_differential_attention(
-    q1,
-    k1,
-    q2,
-    k2,
+def ring_attention(
+    q,
+    k,
     v,
-    lam,
     *,
+    second=None,
     axis_name,
     q_pos,
     k_pos,
@@ -626,10 +595,11 @@ def ring_differential_attention(
     block_k: int | None = DEFAULT_BLOCK_K,
     logit_max: bool = False,
 ):
-    """``softmax(q1 k1^T s) v - lam * softmax(q2 k2^T s) v`` over a sequence sharded along
-    ``axis_name``, by ring attention. Call inside ``jax.shard_map``; every array is this
-    device's block: q1, q2 ``[B, Tq, Hq, D]``; k1, k2 ``[B, Tk, Hkv, D]`` (``k2`` None: both
-    maps read k1, DIFF V2); v ``[B, Tk, Hkv, Dv]`` (V1: ``Dv = 2D``); ``lam`` a scalar (V1)
+    """Attention over a sequence sharded along ``axis_name``, by ring attention, for one
+    softmax map (``softmax(q k^T s) v``) or two (``second=(q2, k2, lam)``: ``softmax(q k^T s)
+    v - lam * softmax(q2 k2^T s) v``). Call inside ``jax.shard_map``; every array is this
+    device's block: q, q2 ``[B, Tq, Hq, D]``; k, k2 ``[B, Tk, Hkv, D]`` (``k2`` None: both
+    maps read k, DIFF V2); v ``[B, Tk, Hkv, Dv]`` (V1: ``Dv = 2D``); ``lam`` a scalar (V1)
     or ``[B, Tq, Hq]`` (V2); ``q_pos`` ``[Tq]`` or ``[B, Tq]``, ``k_pos`` ``[Tk]`` or
     ``[B, Tk]`` the tokens' global positions (int);
     ``segment_ids [B, Tq]``, ``kv_segment_ids [B, Tk]`` (None: the keys' are segment_ids).
@@ -638,50 +608,27 @@ def ring_differential_attention(
     (a ``fori_loop`` over the ``N - 1`` hops); each arriving block is taken in chunks of
     ``block_k`` keys (a ``lax.scan``; the largest divisor of Tk not above it; None: whole
     blocks), so the maps in memory are ``[Tq, block_k]``; each map's partials merge by
-    log-sum-exp. Returns ``[B, Tq, Hq, Dv]`` in ``q1.dtype``.
+    log-sum-exp. Returns ``[B, Tq, Hq, Dv]`` in ``q.dtype``.
 
-    Differentiable in q1, k1, q2, k2, v and lam by a ``jax.custom_vjp`` that saves only the
-    local blocks, the two maps' outputs and log-sum-exps (``O(T/N)`` per device) and rotates
-    K/V again with their gradients. The lam gradient is this device's part
+    Differentiable in every array (q, k, v; q2, k2, lam) by a ``jax.custom_vjp`` that saves
+    only the local blocks, each map's output and log-sum-exp (``O(T/N)`` per device) and
+    rotates K/V again with their gradients. The lam gradient is this device's part
     (``jax.shard_map``'s transpose sums a replicated lam's over the devices).
 
-    ``logit_max=True``: ``(out, maxes)``, ``maxes`` float32 ``[2, B, Tq, Hq]`` each map's
-    largest logit per local query row over every key it sees on the ring (each chunk's softmax
-    max, merged by max; -inf where none), without gradient.
+    ``logit_max=True``: ``(out, maxes)``, ``maxes`` float32 ``[n_maps, B, Tq, Hq]`` each
+    map's largest logit per local query row over every key it sees on the ring (each chunk's
+    softmax max, merged by max; -inf where none), without gradient.
     """
-    scale = reference._default_scale(q1, scale)
-    q_pos, k_pos = _positions(q_pos, k_pos)
-    kv_seg = _kv_seg(segment_ids, kv_segment_ids)
-    lam = jnp.asarray(lam, jnp.float32)
-    static = (axis_name, causal, scale, block_k, bool(logit_max))
-    return _ring_diff(static, q1, k1, q2, k2, v, lam, q_pos, k_pos, segment_ids, kv_seg)
-
-
-def ring_attention(
-    q,
-    k,
-    v,
-    *,
-    axis_name,
-    q_pos,
-    k_pos,
-    causal: bool = True,
-    segment_ids=None,
-    kv_segment_ids=None,
-    scale: float | None = None,
-    block_k: int | None = DEFAULT_BLOCK_K,
-    logit_max: bool = False,
-):
-    """``softmax(q k^T s) v`` over a sequence sharded along ``axis_name``, by ring attention
-    (the standard twin of :func:`ring_differential_attention`, same arguments). q
-    ``[B, Tq, Hq, D]``, k ``[B, Tk, Hkv, D]``, v ``[B, Tk, Hkv, Dv]``, local blocks. Returns
-    ``[B, Tq, Hq, Dv]`` in ``q.dtype`` (``logit_max``: ``(out, maxes)``, ``maxes``
-    ``[1, B, Tq, Hq]``); a ``jax.custom_vjp`` in q, k, v."""
     scale = reference._default_scale(q, scale)
     q_pos, k_pos = _positions(q_pos, k_pos)
     kv_seg = _kv_seg(segment_ids, kv_segment_ids)
+    if second is None:
+        maps = (q, k, v)
+    else:
+        q2, k2, lam = second
+        maps = (q, k, q2, k2, v, jnp.asarray(lam, jnp.float32))
     static = (axis_name, causal, scale, block_k, bool(logit_max))
-    return _ring_std(static, q, k, v, q_pos, k_pos, segment_ids, kv_seg)
+    return _ring(static, maps, q_pos, k_pos, segment_ids, kv_seg)
 
 
 # ---------------------------------------------------------------------------- ring on the kernels
@@ -865,8 +812,10 @@ def _kernel_ring_backward(static, me, qs, q_seg, kv, lam, dout, lses, deltas):
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _kernel_ring_diff(static, me, q1, k1, q2, k2, v, lam, q_seg, kv_seg):
-    return _kernel_ring_diff_fwd(static, me, q1, k1, q2, k2, v, lam, q_seg, kv_seg)[0]
+def _kernel_ring(static, me, maps, q_seg, kv_seg):
+    """The ring on the kernels for one map's ``(q, k, v)`` or two maps' ``(q1, k1, q2, k2,
+    v, lam)`` (see :func:`_unpack`)."""
+    return _kernel_ring_fwd(static, me, maps, q_seg, kv_seg)[0]
 
 
 def _lam_bth(lam):
@@ -874,71 +823,44 @@ def _lam_bth(lam):
     return lam if lam.ndim == 0 else lam[..., None]
 
 
-def _kernel_ring_diff_fwd(static, me, q1, k1, q2, k2, v, lam, q_seg, kv_seg):
-    kv = (k1, k2, v, kv_seg)
-    (o1, lse1, *m1), (o2, lse2, *m2) = _kernel_ring_forward(static, me[0], [q1, q2], q_seg, kv)
-    out = (o1 - _lam_bth(lam) * o2).astype(q1.dtype)
-    out = (out, jnp.stack(m1 + m2)) if static[-1] else out
-    return out, (me, q1, k1, q2, k2, v, lam, q_seg, kv_seg, o1, o2, lse1, lse2)
+def _kernel_kv(keys, v, kv_seg):
+    return (keys[0], keys[1] if len(keys) > 1 else None, v, kv_seg)
 
 
-def _kernel_ring_diff_bwd(static, res, dout):
-    me, q1, k1, q2, k2, v, lam, q_seg, kv_seg, o1, o2, lse1, lse2 = res
+def _kernel_ring_fwd(static, me, maps, q_seg, kv_seg):
+    queries, keys, v, lam = _unpack(maps)
+    parts = _kernel_ring_forward(static, me[0], queries, q_seg, _kernel_kv(keys, v, kv_seg))
+    outs, lses = [p[0] for p in parts], [p[1] for p in parts]
+    out = outs[0] if lam is None else outs[0] - _lam_bth(lam) * outs[1]
+    out = out.astype(queries[0].dtype)
+    out = (out, jnp.stack([m for p in parts for m in p[2:]])) if static[-1] else out
+    return out, (me, maps, q_seg, kv_seg, outs, lses)
+
+
+def _kernel_ring_bwd(static, res, dout):
+    me, maps, q_seg, kv_seg, outs, lses = res
     if static[-1]:
         dout = dout[0]  # the row maxes carry no gradient
+    queries, keys, v, lam = _unpack(maps)
     g = dout.astype(jnp.float32)
-    deltas = (jnp.sum(g * o1, axis=-1), jnp.sum(g * o2, axis=-1))
-    (dq1, dq2), (dk1, dk2, dv) = _kernel_ring_backward(
-        static, me[0], [q1, q2], q_seg, (k1, k2, v, kv_seg), lam, dout, (lse1, lse2), deltas
+    deltas = tuple(jnp.sum(g * o, axis=-1) for o in outs)
+    kv = _kernel_kv(keys, v, kv_seg)
+    dqs, (dk1, dk2, dv) = _kernel_ring_backward(
+        static, me[0], queries, q_seg, kv, lam, dout, tuple(lses), deltas
     )
-    dlam = -deltas[1]
-    dlam = jnp.sum(dlam) if lam.ndim == 0 else dlam
-    return (
-        _float0_like(me),
-        dq1.astype(q1.dtype),
-        dk1.astype(k1.dtype),
-        dq2.astype(q2.dtype),
-        None if k2 is None else dk2.astype(k2.dtype),
-        dv.astype(v.dtype),
-        dlam.astype(lam.dtype),
-        _float0_like(q_seg),
-        _float0_like(kv_seg),
-    )
+    dq = [d.astype(q.dtype) for d, q in zip(dqs, queries)]
+    dk1, dv = dk1.astype(keys[0].dtype), dv.astype(v.dtype)
+    if lam is None:
+        dmaps = (dq[0], dk1, dv)
+    else:
+        dlam = -deltas[1]
+        dlam = jnp.sum(dlam) if lam.ndim == 0 else dlam
+        dk2 = None if kv[1] is None else dk2.astype(kv[1].dtype)
+        dmaps = (dq[0], dk1, dq[1], dk2, dv, dlam.astype(lam.dtype))
+    return (_float0_like(me), dmaps, _float0_like(q_seg), _float0_like(kv_seg))
 
 
-_kernel_ring_diff.defvjp(_kernel_ring_diff_fwd, _kernel_ring_diff_bwd)
-
-
-@partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _kernel_ring_std(static, me, q, k, v, q_seg, kv_seg):
-    return _kernel_ring_std_fwd(static, me, q, k, v, q_seg, kv_seg)[0]
-
-
-def _kernel_ring_std_fwd(static, me, q, k, v, q_seg, kv_seg):
-    ((o, lse, *m),) = _kernel_ring_forward(static, me[0], [q], q_seg, (k, None, v, kv_seg))
-    out = (o.astype(q.dtype), jnp.stack(m)) if static[-1] else o.astype(q.dtype)
-    return out, (me, q, k, v, q_seg, kv_seg, o, lse)
-
-
-def _kernel_ring_std_bwd(static, res, dout):
-    me, q, k, v, q_seg, kv_seg, o, lse = res
-    if static[-1]:
-        dout = dout[0]  # the row maxes carry no gradient
-    delta = jnp.sum(dout.astype(jnp.float32) * o, axis=-1)
-    (dq,), (dk, _, dv) = _kernel_ring_backward(
-        static, me[0], [q], q_seg, (k, None, v, kv_seg), None, dout, (lse,), (delta,)
-    )
-    return (
-        _float0_like(me),
-        dq.astype(q.dtype),
-        dk.astype(k.dtype),
-        dv.astype(v.dtype),
-        _float0_like(q_seg),
-        _float0_like(kv_seg),
-    )
-
-
-_kernel_ring_std.defvjp(_kernel_ring_std_fwd, _kernel_ring_std_bwd)
+_kernel_ring.defvjp(_kernel_ring_fwd, _kernel_ring_bwd)
 
 
 def _ring_index(mesh, axis):
@@ -992,58 +914,12 @@ def _gather(x, axis_name, axis):
     return None if x is None else jax.lax.all_gather(x, axis_name, axis=axis, tiled=True)
 
 
-def allgather_differential_attention(
-    q1,
-    k1,
-    q2,
-    k2,
-    v,
-    lam,
-    *,
-    axis_name,
-    q_pos,
-    k_pos,
-    causal: bool = True,
-    segment_ids=None,
-    kv_segment_ids=None,
-    scale: float | None = None,
-    logit_max: bool = False,
-):
-    """:func:`ring_differential_attention`'s result (same arguments, inside
-    ``jax.shard_map``) by gathering K/V, their positions and segment ids whole on every
-    device (``jax.lax.all_gather(tiled=True)``), then the reference's math on the
-    ``[Tq, N*Tk]`` maps of the local queries. Plain autodiff; ``O(T)`` memory per device.
-    Returns ``[B, Tq, Hq, Dv]`` in ``q1.dtype`` (``logit_max``: ``(out, maxes)``, each map's
-    largest visible logit per row from those maps' logits, ``[2, B, Tq, Hq]``)."""
-    scale = reference._default_scale(q1, scale)
-    q_pos, k_pos = _positions(q_pos, k_pos)
-    kv_seg = _kv_seg(segment_ids, kv_segment_ids)
-    k1, k2, v = (_gather(x, axis_name, 1) for x in (k1, k2, v))
-    k_pos, kv_seg = _gather(k_pos, axis_name, k_pos.ndim - 1), _gather(kv_seg, axis_name, 1)
-    _, t, hq, _ = q1.shape
-    hkv = k1.shape[2]
-    mask = position_mask(
-        q_pos, k_pos, causal=causal, segment_ids=segment_ids, kv_segment_ids=kv_seg
-    )
-    kw = dict(zero_masked=False, logit_max=logit_max)
-    p1 = reference._grouped_probs(q1, k1, mask, scale, **kw)
-    p2 = reference._grouped_probs(q2, k1 if k2 is None else k2, mask, scale, **kw)
-    if logit_max:
-        (p1, m1), (p2, m2) = p1, p2
-    lam = jnp.asarray(lam, jnp.float32)
-    diff = p1 - _lam_rows(lam, hkv) * p2
-    gmask = reference._group_mask(mask, hq // hkv)
-    if gmask is not None:
-        diff = jnp.where(gmask, diff, 0.0)
-    out = reference._attend(diff, v, t).astype(q1.dtype)
-    return _with_maxes(logit_max, out, (m1, m2) if logit_max else None, t)
-
-
 def allgather_attention(
     q,
     k,
     v,
     *,
+    second=None,
     axis_name,
     q_pos,
     k_pos,
@@ -1053,22 +929,41 @@ def allgather_attention(
     scale: float | None = None,
     logit_max: bool = False,
 ):
-    """The standard twin of :func:`allgather_differential_attention` (same arguments): q
-    ``[B, Tq, Hq, D]``, k ``[B, Tk, Hkv, D]``, v ``[B, Tk, Hkv, Dv]`` local blocks; returns
-    ``[B, Tq, Hq, Dv]`` in ``q.dtype`` (``logit_max``: ``(out, maxes)``, ``[1, B, Tq, Hq]``)."""
+    """:func:`ring_attention`'s result (same arguments, one map or two, inside
+    ``jax.shard_map``) by gathering K/V, their positions and segment ids whole on every
+    device (``jax.lax.all_gather(tiled=True)``), then the reference's math on the
+    ``[Tq, N*Tk]`` maps of the local queries. Plain autodiff; ``O(T)`` memory per device.
+    Returns ``[B, Tq, Hq, Dv]`` in ``q.dtype`` (``logit_max``: ``(out, maxes)``, each map's
+    largest visible logit per row from those maps' logits, ``[n_maps, B, Tq, Hq]``)."""
     scale = reference._default_scale(q, scale)
     q_pos, k_pos = _positions(q_pos, k_pos)
     kv_seg = _kv_seg(segment_ids, kv_segment_ids)
-    k, v = _gather(k, axis_name, 1), _gather(v, axis_name, 1)
+    k2 = None if second is None else second[1]
+    k, k2, v = (_gather(x, axis_name, 1) for x in (k, k2, v))
     k_pos, kv_seg = _gather(k_pos, axis_name, k_pos.ndim - 1), _gather(kv_seg, axis_name, 1)
+    _, t, hq, _ = q.shape
     mask = position_mask(
         q_pos, k_pos, causal=causal, segment_ids=segment_ids, kv_segment_ids=kv_seg
     )
-    probs = reference._grouped_probs(q, k, mask, scale, logit_max=logit_max)
+    if second is None:
+        probs = reference._grouped_probs(q, k, mask, scale, logit_max=logit_max)
+        if logit_max:
+            probs, m = probs
+        out = reference._attend(probs, v, t).astype(q.dtype)
+        return _with_maxes(logit_max, out, (m,) if logit_max else None, t)
+    # two maps: A1 - lam A2 on the unmasked probabilities, the masked entries zeroed after
+    hkv, (q2, _, lam) = k.shape[2], second
+    kw = dict(zero_masked=False, logit_max=logit_max)
+    p1 = reference._grouped_probs(q, k, mask, scale, **kw)
+    p2 = reference._grouped_probs(q2, k if k2 is None else k2, mask, scale, **kw)
     if logit_max:
-        probs, m = probs
-    out = reference._attend(probs, v, q.shape[1]).astype(q.dtype)
-    return _with_maxes(logit_max, out, (m,) if logit_max else None, q.shape[1])
+        (p1, m1), (p2, m2) = p1, p2
+    diff = p1 - _lam_rows(jnp.asarray(lam, jnp.float32), hkv) * p2
+    gmask = reference._group_mask(mask, hq // hkv)
+    if gmask is not None:
+        diff = jnp.where(gmask, diff, 0.0)
+    out = reference._attend(diff, v, t).astype(q.dtype)
+    return _with_maxes(logit_max, out, (m1, m2) if logit_max else None, t)
 
 
 # ---------------------------------------------------------------------------- wrappers
@@ -1174,7 +1069,7 @@ def context_attention(
     un-permutes the output with :func:`inverse_order`; ``"contiguous"`` is the natural order.
     ``positions`` ``[T]`` or ``[B, T]`` (int), when given, are the tokens' global positions in
     whatever order the inputs are in, and ``order`` is not used. ``impl``: ``"ring"`` or
-    ``"allgather"``; ``block_k``: the ring's key chunk (see :func:`ring_differential_attention`).
+    ``"allgather"``; ``block_k``: the ring's key chunk (see :func:`ring_attention`).
 
     ``batch_axes`` / ``head_axes``: mesh axes (a name, a tuple of names, or None) that split
     the batch and the heads (kv and query heads alike, so each query head keeps its kv group);
@@ -1222,21 +1117,26 @@ def context_attention(
             compute_capability,
             logit_max,
         )
-        ring = _kernel_ring_std if second is None else _kernel_ring_diff
+
+        def ring(me, *args):
+            *arrays, q_seg, kv_seg = args
+            return _kernel_ring(static, me, tuple(arrays), q_seg, kv_seg)
+
         specs = (P(axis), *map_specs, tokens, tokens)
         args = (_ring_index(mesh, axis), *maps, segment_ids, kv_seg)
-        return _run(partial(ring, static), mesh, args, specs, out_spec)
-    if impl == "ring":
-        fn = ring_attention if second is None else ring_differential_attention
-        fn = partial(fn, block_k=block_k)
-    else:
-        fn = allgather_attention if second is None else allgather_differential_attention
+        return _run(ring, mesh, args, specs, out_spec)
+    fn = partial(ring_attention, block_k=block_k) if impl == "ring" else allgather_attention
     n = len(maps)
 
     def run(*args):
         pos, seg, kv_seg = args[n:]
+        q, k, *rest = args[:n]  # (v,) or (q2, k2, v, lam)
+        second, v = (None, rest[0]) if n == 3 else ((rest[0], rest[1], rest[3]), rest[2])
         return fn(
-            *args[:n],
+            q,
+            k,
+            v,
+            second=second,
             axis_name=axis,
             q_pos=pos,
             k_pos=pos,
