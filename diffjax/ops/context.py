@@ -863,6 +863,13 @@ def _kernel_ring_bwd(static, res, dout):
 _kernel_ring.defvjp(_kernel_ring_fwd, _kernel_ring_bwd)
 
 
+def _kernel_ring_shard(static, me, *args):
+    """:func:`_kernel_ring` on one device's flat inputs inside ``jax.shard_map``: the maps'
+    arrays, then the query and key segment ids."""
+    *maps, q_seg, kv_seg = args
+    return _kernel_ring(static, me, tuple(maps), q_seg, kv_seg)
+
+
 def _ring_index(mesh, axis):
     """``arange(N)`` split over ``axis``: each device's index on it, as an input (see
     :func:`_kernel_ring_forward`)."""
@@ -1032,6 +1039,27 @@ def _run(fn, mesh, args, specs, out_spec):
     )
 
 
+def _checked_maps(q, k, v, second, segment_ids, kv_segment_ids) -> tuple:
+    """:func:`context_attention`'s arrays, checked: one map's ``(q, k, v)`` or two maps'
+    ``(q, k, q2, k2, v, lam)`` (lam float32)."""
+    if second is None:
+        reference.check_qkv(q, k, v, segment_ids, kv_segment_ids, what="context_attention")
+        return (q, k, v)
+    q2, k2, lam = second
+    reference.check_differential(
+        q, k, q2, k2, v, lam, segment_ids, kv_segment_ids, what="context_attention"
+    )
+    return (q, k, q2, k2, v, jnp.asarray(lam, jnp.float32))
+
+
+def _split_maps(maps: tuple):
+    """``(q, k, v, second)`` from :func:`_checked_maps`'s arrays (``second`` None for one)."""
+    if len(maps) == 3:
+        return (*maps, None)
+    q, k, q2, k2, v, lam = maps
+    return q, k, v, (q2, k2, lam)
+
+
 def context_attention(
     q,
     k,
@@ -1078,60 +1106,43 @@ def context_attention(
 
     ``kernel`` (``"gpu"``, ``"tpu"``; None: the XLA math): the ring's blocks run the fused
     Pallas kernels (``interpret=True`` on CPU; ``compute_capability``: the GPU they are compiled
-    for, default this one), which mask by index: the inputs must be in
-    ``order`` (``"zigzag"`` or ``"contiguous"``) and ``positions`` None (see
-    :data:`KERNEL_ORDERS`' comment).
+    for, default this one), which mask by index: the inputs in ``order``, ``positions`` None.
 
     ``logit_max=True``: ``(out, maxes)``, ``maxes`` float32 ``[n_maps, B, T, Hq]`` each map's
-    largest logit per row over the keys it sees (the ring's running maxes merged over the
-    blocks, or the all-gather's logits), in the inputs' token order and sharded like
+    largest logit per row over the keys it sees, in the inputs' token order and sharded like
     ``out``'s rows; without gradient.
 
     Raises :class:`ConfigError` for an unknown impl or order, an axis not in the mesh, or a
     T that the axis size (2x the axis size for zigzag) does not divide.
     """
-    if second is None:
-        reference.check_qkv(q, k, v, segment_ids, kv_segment_ids, what="context_attention")
-        maps = (q, k, v)
-    else:
-        q2, k2, lam = second
-        reference.check_differential(
-            q, k, q2, k2, v, lam, segment_ids, kv_segment_ids, what="context_attention"
-        )
-        maps = (q, k, q2, k2, v, jnp.asarray(lam, jnp.float32))
+    maps = _checked_maps(q, k, v, second, segment_ids, kv_segment_ids)
     pos = _setup(mesh, axis, impl, order, q, k, positions)
     heads, rows, tokens, pos_spec = _specs(axis, batch_axes, head_axes, pos)
-    map_specs = (heads,) * (len(maps) - 1)  # q, k, (q2, k2,) v; then lam's
-    map_specs += (heads,) if second is None else (P() if maps[-1].ndim == 0 else rows,)
+    if len(maps) == 3:
+        map_specs = (heads,) * 3
+    else:  # lam: V1's scalar whole, V2's [B, T, Hq] split like the rows
+        map_specs = (heads,) * 5 + (P() if maps[-1].ndim == 0 else rows,)
     scale = reference._default_scale(q, scale)
     kv_seg = _kv_seg(segment_ids, kv_segment_ids)
     out_spec = _out_spec(heads, rows, logit_max)
     if kernel is not None:
-        static = _kernel_static(
-            axis,
-            causal,
-            scale,
-            _kernel_order(impl, order, positions),
-            kernel,
-            interpret,
-            compute_capability,
-            logit_max,
-        )
-
-        def ring(me, *args):
-            *arrays, q_seg, kv_seg = args
-            return _kernel_ring(static, me, tuple(arrays), q_seg, kv_seg)
-
-        specs = (P(axis), *map_specs, tokens, tokens)
+        kernel_order = _kernel_order(impl, order, positions)
+        static = (axis, causal, scale, kernel_order, kernel, interpret, compute_capability)
+        static = _kernel_static(*static, logit_max)
         args = (_ring_index(mesh, axis), *maps, segment_ids, kv_seg)
-        return _run(ring, mesh, args, specs, out_spec)
+        return _run(
+            partial(_kernel_ring_shard, static),
+            mesh,
+            args,
+            (P(axis), *map_specs, tokens, tokens),
+            out_spec,
+        )
     fn = partial(ring_attention, block_k=block_k) if impl == "ring" else allgather_attention
     n = len(maps)
 
     def run(*args):
         pos, seg, kv_seg = args[n:]
-        q, k, *rest = args[:n]  # (v,) or (q2, k2, v, lam)
-        second, v = (None, rest[0]) if n == 3 else ((rest[0], rest[1], rest[3]), rest[2])
+        q, k, v, second = _split_maps(args[:n])
         return fn(
             q,
             k,
