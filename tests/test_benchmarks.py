@@ -47,7 +47,7 @@ def test_the_gpu_script_rehearses_every_part_on_cpu(tmp_path):
     assert {r["documents"] for r in docs["rows"]} == {32}
     # a CPU rehearsal never writes its times into auto's table
     assert (out / "impl_table.json").read_text() == open(
-        os.path.join(ROOT, "diffjax", "impl_table.json")
+        os.path.join(ROOT, "diffjax", "ops", "impl_table.json")
     ).read()
     step = json.loads((out / "train_step.json").read_text())
     rows = {(r["model"], r["impl"]): r for r in step["rows"]}

@@ -320,9 +320,9 @@ import numpy as np
 
 port, n, i, alpha, beta, out = sys.argv[1:]
 jax.distributed.initialize(f"127.0.0.1:{port}", int(n), int(i))
-from diffjax import sharding
+from diffjax.infra import sharding
 from diffjax.train import apply_overrides, default_config
-from diffjax.train.loop import process_stream
+from diffjax.train.setup import process_stream
 
 mix = f"data.mixture=alpha:0.7:{alpha},beta:0.3:{beta}"
 exp = apply_overrides(default_config(), [
