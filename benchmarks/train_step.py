@@ -30,7 +30,7 @@ import time
 import jax
 import numpy as np
 
-from diffjax import ModelConfig, ops, twin
+from diffjax import ModelConfig, twin
 from diffjax.infra import sharding
 from diffjax.infra import flops as flops_lib
 from diffjax.data import DataConfig, carries_documents
@@ -80,11 +80,9 @@ def batch(rng, data: DataConfig, runtime: Runtime, rows: int, vocab: int, mean: 
 
 def time_model(exp, cfg: ModelConfig, impl: str, args, mesh) -> dict:
     cfg = dataclasses.replace(cfg, attention_impl=impl)
-    runtime = Runtime.of(cfg, exp.mesh, mesh)
+    runtime = setup_lib.run_runtime(exp, cfg, mesh)
     tcfg = dataclasses.replace(exp.train, batch_size=args.batch, grad_accum_steps=1)
-    chosen, why = ops.model_impl(
-        cfg, runtime.kernel_target, exp.data.seq_len, carries_documents(exp.data)
-    )
+    chosen, why = runtime.attention.describe()
     row = dict(impl=impl, ran=chosen, why=why)
     rng = np.random.default_rng(0)
     with runtime.activate():

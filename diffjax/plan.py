@@ -49,7 +49,7 @@ from flax import nnx
 from diffjax import cli
 from diffjax.infra import sharding, storage
 from diffjax.infra import flops as flops_lib
-from diffjax.config import ConfigError, ModelConfig, check_fields, fail
+from diffjax.config import ConfigError, KernelTarget, ModelConfig, check_fields, fail
 from diffjax.kernels import cudnn
 from diffjax.nn.param_count import count_params
 from diffjax.infra.runtime import Runtime
@@ -299,10 +299,10 @@ def _concrete_rest(setup: setup_lib.ModelSetup):
 
 def target_runtime(exp: ExperimentConfig, model_cfg: ModelConfig, mesh, target: Target) -> Runtime:
     """The :class:`~diffjax.infra.runtime.Runtime` of ``model_cfg`` on ``target``: its platform and
-    (a GPU's) compute capability as data, so the step is traced as it would be there."""
-    run = Runtime.of(model_cfg, exp.mesh, mesh)
+    (a GPU's) compute capability as data, so the step is traced as it would be there, and the
+    attention decided for them (:func:`diffjax.train.setup.run_runtime`)."""
     cc = target.compute_capability if target.platform == "gpu" else None
-    return dataclasses.replace(run, platform=target.platform, compute_capability=cc)
+    return setup_lib.run_runtime(exp, model_cfg, mesh, KernelTarget(target.platform, cc))
 
 
 def lower_train_step(

@@ -3,6 +3,7 @@ object with the two attention functions; every layer routes through it, V2 passi
 explicitly; the reference math imports nothing from diffjax."""
 
 import dataclasses
+import types
 
 import ast
 import pathlib
@@ -27,7 +28,7 @@ def test_auto_is_xla_on_cpu_and_pallas_on_accelerators():
     want = "pallas" if jax.default_backend() in ("gpu", "tpu") else "xla"
     assert ops.check_impl("auto") == want
     assert ops.check_impl("xla") == "xla" and ops.check_impl("pallas") == "pallas"
-    assert ops.check_impl(reference) is reference  # an object with the two functions
+    assert ops.check_impl(reference) is reference  # an object with the function attention
 
 
 def test_unknown_impl_is_a_clear_error():
@@ -35,32 +36,26 @@ def test_unknown_impl_is_a_clear_error():
         ops.check_impl("nope")
     with pytest.raises(ValueError, match="unknown attention impl"):
         diffjax.MultiheadAttention(32, 0, 2, attention_impl="nope", rngs=nnx.Rngs(0))
-    with pytest.raises(
-        ValueError, match="has no dot_product_attention or differential_attention.*'auto'"
-    ):
+    with pytest.raises(ValueError, match=r"has no function attention. Fix: .*second=\(q2.*'auto'"):
         ops.check_impl(dataclasses.make_dataclass("Half", [])())
+    two = types.SimpleNamespace(dot_product_attention=print, differential_attention=print)
+    with pytest.raises(ValueError, match="replaces dot_product_attention and differential_"):
+        ops.check_impl(two)  # the earlier protocol: the fix names the one function
     with pytest.raises(ValueError, match="bits must be an integer"):
         reference.check_logit_bits(1)
 
 
 def test_modules_route_through_the_dispatch(monkeypatch):
     calls, shared = [], []
-    real = {
-        "xla_std": reference.dot_product_attention,
-        "xla_diff": reference.differential_attention,
-    }
+    real = reference.attention
 
-    def standard(*a, **kw):
-        calls.append("standard")
-        return real["xla_std"](*a, **kw)
+    def attention(q, k, v, *, second=None, **kw):
+        calls.append("standard" if second is None else "differential")
+        if second is not None:
+            shared.append(second[1] is None)  # k2
+        return real(q, k, v, second=second, **kw)
 
-    def differential(*a, **kw):
-        calls.append("differential")
-        shared.append(a[3] is None)  # k2
-        return real["xla_diff"](*a, **kw)
-
-    monkeypatch.setattr(reference, "dot_product_attention", standard)
-    monkeypatch.setattr(reference, "differential_attention", differential)
+    monkeypatch.setattr(reference, "attention", attention)
     x = jax.random.normal(jax.random.key(0), (1, 8, 64))
     for module in (
         diffjax.MultiheadAttention(64, 0, 4, attention_impl="xla", rngs=nnx.Rngs(0)),
@@ -78,16 +73,14 @@ def test_modules_route_through_the_dispatch(monkeypatch):
 class _Scaled:
     """An implementation object: the reference math with every output doubled."""
 
-    def dot_product_attention(self, q, k, v, **kw):
-        return 2 * reference.dot_product_attention(q, k, v, **kw)
-
-    def differential_attention(self, q1, k1, q2, k2, v, lam, **kw):
-        return 2 * reference.differential_attention(q1, k1, q2, k2, v, lam, **kw)
+    def attention(self, q, k, v, **kw):
+        return 2 * reference.attention(q, k, v, **kw)
 
 
 @pytest.mark.parametrize("kind", ["standard", "v1", "v2"])
 def test_an_implementation_object_runs_in_the_layers(kind):
-    """``attention_impl`` may be an object with the two functions: the layer's output is then
+    """``attention_impl`` may be an object with the one function ``attention(q, k, v, *,
+    second, ...)``: the layer's output is then
     its out_proj of what the object returns (here the reference doubled: V1 without its
     per-head norm, which would undo the factor)."""
     x = jax.random.normal(jax.random.key(0), (1, 8, 64))

@@ -367,15 +367,21 @@ def test_the_shipped_table_drives_auto_per_call_and_falls_back_where_nothing_was
     cfg = diffjax.ModelConfig(
         d_model=1024, num_heads=4, num_layers=1, dtype="bfloat16", max_seq_len=32768
     )  # DIFF V1, d = 128: what the H200 measured
-    impl, why = ops.model_impl(cfg, H100, 16384, segments=False)
+
+    def chosen(cfg, target, **kw):
+        return ops.resolve_model(cfg, target, seq_len=16384, **kw).chosen
+
+    impl, why = chosen(cfg, H100, segments=False)
     assert impl == "cudnn" and "measured fastest (NVIDIA H200" in why
-    assert ops.model_impl(cfg, H100, 16384, segments=True)[0] == "pallas"  # not measured
+    assert chosen(cfg, H100, segments=True)[0] == "pallas"  # not measured
     f32 = dataclasses.replace(cfg, dtype="float32")
-    assert ops.model_impl(f32, H100, 16384, segments=False)[0] == "pallas"  # cuDNN: no float32
-    diag = ops.model_impl(cfg, H100, 16384, segments=False, logit_max=True)
-    assert diag[0] == "pallas"  # the diagnostics need the kernels' row maxima
-    assert ops.model_impl(cfg, V5E, 16384, segments=False)[0] == "pallas"  # no TPU measurement
-    assert ops.model_impl(cfg, KernelTarget("cpu"), 16384, segments=False)[0] == "xla"
+    assert chosen(f32, H100, segments=False)[0] == "pallas"  # cuDNN: no float32
+    diag = ops.resolve_model(cfg, H100, seq_len=16384, segments=False, logit_max=True)
+    assert diag.chosen[0] == "pallas"  # the diagnostics need the kernels' row maxima
+    # held per call: the evaluation (no diagnostics) may take cuDNN, a decoded token the XLA math
+    assert diag.implementations() == ("pallas", "cudnn")
+    assert chosen(cfg, V5E, segments=False)[0] == "pallas"  # no TPU measurement
+    assert chosen(cfg, KernelTarget("cpu"), segments=False)[0] == "xla"
 
 
 def test_the_table_merges_a_new_measurement_over_the_old_one(tmp_path):
@@ -454,7 +460,7 @@ def test_the_run_check_covers_what_auto_may_pick_and_a_failing_composition_names
         _compose, "combine", lambda o1, o2, lam, dtype: combine(o1, o2, 0 * lam, dtype)
     )
     with pytest.raises(ConfigError) as e:
-        ops.check_kernels(cfg, impl="cudnn", interpret=True)
+        ops.check_kernels(cfg, ops.resolve("cudnn", H100), interpret=True)
     assert "FAIL cudnn v1 d=64" in str(e.value)
     assert "Fix: set model.attention_impl=pallas (diffjax's kernels) instead of cudnn" in str(
         e.value

@@ -34,7 +34,6 @@ from diffjax import ops
 from diffjax.infra import sharding, storage
 from diffjax.config import ConfigError
 from diffjax.evaluate import evaluate_run
-from diffjax.infra.runtime import Runtime
 from diffjax.train.checkpoint import (
     CheckpointError,
     committed_steps,
@@ -50,7 +49,7 @@ from diffjax.train.config import (
 from diffjax.train.loop import AfterStep, train_model
 from diffjax.train.preemption import Preempted, TrainingDiverged, preemption_guard
 from diffjax.train.recorder import TrainResult
-from diffjax.train.setup import attention_choice, check_run, describe_mesh
+from diffjax.train.setup import check_run, describe_mesh, run_runtime
 
 from diffjax.compare.report import results_table, write_report
 from diffjax.compare.retrofit_study import load_study, run_study, summary
@@ -190,11 +189,11 @@ def main(argv: list[str] | None = None, *, after_step: AfterStep | None = None) 
         mesh = sharding.make_mesh(exp.mesh)  # checks the sizes against the devices
         check_run(exp, mesh)  # every cross-field rule, in one place
         for model_cfg in exp.models.values():  # each model's attention, then its kernels
-            impl, _ = attention_choice(exp, model_cfg, Runtime.of(model_cfg, exp.mesh, mesh))
+            attention = run_runtime(exp, model_cfg, mesh).attention
             if exp.train.kernel_check != "off":
                 ops.check_kernels(
                     model_cfg,
-                    impl=impl,
+                    attention,
                     interpret=exp.train.kernel_check == "interpret",
                     log=print if jax.process_index() == 0 else None,
                 )

@@ -21,8 +21,7 @@ from flax import nnx
 from diffjax.infra import sharding
 from diffjax.config import ModelConfig
 from diffjax.train.config import ExperimentConfig
-from diffjax.infra.runtime import Runtime
-from diffjax.train.setup import compile_steps, model_setup, process_stream
+from diffjax.train.setup import compile_steps, model_setup, process_stream, run_runtime
 from diffjax.train.step import model_inputs
 
 
@@ -98,7 +97,7 @@ def side_by_side_throughput(
     mesh = sharding.make_mesh(exp.mesh) if mesh is None else mesh
     tcfg = exp.train
     with jax.set_mesh(mesh), nnx.logical_axis_rules(sharding.current_rules()):
-        runtimes = {label: Runtime.of(cfg, exp.mesh, mesh) for label, cfg in models.items()}
+        runtimes = {label: run_runtime(exp, cfg, mesh) for label, cfg in models.items()}
         stream = list(itertools.islice(process_stream(exp, "train", mesh), steps))
         compiled = {}
         for label, cfg in models.items():

@@ -60,28 +60,12 @@ class QuantizedLogits:
     def __post_init__(self):
         check_logit_bits(self.bits)
 
-    def dot_product_attention(self, q, k, v, *, causal, segment_ids, kv_segment_ids, scale):
-        return reference.dot_product_attention(
+    def attention(self, q, k, v, *, second=None, causal, segment_ids, kv_segment_ids, scale):
+        return reference.attention(
             q,
             k,
             v,
-            causal=causal,
-            segment_ids=segment_ids,
-            kv_segment_ids=kv_segment_ids,
-            scale=scale,
-            logit_bits=self.bits,
-        )
-
-    def differential_attention(
-        self, q1, k1, q2, k2, v, lam, *, causal, segment_ids, kv_segment_ids, scale
-    ):
-        return reference.differential_attention(
-            q1,
-            k1,
-            q2,
-            k2,
-            v,
-            lam,
+            second=second,
             causal=causal,
             segment_ids=segment_ids,
             kv_segment_ids=kv_segment_ids,

@@ -1,9 +1,10 @@
 """How a run executes, decided once: :class:`Runtime`.
 
 A run's mesh, the platform its devices are (``"cpu"``, ``"gpu"``, ``"tpu"``: the devices' own,
-so a compile-only mesh of a TPU slice says ``"tpu"`` on this machine) and how attention runs
+so a compile-only mesh of a TPU slice says ``"tpu"`` on this machine), how attention runs
 over a ``context`` mesh axis (:class:`diffjax.config.ContextSpec`: the implementation, the
-tokens' order, the axis) travel together from where the run is set up to every place that
+tokens' order, the axis) and what computes the model's attention (``attention``: a
+:class:`diffjax.ops.Resolved`, decided once for the run's calls) travel together from where the run is set up to every place that
 lays out batches, builds the model or compiles its steps (:mod:`diffjax.train.loop`, the
 throughput measurement, the planner), so none of them re-derives one from another setting.
 
@@ -42,6 +43,9 @@ class Runtime:
     context: ContextSpec = ContextSpec()
     platform: str | None = None
     compute_capability: tuple[int, int] | None = None
+    # the model's attention decided for the run (diffjax.ops.Resolved: diffjax.train.setup.
+    # run_runtime); None: decided for this target and mesh when a model is built for it
+    attention: Any = None
 
     def __post_init__(self) -> None:
         if self.platform is None:
@@ -79,6 +83,12 @@ class Runtime:
         (:data:`diffjax.infra.sharding.DEFAULT_RULES` unless a caller set others)."""
         with jax.set_mesh(self.mesh), nnx.logical_axis_rules(sharding.current_rules()):
             yield self
+
+    @property
+    def split_context(self) -> ContextSpec | None:
+        """The context spec when this mesh splits the sequence (sequence-parallel attention),
+        else None."""
+        return self.context if self.context_size > 1 else None
 
     @property
     def context_size(self) -> int:

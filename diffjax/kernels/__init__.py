@@ -67,14 +67,12 @@ def _gpu_only(module, compute_capability) -> dict:
     return {"compute_capability": compute_capability} if gpu and compute_capability else {}
 
 
-def differential_flash_attention(
-    q1: jax.Array,
-    k1: jax.Array,
-    q2: jax.Array,
-    k2: jax.Array,
+def attention(
+    q: jax.Array,
+    k: jax.Array,
     v: jax.Array,
-    lam: jax.Array | float,
     *,
+    second: tuple[jax.Array, jax.Array | None, jax.Array | float] | None = None,
     causal: bool = True,
     segment_ids: jax.Array | None = None,
     kv_segment_ids: jax.Array | None = None,
@@ -86,87 +84,66 @@ def differential_flash_attention(
     o2_dtype: Any = jnp.float32,
     return_logit_max: bool = False,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
-    """Fused differential attention, ``[B, T, Hq, Dv]`` in ``q1.dtype``.
+    """Fused flash attention with one softmax map (``second`` None: standard MHA/GQA/MQA) or
+    two (``second=(q2, k2, lam)``: ``softmax(q k^T s) v - lam * softmax(q2 k2^T s) v``),
+    ``[B, T, Hq, Dv]`` in ``q.dtype``; the kernel module of ``backend`` (:func:`kernel_module`)
+    runs it, each case with its own kernel body.
 
-    q1, q2 ``[B,T,Hq,Dqk]``; k1, k2 ``[B,S,Hkv,Dqk]`` (``k2=None``: both maps read
-    ``k1``, as in V2, and each key tile is loaded once); v ``[B,S,Hkv,Dv]`` with ``Dv`` = ``Dqk`` or ``2*Dqk``; ``lam``
-    a scalar (V1) or ``[B,T,Hq]`` (V2). Query head ``i`` reads kv head ``i // (Hq // Hkv)``.
-    Causal masking is bottom-right aligned; ``segment_ids`` ``[B,T]`` separate packed sequences
-    (keys use ``kv_segment_ids`` ``[B,S]`` when given). ``sm_scale`` defaults to ``Dqk**-0.5``.
-    ``block_sizes``: the chosen kernel's ``BlockSizes``. ``compute_capability``: the GPU the
-    GPU kernel is compiled for (default: this one), which its default block sizes follow.
-    ``o2_dtype``: the saved second-branch output's dtype (a backward residual), float32 or
-    bfloat16 (half the memory; docs/kernels.md gives the cost in d(lam)).
-    ``return_logit_max``: also return each map's largest logit per row, ``(out, maxes)`` with
-    ``maxes`` float32 ``[2, B, T, Hq]`` (the kernels' running row max; -inf for a row that sees
-    no key; no gradient); False leaves the kernels as they are without it. Both kernels check
-    their inputs alike (:mod:`diffjax.kernels._frontend`): the same bad input raises the same
-    error on either.
+    q (and q2) ``[B,T,Hq,Dqk]``; k (and k2) ``[B,S,Hkv,Dqk]`` (``k2=None``: both maps read
+    ``k``, as in V2, and each key tile is loaded once); v ``[B,S,Hkv,Dv]``, with two maps
+    ``Dv`` = ``Dqk`` or ``2*Dqk``; ``lam`` a scalar (V1) or ``[B,T,Hq]`` (V2). Query head ``i``
+    reads kv head ``i // (Hq // Hkv)``. Causal masking is bottom-right aligned;
+    ``segment_ids`` ``[B,T]`` separate packed sequences (keys use ``kv_segment_ids`` ``[B,S]``
+    when given). ``sm_scale`` defaults to ``Dqk**-0.5``. ``block_sizes``: the chosen kernel's
+    ``BlockSizes``. ``compute_capability``: the GPU the GPU kernel is compiled for (default:
+    this one), which its default block sizes follow. ``o2_dtype`` (two maps): the saved
+    second-branch output's dtype (a backward residual), float32 or bfloat16 (half the memory;
+    docs/kernels.md gives the cost in d(lam)). ``return_logit_max``: also return each map's
+    largest logit per row, ``(out, maxes)`` with ``maxes`` float32 ``[n_maps, B, T, Hq]`` (the
+    kernels' running row max; -inf for a row that sees no key; no gradient); False leaves the
+    kernels as they are without it. Both kernel modules check their inputs alike
+    (:mod:`diffjax.kernels._frontend`): the same bad input raises the same error on either.
     """
+    module = kernel_module(backend, interpret=interpret)
+    options = dict(
+        causal=causal,
+        segment_ids=segment_ids,
+        kv_segment_ids=kv_segment_ids,
+        sm_scale=sm_scale,
+        block_sizes=block_sizes,
+        interpret=interpret,
+        return_logit_max=return_logit_max,
+        **_gpu_only(module, compute_capability),
+    )
+    if second is None:
+        return module.flash_attention(q, k, v, **options)
     # The kernel modules' public functions check the shapes (once); this only adds the
-    # model's rule for V's width (against k1's: q/k mismatches are the modules' to name).
-    dqk, dv = k1.shape[-1], v.shape[-1]
+    # model's rule for V's width (against k's: q/k mismatches are the modules' to name).
+    dqk, dv = k.shape[-1], v.shape[-1]
     if dv not in (dqk, 2 * dqk):
         raise ValueError(
             f"differential_flash_attention: v's head dim must equal q/k's ({dqk}) "
             f"or be twice it ({2 * dqk}), got {dv}. Fix: give v the width of q/k (V2) or "
             "twice it (V1)"
         )
-    module = kernel_module(backend, interpret=interpret)
-    return module.differential_flash_attention(
-        q1,
-        k1,
-        q2,
-        k2,
-        v,
-        lam,
-        causal=causal,
-        segment_ids=segment_ids,
-        kv_segment_ids=kv_segment_ids,
-        sm_scale=sm_scale,
-        block_sizes=block_sizes,
-        interpret=interpret,
-        o2_dtype=o2_dtype,
-        return_logit_max=return_logit_max,
-        **_gpu_only(module, compute_capability),
-    )
+    q2, k2, lam = second
+    return module.differential_flash_attention(q, k, q2, k2, v, lam, o2_dtype=o2_dtype, **options)
 
 
-def flash_attention(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    *,
-    causal: bool = True,
-    segment_ids: jax.Array | None = None,
-    kv_segment_ids: jax.Array | None = None,
-    sm_scale: float | None = None,
-    block_sizes: Any = None,
-    interpret: Any = False,
-    backend: str | None = None,
-    compute_capability: tuple[int, int] | None = None,
-    return_logit_max: bool = False,
-) -> jax.Array | tuple[jax.Array, jax.Array]:
-    """Standard (MHA/GQA/MQA) flash attention through the same kernels, ``[B, T, Hq, Dv]``
-    (``return_logit_max``: ``(out, maxes)``, ``maxes`` float32 ``[1, B, T, Hq]``)."""
-    module = kernel_module(backend, interpret=interpret)
-    return module.flash_attention(
-        q,
-        k,
-        v,
-        causal=causal,
-        segment_ids=segment_ids,
-        kv_segment_ids=kv_segment_ids,
-        sm_scale=sm_scale,
-        block_sizes=block_sizes,
-        interpret=interpret,
-        return_logit_max=return_logit_max,
-        **_gpu_only(module, compute_capability),
-    )
+def differential_flash_attention(q1, k1, q2, k2, v, lam, **options):
+    """Fused differential attention: :func:`attention` with two maps (the same keywords)."""
+    return attention(q1, k1, v, second=(q2, k2, lam), **options)
+
+
+def flash_attention(q, k, v, **options):
+    """Standard (MHA/GQA/MQA) flash attention: :func:`attention` with one map (the same
+    keywords but ``o2_dtype``)."""
+    return attention(q, k, v, **options)
 
 
 __all__ = [
     "KERNEL_BACKENDS",
+    "attention",
     "differential_flash_attention",
     "flash_attention",
     "gpu_capability",

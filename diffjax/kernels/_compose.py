@@ -57,9 +57,10 @@ def in_value_halves(attend: Attend, q: jax.Array, k: jax.Array, v: jax.Array) ->
     return jnp.concatenate([attend(q, k, v[..., :d]), attend(q, k, v[..., d:])], axis=-1)
 
 
-def differential(attend: Attend, q1, k1, q2, k2, v, lam, *, wide_value: bool) -> jax.Array:
-    """``softmax(q1 k1^T s) v - lam * softmax(q2 k2^T s) v`` from standard calls (module doc);
-    ``k2=None``: both maps read ``k1`` (V2: one call over the paired heads). ``wide_value``:
+def attention(attend: Attend, q, k, v, second=None, *, wide_value: bool) -> jax.Array:
+    """One softmax map, ``attend(q, k, v)`` (``second`` None), or two, ``softmax(q k^T s) v -
+    lam * softmax(q2 k2^T s) v`` (``second=(q2, k2, lam)``) from standard calls (module doc);
+    ``k2=None``: both maps read ``k`` (V2: one call over the paired heads). ``wide_value``:
     whether ``attend`` takes a value wider than q/k (else it gets the value in halves)."""
 
     def call(q, k):
@@ -67,8 +68,11 @@ def differential(attend: Attend, q1, k1, q2, k2, v, lam, *, wide_value: bool) ->
             return attend(q, k, v)
         return in_value_halves(attend, q, k, v)
 
+    if second is None:
+        return call(q, k)
+    q2, k2, lam = second
     if k2 is None:
-        o1, o2 = unpair_heads(call(pair_heads(q1, q2), k1))
+        o1, o2 = unpair_heads(call(pair_heads(q, q2), k))
     else:
-        o1, o2 = call(q1, k1), call(q2, k2)
-    return combine(o1, o2, lam, q1.dtype)
+        o1, o2 = call(q, k), call(q2, k2)
+    return combine(o1, o2, lam, q.dtype)

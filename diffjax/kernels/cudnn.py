@@ -283,36 +283,12 @@ def _guard(out: jax.Array, fits) -> jax.Array:
 
 
 # ---------------------------------------------------------------------------- public API
-def dot_product_attention(
+def attention(
     q,
     k,
     v,
     *,
-    causal: bool = True,
-    segment_ids=None,
-    kv_segment_ids=None,
-    scale: float | None = None,
-    implementation: str = "cudnn",
-) -> jax.Array:
-    """``softmax(q k^T s) v`` on cuDNN, ``[B, T, Hq, Dv]``: q ``[B, T, Hq, D]``, k ``[B, S, Hkv,
-    D]``, v ``[B, S, Hkv, Dv]``; ``segment_ids`` ``[B, T]`` keep documents apart (module doc)."""
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    what = "cudnn.dot_product_attention"
-    packed, fits = _prepare(
-        q, k, segment_ids, kv_segment_ids, causal, v.shape[-1], implementation, what
-    )
-    out = _attend(q, k, v, causal=causal, scale=scale, packed=packed, implementation=implementation)
-    return _guard(out, fits)
-
-
-def differential_attention(
-    q1,
-    k1,
-    q2,
-    k2,
-    v,
-    lam,
-    *,
+    second=None,
     causal: bool = True,
     segment_ids=None,
     kv_segment_ids=None,
@@ -320,21 +296,34 @@ def differential_attention(
     implementation: str = "cudnn",
     wide_value: bool | None = None,
 ) -> jax.Array:
-    """``softmax(q1 k1^T s) v - lam * softmax(q2 k2^T s) v`` on cuDNN, ``[B, T, Hq, Dv]``
-    (``k2=None``: V2, one call over the paired heads). ``wide_value``: V1's value in one call
-    per map (default: where cuDNN takes it, :func:`wide_value_supported`; always on XLA)."""
-    scale = q1.shape[-1] ** -0.5 if scale is None else scale
-    what = "cudnn.differential_attention"
+    """Softmax attention on cuDNN, ``[B, T, Hq, Dv]``: one map, ``softmax(q k^T s) v``, or two
+    (``second=(q2, k2, lam)``), ``softmax(q k^T s) v - lam * softmax(q2 k2^T s) v`` composed of
+    standard calls (``k2=None``: V2, one call over the paired heads). q ``[B, T, Hq, D]``, k
+    ``[B, S, Hkv, D]``, v ``[B, S, Hkv, Dv]``; ``segment_ids`` ``[B, T]`` keep documents apart
+    (module doc). ``wide_value``: V1's value in one call per map (default: where cuDNN takes
+    it, :func:`wide_value_supported`; always on XLA)."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    what = "cudnn.attention"
     packed, fits = _prepare(
-        q1, k1, segment_ids, kv_segment_ids, causal, v.shape[-1], implementation, what
+        q, k, segment_ids, kv_segment_ids, causal, v.shape[-1], implementation, what
     )
     if wide_value is None:
-        wide_value = implementation == "xla" or wide_value_supported()
+        wide_value = implementation == "xla" or (second is not None and wide_value_supported())
     attend = functools.partial(
         _attend, causal=causal, scale=scale, packed=packed, implementation=implementation
     )
-    out = _compose.differential(attend, q1, k1, q2, k2, v, lam, wide_value=wide_value)
-    return _guard(out, fits)
+    return _guard(_compose.attention(attend, q, k, v, second, wide_value=wide_value), fits)
+
+
+def dot_product_attention(q, k, v, **options) -> jax.Array:
+    """``softmax(q k^T s) v`` on cuDNN: :func:`attention` with one map."""
+    return attention(q, k, v, **options)
+
+
+def differential_attention(q1, k1, q2, k2, v, lam, **options) -> jax.Array:
+    """``softmax(q1 k1^T s) v - lam * softmax(q2 k2^T s) v`` on cuDNN: :func:`attention` with
+    two maps."""
+    return attention(q1, k1, v, second=(q2, k2, lam), **options)
 
 
 def composition(kind: str, *, segments: bool, wide_value: bool | None = None) -> str:

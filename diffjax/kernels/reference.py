@@ -7,9 +7,10 @@ checks and are tested against it.
 Layout everywhere: ``[batch, seq, heads, dim]``. GQA is index arithmetic: query head ``i``
 reads kv head ``i // (Hq // Hkv)``; K/V are never repeated in memory.
 
-- :func:`dot_product_attention`: ``softmax(q k^T s) v``.
-- :func:`differential_attention`: ``softmax(q1 k1^T s) v - lam * softmax(q2 k2^T s) v``, each
-  branch normalised by its own softmax denominator.
+- :func:`attention`: one softmax map, ``softmax(q k^T s) v``, or two (``second=(q2, k2,
+  lam)``), ``softmax(q k^T s) v - lam * softmax(q2 k2^T s) v``, each branch normalised by its
+  own softmax denominator (:func:`dot_product_attention` and :func:`differential_attention`
+  name the two cases).
 
 Numerics (the kernels match them): logits and softmax in float32, probabilities cast to v's
 dtype before the value product (as flash attention and the official code do), float32
@@ -20,7 +21,7 @@ sequences.
 
 ``logit_bits`` simulates absmax quantization of the logits (the paper's Fig. 8): see
 :func:`absmax_quantize`. ``logit_max=True`` also returns each map's largest logit per query row
-(training diagnostics), from the same logits the softmax reads: see :func:`dot_product_attention`.
+(training diagnostics), from the same logits the softmax reads: see :func:`attention`.
 """
 
 from __future__ import annotations
@@ -318,11 +319,12 @@ def attention_weights(
     return probs.reshape(b, hq, t, k.shape[1])
 
 
-def dot_product_attention(
+def attention(
     q,
     k,
     v,
     *,
+    second=None,
     causal=True,
     segment_ids=None,
     kv_segment_ids=None,
@@ -330,12 +332,14 @@ def dot_product_attention(
     logit_bits=None,
     logit_max=False,
 ):
-    """``softmax(q k^T s) v``: ``[B, T, Hq, Dv]`` in ``q.dtype``. ``scale`` defaults to
-    ``D ** -0.5``.
+    """Softmax attention with one map, ``softmax(q k^T s) v`` (``second`` None), or two,
+    ``softmax(q k^T s) v - lam * softmax(q2 k2^T s) v`` (``second=(q2, k2, lam)``; ``k2=None``:
+    both maps read ``k``, DIFF V2's shared key; ``lam`` a scalar (V1) or ``[B, T, Hq]`` (V2)):
+    ``[B, T, Hq, Dv]`` in ``q.dtype``. ``scale`` defaults to ``D ** -0.5``.
 
-    ``logit_max=True``: ``(out, maxes)``, ``maxes`` float32 ``[1, B, T, Hq]`` the largest
-    logit ``(q k^T) * scale`` of each query row over the keys it sees (the softmax's own
-    logits, before any ``logit_bits`` quantization), -inf for a row that sees no key; no
+    ``logit_max=True``: ``(out, maxes)``, ``maxes`` float32 ``[n_maps, B, T, Hq]`` the largest
+    logit ``(q k^T) * scale`` of each map's query rows over the keys they see (the softmax's
+    own logits, before any ``logit_bits`` quantization), -inf for a row that sees no key; no
     gradient. ``out`` is the same as without it."""
     mask = attention_mask(
         q.shape[1],
@@ -344,59 +348,52 @@ def dot_product_attention(
         segment_ids=segment_ids,
         kv_segment_ids=kv_segment_ids,
     )
-    t = q.shape[1]
-    probs = _grouped_probs(q, k, mask, _default_scale(q, scale), logit_bits, logit_max=logit_max)
-    if not logit_max:
-        return _attend(probs, v, t).astype(q.dtype)
-    probs, maxes = probs
-    return _attend(probs, v, t).astype(q.dtype), _ungroup_rows(maxes, t)[None]
+    return masked_attention(
+        q, k, v, mask, second=second, scale=scale, logit_bits=logit_bits, logit_max=logit_max
+    )
 
 
-def differential_attention(
-    q1,
-    k1,
-    q2,
-    k2,
-    v,
-    lam,
-    *,
-    causal=True,
-    segment_ids=None,
-    kv_segment_ids=None,
-    scale=None,
-    logit_bits=None,
-    logit_max=False,
-):
-    """``softmax(q1 k1^T s) v - lam * softmax(q2 k2^T s) v``: ``[B, T, Hq, Dv]`` in
-    ``q1.dtype``. ``lam`` a scalar (V1) or ``[B, T, Hq]`` (V2); ``k2=None``: both maps read
-    ``k1`` (DIFF V2's shared key). ``logit_max=True``: ``(out, maxes)``, ``maxes`` float32
-    ``[2, B, T, Hq]`` each map's largest visible logit per row (map 1: q1 k1, map 2: q2 k2
-    or q2 k1), as in :func:`dot_product_attention`.
+def masked_attention(q, k, v, mask, *, second=None, scale=None, logit_bits=None, logit_max=False):
+    """:func:`attention` under a boolean ``mask`` ``[B or 1, T, S]`` (True = may attend; None:
+    every key), e.g. one built from positions rather than indices.
 
-    Computed as one value product on the differential map, ``(A1 - lam A2) v``: lambda is
-    constant along each map row, so this is the same sum as ``A1 v - lam A2 v`` with one
-    ``[T, S] x [S, Dv]`` product instead of two. The map ``A1 - lam A2`` is formed in float32
-    and cast to v's dtype, then accumulated in float32 (the same in float32 to rounding; in
-    bfloat16 it rounds the differential map once instead of each map)."""
-    _, t, hq, _ = q1.shape
-    hkv = k1.shape[2]
-    scale = _default_scale(q1, scale)
-    mask = attention_mask(
-        t, k1.shape[1], causal=causal, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids
+    Two maps are computed as one value product on the differential map, ``(A1 - lam A2) v``:
+    lambda is constant along each map row, so this is the same sum as ``A1 v - lam A2 v`` with
+    one ``[T, S] x [S, Dv]`` product instead of two. The map is formed in float32 and cast to
+    v's dtype, then accumulated in float32 (the same in float32 to rounding; in bfloat16 it
+    rounds the differential map once instead of each map). A query that sees no key gets a
+    zero output, as the fused kernels give."""
+    _, t, hq, _ = q.shape
+    hkv = k.shape[2]
+    scale = _default_scale(q, scale)
+    maps = (
+        [(q, k)] if second is None else [(q, k), (second[0], k if second[1] is None else second[1])]
     )
     kw = dict(zero_masked=False, logit_max=logit_max)
-    p1 = _grouped_probs(q1, k1, mask, scale, logit_bits, **kw)
-    p2 = _grouped_probs(q2, k1 if k2 is None else k2, mask, scale, logit_bits, **kw)
+    probs = [_grouped_probs(qi, ki, mask, scale, logit_bits, **kw) for qi, ki in maps]
     if logit_max:
-        (p1, m1), (p2, m2) = p1, p2
-    lam = jnp.asarray(lam, jnp.float32)
-    if lam.ndim:  # [B, T, Hq] per-token, per-head lambda (V2): one value per map row
-        lam = _group_rows(lam, hkv)
-    diff = p1 - lam * p2
+        probs, maxes = zip(*probs)
+    p = probs[0]
+    if second is not None:
+        lam = jnp.asarray(second[2], jnp.float32)
+        if lam.ndim:  # [B, T, Hq] per-token, per-head lambda (V2): one value per map row
+            lam = _group_rows(lam, hkv)
+        p = p - lam * probs[1]
     gmask = _group_mask(mask, hq // hkv)
     if gmask is not None:  # a query that sees no key gets a zero output (see _grouped_probs)
-        diff = jnp.where(gmask, diff, 0.0)
-    out = _attend(diff, v, t).astype(q1.dtype)
+        p = jnp.where(gmask, p, 0.0)
+    out = _attend(p, v, t).astype(q.dtype)
     if not logit_max:
         return out
-    return out, jnp.stack([_ungroup_rows(m1, t), _ungroup_rows(m2, t)])
+    return out, jnp.stack([_ungroup_rows(m, t) for m in maxes])
+
+
+def dot_product_attention(q, k, v, **options):
+    """``softmax(q k^T s) v``: :func:`attention` with one map (the same keywords)."""
+    return attention(q, k, v, **options)
+
+
+def differential_attention(q1, k1, q2, k2, v, lam, **options):
+    """``softmax(q1 k1^T s) v - lam * softmax(q2 k2^T s) v``: :func:`attention` with two maps
+    (``k2=None``: both maps read ``k1``; the same keywords)."""
+    return attention(q1, k1, v, second=(q2, k2, lam), **options)

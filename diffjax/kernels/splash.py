@@ -86,45 +86,37 @@ def _prepare(q, k, kv_segment_ids, segment_ids, what):
         raise ValueError(f"{what}: {reason}")
 
 
-def dot_product_attention(
+def attention(
     q,
     k,
     v,
     *,
+    second=None,
     causal: bool = True,
     segment_ids=None,
     kv_segment_ids=None,
     scale: float | None = None,
     interpret: Any = False,
 ) -> jax.Array:
-    """``softmax(q k^T s) v`` on Splash, ``[B, T, Hq, Dv]``: q ``[B, T, Hq, D]``, k ``[B, S,
-    Hkv, D]``, v ``[B, S, Hkv, Dv]``; ``segment_ids`` ``[B, T]`` keep documents apart."""
-    _prepare(q, k, kv_segment_ids, segment_ids, "splash.dot_product_attention")
+    """Softmax attention on Splash, ``[B, T, Hq, Dv]``: one map, ``softmax(q k^T s) v``, or two
+    (``second=(q2, k2, lam)``), ``softmax(q k^T s) v - lam * softmax(q2 k2^T s) v`` (``k2=None``:
+    V2, one call over the paired heads; V1: two calls sharing ``v``). q ``[B, T, Hq, D]``, k
+    ``[B, S, Hkv, D]``, v ``[B, S, Hkv, Dv]``; ``segment_ids`` ``[B, T]`` keep documents
+    apart."""
+    _prepare(q, k, kv_segment_ids, segment_ids, "splash.attention")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return _attend(
-        q, k, v, causal=causal, scale=scale, segment_ids=segment_ids, interpret=interpret
-    )
-
-
-def differential_attention(
-    q1,
-    k1,
-    q2,
-    k2,
-    v,
-    lam,
-    *,
-    causal: bool = True,
-    segment_ids=None,
-    kv_segment_ids=None,
-    scale: float | None = None,
-    interpret: Any = False,
-) -> jax.Array:
-    """``softmax(q1 k1^T s) v - lam * softmax(q2 k2^T s) v`` on Splash, ``[B, T, Hq, Dv]``
-    (``k2=None``: V2, one call over the paired heads; V1: two calls sharing ``v``)."""
-    _prepare(q1, k1, kv_segment_ids, segment_ids, "splash.differential_attention")
-    scale = q1.shape[-1] ** -0.5 if scale is None else scale
     attend = functools.partial(
         _attend, causal=causal, scale=scale, segment_ids=segment_ids, interpret=interpret
     )
-    return _compose.differential(attend, q1, k1, q2, k2, v, lam, wide_value=True)
+    return _compose.attention(attend, q, k, v, second, wide_value=True)
+
+
+def dot_product_attention(q, k, v, **options) -> jax.Array:
+    """``softmax(q k^T s) v`` on Splash: :func:`attention` with one map."""
+    return attention(q, k, v, **options)
+
+
+def differential_attention(q1, k1, q2, k2, v, lam, **options) -> jax.Array:
+    """``softmax(q1 k1^T s) v - lam * softmax(q2 k2^T s) v`` on Splash: :func:`attention` with
+    two maps."""
+    return attention(q1, k1, v, second=(q2, k2, lam), **options)

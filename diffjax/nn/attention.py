@@ -200,21 +200,22 @@ class AttentionLayer(nnx.Module):
             )
         if head_dim % 2:
             raise ValueError(f"{name}: head width {head_dim} must be even for rotary")
-        # where the attention is traced for: a run's devices or planner target, else this
-        # process's backend, taken now (never read while tracing)
-        self.target = ops.current_target() if target is None else target
-        ops.check_impl(attention_impl, self.target)  # an unknown one fails here, at construction
+        # what computes attention, decided now (never while tracing): a run's decision
+        # (ops.Resolved: its Runtime's), else the setting for `target` (default: this
+        # process's backend) on whole sequences; an unknown one fails here
+        self.attention_impl = ops.resolve(attention_impl, target)
+        self.target = self.attention_impl.target
         self.embed_dim, self.depth = embed_dim, depth
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim**-0.5
         self.rope_theta, self.rope_scaling = rope_theta, rope_scaling
-        self.causal, self.attention_impl = causal, attention_impl
+        self.causal = causal
         # sequence parallelism over a `context` mesh axis: ring or all-gather, and how the
-        # tokens lie over the axis when positions are given (the ring on the Pallas kernels
-        # reads its blocks' layout from the order: their masks are by index; the XLA path masks
-        # by position in any order). A run builds the model with its own; by hand: the ring,
-        # the natural order.
-        self.context = ContextSpec() if context is None else context
+        # tokens lie over the axis. It runs when the decision above carries it (a model built
+        # for a Runtime whose mesh splits the sequence: diffjax.nn.model.for_runtime); a layer
+        # built by hand runs whole sequences. Default: the ring, the natural order.
+        given = ContextSpec() if context is None else context
+        self.context = self.attention_impl.context or given
 
     def _linear(self, n_in, n_out, dtype, param_dtype, kernel_init, rngs, axes=("embed", "heads")):
         """A bias-free linear whose kernel carries the logical ``axes`` (in, out)."""
@@ -292,9 +293,8 @@ class AttentionLayer(nnx.Module):
         elif p.lam is not None:
             _sow_lambda(self, p.lam)
         if p.q.shape[1] > 1:  # a sequence split over a `context` mesh axis: the index orders it
-            order = positions if token_index is None else token_index
-            masks.update(positions=order, context=self.context)
-        masks.update(target=self.target, scale=self.scale, impl=self.attention_impl)
+            masks.update(positions=positions if token_index is None else token_index)
+        masks.update(scale=self.scale, impl=self.attention_impl)
         if cached is None and self.diagnostics and capturing(self):
             o, maxes = attend(p, segment_ids=segment_ids, logit_max=True, **masks)
             _sow_diagnostics(self, p, maxes)

@@ -232,12 +232,17 @@ class TransformerLM(nnx.Module):
             raise TypeError(f"TransformerLM takes a ModelConfig, got {type(config).__name__}")
         self.config = config
         self.context = context = context_spec(config, context)
-        self.target = target
-        # None: the config's; else a name or an implementation object for every layer
-        self.attention_impl = attention_impl
+        # every layer's attention, decided once (ops.resolve): a run's decision (its Runtime's
+        # ops.Resolved), else the setting (None: the config's) for `target` on whole sequences
+        resolved = ops.resolve(
+            config.attention_impl if attention_impl is None else attention_impl, target
+        )
+        if resolved.context not in (None, context):  # built again for another token order
+            resolved = resolved.redecided(resolved.target, context)
+        self.attention_impl, self.target = resolved, resolved.target
         self.diagnostics = diagnostics
         attn = dict(
-            context=context, target=target, attention_impl=attention_impl, diagnostics=diagnostics
+            context=context, target=self.target, attention_impl=resolved, diagnostics=diagnostics
         )
         dt, pdt = as_dtype(config.dtype), as_dtype(config.param_dtype)
         init = nnx.initializers.normal(config.init_std)
@@ -444,14 +449,19 @@ def with_context(model: TransformerLM, context: ContextSpec) -> TransformerLM:
 
 
 def for_runtime(model: TransformerLM, runtime) -> TransformerLM:
-    """``model`` as a :class:`diffjax.infra.runtime.Runtime` runs it: built for the runtime's kernel
-    target and, where its mesh splits the sequence, its context spec (``model`` itself when it
-    was built for both; otherwise a new model holding the same arrays)."""
+    """``model`` as a :class:`diffjax.infra.runtime.Runtime` runs it: its attention as the
+    runtime decided it (``runtime.attention`` for the model's setting; else decided now for the
+    runtime's kernel target and, where its mesh splits the sequence, its context spec):
+    ``model`` itself when it was built so, otherwise a new model holding the same arrays."""
+    asked = model.attention_impl.asked
+    resolved = runtime.attention
+    if resolved is None or resolved.asked != asked:  # a runtime built by hand, another setting
+        resolved = ops.resolve(asked, runtime.kernel_target, context=runtime.split_context)
     changes = {}
-    if runtime.context_size > 1 and model.context != runtime.context:
-        changes["context"] = context_spec(model.config, runtime.context)
-    if (model.target or ops.current_target()) != runtime.kernel_target:
-        changes["target"] = runtime.kernel_target
+    if resolved.context is not None and model.context != resolved.context:
+        changes["context"] = context_spec(model.config, resolved.context)
+    if model.attention_impl != resolved:
+        changes["attention_impl"] = resolved
     return rebuilt(model, **changes) if changes else model
 
 

@@ -2,8 +2,8 @@
 
 - :mod:`.dispatch`: the one dispatch point, :func:`attention` for one softmax map or two
   (:func:`dot_product_attention` and :func:`differential_attention` call it; shape checks, the
-  implementation per call:
-  ``xla``, ``pallas``, ``cudnn``, ``splash`` or ``auto``, the kernels' self-check);
+  implementation: ``xla``, ``pallas``, ``cudnn``, ``splash`` or ``auto``, decided once for a
+  run by :func:`resolve_model` and held as a :class:`Resolved`; the kernels' self-check);
 - :mod:`.context`: attention over the ``context`` mesh axis (the ring, the all-gather, the
   kernel ring);
 - :mod:`.impl_table`: the measured table behind ``attention_impl="auto"``
@@ -23,9 +23,12 @@ from diffjax.ops.dispatch import (
     differential_attention,
     dot_product_attention,
     kernel_cases,
-    model_call,
-    model_impl,
+    model_calls,
+    resolve,
+    resolve_model,
+    ring_blocks,
     unsupported,
+    Resolved,
 )
 
 __all__ = [
@@ -37,7 +40,10 @@ __all__ = [
     "differential_attention",
     "dot_product_attention",
     "kernel_cases",
-    "model_call",
-    "model_impl",
+    "model_calls",
+    "resolve",
+    "resolve_model",
+    "ring_blocks",
     "unsupported",
+    "Resolved",
 ]

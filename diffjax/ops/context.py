@@ -948,29 +948,13 @@ def allgather_attention(
     k2 = None if second is None else second[1]
     k, k2, v = (_gather(x, axis_name, 1) for x in (k, k2, v))
     k_pos, kv_seg = _gather(k_pos, axis_name, k_pos.ndim - 1), _gather(kv_seg, axis_name, 1)
-    _, t, hq, _ = q.shape
     mask = position_mask(
         q_pos, k_pos, causal=causal, segment_ids=segment_ids, kv_segment_ids=kv_seg
     )
-    if second is None:
-        probs = reference._grouped_probs(q, k, mask, scale, logit_max=logit_max)
-        if logit_max:
-            probs, m = probs
-        out = reference._attend(probs, v, t).astype(q.dtype)
-        return _with_maxes(logit_max, out, (m,) if logit_max else None, t)
-    # two maps: A1 - lam A2 on the unmasked probabilities, the masked entries zeroed after
-    hkv, (q2, _, lam) = k.shape[2], second
-    kw = dict(zero_masked=False, logit_max=logit_max)
-    p1 = reference._grouped_probs(q, k, mask, scale, **kw)
-    p2 = reference._grouped_probs(q2, k if k2 is None else k2, mask, scale, **kw)
-    if logit_max:
-        (p1, m1), (p2, m2) = p1, p2
-    diff = p1 - _lam_rows(jnp.asarray(lam, jnp.float32), hkv) * p2
-    gmask = reference._group_mask(mask, hq // hkv)
-    if gmask is not None:
-        diff = jnp.where(gmask, diff, 0.0)
-    out = reference._attend(diff, v, t).astype(q.dtype)
-    return _with_maxes(logit_max, out, (m1, m2) if logit_max else None, t)
+    second = None if second is None else (second[0], k2, second[2])
+    return reference.masked_attention(
+        q, k, v, mask, second=second, scale=scale, logit_max=logit_max
+    )
 
 
 # ---------------------------------------------------------------------------- wrappers
@@ -1052,7 +1036,7 @@ def _checked_maps(q, k, v, second, segment_ids, kv_segment_ids) -> tuple:
     return (q, k, q2, k2, v, jnp.asarray(lam, jnp.float32))
 
 
-def _split_maps(maps: tuple):
+def split_maps(maps: tuple):
     """``(q, k, v, second)`` from :func:`_checked_maps`'s arrays (``second`` None for one)."""
     if len(maps) == 3:
         return (*maps, None)
@@ -1142,7 +1126,7 @@ def context_attention(
 
     def run(*args):
         pos, seg, kv_seg = args[n:]
-        q, k, v, second = _split_maps(args[:n])
+        q, k, v, second = split_maps(args[:n])
         return fn(
             q,
             k,

@@ -82,15 +82,17 @@ def current_target() -> KernelTarget:
 
 
 def check_impl(impl, target: KernelTarget | None = None):
-    """The concrete implementation for ``impl``: ``"xla"``, ``"pallas"`` or the given object
-    (``"auto"`` resolved for ``target``, default :func:`current_target`). A ValueError that
-    names the fix for an unknown name or an object without the two functions."""
+    """The concrete implementation for ``impl``: ``"xla"``, ``"pallas"``, ``"cudnn"``,
+    ``"splash"`` or the given object (``"auto"`` resolved for ``target``, default
+    :func:`current_target`, where nothing was measured). A ValueError that names the fix for an
+    unknown name, a vendor's attention on another platform, or an object without the
+    ``attention`` function."""
     if isinstance(impl, str):
         if impl not in ATTENTION_IMPLS:
             raise ValueError(
                 f"unknown attention impl {impl!r}. Fix: use one of "
-                f"{', '.join(map(repr, ATTENTION_IMPLS))}, or an object with "
-                f"dot_product_attention and differential_attention."
+                f"{', '.join(map(repr, ATTENTION_IMPLS))}, or an object with the function "
+                f"attention(q, k, v, *, second, causal, segment_ids, kv_segment_ids, scale)."
             )
         target = current_target() if target is None else target
         if impl in VENDOR_IMPLS and target.platform not in (VENDOR_IMPLS[impl], "cpu"):
@@ -100,38 +102,29 @@ def check_impl(impl, target: KernelTarget | None = None):
                 f"target is a {target.platform.upper()}. Fix: use {other!r}, 'pallas' or 'auto'"
             )
         return target.resolve(impl)
-    missing = [f for f in _FUNCTIONS if not callable(getattr(impl, f, None))]
-    if missing:
+    if not callable(getattr(impl, "attention", None)):
+        old = all(callable(getattr(impl, f, None)) for f in _OLD_FUNCTIONS)
         raise ValueError(
-            f"attention impl {impl!r} has no {' or '.join(missing)}. Fix: pass one of "
-            f"{', '.join(map(repr, ATTENTION_IMPLS))}, or an object with both functions."
+            f"attention impl {impl!r} has no function attention. Fix: give it "
+            f"attention(q, k, v, *, second, causal, segment_ids, kv_segment_ids, scale), one "
+            f"softmax map when second is None and two when second=(q2, k2, lam)"
+            + (" (it replaces dot_product_attention and differential_attention)" if old else "")
+            + f", or pass one of {', '.join(map(repr, ATTENTION_IMPLS))}."
         )
     return impl
 
 
-_FUNCTIONS = ("dot_product_attention", "differential_attention")
+_OLD_FUNCTIONS = ("dot_product_attention", "differential_attention")
 
 
-def _context_split(impl, t: int, s: int):
-    """The current mesh when this self-attention runs sequence-parallel (a ``context`` axis of
-    size > 1, a built-in implementation, as many keys as queries, a length the axis divides),
-    else None (a prompt the axis does not divide takes the plain path, which GSPMD gathers;
-    training checks its sequence length before any compute)."""
-    mesh = sharding.context_mesh()
-    n = context_lib.axis_size(mesh)
-    if n == 1 or not isinstance(impl, str) or t != s or t % n:
-        return None
-    return mesh
-
-
-def _context_layout(impl, spec: ContextSpec, positions, target: KernelTarget) -> dict:
-    """The layout keywords of the sequence-parallel call. The XLA blocks mask by ``positions``
-    (any order; None: the natural one). The ring on the Pallas kernels masks by index and
-    takes its blocks' layout from ``order`` (the natural, contiguous one when no positions
-    are given); ``"auto"`` uses it where it can run (the ring, the zigzag or contiguous order)
-    and the XLA blocks elsewhere; an explicit ``"pallas"`` is refused where it cannot
-    (:mod:`diffjax.ops.context` names the fix)."""
-    order = NATURAL_ORDER if positions is None else spec.order
+def ring_blocks(impl, spec: ContextSpec, target: KernelTarget) -> tuple[str, str | None]:
+    """``(what computes the blocks of the sequence-parallel attention, note)`` for ``impl`` on
+    ``target``: ``"pallas"`` (the fused kernels, masked by index: the ring in the zigzag or
+    contiguous order) or ``"xla"`` (the XLA math masked by the tokens' positions, any order).
+    ``"auto"`` takes the kernels where they can serve the layout and otherwise the XLA blocks,
+    said in ``note``; an explicit ``"pallas"`` that cannot is refused when the ring runs
+    (:mod:`diffjax.ops.context` names the fix; a run refuses it before compute), and the
+    vendors' attention is refused here, as it returns no log-sum-exp to merge blocks by."""
     if impl in VENDOR_IMPLS:
         raise ValueError(
             f"attention impl {impl!r} cannot be the blocks of the sequence-parallel ring over a "
@@ -139,17 +132,51 @@ def _context_layout(impl, spec: ContextSpec, positions, target: KernelTarget) ->
             f"model.attention_impl=pallas or auto (the fused kernels as the ring's blocks)"
         )
     if check_impl(impl, target) != "pallas":
-        return dict(order=NATURAL_ORDER, positions=positions)
-    usable = spec.impl == "ring" and order in KERNEL_ORDERS
-    if not usable and impl != "pallas":
+        return "xla", None
+    if impl == "pallas" or (spec.impl == "ring" and spec.order in KERNEL_ORDERS):
+        return "pallas", None
+    return "xla", (
+        f"auto: the {spec.impl} over the {spec.axis!r} axis runs its blocks on the XLA math, "
+        f"not the fused kernels (they serve the ring in the zigzag or contiguous order; this "
+        f"run has context_attention={spec.impl}, order {spec.order})"
+    )
+
+
+def _context_layout(blocks: str, spec: ContextSpec, positions, target: KernelTarget) -> dict:
+    """The layout keywords of the sequence-parallel call whose blocks are ``blocks``
+    (:func:`ring_blocks`). The XLA blocks mask by ``positions`` (any order; None: the natural
+    one); the kernels mask by index and take their layout from ``spec.order`` (the natural,
+    contiguous one when no positions are given)."""
+    if blocks != "pallas":
         return dict(order=NATURAL_ORDER, positions=positions)
     return dict(
-        order=order,
+        order=NATURAL_ORDER if positions is None else spec.order,
         positions=None,
         kernel=target.kernel,
         interpret=target.interpret,
         compute_capability=target.compute_capability,
     )
+
+
+def _sequence_parallel(impl, context: ContextSpec | None, target: KernelTarget, t: int, s: int):
+    """``(mesh, spec, blocks, target)`` when this self-attention runs over the context axis,
+    else None. Whether it does is decided before: a :class:`Resolved` implementation carries
+    its run's spec (None: whole sequences), and a direct call passes ``context=``. It then runs
+    sequence-parallel under a mesh whose ``spec.axis`` has more than one device, with as many
+    keys as queries (not a decoded token) and a length the axis divides (a prompt it does not
+    divide takes the plain path, which GSPMD gathers; a run checks its sequence length before
+    any compute)."""
+    if isinstance(impl, Resolved):
+        spec, blocks, target = impl.context, impl.blocks, impl.target
+    elif context is not None and isinstance(impl, str):
+        spec, blocks = context, ring_blocks(impl, context, target)[0]
+    else:
+        return None
+    mesh = sharding.context_mesh()
+    n = 1 if spec is None else context_lib.axis_size(mesh, spec.axis)
+    if n == 1 or t != s or t % n:
+        return None
+    return mesh, spec, blocks, target
 
 
 def _check_logit_max(impl, logit_max, what: str) -> bool:
@@ -285,30 +312,140 @@ def choose(impl, target: KernelTarget, call: Call) -> tuple[Any, str]:
     return pick.impl, pick.describe()
 
 
-def model_call(config: ModelConfig, seq_len: int, segments: bool, logit_max: bool = False) -> Call:
-    """The :class:`Call` a layer of ``config`` makes in training on ``seq_len`` tokens."""
+def model_calls(
+    config: ModelConfig, seq_len: int, segments: bool, logit_max: bool = False
+) -> tuple[Call, ...]:
+    """The attention calls a layer of ``config`` makes in a run on ``seq_len`` tokens
+    (``segments``: documents kept apart; ``logit_max``: the training diagnostics): the training
+    step's, the evaluation's (without the diagnostics) and a decoded token's against the KV
+    cache."""
     kind = {"diff_v1": "v1", "diff_v2": "v2", "standard": "standard"}[config.attention]
     d = config.resolved_head_dim
     dv = 2 * d if kind == "v1" else d
-    return Call(kind, config.dtype, d, dv, seq_len, seq_len, True, segments, False, logit_max)
+    train = Call(kind, config.dtype, d, dv, seq_len, seq_len, True, segments, False, logit_max)
+    evaluate = dataclasses.replace(train, logit_max=False)
+    decode = Call(kind, config.dtype, d, dv, 1, 0, False, True, True, False)
+    return tuple(dict.fromkeys((train, evaluate, decode)))
 
 
-def model_impl(
+def _key(call: Call) -> Call:
+    """``call`` as :class:`Resolved` holds it: a decoded token's whatever the cache's length."""
+    return dataclasses.replace(call, kv_len=0) if call.decoding else call
+
+
+@dataclasses.dataclass(frozen=True)
+class Resolved:
+    """A model's attention on one machine, decided once (:func:`resolve`): what a run logs,
+    reports and self-checks, and what its traced calls run. A layer holds it as its
+    implementation (a static attribute: frozen, hashed by value).
+
+    ``asked``: the setting (a name of ``ATTENTION_IMPLS`` or an implementation object);
+    ``target``: the machine it is traced for; ``context``: the sequence-parallel spec when the
+    run's mesh splits the sequence over ``context.axis`` (None: whole sequences, which GSPMD
+    lays out under a mesh), with ``blocks``, what computes the ring's blocks
+    (:func:`ring_blocks`); ``calls``: ``((call, implementation, why), ...)`` for the calls the
+    run makes (:func:`model_calls`); ``notes``: what fell back, for the log."""
+
+    asked: Any
+    target: KernelTarget
+    context: ContextSpec | None = None
+    blocks: str | None = None
+    calls: tuple[tuple[Call, Any, str], ...] = ()
+    notes: tuple[str, ...] = ()
+
+    def redecided(self, target: KernelTarget, context: ContextSpec | None) -> Resolved:
+        """The same setting and calls decided again for ``target`` and ``context``."""
+        calls = [call for call, _, _ in self.calls]
+        return resolve(self.asked, target, context=context, calls=calls)
+
+    def implementation(self, call: Call):
+        """What runs ``call``: the implementation held for it, else (a shape the run did not
+        declare: a model built by hand, a prompt of another length) :func:`choose`'s."""
+        key = _key(call)
+        for held, impl, _ in self.calls:
+            if held == key:
+                return impl
+        return choose(self.asked, self.target, call)[0]
+
+    @property
+    def chosen(self) -> tuple[Any, str]:
+        """``(implementation, why)`` of the run's first call (training)."""
+        if not self.calls:
+            return check_impl(self.asked, self.target), "set explicitly"
+        return self.calls[0][1], self.calls[0][2]
+
+    def implementations(self) -> tuple:
+        """Every implementation the run's calls and ring blocks use, once each (the built-in
+        names the kernel check covers)."""
+        used = [impl for _, impl, _ in self.calls] or [check_impl(self.asked, self.target)]
+        used.append(self.blocks)
+        return tuple(dict.fromkeys(i for i in used if i is not None))
+
+    def describe(self) -> tuple[str, str]:
+        """``(name, why)`` for the run's log and result: what computes the training call, and
+        why, with the sequence-parallel blocks and any fallback."""
+        impl, why = self.chosen
+        parts = [why]
+        if self.context is not None:
+            blocks = "the fused kernels" if self.blocks == "pallas" else "the XLA math"
+            parts.append(
+                f"over the {self.context.axis!r} mesh axis the {self.context.impl} with {blocks} "
+                f"as its blocks"
+            )
+        return (impl if isinstance(impl, str) else repr(impl)), "; ".join([*parts, *self.notes])
+
+
+def resolve(
+    impl, target: KernelTarget | None = None, *, context: ContextSpec | None = None, calls=()
+) -> Resolved:
+    """``impl`` (a name or an object; a :class:`Resolved` as it is) decided for ``target``
+    (default :func:`current_target`): each of ``calls`` by :func:`choose`, and with a
+    ``context`` spec the sequence-parallel blocks (:func:`ring_blocks`). A ValueError with the
+    reason and fix for what cannot run, before any compute. A :class:`Resolved` is decided
+    again only for another ``target``."""
+    if isinstance(impl, Resolved):
+        same = target is None or target == impl.target
+        return impl if same else impl.redecided(target, impl.context)
+    target = current_target() if target is None else target
+    check_impl(impl, target)
+    held = tuple((_key(c), *choose(impl, target, c)) for c in calls)
+    blocks, notes = None, ()
+    if context is not None and not isinstance(impl, str):
+        notes = (
+            f"the implementation object {impl!r} runs whole sequences: over the "
+            f"{context.axis!r} mesh axis GSPMD gathers them (only the built-in ones run the "
+            f"{context.impl})",
+        )
+        context = None
+    elif context is not None:
+        blocks, note = ring_blocks(impl, context, target)
+        notes = () if note is None else (note,)
+    return Resolved(impl, target, context, blocks, held, notes)
+
+
+def resolve_model(
     config: ModelConfig,
     target: KernelTarget,
+    *,
     seq_len: int,
     segments: bool,
     logit_max: bool = False,
-) -> tuple[str, str]:
-    """``(implementation, why)`` a model of ``config`` trains with on ``seq_len`` tokens
-    (``segments``: documents kept apart) on ``target``: what the run logs and reports, and what
-    its kernel check checks. Raises a ValueError (the reason) when an explicit one cannot run."""
-    return choose(config.attention_impl, target, model_call(config, seq_len, segments, logit_max))
+    context: ContextSpec | None = None,
+) -> Resolved:
+    """:func:`resolve` of ``config.attention_impl`` for the calls a run of ``config`` makes
+    on ``seq_len`` tokens (:func:`model_calls`) on ``target``; ``context``: the run's spec
+    when its mesh splits the sequence."""
+    calls = model_calls(config, seq_len, segments, logit_max)
+    return resolve(config.attention_impl, target, context=context, calls=calls)
 
 
 def _implementation(impl, target: KernelTarget, call: Call):
-    """The object whose two functions run ``call`` for ``impl`` on ``target``."""
-    impl, _ = choose(impl, target, call)
+    """The object whose ``attention`` runs ``call`` for ``impl`` (a name, an object or a
+    :class:`Resolved`) on ``target``."""
+    if isinstance(impl, Resolved):
+        impl, target = impl.implementation(call), impl.target
+    else:
+        impl, _ = choose(impl, target, call)
     if impl == "xla" or (impl in VENDOR_IMPLS and call.decoding):
         return reference
     if impl == "pallas":
@@ -346,13 +483,14 @@ def attention(
     else:
         q2, k2, lam = second
         reference.check_differential(q, k, q2, k2, v, lam, segment_ids, kv_segment_ids, what=what)
-    logit_max = _check_logit_max(impl, logit_max, what)
+    asked = impl.asked if isinstance(impl, Resolved) else impl
+    logit_max = _check_logit_max(asked, logit_max, what)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    mesh = _context_split(impl, q.shape[1], k.shape[1])
-    spec = ContextSpec() if context is None else context
     target = current_target() if target is None else target
     masks = dict(causal=causal, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids)
-    if mesh is not None:
+    split = _sequence_parallel(impl, context, target, q.shape[1], k.shape[1])
+    if split is not None:
+        mesh, spec, blocks, target = split
         _, b, h = _mesh_axes(q.shape[0], k.shape[2])
         result = context_lib.context_attention(
             q,
@@ -362,7 +500,7 @@ def attention(
             mesh=mesh,
             axis=spec.axis,
             impl=spec.impl,
-            **_context_layout(impl, spec, positions, target),
+            **_context_layout(blocks, spec, positions, target),
             batch_axes=b,
             head_axes=h,
             scale=scale,
@@ -375,11 +513,7 @@ def attention(
         impl, target, Call.of(q, k, v, kind=kind, logit_max=logit_max, **masks)
     )
     options = dict(scale=scale, **masks, **_logit_max_option(logit_max))
-    if second is None:
-        result = chosen.dot_product_attention(q, k, v, **options)
-    else:
-        result = chosen.differential_attention(q, k, *second[:2], v, second[2], **options)
-    return _returned(result, logit_max)
+    return _returned(chosen.attention(q, k, v, second=second, **options), logit_max)
 
 
 def dot_product_attention(
@@ -478,28 +612,32 @@ def kernel_cases(config: ModelConfig, impl: str = "pallas") -> list[kernel_check
 
 def check_kernels(
     config: ModelConfig,
+    resolved: Resolved | None = None,
     *,
-    impl: str | None = None,
     interpret: bool = False,
     log: Callable[[str], None] | None = None,
 ) -> kernel_check.CheckReport | None:
     """Before a run: check what computes ``config``'s attention against the reference math for
     its shapes on this device (:func:`diffjax.kernels.check.ensure_checked`: once per device
     kind, jax version and shape, cached): the Pallas kernels, or the cuDNN or Splash
-    compositions. ``impl``: what the model runs (a run passes :func:`model_impl`'s choice;
-    default ``config.attention_impl``, and for "auto" on a GPU or TPU both the kernels and the
-    vendor's composition, either of which it may pick for a shape). Nothing is
-    checked for the XLA path (None), unless ``interpret``: then the kernels (or the given
-    composition) run through the interpreters or XLA, as on CPU the model runs them. A failure
-    raises :class:`ConfigError` naming the failing cases and the fix; it never falls back
+    compositions. ``resolved``: what the run decided (:func:`resolve_model`: every
+    implementation its calls and ring blocks use); None (a model used outside a run): what
+    ``config.attention_impl`` may run, for "auto" on a GPU or TPU both the kernels and the
+    vendor's composition, either of which it may pick for a shape. Nothing is checked for the
+    XLA path (None), unless ``interpret``: then the kernels (or the given composition) run
+    through the interpreters or XLA, as on CPU the model runs them. A failure raises
+    :class:`ConfigError` naming the failing cases and the fix; it never falls back
     silently."""
-    impls = [check_impl(config.attention_impl) if impl is None else impl]
-    target = current_target()
-    vendor = kernel_check.VENDOR.get(target.platform)
-    if impl is None and config.attention_impl == "auto" and vendor is not None:
-        call = model_call(config, config.max_seq_len, segments=False)
-        if unsupported(vendor, target, call) is None:  # what auto may pick at some shape
-            impls.append(vendor)
+    if resolved is not None:
+        impls = list(resolved.implementations())
+    else:
+        target = current_target()
+        impls = [check_impl(config.attention_impl, target)]
+        vendor = kernel_check.VENDOR.get(target.platform)
+        if config.attention_impl == "auto" and vendor is not None:
+            call = model_calls(config, config.max_seq_len, segments=False)[0]
+            if unsupported(vendor, target, call) is None:  # what auto may pick at some shape
+                impls.append(vendor)
     impls = [i for i in impls if i in kernel_check.IMPLS]
     if not impls:
         if not interpret:
@@ -584,29 +722,48 @@ def _sharded(attend, maps: tuple, segment_ids, kv_segment_ids, logit_max=False):
     return _per_shard(attend, args, specs, maps[0].shape[0], maps[1].shape[2], logit_max)
 
 
-def _pallas(target: KernelTarget):
-    """The "pallas" implementation for ``target``: the fused kernels of one map
-    (``kernels.flash_attention``) or two (``kernels.differential_flash_attention``), per
-    shard."""
+def _per_shard_implementation(fn: Callable):
+    """An implementation whose ``attention`` runs ``fn(q, k, v, *, second, ...)`` per shard
+    (:func:`_sharded`): the fused kernels and the vendors' attention, opaque calls that GSPMD
+    cannot split."""
 
-    def attend(kernel, *maps, causal, segment_ids, kv_segment_ids, scale, logit_max=False):
-        options = dict(
-            causal=causal,
+    def attention(q, k, v, *, second=None, segment_ids, kv_segment_ids, logit_max=False, **call):
+        def run(*args):
+            *maps, segment_ids, kv_segment_ids = args
+            q, k, v, second = context_lib.split_maps(tuple(maps))
+            return fn(
+                q,
+                k,
+                v,
+                second=second,
+                segment_ids=segment_ids,
+                kv_segment_ids=kv_segment_ids,
+                **call,
+                **_logit_max_option(logit_max),
+            )
+
+        maps = (q, k, v) if second is None else (q, k, *second[:2], v, second[2])
+        return _sharded(run, maps, segment_ids, kv_segment_ids, logit_max)
+
+    return types.SimpleNamespace(attention=attention)
+
+
+def _pallas(target: KernelTarget):
+    """The "pallas" implementation for ``target``: the fused kernels
+    (:func:`diffjax.kernels.attention`), per shard."""
+
+    def fn(q, k, v, *, scale, logit_max=False, **call):
+        return kernels.attention(
+            q,
+            k,
+            v,
             sm_scale=scale,
+            **call,
             **_kernel_options(target),
             **_logit_max_kernel_option(logit_max),
         )
 
-        def run(*args):
-            *maps, segment_ids, kv_segment_ids = args
-            return kernel(*maps, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, **options)
-
-        return _sharded(run, maps, segment_ids, kv_segment_ids, logit_max)
-
-    return types.SimpleNamespace(
-        dot_product_attention=functools.partial(attend, kernels.flash_attention),
-        differential_attention=functools.partial(attend, kernels.differential_flash_attention),
-    )
+    return _per_shard_implementation(fn)
 
 
 # ---------------------------------------------------------------------------- cuDNN, Splash
@@ -616,27 +773,11 @@ def _pallas(target: KernelTarget):
 def _vendor(impl: str, target: KernelTarget):
     """The "cudnn" or "splash" implementation for ``target`` (the diagnostics' ``logit_max`` is
     refused before: :func:`unsupported`)."""
-    module = cudnn if impl == "cudnn" else splash
     if impl == "cudnn":
-        options = {"implementation": "xla" if target.platform == "cpu" else "cudnn"}
-    else:
-        options = {"interpret": target.interpret}
-
-    def attend(fn, *maps, causal, segment_ids, kv_segment_ids, scale):
-        def run(*args):
-            *maps, segment_ids, kv_segment_ids = args
-            return fn(
-                *maps,
-                causal=causal,
-                segment_ids=segment_ids,
-                kv_segment_ids=kv_segment_ids,
-                scale=scale,
-                **options,
-            )
-
-        return _sharded(run, maps, segment_ids, kv_segment_ids)
-
-    return types.SimpleNamespace(
-        dot_product_attention=functools.partial(attend, module.dot_product_attention),
-        differential_attention=functools.partial(attend, module.differential_attention),
+        implementation = "xla" if target.platform == "cpu" else "cudnn"
+        return _per_shard_implementation(
+            functools.partial(cudnn.attention, implementation=implementation)
+        )
+    return _per_shard_implementation(
+        functools.partial(splash.attention, interpret=target.interpret)
     )

@@ -42,7 +42,7 @@ from diffjax.train.setup import (
     Validation,
     ModelSetup,
     open_run,
-    attention_choice,
+    run_runtime,
     check_run,
     compile_steps,
     describe_mesh,
@@ -89,7 +89,7 @@ def train_model(
     ``after_step(step, checkpointer)`` runs after each step's bookkeeping (its evaluation and
     checkpoint save issued, the save maybe still in flight); the resume tests kill the process
     from it."""
-    runtime = Runtime.of(model_cfg, exp.mesh, mesh)
+    runtime = run_runtime(exp, model_cfg, mesh)
     mesh = runtime.mesh
     check_run(exp, mesh, [model_cfg])
     with preemption_guard(), jax.set_mesh(mesh), nnx.logical_axis_rules(sharding.current_rules()):
@@ -235,12 +235,11 @@ def _train_model(
     if not guard.synced and guard.requested():  # came before this model started
         ckpt_dir = storage.join(str(storage.absolute(directory)), "checkpoints")
         raise Preempted(None, ckpt_dir, guard.signal_name, label, tcfg.seed)
-    impl = attention_choice(exp, model_cfg, runtime)
+    impl = runtime.attention.describe()
     log(f"[{label}] attention: {impl[0]} ({impl[1]})")
     if tcfg.kernel_check != "off":  # before anything is trained: a failure stops the run
-        ops.check_kernels(
-            model_cfg, impl=impl[0], interpret=tcfg.kernel_check == "interpret", log=log
-        )
+        interpret = tcfg.kernel_check == "interpret"
+        ops.check_kernels(model_cfg, runtime.attention, interpret=interpret, log=log)
     ckpt, latest, meta = open_run(exp, model_cfg, label, directory, require_checkpoint, log)
     stages = meta.get("mixture_stages")
     train_iter, val = process_stream(exp, "train", mesh, None, stages), Validation.of(exp, mesh)
@@ -322,7 +321,7 @@ def _finish(
     model_cfg, label, directory, writer, train_fn, latest, mesh, seed, impl, mixture=None
 ) -> TrainResult:
     """The model's :class:`TrainResult` from its metrics (process 0 also writes
-    ``result.json``); ``impl``: :func:`attention_choice`; ``mixture``: what a mixture run read
+    ``result.json``); ``impl``: the run's attention (:meth:`diffjax.ops.Resolved.describe`); ``mixture``: what a mixture run read
     of each component."""
     main = _is_main()
     records = read_metrics(storage.join(directory, "metrics.jsonl")) if main else writer.records

@@ -54,7 +54,7 @@ class TrainResult:
     spikes_skipped: int | None = None  # train.skip_spikes: the updates skipped (None: off)
     rollbacks: int = 0  # train.on_nan=rollback: the rollbacks in this process's last leg
     # what computed the attention in training ("xla", "pallas", "cudnn", "splash") and why
-    # (set explicitly, or auto's measurement: diffjax.ops.model_impl)
+    # (set explicitly, or auto's measurement: diffjax.ops.Resolved.describe)
     attention_impl: str | None = None
     attention_impl_why: str | None = None
     # a mixture (data.source=mixture): what the run read of each component and the weights

@@ -137,6 +137,7 @@ def _model_setup(model_cfg: ModelConfig, tcfg, runtime: Runtime, rules, ramp) ->
             rngs=nnx.Rngs(0),
             context=runtime.context,
             target=runtime.kernel_target,
+            attention_impl=runtime.attention,
             diagnostics=tcfg.diagnostics,
         )
     )
@@ -217,20 +218,35 @@ def check_run(exp: ExperimentConfig, mesh, models: Iterable[ModelConfig] | None 
     context.check_sequence(exp.data.seq_len, context.axis_size(mesh), order)
 
 
-def attention_choice(exp: ExperimentConfig, model_cfg: ModelConfig, runtime: Runtime):
-    """``(implementation, why)`` of ``model_cfg``'s attention in training on ``runtime``
-    (:func:`diffjax.ops.model_impl` at the run's sequence length, documents and diagnostics); a
-    :class:`ConfigError` with the reason and fix when an explicit one cannot run them."""
+def run_runtime(
+    exp: ExperimentConfig,
+    model_cfg: ModelConfig,
+    mesh=None,
+    target: KernelTarget | None = None,
+) -> Runtime:
+    """The :class:`Runtime` of ``model_cfg``'s run in ``exp`` on ``mesh`` (default: built from
+    ``exp.mesh``; ``target``: the platform and GPU it is traced for, default the mesh's
+    devices'), with the model's attention decided once (:func:`diffjax.ops.resolve_model`
+    for the run's sequence length, documents and diagnostics, over the ``context`` axis where
+    the mesh splits the sequence): what the run logs, records and self-checks, and what its
+    steps run. A :class:`ConfigError` with the reason and fix when the setting cannot run
+    them."""
+    runtime = Runtime.of(model_cfg, exp.mesh, mesh)
+    if target is not None:
+        cc = target.compute_capability
+        runtime = dataclasses.replace(runtime, platform=target.platform, compute_capability=cc)
     try:
-        return ops.model_impl(
+        attention = ops.resolve_model(
             model_cfg,
             runtime.kernel_target,
-            exp.data.seq_len,
-            data_lib.carries_documents(exp.data),
-            exp.train.diagnostics,
+            seq_len=exp.data.seq_len,
+            segments=data_lib.carries_documents(exp.data),
+            logit_max=exp.train.diagnostics,
+            context=runtime.split_context,
         )
     except ValueError as e:
         raise ConfigError(f"model.attention_impl={model_cfg.attention_impl}: {e}") from None
+    return dataclasses.replace(runtime, attention=attention)
 
 
 def check_grad_accum(tcfg, mesh) -> None:

@@ -41,8 +41,8 @@ import numpy as np
 
 from diffjax import cli
 
-from .. import cudnn, flash_attention, reference, splash
-from .. import differential_flash_attention as _differential
+from .. import attention as _kernels
+from .. import cudnn, reference, splash
 
 KINDS = ("v1", "v2", "standard")  # what each case runs: see Case
 # what computes it: diffjax's fused kernels, or a vendor's attention composed into DIFF
@@ -208,46 +208,33 @@ def _value_and_grads(fn: Callable, args: tuple, ct) -> tuple[np.ndarray, tuple]:
     return np.asarray(out, np.float64), tuple(np.asarray(g, np.float64) for g in grads)
 
 
-def _implementation(case: Case, interpret, backend: str | None):
-    """``(standard, differential)`` functions of the case's implementation, with their options."""
+def _implementation(case: Case, interpret, backend: str | None) -> Callable:
+    """The case's implementation, ``attend(q, k, v, *, second, ...)``, with its options."""
     if case.impl == "cudnn":
-        kw = dict(implementation="xla" if interpret else "cudnn")
-        return (
-            functools.partial(cudnn.dot_product_attention, **kw),
-            functools.partial(cudnn.differential_attention, **kw),
-        )
+        return functools.partial(cudnn.attention, implementation="xla" if interpret else "cudnn")
     if case.impl == "splash":
-        kw = dict(interpret=interpret)
-        return (
-            functools.partial(splash.dot_product_attention, **kw),
-            functools.partial(splash.differential_attention, **kw),
-        )
-    kw = dict(interpret=interpret, backend=backend)
-    return functools.partial(flash_attention, **kw), functools.partial(_differential, **kw)
+        return functools.partial(splash.attention, interpret=interpret)
+    return functools.partial(_kernels, interpret=interpret, backend=backend)
 
 
 def _functions(case: Case, x: dict, interpret, backend: str | None):
     """``(names, implementation fn, reference fn, args)`` for one case."""
-    scale = case.head_dim**-0.5
     masks = dict(causal=True, segment_ids=x["segment_ids"])
-    standard, differential = _implementation(case, interpret, backend)
+    attend = functools.partial(_implementation(case, interpret, backend), **masks)
+    ref = functools.partial(reference.attention, scale=case.head_dim**-0.5, **masks)
     if case.kind == "standard":
-        args = (x["q1"], x["k1"], x["v"])
-        kernel = functools.partial(standard, **masks)
-        ref = functools.partial(reference.dot_product_attention, scale=scale, **masks)
-        return ("out", "dq", "dk", "dv"), kernel, ref, args
+        return ("out", "dq", "dk", "dv"), attend, ref, (x["q1"], x["k1"], x["v"])
     shared = case.kind == "v2"
 
-    def kernel(q1, k1, q2, k2, v, lam):
-        return differential(q1, k1, q2, None if shared else k2, v, lam, **masks)
+    def two_maps(fn):
+        def run(q1, k1, q2, k2, v, lam):
+            return fn(q1, k1, v, second=(q2, None if shared else k2, lam))
 
-    def ref(q1, k1, q2, k2, v, lam):
-        return reference.differential_attention(
-            q1, k1, q2, None if shared else k2, v, lam, scale=scale, **masks
-        )
+        return run
 
     args = tuple(x[n] for n in ("q1", "k1", "q2", "k2", "v", "lam"))
-    return ("out", "dq1", "dk1", "dq2", "dk2", "dv", "dlam"), kernel, ref, args
+    names = ("out", "dq1", "dk1", "dq2", "dk2", "dv", "dlam")
+    return names, two_maps(attend), two_maps(ref), args
 
 
 def check_case(case: Case, *, interpret=False, backend: str | None = None) -> CaseResult:
