@@ -162,8 +162,8 @@ def test_predictions_on_a_context_mesh_equal_one_device():
     from diffjax import ModelConfig, TransformerLM
     from diffjax.infra import sharding
     from diffjax.evaluate.long_context import replicate
-    from diffjax.evaluate.probe import losses_and_predictions
     from diffjax.infra.runtime import Runtime
+    from diffjax.evaluate.probe import losses_and_predictions
 
     cfg = ModelConfig(
         vocab_size=64, d_model=32, num_layers=2, num_heads=2, max_seq_len=64, attention="diff_v2"
@@ -267,6 +267,7 @@ def test_generate_prefills_through_the_ring_and_gives_the_same_tokens(monkeypatc
     from diffjax.nn.decode import pad_prompts
     from diffjax.kernels import gpu
     from diffjax.evaluate.long_context import replicate
+    from diffjax.infra.runtime import Runtime
 
     cfg = ModelConfig(
         vocab_size=64,
@@ -293,7 +294,13 @@ def test_generate_prefills_through_the_ring_and_gives_the_same_tokens(monkeypatc
     )
     mesh = sharding.make_mesh(sharding.MeshConfig(context=8))
     with jax.set_mesh(mesh), nnx.logical_axis_rules(sharding.DEFAULT_RULES):
-        got = np.asarray(generate(replicate(model, mesh), prompt, 8, prompt_lengths=lengths))
+        whole = np.asarray(generate(replicate(model, mesh), prompt, 8, prompt_lengths=lengths))
+    assert not calls, "a model built by hand runs whole sequences under any mesh"
+    np.testing.assert_array_equal(whole, ref)
+    runtime = Runtime(mesh)  # the ring, as a run's would be
+    with nnx.logical_axis_rules(sharding.DEFAULT_RULES):
+        got = generate(replicate(model, mesh), prompt, 8, prompt_lengths=lengths, runtime=runtime)
+    got = np.asarray(got)
     assert calls, "the prefill did not run as a ring"
     np.testing.assert_array_equal(got, ref)
     assert bool(blocks) == (impl == "pallas")  # the ring's blocks ran the kernels' partials

@@ -522,9 +522,9 @@ def test_quantized_logits_change_the_loss_as_stated_and_do_not_leak():
     assert abs(loss[4] - base) > 1e-3, (loss, base)
     again = validation_loss(losses_and_predictions(model, batch, 4)[0], batch["weights"])[0]
     assert again == base
-    assert model.layers[0].attn.attention_impl == "auto"
-    assert with_quantized_logits(model, 4).layers[0].attn.attention_impl == QuantizedLogits(4)
-    assert with_quantized_logits(model, None).layers[0].attn.attention_impl == "xla"
+    assert model.layers[0].attn.attention_impl.asked == "auto"
+    assert with_quantized_logits(model, 4).layers[0].attn.attention_impl.asked == QuantizedLogits(4)
+    assert with_quantized_logits(model, None).layers[0].attn.attention_impl.asked == "xla"
 
 
 def test_quantized_standard_attention_against_numpy():
@@ -557,9 +557,9 @@ def test_quantized_differential_attention_with_a_shared_key():
     lam = jnp.asarray(rng.uniform(size=(2, 6, 4)).astype(np.float32))
     impl = QuantizedLogits(4)
     kw = dict(causal=True, segment_ids=None, kv_segment_ids=None, scale=8**-0.5)
-    shared = impl.differential_attention(q1, k, q2, None, v, lam, **kw)
+    shared = impl.attention(q1, k, v, second=(q2, None, lam), **kw)
     np.testing.assert_array_equal(
-        np.asarray(shared), np.asarray(impl.differential_attention(q1, k, q2, k, v, lam, **kw))
+        np.asarray(shared), np.asarray(impl.attention(q1, k, v, second=(q2, k, lam), **kw))
     )
     np.testing.assert_array_equal(
         np.asarray(shared),

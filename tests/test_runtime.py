@@ -4,6 +4,7 @@ and the model; each allowed value list and each default defined once."""
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 import re
 
@@ -24,6 +25,7 @@ from diffjax.config import (
 )
 from diffjax.nn.model import with_context
 from diffjax.infra.runtime import Runtime
+from diffjax.kernels import reference
 from diffjax.train.step import model_inputs
 
 SRC = pathlib.Path(__file__).parent.parent / "diffjax"
@@ -120,7 +122,7 @@ def test_for_runtime_builds_for_the_runtimes_target_and_spec_and_nothing_else():
     split = for_runtime(model, two)
     assert split.context == two.context and model.context.order == NATURAL_ORDER
     tpu = for_runtime(model, Runtime(one.mesh, platform="tpu"))
-    assert tpu.target == KernelTarget("tpu") and model.target is None
+    assert tpu.target == KernelTarget("tpu") and model.target == KernelTarget("cpu")
     assert nnx.to_pure_dict(nnx.state(tpu)).keys() == nnx.to_pure_dict(nnx.state(model)).keys()
 
 
@@ -204,3 +206,101 @@ def test_the_planner_and_the_benchmarks_patch_nothing():
                 if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name):
                     assert t.value.id not in imported, (path.name, ast.unparse(t))
         assert "setattr(" not in path.read_text().replace("__setattr__(", ""), path.name
+
+
+@dataclasses.dataclass(frozen=True)
+class _Counted:
+    """An implementation object: the reference math, noting the query length of each traced
+    call."""
+
+    seen: list = dataclasses.field(default_factory=list, hash=False, compare=False)
+
+    def attention(self, q, k, v, **kw):
+        self.seen.append(q.shape[1])
+        return reference.attention(q, k, v, **kw)
+
+
+def test_the_traced_steps_run_what_the_runtime_decided(monkeypatch):
+    """The run's Runtime decides the attention once, for the calls the run makes (training with
+    the diagnostics, evaluation, a decoded token); the compiled train and eval steps run what
+    it holds and choose nothing while tracing."""
+    from diffjax import ops
+    from diffjax.data import DataConfig
+    from diffjax.data.documents import mark_documents
+    from diffjax.ops import dispatch
+    from diffjax.train import TrainConfig
+    from diffjax.train.config import ExperimentConfig
+    from diffjax.train.setup import compile_steps, model_setup, run_runtime
+
+    mesh = sharding.make_mesh(sharding.MeshConfig(data=1), jax.devices()[:1])
+    tcfg = TrainConfig(batch_size=2, diagnostics=True)
+    exp = ExperimentConfig(model=TINY, data=DataConfig(seq_len=16), train=tcfg)
+    runtime = run_runtime(exp, TINY, mesh)
+    calls = ops.model_calls(TINY, 16, segments=True, logit_max=True)  # text: documents apart
+    assert [c for c, _, _ in runtime.attention.calls] == list(calls)
+    assert [c.logit_max for c in calls] == [True, False, False] and calls[2].decoding
+    assert runtime.attention.describe() == ("xla", "the XLA math on a CPU")
+    counted = _Counted()
+    planted = tuple((c, counted, "planted") for c in calls)
+    runtime = dataclasses.replace(
+        runtime, attention=dataclasses.replace(runtime.attention, calls=planted)
+    )
+    decoded = dataclasses.replace(calls[2], kv_len=40)  # any cache length
+    assert runtime.attention.implementation(decoded) is counted
+    monkeypatch.setattr(dispatch, "choose", lambda *a: pytest.fail(f"chose again: {a}"))
+    tokens = np.arange(34, dtype=np.int32).reshape(2, 17) % 64
+    rows = [mark_documents(16, np.array([5, 12])) for _ in range(2)]
+    host = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    host.update({k: np.stack([r[k] for r in rows]) for k in rows[0]})
+    with runtime.activate():
+        setup = model_setup(TINY, tcfg, runtime)
+        state, rest = setup.fresh_state()
+        batch = model_inputs(host, runtime, 2)
+        train_fn, eval_fn = compile_steps(setup, state, rest, batch)
+        eval_fn(jax.device_put(state["params"], setup.state_sh["params"]), batch)
+    assert counted.seen and set(counted.seen) == {16}
+
+
+def test_the_runtime_not_the_ambient_mesh_splits_the_sequence(monkeypatch):
+    """A model built by hand runs whole sequences under any mesh; built for a Runtime whose
+    mesh has a context axis, the ring: the same logits."""
+    from diffjax.nn.model import for_runtime
+    from diffjax.ops import context
+
+    calls, real = [], context.context_attention
+    monkeypatch.setattr(
+        context, "context_attention", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
+    cfg = sharding.MeshConfig(data=1, context=2, context_order="contiguous")
+    mesh = sharding.make_mesh(cfg, jax.devices()[:2])
+    model = TransformerLM(TINY, rngs=nnx.Rngs(0))
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    nnx.update(model, jax.device_put(nnx.state(model), replicated))
+    tokens = np.arange(32, dtype=np.int32).reshape(2, 16) % 64
+    with jax.set_mesh(mesh):
+        whole = model(tokens)
+    assert calls == []
+    runtime = Runtime.of(TINY, cfg, mesh)
+    with runtime.activate():
+        split = for_runtime(model, runtime)(tokens)
+    assert calls
+    np.testing.assert_allclose(np.asarray(split), np.asarray(whole), atol=1e-5, rtol=1e-5)
+
+
+def test_what_serves_the_ring_is_decided_once_and_a_fallback_is_said():
+    """ "auto" on a GPU runs the ring's blocks on the kernels where they can serve the order,
+    else on the XLA math, and says so; a vendor's attention cannot be the blocks: refused with
+    the fix; an implementation object runs whole sequences, and that is said too."""
+    from diffjax import ops
+    from diffjax.config import KernelTarget
+
+    gpu = KernelTarget("gpu", (9, 0))
+    assert ops.resolve("auto", gpu, context=ContextSpec(order="zigzag")).blocks == "pallas"
+    striped = ops.resolve("auto", gpu, context=ContextSpec(order="striped"))
+    assert striped.blocks == "xla" and "order striped" in striped.describe()[1]
+    with pytest.raises(
+        ValueError, match=r"cannot be the blocks .*Fix: model.attention_impl=pallas"
+    ):
+        ops.resolve("cudnn", gpu, context=ContextSpec())
+    whole = ops.resolve(_Counted(), gpu, context=ContextSpec())
+    assert whole.context is None and "runs whole sequences" in whole.describe()[1]

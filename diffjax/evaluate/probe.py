@@ -205,7 +205,8 @@ def losses_and_predictions(
     ``runtime``: run on its mesh, the model built for it (:func:`diffjax.nn.model.for_runtime`).
     Where the mesh's ``context`` axis splits the sequence, each batch goes in the model's token
     order with its positions (:func:`diffjax.ops.context.order_batch`) and the results come back in
-    the data's order. None: the mesh set by the caller (``jax.set_mesh``), if any."""
+    the data's order. None: the mesh set by the caller (``jax.set_mesh``), if any, and the model
+    as built (a model built by hand runs whole sequences)."""
     check_model(model)
     if runtime is None:
         return _losses_and_predictions_batched(model, batch, batch_size)
@@ -214,7 +215,8 @@ def losses_and_predictions(
 
 
 def _losses_and_predictions_batched(model, batch: dict, batch_size: int):
-    n = context.axis_size(sharding.context_mesh())
+    split = model.attention_impl.context  # the spec when the model runs over a context axis
+    n = 1 if split is None else context.axis_size(sharding.context_mesh(), split.axis)
     order = model.context.order  # how the model's attention reads the tokens over the axis
     x_all = np.asarray(check_tokens(model, batch["inputs"]))
     rows = {"inputs": x_all, "targets": np.asarray(batch["targets"])}

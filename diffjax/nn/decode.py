@@ -307,7 +307,8 @@ def generate(
     its mesh, the model built for its kernel target, the batch and the cache sharded like the
     activations; where the mesh splits the sequence, the prompt's prefill runs over the
     ``context`` axis with the prompt in its natural order (whatever order the runtime's training
-    batches take). None: the mesh set by the caller (``jax.set_mesh``), if any.
+    batches take). None: the mesh set by the caller (``jax.set_mesh``), if any, and the model
+    as built (a model built by hand runs whole sequences).
     """
     if not isinstance(model, TransformerLM):
         raise TypeError(f"generate() takes a diffjax.TransformerLM, got {type(model).__name__}")

@@ -470,6 +470,8 @@ def rebuilt(model: TransformerLM, **attention) -> TransformerLM:
     ``attention_impl``, holding ``model``'s variables (the same arrays; ``model`` is never
     changed)."""
     attn = {**model._attention_args(), **attention}
+    if isinstance(attention.get("attention_impl"), ops.Resolved):  # it carries its own target
+        attn["target"] = attention["attention_impl"].target
     new = nnx.eval_shape(lambda: TransformerLM(model.config, rngs=nnx.Rngs(0), **attn))
     nnx.update(new, nnx.state(model))
     return new
