@@ -167,6 +167,34 @@ def exit_process(code: int) -> NoReturn:
     sys.exit(code)
 
 
+def _checked_run(args: argparse.Namespace):
+    """What ``train.py`` checks before any compute: the config with its overrides, the data,
+    the run directory's bucket, the processes, the mesh and every cross-field rule, then each
+    model's attention decided once for the run (:func:`diffjax.train.setup.run_runtime`:
+    refused here, before any model trains, if it cannot run) and its kernels checked on this
+    device. ``(exp, data description, how the processes started, mesh, runtimes by label)``;
+    a :class:`ConfigError` (or DataError) names what is wrong and the fix."""
+    exp = apply_overrides(load_config(args.config), args.overrides)
+    storage.set_timeout(exp.run.storage_timeout_s)  # every bucket call from here on
+    exp = resolve_init_from(exp)
+    description = data_lib.check_data(exp.data, exp.model.vocab_size)
+    # a bucket that does not exist, no credentials or no permission: refused before compute
+    storage.check_access(exp.run.path, what="run.dir", write=True)
+    distributed = init_distributed(args)
+    mesh = sharding.make_mesh(exp.mesh)  # checks the sizes against the devices
+    check_run(exp, mesh)  # every cross-field rule, in one place
+    runtimes = {label: run_runtime(exp, cfg, mesh) for label, cfg in exp.models.items()}
+    if exp.train.kernel_check != "off":
+        for label, runtime in runtimes.items():
+            ops.check_kernels(
+                exp.models[label],
+                runtime.attention,
+                interpret=exp.train.kernel_check == "interpret",
+                log=print if jax.process_index() == 0 else None,
+            )
+    return exp, description, distributed, mesh, runtimes
+
+
 def main(argv: list[str] | None = None, *, after_step: AfterStep | None = None) -> int:
     """``train.py``'s command line; returns the exit code. ``after_step``: see
     :func:`diffjax.train.loop.train_model` (every model and seed gets it)."""
@@ -179,24 +207,7 @@ def main(argv: list[str] | None = None, *, after_step: AfterStep | None = None) 
     if study is not None:
         return retrofit_study(args, study, after_step=after_step)
     try:
-        exp = apply_overrides(load_config(args.config), args.overrides)
-        storage.set_timeout(exp.run.storage_timeout_s)  # every bucket call from here on
-        exp = resolve_init_from(exp)
-        description = data_lib.check_data(exp.data, exp.model.vocab_size)
-        # a bucket that does not exist, no credentials or no permission: refused before compute
-        storage.check_access(exp.run.path, what="run.dir", write=True)
-        distributed = init_distributed(args)
-        mesh = sharding.make_mesh(exp.mesh)  # checks the sizes against the devices
-        check_run(exp, mesh)  # every cross-field rule, in one place
-        for model_cfg in exp.models.values():  # each model's attention, then its kernels
-            attention = run_runtime(exp, model_cfg, mesh).attention
-            if exp.train.kernel_check != "off":
-                ops.check_kernels(
-                    model_cfg,
-                    attention,
-                    interpret=exp.train.kernel_check == "interpret",
-                    log=print if jax.process_index() == 0 else None,
-                )
+        exp, description, distributed, mesh, runtimes = _checked_run(args)
     except (ConfigError, data_lib.DataError) as e:
         _error(str(e))
         return EXIT_BAD_INPUT
@@ -220,7 +231,7 @@ def main(argv: list[str] | None = None, *, after_step: AfterStep | None = None) 
     if main_process:  # after the checks: a refused run leaves the old config.json as it was
         storage.write_json(storage.join(run_dir, "config.json"), exp.to_dict(), default=str)
     try:
-        results = train_seeds(exp, run_dir, mesh, after_step=after_step)
+        results = train_seeds(exp, run_dir, mesh, runtimes=runtimes, after_step=after_step)
     except storage.StorageError as e:  # the bucket stopped answering mid-run
         _error(
             f"{e} Training stopped; the last committed checkpoint in {run_dir} is kept. "
@@ -322,11 +333,13 @@ def quick_evaluation(run_dir: str, *, main_process: bool = True) -> None:
 
 
 def train_seeds(
-    exp, run_dir: str, mesh, *, after_step: AfterStep | None = None
+    exp, run_dir: str, mesh, *, runtimes=None, after_step: AfterStep | None = None
 ) -> list[TrainResult]:
     """Train every model of ``exp`` (DIFF and, with compare, its twin) from every init seed of
     ``exp.seeds``, seed by seed, each in ``RUN_DIR/<label>/seed_<seed>/`` (resuming what a
-    checkpoint there holds); every run sees the same batches in the same order.
+    checkpoint there holds); every run sees the same batches in the same order. ``runtimes``:
+    each model's :class:`Runtime` by label (:func:`diffjax.train.setup.run_runtime`; default
+    built from ``mesh``).
 
     SIGTERM or SIGINT stops it at the next step boundary with :class:`Preempted` (the step
     saved; see :func:`diffjax.train.loop.train_model`), also between two models."""
@@ -346,6 +359,7 @@ def train_seeds(
                             label,
                             model_directory(run_dir, label, seed),
                             mesh=mesh,
+                            runtime=None if runtimes is None else runtimes[label],
                             after_step=after_step,
                         )
                     )

@@ -2,9 +2,10 @@
 
 Layout everywhere: ``[batch, seq, heads, dim]``.
 
-- :func:`dot_product_attention`: standard (MHA/GQA/MQA) softmax attention.
-- :func:`differential_attention`: ``softmax(q1 k1^T s) v - lam * softmax(q2 k2^T s) v``, each
-  branch normalised by its own softmax denominator (``k2=None``: both maps read ``k1``).
+:func:`attention` computes softmax attention with one map (standard MHA/GQA/MQA) or two
+(``second=(q2, k2, lam)``: ``softmax(q k^T s) v - lam * softmax(q2 k2^T s) v``, each branch
+normalised by its own softmax denominator; ``k2=None``: both maps read ``k``).
+:func:`dot_product_attention` and :func:`differential_attention` name the two cases.
 
 ``impl`` picks the implementation:
 
@@ -19,20 +20,23 @@ Layout everywhere: ``[batch, seq, heads, dim]``.
 - ``"auto"``: per call, the fastest of the implementations that can run it, from the table a
   benchmark measured (:mod:`diffjax.ops.impl_table`; :func:`choose`); where it measured nothing,
   ``"pallas"`` on GPU and TPU and ``"xla"`` elsewhere;
-- or any object with the two functions ``dot_product_attention(q, k, v, *, causal,
-  segment_ids, kv_segment_ids, scale)`` and ``differential_attention(q1, k1, q2, k2, v, lam,
-  *, ...)`` (called after the shape checks; a layer keeps it as a static attribute, so make it
-  hashable, e.g. a frozen dataclass).
+- any object with the function ``attention(q, k, v, *, second, causal, segment_ids,
+  kv_segment_ids, scale)`` (called after the shape checks; a layer keeps it as a static
+  attribute, so make it hashable, e.g. a frozen dataclass);
+- or a :class:`Resolved`: the setting decided once for a run (:func:`resolve_model`; the run's
+  ``Runtime`` holds it, and a layer holds it as its implementation), which runs each call the
+  run declared with the implementation it holds for it.
 
-Under a mesh whose ``context`` axis splits the sequence (``mesh.context > 1``), self-attention
-runs sequence-parallel (:mod:`diffjax.ops.context`): a ring that passes K/V around the devices
-(``ContextSpec.impl="ring"``) or an all-gather of K/V (``"allgather"``), masked by the tokens'
-``positions`` so that any token order (the balanced zigzag) computes the same function. With
-``impl="pallas"`` the ring's blocks run the fused kernels (GPU, TPU; interpreted on CPU), which mask
-by index: the tokens must then lie in ``ContextSpec.order`` ("zigzag" or "contiguous"; the natural
-order when no positions are given).
+Sequence parallelism is decided before the call, not read from the mesh: a :class:`Resolved`
+whose ``context`` is set (a run whose mesh splits the sequence), or a direct call given
+``context=``, runs self-attention over the mesh's ``context`` axis (:mod:`diffjax.ops.context`):
+a ring that passes K/V around the devices (``ContextSpec.impl="ring"``) or an all-gather of K/V
+(``"allgather"``), masked by the tokens' ``positions`` so that any token order (the balanced
+zigzag) computes the same function. With the kernels as its blocks (:func:`ring_blocks`) the
+ring masks by index: the tokens must then lie in ``ContextSpec.order`` ("zigzag" or
+"contiguous"; the natural order when no positions are given).
 
-``logit_max=True`` (training diagnostics) makes both functions return ``(out, maxes)``:
+``logit_max=True`` (training diagnostics) makes the call return ``(out, maxes)``:
 ``maxes`` float32 ``[n_maps, B, T, Hq]`` (1 map for standard attention, 2 for DIFF), each
 query row's largest attention logit ``(q . k) * scale`` over the keys it may see (-inf for a
 row that sees none), without gradient. It comes from what each path already computes: the XLA
@@ -534,8 +538,8 @@ def dot_product_attention(
     """Standard softmax attention. q ``[B,T,Hq,D]``, k ``[B,S,Hkv,D]``, v ``[B,S,Hkv,Dv]``.
 
     Returns ``[B, T, Hq, Dv]``. ``scale`` defaults to ``D ** -0.5``. ``positions`` ``[B, T]``
-    (default ``arange(T)``) and ``context`` (default ``ContextSpec()``: the ring, the natural
-    order): see the module doc (sequence parallelism). ``target``: the machine it is traced
+    (default ``arange(T)``) and ``context`` (default None: whole sequences; a ``ContextSpec``:
+    over the mesh's context axis): see the module doc (sequence parallelism). ``target``: the machine it is traced
     for (default :func:`current_target`). ``logit_max=True``: ``(out, maxes)``, ``maxes``
     float32 ``[1, B, T, Hq]`` each row's largest visible logit (module doc).
     """
@@ -578,8 +582,8 @@ def differential_attention(
     q1, q2 ``[B,T,Hq,D]``; k1, k2 ``[B,S,Hkv,D]`` (``k2=None``: both maps read ``k1``, as DIFF
     V2's do; the kernels then load each key tile once); v ``[B,S,Hkv,Dv]``; ``lam`` a scalar
     (V1) or ``[B, T, Hq]`` (V2). ``scale`` defaults to ``D ** -0.5``. ``positions`` ``[B, T]``
-    (default ``arange(T)``) and ``context`` (default ``ContextSpec()``: the ring, the natural
-    order): see the module doc (sequence parallelism). ``target``: the machine it is traced
+    (default ``arange(T)``) and ``context`` (default None: whole sequences; a ``ContextSpec``:
+    over the mesh's context axis): see the module doc (sequence parallelism). ``target``: the machine it is traced
     for (default :func:`current_target`). ``logit_max=True``: ``(out, maxes)``, ``maxes``
     float32 ``[2, B, T, Hq]`` each row's largest visible logit of map 1 (q1 k1) and map 2
     (q2 k2, or q2 k1 when ``k2`` is None) (module doc).

@@ -75,6 +75,7 @@ def train_model(
     require_checkpoint: bool = False,
     log: Callable[[str], None] = print,
     mesh: jax.sharding.Mesh | None = None,
+    runtime: Runtime | None = None,
     after_step: AfterStep | None = None,
 ) -> TrainResult:
     """Train ``model_cfg`` on ``exp.data`` with ``exp.train`` on ``mesh`` (default: built from
@@ -88,8 +89,10 @@ def train_model(
 
     ``after_step(step, checkpointer)`` runs after each step's bookkeeping (its evaluation and
     checkpoint save issued, the save maybe still in flight); the resume tests kill the process
-    from it."""
-    runtime = run_runtime(exp, model_cfg, mesh)
+    from it. ``runtime``: the run's :class:`Runtime` as :func:`run_runtime` decided it (a
+    caller that checked it before, e.g. for every model of a comparison); default decided here
+    for ``mesh``."""
+    runtime = run_runtime(exp, model_cfg, mesh) if runtime is None else runtime
     mesh = runtime.mesh
     check_run(exp, mesh, [model_cfg])
     with preemption_guard(), jax.set_mesh(mesh), nnx.logical_axis_rules(sharding.current_rules()):
