@@ -11,27 +11,17 @@ import pytest
 from diffjax.ops import context
 from diffjax.compare.cli import main
 from diffjax.train.metrics import read_metrics
+from tiny import tiny_run
 
 # A tiny experiment (tests/test_train.py's), 20 steps; DIFF V1 beside its twin.
-TINY = [
-    "model.d_model=32",
+TINY = tiny_run(
     "model.num_layers=2",
     "model.num_heads=2",
-    "model.max_seq_len=32",
-    "data.seq_len=16",
-    "data.max_files=12",
-    "train.batch_size=8",
     "train.eval_batches=2",
-    "train.warmup_steps=2",
-    "train.progress=false",
-    "train.num_seeds=1",
-    "train.quick_eval=false",
-    "train.throughput_rounds=0",
-    "train.tensorboard=false",
     "train.steps=20",
     "train.eval_every=10",
     "train.checkpoint_every=10",
-]
+)
 RTOL = 1e-5  # float32 sums in another order across devices
 
 

@@ -16,6 +16,7 @@ import diffjax
 from diffjax.nn import decode
 from diffjax.infra import sharding
 from diffjax.infra.sharding import MeshConfig, make_mesh
+from tiny import tiny_run
 
 VOCAB = 61
 KINDS = {  # name: (attention, num_heads, num_kv_heads)
@@ -300,22 +301,12 @@ def test_fused_kernels_decode_like_xla(kind):
 
 
 # ---------------------------------------------------------------------------- the sample command
-TINY_RUN = [
-    "model.d_model=32",
-    "model.num_layers=1",
-    "model.num_heads=1",
-    "model.max_seq_len=32",
-    "data.seq_len=16",
-    "data.max_files=12",
-    "train.batch_size=8",
+TINY_RUN = tiny_run(
     "train.eval_batches=2",
-    "train.warmup_steps=2",
-    "train.progress=false",
     "train.steps=4",
     "compare=false",
-    "train.num_seeds=1",
-    "train.quick_eval=false",
-]
+    drop=("train.tensorboard", "train.throughput_rounds"),
+)
 
 
 @pytest.fixture(scope="module")

@@ -74,6 +74,7 @@ from oracle import (
     np_softmax_probs,
     standard_sd,
 )
+from tiny import tiny_run
 
 TOK = ByteTokenizer()
 
@@ -854,10 +855,7 @@ def test_discover_models_in_both_layouts(tmp_path):
 
 
 # A tiny needle run: seconds per model.
-TINY_NEEDLE = [
-    "model.d_model=32",
-    "model.num_layers=1",
-    "model.num_heads=1",
+TINY_NEEDLE = tiny_run(
     "model.max_seq_len=96",
     "data.source=needle",
     "data.seq_len=80",
@@ -866,17 +864,12 @@ TINY_NEEDLE = [
     "data.key_len=2",
     "data.value_len=2",
     "data.num_val_examples=16",
-    "train.batch_size=8",
-    "train.eval_batches=1",
     "train.warmup_steps=1",
     "train.steps=2",
     "train.eval_every=2",
     "train.checkpoint_every=2",
-    "train.progress=false",
-    "train.tensorboard=false",
-    "train.num_seeds=1",
-    "train.quick_eval=false",
-]
+    drop=("data.max_files", "train.throughput_rounds"),
+)
 
 
 @pytest.fixture(scope="module")

@@ -25,6 +25,7 @@ from diffjax.infra.runtime import Runtime
 from diffjax.train.step import accumulated_loss_and_grads, loss_fn, model_inputs, train_step
 from diffjax.train.setup import check_grad_accum, compile_steps, model_setup
 from diffjax.train.metrics import read_metrics
+from tiny import tiny_run
 
 BATCH, SEQ = 8, 16
 RTOL = 1e-6
@@ -205,21 +206,9 @@ def test_compiled_step_keeps_microbatches_on_their_shards():
 
 
 # ---------------------------------------------------------------------------- the loop
-TINY = [
-    "model.d_model=32",
-    "model.num_layers=1",
+TINY = tiny_run(
     "model.num_heads=2",
-    "model.max_seq_len=32",
-    "data.seq_len=16",
-    "data.max_files=12",
-    "train.batch_size=8",
     "train.eval_batches=2",
-    "train.warmup_steps=2",
-    "train.progress=false",
-    "train.tensorboard=false",
-    "train.num_seeds=1",
-    "train.quick_eval=false",
-    "train.throughput_rounds=0",
     "compare=false",
     "train.grad_accum_steps=2",
     "train.eval_every=3",
@@ -228,7 +217,7 @@ TINY = [
     "mesh.fsdp=2",
     "mesh.tensor=2",
     "train.peak_tflops=1.5",
-]
+)
 
 
 def test_accumulating_run_resumes_exactly(tmp_path, capsys):

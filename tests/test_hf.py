@@ -24,6 +24,8 @@ import diffjax
 from diffjax.interop import hf
 from diffjax.infra.sharding import MeshConfig, make_mesh
 
+from tiny import MODEL_KEYS, tiny_run
+
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
@@ -547,19 +549,14 @@ def test_train_py_starts_from_a_checkpoint(tmp_path):
     args = [
         f"run.dir={tmp_path / 'run'}",
         f"train.init_from={tmp_path / 'hf'}",
-        "data.seq_len=16",
-        "data.max_files=12",
-        "train.batch_size=8",
-        "train.eval_batches=1",
-        "train.steps=2",
-        "train.lr=1e-9",
-        "train.warmup_steps=0",
-        "train.eval_every=2",
-        "train.checkpoint_every=2",
-        "train.progress=false",
-        "train.tensorboard=false",
-        "train.num_seeds=1",
-        "train.quick_eval=false",
+        *tiny_run(
+            "train.steps=2",
+            "train.lr=1e-9",
+            "train.warmup_steps=0",
+            "train.eval_every=2",
+            "train.checkpoint_every=2",
+            drop=(*MODEL_KEYS, "train.throughput_rounds"),  # the model: the export's
+        ),
     ]
     assert main(args) == 2  # compare=true would train the twin from random weights
     assert main(args + ["compare=false"]) == 0

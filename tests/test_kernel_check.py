@@ -17,6 +17,8 @@ from diffjax import ops
 from diffjax.compare import cli
 from diffjax.kernels import check, gpu
 
+from tiny import tiny_run
+
 F32_V1 = check.Case("v1", 64, 128, "float32")
 F32_V2 = check.Case("v2", 64, 64, "float32")
 F32_STD = check.Case("standard", 64, 64, "float32")
@@ -104,17 +106,13 @@ def test_train_py_stops_before_training_on_a_failed_check(monkeypatch, tmp_path,
     code = cli.main(
         [
             f"run.dir={run_dir}",
-            "compare=false",
-            "model.d_model=64",
-            "model.num_layers=1",
-            "model.num_heads=1",  # V1: d = 32, V 64 wide
-            "data.seq_len=32",
-            "train.steps=3",
-            "train.batch_size=8",
-            "train.quick_eval=false",
-            "train.throughput_rounds=0",
-            "train.progress=false",
-            "train.kernel_check=interpret",
+            *tiny_run(
+                "compare=false",
+                "model.d_model=64",  # V1, one head: d = 32, V 64 wide
+                "data.seq_len=32",
+                "train.steps=3",
+                "train.kernel_check=interpret",
+            ),
         ]
     )
     err = capsys.readouterr()

@@ -40,6 +40,7 @@ from diffjax.data.mixture import counts_before, int_proportions, shares
 from diffjax.train import apply_overrides, default_config
 from diffjax.train.checkpoint import Checkpointer
 from diffjax.train.metrics import read_metrics
+from tiny import tiny_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ALPHA, BETA = "abcdefghijklm", "NOPQRSTUVWXYZ"
@@ -523,26 +524,17 @@ def test_changed_weights_at_a_resume_need_the_setting_and_continue_each_componen
 
 # ---------------------------------------------------------------------------- training
 def train_args(corpora, *extra) -> list[str]:
-    return [
-        "model.d_model=32",
-        "model.num_layers=1",
-        "model.num_heads=1",
-        "model.max_seq_len=32",
+    return tiny_run(
         f"data.seq_len={T}",
         f"train.batch_size={B}",
-        "train.eval_batches=1",
-        "train.warmup_steps=2",
-        "train.progress=false",
-        "train.num_seeds=1",
-        "train.quick_eval=false",
-        "train.throughput_rounds=0",
         "train.steps=8",
         "train.eval_every=4",
         "train.checkpoint_every=4",
         "data.source=mixture",
         f"data.mixture=alpha:0.7:{corpora['alpha']},beta:0.3:{corpora['beta']}",
         *extra,
-    ]
+        drop=("data.max_files", "train.tensorboard"),
+    )
 
 
 KILLED_TRAIN_PY = """

@@ -25,27 +25,19 @@ import numpy as np
 import pytest
 
 from diffjax.compare.cli import main
+from tiny import tiny_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOSS_RTOL = 1e-5
 # the single-process reference runs: one model, nothing after training
 ONE_MODEL = ["compare=false", "train.quick_eval=false"]
 
-TINY = [
+TINY = tiny_run(
     "model.d_model=64",
-    "model.num_layers=1",
     "model.num_heads=4",
-    "model.max_seq_len=32",
-    "data.seq_len=16",
-    "data.max_files=12",
-    "train.batch_size=8",
     "train.eval_batches=2",
-    "train.warmup_steps=2",
     "train.eval_every=2",
     "train.checkpoint_every=2",
-    "train.progress=false",
-    "train.tensorboard=false",
-    "train.num_seeds=1",
     "train.throughput_rounds=1",  # the post-training work stays on (compare, quick_eval), small
     # a constant lr after warmup: a run of 4 steps continued to 6 then follows the same
     # schedule as a run of 6 (a decaying schedule depends on train.steps)
@@ -54,7 +46,8 @@ TINY = [
     # by two processes and restored by one on another mesh
     "train.skip_spikes=3",
     "train.spike_window=2",
-]
+    drop=("train.quick_eval",),
+)
 
 
 def free_port() -> int:

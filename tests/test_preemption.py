@@ -19,29 +19,17 @@ import time
 import pytest
 
 from diffjax.train.checkpoint import Checkpointer, committed_steps
+from tiny import tiny_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EX_TEMPFAIL = 75
 
-TINY = [
-    "model.d_model=32",
-    "model.num_layers=1",
+TINY = tiny_run(
     "model.num_heads=2",
-    "model.max_seq_len=32",
-    "data.seq_len=16",
-    "data.max_files=12",
-    "train.batch_size=8",
-    "train.eval_batches=1",
-    "train.warmup_steps=2",
-    "train.progress=false",
-    "train.tensorboard=false",
-    "train.num_seeds=1",
-    "train.quick_eval=false",
-    "train.throughput_rounds=0",
     "train.kernel_check=off",
     "compare=false",
     "train.keep_checkpoints=1",  # one regular checkpoint kept (and the best)
-]
+)
 # (steps, checkpoint and evaluation interval, signal once this step is logged: after the first
 # checkpoint). Many short steps: the signal lands mid-run.
 ONE_PROCESS = (300, 40, 45)

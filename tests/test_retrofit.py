@@ -32,6 +32,7 @@ from diffjax.retrofit import (
 )
 from diffjax.retrofit.cli import main as retrofit_main
 from diffjax.train.checkpoint import load_model
+from tiny import MODEL_KEYS, tiny_run
 
 VOCAB = 61
 
@@ -196,23 +197,15 @@ def test_refuses_a_diff_source_and_a_head_width_v1_cannot_take():
 
 
 # ---------------------------------------------------------------------------- the command line
-TRAIN = [
-    "data.seq_len=16",
-    "data.max_files=12",
-    "train.batch_size=8",
-    "train.eval_batches=1",
+TRAIN = tiny_run(  # the model: the retrofitted checkpoint's
     "train.eval_every=3",
     "train.checkpoint_every=3",
-    "train.progress=false",
-    "train.tensorboard=false",
-    "train.num_seeds=1",
-    "train.quick_eval=false",
-    "train.throughput_rounds=0",
     "train.schedule=constant",
     "train.warmup_steps=0",
     "train.lr=3e-3",
     "compare=false",
-]
+    drop=MODEL_KEYS,
+)
 SOURCE = [
     "model.attention=standard",
     "model.d_model=32",

@@ -13,6 +13,7 @@ from diffjax import ModelConfig
 from diffjax.config import REMAT_POLICIES, ConfigError
 from diffjax.nn.model import TransformerLM, sown_lambdas, stack_layers, unstack_layers
 from diffjax.train.checkpoint import check_same_model
+from tiny import tiny_run
 
 KINDS = [  # V1, V2 and the twin; MHA and GQA
     ("diff_v1", 2, None),
@@ -253,26 +254,18 @@ def test_a_scanned_run_trains_resumes_restores_and_evaluates(tmp_path, capsys):
 
     args = [
         f"run.dir={tmp_path / 'run'}",
-        "model.d_model=32",
-        "model.num_layers=2",
-        "model.num_heads=2",
-        "model.max_seq_len=32",
-        "model.scan_layers=true",
-        "model.remat=minimal",
-        "data.seq_len=16",
-        "data.max_files=12",
-        "train.batch_size=8",
-        "train.eval_batches=1",
-        "train.warmup_steps=2",
-        "train.progress=false",
-        "train.num_seeds=1",
-        "train.quick_eval=false",
-        "train.throughput_rounds=0",
-        "train.steps=4",
-        "train.eval_every=2",
-        "train.checkpoint_every=2",
-        "mesh.fsdp=2",
-        "compare=false",
+        *tiny_run(
+            "model.num_layers=2",
+            "model.num_heads=2",
+            "model.scan_layers=true",
+            "model.remat=minimal",
+            "train.steps=4",
+            "train.eval_every=2",
+            "train.checkpoint_every=2",
+            "mesh.fsdp=2",
+            "compare=false",
+            drop=("train.tensorboard",),
+        ),
     ]
     run = tmp_path / "run" / "diff" / "seed_0"
     losses = lambda: [r["loss"] for r in read_metrics(str(run / "metrics.jsonl"))]  # noqa: E731
@@ -311,23 +304,15 @@ def test_a_run_converted_to_the_other_layout_resumes_with_the_same_losses(tmp_pa
     def args(name, *extra):
         return [
             f"run.dir={tmp_path / name}",
-            "model.d_model=32",
-            "model.num_layers=2",
-            "model.num_heads=2",
-            "model.max_seq_len=32",
-            "data.seq_len=16",
-            "data.max_files=12",
-            "train.batch_size=8",
-            "train.eval_batches=1",
-            "train.warmup_steps=2",
-            "train.progress=false",
-            "train.num_seeds=1",
-            "train.quick_eval=false",
-            "train.throughput_rounds=0",
-            "train.eval_every=2",
-            "train.checkpoint_every=2",
-            "compare=false",
-            *extra,
+            *tiny_run(
+                "model.num_layers=2",
+                "model.num_heads=2",
+                "train.eval_every=2",
+                "train.checkpoint_every=2",
+                "compare=false",
+                *extra,
+                drop=("train.tensorboard",),
+            ),
         ]
 
     def losses(name):

@@ -25,6 +25,7 @@ from diffjax.config import ConfigError
 from diffjax.data import DataConfig, DataError, check_data, make_dataset, make_source
 from diffjax.data import prepare as prep
 from diffjax.data.sources import load_corpus
+from tiny import tiny_run
 
 
 def prepare(inputs, out, **kw) -> prep.PrepareResult:
@@ -252,20 +253,13 @@ def test_training_from_the_bucket_is_killed_resumed_and_equals_local_data(tmp_pa
 
 
 # ---------------------------------------------------------------------------- bad input
-TINY_TOKENS = [
+TINY_TOKENS = tiny_run(
     "compare=false",
     "train.steps=2",
-    "model.d_model=32",
-    "model.num_layers=1",
-    "model.num_heads=1",
-    "model.max_seq_len=32",
-    "data.seq_len=16",
     "data.source=tokens",
     "train.batch_size=4",
-    "train.progress=false",
-    "train.quick_eval=false",
     "train.kernel_check=off",
-]
+)
 
 
 def refused(capsys, tmp_path, *args) -> str:

@@ -19,29 +19,18 @@ import pytest
 from diffjax.infra import storage
 from diffjax.train.metrics import read_metrics
 from fault_proxy import FaultProxy
+from tiny import tiny_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-TINY = [
+TINY = tiny_run(
     "compare=false",
-    "model.d_model=32",
-    "model.num_layers=1",
-    "model.num_heads=1",
-    "model.max_seq_len=32",
-    "data.seq_len=16",
-    "train.batch_size=8",
-    "train.eval_batches=1",
-    "train.warmup_steps=2",
-    "train.progress=false",
-    "train.num_seeds=1",
-    "train.throughput_rounds=0",
     "train.kernel_check=off",
-    "train.quick_eval=false",
-    "train.tensorboard=false",
     "train.eval_every=2",
     "train.checkpoint_every=2",
     "run.sync_every_s=1",
-]
+    drop=("data.max_files",),
+)
 
 
 def only_emulator_env(host: str, tmp_path, **extra) -> dict[str, str]:

@@ -22,25 +22,12 @@ from diffjax.infra import storage
 from diffjax.compare.cli import main
 from diffjax.train.checkpoint import Checkpointer, committed_steps, load_model
 from diffjax.train.metrics import read_metrics
+from tiny import tiny_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EX_TEMPFAIL = 75
 
-TINY = [
-    "model.d_model=32",
-    "model.num_layers=1",
-    "model.num_heads=1",
-    "model.max_seq_len=32",
-    "data.seq_len=16",
-    "data.max_files=12",
-    "train.batch_size=8",
-    "train.eval_batches=1",
-    "train.warmup_steps=2",
-    "train.progress=false",
-    "train.num_seeds=1",
-    "train.throughput_rounds=0",
-    "train.kernel_check=off",
-]
+TINY = tiny_run("train.kernel_check=off", drop=("train.tensorboard", "train.quick_eval"))
 # the kill / SIGTERM runs: one model, 10 steps, a checkpoint every 4
 SHORT = [
     *TINY,

@@ -35,25 +35,12 @@ from diffjax.train import (
 from diffjax.infra.runtime import Runtime
 from diffjax.infra import machine
 from diffjax.train.metrics import read_metrics
+from tiny import tiny_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # A tiny experiment: seconds per model on CPU.
-TINY = [
-    "model.d_model=32",
-    "model.num_layers=1",
-    "model.num_heads=1",
-    "model.max_seq_len=32",
-    "data.seq_len=16",
-    "data.max_files=12",
-    "train.batch_size=8",
-    "train.eval_batches=2",
-    "train.warmup_steps=2",
-    "train.progress=false",
-    "train.num_seeds=1",
-    "train.quick_eval=false",
-    "train.throughput_rounds=0",
-]
+TINY = tiny_run("train.eval_batches=2", drop=("train.tensorboard",))
 
 
 def run_main(tmp_path, *extra, name="run"):

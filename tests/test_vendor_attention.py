@@ -34,6 +34,7 @@ from diffjax.ops import dispatch
 from diffjax.config import ConfigError, KernelTarget
 from diffjax.kernels import _compose, cudnn, reference, splash
 from diffjax.infra.sharding import MeshConfig, make_mesh
+from tiny import tiny_run
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 T = 128  # Splash's smallest block
@@ -406,13 +407,13 @@ def test_a_run_records_and_reports_the_implementation_each_model_ran(tmp_path):
     """train.py with model.attention_impl=cudnn on CPU (its composition on XLA): both models
     train, result.json says what ran, report.md says it per model."""
     run = tmp_path / "run"
-    args = [
-        "model.d_model=32", "model.num_layers=1", "model.num_heads=1", "model.max_seq_len=32",
-        "data.seq_len=16", "data.max_files=12", "train.batch_size=8", "train.eval_batches=1",
-        "train.steps=2", "train.eval_every=2", "train.warmup_steps=1", "train.progress=false",
-        "train.num_seeds=1", "train.quick_eval=false", "train.throughput_rounds=0",
-        "train.tensorboard=false", "model.dtype=bfloat16", "model.attention_impl=cudnn",
-    ]  # fmt: skip
+    args = tiny_run(
+        "train.steps=2",
+        "train.eval_every=2",
+        "train.warmup_steps=1",
+        "model.dtype=bfloat16",
+        "model.attention_impl=cudnn",
+    )
     proc = subprocess.run(
         [sys.executable, str(ROOT / "train.py"), *args, f"run.dir={run}"],
         capture_output=True,
