@@ -154,6 +154,36 @@ def field_types(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
+def split_scoped(overrides: list[str], scope: str) -> tuple[list[str], list[str]]:
+    """``(the overrides of scope, the others)``: ``sweep.tokens=4096`` is ``sweep``'s."""
+    mine = [o for o in overrides if o.strip().startswith(f"{scope}.")]
+    return mine, [o for o in overrides if not o.strip().startswith(f"{scope}.")]
+
+
+def apply_scoped(obj, scope: str, fields: tuple[str, ...], overrides: list[str], note: str):
+    """The frozen dataclass ``obj`` with ``["scope.field=value", ...]`` applied (``fields``:
+    the ones the command line may set; ``note``: where the others are set), checked by its own
+    construction once all are applied. A :class:`ConfigError` names a bad key or value and the
+    fix."""
+    types = field_types(type(obj))
+    changes = {}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        name = key.strip()[len(scope) + 1 :]
+        if not sep or name not in fields:
+            raise ConfigError(
+                f"override {item!r}: not a {scope} setting. Fix: use {scope}.<field>=value with "
+                f"field one of {', '.join(fields)} ({note})."
+            )
+        try:
+            changes[name] = convert(types[name], raw, text=True)
+        except ValueError as e:
+            raise ConfigError(
+                f"{scope}.{name}: bad value {raw!r}: {e}. Fix: give {describe_type(types[name])}."
+            ) from None
+    return dataclasses.replace(obj, **changes) if changes else obj
+
+
 def _is_number(value: Any, kind: type) -> bool:
     return isinstance(value, kind) and not isinstance(value, (bool, np.bool_))
 

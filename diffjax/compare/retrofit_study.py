@@ -48,7 +48,6 @@ is :mod:`diffjax.compare.retrofit_report`.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import importlib.util
 import itertools
@@ -60,7 +59,7 @@ import numpy as np
 
 from diffjax import data as data_lib
 from diffjax.infra import sharding, storage
-from diffjax.config import ConfigError, convert, describe_type, field_types
+from diffjax.config import ConfigError, apply_scoped, split_scoped
 from diffjax.data.synthetic import query_chance
 from diffjax.evaluate.probe import losses_and_predictions
 from diffjax.evaluate.inputs import task_examples
@@ -74,11 +73,11 @@ from diffjax.train.checkpoint import (
 )
 from diffjax.train.config import ExperimentConfig, apply_overrides, load_config
 from diffjax.train.loop import AfterStep, train_model
-from diffjax.train.preemption import Preempted, preemption_guard
 from diffjax.train.setup import check_run
 from diffjax.train.metrics import read_metrics
 
 from diffjax.compare.retrofit_report import DONE_FILE, PLAN_FILE, RUN_CONFIG, write_study_report
+from diffjax.compare.runner import Run, run_log, run_plan
 
 SOURCE = "source"  # the source's folder name
 # the keys the study sets for every run (each has its own field of RetrofitStudy)
@@ -237,31 +236,11 @@ def load_study(path: str | None) -> RetrofitStudy | None:
         raise ConfigError(f"{path}: {e}") from None
 
 
-def split_overrides(overrides: list[str]) -> tuple[list[str], list[str]]:
-    """``(study.* overrides, the others)``."""
-    mine = [o for o in overrides if o.strip().startswith("study.")]
-    return mine, [o for o in overrides if not o.strip().startswith("study.")]
-
-
 def apply_study_overrides(study: RetrofitStudy, overrides: list[str]) -> RetrofitStudy:
     """``study`` with ``["study.seeds=2", ...]`` applied (:data:`SCALAR_FIELDS`)."""
-    types = field_types(RetrofitStudy)
-    changes = {}
-    for item in overrides:
-        key, sep, raw = item.partition("=")
-        name = key.strip()[len("study.") :]
-        if not sep or name not in SCALAR_FIELDS:
-            raise ConfigError(
-                f"override {item!r}: not a study setting. Fix: use study.<field>=value with field "
-                f"one of {', '.join(SCALAR_FIELDS)} (the arms are set in the config file)."
-            )
-        try:
-            changes[name] = convert(types[name], raw, text=True)
-        except ValueError as e:
-            raise ConfigError(
-                f"study.{name}: bad value {raw!r}: {e}. Fix: give {describe_type(types[name])}."
-            ) from None
-    return dataclasses.replace(study, **changes) if changes else study
+    return apply_scoped(
+        study, "study", SCALAR_FIELDS, overrides, "the arms are set in the config file"
+    )
 
 
 # ---------------------------------------------------------------------------- the plan
@@ -406,14 +385,6 @@ def run_config(plan: StudyPlan, run: StudyRun) -> ExperimentConfig:
     return resolve_init_from(apply_overrides(load_config(plan.config), list(run.overrides)))
 
 
-def is_done(run: StudyRun) -> bool:
-    """Whether ``run`` finished (trained and probed) with these same overrides."""
-    path = storage.join(run.directory, DONE_FILE)
-    if not storage.exists(path):
-        return False
-    return storage.read_json(path).get("overrides") == list(run.overrides)
-
-
 # ---------------------------------------------------------------------------- the probes
 def validation_loss(model, exp: ExperimentConfig) -> float:
     """``model``'s loss on the validation batches a run of ``exp`` evaluates on (its first
@@ -517,41 +488,21 @@ def probe_run(plan: StudyPlan, run: StudyRun, exp: ExperimentConfig) -> dict[str
 
 # ---------------------------------------------------------------------------- the driver
 def _run_one(plan: StudyPlan, run: StudyRun, mesh, after_step: AfterStep | None) -> dict:
-    """Train (and probe) one run, its output appended to its ``train.log``; its marker's
-    content."""
-    storage.makedirs(run.directory)
-    logs = storage.SyncedDir(run.directory)
-    logs.pull("train.log")
-    log = open(logs.local_path("train.log"), "a")
-
-    def step(i: int, checkpointer) -> None:
-        if logs.due():
-            log.flush()
-            logs.sync()
-        if after_step is not None:
-            after_step(i, checkpointer)
-
+    """Train (and probe) one run, its output appended to its ``train.log``; what its marker
+    records."""
     start = time.time()
-    try:
-        with log, contextlib.redirect_stdout(log):
-            exp = run_config(plan, run)
-            storage.write_json(storage.join(run.directory, RUN_CONFIG), exp.to_dict(), default=str)
-            result = None
-            if not (run.role == "source" and run.external):
-                check_run(exp, mesh)
-                label = run.arm
-                print(f"\n== {run.name}: {exp.model.attention}, from {run.source or 'scratch'}")
-                result = train_model(
-                    exp, exp.model, label, run.directory, mesh=mesh, after_step=step
-                )
-            trained = time.time() - start
-            probes = probe_run(plan, run, exp)
-            print(f"probes: {probes}")
-    finally:
-        logs.close()
+    with run_log(run.directory, after_step) as step:
+        exp = run_config(plan, run)
+        storage.write_json(storage.join(run.directory, RUN_CONFIG), exp.to_dict(), default=str)
+        result = None
+        if not (run.role == "source" and run.external):
+            check_run(exp, mesh)
+            print(f"\n== {run.name}: {exp.model.attention}, from {run.source or 'scratch'}")
+            result = train_model(exp, exp.model, run.arm, run.directory, mesh=mesh, after_step=step)
+        trained = time.time() - start
+        probes = probe_run(plan, run, exp)
+        print(f"probes: {probes}")
     return {
-        "overrides": list(run.overrides),
-        "finished": time.time(),
         "train_s": trained,
         "probe_s": time.time() - start - trained,
         "resumed_from": None if result is None else result.resumed_from,
@@ -586,14 +537,13 @@ def run_study(
     Raises ``ConfigError`` (a bad declaration, config or data; before anything trains),
     :class:`Preempted` (stopped and saved: the same call resumes) and what the train loop
     raises."""
-    mine, overrides = split_overrides(overrides)
+    mine, overrides = split_scoped(overrides, "study")
     study = apply_study_overrides(study, mine)
     plan = plan_study(config, study, overrides)
     storage.check_access(plan.run_dir, what="run.dir", write=True)
     data_lib.check_data(plan.base.data, plan.base.model.vocab_size)
     mesh = sharding.make_mesh(plan.base.mesh)
     write_plan(plan)
-    n = len(plan.runs)
     kind = (
         "an external source" if plan.base.train.init_from else f"{study.source_steps}-step sources"
     )
@@ -602,24 +552,15 @@ def run_study(
         f"continuations of {study.continue_steps} steps: {study.baseline}, "
         f"{', '.join(study.arms)}) into {plan.run_dir}"
     )
-    with preemption_guard() as guard:
-        for i, run in enumerate(plan.runs, 1):
-            where = f"[{i}/{n}] {run.name}"
-            if is_done(run):
-                say(f"{where}: finished earlier, skipped")
-                continue
-            what = "probing" if run.external else "training"
-            say(f"{where}: {what}; log: {storage.join(run.directory, 'train.log')}")
-            t0 = time.time()
-            try:
-                marker = _run_one(plan, run, mesh, after_step)
-            except Preempted:
-                say(f"{where}: stopped and saved; re-run the same command to resume")
-                raise
-            storage.write_json(storage.join(run.directory, DONE_FILE), marker)
-            say(f"{where}: done in {time.time() - t0:.0f} s")
-        if not guard.synced and guard.requested():  # after the last run's last step
-            raise Preempted(None, plan.run_dir, guard.signal_name)
+    by_name = {r.name: r for r in plan.runs}
+    run_plan(
+        [Run(r.name, r.directory, r.overrides) for r in plan.runs],
+        lambda run: _run_one(plan, by_name[run.name], mesh, after_step),
+        run_dir=plan.run_dir,
+        done_file=DONE_FILE,
+        describe=lambda run: "probing" if by_name[run.name].external else "training",
+        say=say,
+    )
     return write_study_report(plan.run_dir)
 
 

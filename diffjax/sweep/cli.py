@@ -22,21 +22,21 @@ process, so a multi-host ladder runs each size with ``train.py`` instead (docs/s
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import functools
 import sys
-import time
 from typing import Any
 
 from diffjax import cli
 from diffjax.infra import storage
 from diffjax.compare import cli as compare_cli
-from diffjax.config import ConfigError, ModelConfig
+from diffjax.compare.runner import Run, RunFailed, run_log, run_plan
+from diffjax.config import ConfigError, ModelConfig, split_scoped
 from diffjax.data import DataError
 from diffjax.nn.param_count import count_params
 from diffjax.train.config import apply_overrides, experiment_keys_help, load_config
 from diffjax.train.loop import AfterStep
+from diffjax.train.preemption import Preempted
 
 from diffjax.sweep.ladder import (
     BUDGETS,
@@ -45,7 +45,6 @@ from diffjax.sweep.ladder import (
     apply_ladder_overrides,
     load_ladder,
     size_name,
-    split_overrides,
 )
 from diffjax.sweep.report import PLAN_FILE, write_sweep_report
 
@@ -122,7 +121,7 @@ def plan_sweep(config: str, overrides: list[str]) -> tuple[str, Ladder, list[Siz
     """The run directory, the ladder (``sweep.*`` overrides applied) and every size's
     :class:`SizeRun`, each size's config checked (a bad shape stops here, before anything
     trains)."""
-    mine, overrides = split_overrides(overrides)
+    mine, overrides = split_scoped(overrides, "sweep")
     ladder = apply_ladder_overrides(load_ladder(config), mine)
     base = load_config(config)
     exp = apply_overrides(base, overrides)
@@ -185,43 +184,32 @@ def write_plan(run_dir: str, config: str, ladder: Ladder, runs: list[SizeRun]) -
     storage.write_json(storage.join(run_dir, PLAN_FILE), plan)
 
 
-def is_done(run: SizeRun) -> bool:
-    """Whether ``run`` finished with these same overrides."""
-    path = storage.join(run.directory, DONE_FILE)
-    if not storage.exists(path):
-        return False
-    return storage.read_json(path).get("overrides") == list(run.overrides)
-
-
-def run_size(config: str, run: SizeRun, after_step: AfterStep | None = None) -> int:
+def run_size(config: str, run: SizeRun, after_step: AfterStep | None = None) -> None:
     """The comparison of one size (``diffjax.compare``'s command line), its output appended to
-    ``train.log`` in its folder; on success ``sweep_done.json`` is written. Its exit code.
-    ``after_step``: as :func:`diffjax.compare.main`'s.
+    its folder's ``train.log`` (:func:`diffjax.compare.runner.run_log`). Raises
+    :class:`Preempted` when it stopped and saved, :class:`RunFailed` on another failure.
+    ``after_step``: as :func:`diffjax.compare.main`'s."""
+    with run_log(run.directory, after_step) as step:
+        code = compare_cli.main(["--config", config, *run.overrides], after_step=step)
+    if code == EXIT_PREEMPTED:
+        raise Preempted(None, run.directory)
+    if code != 0:
+        raise RunFailed(_plan_run(run), code)
 
-    In a ``gs://`` folder ``train.log`` is appended to on local disk (after the bucket's copy,
-    when a resume finds one) and uploaded whole every 30 s of training and at the end."""
-    logs = storage.SyncedDir(run.directory)
-    logs.pull("train.log")
-    log = open(logs.local_path("train.log"), "a")
 
-    def step(i: int, checkpointer) -> None:
-        if logs.due():
-            log.flush()
-            logs.sync()
-        if after_step is not None:
-            after_step(i, checkpointer)
+def _plan_run(run: SizeRun) -> Run:
+    """``run`` as a run of the one runner's plan."""
+    return Run(run.name, run.directory, run.overrides, "size" if run.shape is not None else "rung")
 
-    try:
-        with log, contextlib.redirect_stdout(log):
-            code = compare_cli.main(["--config", config, *run.overrides], after_step=step)
-    finally:
-        logs.close()
-    if code == 0:
-        storage.write_json(
-            storage.join(run.directory, DONE_FILE),
-            {"overrides": list(run.overrides), "finished": time.time()},
-        )
-    return code
+
+def _describe(run: SizeRun) -> str:
+    """The progress line's words for a size or rung."""
+    twin = "" if run.twin_params is None else f" and the twin ({run.twin_params:,})"
+    note = f" ({run.note})" if run.note else ""
+    return (
+        f"training DIFF ({run.diff_params:,} non-embedding parameters){twin}, {run.steps} "
+        f"steps, {run.tokens:,} tokens each{note}"
+    )
 
 
 def _keys_help() -> str:
@@ -288,36 +276,22 @@ def main(argv: list[str] | None = None, *, after_step: AfterStep | None = None) 
         else f"comparisons over {ladder.field}"
     )
     _say(f"sweep: {len(runs)} {kind} into {run_dir}")
-    total = len(runs)
-    for i, run in enumerate(runs, 1):
-        if args.report_only:
-            break
-        where = f"[{'size' if run.shape is not None else 'rung'} {i}/{total}] {run.name}"
-        if is_done(run):
-            _say(f"{where}: finished earlier, skipped")
-            continue
-        twin = "" if run.twin_params is None else f" and the twin ({run.twin_params:,})"
-        _say(
-            f"{where}: training DIFF ({run.diff_params:,} non-embedding parameters){twin}, "
-            f"{run.steps} steps, {run.tokens:,} tokens each"
-            + (f" ({run.note})" if run.note else "")
-            + f"; log: {storage.join(run.directory, 'train.log')}"
-        )
-        start = time.time()
-        code = run_size(args.config, run, after_step)
-        if code == EXIT_PREEMPTED:
-            _say(
-                f"{where}: stopped and saved; re-run the same command to resume (finished sizes "
-                f"are skipped)"
+    if not args.report_only:
+        by_name = {r.name: r for r in runs}
+        try:
+            run_plan(
+                [_plan_run(r) for r in runs],
+                lambda run: run_size(args.config, by_name[run.name], after_step),
+                run_dir=run_dir,
+                done_file=DONE_FILE,
+                describe=lambda run: _describe(by_name[run.name]),
+                say=_say,
             )
-            return code
-        if code != 0:
-            print(
-                f"error: {where} failed (exit {code}); see {run.directory}/train.log",
-                file=sys.stderr,
-            )
-            return code
-        _say(f"{where}: done in {time.time() - start:.0f} s")
+        except Preempted:
+            return EXIT_PREEMPTED
+        except RunFailed as e:
+            print(f"error: {e}", file=sys.stderr)
+            return e.code
     text = write_sweep_report(run_dir)
     _say(summary_section(text))
     _say(f"report: {storage.join(run_dir, 'sweep.md')}")

@@ -44,7 +44,7 @@ import math
 import os
 from typing import Any, Mapping
 
-from diffjax.config import ConfigError, convert, describe_type, field_types
+from diffjax.config import ConfigError, apply_scoped
 
 BUDGETS = ("fixed", "proportional")
 
@@ -318,32 +318,12 @@ class Ladder:
 SCALAR_FIELDS = ("budget", "tokens", "tokens_per_param", "min_steps", "evals", "curve_size")
 
 
-def split_overrides(overrides: list[str]) -> tuple[list[str], list[str]]:
-    """``(sweep.* overrides, the others)``."""
-    mine = [o for o in overrides if o.strip().startswith("sweep.")]
-    return mine, [o for o in overrides if not o.strip().startswith("sweep.")]
-
-
 def apply_ladder_overrides(ladder: Ladder, overrides: list[str]) -> Ladder:
     """``ladder`` with ``["sweep.tokens=4096", ...]`` applied (:data:`SCALAR_FIELDS`), checked
     once all are applied."""
-    types = field_types(Ladder)
-    changes = {}
-    for item in overrides:
-        key, sep, raw = item.partition("=")
-        name = key.strip()[len("sweep.") :]
-        if not sep or name not in SCALAR_FIELDS:
-            raise ConfigError(
-                f"override {item!r}: not a sweep setting. Fix: use sweep.<field>=value with "
-                f"field one of {', '.join(SCALAR_FIELDS)} (the sizes are set in the config file)."
-            )
-        try:
-            changes[name] = convert(types[name], raw, text=True)
-        except ValueError as e:
-            raise ConfigError(
-                f"sweep.{name}: bad value {raw!r}: {e}. Fix: give {describe_type(types[name])}."
-            ) from None
-    return dataclasses.replace(ladder, **changes) if changes else ladder
+    return apply_scoped(
+        ladder, "sweep", SCALAR_FIELDS, overrides, "the sizes are set in the config file"
+    )
 
 
 def rung_name(field: str, value: Any) -> str:
