@@ -47,12 +47,13 @@ from diffjax.train.config import (
     model_directory,
 )
 from diffjax.train.loop import AfterStep, train_model
-from diffjax.train.preemption import Preempted, TrainingDiverged, preemption_guard
+from diffjax.train.preemption import Preempted, TrainingDiverged
 from diffjax.train.recorder import TrainResult
 from diffjax.train.setup import check_run, describe_mesh, run_runtime
 
 from diffjax.compare.report import results_table, write_report
 from diffjax.compare.retrofit_study import load_study, run_study, summary
+from diffjax.compare.runner import Run, run_plan
 from diffjax.compare.throughput import side_by_side_throughput
 
 EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_CHECKPOINT = 2, 3, 4
@@ -342,30 +343,36 @@ def train_seeds(
     built from ``mesh``).
 
     SIGTERM or SIGINT stops it at the next step boundary with :class:`Preempted` (the step
-    saved; see :func:`diffjax.train.loop.train_model`), also between two models."""
-    results = []
-    with preemption_guard() as guard:
-        for seed in exp.seeds:
-            for label, model_cfg in exp.models.items():
-                print(
-                    f"\n== {label} (seed {seed}): {model_cfg.attention}, {model_cfg.num_layers} "
-                    f"layers, d_model {model_cfg.d_model}, {model_cfg.num_heads} heads"
-                )
-                try:
-                    results.append(
-                        train_model(
-                            exp.with_seed(seed),
-                            model_cfg,
-                            label,
-                            model_directory(run_dir, label, seed),
-                            mesh=mesh,
-                            runtime=None if runtimes is None else runtimes[label],
-                            after_step=after_step,
-                        )
-                    )
-                except TrainingDiverged as e:
-                    e.args = (f"[{label}, seed {seed}] {e}",)
-                    raise
-        if not guard.synced and guard.requested():  # after the last model's last step
-            raise Preempted(None, run_dir, guard.signal_name)
-    return results
+    saved; see :func:`diffjax.train.loop.train_model`), also between two models. A plan on the
+    one runner (:func:`diffjax.compare.runner.run_plan`), without done-markers: a finished
+    model resumes from its last checkpoint and ends at once, giving its result again."""
+    runs = [
+        Run(f"{label}/seed_{seed}", model_directory(run_dir, label, seed), (f"train.seed={seed}",))
+        for seed in exp.seeds
+        for label in exp.models
+    ]
+
+    def describe(run: Run) -> str:
+        model = exp.models[run.name.split("/")[0]]
+        return (
+            f"{model.attention}, {model.num_layers} layers, d_model {model.d_model}, "
+            f"{model.num_heads} heads"
+        )
+
+    def execute(run: Run) -> TrainResult:
+        label, seed = run.name.split("/")[0], int(run.name.rsplit("_", 1)[1])
+        try:
+            return train_model(
+                exp.with_seed(seed),
+                exp.models[label],
+                label,
+                run.directory,
+                mesh=mesh,
+                runtime=None if runtimes is None else runtimes[label],
+                after_step=after_step,
+            )
+        except TrainingDiverged as e:
+            e.args = (f"[{label}, seed {seed}] {e}",)
+            raise
+
+    return run_plan(runs, execute, run_dir=run_dir, done_file=None, describe=describe)

@@ -8,8 +8,10 @@ from the checkpoints in its folder) with its output appended to the folder's ``t
 (:func:`run_log`: synced to a ``gs://`` folder as it grows), and on success the marker is
 written. SIGTERM or SIGINT stops the run at the next step boundary with its step saved
 (:class:`~diffjax.train.preemption.Preempted`, ``train.py``'s exit 75): the same command
-resumes, skipping what finished. The sweep's ladders (:mod:`diffjax.sweep`) and the retrofit
-study (:mod:`diffjax.compare.retrofit_study`) are plans on it.
+resumes, skipping what finished. The comparison's paired seeds (:func:`diffjax.compare.cli.
+train_seeds`: no markers, each model resumes from its own checkpoints), the sweep's ladders
+(:mod:`diffjax.sweep`) and the retrofit study (:mod:`diffjax.compare.retrofit_study`) are plans
+on it.
 """
 
 from __future__ import annotations
@@ -72,41 +74,49 @@ def run_log(directory: str, after_step: AfterStep | None = None) -> Iterator[Aft
 
 def run_plan(
     runs: Sequence[Run],
-    execute: Callable[[Run], dict | None],
+    execute: Callable[[Run], Any],
     *,
     run_dir: str,
-    done_file: str,
+    done_file: str | None,
     describe: Callable[[Run], str] = lambda run: "training",
+    record: Callable[[Any], dict] = lambda result: result or {},
     say: Callable[[str], None] = print,
-) -> None:
-    """Train every run of ``runs`` not done yet, in order: ``execute(run)`` trains (and
-    whatever else the study does with) one run and returns what its marker records beside its
-    overrides and finishing time. ``describe(run)``: the progress line's words for it;
-    ``run_dir``: the plan's folder (named when a signal comes after the last run). Raises
-    :class:`Preempted` (stopped and saved, said in the progress line: the same call resumes)
-    and what ``execute`` raises."""
-    n = len(runs)
+) -> list[Any]:
+    """Train every run of ``runs`` not done yet, in order, and return what ``execute(run)``
+    returned for each (None for a run skipped). ``execute`` trains (and whatever else the study
+    does with) one run; ``record(its result)``: what the run's marker records beside its
+    overrides and finishing time. ``done_file`` None: no markers, every run is executed and
+    resumes from its own checkpoints (a finished one ends at once). ``describe(run)``: the
+    progress line's words for it; ``run_dir``: the plan's folder (named when a signal comes
+    after the last run). Raises :class:`Preempted` (stopped and saved, said in the progress
+    line: the same call resumes) and what ``execute`` raises."""
+    n, results = len(runs), []
     with preemption_guard() as guard:
         for i, run in enumerate(runs, 1):
             where = f"[{f'{run.kind} ' if run.kind else ''}{i}/{n}] {run.name}"
-            if is_done(run, done_file):
+            if done_file is not None and is_done(run, done_file):
                 say(f"{where}: finished earlier, skipped")
+                results.append(None)
                 continue
-            say(f"{where}: {describe(run)}; log: {storage.join(run.directory, 'train.log')}")
+            log = "" if done_file is None else f"; log: {storage.join(run.directory, 'train.log')}"
+            say(f"{where}: {describe(run)}{log}")
             start = time.time()
             try:
-                record = execute(run) or {}
+                results.append(execute(run))
             except Preempted:
                 say(
                     f"{where}: stopped and saved; re-run the same command to resume (finished "
                     f"runs are skipped)"
                 )
                 raise
-            marker = {"overrides": list(run.overrides), "finished": time.time(), **record}
-            storage.write_json(storage.join(run.directory, done_file), marker)
+            if done_file is not None:
+                marker = {"overrides": list(run.overrides), "finished": time.time()}
+                marker.update(record(results[-1]))
+                storage.write_json(storage.join(run.directory, done_file), marker)
             say(f"{where}: done in {time.time() - start:.0f} s")
         if not guard.synced and guard.requested():  # after the last run's last step
             raise Preempted(None, run_dir, guard.signal_name)
+    return results
 
 
 class RunFailed(Exception):
