@@ -1,4 +1,4 @@
-"""Learning-rate sensitivity on 2 CPU cores (``python -m diffjax.sweep --config
+"""Learning-rate sensitivity on 2 CPU cores (``python -m diffjax.sweep.lr_sensitivity --config
 configs/lr_sensitivity_cpu.py``): DIFF V1, DIFF V2 and their twin trained at 10 learning rates,
 log-spaced half a decade apart from 1e-4 (20x below the default's 2e-3) to 3 (past divergence), each from two paired init seeds, on the built-in corpus. Measured the way
 Wortsman et al. 2023 measure small-scale instability: each model's learning-rate sensitivity
@@ -24,7 +24,7 @@ rest data loading, compiling and evaluating). Results: docs/results.md.
 from diffjax.sweep import Ladder
 from diffjax.train import apply_overrides, default_config
 
-SWEEP = Ladder(
+SENSITIVITY = Ladder(
     field="train.lr",
     values=[1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0, 3.0],
     tokens=500 * 16 * 128,

@@ -300,6 +300,86 @@ def field_comments(cls: type) -> dict[str, str]:
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class Allowed:
+    """The values a config field allows, declared with it (:func:`declared`)."""
+
+    choices: tuple | None = None
+    what: str = "value"  # the choices' name in the error: "unknown schedule 'x'"
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False  # > low rather than >= low
+    high_open: bool = False  # < high rather than <= high
+    fix: str | None = None
+
+
+def declared(
+    default: Any,
+    *,
+    choices: tuple | None = None,
+    what: str = "value",
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    lt: float | None = None,
+    fix: str | None = None,
+) -> Any:
+    """A config field with its default and the values it allows: one of ``choices`` (``what``
+    names them in the error), or a number within the bounds ``ge``/``gt`` and ``le``/``lt``
+    (``None`` passes when the field's type allows it). :func:`check_declared` enforces them with
+    a "Fix:" (``fix``; default: the allowed values); ``python train.py --help`` lists the
+    choices."""
+    allowed = Allowed(
+        choices,
+        what,
+        gt if gt is not None else ge,
+        lt if lt is not None else le,
+        gt is not None,
+        lt is not None,
+        fix,
+    )
+    return dataclasses.field(default=default, metadata={"allowed": allowed})
+
+
+def allowed_values(cls: type) -> dict[str, Allowed]:
+    """``{field: Allowed}`` of the fields of ``cls`` declared with :func:`declared`."""
+    return {
+        f.name: f.metadata["allowed"] for f in dataclasses.fields(cls) if "allowed" in f.metadata
+    }
+
+
+def _bounds_text(a: Allowed) -> str:
+    low = None if a.low is None else f"{'>' if a.low_open else '>='} {a.low:g}"
+    if a.high is None:
+        return low
+    if a.low is None:
+        return f"{'<' if a.high_open else '<='} {a.high:g}"
+    return f"in {'(' if a.low_open else '['}{a.low:g}, {a.high:g}{')' if a.high_open else ']'}"
+
+
+def check_declared(config: Any) -> None:
+    """Every field of ``config`` declared with :func:`declared` against the values it allows:
+    a ConfigError ``"<Class>.<field>: ... Fix: ..."`` for the first that is outside them."""
+    section = type(config).__name__
+    for name, a in allowed_values(type(config)).items():
+        value = getattr(config, name)
+        if a.choices is not None and value not in a.choices:
+            fail(
+                section,
+                name,
+                f"unknown {a.what} {value!r}",
+                a.fix or f"use one of {', '.join(map(repr, a.choices))}",
+            )
+        if value is None or (a.low is None and a.high is None):
+            continue
+        below = a.low is not None and (value <= a.low if a.low_open else value < a.low)
+        above = a.high is not None and (value >= a.high if a.high_open else value > a.high)
+        if below or above:
+            optional = type(None) in typing.get_args(field_types(type(config))[name])
+            bounds = _bounds_text(a) + (" or None" if optional else "")
+            fail(section, name, f"must be {bounds}, got {value}", a.fix or f"use a value {bounds}")
+
+
 def check_fields(config: Any) -> None:
     """Check every field of the frozen config dataclass ``config`` against its annotation and
     store the converted value (see :func:`convert`); a wrong type raises ConfigError
@@ -356,29 +436,45 @@ class ModelConfig:
     :class:`ConfigError` naming the field and the fix before any array is allocated.
     """
 
-    vocab_size: int = 259  # token ids; 259 = 256 bytes + BOS/EOS/PAD (the byte tokenizer)
-    d_model: int = 256  # the width of the residual stream
-    num_layers: int = 4  # transformer blocks
+    vocab_size: int = declared(
+        259, ge=1, fix="use a positive integer"
+    )  # token ids; 259 = 256 bytes + BOS/EOS/PAD (the byte tokenizer)
+    d_model: int = declared(
+        256, ge=1, fix="use a positive integer"
+    )  # the width of the residual stream
+    num_layers: int = declared(4, ge=1, fix="use a positive integer")  # transformer blocks
     # attention heads: DIFF V1's DIFF heads (its twin has twice as many), V2's output heads,
     # standard heads (see the module doc)
-    num_heads: int = 4
-    num_kv_heads: int | None = None  # key/value heads (GQA); None: as many as num_heads (MHA)
+    num_heads: int = declared(4, ge=1, fix="use a positive integer")
+    num_kv_heads: int | None = declared(
+        None, ge=1, fix="use a positive integer or None"
+    )  # key/value heads (GQA); None: as many as num_heads (MHA)
     # the width of each head; None: derived from d_model and num_heads (see the module doc)
-    head_dim: int | None = None
-    attention: str = "diff_v1"  # standard softmax attention, DIFF V1 or DIFF V2
-    max_seq_len: int = 1024  # the longest sequence the model takes
-    dtype: str = "float32"  # compute (activation) dtype
-    param_dtype: str = "float32"  # parameter dtype
+    head_dim: int | None = declared(None, ge=1, fix="use a positive integer or None")
+    attention: str = declared(
+        "diff_v1", choices=ATTENTION_KINDS, what="attention kind"
+    )  # standard softmax attention, DIFF V1 or DIFF V2
+    max_seq_len: int = declared(
+        1024, ge=1, fix="use a positive integer"
+    )  # the longest sequence the model takes
+    dtype: str = declared("float32", choices=DTYPES, what="dtype")  # compute (activation) dtype
+    param_dtype: str = declared("float32", choices=DTYPES, what="dtype")  # parameter dtype
     # how attention is computed: "xla", "pallas" (diffjax's fused kernels), "cudnn" (NVIDIA
     # GPUs), "splash" (TPUs), or "auto": per call the fastest that can run it where the table
     # measured it (diffjax/ops/impl_table.json), else Pallas on GPU/TPU and XLA on CPU
-    attention_impl: str = "auto"
+    attention_impl: str = declared("auto", choices=ATTENTION_IMPLS, what="implementation")
     # attention over a mesh whose `context` axis splits the sequence: "ring" (K/V passed around
     # the devices, memory O(T / N)) or "allgather" (K/V gathered: simpler, for short rings)
-    context_attention: str = "ring"
-    ffn_dim: int | None = None  # SwiGLU hidden width; None: 8/3 d_model up to ffn_multiple_of
-    ffn_multiple_of: int = 64  # the default ffn_dim is rounded up to a multiple of this
-    rope_theta: float = 10000.0  # the rotary base
+    context_attention: str = declared(
+        "ring", choices=CONTEXT_ATTENTIONS, what="sequence-parallel attention"
+    )
+    ffn_dim: int | None = declared(
+        None, ge=1, fix="use a positive integer or None"
+    )  # SwiGLU hidden width; None: 8/3 d_model up to ffn_multiple_of
+    ffn_multiple_of: int = declared(
+        64, ge=1, fix="use a positive integer"
+    )  # the default ffn_dim is rounded up to a multiple of this
+    rope_theta: float = declared(10000.0, gt=0, fix="use e.g. 10000.0")  # the rotary base
     # Rotary frequency scaling (Hugging Face's rope_type): "none", "linear" (every frequency
     # / rope_factor) or "llama3" (Llama 3.1's, with the three fields after rope_factor).
     rope_scaling: str = "none"
@@ -388,14 +484,18 @@ class ModelConfig:
     # llama3: wavelengths shorter than rope_original_max_len / this are kept
     rope_high_freq_factor: float = 4.0
     rope_original_max_len: int = 8192  # llama3: the context length before scaling
-    norm_eps: float = 1e-5  # RMSNorm epsilon
+    norm_eps: float = declared(1e-5, gt=0, fix="use e.g. 1e-5")  # RMSNorm epsilon
     tie_embeddings: bool = False  # the output projection reuses the token embedding
-    init_std: float = 0.02  # standard deviation of the normal weight init
+    init_std: float = declared(
+        0.02, gt=0, fix="use e.g. 0.02"
+    )  # standard deviation of the normal weight init
     # DIFF V1: one lambda_init for every layer (the paper's Table 6 ablation). None:
     # lambda_init(depth) = 0.8 - 0.6 exp(-0.3 depth).
     lambda_init: float | None = None
     diff_norm: bool = True  # DIFF V1's per-head RMSNorm (subln); false: the paper's ablation
-    diff_norm_eps: float = 1e-5  # its eps: 1e-5 in the official code; DiffLlama uses norm_eps
+    diff_norm_eps: float = declared(
+        1e-5, gt=0, fix="use e.g. 1e-5"
+    )  # its eps: 1e-5 in the official code; DiffLlama uses norm_eps
     # DIFF: the negative map's weight w is model state (a retrofit's ramp from 0 to 1, set by
     # the train step; python -m diffjax.retrofit). At w = 1 the model is plain DIFF
     ramp: bool = False
@@ -407,7 +507,7 @@ class ModelConfig:
     # activation; "full" recomputes the block; "dots" keeps the matmul outputs; "minimal" keeps
     # the q/k/v projections and the attention output; "minimal_offload" moves those to host
     # memory (GPU/TPU). The loss and gradients do not depend on it.
-    remat: str = "none"
+    remat: str = declared("none", choices=REMAT_POLICIES, what="rematerialization policy")
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -418,36 +518,7 @@ class ModelConfig:
         fail("ModelConfig", field, problem, fix)
 
     def _check_values(self) -> None:
-        for name in (
-            "vocab_size",
-            "d_model",
-            "num_layers",
-            "num_heads",
-            "max_seq_len",
-            "ffn_multiple_of",
-        ):
-            if getattr(self, name) < 1:
-                self._fail(
-                    name, f"must be >= 1, got {getattr(self, name)}", "use a positive integer"
-                )
-        for name in ("num_kv_heads", "head_dim", "ffn_dim"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                self._fail(
-                    name, f"must be >= 1 or None, got {value}", "use a positive integer or None"
-                )
-        if self.attention not in ATTENTION_KINDS:
-            self._fail(
-                "attention",
-                f"unknown attention kind {self.attention!r}",
-                f"use one of {', '.join(map(repr, ATTENTION_KINDS))}",
-            )
-        if self.attention_impl not in ATTENTION_IMPLS:
-            self._fail(
-                "attention_impl",
-                f"unknown implementation {self.attention_impl!r}",
-                f"use one of {', '.join(map(repr, ATTENTION_IMPLS))}",
-            )
+        check_declared(self)  # the bounds and choices declared with the fields
         if self.attention_impl == "cudnn" and self.dtype == "float32":
             self._fail(
                 "attention_impl",
@@ -455,40 +526,13 @@ class ModelConfig:
                 "float32",
                 "set model.dtype=bfloat16, or model.attention_impl=pallas (or auto)",
             )
-        if self.context_attention not in CONTEXT_ATTENTIONS:
-            self._fail(
-                "context_attention",
-                f"unknown sequence-parallel attention {self.context_attention!r}",
-                f"use one of {', '.join(map(repr, CONTEXT_ATTENTIONS))}",
-            )
-        for name in ("dtype", "param_dtype"):
-            if getattr(self, name) not in DTYPES:
-                self._fail(
-                    name,
-                    f"unknown dtype {getattr(self, name)!r}",
-                    f"use one of {', '.join(map(repr, DTYPES))}",
-                )
-        if not self.rope_theta > 0:
-            self._fail("rope_theta", f"must be > 0, got {self.rope_theta}", "use e.g. 10000.0")
-        if not self.norm_eps > 0:
-            self._fail("norm_eps", f"must be > 0, got {self.norm_eps}", "use e.g. 1e-5")
         if self.ramp and self.attention == "standard":
             self._fail(
                 "ramp",
                 "weighs DIFF's negative map, but model.attention is 'standard'",
                 "set model.attention=diff_v1 or diff_v2, or model.ramp=false",
             )
-        if not self.diff_norm_eps > 0:
-            self._fail("diff_norm_eps", f"must be > 0, got {self.diff_norm_eps}", "use e.g. 1e-5")
         self._check_rope_scaling()
-        if self.remat not in REMAT_POLICIES:
-            self._fail(
-                "remat",
-                f"unknown rematerialization policy {self.remat!r}",
-                f"use one of {', '.join(map(repr, REMAT_POLICIES))}",
-            )
-        if not self.init_std > 0:
-            self._fail("init_std", f"must be > 0, got {self.init_std}", "use e.g. 0.02")
         if self.lambda_init is not None and self.attention != "diff_v1":
             self._fail(
                 "lambda_init",

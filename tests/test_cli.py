@@ -417,6 +417,41 @@ def test_sweep_help_lists_the_ladders_keys_and_the_configs(capsys):
     _described(lines, "train.steps")
 
 
+def test_each_config_file_is_for_one_program_and_the_others_name_it(capsys):
+    """Every configs/*.py loads under the program its declaration names (none: train.py;
+    SWEEP, SENSITIVITY, RETROFIT: their own commands), and under any other is refused before
+    anything runs, the right command named."""
+    import pathlib
+
+    from diffjax.compare import studies
+    from diffjax.compare.cli import main as train_main
+    from diffjax.compare.retrofit_study import load_study
+    from diffjax.compare.retrofit_study import main as retrofit_main
+    from diffjax.sweep.cli import main as sweep_main
+    from diffjax.sweep.ladder import load_ladder
+    from diffjax.sweep.lr_sensitivity import main as lr_main
+    from diffjax.train.config import load_config
+
+    programs = {None: train_main, "SWEEP": sweep_main, "SENSITIVITY": lr_main}
+    programs["RETROFIT"] = retrofit_main
+    root = pathlib.Path(__file__).resolve().parent.parent
+    seen = set()
+    for path in sorted(str(p) for p in root.glob("configs/*.py")):
+        name, _ = studies.declared(path)
+        seen.add(name)
+        load_config(path)  # every file's experiment
+        if name == "RETROFIT":
+            assert load_study(path) is not None
+        elif name is not None:
+            load_ladder(path, name)
+        right = studies.TRAIN if name is None else studies.COMMANDS[name]
+        for other, main in programs.items():
+            if other != name:
+                assert main(["--config", path]) == 2, (path, other)
+                assert f"Fix: {right} --config {path}" in capsys.readouterr().err, (path, other)
+    assert seen == set(programs)  # a config file for every program
+
+
 # ------------------------------------------------------------------ every written command line
 def _renamed_by_program():
     from diffjax import plan as planner

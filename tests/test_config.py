@@ -457,3 +457,45 @@ def test_describe_type_says_the_type_in_words():
     assert describe_type(float | None) == "a number or none"
     assert describe_type(bool) == "true or false"
     assert describe_type(tuple[float, ...] | None) == "a comma-separated list of numbers or none"
+
+
+def test_bounds_and_choices_are_declared_with_the_fields():
+    """The model's and the train config's single-field rules (bounds, choices) are declared
+    with their fields and enforced by one checker with the "Fix:" messages; what the classes
+    check by hand relates fields."""
+    import inspect
+
+    from diffjax.config import allowed_values
+    from diffjax.train import TrainConfig
+    from diffjax.train.config import CHOICES
+
+    cases = [
+        (
+            ModelConfig,
+            "d_model",
+            0,
+            "ModelConfig.d_model: must be >= 1, got 0. Fix: use a positive",
+        ),
+        (ModelConfig, "head_dim", 0, "head_dim: must be >= 1 or None, got 0. Fix: use a positive"),
+        (ModelConfig, "attention", "x", "attention: unknown attention kind 'x'. Fix: use one of"),
+        (ModelConfig, "init_std", 0.0, "init_std: must be > 0, got 0.0. Fix: use e.g. 0.02"),
+        (TrainConfig, "b1", 1.0, "TrainConfig.b1: must be in [0, 1), got 1.0. Fix: set train.b1"),
+        (TrainConfig, "min_lr_ratio", 2.0, "must be in [0, 1], got 2.0"),
+        (TrainConfig, "peak_tflops", 0.0, "peak_tflops: must be > 0 or None, got 0.0"),
+        (TrainConfig, "on_nan", "undo", "on_nan: unknown setting 'undo'. Fix: use one of 'stop'"),
+    ]
+    for cls, name, bad, message in cases:
+        assert name in allowed_values(cls)
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            cls(**{name: bad})
+    assert CHOICES["model.remat"] == allowed_values(ModelConfig)["remat"].choices  # --help
+    by_hand = inspect.getsource(ModelConfig._check_values)
+    by_hand += inspect.getsource(TrainConfig.__post_init__)
+    for single_field in (
+        "< 1:",
+        "> 0:",
+        "not in DTYPES",
+        "not in REMAT_POLICIES",
+        "not in SCHEDULES",
+    ):
+        assert single_field not in by_hand, single_field

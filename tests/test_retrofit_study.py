@@ -1,4 +1,5 @@
-"""The retrofit study (``python train.py --config FILE`` with a module-level ``RETROFIT``): the
+"""The retrofit study (``python -m diffjax.compare.retrofit_study --config FILE``, a module-level
+``RETROFIT``): the
 declaration's checks, and a tiny study (d_model 32, 2 layers, 2 seeds) that trains its sources
 and their three continuations, is stopped in its last run and resumed, skips what finished, and
 writes retrofit.md with every arm: DIFF V2 starts at the unconverted model's loss, V1 does not."""
@@ -13,7 +14,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from diffjax.compare import RetrofitStudy, main
+from diffjax.compare import RetrofitStudy
 from diffjax.compare.curves import EvalCurve
 from diffjax.compare.retrofit_report import (
     Run,
@@ -23,7 +24,7 @@ from diffjax.compare.retrofit_report import (
     recovery_step,
     step_mean,
 )
-from diffjax.compare.retrofit_study import apply_study_overrides, load_study, plan_study
+from diffjax.compare.retrofit_study import apply_study_overrides, load_study, main, plan_study
 from diffjax.config import ConfigError
 from diffjax.train.metrics import read_metrics
 

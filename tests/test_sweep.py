@@ -232,7 +232,8 @@ def test_the_ladders_of_the_config_files():
         plan_sweep(os.path.join(ROOT, "configs", "scaling_cpu.py"), ["sweep.tokens=many"])
     with pytest.raises(ConfigError, match="not a sweep setting"):
         plan_sweep(os.path.join(ROOT, "configs", "scaling_cpu.py"), ["sweep.sizes=1"])
-    _, lr, runs = plan_sweep(os.path.join(ROOT, "configs", "lr_sensitivity_cpu.py"), ["run.dir=/r"])
+    lr_config = os.path.join(ROOT, "configs", "lr_sensitivity_cpu.py")
+    _, lr, runs = plan_sweep(lr_config, ["run.dir=/r"], "SENSITIVITY")
     assert lr.field == "train.lr" and len(lr.values) >= 7 and min(lr.values) < 2e-3 / 10
     assert [r.name for r in runs][:3] == ["lr_0.0001/v1", "lr_0.0001/v2", "lr_0.0003/v1"]
     assert runs[0].directory == "/r/lr_0.0001/v1" and "train.lr=0.0001" in runs[0].overrides

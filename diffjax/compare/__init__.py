@@ -9,9 +9,10 @@ two side by side (:func:`side_by_side_throughput`), and writes ``runs/<name>/``:
 (:func:`diffjax.train.model_directory`); then, unless ``train.quick_eval=false``, the quick
 evaluation (:mod:`diffjax.evaluate`).
 
-A config file with a module-level ``RETROFIT`` (:class:`RetrofitStudy`) runs a retrofit study
-instead (:mod:`.retrofit_study`: a standard model trained, then continued unconverted and
-converted to DIFF V2 and V1; ``retrofit.md``, :mod:`.retrofit_report`).
+A config file with a module-level ``RETROFIT`` (:class:`RetrofitStudy`) is a retrofit study,
+run by ``python -m diffjax.compare.retrofit_study`` (:mod:`.retrofit_study`: a standard model
+trained, then continued unconverted and converted to DIFF V2 and V1; ``retrofit.md``,
+:mod:`.retrofit_report`); each study's command: :mod:`.studies`.
 """
 
 from diffjax.compare.cli import exit_process, main, quick_evaluation, train_seeds

@@ -10,10 +10,9 @@ run directory that holds checkpoints resumes every unfinished model and seed fro
 SIGTERM or SIGINT (Ctrl-C) during training stops it at the next step, saves that step and exits
 with status 75 (EX_TEMPFAIL); running the same command again resumes from there.
 
-A config file that declares a module-level ``RETROFIT`` (:class:`diffjax.compare.RetrofitStudy`)
-runs that retrofit study instead (:mod:`diffjax.compare.retrofit_study`: a standard source per
-seed, continued unconverted and converted to DIFF; ``retrofit.md``); ``study.<field>=value``
-overrides its scalar fields.
+A config file that declares a study (a sweep's ``SWEEP``, a ``SENSITIVITY`` ladder, a
+``RETROFIT``) is for that study's own command, which the refusal names
+(:mod:`diffjax.compare.studies`).
 
 Several processes (hosts): start one per host with ``--coordinator_address HOST:PORT
 --num_processes N --process_id I``; on a TPU pod slice, under SLURM or Open MPI the flags may be
@@ -52,12 +51,16 @@ from diffjax.train.recorder import TrainResult
 from diffjax.train.setup import check_run, describe_mesh, run_runtime
 
 from diffjax.compare.report import results_table, write_report
-from diffjax.compare.retrofit_study import load_study, run_study, summary
+from diffjax.compare import studies
 from diffjax.compare.runner import Run, run_plan
 from diffjax.compare.throughput import side_by_side_throughput
 
-EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_CHECKPOINT = 2, 3, 4
-EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped by SIGTERM/SIGINT after saving; rerun to resume
+from diffjax.compare.studies import (  # re-exported: every program's exit codes
+    EXIT_BAD_INPUT,
+    EXIT_CHECKPOINT,
+    EXIT_DIVERGED,
+    EXIT_PREEMPTED,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -152,8 +155,7 @@ def init_distributed(args: argparse.Namespace) -> str | None:
     return None
 
 
-def _error(message: str) -> None:
-    print(f"error: {message}", file=sys.stderr)
+_error = studies.error
 
 
 def exit_process(code: int) -> NoReturn:
@@ -201,12 +203,10 @@ def main(argv: list[str] | None = None, *, after_step: AfterStep | None = None) 
     :func:`diffjax.train.loop.train_model` (every model and seed gets it)."""
     args = build_parser().parse_args(argv)
     try:
-        study = load_study(args.config)
+        studies.check_command(args.config, None)  # a study's file: refused, its command named
     except ConfigError as e:
         _error(str(e))
         return EXIT_BAD_INPUT
-    if study is not None:
-        return retrofit_study(args, study, after_step=after_step)
     try:
         exp, description, distributed, mesh, runtimes = _checked_run(args)
     except (ConfigError, data_lib.DataError) as e:
@@ -274,37 +274,6 @@ def main(argv: list[str] | None = None, *, after_step: AfterStep | None = None) 
         )
     if exp.train.quick_eval:  # every process: its checkpoint reads are collective
         quick_evaluation(run_dir, main_process=main_process)
-    return 0
-
-
-def retrofit_study(args: argparse.Namespace, study, *, after_step: AfterStep | None = None) -> int:
-    """Run the config file's retrofit study (one process); returns the exit code."""
-    if any(f is not None for f in (args.coordinator_address, args.num_processes, args.process_id)):
-        _error(
-            "a retrofit study runs in one process. Fix: drop --coordinator_address, "
-            "--num_processes and --process_id (or run each of its runs with train.py)."
-        )
-        return EXIT_BAD_INPUT
-    try:
-        text = run_study(args.config, study, args.overrides, after_step=after_step)
-    except (ConfigError, data_lib.DataError) as e:
-        _error(str(e))
-        return EXIT_BAD_INPUT
-    except CheckpointError as e:
-        _error(str(e))
-        return EXIT_CHECKPOINT
-    except TrainingDiverged as e:
-        _error(str(e))
-        return EXIT_DIVERGED
-    except Preempted as e:
-        print(
-            f"{e.describe()}. Re-running the same command resumes from there (finished runs "
-            f"are skipped).",
-            file=sys.stderr,
-            flush=True,
-        )
-        return EXIT_PREEMPTED
-    print("\n" + summary(text))
     return 0
 
 

@@ -1,6 +1,7 @@
 """The measurement of a retrofit: a standard model trained, then continued three ways on the same
 tokens in the same order from the same weights: unconverted, converted to DIFF V2 and converted
-to DIFF V1 (``python train.py --config configs/retrofit_cpu.py``).
+to DIFF V1 (``python -m diffjax.compare.retrofit_study --config configs/retrofit_cpu.py
+[study.<field>=value ...] [key=value ...]``).
 
 A config file declares the study as a module-level ``RETROFIT`` (a :class:`RetrofitStudy`)
 beside its ``get_config()``, whose experiment is the source's: a standard model
@@ -14,8 +15,9 @@ beside its ``get_config()``, whose experiment is the source's: a standard model
         seeds=3,
     )
 
-``train.py`` (:func:`diffjax.compare.main`) sees it and runs the study instead of the plain
-comparison. For each init seed ``s`` of ``train.seed .. train.seed + seeds - 1``:
+This module's :func:`main` runs it (``train.py`` refuses the file, naming this command:
+:mod:`diffjax.compare.studies`); ``study.<field>=value`` overrides its scalar fields. For each
+init seed ``s`` of ``train.seed .. train.seed + seeds - 1``:
 
 - ``RUN_DIR/source/seed_<s>``: the source, ``source_steps`` from init seed ``s`` on the config's
   data order (``data.seed``), plus the ``source`` overrides. With ``train.init_from=PATH`` on the
@@ -36,7 +38,7 @@ does not depend on ``data.seed`` for the corpora).
 
 Resumable: a finished run (its ``study_done.json`` written with the same overrides) is skipped;
 an unfinished one resumes from its checkpoint (the train loop's own resume). SIGTERM or SIGINT
-stops the run in training at the next step, saved (exit status 75 from train.py); the same
+stops the run in training at the next step, saved (exit status 75); the same
 command resumes. Each run's output goes to its ``train.log``; the terminal gets a line per run.
 
 After each run its models are probed on a loaded model (``study_done.json``'s ``probes``): the
@@ -48,10 +50,10 @@ is :mod:`diffjax.compare.retrofit_report`.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
-import importlib.util
 import itertools
-import os
+import sys
 import time
 from typing import Any, Callable, Mapping
 
@@ -66,6 +68,7 @@ from diffjax.evaluate.inputs import task_examples
 from diffjax.evaluate.retrieval import multi_needle_retrieval
 from diffjax.interop.conversion import retrofit_config
 from diffjax.train.checkpoint import (
+    CheckpointError,
     load_model,
     load_pretrained,
     read_checkpoint,
@@ -73,10 +76,12 @@ from diffjax.train.checkpoint import (
 )
 from diffjax.train.config import ExperimentConfig, apply_overrides, load_config
 from diffjax.train.loop import AfterStep, train_model
+from diffjax.train.preemption import Preempted, TrainingDiverged
 from diffjax.train.setup import check_run
 from diffjax.train.metrics import read_metrics
 
 from diffjax.compare.retrofit_report import DONE_FILE, PLAN_FILE, RUN_CONFIG, write_study_report
+from diffjax.compare import studies
 from diffjax.compare.runner import Run, run_log, run_plan
 
 SOURCE = "source"  # the source's folder name
@@ -223,15 +228,11 @@ class RetrofitStudy:
 
 def load_study(path: str | None) -> RetrofitStudy | None:
     """The ``RETROFIT`` of the config file at ``path``, or None when it declares none."""
-    if path is None or not os.path.isfile(path):
-        return None
-    spec = importlib.util.spec_from_file_location("_diffjax_retrofit_config", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    if not hasattr(module, "RETROFIT"):
+    name, value = studies.declared(path)
+    if name != "RETROFIT":
         return None
     try:
-        return RetrofitStudy.of(module.RETROFIT)
+        return RetrofitStudy.of(value)
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}") from None
 
@@ -568,3 +569,50 @@ def summary(text: str) -> str:
     """The ``## Summary`` section of ``retrofit.md``."""
     body = text.split("\n## Summary\n", 1)[-1]
     return body.split("\n## ", 1)[0].strip()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m diffjax.compare.retrofit_study",
+        description="Train a standard source per seed, continue it unconverted and converted to "
+        "DIFF (the config file's RETROFIT), probe every model, then write RUN_DIR/retrofit.md. "
+        "Overrides as train.py's (python train.py --help lists the keys), and "
+        f"study.<field>=value for {', '.join(SCALAR_FIELDS)}. One process.",
+    )
+    parser.add_argument(
+        "--config", required=True, help="a config file with get_config() and RETROFIT"
+    )
+    parser.add_argument("overrides", nargs="*", metavar="key=value")
+    return parser
+
+
+def main(argv: list[str] | None = None, *, after_step: AfterStep | None = None) -> int:
+    """The retrofit study's command line; returns the exit code. ``after_step``: passed to
+    every run's training (the resume test stops a run from it)."""
+    args = build_parser().parse_args(argv)
+    try:
+        study = RetrofitStudy.of(studies.check_command(args.config, "RETROFIT"))
+        text = run_study(args.config, study, args.overrides, after_step=after_step)
+    except (ConfigError, data_lib.DataError) as e:
+        studies.error(str(e))
+        return studies.EXIT_BAD_INPUT
+    except CheckpointError as e:
+        studies.error(str(e))
+        return studies.EXIT_CHECKPOINT
+    except TrainingDiverged as e:
+        studies.error(str(e))
+        return studies.EXIT_DIVERGED
+    except Preempted as e:
+        print(
+            f"{e.describe()}. Re-running the same command resumes from there (finished runs "
+            f"are skipped).",
+            file=sys.stderr,
+            flush=True,
+        )
+        return studies.EXIT_PREEMPTED
+    print("\n" + summary(text))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -30,6 +30,7 @@ from typing import Any
 from diffjax import cli
 from diffjax.infra import storage
 from diffjax.compare import cli as compare_cli
+from diffjax.compare import studies
 from diffjax.compare.runner import Run, RunFailed, run_log, run_plan
 from diffjax.config import ConfigError, ModelConfig, split_scoped
 from diffjax.data import DataError
@@ -117,12 +118,14 @@ def size_overrides(
     return [*own, *user, *extra], steps, note
 
 
-def plan_sweep(config: str, overrides: list[str]) -> tuple[str, Ladder, list[SizeRun]]:
-    """The run directory, the ladder (``sweep.*`` overrides applied) and every size's
-    :class:`SizeRun`, each size's config checked (a bad shape stops here, before anything
-    trains)."""
+def plan_sweep(
+    config: str, overrides: list[str], study: str = "SWEEP"
+) -> tuple[str, Ladder, list[SizeRun]]:
+    """The run directory, the ladder the config file declares as ``study`` (``sweep.*``
+    overrides applied) and every size's :class:`SizeRun`, each size's config checked (a bad
+    shape stops here, before anything trains)."""
     mine, overrides = split_scoped(overrides, "sweep")
-    ladder = apply_ladder_overrides(load_ladder(config), mine)
+    ladder = apply_ladder_overrides(load_ladder(config, study), mine)
     base = load_config(config)
     exp = apply_overrides(base, overrides)
     if not exp.compare:
@@ -226,22 +229,30 @@ def _keys_help() -> str:
     return cli.keys_help([section], title=title) + "\n\n" + experiment_keys_help()
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(study: str = "SWEEP") -> argparse.ArgumentParser:
+    what = {
+        "SWEEP": "Train DIFF and its twin at every size of a ladder (the config file's SWEEP; or "
+        "at every arm, or every value of a field), then fit their scaling curves and the "
+        "parameter-efficiency ratio (RUN_DIR/sweep.md).",
+        "SENSITIVITY": "Train DIFF and its twin at every learning rate of the config file's "
+        "SENSITIVITY ladder, then their learning-rate sensitivity with its paired interval "
+        "(RUN_DIR/sweep.md).",
+    }[study]
     parser = argparse.ArgumentParser(
-        prog="python -m diffjax.sweep",
+        prog=studies.COMMANDS[study],
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=_keys_help(),
-        description="Train DIFF and its twin at every size of a ladder (the config file's "
-        "SWEEP), then fit their scaling curves and the parameter-efficiency ratio "
-        "(RUN_DIR/sweep.md). Overrides as train.py's (python train.py --help lists the keys), "
+        description=f"{what} Overrides as train.py's (python train.py --help lists the keys), "
         "and sweep.<field>=value for the ladder's budget, tokens, tokens_per_param, min_steps, "
         "evals and curve_size.",
     )
-    parser.add_argument("--config", required=True, help="a config file with get_config() and SWEEP")
+    parser.add_argument(
+        "--config", required=True, help=f"a config file with get_config() and {study}"
+    )
     parser.add_argument(
         "--report-only",
         action="store_true",
-        help="train nothing: write sweep.md from the sizes finished so far",
+        help="train nothing: write sweep.md from the runs finished so far",
     )
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     return parser
@@ -257,12 +268,18 @@ def _say(text: str) -> None:
     print(text, flush=True)
 
 
-def main(argv: list[str] | None = None, *, after_step: AfterStep | None = None) -> int:
-    """The sweep's command line; returns the exit code. ``after_step``: passed to every size's
-    comparison (:func:`diffjax.compare.main`; the resume test stops a run from it)."""
-    args = build_parser().parse_args(argv)
+def main(
+    argv: list[str] | None = None,
+    *,
+    after_step: AfterStep | None = None,
+    study: str = "SWEEP",
+) -> int:
+    """The sweep's command line (``study="SENSITIVITY"``: the learning-rate sensitivity's,
+    :mod:`diffjax.sweep.lr_sensitivity`); returns the exit code. ``after_step``: passed to every
+    size's comparison (:func:`diffjax.compare.main`; the resume test stops a run from it)."""
+    args = build_parser(study).parse_args(argv)
     try:
-        run_dir, ladder, runs = plan_sweep(args.config, args.overrides)
+        run_dir, ladder, runs = plan_sweep(args.config, args.overrides, study)
         storage.check_access(run_dir, what="run.dir", write=True)  # a gs:// one, before training
     except (ConfigError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -39,11 +39,11 @@ A bad declaration stops with :class:`diffjax.config.ConfigError` naming the fiel
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import math
 import os
 from typing import Any, Mapping
 
+from diffjax.compare import studies
 from diffjax.config import ConfigError, apply_scoped
 
 BUDGETS = ("fixed", "proportional")
@@ -337,22 +337,24 @@ def size_name(size: tuple[int, ...]) -> str:
     return f"{size[0]}x{size[1]}"
 
 
-def load_ladder(path: str) -> Ladder:
-    """The ``SWEEP`` of the config file at ``path`` as a :class:`Ladder`."""
+def load_ladder(path: str, study: str = "SWEEP") -> Ladder:
+    """The ladder the config file at ``path`` declares as ``study``: ``SWEEP`` (sizes, arms or
+    any field), or ``SENSITIVITY`` (a ladder over ``train.lr``: the learning-rate sensitivity).
+    A :class:`ConfigError` names a missing file, a file for another program (with that
+    program's command: :mod:`diffjax.compare.studies`) or a bad ladder, and the fix."""
     if not os.path.isfile(path):
         raise ConfigError(
             f"config file {path!r} does not exist. Fix: pass a sweep config such as "
             f"configs/scaling_cpu.py."
         )
-    spec = importlib.util.spec_from_file_location("_diffjax_sweep_config", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    if not hasattr(module, "SWEEP"):
-        raise ConfigError(
-            f"{path} declares no SWEEP. Fix: add a module-level SWEEP = diffjax.sweep.Ladder("
-            f"sizes=[(d_model, num_layers), ...], budget='fixed', tokens=...) (see docs/sweep.md)."
-        )
     try:
-        return Ladder.of(module.SWEEP)
+        ladder = Ladder.of(studies.check_command(path, study))
     except ConfigError as e:
-        raise ConfigError(f"{path}: {e}") from None
+        raise ConfigError(e.args[0] if str(e).startswith(path) else f"{path}: {e}") from None
+    if study == "SENSITIVITY" and ladder.field != "train.lr":
+        raise ConfigError(
+            f"{path}: SENSITIVITY is a ladder over train.lr, this one is over "
+            f"{ladder.field or 'sizes or arms'}. Fix: SENSITIVITY = Ladder(field='train.lr', "
+            f"values=[...], arms=...), or declare another ladder as SWEEP (python -m diffjax.sweep)"
+        )
+    return ladder

@@ -22,14 +22,14 @@ from typing import Any
 from diffjax.infra import storage
 from diffjax.cli import summary
 from diffjax.config import (
-    ATTENTION_IMPLS,
-    ATTENTION_KINDS,
-    DTYPES,
     ROPE_SCALINGS,
     ConfigError,
     ModelConfig,
+    allowed_values,
+    check_declared,
     check_fields,
     convert,
+    declared,
     describe_type,
     fail,
     field_comments,
@@ -58,33 +58,65 @@ class TrainConfig:
     (Table 10: AdamW (0.9, 0.98), weight decay 0.05, 375 warmup steps, linear decay, lr 1.5e-4);
     config files scale them to the model at hand."""
 
-    steps: int = 1000  # train steps (optimizer updates)
-    batch_size: int = 16  # global batch (sequences per step)
+    steps: int = declared(
+        1000, ge=1, fix="set train.steps to a positive integer"
+    )  # train steps (optimizer updates)
+    batch_size: int = declared(
+        16, ge=1, fix="set train.batch_size to a positive integer"
+    )  # global batch (sequences per step)
     # split each global batch into this many microbatches, run one after another inside the
     # one compiled step (their gradients summed): the activations of batch_size /
     # grad_accum_steps sequences at a time
-    grad_accum_steps: int = 1
-    lr: float = 1.5e-4  # the peak learning rate, reached after warmup
-    warmup_steps: int = 375  # steps of linear warmup to lr
-    schedule: str = "linear"  # the decay after warmup, to lr * min_lr_ratio ("constant": none)
-    min_lr_ratio: float = 0.0  # final lr = lr * min_lr_ratio
-    b1: float = 0.9  # AdamW beta1
-    b2: float = 0.98  # AdamW beta2
-    eps: float = 1e-8  # AdamW epsilon
-    weight_decay: float = 0.05  # not applied to norms, lambda parameters and biases
-    grad_clip: float = 1.0  # global-norm clipping; 0 turns it off
-    eval_every: int = 100  # steps between validations
-    eval_batches: int = 8  # validation batches per validation
-    checkpoint_every: int = 100  # steps between checkpoints
-    keep_checkpoints: int = 3  # the last K; the best (lowest validation loss) is kept too
-    log_every: int = 1  # metrics.jsonl gets every step; TensorBoard every log_every steps
-    seed: int = 0  # parameter init (the DIFF model and its twin get the same seed)
+    grad_accum_steps: int = declared(
+        1, ge=1, fix="set train.grad_accum_steps=1 (no accumulation) or more"
+    )
+    lr: float = declared(
+        1.5e-4, gt=0, fix="set train.lr to a positive learning rate, e.g. 1e-3"
+    )  # the peak learning rate, reached after warmup
+    warmup_steps: int = declared(
+        375, ge=0, fix="set train.warmup_steps=0 or more"
+    )  # steps of linear warmup to lr
+    schedule: str = declared(
+        "linear", choices=SCHEDULES, what="schedule"
+    )  # the decay after warmup, to lr * min_lr_ratio ("constant": none)
+    min_lr_ratio: float = declared(
+        0.0, ge=0, le=1, fix="set train.min_lr_ratio between 0 and 1"
+    )  # final lr = lr * min_lr_ratio
+    b1: float = declared(0.9, ge=0, lt=1, fix="set train.b1 to e.g. 0.9")  # AdamW beta1
+    b2: float = declared(0.98, ge=0, lt=1, fix="set train.b2 to e.g. 0.9")  # AdamW beta2
+    eps: float = declared(1e-8, ge=0, fix="set train.eps to 0 or more")  # AdamW epsilon
+    weight_decay: float = declared(
+        0.05, ge=0, fix="set train.weight_decay to 0 or more"
+    )  # not applied to norms, lambda parameters and biases
+    grad_clip: float = declared(
+        1.0, ge=0, fix="set train.grad_clip to 0 or more"
+    )  # global-norm clipping; 0 turns it off
+    eval_every: int = declared(
+        100, ge=1, fix="set train.eval_every to a positive integer"
+    )  # steps between validations
+    eval_batches: int = declared(
+        8, ge=1, fix="set train.eval_batches to a positive integer"
+    )  # validation batches per validation
+    checkpoint_every: int = declared(
+        100, ge=1, fix="set train.checkpoint_every to a positive integer"
+    )  # steps between checkpoints
+    keep_checkpoints: int = declared(
+        3, ge=1, fix="set train.keep_checkpoints to a positive integer"
+    )  # the last K; the best (lowest validation loss) is kept too
+    log_every: int = declared(
+        1, ge=1, fix="set train.log_every to a positive integer"
+    )  # metrics.jsonl gets every step; TensorBoard every log_every steps
+    seed: int = declared(
+        0, ge=0, fix="use a non-negative seed"
+    )  # parameter init (the DIFF model and its twin get the same seed)
     # train each model from init seeds seed .. seed + num_seeds - 1. Paired: seed s of DIFF and
     # of its twin start from the same seed; every run sees the same batches, set by data.seed.
-    num_seeds: int = 1
+    num_seeds: int = declared(1, ge=1, fix="set train.num_seeds to a positive integer")
     # rounds of the side-by-side timing after training (0: skip). Each round alternates the two
     # models' compiled steps to measure their throughput side by side.
-    throughput_rounds: int = 5
+    throughput_rounds: int = declared(
+        5, ge=0, fix="set train.throughput_rounds=0 to skip the side-by-side timing, or more"
+    )
     # A checkpoint to start from: a Hugging Face directory or a diffjax model folder. Hugging
     # Face: model_type diffllama or llama; diffjax: a train.py run's <label>/seed_<s> (its best
     # step) or what python -m diffjax.retrofit wrote. The model config comes from it
@@ -101,10 +133,15 @@ class TrainConfig:
     # check the Pallas kernels against the reference math before training, once per device
     # kind, jax version and head widths (cached): "auto" when the run uses them (GPU/TPU),
     # "off", or "interpret" (through the interpreters, also on CPU; for tests)
-    kernel_check: str = "auto"
+    kernel_check: str = declared("auto", choices=KERNEL_CHECKS, what="setting")
     # the accelerator's peak dense bf16 TFLOP/s per device, for MFU (model FLOPs utilisation).
     # None: looked up from the device kind (diffjax.infra.flops.PEAK_TFLOPS); no MFU on CPU unless set
-    peak_tflops: float | None = None
+    peak_tflops: float | None = declared(
+        None,
+        gt=0,
+        fix="set train.peak_tflops to the device's peak TFLOP/s, e.g. 989 for an H100, or "
+        "None to look it up from the device kind",
+    )
     progress: bool = True  # show a progress bar
     tensorboard: bool = True  # write TensorBoard logs (tb/ in each model's folder)
     # "START:END": a jax.profiler trace of steps START..END (1-based, both included) in each
@@ -119,94 +156,22 @@ class TrainConfig:
     # median. Also when either is not finite; parameters and optimizer state stay unchanged,
     # the batch is consumed. 0: never skip
     skip_spikes: float = 0.0
-    spike_window: int = 64  # steps in the running median (skipping starts once it is full)
+    spike_window: int = declared(
+        64, ge=2, fix="set train.spike_window to e.g. 64"
+    )  # steps in the running median (skipping starts once it is full)
     # on a non-finite loss: stop, or roll back to the last good checkpoint and go on. A
     # rollback skips past the batches read since that checkpoint
-    on_nan: str = "stop"
-    nan_retries: int = 3  # the most rollbacks train.on_nan=rollback makes in one run
+    on_nan: str = declared("stop", choices=ON_NAN, what="setting")
+    nan_retries: int = declared(
+        3, ge=0, fix="set train.nan_retries to 0 or more"
+    )  # the most rollbacks train.on_nan=rollback makes in one run
 
     def __post_init__(self):
         check_fields(self)
+        check_declared(self)  # the bounds and choices declared with the fields
         c = "TrainConfig"
         self._check_profile_steps()
         self._check_stability()
-        for name in (
-            "steps",
-            "batch_size",
-            "eval_every",
-            "eval_batches",
-            "checkpoint_every",
-            "keep_checkpoints",
-            "log_every",
-            "num_seeds",
-        ):
-            if getattr(self, name) < 1:
-                fail(
-                    c,
-                    name,
-                    f"must be >= 1, got {getattr(self, name)}",
-                    f"set train.{name} to a positive integer",
-                )
-        if self.warmup_steps < 0:
-            fail(
-                c,
-                "warmup_steps",
-                f"must be >= 0, got {self.warmup_steps}",
-                "set train.warmup_steps=0 or more",
-            )
-        if not self.lr > 0:
-            fail(
-                c,
-                "lr",
-                f"must be > 0, got {self.lr}",
-                "set train.lr to a positive learning rate, e.g. 1e-3",
-            )
-        if self.kernel_check not in KERNEL_CHECKS:
-            fail(
-                c,
-                "kernel_check",
-                f"unknown setting {self.kernel_check!r}",
-                f"use one of {', '.join(map(repr, KERNEL_CHECKS))}",
-            )
-        if self.schedule not in SCHEDULES:
-            fail(
-                c,
-                "schedule",
-                f"unknown schedule {self.schedule!r}",
-                f"use one of {', '.join(map(repr, SCHEDULES))}",
-            )
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            fail(
-                c,
-                "min_lr_ratio",
-                f"must be in [0, 1], got {self.min_lr_ratio}",
-                "set train.min_lr_ratio between 0 and 1",
-            )
-        for name in ("b1", "b2"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                fail(
-                    c,
-                    name,
-                    f"must be in [0, 1), got {getattr(self, name)}",
-                    f"set train.{name} to e.g. 0.9",
-                )
-        for name in ("eps", "weight_decay", "grad_clip"):
-            if getattr(self, name) < 0:
-                fail(
-                    c,
-                    name,
-                    f"must be >= 0, got {getattr(self, name)}",
-                    f"set train.{name} to 0 or more",
-                )
-        if self.seed < 0:
-            fail(c, "seed", f"must be >= 0, got {self.seed}", "use a non-negative seed")
-        if self.grad_accum_steps < 1:
-            fail(
-                c,
-                "grad_accum_steps",
-                f"must be >= 1, got {self.grad_accum_steps}",
-                "set train.grad_accum_steps=1 (no accumulation) or more",
-            )
         if self.batch_size >= 1 and self.batch_size % self.grad_accum_steps:
             valid = [k for k in range(1, self.batch_size + 1) if self.batch_size % k == 0]
             fail(
@@ -217,21 +182,6 @@ class TrainConfig:
                 f"use train.grad_accum_steps in {valid}, or a train.batch_size that is a "
                 f"multiple of {self.grad_accum_steps}",
             )
-        if self.peak_tflops is not None and not self.peak_tflops > 0:
-            fail(
-                c,
-                "peak_tflops",
-                f"must be > 0, got {self.peak_tflops}",
-                "set train.peak_tflops to the device's peak TFLOP/s, e.g. 989 for an H100, or "
-                "None to look it up from the device kind",
-            )
-        if self.throughput_rounds < 0:
-            fail(
-                c,
-                "throughput_rounds",
-                f"must be >= 0, got {self.throughput_rounds}",
-                "set train.throughput_rounds=0 to skip the side-by-side timing, or more",
-            )
 
     def _check_stability(self) -> None:
         c = "TrainConfig"
@@ -241,27 +191,6 @@ class TrainConfig:
                 "skip_spikes",
                 f"must be 0 (off) or a multiple > 1 of the running median, got {self.skip_spikes}",
                 "set train.skip_spikes=0, or e.g. train.skip_spikes=3",
-            )
-        if self.spike_window < 2:
-            fail(
-                c,
-                "spike_window",
-                f"must be >= 2 steps, got {self.spike_window}",
-                "set train.spike_window to e.g. 64",
-            )
-        if self.on_nan not in ON_NAN:
-            fail(
-                c,
-                "on_nan",
-                f"unknown setting {self.on_nan!r}",
-                f"use one of {', '.join(map(repr, ON_NAN))}",
-            )
-        if self.nan_retries < 0:
-            fail(
-                c,
-                "nan_retries",
-                f"must be >= 0, got {self.nan_retries}",
-                "set train.nan_retries to 0 or more",
             )
 
     @property
@@ -495,19 +424,20 @@ SECTIONS = {
 
 
 # the keys whose value is one of a fixed set (each is checked where its dataclass is built)
+# the allowed values of every key with a fixed set (python train.py --help lists them): those
+# declared with the fields (diffjax.config.declared), then the sections' own
 CHOICES: dict[str, tuple[str, ...]] = {
-    "model.attention": ATTENTION_KINDS,
-    "model.dtype": DTYPES,
-    "model.param_dtype": DTYPES,
-    "model.attention_impl": ATTENTION_IMPLS,
+    **{
+        f"{section}.{name}": allowed.choices
+        for section, cls in SECTIONS.items()
+        for name, allowed in allowed_values(cls).items()
+        if allowed.choices is not None
+    },
     "model.rope_scaling": ROPE_SCALINGS,
     "data.source": SOURCES,
     "data.token_dtype": TOKEN_DTYPES,
     "data.mixture_exhausted": MIXTURE_EXHAUSTED,
     "data.stdlib_part": STDLIB_PARTS,
-    "train.schedule": SCHEDULES,
-    "train.kernel_check": KERNEL_CHECKS,
-    "train.on_nan": ON_NAN,
     "retrofit.ramp": RAMPS,
     "retrofit.second": SECONDS,
     "retrofit.lambda_proj": LAMBDA_PROJ,
