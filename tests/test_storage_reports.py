@@ -63,7 +63,8 @@ def test_sweep_report_plan_and_resume_check_in_a_bucket(tmp_path, bucket, gcs_se
     from test_sweep import write_run
 
     from diffjax.sweep import Ladder, write_sweep_report
-    from diffjax.sweep.cli import DONE_FILE, SizeRun, is_done, write_plan
+    from diffjax.compare.runner import Run, is_done
+    from diffjax.sweep.cli import DONE_FILE, SizeRun, write_plan
     from diffjax.sweep.report import read_plan
 
     write_run(str(tmp_path), np.geomspace(1e5, 1e7, 4))
@@ -84,10 +85,11 @@ def test_sweep_report_plan_and_resume_check_in_a_bucket(tmp_path, bucket, gcs_se
     with LocalPathGuard():
         write_plan(other, "tiny.py", Ladder(sizes=[(16, 1)], tokens=768), [size])
         assert read_plan(other)["sizes"][0]["directory"] == f"{other}/size_16x1"
-        assert not is_done(size)
+        run_of = Run(size.name, size.directory, size.overrides)  # the one runner's
+        assert not is_done(run_of, DONE_FILE)
         storage.write_json(storage.join(size.directory, DONE_FILE), {"overrides": ["a=1"]})
-        assert is_done(size)
-        assert not is_done(dataclasses.replace(size, overrides=("a=2",)))
+        assert is_done(run_of, DONE_FILE)
+        assert not is_done(dataclasses.replace(run_of, overrides=("a=2",)), DONE_FILE)
 
 
 def test_sweep_into_a_missing_bucket_is_refused_before_training(tmp_path, gcs_server, capsys):

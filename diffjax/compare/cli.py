@@ -198,12 +198,19 @@ def _checked_run(args: argparse.Namespace):
     return exp, description, distributed, mesh, runtimes
 
 
-def main(argv: list[str] | None = None, *, after_step: AfterStep | None = None) -> int:
+def main(
+    argv: list[str] | None = None,
+    *,
+    after_step: AfterStep | None = None,
+    study: str | None = None,
+) -> int:
     """``train.py``'s command line; returns the exit code. ``after_step``: see
-    :func:`diffjax.train.loop.train_model` (every model and seed gets it)."""
+    :func:`diffjax.train.loop.train_model` (every model and seed gets it). ``study``: the
+    declaration the config file holds when a study runs its comparisons through this (a
+    sweep's ``SWEEP``); None: a plain training config."""
     args = build_parser().parse_args(argv)
     try:
-        studies.check_command(args.config, None)  # a study's file: refused, its command named
+        studies.check_command(args.config, study)  # a study's file: refused, its command named
     except ConfigError as e:
         _error(str(e))
         return EXIT_BAD_INPUT

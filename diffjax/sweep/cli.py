@@ -187,13 +187,16 @@ def write_plan(run_dir: str, config: str, ladder: Ladder, runs: list[SizeRun]) -
     storage.write_json(storage.join(run_dir, PLAN_FILE), plan)
 
 
-def run_size(config: str, run: SizeRun, after_step: AfterStep | None = None) -> None:
+def run_size(
+    config: str, run: SizeRun, after_step: AfterStep | None = None, study: str = "SWEEP"
+) -> None:
     """The comparison of one size (``diffjax.compare``'s command line), its output appended to
     its folder's ``train.log`` (:func:`diffjax.compare.runner.run_log`). Raises
     :class:`Preempted` when it stopped and saved, :class:`RunFailed` on another failure.
     ``after_step``: as :func:`diffjax.compare.main`'s."""
     with run_log(run.directory, after_step) as step:
-        code = compare_cli.main(["--config", config, *run.overrides], after_step=step)
+        argv = ["--config", config, *run.overrides]
+        code = compare_cli.main(argv, after_step=step, study=study)
     if code == EXIT_PREEMPTED:
         raise Preempted(None, run.directory)
     if code != 0:
@@ -298,7 +301,7 @@ def main(
         try:
             run_plan(
                 [_plan_run(r) for r in runs],
-                lambda run: run_size(args.config, by_name[run.name], after_step),
+                lambda run: run_size(args.config, by_name[run.name], after_step, study),
                 run_dir=run_dir,
                 done_file=DONE_FILE,
                 describe=lambda run: _describe(by_name[run.name]),
