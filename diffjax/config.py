@@ -348,13 +348,17 @@ def allowed_values(cls: type) -> dict[str, Allowed]:
     }
 
 
+def _number(x: float) -> str:
+    return str(x) if isinstance(x, int) else f"{x:g}"
+
+
 def _bounds_text(a: Allowed) -> str:
-    low = None if a.low is None else f"{'>' if a.low_open else '>='} {a.low:g}"
+    low, high = _number(a.low) if a.low is not None else None, _number(a.high or 0)
     if a.high is None:
-        return low
+        return f"{'>' if a.low_open else '>='} {low}"
     if a.low is None:
-        return f"{'<' if a.high_open else '<='} {a.high:g}"
-    return f"in {'(' if a.low_open else '['}{a.low:g}, {a.high:g}{')' if a.high_open else ']'}"
+        return f"{'<' if a.high_open else '<='} {high}"
+    return f"in {'(' if a.low_open else '['}{low}, {high}{')' if a.high_open else ']'}"
 
 
 def check_declared(config: Any) -> None:

@@ -16,7 +16,7 @@ import zlib
 from typing import Any, NoReturn
 
 from diffjax.infra import storage
-from diffjax.config import ConfigError, check_fields, fail
+from diffjax.config import ConfigError, check_declared, check_fields, declared, fail
 
 SOURCES = ("stdlib", "text", "tokens", "needle", "mqar", "mixture")
 COMPONENT_SOURCES = ("tokens", "text", "stdlib")  # what a mixture's component may be
@@ -207,39 +207,55 @@ class DataConfig:
     # (built in, nothing to download). "text": UTF-8 text files under `path`. "tokens":
     # pre-tokenized .npy / .bin files. "needle": multi-needle retrieval. "mqar": multi-query
     # associative recall. "mixture": the weighted corpora of `mixture`.
-    source: str = "stdlib"
+    source: str = declared("stdlib", choices=SOURCES, what="source")
     # A file, a directory or a glob; several separated by commas. Required for "text" and
     # "tokens"; for "needle" the text the haystack is cut from (default: the stdlib corpus).
     path: str | None = None
-    seq_len: int = 256  # inputs per example (each example holds seq_len + 1 tokens)
+    seq_len: int = declared(
+        256, ge=8, fix="use e.g. seq_len=256"
+    )  # inputs per example (each example holds seq_len + 1 tokens)
     # The share held out for validation. By file (a stable hash of the file's path) for
     # stdlib/text, the last fraction of the token stream for tokens (and for text with too few
     # files to split).
-    val_fraction: float = 0.05
-    seed: int = 0  # the shuffle order and the synthetic examples
-    token_dtype: str = "uint16"  # dtype of raw .bin token files (.npy files carry their own)
+    val_fraction: float = declared(
+        0.05, ge=0, lt=1, fix="use e.g. 0.05 (0 disables the validation split)"
+    )
+    seed: int = declared(
+        0, ge=0, lt=2**32, fix="use a non-negative 32-bit seed (below 2**32)"
+    )  # the shuffle order and the synthetic examples
+    token_dtype: str = declared(
+        "uint16", choices=TOKEN_DTYPES, what="dtype"
+    )  # dtype of raw .bin token files (.npy files carry their own)
     shuffle: bool = True  # train: a new permutation every epoch; validation: one fixed permutation
-    max_files: int | None = None  # use only the first N files (sorted) of the corpus
+    max_files: int | None = declared(
+        None, ge=1, fix="use a positive integer, or None for every file"
+    )  # use only the first N files (sorted) of the corpus
     # Batches the input pipeline reads ahead of the step (two threads; a batch from a bucket is
     # one round of concurrent ranged reads); 0 reads each batch when the step asks for it. Only
     # the speed depends on it, never the batches (benchmarks/data_speed.py measures it).
-    prefetch: int = 8
+    prefetch: int = declared(8, ge=0, fix="use e.g. data.prefetch=8")
     stdlib_tests: bool = False  # include the stdlib's test packages (test/, tests/, idle_test/)
     # which stdlib files: "all", its top-level "modules" or those in its "packages". The
     # modules are os.py, typing.py, ...; the packages asyncio/, email/, ...; a file's split is
     # the same in each
-    stdlib_part: str = "all"
+    stdlib_part: str = declared("all", choices=STDLIB_PARTS, what="part")
     # needle: how many sentences "The magic number for <key> is <value>." hide in a haystack.
     # Of them, num_queries are asked at the end; the loss counts only the answer digits.
-    num_needles: int = 4
-    num_queries: int = 2  # needle and mqar: the queries that end each example
+    num_needles: int = declared(4, ge=1, fix="use a positive integer")
+    num_queries: int = declared(
+        2, ge=1, fix="use a positive integer"
+    )  # needle and mqar: the queries that end each example
     # needle and mqar: draw the queried needles/pairs with replacement. One may be asked twice,
     # and num_queries may exceed the needles/pairs: more answers to learn from per example, and
     # no answer follows by elimination; False asks each at most once.
     query_replacement: bool = False
     needle_depths: tuple[float, ...] | None = None  # one per needle in [0, 1]; None: random
-    key_len: int = 5  # needle: characters per key (from needle_key_letters)
-    value_len: int = 6  # needle: decimal digits per value
+    key_len: int = declared(
+        5, ge=1, fix="use a positive integer"
+    )  # needle: characters per key (from needle_key_letters)
+    value_len: int = declared(
+        6, ge=1, fix="use a positive integer"
+    )  # needle: decimal digits per value
     # needle: the sentence each needle is. Both templates are ASCII, with "{key}" once before
     # "{value}" once; the defaults are the paper's wording.
     needle_template: str = NEEDLE_TEMPLATE
@@ -251,12 +267,14 @@ class DataConfig:
     needle_key_letters: str = "abcdefghijklmnopqrstuvwxyz"
     needle_num_key_letters: int = 26  # needle: how many of needle_key_letters keys use
     # mqar: num_pairs (key, value) byte pairs, then num_queries keys; the loss counts the values.
-    num_pairs: int = 16
+    num_pairs: int = declared(16, ge=1, fix="use a positive integer")
     # mqar: keys are drawn from byte ids 0..mqar_num_keys-1. A smaller vocabulary (of keys or
     # values) is learned in fewer steps; the defaults use all 128 of each.
     mqar_num_keys: int = MQAR_MAX_PAIRS
     mqar_num_values: int = MQAR_MAX_PAIRS  # mqar: values from byte ids 128..127+mqar_num_values
-    num_val_examples: int = 1024  # validation set size of the synthetic tasks
+    num_val_examples: int = declared(
+        1024, ge=1, fix="use a positive integer"
+    )  # validation set size of the synthetic tasks
     # needle and mqar, train split: a context-length curriculum. Over the first
     # `curriculum_steps` train steps the examples grow linearly from `curriculum_start_len`
     # tokens (None: the task's shortest, `task_min_seq_len`: no haystack / no padding gap) to
@@ -297,12 +315,7 @@ class DataConfig:
 
     # ------------------------------------------------------------------ validation
     def _check_values(self) -> None:
-        if self.source not in SOURCES:
-            _fail(
-                "source",
-                f"unknown source {self.source!r}",
-                f"use one of {', '.join(map(repr, SOURCES))}",
-            )
+        check_declared(self)  # the bounds and choices declared with the fields
         if self.path is not None and not self.path.strip():
             _fail("path", "is an empty string", "give a file, directory or glob, or leave it None")
         if self.path is not None and any(storage.is_remote(p) for p in self.path.split(",")):
@@ -339,24 +352,6 @@ class DataConfig:
             )
         if self.tokenizer is not None and not self.tokenizer.strip():
             _fail("tokenizer", "is an empty string", "give a tokenizer.json path, or 'byte'")
-        if self.seq_len < 8:
-            _fail("seq_len", f"must be >= 8, got {self.seq_len}", "use e.g. seq_len=256")
-        if not 0.0 <= self.val_fraction < 1.0:
-            _fail(
-                "val_fraction",
-                f"must be in [0, 1), got {self.val_fraction}",
-                "use e.g. 0.05 (0 disables the validation split)",
-            )
-        if not 0 <= self.seed < 2**32:
-            _fail(
-                "seed", f"must be in [0, 2**32), got {self.seed}", "use a non-negative 32-bit seed"
-            )
-        if self.stdlib_part not in STDLIB_PARTS:
-            _fail(
-                "stdlib_part",
-                f"unknown part {self.stdlib_part!r}",
-                f"use one of {', '.join(map(repr, STDLIB_PARTS))}",
-            )
         reads_stdlib = self.source == "stdlib" or (self.source == "needle" and self.path is None)
         if self.stdlib_part != "all" and not reads_stdlib:
             _fail(
@@ -365,30 +360,6 @@ class DataConfig:
                 + (f" reads {self.path!r}" if self.path else ""),
                 "leave data.stdlib_part=all, or use source='stdlib'",
             )
-        if self.token_dtype not in TOKEN_DTYPES:
-            _fail(
-                "token_dtype",
-                f"unknown dtype {self.token_dtype!r}",
-                f"use one of {', '.join(map(repr, TOKEN_DTYPES))}",
-            )
-        if self.prefetch < 0:
-            _fail("prefetch", f"must be >= 0, got {self.prefetch}", "use e.g. data.prefetch=8")
-        if self.max_files is not None and self.max_files < 1:
-            _fail(
-                "max_files",
-                f"must be >= 1 or None, got {self.max_files}",
-                "use a positive integer, or None for every file",
-            )
-        for name in (
-            "num_needles",
-            "num_queries",
-            "key_len",
-            "value_len",
-            "num_pairs",
-            "num_val_examples",
-        ):
-            if getattr(self, name) < 1:
-                _fail(name, f"must be >= 1, got {getattr(self, name)}", "use a positive integer")
         if self.needle_depths is not None:
             if self.source != "needle":
                 _fail(

@@ -38,9 +38,6 @@ from diffjax.config import (
 )
 from diffjax.data import (
     MIXTURE_EXHAUSTED,
-    SOURCES,
-    STDLIB_PARTS,
-    TOKEN_DTYPES,
     DataConfig,
     MixtureComponent,
 )
@@ -434,10 +431,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
         if allowed.choices is not None
     },
     "model.rope_scaling": ROPE_SCALINGS,
-    "data.source": SOURCES,
-    "data.token_dtype": TOKEN_DTYPES,
     "data.mixture_exhausted": MIXTURE_EXHAUSTED,
-    "data.stdlib_part": STDLIB_PARTS,
     "retrofit.ramp": RAMPS,
     "retrofit.second": SECONDS,
     "retrofit.lambda_proj": LAMBDA_PROJ,
