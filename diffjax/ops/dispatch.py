@@ -480,7 +480,14 @@ def attention(
     (``second=(q2, k2, lam)``: :func:`differential_attention` of ``q, k, q2, k2, v, lam``):
     the one path both take, checked once, then over the ``context`` mesh axis
     (:func:`diffjax.ops.context.context_attention`) or by the implementation ``impl`` picks for
-    this call."""
+    this call.
+
+    ``scale`` defaults to ``D ** -0.5``. ``positions`` ``[B, T]`` (default ``arange(T)``) and
+    ``context`` (default None: whole sequences; a ``ContextSpec``: over the mesh's context
+    axis): see the module doc (sequence parallelism). ``target``: the machine it is traced for
+    (default :func:`current_target`; a :class:`Resolved` ``impl`` carries its own).
+    ``logit_max=True``: ``(out, maxes)``, ``maxes`` float32 ``[n_maps, B, T, Hq]`` each row's
+    largest visible logit per map (module doc)."""
     what = "dot_product_attention" if second is None else "differential_attention"
     if second is None:
         reference.check_qkv(q, k, v, segment_ids, kv_segment_ids, what=what)
@@ -520,89 +527,22 @@ def attention(
     return _returned(chosen.attention(q, k, v, second=second, **options), logit_max)
 
 
-def dot_product_attention(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    *,
-    causal: bool = True,
-    segment_ids: jax.Array | None = None,
-    kv_segment_ids: jax.Array | None = None,
-    scale: float | None = None,
-    impl="auto",
-    positions: jax.Array | None = None,
-    context: ContextSpec | None = None,
-    target: KernelTarget | None = None,
-    logit_max: bool = False,
-) -> jax.Array | tuple[jax.Array, jax.Array]:
-    """Standard softmax attention. q ``[B,T,Hq,D]``, k ``[B,S,Hkv,D]``, v ``[B,S,Hkv,Dv]``.
-
-    Returns ``[B, T, Hq, Dv]``. ``scale`` defaults to ``D ** -0.5``. ``positions`` ``[B, T]``
-    (default ``arange(T)``) and ``context`` (default None: whole sequences; a ``ContextSpec``:
-    over the mesh's context axis): see the module doc (sequence parallelism). ``target``: the machine it is traced
-    for (default :func:`current_target`). ``logit_max=True``: ``(out, maxes)``, ``maxes``
-    float32 ``[1, B, T, Hq]`` each row's largest visible logit (module doc).
-    """
-    return attention(
-        q,
-        k,
-        v,
-        causal=causal,
-        segment_ids=segment_ids,
-        kv_segment_ids=kv_segment_ids,
-        scale=scale,
-        impl=impl,
-        positions=positions,
-        context=context,
-        target=target,
-        logit_max=logit_max,
-    )
+def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, **options):
+    """Standard softmax attention: :func:`attention` with one map (the same keywords). q
+    ``[B,T,Hq,D]``, k ``[B,S,Hkv,D]``, v ``[B,S,Hkv,Dv]``; returns ``[B, T, Hq, Dv]``
+    (``logit_max=True``: ``(out, maxes)``, ``maxes`` float32 ``[1, B, T, Hq]``)."""
+    return attention(q, k, v, **options)
 
 
-def differential_attention(
-    q1: jax.Array,
-    k1: jax.Array,
-    q2: jax.Array,
-    k2: jax.Array | None,
-    v: jax.Array,
-    lam: jax.Array | float,
-    *,
-    causal: bool = True,
-    segment_ids: jax.Array | None = None,
-    kv_segment_ids: jax.Array | None = None,
-    scale: float | None = None,
-    impl="auto",
-    positions: jax.Array | None = None,
-    context: ContextSpec | None = None,
-    target: KernelTarget | None = None,
-    logit_max: bool = False,
-) -> jax.Array | tuple[jax.Array, jax.Array]:
-    """``softmax(q1 k1^T s) v - lam * softmax(q2 k2^T s) v``, ``[B, T, Hq, Dv]``.
-
-    q1, q2 ``[B,T,Hq,D]``; k1, k2 ``[B,S,Hkv,D]`` (``k2=None``: both maps read ``k1``, as DIFF
-    V2's do; the kernels then load each key tile once); v ``[B,S,Hkv,Dv]``; ``lam`` a scalar
-    (V1) or ``[B, T, Hq]`` (V2). ``scale`` defaults to ``D ** -0.5``. ``positions`` ``[B, T]``
-    (default ``arange(T)``) and ``context`` (default None: whole sequences; a ``ContextSpec``:
-    over the mesh's context axis): see the module doc (sequence parallelism). ``target``: the machine it is traced
-    for (default :func:`current_target`). ``logit_max=True``: ``(out, maxes)``, ``maxes``
-    float32 ``[2, B, T, Hq]`` each row's largest visible logit of map 1 (q1 k1) and map 2
-    (q2 k2, or q2 k1 when ``k2`` is None) (module doc).
-    """
-    return attention(
-        q1,
-        k1,
-        v,
-        second=(q2, k2, lam),
-        causal=causal,
-        segment_ids=segment_ids,
-        kv_segment_ids=kv_segment_ids,
-        scale=scale,
-        impl=impl,
-        positions=positions,
-        context=context,
-        target=target,
-        logit_max=logit_max,
-    )
+def differential_attention(q1, k1, q2, k2, v, lam, **options):
+    """``softmax(q1 k1^T s) v - lam * softmax(q2 k2^T s) v``: :func:`attention` with two maps
+    (the same keywords). q1, q2 ``[B,T,Hq,D]``; k1, k2 ``[B,S,Hkv,D]`` (``k2=None``: both maps
+    read ``k1``, as DIFF V2's do; the kernels then load each key tile once); v
+    ``[B,S,Hkv,Dv]``; ``lam`` a scalar (V1) or ``[B, T, Hq]`` (V2). Returns ``[B, T, Hq, Dv]``
+    (``logit_max=True``: ``(out, maxes)``, ``maxes`` float32 ``[2, B, T, Hq]``: map 1's
+    (q1 k1) and map 2's (q2 k2, or q2 k1 when ``k2`` is None) largest visible logit per
+    row)."""
+    return attention(q1, k1, v, second=(q2, k2, lam), **options)
 
 
 # ---------------------------------------------------------------------------- kernel check
