@@ -153,6 +153,20 @@ def paired_difference_curve(
     return DifferenceCurve(xs, steps, per_seed, mean, low, high, confidence)
 
 
+def paired_curve(
+    a: Mapping[int, Any], b: Mapping[int, Any], confidence: float = 0.95
+) -> tuple[list[int], DifferenceCurve | None]:
+    """``a`` − ``b`` over training, paired by seed (``{seed: curve}`` each, as
+    :func:`paired_difference_curve` takes them): the seeds both have, and their
+    :class:`DifferenceCurve` (None without a seed in common or an evaluation common to every
+    curve). Every report's difference curve comes from here."""
+    seeds = sorted(set(a) & set(b))
+    if not seeds:
+        return seeds, None
+    curve = paired_difference_curve([a[s] for s in seeds], [b[s] for s in seeds], confidence)
+    return seeds, (curve if curve.tokens.size else None)
+
+
 @dataclasses.dataclass(frozen=True)
 class Crossover:
     """Where DIFF pulls ahead of its twin for good (:func:`crossover`): ``kind`` is

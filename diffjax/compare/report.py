@@ -49,16 +49,16 @@ from diffjax.train.metrics import read_metrics
 from diffjax.compare import signals
 from diffjax.compare.curves import (
     CROSSING,
-    FROM_START,
     Crossover,
     DifferenceCurve,
+    FROM_START,
     crossover,
     describe_crossover,
     describe_final,
     difference_table,
     eval_curve,
     mean_curve,
-    paired_difference_curve,
+    paired_curve,
 )
 from diffjax.compare.throughput import SideBySide
 
@@ -323,13 +323,7 @@ def difference_curve(results: Sequence[TrainResult]) -> DifferenceCurve | None:
         }
         for label in ("diff", "standard")
     }
-    seeds = sorted(set(curves["diff"]) & set(curves["standard"]))
-    if not seeds:
-        return None
-    curve = paired_difference_curve(
-        [curves["diff"][s] for s in seeds], [curves["standard"][s] for s in seeds]
-    )
-    return curve if curve.tokens.size else None
+    return paired_curve(curves["diff"], curves["standard"])[1]
 
 
 def draw_difference(

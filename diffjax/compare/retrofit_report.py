@@ -30,7 +30,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from diffjax.infra import storage
-from diffjax.evaluate.stats import difference_cell, fmt_mean_std, mean_std
+from diffjax.evaluate.stats import difference_cell, fmt_mean_std, mean_std, pair_seeds
 from diffjax.train.metrics import read_metrics
 
 from diffjax.compare.curves import (
@@ -42,7 +42,7 @@ from diffjax.compare.curves import (
     describe_final,
     eval_curve,
     mean_curve,
-    paired_difference_curve,
+    paired_curve,
 )
 
 PLAN_FILE = "retrofit_plan.json"
@@ -171,13 +171,11 @@ def difference_curve(data: StudyData, arm: str) -> DifferenceCurve | None:
     """``arm`` − the unconverted continuation over the seeds both finished, paired by seed, at
     the evaluations every one of those runs has
     (:func:`diffjax.compare.curves.paired_difference_curve`); None without such an evaluation."""
-    runs, base = data.arms.get(arm, {}), data.arms.get(data.baseline, {})
-    seeds = sorted(s for s in runs if s in base)
-    seeds = [s for s in seeds if runs[s].curve.loss.size and base[s].curve.loss.size]
-    if not seeds:
-        return None
-    curve = paired_difference_curve([runs[s].curve for s in seeds], [base[s].curve for s in seeds])
-    return curve if curve.tokens.size else None
+    runs, base = (
+        {s: r.curve for s, r in data.arms.get(name, {}).items() if r.curve.loss.size}
+        for name in (arm, data.baseline)
+    )
+    return paired_curve(runs, base)[1]
 
 
 def source_levels(data: StudyData) -> dict[int, float]:
@@ -261,7 +259,6 @@ def _setup(data: StudyData) -> list[str]:
 
 
 def _step0(data: StudyData) -> list[str]:
-    base = data.arms.get(data.baseline, {})
     lines = [
         "## Step 0",
         "",
@@ -277,15 +274,22 @@ def _step0(data: StudyData) -> list[str]:
         if arm == data.baseline:
             lines.append(f"| {_name(data, arm)} | {fmt_mean_std(firsts, '{:.5f}')} | – | – |")
             continue
-        diffs = [
-            c.first_loss - base[s].first_loss
-            for s, c in sorted(runs.items())
-            if s in base and c.first_loss is not None and base[s].first_loss is not None
-        ]
+        diffs = _first_loss_differences(data, arm)
         per = ", ".join(f"{x:+.2e}" for x in diffs) or "n/a"
         big = _fmt(max(map(abs, diffs)) if diffs else None, "{:.2e}")
         lines.append(f"| {_name(data, arm)} | {fmt_mean_std(firsts, '{:.5f}')} | {per} | {big} |")
     return lines
+
+
+def _first_loss_differences(data: StudyData, arm: str) -> list[float]:
+    """Per seed (in seed order): ``arm``'s first training loss minus the unconverted
+    continuation's, over the seeds both have."""
+    firsts = (
+        {s: c.first_loss for s, c in data.arms.get(name, {}).items()}
+        for name in (arm, data.baseline)
+    )
+    _, a, b = pair_seeds(*firsts)
+    return [x - y for x, y in zip(a, b)]
 
 
 def _recovery(data: StudyData) -> tuple[list[str], dict[str, str]]:
@@ -473,16 +477,9 @@ def render(data: StudyData) -> str:
     curves = {a: difference_curve(data, a) for a in data.converted}
     recovery, found = _recovery(data)
     final, sentences = _final(data, curves)
-    base = data.arms.get(data.baseline, {})
     summary = []
     for arm in data.converted:
-        runs = data.arms.get(arm, {})
-        diffs = [
-            c.first_loss - base[s].first_loss
-            for s, c in runs.items()
-            if s in base and c.first_loss is not None and base[s].first_loss is not None
-        ]
-        m, _, n = mean_std(diffs)
+        m, _, n = mean_std(_first_loss_differences(data, arm))
         step0 = (
             f"step-0 loss {m:+.2e} against the unconverted continuation "
             f"({'one seed' if n == 1 else f'mean of {n} seeds'})"

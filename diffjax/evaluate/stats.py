@@ -144,8 +144,14 @@ def paired_by_seed(
         return [], []
     x = {_field(r, "seed"): get(r) for r in groups[a]}
     y = {_field(r, "seed"): get(r) for r in groups[b]}
-    seeds = sorted(s for s in x if s in y and x[s] is not None and y[s] is not None)
-    return [x[s] for s in seeds], [y[s] for s in seeds]
+    return pair_seeds(x, y)[1:]
+
+
+def pair_seeds(a: Mapping[int, Any], b: Mapping[int, Any]) -> tuple[list[int], list, list]:
+    """``(seeds, a's values, b's values)`` for the seeds both ``{seed: value}`` have a value
+    for (not None), in seed order: the pairs of :func:`paired_difference`."""
+    seeds = sorted(s for s in a if s in b and a[s] is not None and b[s] is not None)
+    return seeds, [a[s] for s in seeds], [b[s] for s in seeds]
 
 
 def difference_cell(d: PairedDifference, spec: str = "{:+.4f}", why: bool = True) -> str:

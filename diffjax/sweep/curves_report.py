@@ -42,7 +42,7 @@ from diffjax.compare.curves import (
     difference_table,
     eval_curve,
     mean_curve,
-    paired_difference_curve,
+    paired_curve,
 )
 from diffjax.compare.report import compact_count, draw_difference
 from diffjax.evaluate.stats import difference_cell, fmt_mean_std
@@ -109,15 +109,8 @@ def read_model(family: Family, value: Any = None) -> Model:
 
 def pair_models(diff: Model, twin: Model) -> Pair:
     """The :class:`Pair` of ``diff`` and ``twin`` over the seeds both finished."""
-    seeds = sorted(set(diff.curves) & set(twin.curves))
-    if not seeds:
-        return Pair(diff, twin, seeds, None, None)
-    curve = paired_difference_curve(
-        [diff.curves[s] for s in seeds], [twin.curves[s] for s in seeds]
-    )
-    if curve.tokens.size == 0:
-        return Pair(diff, twin, seeds, None, None)
-    return Pair(diff, twin, seeds, curve, crossover(curve))
+    seeds, curve = paired_curve(diff.curves, twin.curves)
+    return Pair(diff, twin, seeds, curve, None if curve is None else crossover(curve))
 
 
 def _hours(seconds: float) -> str:
