@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping, Sequence, TypeVar
+from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 import numpy as np
 
@@ -57,12 +57,23 @@ def mean_std(values: Sequence[float | None]) -> tuple[float, float | None, int]:
     return float(x.mean()), (float(x.std(ddof=1)) if x.size > 1 else None), int(x.size)
 
 
-def fmt_mean_std(values: Sequence[float | None], spec: str = "{:.3f}") -> str:
-    """``"m"`` for one value, ``"m ± s"`` for several, ``"n/a"`` for none."""
+def fmt_mean_std(
+    values: Sequence[float | None],
+    spec: str | Callable[[float], str] = "{:.3f}",
+    *,
+    none_finite: str = "n/a",
+    note_missing: bool = False,
+) -> str:
+    """``"m"`` for one finite value, ``"m ± s"`` for several, ``"n/a"`` for none
+    (``none_finite``: the text when there are values but none is finite). ``spec``: a format
+    string or a function. ``note_missing``: ``" (k n/a)"`` after it when ``k`` values are
+    missing or not finite."""
+    text = spec.format if isinstance(spec, str) else spec
     m, s, n = mean_std(values)
     if n == 0:
-        return "n/a"
-    return spec.format(m) if s is None else f"{spec.format(m)} ± {spec.format(s)}"
+        return none_finite if len(values) else "n/a"
+    cell = text(m) if s is None else f"{text(m)} ± {text(s)}"
+    return cell + (f" ({len(values) - n} n/a)" if note_missing and n < len(values) else "")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -125,13 +125,9 @@ def _hours(seconds: float) -> str:
 def time_cell(model: Model, seeds: Sequence[int] | None = None) -> str:
     """The training time over ``seeds`` (all of the model's by default): mean ± sd (one seed:
     its time), in s, min or h; ``n/a`` without step times."""
-    xs = [model.time_s[s] for s in (model.seeds if seeds is None else seeds)]
-    xs = [x for x in xs if x is not None and math.isfinite(x)]
-    if not xs:
-        return "n/a"
-    if len(xs) == 1:
-        return _hours(xs[0])
-    return f"{_hours(float(np.mean(xs)))} ± {_hours(float(np.std(xs, ddof=1)))}"
+    return fmt_mean_std(
+        [model.time_s[s] for s in (model.seeds if seeds is None else seeds)], _hours
+    )
 
 
 def _config_line(plan: dict) -> str:

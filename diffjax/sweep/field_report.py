@@ -25,6 +25,7 @@ from matplotlib.figure import Figure
 
 from diffjax.infra import storage
 from diffjax.config import ModelConfig, twin
+from diffjax.evaluate.stats import fmt_mean_std
 from diffjax.train.metrics import read_metrics
 
 from diffjax.sweep.ladder import rung_name
@@ -180,15 +181,7 @@ def _best(f: Family, values) -> Any:
 
 
 def _cell(xs: list[float], spec: str = "{:.4f}") -> str:
-    finite = [x for x in xs if math.isfinite(x)]
-    if not xs:
-        return "n/a"
-    if not finite:
-        return "not finite"
-    text = spec.format(float(np.mean(finite)))
-    if len(finite) > 1:
-        text += " ± " + spec.format(float(np.std(finite, ddof=1)))
-    return text + (f" ({len(xs) - len(finite)} n/a)" if len(finite) < len(xs) else "")
+    return fmt_mean_std(xs, spec, none_finite="not finite", note_missing=True)
 
 
 def _value_text(v: Any) -> str:
