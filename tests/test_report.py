@@ -9,9 +9,9 @@ import os
 
 import jax
 
+from diffjax.compare.plots import compact_count
 from diffjax.compare.report import (
     comparison_sentences,
-    compact_count,
     loss_figure,
     plot_losses,
     results_table,

@@ -25,7 +25,6 @@ import jax
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
-from matplotlib.ticker import FuncFormatter, MaxNLocator
 
 from diffjax.infra import flops as flops_lib
 from diffjax.infra import machine as machine_lib
@@ -48,18 +47,15 @@ from diffjax.train.metrics import read_metrics
 
 from diffjax.compare import signals
 from diffjax.compare.curves import (
-    CROSSING,
-    Crossover,
     DifferenceCurve,
-    FROM_START,
     crossover,
     describe_crossover,
     describe_final,
     difference_table,
     eval_curve,
-    mean_curve,
     paired_curve,
 )
+from diffjax.compare.plots import draw_difference, draw_seed_curves, token_axis
 from diffjax.compare.throughput import SideBySide
 
 # How a validation metric of TrainResult.metrics (its metrics.jsonl key) is shown: row name and
@@ -301,14 +297,6 @@ def per_seed_table(results: Sequence[TrainResult]) -> str:
     return "\n".join(lines)
 
 
-def compact_count(x: float, _pos=None) -> str:
-    """A token count as a short tick label: ``0``, ``950``, ``100k``, ``1.5M``, ``2B``."""
-    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
-        if abs(x) >= scale:
-            return f"{x / scale:.3g}{suffix}"
-    return f"{x:.3g}"
-
-
 def difference_curve(results: Sequence[TrainResult]) -> DifferenceCurve | None:
     """DIFF − twin over training (:func:`diffjax.compare.curves.paired_difference_curve`) from
     the runs' ``metrics.jsonl``, over the seeds both models have; None without both models or
@@ -324,38 +312,6 @@ def difference_curve(results: Sequence[TrainResult]) -> DifferenceCurve | None:
         for label in ("diff", "standard")
     }
     return paired_curve(curves["diff"], curves["standard"])[1]
-
-
-def draw_difference(
-    ax, curve: DifferenceCurve, cross: Crossover, color: str = "C3", what: str = "DIFF − twin"
-) -> None:
-    """DIFF − twin against tokens on ``ax``: every seed thin, the mean over seeds thick, its
-    pointwise band shaded (several seeds), a line at zero and the crossover marked; titled
-    ``what`` and the crossover."""
-    for d in curve.per_seed:
-        ax.plot(curve.tokens, d, color=color, lw=0.7, alpha=0.4)
-    n = curve.n_seeds
-    label = f"mean of {n} seeds (thin: each seed)" if n > 1 else "one seed: no band"
-    ax.plot(curve.tokens, curve.mean, color=color, lw=2.2, marker="o", ms=2.5, label=label)
-    if n > 1:
-        ax.fill_between(
-            curve.tokens,
-            curve.low,
-            curve.high,
-            color=color,
-            alpha=0.2,
-            lw=0,
-            label=f"{curve.confidence:.0%} t-band over seeds (pointwise)",
-        )
-    ax.axhline(0.0, color="black", lw=0.9)
-    if cross.kind in (CROSSING, FROM_START):
-        ax.axvline(cross.tokens, color="black", ls="--", lw=1.0, label="crossover")
-    verdict = {
-        CROSSING: f"crossover at {compact_count(cross.tokens or 0)} tokens",
-        FROM_START: "DIFF ahead from the start",
-    }.get(cross.kind, "one seed: no crossover claimed" if n < 2 else "no crossover")
-    ax.set_title(f"{what}, validation loss ({verdict})", fontsize=10)
-    ax.set_ylabel("DIFF − twin (nats/token; < 0: DIFF ahead)")
 
 
 def loss_figure(run_dir: str, results: Sequence[TrainResult]) -> Figure:
@@ -383,41 +339,16 @@ def loss_figure(run_dir: str, results: Sequence[TrainResult]) -> Figure:
                 k = max(1, len(loss) // 50)
                 smooth = np.convolve(loss, np.ones(k) / k, mode="valid")
                 train_curves.append((tokens[k - 1 :], smooth))
-        for ax, curves in ((ax_val, val_curves), (ax_train, train_curves)):
-            name = f"{label} ({rs[0].attention})"
-            if len(curves) == 1:
-                ax.plot(
-                    *curves[0],
-                    color=color,
-                    lw=1.8,
-                    label=name,
-                    marker="o" if ax is ax_val else None,
-                    ms=3,
-                )
-                continue
-            for x, y in curves:
-                ax.plot(x, y, color=color, lw=0.7, alpha=0.45)
-            if curves:
-                xs, mean = mean_curve(curves)
-                ax.plot(
-                    xs,
-                    mean,
-                    color=color,
-                    lw=2.4,
-                    label=f"{name}: mean of {len(curves)} seeds (thin: each seed)",
-                )
+        name = f"{label} ({rs[0].attention})"
+        draw_seed_curves(ax_val, val_curves, color, name, marker="o")
+        draw_seed_curves(ax_train, train_curves, color, name)
     for ax, title in ((ax_val, "validation loss"), (ax_train, "training loss (smoothed)")):
         ax.set_ylabel("loss (nats/token)")
         ax.set_title(title)
     if difference is not None:
         draw_difference(ax_diff[0], difference, crossover(difference))
     for ax in (ax_val, ax_train, *ax_diff):
-        ax.set_xlabel("tokens")
-        ax.grid(alpha=0.3)
-        # few ticks with short labels (120k, 1.5M): long token counts otherwise run together
-        ax.xaxis.set_major_locator(MaxNLocator(nbins=5))
-        ax.xaxis.set_major_formatter(FuncFormatter(compact_count))
-        ax.legend(fontsize=8)
+        token_axis(ax)
     fig.suptitle(storage.absolute(run_dir).name)
     fig.tight_layout()
     return fig

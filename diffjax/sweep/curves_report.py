@@ -28,7 +28,6 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
-from matplotlib.ticker import FuncFormatter, MaxNLocator
 
 from diffjax.infra import storage
 from diffjax.compare.curves import (
@@ -41,10 +40,9 @@ from diffjax.compare.curves import (
     describe_final,
     difference_table,
     eval_curve,
-    mean_curve,
     paired_curve,
 )
-from diffjax.compare.report import compact_count, draw_difference
+from diffjax.compare.plots import draw_difference, draw_seed_curves, token_axis
 from diffjax.evaluate.stats import difference_cell, fmt_mean_std
 from diffjax.train.metrics import read_metrics
 
@@ -252,14 +250,6 @@ def curves_markdown(plan: dict, models: Sequence[Model], pairs_: Sequence[Pair])
     return "\n".join(lines)
 
 
-def _token_axis(ax) -> None:
-    ax.set_xlabel("tokens")
-    ax.grid(alpha=0.3)
-    ax.xaxis.set_major_locator(MaxNLocator(nbins=5))
-    ax.xaxis.set_major_formatter(FuncFormatter(compact_count))
-    ax.legend(fontsize=8)
-
-
 def curves_figure(models: Sequence[Model], pairs_: Sequence[Pair]) -> Figure:
     """Per DIFF model a panel of DIFF − twin against tokens (every seed thin, the mean thick,
     the pointwise 95% band, zero, the crossover), then one panel of every model's validation
@@ -273,19 +263,14 @@ def curves_figure(models: Sequence[Model], pairs_: Sequence[Pair]) -> Figure:
     for ax, p in zip(axes, drawn):
         color = colors.get(p.diff.family.key, "C3")
         draw_difference(ax, p.curve, p.cross, color, what=f"{p.diff.name} − {p.twin.name}")
-        _token_axis(ax)
+        token_axis(ax)
     ax = axes[-1]
     for m in models:
-        color = colors[m.family.key]
         curves = [m.curves[s][:2] for s in m.seeds if m.curves[s].tokens.size]
-        for x, y in curves:
-            ax.plot(x, y, color=color, lw=0.6, alpha=0.35)
-        if curves:
-            xs, mean = mean_curve(curves)
-            ax.plot(xs, mean, color=color, lw=2.0, label=f"{m.name}: mean of {len(curves)} seeds")
+        draw_seed_curves(ax, curves, colors[m.family.key], m.name)
     ax.set_title("validation loss (thin: each seed)", fontsize=10)
     ax.set_ylabel("loss (nats/token)")
-    _token_axis(ax)
+    token_axis(ax)
     fig.tight_layout()
     return fig
 
