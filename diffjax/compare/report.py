@@ -325,14 +325,9 @@ def loss_figure(run_dir: str, results: Sequence[TrainResult]) -> Figure:
         val_curves, train_curves = [], []
         for r in rs:
             records = read_metrics(storage.join(r.directory, "metrics.jsonl"))
-            evals = [x for x in records if "val_loss" in x]
-            if evals:
-                val_curves.append(
-                    (
-                        np.array([x["tokens"] for x in evals], float),
-                        np.array([x["val_loss"] for x in evals], float),
-                    )
-                )
+            val = eval_curve(records)
+            if val.tokens.size:
+                val_curves.append(val[:2])
             tokens = np.array([x["tokens"] for x in records], float)
             loss = np.array([x["loss"] for x in records], float)
             if loss.size:

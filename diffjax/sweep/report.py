@@ -23,6 +23,7 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from diffjax.compare.curves import eval_curve
 from diffjax.infra import storage
 from diffjax.evaluate.stats import (
     describe_difference,
@@ -133,8 +134,8 @@ def size_results(run_dir: str, plan: dict) -> list[SizeResult]:
 
 def _curve(size_dir: str, label: str, seed: int) -> tuple[list[float], list[float]]:
     records = read_metrics(storage.join(size_dir, label, f"seed_{seed}", "metrics.jsonl"))
-    evals = [r for r in records if isinstance(r.get("val_loss"), (int, float))]
-    return [float(r["tokens"]) for r in evals], [float(r["val_loss"]) for r in evals]
+    curve = eval_curve(records)
+    return curve.tokens.tolist(), curve.loss.tolist()
 
 
 def learning_curves(result: SizeResult) -> Curves | None:
