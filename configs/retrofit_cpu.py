@@ -1,4 +1,4 @@
-"""The measurement of a retrofit on 2 CPU cores (``python -m diffjax.compare.retrofit_study
+"""The measurement of a retrofit on 2 CPU cores (``python -m diffjax.retrofit_study
 --config configs/retrofit_cpu.py``): a standard model trained on the built-in corpus, then continued three
 ways on the same tokens in the same order from the same weights: unconverted, converted to DIFF
 V2 (``train.retrofit=true model.attention=diff_v2``: it starts exactly at the source's logits)

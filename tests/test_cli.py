@@ -426,7 +426,7 @@ def test_each_config_file_is_for_one_program_and_the_others_name_it(capsys):
     from diffjax.compare import studies
     from diffjax.compare.cli import main as train_main
     from diffjax.compare.retrofit_study import load_study
-    from diffjax.compare.retrofit_study import main as retrofit_main
+    from diffjax.retrofit_study import main as retrofit_main
     from diffjax.sweep.cli import main as sweep_main
     from diffjax.sweep.ladder import load_ladder
     from diffjax.sweep.lr_sensitivity import main as lr_main

@@ -1,4 +1,4 @@
-"""The retrofit study (``python -m diffjax.compare.retrofit_study --config FILE``, a module-level
+"""The retrofit study (``python -m diffjax.retrofit_study --config FILE``, a module-level
 ``RETROFIT``): the
 declaration's checks, and a tiny study (d_model 32, 2 layers, 2 seeds) that trains its sources
 and their three continuations, is stopped in its last run and resumed, skips what finished, and
@@ -24,7 +24,8 @@ from diffjax.compare.retrofit_report import (
     recovery_step,
     step_mean,
 )
-from diffjax.compare.retrofit_study import apply_study_overrides, load_study, main, plan_study
+from diffjax.compare.retrofit_study import apply_study_overrides, load_study, plan_study
+from diffjax.retrofit_study import main
 from diffjax.config import ConfigError
 from diffjax.train.metrics import read_metrics
 
@@ -260,3 +261,36 @@ def test_the_study_trains_stops_resumes_and_reports(tmp_path, capsys):
     out = capsys.readouterr().out
     assert out.count("finished earlier, skipped") == 8 and "training" not in out
     assert {p: p.stat().st_mtime_ns for p in done} == done
+
+
+def test_the_command_line_reads_the_files_declaration(tmp_path):
+    """``python -m diffjax.retrofit_study`` as a user runs it: the file's RetrofitStudy is the
+    class the command checks it against (the command is a module of its own, so the study's
+    classes are defined once), and the plan's own checks run: here a DIFF source is refused."""
+    import subprocess
+    import sys
+
+    config = tmp_path / "diff_source.py"
+    config.write_text(
+        textwrap.dedent(
+            """
+            from diffjax.compare import RetrofitStudy
+            from diffjax.train import default_config
+
+            RETROFIT = RetrofitStudy(source_steps=2, continue_steps=2)
+
+
+            def get_config():
+                return default_config()
+            """
+        )
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "diffjax.retrofit_study", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "trains a standard source" in proc.stderr and "RETROFIT is a" not in proc.stderr

@@ -10,7 +10,7 @@ two side by side (:func:`side_by_side_throughput`), and writes ``runs/<name>/``:
 evaluation (:mod:`diffjax.evaluate`).
 
 A config file with a module-level ``RETROFIT`` (:class:`RetrofitStudy`) is a retrofit study,
-run by ``python -m diffjax.compare.retrofit_study`` (:mod:`.retrofit_study`: a standard model
+run by ``python -m diffjax.retrofit_study`` (:mod:`.retrofit_study`: a standard model
 trained, then continued unconverted and converted to DIFF V2 and V1; ``retrofit.md``,
 :mod:`.retrofit_report`); each study's command: :mod:`.studies`.
 """

@@ -1,6 +1,6 @@
 """The measurement of a retrofit: a standard model trained, then continued three ways on the same
 tokens in the same order from the same weights: unconverted, converted to DIFF V2 and converted
-to DIFF V1 (``python -m diffjax.compare.retrofit_study --config configs/retrofit_cpu.py
+to DIFF V1 (``python -m diffjax.retrofit_study --config configs/retrofit_cpu.py
 [study.<field>=value ...] [key=value ...]``).
 
 A config file declares the study as a module-level ``RETROFIT`` (a :class:`RetrofitStudy`)
@@ -15,9 +15,9 @@ beside its ``get_config()``, whose experiment is the source's: a standard model
         seeds=3,
     )
 
-This module's :func:`main` runs it (``train.py`` refuses the file, naming this command:
-:mod:`diffjax.compare.studies`); ``study.<field>=value`` overrides its scalar fields. For each
-init seed ``s`` of ``train.seed .. train.seed + seeds - 1``:
+``python -m diffjax.retrofit_study`` (:mod:`diffjax.retrofit_study`) runs it (``train.py``
+refuses the file, naming that command: :mod:`diffjax.compare.studies`); ``study.<field>=value``
+overrides its scalar fields. For each init seed ``s`` of ``train.seed .. train.seed + seeds - 1``:
 
 - ``RUN_DIR/source/seed_<s>``: the source, ``source_steps`` from init seed ``s`` on the config's
   data order (``data.seed``), plus the ``source`` overrides. With ``train.init_from=PATH`` on the
@@ -50,10 +50,8 @@ is :mod:`diffjax.compare.retrofit_report`.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import itertools
-import sys
 import time
 from typing import Any, Callable, Mapping
 
@@ -68,7 +66,6 @@ from diffjax.evaluate.inputs import task_examples
 from diffjax.evaluate.retrieval import multi_needle_retrieval
 from diffjax.interop.conversion import retrofit_config
 from diffjax.train.checkpoint import (
-    CheckpointError,
     load_model,
     load_pretrained,
     read_checkpoint,
@@ -76,7 +73,6 @@ from diffjax.train.checkpoint import (
 )
 from diffjax.train.config import ExperimentConfig, apply_overrides, load_config
 from diffjax.train.loop import AfterStep, train_model
-from diffjax.train.preemption import Preempted, TrainingDiverged
 from diffjax.train.setup import check_run
 from diffjax.train.metrics import read_metrics
 
@@ -569,50 +565,3 @@ def summary(text: str) -> str:
     """The ``## Summary`` section of ``retrofit.md``."""
     body = text.split("\n## Summary\n", 1)[-1]
     return body.split("\n## ", 1)[0].strip()
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m diffjax.compare.retrofit_study",
-        description="Train a standard source per seed, continue it unconverted and converted to "
-        "DIFF (the config file's RETROFIT), probe every model, then write RUN_DIR/retrofit.md. "
-        "Overrides as train.py's (python train.py --help lists the keys), and "
-        f"study.<field>=value for {', '.join(SCALAR_FIELDS)}. One process.",
-    )
-    parser.add_argument(
-        "--config", required=True, help="a config file with get_config() and RETROFIT"
-    )
-    parser.add_argument("overrides", nargs="*", metavar="key=value")
-    return parser
-
-
-def main(argv: list[str] | None = None, *, after_step: AfterStep | None = None) -> int:
-    """The retrofit study's command line; returns the exit code. ``after_step``: passed to
-    every run's training (the resume test stops a run from it)."""
-    args = build_parser().parse_args(argv)
-    try:
-        study = RetrofitStudy.of(studies.check_command(args.config, "RETROFIT"))
-        text = run_study(args.config, study, args.overrides, after_step=after_step)
-    except (ConfigError, data_lib.DataError) as e:
-        studies.error(str(e))
-        return studies.EXIT_BAD_INPUT
-    except CheckpointError as e:
-        studies.error(str(e))
-        return studies.EXIT_CHECKPOINT
-    except TrainingDiverged as e:
-        studies.error(str(e))
-        return studies.EXIT_DIVERGED
-    except Preempted as e:
-        print(
-            f"{e.describe()}. Re-running the same command resumes from there (finished runs "
-            f"are skipped).",
-            file=sys.stderr,
-            flush=True,
-        )
-        return studies.EXIT_PREEMPTED
-    print("\n" + summary(text))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

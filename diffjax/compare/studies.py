@@ -8,7 +8,7 @@ module-level declaration, and the declaration names the program that runs it:
 | nothing | ``python train.py``: the comparison (DIFF and its twin, paired seeds) |
 | ``SWEEP = Ladder(...)`` | ``python -m diffjax.sweep``: the comparison at every size or arm |
 | ``SENSITIVITY = Ladder(field="train.lr", ...)`` | ``python -m diffjax.sweep.lr_sensitivity``: the learning-rate sensitivity |
-| ``RETROFIT = RetrofitStudy(...)`` | ``python -m diffjax.compare.retrofit_study``: the retrofit study |
+| ``RETROFIT = RetrofitStudy(...)`` | ``python -m diffjax.retrofit_study``: the retrofit study |
 
 A file run under another program is refused before anything runs, with the right command
 (:func:`check_command`).
@@ -32,7 +32,7 @@ TRAIN = "python train.py"
 COMMANDS = {
     "SWEEP": "python -m diffjax.sweep",
     "SENSITIVITY": "python -m diffjax.sweep.lr_sensitivity",
-    "RETROFIT": "python -m diffjax.compare.retrofit_study",
+    "RETROFIT": "python -m diffjax.retrofit_study",
 }
 
 
