@@ -54,6 +54,20 @@ def draw_seed_curves(
         )
 
 
+def draw_band(
+    ax, x: np.ndarray, curve: DifferenceCurve, color: str, label: str, band: str | None = None
+) -> None:
+    """A difference curve's mean over seeds on ``ax`` against ``x`` (its tokens or steps), and
+    with several seeds its pointwise band shaded where it is defined (``band``: its legend
+    label)."""
+    ax.plot(x, curve.mean, color=color, lw=2.2, marker="o", ms=2.5, label=label)
+    ok = np.isfinite(curve.low)
+    if curve.n_seeds > 1 and ok.any():
+        ax.fill_between(
+            x[ok], curve.low[ok], curve.high[ok], color=color, alpha=0.2, lw=0, label=band
+        )
+
+
 def draw_difference(
     ax, curve: DifferenceCurve, cross: Crossover, color: str = "C3", what: str = "DIFF − twin"
 ) -> None:
@@ -64,17 +78,8 @@ def draw_difference(
         ax.plot(curve.tokens, d, color=color, lw=0.7, alpha=0.4)
     n = curve.n_seeds
     label = f"mean of {n} seeds (thin: each seed)" if n > 1 else "one seed: no band"
-    ax.plot(curve.tokens, curve.mean, color=color, lw=2.2, marker="o", ms=2.5, label=label)
-    if n > 1:
-        ax.fill_between(
-            curve.tokens,
-            curve.low,
-            curve.high,
-            color=color,
-            alpha=0.2,
-            lw=0,
-            label=f"{curve.confidence:.0%} t-band over seeds (pointwise)",
-        )
+    band = f"{curve.confidence:.0%} t-band over seeds (pointwise)"
+    draw_band(ax, curve.tokens, curve, color, label, band)
     ax.axhline(0.0, color="black", lw=0.9)
     if cross.kind in (CROSSING, FROM_START):
         ax.axvline(cross.tokens, color="black", ls="--", lw=1.0, label="crossover")

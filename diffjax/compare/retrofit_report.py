@@ -33,6 +33,7 @@ from diffjax.infra import storage
 from diffjax.evaluate.stats import difference_cell, fmt_mean_std, mean_std, pair_seeds
 from diffjax.train.metrics import read_metrics
 
+from diffjax.compare.plots import draw_band, draw_seed_curves
 from diffjax.compare.curves import (
     DifferenceCurve,
     EvalCurve,
@@ -538,11 +539,8 @@ def figure(data: StudyData) -> Figure:
     for arm in data.continuations:
         runs = data.arms.get(arm, {})
         color, name = colors[arm], _name(data, arm)
-        for c in runs.values():
-            ax_val.plot(c.curve.steps, c.curve.loss, color=color, lw=0.6, alpha=0.4)
-        steps, mean = step_mean(runs)
-        if steps.size:
-            ax_val.plot(steps, mean, color=color, lw=2.2, marker="o", ms=3, label=name)
+        curves = [(c.curve.steps, c.curve.loss) for c in runs.values() if c.curve.loss.size]
+        draw_seed_curves(ax_val, curves, color, name, marker="o")
         trains = [c for c in runs.values() if c.train.size]
         if trains:
             n = min(c.train.size for c in trains)
@@ -558,18 +556,8 @@ def figure(data: StudyData) -> Figure:
         b = difference_curve(data, arm)
         if b is None:
             continue
-        ax_diff.plot(
-            b.steps,
-            b.mean,
-            color=colors[arm],
-            lw=2,
-            marker="o",
-            ms=3,
-            label=f"{_name(data, arm)} − unconverted ({_seeds(b.n_seeds)})",
-        )
-        ok = np.isfinite(b.low)
-        if ok.any():
-            ax_diff.fill_between(b.steps[ok], b.low[ok], b.high[ok], color=colors[arm], alpha=0.2)
+        label = f"{_name(data, arm)} − unconverted ({_seeds(b.n_seeds)})"
+        draw_band(ax_diff, b.steps, b, colors[arm], label)
     ax_diff.axhline(0.0, color="k", lw=0.8)
     ramps = {
         c.config.get("retrofit", {}).get("warmup_steps")
