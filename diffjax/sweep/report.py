@@ -333,8 +333,9 @@ def sweep_markdown(plan: dict, results: Sequence[SizeResult], a: Analysis) -> st
         "ratio from DIFF's fit |",
         "|---|---:|---:|---|---:|---:|---:|---:|---:|",
     ]
-    for r, x, b, iv, xf in zip(results, a.ratios, a.bounds, a.intervals, a.fit_ratios):
-        d = paired_difference(list(r.diff_losses), list(r.twin_losses))
+    differences = [paired_difference(list(r.diff_losses), list(r.twin_losses)) for r in results]
+    rows = zip(results, differences, a.ratios, a.bounds, a.intervals, a.fit_ratios)
+    for r, d, x, b, iv, xf in rows:
         diff_cell = difference_cell(d, why=False)
         lines.append(
             f"| {r.name} | {r.diff_params:,} / {r.twin_params:,} | {r.tokens:,} | "
@@ -343,8 +344,7 @@ def sweep_markdown(plan: dict, results: Sequence[SizeResult], a: Analysis) -> st
             f"{'not measured' if xf is None else _pct(xf)} |"
         )
     lines += ["", "Final validation loss, DIFF minus the twin, per size:", ""]
-    for r in results:
-        d = paired_difference(list(r.diff_losses), list(r.twin_losses))
+    for r, d in zip(results, differences):
         lines.append("- " + describe_difference(d, f"{r.name}"))
     lines += ["", "## Fits", ""]
     for label, f in a.fits.items():
