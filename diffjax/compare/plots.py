@@ -54,6 +54,27 @@ def draw_seed_curves(
         )
 
 
+def draw_points_and_mean(
+    ax,
+    xs: Sequence[float],
+    values: Sequence[Sequence[float]],
+    color: str,
+    label: str,
+    *,
+    marker: str | None = None,
+) -> np.ndarray:
+    """At each ``x`` of ``xs`` its seeds' ``values`` as points, and their mean over the finite
+    ones as a line (NaN where none is finite), labelled ``label``; returns the means."""
+    means = []
+    for x, ys in zip(xs, values):
+        ys = np.asarray(ys, float)
+        ax.scatter(np.full(ys.size, x), ys, s=12, alpha=0.5, color=color)
+        finite = ys[np.isfinite(ys)]
+        means.append(float(finite.mean()) if finite.size else np.nan)
+    ax.plot(xs, means, color=color, lw=1.6, marker=marker, label=label)
+    return np.asarray(means)
+
+
 def draw_band(
     ax, x: np.ndarray, curve: DifferenceCurve, color: str, label: str, band: str | None = None
 ) -> None:

@@ -25,6 +25,7 @@ from matplotlib.figure import Figure
 
 from diffjax.infra import storage
 from diffjax.config import ModelConfig, twin
+from diffjax.compare.plots import draw_points_and_mean
 from diffjax.evaluate.stats import fmt_mean_std
 from diffjax.train.metrics import read_metrics
 
@@ -337,12 +338,11 @@ def field_figure(plan: dict, fams: list[Family]) -> Figure:
     for ax, (attr, title) in zip(axes, panels):
         for i, f in enumerate(f for f in fams if f.final):
             per_value = getattr(f, attr)
-            means = []
-            for x, v in zip(xs, values):
-                ys = [np.nan if y is None else float(y) for y in per_value.get(v, {}).values()]
-                ax.scatter([x] * len(ys), ys, color=f"C{i}", s=12, alpha=0.6)
-                means.append(np.nanmean(ys) if ys and not np.all(np.isnan(ys)) else np.nan)
-            ax.plot(xs, means, color=f"C{i}", lw=1.6, label=f.name)
+            ys = [
+                [np.nan if y is None else float(y) for y in per_value.get(v, {}).values()]
+                for v in values
+            ]
+            draw_points_and_mean(ax, xs, ys, f"C{i}", f.name)
         ax.set_title(title, fontsize=10)
         ax.set_xlabel(field)
         if numeric and np.all(xs > 0) and xs.max() / xs.min() > 20:

@@ -24,6 +24,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from diffjax.compare.curves import eval_curve
+from diffjax.compare.plots import draw_points_and_mean
 from diffjax.infra import storage
 from diffjax.evaluate.stats import (
     describe_difference,
@@ -374,10 +375,8 @@ def loss_figure(results: Sequence[SizeResult], a: Analysis) -> Figure:
     for label in ("diff", "standard"):
         n = np.array([r.diff_params if label == "diff" else r.twin_params for r in results])
         losses = [r.diff_losses if label == "diff" else r.twin_losses for r in results]
-        for x, ys in zip(n, losses):
-            ax.scatter([x] * len(ys), ys, s=12, alpha=0.5, color=COLORS[label])
-        means = [float(np.mean(ys)) for ys in losses]
-        ax.plot(n, means, "o-", color=COLORS[label], label=f"{LABELS[label]} (mean over seeds)")
+        name = f"{LABELS[label]} (mean over seeds)"
+        draw_points_and_mean(ax, n, losses, COLORS[label], name, marker="o")
         f = a.fits.get(label)
         if f is not None:
             grid = np.geomspace(f.sizes[0], f.sizes[1], 100)
