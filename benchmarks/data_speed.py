@@ -14,7 +14,7 @@ relay on 127.0.0.1 that holds each request that long before passing it on. The e
 in about a millisecond, a cloud bucket in tens, and the depth that hides the difference is what
 the default must cover.
 
-Beside them: the default model's train step (``train.py compare=false``, the default config,
+Beside them: the default model's train step (``train.py compare.twins=``, the default config,
 trained from the same prepared corpus, local and in the bucket) in tokens/s, the median of
 ``metrics.jsonl``'s ``tokens_per_s`` after the first steps, and how long the loop waited for
 each batch (``metrics.jsonl``'s ``data_wait``). Reading never stalls the step when the
@@ -129,17 +129,17 @@ def step_rate(path: str, steps: int, run_dir: str) -> tuple[float, float, float]
 
     args = [
         f"run.dir={run_dir}",
-        "compare=false",
+        "compare.twins=",
         "data.source=tokens",
         f"data.path={path}",
         f"train.steps={steps}",
         "train.eval_every=1000000",
         "train.checkpoint_every=1000000",
-        "train.quick_eval=false",
+        "compare.quick_eval=false",
         "train.progress=false",
         "train.tensorboard=false",
-        "train.throughput_rounds=0",
-        "train.num_seeds=1",
+        "compare.throughput_rounds=0",
+        "compare.seeds=1",
     ]
     with contextlib.redirect_stdout(sys.stderr):
         rc = main(args)

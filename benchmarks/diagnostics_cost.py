@@ -29,7 +29,8 @@ from diffjax.data import make_dataset
 from diffjax.infra.runtime import Runtime
 from diffjax.train import setup as setup_lib
 from diffjax.train import step as step_lib
-from diffjax.train.config import apply_overrides, load_config
+from diffjax.compare import load_comparison
+from diffjax.train.config import apply_overrides
 
 
 def op_count(compiled) -> int:
@@ -77,7 +78,7 @@ def main(argv=None) -> int:
     p.add_argument("--markdown", help="also write the table to this file")
     p.add_argument("settings", nargs="*", help="KEY=VALUE settings of train.py (default: none)")
     args = p.parse_args(argv)
-    exp = apply_overrides(load_config(None), args.settings)
+    exp = apply_overrides(load_comparison(None), args.settings)
     print(f"models: {', '.join(exp.models)}", file=sys.stderr)
     lines = [
         f"`python benchmarks/diagnostics_cost.py --rounds {args.rounds} --steps {args.steps}"

@@ -28,7 +28,8 @@ import jax
 import numpy as np
 
 from diffjax.infra import machine
-from diffjax.train.config import apply_overrides, load_config
+from diffjax.compare import load_comparison
+from diffjax.train.config import apply_overrides
 from diffjax.data import make_dataset
 from diffjax.infra.runtime import Runtime
 from diffjax.train import setup as setup_lib
@@ -102,7 +103,7 @@ def main(argv=None) -> int:
     p.add_argument("--markdown", help="also write the table to this file")
     p.add_argument("settings", nargs="*", help="KEY=VALUE settings of train.py (default: none)")
     args = p.parse_args(argv)
-    exp = apply_overrides(load_config(None), args.settings)
+    exp = apply_overrides(load_comparison(None), args.settings)
     tokens = exp.train.batch_size * exp.data.seq_len
     print(
         f"default data: {exp.data.source}, seq_len {exp.data.seq_len}, batch {exp.train.batch_size}",

@@ -33,12 +33,12 @@ from diffjax.evaluate.stats import difference_cell, fmt_mean_std, paired_differe
 from diffjax.train import TrainResult
 
 ARMS = {"on": [], "off": ["data.document_mask=false"]}
-FAST = ["train.quick_eval=false", "train.throughput_rounds=0", "train.progress=false"]
+FAST = ["compare.quick_eval=false", "compare.throughput_rounds=0", "train.progress=false"]
 MODELS = {"diff": "DIFF V1", "standard": "twin"}
 
 
 def train_arm(out: str, arm: str, seeds: int, settings: list[str]) -> None:
-    argv = [f"run.dir={os.path.join(out, arm)}", f"train.num_seeds={seeds}", *FAST, *settings]
+    argv = [f"run.dir={os.path.join(out, arm)}", f"compare.seeds={seeds}", *FAST, *settings]
     argv += ARMS[arm]
     if cli.main(argv):  # a run folder with checkpoints resumes
         raise SystemExit(f"train.py {' '.join(argv)} failed")

@@ -60,7 +60,8 @@ def run(out: str, sizes, targets, labels, steps) -> None:
     from diffjax import plan
 
     plan.compile_only_env()
-    from diffjax.train.config import apply_overrides, load_config
+    from diffjax.compare import load_comparison
+    from diffjax.train.config import apply_overrides
 
     done = _load(out)
     for size in sizes:
@@ -70,7 +71,7 @@ def run(out: str, sizes, targets, labels, steps) -> None:
             hbm = target.budget_gib() * GIB  # on a GPU: the part JAX's allocator takes
             for label in labels:
                 exp = apply_overrides(
-                    load_config(os.path.join(ROOT, "configs", CONFIGS[size])),
+                    load_comparison(os.path.join(ROOT, "configs", CONFIGS[size])),
                     [f"data.seq_len={SEQ}", "mesh.fsdp=-1"],
                 )
                 cfg = exp.models[label]
@@ -81,11 +82,9 @@ def run(out: str, sizes, targets, labels, steps) -> None:
                     if k in done and done[k]["hbm_bytes"] == hbm:
                         return done[k]
                     e = dataclasses.replace(
-                        exp,
+                        exp.experiment(),
                         model=cfg.replace(remat=remat),
                         train=dataclasses.replace(exp.train, batch_size=batch, grad_accum_steps=1),
-                        compare=False,
-                        twin_init_std=None,
                     )
                     t0 = time.time()
                     try:

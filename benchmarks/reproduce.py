@@ -33,7 +33,7 @@ from diffjax.train import TrainResult
 
 PUBLISHED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "published.json")
 # what every re-run leaves out: the per-seed numbers do not depend on it
-FAST = ["train.quick_eval=false", "train.throughput_rounds=0", "train.progress=false"]
+FAST = ["compare.quick_eval=false", "compare.throughput_rounds=0", "train.progress=false"]
 
 
 def load(path: str | None = None) -> dict:
@@ -48,9 +48,9 @@ def value(result: TrainResult, metric: str) -> float | None:
 def run_seed(entry: dict, seed: int, out: str) -> dict[str, float | None]:
     """Train one seed of ``entry``'s command (every model of it) in ``out``; ``{label: value}``."""
     argv = shlex.split(entry["command"])[2:]  # after "python train.py"
-    argv = [a for a in argv if not a.startswith(("train.num_seeds=", "train.seed="))]
+    argv = [a for a in argv if not a.startswith(("compare.seeds=", "train.seed="))]
     run_dir = os.path.join(out, f"seed_{seed}")
-    code = cli.main(argv + [f"run.dir={run_dir}", f"train.seed={seed}", "train.num_seeds=1"] + FAST)
+    code = cli.main(argv + [f"run.dir={run_dir}", f"train.seed={seed}", "compare.seeds=1"] + FAST)
     if code:
         raise SystemExit(f"{entry['command']} (seed {seed}) exited {code}")
     got = {}

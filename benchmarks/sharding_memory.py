@@ -179,11 +179,11 @@ def report(config_path: str = DEFAULT_CONFIG, devices: int = 8) -> list[dict[str
     from diffjax.infra import sharding
     from diffjax.config import ConfigError
     from diffjax.nn.param_count import count_params
-    from diffjax.train.config import load_config
+    from diffjax.compare import load_comparison
 
     if not os.path.isfile(config_path) and os.path.isfile(os.path.join(ROOT, config_path)):
         config_path = os.path.join(ROOT, config_path)  # relative to the repository
-    exp = load_config(config_path)
+    exp = load_comparison(config_path)
     states = abstract_states(exp)
     counts = {label: count_params(cfg).total for label, cfg in exp.models.items()}
     rows = []

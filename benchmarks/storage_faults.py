@@ -44,7 +44,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 TINY = [
-    "compare=false",
+    "compare.twins=",
     "model.d_model=32",
     "model.num_layers=1",
     "model.num_heads=1",
@@ -55,10 +55,10 @@ TINY = [
     "train.eval_batches=1",
     "train.warmup_steps=2",
     "train.progress=false",
-    "train.num_seeds=1",
-    "train.throughput_rounds=0",
+    "compare.seeds=1",
+    "compare.throughput_rounds=0",
     "train.kernel_check=off",
-    "train.quick_eval=false",
+    "compare.quick_eval=false",
     "train.tensorboard=false",
     "train.eval_every=2",
     "train.checkpoint_every=2",

@@ -22,29 +22,30 @@ are skipped). Time and results: docs/results.md.
 """
 
 from diffjax.sweep import Ladder
-from diffjax.train import apply_overrides, default_config
+from diffjax.compare import default_comparison
+from diffjax.train import apply_overrides
 
 SWEEP = Ladder(
     tokens=3000 * 16 * 128,
     evals=30,
     arms={
         "v1": ["model.attention=diff_v1", "model.num_heads=2"],
-        "v2": ["model.attention=diff_v2", "model.num_heads=4", "compare=false"],
+        "v2": ["model.attention=diff_v2", "model.num_heads=4", "compare.twins="],
     },
 )
 
 
 def get_config():
     return apply_overrides(
-        default_config(),
+        default_comparison(),
         [
             "run.name=crossover-cpu",
-            "train.num_seeds=3",
+            "compare.seeds=3",
             "train.warmup_steps=100",
             "train.eval_batches=16",
             "train.checkpoint_every=500",
-            "train.quick_eval=false",
-            "train.throughput_rounds=0",
+            "compare.quick_eval=false",
+            "compare.throughput_rounds=0",
             "train.tensorboard=false",
         ],
     )

@@ -3,8 +3,8 @@ layers, 2 heads) and its standard-attention twin on the built-in corpus (the Pyt
 library's own sources), byte-level, each from two paired init seeds (0 and 1) so the report can
 give an interval on the difference; 200 steps per model and seed. Results: docs/results.md."""
 
-from diffjax.train import default_config
+from diffjax.compare import default_comparison
 
 
 def get_config():
-    return default_config()
+    return default_comparison()

@@ -14,11 +14,12 @@ measured at this size yet (docs/results.md lists what has).
 
 from diffjax import ModelConfig
 from diffjax.data import DataConfig
-from diffjax.train import ExperimentConfig, RunConfig, TrainConfig
+from diffjax.compare import Comparison
+from diffjax.train import RunConfig, TrainConfig
 
 
 def get_config():
-    return ExperimentConfig(
+    return Comparison(
         run=RunConfig(name="diff-125m"),
         model=ModelConfig(
             vocab_size=50304,
@@ -50,5 +51,4 @@ def get_config():
             checkpoint_every=1000,
             log_every=10,
         ),
-        compare=True,
     )

@@ -61,5 +61,4 @@ def get_config():
             eval_every=1000,
         ),
         mesh=MeshConfig(fsdp=-1),
-        compare=True,
     )

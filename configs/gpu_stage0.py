@@ -25,7 +25,8 @@ which); ``model.attention_impl=pallas`` puts all on one make.
 """
 
 from diffjax.sweep import Ladder
-from diffjax.train import apply_overrides, default_config
+from diffjax.compare import default_comparison
+from diffjax.train import apply_overrides
 
 HEADS = {"v1": 4, "v2": 8}
 SWEEP = Ladder(
@@ -33,12 +34,12 @@ SWEEP = Ladder(
     evals=20,
     arms={
         "v1": ["model.attention=diff_v1", f"model.num_heads={HEADS['v1']}"],
-        "v2": ["model.attention=diff_v2", f"model.num_heads={HEADS['v2']}", "compare=false"],
+        "v2": ["model.attention=diff_v2", f"model.num_heads={HEADS['v2']}", "compare.twins="],
         "v2m": [
             "model.attention=diff_v2",
             f"model.num_heads={HEADS['v2']}",
             "model.ffn_dim=1232",
-            "compare=false",
+            "compare.twins=",
         ],
     },
     twins={"v2m": "v1"},
@@ -47,7 +48,7 @@ SWEEP = Ladder(
 
 def get_config():
     return apply_overrides(
-        default_config(),
+        default_comparison(),
         [
             "run.name=gpu-stage0",
             "model.d_model=512",
@@ -60,12 +61,12 @@ def get_config():
             "train.batch_size=64",
             "train.lr=1e-3",
             "train.warmup_steps=100",
-            "train.num_seeds=2",
+            "compare.seeds=2",
             "train.eval_batches=8",
             "train.checkpoint_every=200",
             "train.log_every=10",
-            "train.quick_eval=false",
-            "train.throughput_rounds=0",
+            "compare.quick_eval=false",
+            "compare.throughput_rounds=0",
             "train.tensorboard=false",
         ],
     )

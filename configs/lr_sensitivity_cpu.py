@@ -22,7 +22,8 @@ rest data loading, compiling and evaluating). Results: docs/results.md.
 """
 
 from diffjax.sweep import Ladder
-from diffjax.train import apply_overrides, default_config
+from diffjax.compare import default_comparison
+from diffjax.train import apply_overrides
 
 SENSITIVITY = Ladder(
     field="train.lr",
@@ -31,23 +32,23 @@ SENSITIVITY = Ladder(
     evals=5,
     arms={
         "v1": ["model.attention=diff_v1", "model.num_heads=1"],
-        "v2": ["model.attention=diff_v2", "model.num_heads=2", "compare=false"],
+        "v2": ["model.attention=diff_v2", "model.num_heads=2", "compare.twins="],
     },
 )
 
 
 def get_config():
     return apply_overrides(
-        default_config(),
+        default_comparison(),
         [
             "run.name=lr-sensitivity-cpu",
             "model.d_model=64",
             "model.num_layers=2",
-            "train.num_seeds=2",
+            "compare.seeds=2",
             "train.eval_batches=4",
             "train.checkpoint_every=250",
-            "train.quick_eval=false",
-            "train.throughput_rounds=0",
+            "compare.quick_eval=false",
+            "compare.throughput_rounds=0",
             "train.tensorboard=false",
             "train.diagnostics=true",
             "train.skip_spikes=5",

@@ -17,11 +17,11 @@ folders: ``data.mixture=web:0.7:gs://BUCKET/web,code:0.3:gs://BUCKET/code``
 import dataclasses
 
 from diffjax.data import MixtureComponent
-from diffjax.train import default_config
+from diffjax.compare import default_comparison
 
 
 def get_config():
-    exp = default_config()
+    exp = default_comparison()
     data = dataclasses.replace(
         exp.data,
         source="mixture",

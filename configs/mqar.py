@@ -24,16 +24,17 @@ whose answer can be copied from a few tokens back without reading the pairs
 Results (4 paired seeds, and the init-scale pilots): docs/results.md; how this setting was
 found: docs/retrieval.md.
 
-    python train.py --config configs/mqar.py train.num_seeds=4
+    python train.py --config configs/mqar.py compare.seeds=4
 """
 
 from diffjax import ModelConfig
 from diffjax.data import DataConfig
-from diffjax.train import ExperimentConfig, RunConfig, TrainConfig
+from diffjax.compare import Comparison
+from diffjax.train import RunConfig, TrainConfig
 
 
 def get_config():
-    return ExperimentConfig(
+    return Comparison(
         run=RunConfig(name="mqar"),
         model=ModelConfig(
             d_model=64,
@@ -65,5 +66,4 @@ def get_config():
             eval_batches=8,
             checkpoint_every=1000,
         ),
-        compare=True,
     )

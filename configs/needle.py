@@ -21,16 +21,17 @@ and their answer can be copied from right after that earlier query without readi
 
 Results (5 paired seeds): docs/results.md; how this setting was found: docs/retrieval.md.
 
-    python train.py --config configs/needle.py train.num_seeds=5
+    python train.py --config configs/needle.py compare.seeds=5
 """
 
 from diffjax import ModelConfig
 from diffjax.data import DataConfig
-from diffjax.train import ExperimentConfig, RunConfig, TrainConfig
+from diffjax.compare import Comparison
+from diffjax.train import RunConfig, TrainConfig
 
 
 def get_config():
-    return ExperimentConfig(
+    return Comparison(
         run=RunConfig(name="needle"),
         model=ModelConfig(
             d_model=64,
@@ -65,5 +66,4 @@ def get_config():
             eval_batches=8,
             checkpoint_every=500,
         ),
-        compare=True,
     )

@@ -61,12 +61,8 @@ def get_config():
             "run.name=retrofit-cpu",
             "model.attention=standard",
             "model.num_heads=4",
-            "compare=false",
-            "train.num_seeds=1",
             "train.eval_every=50",
             "train.checkpoint_every=100",
-            "train.quick_eval=false",
-            "train.throughput_rounds=0",
             "train.tensorboard=false",
         ],
     )

@@ -22,7 +22,7 @@ small sizes says how the two compare there, not at the paper's scale.
 import dataclasses
 
 from diffjax.sweep import Ladder
-from diffjax.train import default_config
+from diffjax.compare import CompareConfig, default_comparison
 
 SWEEP = Ladder(
     sizes=[(64, 1, 1), (128, 1, 2), (192, 2, 2), (256, 4, 2)],
@@ -33,17 +33,15 @@ SWEEP = Ladder(
 
 
 def get_config():
-    base = default_config()
+    base = default_comparison()
     return dataclasses.replace(
         base,
         run=dataclasses.replace(base.run, name="scaling-cpu"),
         train=dataclasses.replace(
             base.train,
-            num_seeds=2,
             eval_batches=4,
             checkpoint_every=60,
-            quick_eval=False,
-            throughput_rounds=0,
             tensorboard=False,
         ),
+        compare=CompareConfig(seeds=2, quick_eval=False, throughput_rounds=0),
     )

@@ -17,7 +17,7 @@ steps, linear decay, lr 1.5e-4). What is assumed here:
   paper's setup;
 * lr 1.5e-4 at 6.8B and 13.1B too (Table 10 gives it for 830M-2.8B only);
 * one init seed (the cost): the report then gives no interval. Add seeds with
-  ``train.num_seeds=2`` where the budget allows.
+  ``compare.seeds=2`` where the budget allows.
 
 Memory: the base is configs/diff_1_4b.py (FSDP over every device, remat "dots", 2
 microbatches: sized for an h100-8 or a v5p-8). The larger sizes need more; plan each with
@@ -31,6 +31,7 @@ import dataclasses
 import os
 
 from diffjax.sweep import Ladder
+from diffjax.compare import CompareConfig
 from diffjax.train import load_config
 
 SWEEP = Ladder(
@@ -47,5 +48,5 @@ def get_config():
     return dataclasses.replace(
         base,
         run=dataclasses.replace(base.run, name="scaling-paper"),
-        train=dataclasses.replace(base.train, num_seeds=1, quick_eval=False, throughput_rounds=0),
+        compare=CompareConfig(seeds=1, quick_eval=False, throughput_rounds=0),
     )

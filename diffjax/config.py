@@ -325,7 +325,7 @@ def declared(
     fix: str | None = None,
 ) -> Any:
     """A config field with its default and the values it allows: one of ``choices`` (``what``
-    names them in the error), or a number within the bounds ``ge``/``gt`` and ``le``/``lt``
+    names them in the error; for a tuple field, each of its items), or a number within the bounds ``ge``/``gt`` and ``le``/``lt``
     (``None`` passes when the field's type allows it). :func:`check_declared` enforces them with
     a "Fix:" (``fix``; default: the allowed values); ``python train.py --help`` lists the
     choices."""
@@ -367,11 +367,17 @@ def check_declared(config: Any) -> None:
     section = type(config).__name__
     for name, a in allowed_values(type(config)).items():
         value = getattr(config, name)
-        if a.choices is not None and value not in a.choices:
+        # a tuple field's choices are those of each of its items
+        unknown = (
+            [v for v in (value if isinstance(value, tuple) else (value,)) if v not in a.choices]
+            if a.choices is not None
+            else []
+        )
+        if unknown:
             fail(
                 section,
                 name,
-                f"unknown {a.what} {value!r}",
+                f"unknown {a.what} {unknown[0]!r}",
                 a.fix or f"use one of {', '.join(map(repr, a.choices))}",
             )
         if value is None or (a.low is None and a.high is None):

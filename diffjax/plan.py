@@ -4,7 +4,8 @@
     python -m diffjax.plan --config configs/diff_3b.py plan.target=h100-8 train.batch_size=64
     python -m diffjax.plan --config configs/diff_125m.py plan.target=v5p-8 plan.hbm_gib=4
 
-For the config's DIFF model and (``compare=true``) its standard twin (:func:`diffjax.config.twin`)
+For every model of the config's comparison (:class:`diffjax.compare.Comparison`: the DIFF model
+and its standard twin, :func:`diffjax.config.twin`, unless ``compare.twins=``)
 this builds the config's mesh (``mesh.data/fsdp/tensor``) over the target's devices, the train
 state abstractly (shapes and shardings only: nothing is allocated) and lowers and compiles
 :func:`diffjax.train.step.train_step`, with the shardings the loop uses and the model's attention
@@ -55,12 +56,8 @@ from diffjax.nn.param_count import count_params
 from diffjax.infra.runtime import Runtime
 from diffjax.train import setup as setup_lib
 from diffjax.train import step as step_lib
-from diffjax.train.config import (
-    ExperimentConfig,
-    apply_overrides,
-    experiment_keys_help,
-    load_config,
-)
+from diffjax.train.config import ExperimentConfig, apply_overrides, experiment_keys_help
+from diffjax.compare.config import as_comparison, default_comparison, load_comparison
 
 
 GIB = 1024**3
@@ -445,7 +442,7 @@ def check_plan(exp: ExperimentConfig, target: Target) -> dict[str, ModelConfig]:
         shape = exp.mesh.shape(target.devices)
     except ConfigError as e:
         raise PlanError(f"{target.name} has {target.devices} devices: {e}") from None
-    models = exp.models
+    models = as_comparison(exp).models
     mesh = jax.sharding.AbstractMesh(shape, sharding.MESH_AXES)  # the target's axes, no devices
     for label, cfg in models.items():
         try:
@@ -733,7 +730,7 @@ def plan(
     if dump is not None:
         storage.makedirs(dump)
     for label, cfg in models.items():
-        one = dataclasses.replace(exp, model=cfg, compare=False, twin_init_std=None)
+        one = as_comparison(exp).experiment(cfg)
         prefix = None if dump is None else storage.join(dump, label)
         m = compile_train_step(one, cfg, devices, target, prefix)
         rows, rec = model_table(label, cfg, m, exp, target, hbm, mfu, pk)
@@ -836,7 +833,7 @@ def main(argv=None) -> int:
         "planner's own.",
         example=f"{PROG} --config configs/diff_3b.py plan.target=h100-8 train.batch_size=64",
     )
-    p.epilog += "\n\n" + experiment_keys_help()
+    p.epilog += "\n\n" + experiment_keys_help(default_comparison())
     p.add_argument("--config", default=None, help="a config file (default: the defaults)")
     try:
         a, settings = cli.parse(p, argv, SECTIONS, RENAMED, others=True)
@@ -848,7 +845,7 @@ def main(argv=None) -> int:
         return 2
     compile_only_env()
     try:
-        exp = apply_overrides(load_config(a.config), a.others)
+        exp = apply_overrides(load_comparison(a.config), a.others)
         status, records = plan(
             exp,
             TARGETS[opts.target],

@@ -180,8 +180,8 @@ def test_retrieval_scripts_on_a_tiny_needle_run(tmp_path, capsys):
                 "train.checkpoint_every=2",
                 "train.progress=false",
                 "train.tensorboard=false",
-                "train.throughput_rounds=1",
-                "train.quick_eval=false",
+                "compare.throughput_rounds=1",
+                "compare.quick_eval=false",
             ]
         )
         == 0
@@ -423,7 +423,7 @@ def test_the_stage0_config_states_its_parameter_counts():
     tw = twin(models["v1"])
     assert twin(models["v2"]) == tw and f"{non_embedding_params(tw):,}" in doc
     assert abs(non_embedding_params(models["v2m"]) / non_embedding_params(tw) - 1) < 0.002
-    assert exp.model.dtype == "bfloat16" and exp.data.seq_len == 1024 and exp.train.num_seeds == 2
+    assert exp.model.dtype == "bfloat16" and exp.data.seq_len == 1024 and exp.compare.seeds == 2
     assert module.SWEEP.twins == {"v2m": "v1"}
 
 

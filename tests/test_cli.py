@@ -423,7 +423,7 @@ def test_each_config_file_is_for_one_program_and_the_others_name_it(capsys):
     anything runs, the right command named."""
     import pathlib
 
-    from diffjax.compare import studies
+    from diffjax.compare import Comparison, studies
     from diffjax.compare.cli import main as train_main
     from diffjax.compare.retrofit_study import load_study
     from diffjax.retrofit_study import main as retrofit_main
@@ -439,7 +439,8 @@ def test_each_config_file_is_for_one_program_and_the_others_name_it(capsys):
     for path in sorted(str(p) for p in root.glob("configs/*.py")):
         name, _ = studies.declared(path)
         seen.add(name)
-        load_config(path)  # every file's experiment
+        exp = load_config(path)  # every file's experiment: a comparison, or a study's one model
+        assert isinstance(exp, Comparison) == (name != "RETROFIT"), path
         if name == "RETROFIT":
             assert load_study(path) is not None
         elif name is not None:

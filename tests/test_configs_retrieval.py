@@ -21,7 +21,7 @@ def _load(name: str) -> ExperimentConfig:
 @pytest.mark.parametrize("name", ["needle", "mqar"])
 def test_retrieval_config_loads_and_needs_retrieval(name):
     cfg = _load(name)
-    assert isinstance(cfg, ExperimentConfig) and cfg.compare and cfg.model.is_diff
+    assert isinstance(cfg, ExperimentConfig) and cfg.compare.twins and cfg.model.is_diff
     # one init and one optimizer for both models (the init scale decides who learns MQAR first:
     # docs/retrieval.md), so a difference is the attention kind's
     models = cfg.models
@@ -38,7 +38,7 @@ def test_retrieval_config_loads_and_needs_retrieval(name):
     assert batch["inputs"].shape == (cfg.train.batch_size, d.seq_len)
     assert batch["answer_spans"].shape == (cfg.train.batch_size, d.num_queries, 2)
     # the overrides a notebook uses for a quick run keep the config valid
-    quick = apply_overrides(cfg, ["train.steps=20", "train.eval_every=10", "train.num_seeds=1"])
+    quick = apply_overrides(cfg, ["train.steps=20", "train.eval_every=10", "compare.seeds=1"])
     assert quick.data == d and quick.train.steps == 20
 
 

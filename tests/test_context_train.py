@@ -100,7 +100,7 @@ def test_the_kernel_ring_trains_the_same_losses(reference, tmp_path, monkeypatch
     monkeypatch.setattr(gpu, "flash_partials", lambda *a, **k: calls.append(1) or real(*a, **k))
     run = tmp_path / "run"
     pallas = ["model.attention_impl=pallas", "mesh.context=4", "train.kernel_check=off"]
-    assert main([f"run.dir={run}", *TINY, *pallas, "compare=false"]) == 0
+    assert main([f"run.dir={run}", *TINY, *pallas, "compare.twins="]) == 0
     assert calls  # the kernels' partials were traced
     np.testing.assert_allclose(_losses(run), _losses(reference), rtol=RTOL)
     np.testing.assert_allclose(_val(run), _val(reference), rtol=RTOL)
@@ -108,7 +108,7 @@ def test_the_kernel_ring_trains_the_same_losses(reference, tmp_path, monkeypatch
 
 def test_a_checkpoint_saved_with_one_context_size_resumes_with_another(reference, tmp_path, capsys):
     run = tmp_path / "run"
-    args = [f"run.dir={run}", *TINY, "compare=false"]
+    args = [f"run.dir={run}", *TINY, "compare.twins="]
     assert main([*args, "mesh.context=4"]) == 0
     shutil.rmtree(run / "diff" / "seed_0" / "checkpoints" / "20")
     capsys.readouterr()
@@ -187,8 +187,8 @@ def needle_run(tmp_path_factory):
     config = os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs", "needle.py")
     tiny = ["model.d_model=32", "model.num_layers=1", "train.batch_size=8", "train.steps=4"]
     tiny += ["train.eval_every=4", "train.checkpoint_every=4", "train.eval_batches=1"]
-    tiny += ["train.warmup_steps=2", "train.progress=false", "train.num_seeds=1"]
-    tiny += ["train.quick_eval=false", "train.throughput_rounds=0", "train.tensorboard=false"]
+    tiny += ["train.warmup_steps=2", "train.progress=false", "compare.seeds=1"]
+    tiny += ["compare.quick_eval=false", "compare.throughput_rounds=0", "train.tensorboard=false"]
     assert main(["--config", config, f"run.dir={run}", *tiny]) == 0
     return run
 

@@ -304,8 +304,8 @@ def test_fused_kernels_decode_like_xla(kind):
 TINY_RUN = tiny_run(
     "train.eval_batches=2",
     "train.steps=4",
-    "compare=false",
-    drop=("train.tensorboard", "train.throughput_rounds"),
+    "compare.twins=",
+    drop=("train.tensorboard", "compare.throughput_rounds"),
 )
 
 

@@ -868,17 +868,17 @@ TINY_NEEDLE = tiny_run(
     "train.steps=2",
     "train.eval_every=2",
     "train.checkpoint_every=2",
-    drop=("data.max_files", "train.throughput_rounds"),
+    drop=("data.max_files", "compare.throughput_rounds"),
 )
 
 
 @pytest.fixture(scope="module")
 def tiny_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("evalruns")
-    # train.py ends with the quick evaluation when train.quick_eval is on (the default run's)
+    # train.py ends with the quick evaluation when compare.quick_eval is on (the default run's)
     assert (
         train_main(
-            [f"run.dir={root / 's0'}", "compare=false", *TINY_NEEDLE, "train.quick_eval=true"]
+            [f"run.dir={root / 's0'}", "compare.twins=", *TINY_NEEDLE, "compare.quick_eval=true"]
         )
         == 0
     )

@@ -209,7 +209,7 @@ def test_compiled_step_keeps_microbatches_on_their_shards():
 TINY = tiny_run(
     "model.num_heads=2",
     "train.eval_batches=2",
-    "compare=false",
+    "compare.twins=",
     "train.grad_accum_steps=2",
     "train.eval_every=3",
     "train.checkpoint_every=3",

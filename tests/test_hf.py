@@ -555,11 +555,11 @@ def test_train_py_starts_from_a_checkpoint(tmp_path):
             "train.warmup_steps=0",
             "train.eval_every=2",
             "train.checkpoint_every=2",
-            drop=(*MODEL_KEYS, "train.throughput_rounds"),  # the model: the export's
+            drop=(*MODEL_KEYS, "compare.throughput_rounds"),  # the model: the export's
         ),
     ]
-    assert main(args) == 2  # compare=true would train the twin from random weights
-    assert main(args + ["compare=false"]) == 0
+    assert main(args) == 2  # compare.twins=standard would train the twin from random weights
+    assert main(args + ["compare.twins="]) == 0
     model = load_model(str(tmp_path / "run" / "diff" / "seed_0"), "latest")
     assert model.config == hf.config_from_pretrained(str(tmp_path / "hf"))
     toks = tokens(vocab=259)

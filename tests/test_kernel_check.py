@@ -107,7 +107,7 @@ def test_train_py_stops_before_training_on_a_failed_check(monkeypatch, tmp_path,
         [
             f"run.dir={run_dir}",
             *tiny_run(
-                "compare=false",
+                "compare.twins=",
                 "model.d_model=64",  # V1, one head: d = 32, V 64 wide
                 "data.seq_len=32",
                 "train.steps=3",

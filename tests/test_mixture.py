@@ -657,7 +657,7 @@ def test_weights_changed_at_a_resume_are_refused_then_recorded(corpora, straight
     run = tmp_path / "run"
     shutil.copytree(straight[0], run)
     before = (run / "diff" / "seed_0" / "metrics.jsonl").read_text()
-    args = [f"run.dir={run}", *train_args(corpora, "train.steps=12", "compare=false")]
+    args = [f"run.dir={run}", *train_args(corpora, "train.steps=12", "compare.twins=")]
     args += ["data.mixture.alpha.weight=0.5", "data.mixture.beta.weight=0.5"]
     assert main(args) == 2
     err = capsys.readouterr().err
@@ -690,7 +690,7 @@ def test_training_stops_when_a_stop_mixture_ends(corpora, tmp_path, capsys):
     """``data.mixture_exhausted=stop``: the log says before training where it will stop and
     then that it stopped; the last step is evaluated and saved."""
     run = tmp_path / "run"
-    args = [f"run.dir={run}", *train_args(corpora, "train.steps=40", "compare=false")]
+    args = [f"run.dir={run}", *train_args(corpora, "train.steps=40", "compare.twins=")]
     args += ["data.mixture_exhausted=stop", "train.tensorboard=false"]
     assert main(args) == 0
     out = capsys.readouterr().out

@@ -30,7 +30,7 @@ from tiny import tiny_run
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOSS_RTOL = 1e-5
 # the single-process reference runs: one model, nothing after training
-ONE_MODEL = ["compare=false", "train.quick_eval=false"]
+ONE_MODEL = ["compare.twins=", "compare.quick_eval=false"]
 
 TINY = tiny_run(
     "model.d_model=64",
@@ -38,7 +38,7 @@ TINY = tiny_run(
     "train.eval_batches=2",
     "train.eval_every=2",
     "train.checkpoint_every=2",
-    "train.throughput_rounds=1",  # the post-training work stays on (compare, quick_eval), small
+    "compare.throughput_rounds=1",  # the post-training work stays on (compare, quick_eval), small
     # a constant lr after warmup: a run of 4 steps continued to 6 then follows the same
     # schedule as a run of 6 (a decaying schedule depends on train.steps)
     "train.schedule=constant",
@@ -46,7 +46,7 @@ TINY = tiny_run(
     # by two processes and restored by one on another mesh
     "train.skip_spikes=3",
     "train.spike_window=2",
-    drop=("train.quick_eval",),
+    drop=("compare.quick_eval",),
 )
 
 
@@ -168,7 +168,7 @@ def test_task_metrics_are_summed_over_processes(tmp_path):
     finish(launch(one_dir, 2, *ONE_MODEL, *needle))
     port = free_port()
     # one model; the quick evaluation after training on, on the needle task
-    finish(*[launch(two_dir, 1, "compare=false", *needle, process=(port, 2, i)) for i in range(2)])
+    finish(*[launch(two_dir, 1, "compare.twins=", *needle, process=(port, 2, i)) for i in range(2)])
     assert "val_first_query_accuracy" in (two_dir / "eval.json").read_text()
 
     def final_eval(run_dir):

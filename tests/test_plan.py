@@ -257,11 +257,12 @@ def test_the_planner_lowers_the_program_train_py_runs():
     from diffjax.infra.runtime import Runtime
     from diffjax.train import setup as setup_lib
     from diffjax.train import step as step_lib
-    from diffjax.train.config import apply_overrides, load_config
+    from diffjax.compare import load_comparison
+    from diffjax.train.config import apply_overrides
 
     overrides = ["model.d_model=32", "model.num_layers=2", "model.num_heads=1", "data.seq_len=16"]
     overrides += ["model.max_seq_len=32", "train.batch_size=4", "data.max_files=8"]
-    exp = apply_overrides(load_config(None), overrides)
+    exp = apply_overrides(load_comparison(None), overrides)
     devices = jax.devices()[:1]
     kind = devices[0].device_kind
     target = planner.Target("this CPU", "cpu", 1, 1.0, kind, 1.0, "cpu")

@@ -27,7 +27,7 @@ EX_TEMPFAIL = 75
 TINY = tiny_run(
     "model.num_heads=2",
     "train.kernel_check=off",
-    "compare=false",
+    "compare.twins=",
     "train.keep_checkpoints=1",  # one regular checkpoint kept (and the best)
 )
 # (steps, checkpoint and evaluation interval, signal once this step is logged: after the first

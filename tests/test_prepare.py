@@ -312,7 +312,7 @@ def test_train_py_trains_on_a_prepared_folder(tmp_path, capsys):
     assert (
         train_main(
             [f"run.dir={run_dir}", *tiny_run(
-                "data.source=tokens", f"data.path={out}", "data.tokenizer=byte", "compare=false",
+                "data.source=tokens", f"data.path={out}", "data.tokenizer=byte", "compare.twins=",
                 "train.steps=2", "train.eval_every=2", "train.warmup_steps=1",
                 drop=("data.max_files", "train.tensorboard"))]
         )

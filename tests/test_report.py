@@ -144,7 +144,8 @@ def test_tflops_and_mfu_where_throughput_is_shown(tmp_path):
     from diffjax.infra import flops
     from diffjax.compare.report import Flops, write_report
     from diffjax.compare.throughput import SideBySide
-    from diffjax.train.config import apply_overrides, default_config
+    from diffjax.compare import default_comparison
+    from diffjax.train.config import apply_overrides
 
     mesh = "data=8 fsdp=1 context=1 tensor=1 (8 devices, 1 process)"
     results = [  # (no query accuracy: the default data has no queries)
@@ -153,7 +154,7 @@ def test_tflops_and_mfu_where_throughput_is_shown(tmp_path):
         )
         for r in _results(tmp_path)
     ]
-    exp = default_config()
+    exp = default_comparison()
     seq = exp.data.seq_len
     per_token = {k: flops.train_flops_per_token(m, seq) for k, m in exp.models.items()}
     tflops = {"diff": per_token["diff"] * 2e6 / 8 / 1e12}
@@ -267,7 +268,7 @@ def test_one_seed_gives_the_curve_and_claims_no_crossover(tmp_path):
     assert "from one seed; no confidence interval" in text
     ax = loss_figure(str(tmp_path), results).axes[2]
     assert "one seed: no crossover claimed" in ax.get_title() and not ax.collections
-    # DIFF alone (compare=false): no difference, two panels
+    # DIFF alone (compare.twins=): no difference, two panels
     alone = [r for r in results if r.label == "diff"]
     assert difference_curve(alone) is None and over_training(None) == []
     assert len(loss_figure(str(tmp_path), alone).axes) == 2

@@ -203,7 +203,7 @@ TRAIN = tiny_run(  # the model: the retrofitted checkpoint's
     "train.schedule=constant",
     "train.warmup_steps=0",
     "train.lr=3e-3",
-    "compare=false",
+    "compare.twins=",
     drop=MODEL_KEYS,
 )
 SOURCE = [

@@ -164,7 +164,7 @@ def test_the_crossover_of_a_converted_arm():
     assert "Crossover at 5,120 tokens (step 20)" in sentences["v2"]
     one = _study({0: v2[0]}, base)
     _, sentences = _final(one, {"v2": difference_curve(one, "v2")})
-    assert "study.seeds=2" in sentences["v2"] and "train.num_seeds" not in sentences["v2"]
+    assert "study.seeds=2" in sentences["v2"] and "compare.seeds" not in sentences["v2"]
 
 
 # ---------------------------------------------------------------------------- the command
@@ -183,11 +183,11 @@ RETROFIT = RetrofitStudy(
 
 def get_config():
     return apply_overrides(default_config(), [
-        "model.attention=standard", "compare=false", "train.num_seeds=1", "model.num_heads=2",
+        "model.attention=standard", "model.num_heads=2",
         "model.d_model=32", "model.num_layers=2", "model.max_seq_len=32", "data.seq_len=32",
         "data.max_files=12", "train.batch_size=8", "train.eval_batches=1",
         "train.warmup_steps=1", "train.eval_every=2", "train.checkpoint_every=100",
-        "train.quick_eval=false", "train.throughput_rounds=0", "train.tensorboard=false",
+        "train.tensorboard=false",
     ])
 """
 

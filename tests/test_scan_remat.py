@@ -263,7 +263,7 @@ def test_a_scanned_run_trains_resumes_restores_and_evaluates(tmp_path, capsys):
             "train.eval_every=2",
             "train.checkpoint_every=2",
             "mesh.fsdp=2",
-            "compare=false",
+            "compare.twins=",
             drop=("train.tensorboard",),
         ),
     ]
@@ -309,7 +309,7 @@ def test_a_run_converted_to_the_other_layout_resumes_with_the_same_losses(tmp_pa
                 "model.num_heads=2",
                 "train.eval_every=2",
                 "train.checkpoint_every=2",
-                "compare=false",
+                "compare.twins=",
                 *extra,
                 drop=("train.tensorboard",),
             ),

@@ -127,7 +127,7 @@ def _state_at(ckpt_dir, step):
         return m.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))["state"]
 
 
-COMMON = ("compare=false", "train.steps=10", "train.tensorboard=false", "train.warmup_steps=0")
+COMMON = ("compare.twins=", "train.steps=10", "train.tensorboard=false", "train.warmup_steps=0")
 
 
 @pytest.mark.parametrize("accum", [1, 2])
@@ -178,8 +178,8 @@ def test_nan_retries_are_bounded(tmp_path, planted, capsys):
 
 
 def test_turning_spike_skipping_on_at_a_resume_is_refused(tmp_path, capsys):
-    assert run_main(tmp_path, "compare=false", "train.steps=2") == 0
-    args = ("compare=false", "train.steps=4", "train.skip_spikes=3")
+    assert run_main(tmp_path, "compare.twins=", "train.steps=2") == 0
+    args = ("compare.twins=", "train.steps=4", "train.skip_spikes=3")
     assert run_main(tmp_path, *args) == 2
     err = capsys.readouterr().err
     assert "train.skip_spikes: the checkpoint" in err and "spike skipping off" in err

@@ -254,7 +254,7 @@ def test_training_from_the_bucket_is_killed_resumed_and_equals_local_data(tmp_pa
 
 # ---------------------------------------------------------------------------- bad input
 TINY_TOKENS = tiny_run(
-    "compare=false",
+    "compare.twins=",
     "train.steps=2",
     "data.source=tokens",
     "train.batch_size=4",

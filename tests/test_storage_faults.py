@@ -24,7 +24,7 @@ from tiny import tiny_run
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 TINY = tiny_run(
-    "compare=false",
+    "compare.twins=",
     "train.kernel_check=off",
     "train.eval_every=2",
     "train.checkpoint_every=2",

@@ -178,7 +178,7 @@ def test_sample_and_lm_eval_read_an_export_in_a_bucket(
 
 def test_init_from_an_export_in_a_bucket(bucket, tok_dir):
     """train.init_from=gs://...: the export's model config (resolve_init_from)."""
-    from diffjax.train import default_config
+    from diffjax.compare import default_comparison
     from diffjax.train.checkpoint import resolve_init_from
     from diffjax.train.config import apply_overrides
 
@@ -187,11 +187,11 @@ def test_init_from_an_export_in_a_bucket(bucket, tok_dir):
     with LocalPathGuard():
         exp = resolve_init_from(
             apply_overrides(
-                default_config(),
+                default_comparison(),
                 [
                     f"train.init_from={bucket}/export",
-                    "compare=false",
-                    "train.num_seeds=1",
+                    "compare.twins=",
+                    "compare.seeds=1",
                     "data.seq_len=16",
                 ],
             )

@@ -38,9 +38,9 @@ def test_comparison_report_in_a_bucket(tmp_path, bucket, gcs_server):
     from test_report import _results
 
     from diffjax.compare.report import write_report
-    from diffjax.train.config import default_config
+    from diffjax.compare import default_comparison
 
-    exp = default_config()
+    exp = default_comparison()
     # metrics.jsonl of two seeds of each model (no query accuracy: the default data has none)
     local = [dataclasses.replace(r, metrics={}) for r in _results(tmp_path / "run")]
     expected = write_report(str(tmp_path / "run"), exp, local)
@@ -100,13 +100,13 @@ def test_sweep_into_a_missing_bucket_is_refused_before_training(tmp_path, gcs_se
         textwrap.dedent(
             """
             from diffjax.sweep import Ladder
-            from diffjax.train import default_config
+            from diffjax.compare import default_comparison
 
             SWEEP = Ladder(sizes=[(16, 1, 1)], budget="fixed", tokens=768, min_steps=2)
 
 
             def get_config():
-                return default_config()
+                return default_comparison()
             """
         )
     )
@@ -124,7 +124,7 @@ def tiny_run(tmp_path_factory):
     from diffjax.compare.cli import main as train_main
 
     run = tmp_path_factory.mktemp("storage_eval") / "tiny"
-    assert train_main([f"run.dir={run}", "compare=false", *TINY_NEEDLE]) == 0
+    assert train_main([f"run.dir={run}", "compare.twins=", *TINY_NEEDLE]) == 0
     return run
 
 

@@ -27,12 +27,12 @@ from tiny import tiny_run
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EX_TEMPFAIL = 75
 
-TINY = tiny_run("train.kernel_check=off", drop=("train.tensorboard", "train.quick_eval"))
+TINY = tiny_run("train.kernel_check=off", drop=("train.tensorboard", "compare.quick_eval"))
 # the kill / SIGTERM runs: one model, 10 steps, a checkpoint every 4
 SHORT = [
     *TINY,
-    "compare=false",
-    "train.quick_eval=false",
+    "compare.twins=",
+    "compare.quick_eval=false",
     "train.tensorboard=false",
     "train.steps=10",
     "train.eval_every=4",
@@ -270,7 +270,7 @@ def test_two_processes_train_checkpoint_and_resume_into_one_bucket(tmp_path, gcs
     # process 0 alone writes a model's files: one TensorBoard file per model and start
     assert len([n for n in first if n.startswith("diff/seed_0/tb/events")]) == 1
 
-    results = pair(8, "b", "train.quick_eval=false")  # the after-training work: done above
+    results = pair(8, "b", "compare.quick_eval=false")  # the after-training work: done above
     for rc, out, err in results:
         assert rc == 0, err[-3000:]
         assert "resuming from the checkpoint at step 4" in out
@@ -284,7 +284,7 @@ def test_two_processes_train_checkpoint_and_resume_into_one_bucket(tmp_path, gcs
 # ---------------------------------------------------------------------------- bad starts
 def _refused(capsys, *args) -> str:
     with LocalPathGuard():
-        rc = main([*TINY, "train.steps=2", "compare=false", "train.quick_eval=false", *args])
+        rc = main([*TINY, "train.steps=2", "compare.twins=", "compare.quick_eval=false", *args])
     err = capsys.readouterr().err
     assert rc == 2, err
     assert "Traceback" not in err

@@ -206,9 +206,9 @@ def test_bad_sweep_config_files_are_refused(tmp_path, capsys):
         load_ladder(str(bad))
     shape = tmp_path / "shape.py"  # 3 DIFF heads do not divide d_model 64
     shape.write_text(
-        "from diffjax.train import default_config\n"
+        "from diffjax.compare import default_comparison\n"
         "SWEEP = {'sizes': [(64, 1, 3)], 'tokens': 1000}\n"
-        "def get_config():\n    return default_config()\n"
+        "def get_config():\n    return default_comparison()\n"
     )
     with pytest.raises(ConfigError, match="size 64x1: .*ModelConfig"):
         plan_sweep(str(shape), [f"run.dir={tmp_path / 'x'}"])
@@ -247,7 +247,8 @@ def test_the_ladders_of_the_config_files():
 TINY = """
 import dataclasses
 from diffjax.sweep import Ladder
-from diffjax.train import apply_overrides, default_config
+from diffjax.compare import default_comparison
+from diffjax.train import apply_overrides
 
 SWEEP = Ladder(
     sizes=[(16, 1, 1), (32, 1, 1)], budget="fixed", tokens=6 * 8 * 16, evals=3, min_steps=2
@@ -255,10 +256,10 @@ SWEEP = Ladder(
 
 
 def get_config():
-    return apply_overrides(default_config(), [
+    return apply_overrides(default_comparison(), [
         "model.max_seq_len=32", "data.seq_len=16", "data.max_files=12", "train.batch_size=8",
-        "train.eval_batches=2", "train.warmup_steps=2", "train.num_seeds=1",
-        "train.quick_eval=false", "train.throughput_rounds=0", "train.tensorboard=false",
+        "train.eval_batches=2", "train.warmup_steps=2", "compare.seeds=1",
+        "compare.quick_eval=false", "compare.throughput_rounds=0", "train.tensorboard=false",
         "train.checkpoint_every=2",
     ])
 """

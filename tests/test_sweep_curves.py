@@ -26,7 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CROSSOVER = os.path.join(ROOT, "configs", "crossover_cpu.py")
 ARMS = {
     "v1": ["model.attention=diff_v1", "model.num_heads=1"],
-    "v2": ["model.attention=diff_v2", "model.num_heads=2", "compare=false"],
+    "v2": ["model.attention=diff_v2", "model.num_heads=2", "compare.twins="],
 }
 
 
@@ -73,17 +73,17 @@ def test_the_crossover_config_plans_three_models_of_three_seeds():
     base = load_config(CROSSOVER)
     exps = [apply_overrides(base, list(r.overrides)) for r in runs]
     assert [sorted(e.models) for e in exps] == [["diff", "standard"], ["diff"]]
-    assert {e.train.num_seeds for e in exps} == {3}
-    assert sum(len(e.models) * e.train.num_seeds for e in exps) == 9
+    assert {e.compare.seeds for e in exps} == {3}
+    assert sum(len(e.models) * e.compare.seeds for e in exps) == 9
     v1, v2 = (e.models["diff"] for e in exps)
     assert (v1.attention, v2.attention) == ("diff_v1", "diff_v2")
     assert twin(v2) == twin(v1) == exps[0].models["standard"]  # one twin for both
     # the command line shrinks it: tokens, evaluations and seeds
     _, small, short = plan_sweep(
-        CROSSOVER, ["run.dir=/r", "sweep.tokens=4096", "sweep.evals=2", "train.num_seeds=2"]
+        CROSSOVER, ["run.dir=/r", "sweep.tokens=4096", "sweep.evals=2", "compare.seeds=2"]
     )
     assert small.tokens == 4096 and [r.steps for r in short] == [10, 10]  # min_steps
-    assert "train.eval_every=5" in short[0].overrides and "train.num_seeds=2" in short[0].overrides
+    assert "train.eval_every=5" in short[0].overrides and "compare.seeds=2" in short[0].overrides
 
 
 # ---------------------------------------------------------------------------- hand-made runs
@@ -230,7 +230,8 @@ def test_time_cells():
 # ---------------------------------------------------------------------------- trained
 TWO_ARMS = """
 from diffjax.sweep import Ladder
-from diffjax.train import apply_overrides, default_config
+from diffjax.compare import default_comparison
+from diffjax.train import apply_overrides
 
 SWEEP = Ladder(
     tokens=6 * 8 * 16,
@@ -238,16 +239,16 @@ SWEEP = Ladder(
     min_steps=2,
     arms={
         "v1": ["model.attention=diff_v1", "model.num_heads=1"],
-        "v2": ["model.attention=diff_v2", "model.num_heads=2", "compare=false"],
+        "v2": ["model.attention=diff_v2", "model.num_heads=2", "compare.twins="],
     },
 )
 
 
 def get_config():
-    return apply_overrides(default_config(), [
+    return apply_overrides(default_comparison(), [
         "model.d_model=32", "model.num_layers=1", "model.max_seq_len=32", "data.seq_len=16",
         "data.max_files=12", "train.batch_size=8", "train.eval_batches=1", "train.warmup_steps=0",
-        "train.num_seeds=2", "train.quick_eval=false", "train.throughput_rounds=0",
+        "compare.seeds=2", "compare.quick_eval=false", "compare.throughput_rounds=0",
         "train.tensorboard=false", "train.checkpoint_every=100",
     ])
 """
@@ -314,7 +315,7 @@ def test_the_crossover_config_trains_a_few_steps(tmp_path, capsys):
         "sweep.tokens=512",
         "sweep.evals=2",
         "sweep.min_steps=4",
-        "train.num_seeds=2",
+        "compare.seeds=2",
         "train.eval_batches=1",
         "train.batch_size=8",
         "train.checkpoint_every=100",

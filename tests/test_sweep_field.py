@@ -90,7 +90,8 @@ def test_a_field_ladder_names_its_rungs():
 # ---------------------------------------------------------------------------- the command
 TWO_RUNGS = """
 from diffjax.sweep import Ladder
-from diffjax.train import apply_overrides, default_config
+from diffjax.compare import default_comparison
+from diffjax.train import apply_overrides
 
 SWEEP = Ladder(
     field="train.lr",
@@ -100,16 +101,16 @@ SWEEP = Ladder(
     min_steps=2,
     arms={
         "v1": ["model.attention=diff_v1", "model.num_heads=1"],
-        "v2": ["model.attention=diff_v2", "model.num_heads=2", "compare=false"],
+        "v2": ["model.attention=diff_v2", "model.num_heads=2", "compare.twins="],
     },
 )
 
 
 def get_config():
-    return apply_overrides(default_config(), [
+    return apply_overrides(default_comparison(), [
         "model.d_model=32", "model.num_layers=1", "model.max_seq_len=32", "data.seq_len=16",
         "data.max_files=12", "train.batch_size=8", "train.eval_batches=1", "train.warmup_steps=0",
-        "train.num_seeds=2", "train.quick_eval=false", "train.throughput_rounds=0",
+        "compare.seeds=2", "compare.quick_eval=false", "compare.throughput_rounds=0",
         "train.tensorboard=false", "train.checkpoint_every=100", "train.diagnostics=true",
         "train.skip_spikes=3", "train.spike_window=2",
     ])

@@ -106,7 +106,7 @@ def test_init_from_uses_the_checkpoints_tokenizer(tmp_path, tok_dir):
     """train.init_from=DIR with text data and no data.tokenizer reads DIR/tokenizer.json."""
     import shutil
 
-    from diffjax.train import default_config
+    from diffjax.compare import default_comparison
     from diffjax.train.checkpoint import resolve_init_from
     from diffjax.train.config import apply_overrides
 
@@ -128,11 +128,11 @@ def test_init_from_uses_the_checkpoints_tokenizer(tmp_path, tok_dir):
     )
     exp = resolve_init_from(
         apply_overrides(
-            default_config(),
+            default_comparison(),
             [
                 f"train.init_from={ckpt}",
-                "compare=false",
-                "train.num_seeds=1",
+                "compare.twins=",
+                "compare.seeds=1",
                 "model.dtype=bfloat16",
             ],
         )
@@ -146,11 +146,11 @@ def test_init_from_uses_the_checkpoints_tokenizer(tmp_path, tok_dir):
     )
     kept = resolve_init_from(
         apply_overrides(
-            default_config(),
+            default_comparison(),
             [
                 f"train.init_from={ckpt}",
-                "compare=false",
-                "train.num_seeds=1",
+                "compare.twins=",
+                "compare.seeds=1",
                 "data.tokenizer=byte",
             ],
         )

@@ -15,7 +15,7 @@ from diffjax.compare.cli import main
 
 # tests/test_train.py's tiny experiment, one model, 6 steps with an evaluation at 3 and 6
 TINY = [*TRAIN_TINY, "model.num_layers=2", "train.eval_batches=1", "train.steps=6"]
-TINY += ["train.eval_every=3", "train.checkpoint_every=6", "compare=false"]
+TINY += ["train.eval_every=3", "train.checkpoint_every=6", "compare.twins="]
 
 
 def wandb_records(path: str) -> list:

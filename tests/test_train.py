@@ -20,6 +20,7 @@ import pytest
 from flax import nnx
 
 import diffjax
+from diffjax.compare import Comparison, as_comparison, default_comparison, load_comparison
 from diffjax.compare.cli import main
 from diffjax.config import ConfigError
 from diffjax.train import (
@@ -57,7 +58,7 @@ def test_every_key_is_listed_in_help(capsys):
         main(["--help"])
     assert e.value.code == 0
     out = capsys.readouterr().out
-    for key, _, _ in config_keys(default_config()):
+    for key, _, _ in config_keys(default_comparison()):
         assert key in out, key
     for key in (
         "run.dir",
@@ -70,7 +71,8 @@ def test_every_key_is_listed_in_help(capsys):
         "model.attention",
         "model.num_layers",
         "model.d_model",
-        "compare",
+        "compare.twins",
+        "compare.seeds",
     ):
         assert f"  {key} " in out
 
@@ -82,7 +84,7 @@ def test_help_describes_every_key_in_one_line_with_its_allowed_values(capsys):
         main(["--help"])
     lines = capsys.readouterr().out.splitlines()
     described = {}
-    for key, _, _ in config_keys(default_config()):
+    for key, _, _ in config_keys(default_comparison()):
         i = next(n for n, line in enumerate(lines) if line.startswith(f"  {key} "))
         assert lines[i + 1].startswith("      ") and lines[i + 1].strip(), key
         assert not lines[i + 2].startswith("      "), key  # one line
@@ -92,8 +94,9 @@ def test_help_describes_every_key_in_one_line_with_its_allowed_values(capsys):
     assert "'cosine'" in described["train.schedule"] and "'mqar'" in described["data.source"]
     assert "'interpret'" in described["train.kernel_check"]
     assert described["train.batch_size"] == "global batch (sequences per step)"  # its comment
-    assert described["compare"] == "also train the standard-attention twin of `model`"
-    assert described["train.num_seeds"].startswith("train each model from init seeds")
+    assert described["compare.twins"].startswith("the twins trained beside the DIFF model")
+    assert described["compare.twins"].endswith("one of 'standard'")
+    assert described["compare.seeds"].startswith("train each model from init seeds")
     assert all(len(d) <= 170 for d in described.values()), described
 
 
@@ -111,23 +114,50 @@ def test_python_m_diffjax_compare_is_train_py():
 
 def test_overrides_are_parsed_by_type():
     cfg = apply_overrides(
-        default_config(),
+        default_comparison(),
         [
             "train.steps=7",
             "train.lr=3e-4",
             "model.attention=diff_v2",
-            "compare=false",
+            "compare.twins=",
             "model.num_kv_heads=none",
             "data.seq_len=64",
             "run.dir=/tmp/x",
         ],
     )
-    assert cfg.train.steps == 7 and cfg.train.lr == 3e-4 and cfg.compare is False
+    assert cfg.train.steps == 7 and cfg.train.lr == 3e-4 and cfg.compare.twins == ()
     assert cfg.model.attention == "diff_v2" and cfg.model.num_kv_heads is None
     assert cfg.data.seq_len == 64 and cfg.run.path == "/tmp/x"
     assert set(cfg.models) == {"diff"}
-    assert set(default_config().models) == {"diff", "standard"}
-    assert default_config().models["standard"] == diffjax.twin(default_config().model)
+    default = default_comparison()
+    assert set(default.models) == {"diff", "standard"}
+    assert default.models["standard"] == diffjax.twin(default.model)
+    assert default.experiment() == default_config() and default.compare.seeds == 2
+    assert load_comparison(None) == default
+    alone = as_comparison(default.experiment())  # a plain experiment: its model alone
+    assert alone.compare.twins == () and set(alone.models) == {"diff"}
+
+
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        ("compare=false", "compare.twins"),
+        ("twin_init_std=0.05", "compare.twin_init_std"),
+        ("train.num_seeds=2", "compare.seeds"),
+        ("train.throughput_rounds=0", "compare.throughput_rounds"),
+        ("train.quick_eval=false", "compare.quick_eval"),
+    ],
+)
+def test_the_comparisons_old_keys_are_refused_with_the_new_ones(old, new):
+    """The comparison's settings moved out of the library's train config into the ``compare``
+    section: each old spelling is refused naming the new one, and the library's one-model
+    config does not know the section at all."""
+    key = old.split("=")[0]
+    with pytest.raises(ConfigError, match=rf"the key '{key}' has moved\. Fix: write {new}\b"):
+        apply_overrides(default_comparison(), [old])
+    with pytest.raises(ConfigError, match="unknown config key 'compare.seeds'"):
+        apply_overrides(default_config(), ["compare.seeds=2"])
+    assert not hasattr(TrainConfig(), "num_seeds") and not hasattr(default_config(), "compare")
 
 
 @pytest.mark.parametrize(
@@ -139,7 +169,9 @@ def test_overrides_are_parsed_by_type():
         ("train.lr=fast", r"train.lr: bad value 'fast'.*Fix: give a number\.$"),
         ("model.num_kv_heads=x", r"Fix: give an integer or none\.$"),
         ("data.needle_depths=a,b", r"Fix: give a comma-separated list of numbers or none\.$"),
-        ("compare=maybe", r"compare: bad value 'maybe'.*Fix: give true or false\.$"),
+        ("compare.quick_eval=maybe", r"quick_eval: bad value 'maybe'.*Fix: give true or false\.$"),
+        ("compare.twins=gated", r"CompareConfig.twins: unknown twin 'gated'.*'standard'"),
+        ("compare.seeds=0", r"CompareConfig.seeds: must be >= 1"),
         ("train.steps=0", r"TrainConfig.steps: must be >= 1"),
         ("train.schedule=exp", r"TrainConfig.schedule: unknown schedule 'exp'"),
         ("train.lr=-1", r"TrainConfig.lr: must be > 0"),
@@ -150,37 +182,37 @@ def test_overrides_are_parsed_by_type():
 )
 def test_bad_overrides_name_the_key_and_the_fix(override, message):
     with pytest.raises(ConfigError, match=message):
-        apply_overrides(default_config(), [override])
+        apply_overrides(default_comparison(), [override])
 
 
 def test_twin_init_std_sets_only_the_twins_init_and_is_reported(tmp_path):
-    cfg = apply_overrides(default_config(), ["twin_init_std=0.05"])
+    cfg = apply_overrides(default_comparison(), ["compare.twin_init_std=0.05"])
     assert cfg.models["standard"] == diffjax.twin(cfg.model).replace(init_std=0.05)
     assert cfg.models["diff"] == cfg.model and cfg.model.init_std == 0.02
-    with pytest.raises(ConfigError, match="twin_init_std: is 0.05 but compare=false"):
-        apply_overrides(cfg, ["compare=false", "model.attention=standard"])
+    with pytest.raises(ConfigError, match="twin_init_std: is 0.05 but compare.twins is empty"):
+        apply_overrides(cfg, ["compare.twins=", "model.attention=standard"])
     with pytest.raises(ConfigError, match="twin_init_std: must be > 0"):
-        apply_overrides(cfg, ["twin_init_std=0"])
-    assert run_main(tmp_path, "train.steps=2", "train.num_seeds=1", "twin_init_std=0.05") == 0
+        apply_overrides(cfg, ["compare.twin_init_std=0"])
+    assert run_main(tmp_path, "train.steps=2", "compare.seeds=1", "compare.twin_init_std=0.05") == 0
     report = (tmp_path / "run" / "report.md").read_text()
     assert "init std 0.02 (DIFF) and 0.05 (twin): **not one init scale**" in report
     config = json.loads((tmp_path / "run" / "config.json").read_text())
-    assert config["twin_init_std"] == 0.05
+    assert config["compare"]["twin_init_std"] == 0.05
 
 
 def test_compare_needs_a_diff_model():
-    with pytest.raises(ConfigError, match="compare=true.*model.attention=diff_v1"):
-        apply_overrides(default_config(), ["model.attention=standard"])
-    cfg = apply_overrides(default_config(), ["model.attention=standard", "compare=false"])
+    with pytest.raises(ConfigError, match="compare.twins: trains twins.*model.attention=diff_v1"):
+        apply_overrides(default_comparison(), ["model.attention=standard"])
+    cfg = apply_overrides(default_comparison(), ["model.attention=standard", "compare.twins="])
     assert set(cfg.models) == {"standard"}
 
 
 @pytest.mark.parametrize("name", ["default", "needle", "diff_125m", "diff_350m"])
 def test_config_files_load(name):
     cfg = load_config(os.path.join(ROOT, "configs", f"{name}.py"))
-    assert isinstance(cfg, ExperimentConfig) and cfg.compare
+    assert isinstance(cfg, Comparison) and cfg.compare.twins == ("standard",)
     if name == "default":
-        assert cfg == default_config()
+        assert cfg == default_comparison()
     if name.startswith("diff_"):
         n = diffjax.count_params(cfg.model).total
         low, high = (110e6, 140e6) if name == "diff_125m" else (320e6, 380e6)
@@ -249,7 +281,7 @@ def test_comparison_smoke(tmp_path, capsys):
             "train.steps=4",
             "train.eval_every=2",
             "train.checkpoint_every=2",
-            "train.num_seeds=1",
+            "compare.seeds=1",
         )
         == 0
     )
@@ -281,9 +313,9 @@ def test_comparison_smoke(tmp_path, capsys):
 
 
 def test_finished_run_is_not_retrained(tmp_path, capsys):
-    assert run_main(tmp_path, "train.steps=2", "compare=false") == 0
+    assert run_main(tmp_path, "train.steps=2", "compare.twins=") == 0
     before = (tmp_path / "run" / "diff" / "seed_0" / "metrics.jsonl").read_text()
-    assert run_main(tmp_path, "train.steps=2", "compare=false") == 0
+    assert run_main(tmp_path, "train.steps=2", "compare.twins=") == 0
     assert "resuming from the checkpoint at step 2" in capsys.readouterr().out
     assert (tmp_path / "run" / "diff" / "seed_0" / "metrics.jsonl").read_text() == before
 
@@ -293,7 +325,7 @@ def test_resume_from_an_earlier_checkpoint_equals_uninterrupted(tmp_path, capsys
     losses of steps 4-8 equal, bit for bit, those of the first pass."""
     import shutil
 
-    common = ("compare=false", "train.steps=8", "train.eval_every=3", "train.checkpoint_every=3")
+    common = ("compare.twins=", "train.steps=8", "train.eval_every=3", "train.checkpoint_every=3")
     assert run_main(tmp_path, *common) == 0
     run = tmp_path / "run" / "diff" / "seed_0"
     first = losses(run)
@@ -327,7 +359,7 @@ sys.exit(main(sys.argv[3:], after_step=kill))
 
 KILLED_CONFIG = [
     *TINY,
-    "compare=false",
+    "compare.twins=",
     "train.tensorboard=false",  # tensorboardX imports torch: seconds per process
     "train.steps=10",
     "train.eval_every=4",
@@ -410,9 +442,9 @@ def test_empty_text_data_is_a_clear_error(tmp_path, capsys):
 
 
 def test_checkpoint_of_another_model_config_is_refused(tmp_path, capsys):
-    assert run_main(tmp_path, "train.steps=2", "compare=false") == 0
+    assert run_main(tmp_path, "train.steps=2", "compare.twins=") == 0
     saved = sorted(os.listdir(tmp_path / "run" / "diff" / "seed_0" / "checkpoints"))
-    assert run_main(tmp_path, "train.steps=4", "compare=false", "model.d_model=64") == 2
+    assert run_main(tmp_path, "train.steps=4", "compare.twins=", "model.d_model=64") == 2
     err = capsys.readouterr().err
     assert "different model config" in err and "d_model: checkpoint has 32, config has 64" in err
     # nothing lost
@@ -428,7 +460,7 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, capsys):
     # an absurd learning rate blows the weights up within a few steps
     code = run_main(
         tmp_path,
-        "compare=false",
+        "compare.twins=",
         "train.steps=30",
         "train.lr=1e12",
         "train.warmup_steps=0",
@@ -450,7 +482,7 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, capsys):
 
 
 def test_corrupt_checkpoint_is_a_clear_error_and_nothing_is_deleted(tmp_path, capsys):
-    assert run_main(tmp_path, "train.steps=2", "compare=false") == 0
+    assert run_main(tmp_path, "train.steps=2", "compare.twins=") == 0
     ckdir = tmp_path / "run" / "diff" / "seed_0" / "checkpoints" / "2" / "state"
     for root, _, files in os.walk(ckdir):
         for f in files:
@@ -458,7 +490,7 @@ def test_corrupt_checkpoint_is_a_clear_error_and_nothing_is_deleted(tmp_path, ca
             with open(p, "r+b") as fh:
                 fh.write(b"\x00garbage\x00" * 4)
     listing = sorted(os.walk(tmp_path / "run"))
-    assert run_main(tmp_path, "train.steps=4", "compare=false") == 4
+    assert run_main(tmp_path, "train.steps=4", "compare.twins=") == 4
     err = capsys.readouterr().err
     assert "checkpoint at step 2" in err and "cannot be read" in err and "Fix:" in err
     assert sorted(os.walk(tmp_path / "run")) == listing
@@ -466,14 +498,14 @@ def test_corrupt_checkpoint_is_a_clear_error_and_nothing_is_deleted(tmp_path, ca
 
 def test_half_written_checkpoint_is_ignored(tmp_path):
     """A temporary (uncommitted) checkpoint directory, as a kill mid-save leaves, is not loaded."""
-    assert run_main(tmp_path, "train.steps=2", "compare=false") == 0
+    assert run_main(tmp_path, "train.steps=2", "compare.twins=") == 0
     ck = tmp_path / "run" / "diff" / "seed_0" / "checkpoints"
     (ck / "3.orbax-checkpoint-tmp-123").mkdir()
     (ck / "3.orbax-checkpoint-tmp-123" / "junk").write_text("half")
     from diffjax.train.checkpoint import committed_steps
 
     assert committed_steps(str(ck)) == [2]
-    assert run_main(tmp_path, "train.steps=4", "compare=false") == 0
+    assert run_main(tmp_path, "train.steps=4", "compare.twins=") == 0
     records = read_metrics(str(tmp_path / "run" / "diff" / "seed_0" / "metrics.jsonl"))
     assert [r["step"] for r in records] == [1, 2, 3, 4]
 
@@ -484,7 +516,7 @@ def test_diff_v2_single_model_records_mean_lambda(tmp_path):
             tmp_path,
             "model.attention=diff_v2",
             "model.num_layers=2",
-            "compare=false",
+            "compare.twins=",
             "train.steps=2",
         )
         == 0
@@ -511,8 +543,8 @@ def test_checkpointer_keeps_the_last_k_and_the_best(tmp_path):
 
 
 def test_data_change_on_resume_is_reported(tmp_path, capsys):
-    assert run_main(tmp_path, "train.steps=2", "compare=false") == 0
-    assert run_main(tmp_path, "train.steps=3", "compare=false", "data.seed=5") == 0
+    assert run_main(tmp_path, "train.steps=2", "compare.twins=") == 0
+    assert run_main(tmp_path, "train.steps=3", "compare.twins=", "data.seed=5") == 0
     out = capsys.readouterr().out
     assert "data config differs from the checkpoint's (seed)" in out
 
@@ -544,7 +576,7 @@ def test_load_model_reads_the_saved_parameters(tmp_path):
             "train.steps=4",
             "train.checkpoint_every=2",
             "train.eval_every=2",
-            "compare=false",
+            "compare.twins=",
         )
         == 0
     )
@@ -720,9 +752,9 @@ def test_seeds_are_paired_and_resumed(tmp_path, capsys):
         "train.eval_every=2",
         "train.checkpoint_every=2",
         "train.tensorboard=false",
-        "train.throughput_rounds=1",
+        "compare.throughput_rounds=1",
     )
-    assert run_main(tmp_path, *common, "train.num_seeds=2") == 0
+    assert run_main(tmp_path, *common, "compare.seeds=2") == 0
     run = tmp_path / "run"
     for label in ("diff", "standard"):
         for seed in (0, 1):
@@ -731,7 +763,7 @@ def test_seeds_are_paired_and_resumed(tmp_path, capsys):
                 == seed
             )
     assert losses(run / "diff" / "seed_0") != losses(run / "diff" / "seed_1")
-    assert run_main(tmp_path, *common, "train.seed=1", "compare=false", name="alone") == 0
+    assert run_main(tmp_path, *common, "train.seed=1", "compare.twins=", name="alone") == 0
     assert losses(tmp_path / "alone" / "diff" / "seed_1") == losses(run / "diff" / "seed_1")
     report = (run / "report.md").read_text()
     assert "95% t-interval" in report and "over 2 paired seeds" in report
@@ -741,7 +773,7 @@ def test_seeds_are_paired_and_resumed(tmp_path, capsys):
     first = {(m, s): losses(run / m / f"seed_{s}") for m in ("diff", "standard") for s in (0, 1)}
     shutil.rmtree(run / "standard" / "seed_1" / "checkpoints" / "4")
     capsys.readouterr()
-    assert main(["--resume", f"run.dir={run}", *TINY, *common, "train.num_seeds=2"]) == 0
+    assert main(["--resume", f"run.dir={run}", *TINY, *common, "compare.seeds=2"]) == 0
     out = capsys.readouterr().out
     assert "resuming from the checkpoint at step 2" in out
     assert {
@@ -796,7 +828,7 @@ def test_report_leaves_the_matplotlib_backend_alone(tmp_path):
     before = matplotlib.get_backend()
     matplotlib.use("pdf")  # stands in for a notebook's backend
     try:
-        assert run_main(tmp_path, "train.steps=2", "compare=false", "train.tensorboard=false") == 0
+        assert run_main(tmp_path, "train.steps=2", "compare.twins=", "train.tensorboard=false") == 0
         assert matplotlib.get_backend() == "pdf"
         assert (tmp_path / "run" / "loss.png").read_bytes()[:4] == b"\x89PNG"
     finally:
@@ -932,7 +964,7 @@ def test_a_profile_window_writes_a_trace_of_those_steps(tmp_path):
     TensorBoard's profile plugin and XProf read, and a Perfetto trace), non-empty."""
     import glob
 
-    args = ["train.steps=4", "train.profile_steps=2:3", "compare=false", "train.tensorboard=false"]
+    args = ["train.steps=4", "train.profile_steps=2:3", "compare.twins=", "train.tensorboard=false"]
     assert run_main(tmp_path, *args) == 0
     profile = tmp_path / "run" / "diff" / "seed_0" / "profile"
     xplanes = glob.glob(str(profile / "plugins" / "profile" / "*" / "*.xplane.pb"))

@@ -2,7 +2,7 @@
 small enough for CI (seconds per model on a CPU), with nothing the test does not ask for (no
 progress bar, TensorBoard, throughput rounds, quick evaluation or extra seeds).
 
-    main([f"run.dir={tmp_path}", *tiny_run("train.steps=4", "compare=false")])
+    main([f"run.dir={tmp_path}", *tiny_run("train.steps=4", "compare.twins=")])
 
 :func:`tiny_run` changes settings by key (``"model.num_heads=2"`` replaces the base's), adds
 new ones after, and leaves the keys in ``drop`` at the config's defaults.
@@ -22,9 +22,9 @@ TINY_RUN = (
     "train.warmup_steps=2",
     "train.progress=false",
     "train.tensorboard=false",
-    "train.num_seeds=1",
-    "train.quick_eval=false",
-    "train.throughput_rounds=0",
+    "compare.seeds=1",
+    "compare.quick_eval=false",
+    "compare.throughput_rounds=0",
 )
 
 

@@ -1,12 +1,13 @@
 """The experiment: a DIFF model against its standard-attention twin.
 
 ``python train.py`` (= ``python -m diffjax.compare``, :func:`main`) trains the configured DIFF
-model and its twin on the same data in the same order from each init seed
-(``train.num_seeds``; seed by seed the pair shares the init seed and the batches), times the
+model and its twin on the same data in the same order from each init seed (a
+:class:`Comparison`: one model's experiment with a ``compare`` section, :class:`CompareConfig`;
+``compare.seeds``: seed by seed the pair shares the init seed and the batches), times the
 two side by side (:func:`side_by_side_throughput`), and writes ``runs/<name>/``:
 ``config.json``, ``report.md`` and ``loss.png`` (:func:`write_report`; the statistics are
 :mod:`diffjax.evaluate.stats`) and ``<label>/seed_<seed>/`` per model and seed
-(:func:`diffjax.train.model_directory`); then, unless ``train.quick_eval=false``, the quick
+(:func:`diffjax.train.model_directory`); then, with ``compare.quick_eval``, the quick
 evaluation (:mod:`diffjax.evaluate`).
 
 A config file with a module-level ``RETROFIT`` (:class:`RetrofitStudy`) is a retrofit study,
@@ -15,6 +16,13 @@ trained, then continued unconverted and converted to DIFF V2 and V1; ``retrofit.
 :mod:`.retrofit_report`); each study's command: :mod:`.studies`.
 """
 
+from diffjax.compare.config import (
+    CompareConfig,
+    Comparison,
+    as_comparison,
+    default_comparison,
+    load_comparison,
+)
 from diffjax.compare.cli import exit_process, main, quick_evaluation, train_seeds
 from diffjax.compare.report import (
     comparison_sentences,
@@ -29,6 +37,11 @@ from diffjax.compare.retrofit_study import RetrofitStudy, run_study
 from diffjax.compare.throughput import SideBySide, side_by_side_throughput
 
 __all__ = [
+    "CompareConfig",
+    "Comparison",
+    "as_comparison",
+    "default_comparison",
+    "load_comparison",
     "RetrofitStudy",
     "SideBySide",
     "comparison_sentences",

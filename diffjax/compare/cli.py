@@ -1,10 +1,10 @@
 """``python train.py`` (or ``python -m diffjax.compare``) ``[--config configs/NAME.py] [--resume]
 [dotted.key=value ...]``.
 
-Trains the configured DIFF model and (with ``compare=true``, the default) its standard twin
-one after the other on the same data, from each init seed of ``train.seed ..
-train.seed + train.num_seeds - 1`` (``RUN_DIR/<label>/seed_<seed>/``), times the two side by
-side, then writes ``report.md`` and ``loss.png`` in the run directory and prints the table. A
+Trains the configured DIFF model and its twins (``compare.twins``, default its standard twin;
+:class:`diffjax.compare.Comparison`) one after the other on the same data, from each init seed
+of ``train.seed .. train.seed + compare.seeds - 1`` (``RUN_DIR/<label>/seed_<seed>/``), times
+them side by side, then writes ``report.md`` and ``loss.png`` in the run directory and prints the table. A
 run directory that holds checkpoints resumes every unfinished model and seed from them.
 
 SIGTERM or SIGINT (Ctrl-C) during training stops it at the next step, saves that step and exits
@@ -39,17 +39,13 @@ from diffjax.train.checkpoint import (
     lingering_save_threads,
     resolve_init_from,
 )
-from diffjax.train.config import (
-    apply_overrides,
-    experiment_keys_help,
-    load_config,
-    model_directory,
-)
+from diffjax.train.config import apply_overrides, experiment_keys_help, model_directory
 from diffjax.train.loop import AfterStep, train_model
 from diffjax.train.preemption import Preempted, TrainingDiverged
 from diffjax.train.recorder import TrainResult
 from diffjax.train.setup import check_run, describe_mesh, run_runtime
 
+from diffjax.compare.config import Comparison, default_comparison, load_comparison
 from diffjax.compare.report import results_table, write_report
 from diffjax.compare import studies
 from diffjax.compare.runner import Run, run_plan
@@ -69,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Train a Differential Transformer and its standard-attention twin on the "
         "same data, in the same order, from the same seed, and compare them.",
-        epilog=experiment_keys_help() + "\n\nexample: python train.py --config configs/needle.py "
+        epilog=experiment_keys_help(default_comparison()) + "\n\nexample: python train.py --config configs/needle.py "
         "train.steps=200 model.num_layers=4",
     )
     parser.add_argument(
@@ -177,7 +173,7 @@ def _checked_run(args: argparse.Namespace):
     refused here, before any model trains, if it cannot run) and its kernels checked on this
     device. ``(exp, data description, how the processes started, mesh, runtimes by label)``;
     a :class:`ConfigError` (or DataError) names what is wrong and the fix."""
-    exp = apply_overrides(load_config(args.config), args.overrides)
+    exp = apply_overrides(load_comparison(args.config), args.overrides)
     storage.set_timeout(exp.run.storage_timeout_s)  # every bucket call from here on
     exp = resolve_init_from(exp)
     description = data_lib.check_data(exp.data, exp.model.vocab_size)
@@ -185,7 +181,7 @@ def _checked_run(args: argparse.Namespace):
     storage.check_access(exp.run.path, what="run.dir", write=True)
     distributed = init_distributed(args)
     mesh = sharding.make_mesh(exp.mesh)  # checks the sizes against the devices
-    check_run(exp, mesh)  # every cross-field rule, in one place
+    check_run(exp, mesh, exp.models.values())  # every cross-field rule, in one place
     runtimes = {label: run_runtime(exp, cfg, mesh) for label, cfg in exp.models.items()}
     if exp.train.kernel_check != "off":
         for label, runtime in runtimes.items():
@@ -264,12 +260,13 @@ def main(
         return EXIT_PREEMPTED
 
     side = None
-    if exp.compare and exp.train.throughput_rounds:
+    rounds = exp.compare.throughput_rounds
+    if exp.compare.twins and rounds:
         print(
-            f"\nthroughput side by side: {exp.train.throughput_rounds} rounds, the two "
-            f"compiled steps alternated on the same batches"
+            f"\nthroughput side by side: {rounds} rounds, the compiled steps alternated on the "
+            f"same batches"
         )
-        side = side_by_side_throughput(exp, exp.models, mesh, rounds=exp.train.throughput_rounds)
+        side = side_by_side_throughput(exp, exp.models, mesh, rounds=rounds)
     if main_process:
         write_report(run_dir, exp, results, description, throughput=side)
         print("\n" + results_table(results))
@@ -279,7 +276,7 @@ def main(
             f"\nreport: {storage.join(run_dir, 'report.md')}, plot: "
             f"{storage.join(run_dir, 'loss.png')}"
         )
-    if exp.train.quick_eval:  # every process: its checkpoint reads are collective
+    if exp.compare.quick_eval:  # every process: its checkpoint reads are collective
         quick_evaluation(run_dir, main_process=main_process)
     return 0
 
@@ -310,9 +307,9 @@ def quick_evaluation(run_dir: str, *, main_process: bool = True) -> None:
 
 
 def train_seeds(
-    exp, run_dir: str, mesh, *, runtimes=None, after_step: AfterStep | None = None
+    exp: Comparison, run_dir: str, mesh, *, runtimes=None, after_step: AfterStep | None = None
 ) -> list[TrainResult]:
-    """Train every model of ``exp`` (DIFF and, with compare, its twin) from every init seed of
+    """Train every model of ``exp`` (DIFF and its twins) from every init seed of
     ``exp.seeds``, seed by seed, each in ``RUN_DIR/<label>/seed_<seed>/`` (resuming what a
     checkpoint there holds); every run sees the same batches in the same order. ``runtimes``:
     each model's :class:`Runtime` by label (:func:`diffjax.train.setup.run_runtime`; default

@@ -228,7 +228,7 @@ def describe_crossover(c: Crossover, a: str = "DIFF", b: str = "the twin") -> st
     if c.kind == ONE_SEED:
         return (
             "One seed: no crossover is claimed (a band over seeds needs two or more; set "
-            "train.num_seeds=2 or more)."
+            "compare.seeds=2 or more)."
         )
     band = f"the upper bound of the {pct} band of {a} minus {b} over {c.n_seeds} paired seeds"
     back = (

@@ -41,11 +41,11 @@ from diffjax.evaluate.stats import (
     paired_by_seed,
     paired_difference,
 )
-from diffjax.train.config import ExperimentConfig
 from diffjax.train.recorder import TrainResult
 from diffjax.train.metrics import read_metrics
 
 from diffjax.compare import signals
+from diffjax.compare.config import Comparison
 from diffjax.compare.curves import (
     DifferenceCurve,
     crossover,
@@ -132,7 +132,7 @@ class Flops(NamedTuple):
     peak: float | None
 
     @classmethod
-    def of(cls, exp: ExperimentConfig, device_kind: str | None = None) -> "Flops":
+    def of(cls, exp: Comparison, device_kind: str | None = None) -> "Flops":
         """For ``exp`` on this machine's devices (or ``device_kind``); the peak from
         ``train.peak_tflops`` or :data:`diffjax.infra.flops.PEAK_TFLOPS`."""
         kind = jax.devices()[0].device_kind if device_kind is None else device_kind
@@ -416,7 +416,7 @@ def learned_counts(
 
 
 # ---------------------------------------------------------------------------- report.md sections
-def _title(exp: ExperimentConfig, groups: dict[str, list[TrainResult]]) -> list[str]:
+def _title(exp: Comparison, groups: dict[str, list[TrainResult]]) -> list[str]:
     return [
         f"# {exp.run.name}: "
         + " vs ".join(f"{label} ({rs[0].attention})" for label, rs in groups.items()),
@@ -473,7 +473,7 @@ def over_training(curve: DifferenceCurve | None) -> list[str]:
     ]
 
 
-def _retrieval(exp: ExperimentConfig, results: Sequence[TrainResult]) -> list[str]:
+def _retrieval(exp: Comparison, results: Sequence[TrainResult]) -> list[str]:
     """The seed count of a run whose data declared a query accuracy (a retrieval task)."""
     if QUERY_ACCURACY not in metric_keys(results):
         return []
@@ -481,7 +481,7 @@ def _retrieval(exp: ExperimentConfig, results: Sequence[TrainResult]) -> list[st
     return learned_counts(results, chance["no_retrieval"], chance["no_retrieval_first"])
 
 
-def mixture_lines(exp: ExperimentConfig, results: Sequence[TrainResult]) -> list[str]:
+def mixture_lines(exp: Comparison, results: Sequence[TrainResult]) -> list[str]:
     """A mixture run's section: per component its weight, its share of the examples trained
     on and the passes over it (``TrainResult.mixture``), and DIFF − twin in its validation loss
     with the 95% interval over paired seeds (where DIFF helps, if anywhere); the weights over
@@ -568,13 +568,14 @@ def _plot() -> list[str]:
     return ["![validation and training loss](loss.png)", ""]
 
 
-def _setup_model(exp: ExperimentConfig) -> str:
+def _setup_model(exp: Comparison) -> str:
     m = exp.model
+    twin_std = exp.compare.twin_init_std
     init = (
         f"{m.init_std:g} (both models)"
-        if exp.twin_init_std is None
-        else f"{m.init_std:g} (DIFF) and {exp.twin_init_std:g} (twin): **not one init scale** "
-        f"(`twin_init_std`)"
+        if twin_std is None
+        else f"{m.init_std:g} (DIFF) and {twin_std:g} (twin): **not one init scale** "
+        f"(`compare.twin_init_std`)"
     )
     return (
         f"- model: `{m.attention}`, d_model {m.d_model}, {m.num_layers} layers, {m.num_heads} "
@@ -583,7 +584,7 @@ def _setup_model(exp: ExperimentConfig) -> str:
     )
 
 
-def _setup_training(exp: ExperimentConfig, data_description: str) -> list[str]:
+def _setup_training(exp: Comparison, data_description: str) -> list[str]:
     t, d = exp.train, exp.data
     return [
         f"- data: {data_description or d.source}; sequence length {d.seq_len}; the same batches "
@@ -595,7 +596,7 @@ def _setup_training(exp: ExperimentConfig, data_description: str) -> list[str]:
     ]
 
 
-def _setup_measures(exp: ExperimentConfig, results: Sequence[TrainResult]) -> str:
+def _setup_measures(exp: Comparison, results: Sequence[TrainResult]) -> str:
     answers = "val_answer_accuracy" in metric_keys(results)
     return (
         f"- final validation loss: over {exp.train.eval_batches} fixed validation batches; final "
@@ -650,7 +651,7 @@ def attention_lines(results: Sequence[TrainResult]) -> list[str]:
     return lines
 
 
-def _setup(exp: ExperimentConfig, results: Sequence[TrainResult], description: str) -> list[str]:
+def _setup(exp: Comparison, results: Sequence[TrainResult], description: str) -> list[str]:
     return [
         "## Setup",
         "",
@@ -665,7 +666,7 @@ def _setup(exp: ExperimentConfig, results: Sequence[TrainResult], description: s
 
 def write_report(
     run_dir: str,
-    exp: ExperimentConfig,
+    exp: Comparison,
     results: Sequence[TrainResult],
     data_description: str = "",
     throughput: SideBySide | None = None,

@@ -358,7 +358,7 @@ def _final(
         if cross is not None:
             a, b = _name(data, arm), "the unconverted continuation"
             text = f"{describe_final(cross, a, b)} {describe_crossover(cross, a, b)}"
-            sentences[arm] = text.replace("train.num_seeds=2", "study.seeds=2")
+            sentences[arm] = text.replace("compare.seeds=2", "study.seeds=2")
     return lines, sentences
 
 

@@ -4,8 +4,9 @@ to DIFF V1 (``python -m diffjax.retrofit_study --config configs/retrofit_cpu.py
 [study.<field>=value ...] [key=value ...]``).
 
 A config file declares the study as a module-level ``RETROFIT`` (a :class:`RetrofitStudy`)
-beside its ``get_config()``, whose experiment is the source's: a standard model
-(``model.attention=standard``, ``compare=false``), its data and recipe::
+beside its ``get_config()``, whose experiment is the source's, one model's training (a
+:class:`diffjax.train.ExperimentConfig`): a standard model (``model.attention=standard``), its
+data and recipe::
 
     RETROFIT = RetrofitStudy(
         source_steps=600,
@@ -79,6 +80,7 @@ from diffjax.train.metrics import read_metrics
 from diffjax.compare.retrofit_report import DONE_FILE, PLAN_FILE, RUN_CONFIG, write_study_report
 from diffjax.compare import studies
 from diffjax.compare.runner import Run, run_log, run_plan
+from diffjax.compare.config import Comparison
 
 SOURCE = "source"  # the source's folder name
 # the keys the study sets for every run (each has its own field of RetrofitStudy)
@@ -88,9 +90,9 @@ RESERVED = {
     "external source goes on the command line",
     "train.retrofit": "the study sets it for every converted arm",
     "train.seed": "the seeds are RetrofitStudy.seeds from the config's train.seed",
-    "train.num_seeds": "set RetrofitStudy.seeds (study.seeds=N)",
+    "compare.seeds": "set RetrofitStudy.seeds (study.seeds=N)",
     "train.steps": "set RetrofitStudy.source_steps or continue_steps",
-    "compare": "every run of the study trains one model",
+    "compare.twins": "every run of the study trains one model",
     "data.seed": "set RetrofitStudy.continue_data_seed (the source keeps the config's)",
 }
 # the fields a command line may set as study.<field>=value
@@ -278,15 +280,14 @@ def _keys(items) -> set[str]:
 def plan_study(config: str, study: RetrofitStudy, overrides: list[str]) -> StudyPlan:
     """Every run of the study, in order (seed by seed: the source, the baseline, the arms),
     each one's config checked (a bad arm stops here, before anything trains)."""
-    for key in ("train.num_seeds", "train.steps", "data.seed", "train.retrofit"):
+    for key in ("compare.seeds", "compare.twins", "train.steps", "data.seed", "train.retrofit"):
         if key in _keys(overrides):
             raise ConfigError(f"{key} is set by the retrofit study. Fix: {RESERVED[key]}.")
-    loaded = load_config(config)
-    pre = ["compare=false", "train.num_seeds=1"]
+    loaded = one_model(config)
     user = [*overrides]
     if "train.progress" not in _keys(overrides):
         user.append("train.progress=false")
-    base = apply_overrides(loaded, [*pre, *user])
+    base = apply_overrides(loaded, user)
     external = base.train.init_from
     if external is None and base.model.attention != "standard":
         raise ConfigError(
@@ -309,7 +310,6 @@ def plan_study(config: str, study: RetrofitStudy, overrides: list[str]) -> Study
         seed = seed0 + i
         src_dir = storage.join(run_dir, SOURCE, f"seed_{seed}")
         src = [
-            *pre,
             *user,
             *study.source,
             f"train.steps={study.source_steps}",
@@ -329,7 +329,6 @@ def plan_study(config: str, study: RetrofitStudy, overrides: list[str]) -> Study
         )
         start = external or src_dir
         common = [
-            *pre,
             *user,
             *study.continuation,
             f"train.steps={study.continue_steps}",
@@ -379,7 +378,14 @@ def _check_run_config(plan: StudyPlan, run: StudyRun, loaded, source_model) -> N
 
 def run_config(plan: StudyPlan, run: StudyRun) -> ExperimentConfig:
     """The run's experiment (a continuation's model config from its source's checkpoint)."""
-    return resolve_init_from(apply_overrides(load_config(plan.config), list(run.overrides)))
+    return resolve_init_from(apply_overrides(one_model(plan.config), list(run.overrides)))
+
+
+def one_model(config: str) -> ExperimentConfig:
+    """The config file's experiment as one model's training: every run of the study trains one
+    model, so a comparison's settings (its twins, its seeds) do not apply."""
+    loaded = load_config(config)
+    return loaded.experiment() if isinstance(loaded, Comparison) else loaded
 
 
 # ---------------------------------------------------------------------------- the probes

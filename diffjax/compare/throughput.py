@@ -60,7 +60,7 @@ class SideBySide:
             f"every round has {a if lo > 1 else b} faster"
             if self.resolved()
             else "the rounds disagree on which model is faster, so these rounds resolve no "
-            "difference (train.throughput_rounds sets how many)"
+            "difference (compare.throughput_rounds sets how many)"
         )
         return (
             f"{a} throughput is {self.median_ratio:.2f}x {b}'s (median over {self.rounds} "

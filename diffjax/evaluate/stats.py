@@ -195,7 +195,7 @@ def describe_difference(
     if d.low is None:
         return (
             f"{what}, {a} minus {b}: {spec.format(d.mean)} from one seed; no confidence "
-            f"interval can be given from one seed (set train.num_seeds=2 or more)."
+            f"interval can be given from one seed (set compare.seeds=2 or more)."
         )
     where = (
         f"the interval excludes zero: over these {d.n} seeds {a} is "

@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         SECTIONS,
         example=f"{PROG} runs/base/standard/seed_0 runs/base-diff model.attention=diff_v2 "
         "retrofit.warmup_steps=500",
-        epilog="Train it on with: python train.py compare=false train.init_from=OUT ...",
+        epilog="Train it on with: python train.py compare.twins= train.init_from=OUT ...",
     )
     p.add_argument("source", help="a standard model: diffjax model folder or Hugging Face dir")
     p.add_argument("out", help="a new folder for the DIFF model")

@@ -31,11 +31,12 @@ from diffjax import cli
 from diffjax.infra import storage
 from diffjax.compare import cli as compare_cli
 from diffjax.compare import studies
+from diffjax.compare.config import default_comparison, load_comparison
 from diffjax.compare.runner import Run, RunFailed, run_log, run_plan
 from diffjax.config import ConfigError, ModelConfig, split_scoped
 from diffjax.data import DataError
 from diffjax.nn.param_count import count_params
-from diffjax.train.config import apply_overrides, experiment_keys_help, load_config
+from diffjax.train.config import apply_overrides, experiment_keys_help
 from diffjax.train.loop import AfterStep
 from diffjax.train.preemption import Preempted
 
@@ -126,12 +127,12 @@ def plan_sweep(
     shape stops here, before anything trains)."""
     mine, overrides = split_scoped(overrides, "sweep")
     ladder = apply_ladder_overrides(load_ladder(config, study), mine)
-    base = load_config(config)
+    base = load_comparison(config)
     exp = apply_overrides(base, overrides)
-    if not exp.compare:
+    if not exp.compare.twins:
         raise ConfigError(
-            "the sweep compares DIFF with its twin at every size, but compare=false. Fix: "
-            "drop compare=false."
+            "the sweep compares DIFF with its twin at every size, but compare.twins is empty. "
+            "Fix: drop compare.twins= (or set compare.twins=standard)."
         )
     run_dir = exp.run.path
     runs = []
@@ -229,7 +230,7 @@ def _keys_help() -> str:
         exclude=tuple(f.name for f in dataclasses.fields(Ladder) if f.name not in SCALAR_FIELDS),
     )
     title = "sweep settings (set as sweep.field=value; defaults: Ladder's, unless SWEEP sets them):"
-    return cli.keys_help([section], title=title) + "\n\n" + experiment_keys_help()
+    return cli.keys_help([section], title=title) + "\n\n" + experiment_keys_help(default_comparison())
 
 
 def build_parser(study: str = "SWEEP") -> argparse.ArgumentParser:

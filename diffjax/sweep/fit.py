@@ -279,7 +279,7 @@ class Interval:
         return text
 
 
-ONE_SEED = "one seed per size, nothing to resample (set train.num_seeds=2 or more)"
+ONE_SEED = "one seed per size, nothing to resample (set compare.seeds=2 or more)"
 
 
 def _interval(

@@ -18,7 +18,7 @@ data, recipe, seeds) with a module-level ``SWEEP``, a :class:`Ladder` or a dict 
   ``<rung>/<name>/`` (e.g. DIFF V1 and DIFF V2 at every learning rate). Arms alone (neither
   sizes nor a field) are one rung, the base config: a comparison per arm in ``<name>/``, its
   report the arms' learning curves side by side (:mod:`diffjax.sweep.curves_report`). An arm with
-  ``compare=false`` trains its DIFF model alone; the report pairs it with another arm's twin
+  ``compare.twins=`` (:data:`ALONE`) trains its DIFF model alone; the report pairs it with another arm's twin
   when that is its twin (the same config). Default: one comparison in the rung's folder.
 * ``budget``: ``"fixed"``, every size trains on ``tokens`` tokens (None: the base config's
   ``train.steps``); or ``"proportional"``, each on ``tokens_per_param`` x its DIFF model's
@@ -47,6 +47,8 @@ from diffjax.compare import studies
 from diffjax.config import ConfigError, apply_scoped
 
 BUDGETS = ("fixed", "proportional")
+# an arm's setting that trains its DIFF model alone, without a twin
+ALONE = "compare.twins="
 
 
 def _fail(field: str, problem: str, fix: str):
@@ -87,7 +89,7 @@ class Ladder:
     values: tuple[Any, ...] | None = None  # the field's value at each rung, in order
     # named groups of settings: one comparison per arm at every rung, in <rung>/<arm>/
     arms: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
-    # {arm: other arm}: the DIFF model of an arm trained alone (compare=false) is paired with
+    # {arm: other arm}: the DIFF model of an arm trained alone (compare.twins=) is paired with
     # the other arm's twin although that is not its own twin (a parameter-matched variant)
     twins: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
@@ -255,11 +257,11 @@ class Ladder:
                     f"{arm!r}: {other!r} does not name two different arms of {list(self.arms)}",
                     "give {arm: the arm whose twin it is compared with}",
                 )
-            if "compare=false" in self.arms[other] or "compare=false" not in self.arms[arm]:
+            if ALONE in self.arms[other] or ALONE not in self.arms[arm]:
                 _fail(
                     "twins",
                     f"{arm!r}: {other!r}",
-                    f"train {arm!r} alone (compare=false) and {other!r} with its twin",
+                    f"train {arm!r} alone ({ALONE}) and {other!r} with its twin",
                 )
         object.__setattr__(self, "twins", dict(self.twins))
 

@@ -1,14 +1,17 @@
-"""Experiment configuration: typed dataclasses, Python config files and ``dotted.key=value``.
+"""One model's training configuration: typed dataclasses, Python config files and
+``dotted.key=value``.
 
 An experiment is :class:`ExperimentConfig` = ``run`` (where it writes) + ``model``
 (:class:`diffjax.ModelConfig`) + ``data`` (:class:`diffjax.data.DataConfig`) + ``train``
 (:class:`TrainConfig`) + ``mesh`` (:class:`diffjax.infra.sharding.MeshConfig`: the data / fsdp /
-tensor axis sizes) + ``compare`` (also train the model's standard-attention twin).
+tensor axis sizes) + ``retrofit`` (a conversion's settings). What a comparison trains beside the
+model (its twin, the seeds) is the experiment layer's: :class:`diffjax.compare.Comparison` adds
+a ``compare`` section, and every function here serves its sections too.
 
 A config file is a Python file with ``get_config() -> ExperimentConfig``. Any field can be
-overridden from the command line as ``section.field=value`` (``compare=false`` for the top-level
-flag); values are parsed by the field's declared type, and an unknown key or a bad value stops
-with a message that names it and the fix.
+overridden from the command line as ``section.field=value``; values are parsed by the field's
+declared type, and an unknown key or a bad value stops with a message that names it and the
+fix.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import dataclasses
 import difflib
 import importlib.util
 import os
-from typing import Any
+from typing import Any, ClassVar
 
 from diffjax.infra import storage
 from diffjax.cli import summary
@@ -34,7 +37,6 @@ from diffjax.config import (
     fail,
     field_comments,
     field_types,
-    twin,
 )
 from diffjax.data import (
     MIXTURE_EXHAUSTED,
@@ -105,15 +107,7 @@ class TrainConfig:
     )  # metrics.jsonl gets every step; TensorBoard every log_every steps
     seed: int = declared(
         0, ge=0, fix="use a non-negative seed"
-    )  # parameter init (the DIFF model and its twin get the same seed)
-    # train each model from init seeds seed .. seed + num_seeds - 1. Paired: seed s of DIFF and
-    # of its twin start from the same seed; every run sees the same batches, set by data.seed.
-    num_seeds: int = declared(1, ge=1, fix="set train.num_seeds to a positive integer")
-    # rounds of the side-by-side timing after training (0: skip). Each round alternates the two
-    # models' compiled steps to measure their throughput side by side.
-    throughput_rounds: int = declared(
-        5, ge=0, fix="set train.throughput_rounds=0 to skip the side-by-side timing, or more"
-    )
+    )  # parameter init (a comparison's models of one seed all get it)
     # A checkpoint to start from: a Hugging Face directory or a diffjax model folder. Hugging
     # Face: model_type diffllama or llama; diffjax: a train.py run's <label>/seed_<s> (its best
     # step) or what python -m diffjax.retrofit wrote. The model config comes from it
@@ -123,10 +117,6 @@ class TrainConfig:
     # convert train.init_from (a standard model) to model.attention (DIFF V1 or V2) with the
     # retrofit.* settings before training: its negative map ramped in from weight 0
     retrofit: bool = False
-    # after training and the report, the quick subset of `python -m diffjax.evaluate` on the
-    # run's best checkpoints. Written to eval.md and appended to report.md (the default
-    # comparison turns it on).
-    quick_eval: bool = False
     # check the Pallas kernels against the reference math before training, once per device
     # kind, jax version and head widths (cached): "auto" when the run uses them (GPU/TPU),
     # "off", or "interpret" (through the interpreters, also on CPU; for tests)
@@ -296,49 +286,21 @@ class RunConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ExperimentConfig:
+    """One model's training: where it writes, the model, its data, the optimisation, the mesh
+    and (for a conversion) the retrofit settings. The experiment layer's comparison
+    (:class:`diffjax.compare.Comparison`) adds what it trains beside it."""
+
     run: RunConfig = RunConfig()
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
     train: TrainConfig = TrainConfig()
     mesh: MeshConfig = MeshConfig()
     retrofit: RetrofitConfig = RetrofitConfig()
-    compare: bool = True  # also train the standard-attention twin of `model`
-    # The twin's init std, when it is not model.init_std (None: the same init for both). A
-    # per-model choice like a per-model learning rate: the report states it.
-    twin_init_std: float | None = None
+    # keys this config no longer has: {old key: what replaced it}, for the override's error
+    MOVED: ClassVar[dict[str, str]] = {}
 
     def __post_init__(self):
         check_fields(self)
-        if self.twin_init_std is not None and not self.compare:
-            fail(
-                "ExperimentConfig",
-                "twin_init_std",
-                f"is {self.twin_init_std:g} but compare=false trains no twin",
-                "leave twin_init_std unset (None), or set compare=true",
-            )
-        if self.twin_init_std is not None and not self.twin_init_std > 0:
-            fail(
-                "ExperimentConfig",
-                "twin_init_std",
-                f"must be > 0, got {self.twin_init_std:g}",
-                "use e.g. 0.02, or None for model.init_std",
-            )
-        if self.compare and not self.model.is_diff:
-            fail(
-                "ExperimentConfig",
-                "compare",
-                f"compare=true trains a DIFF model and its standard twin, but model.attention is "
-                f"{self.model.attention!r}",
-                "set model.attention=diff_v1 or diff_v2, or compare=false",
-            )
-        if self.train.init_from is not None and self.compare:
-            fail(
-                "ExperimentConfig",
-                "compare",
-                f"train.init_from={self.train.init_from!r} starts one model from a checkpoint, "
-                f"and its twin would start from random weights",
-                "set compare=false",
-            )
         if self.train.retrofit and self.train.init_from is None:
             fail(
                 "ExperimentConfig",
@@ -363,15 +325,6 @@ class ExperimentConfig:
                     f"is {self.model.attention!r}",
                     "leave retrofit.lambda_proj at 'default' for DIFF V1",
                 )
-        if self.train.init_from is not None and self.train.num_seeds > 1:
-            fail(
-                "ExperimentConfig",
-                "train.num_seeds",
-                f"train.init_from={self.train.init_from!r} starts every seed from the same "
-                f"checkpoint weights, so {self.train.num_seeds} seeds would train one model "
-                f"{self.train.num_seeds} times",
-                "set train.num_seeds=1",
-            )
         if self.data.seq_len > self.model.max_seq_len:
             fail(
                 "ExperimentConfig",
@@ -382,23 +335,13 @@ class ExperimentConfig:
             )
 
     @property
-    def models(self) -> dict[str, ModelConfig]:
-        """``{"diff": model, "standard": twin}`` with compare, else ``{label: model}``."""
-        if self.compare:
-            std = self.model.init_std if self.twin_init_std is None else self.twin_init_std
-            return {"diff": self.model, "standard": twin(self.model).replace(init_std=std)}
-        return {"diff" if self.model.is_diff else "standard": self.model}
-
-    @property
-    def seeds(self) -> list[int]:
-        """The init seeds: ``train.seed .. train.seed + train.num_seeds - 1``."""
-        return list(range(self.train.seed, self.train.seed + self.train.num_seeds))
+    def label(self) -> str:
+        """The model's folder name in a run: ``diff`` for a DIFF model, else ``standard``."""
+        return "diff" if self.model.is_diff else "standard"
 
     def with_seed(self, seed: int) -> "ExperimentConfig":
         """This experiment with init seed ``seed`` (the data order is unchanged)."""
-        return dataclasses.replace(
-            self, train=dataclasses.replace(self.train, seed=seed, num_seeds=1)
-        )
+        return dataclasses.replace(self, train=dataclasses.replace(self.train, seed=seed))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -410,26 +353,22 @@ def model_directory(run_dir: str, label: str, seed: int) -> str:
     return storage.join(run_dir, label, f"seed_{seed}")
 
 
-SECTIONS = {
-    "run": RunConfig,
-    "model": ModelConfig,
-    "data": DataConfig,
-    "train": TrainConfig,
-    "mesh": MeshConfig,
-    "retrofit": RetrofitConfig,
-}
+def sections(cls: type = ExperimentConfig) -> dict[str, type]:
+    """``{name: dataclass}`` of the config class ``cls``'s sections (its dataclass fields):
+    ``run``, ``model``, ``data``, ``train``, ``mesh``, ``retrofit``, and those a subclass adds."""
+    types = field_types(cls)
+    return {
+        f.name: types[f.name]
+        for f in dataclasses.fields(cls)
+        if dataclasses.is_dataclass(types[f.name])
+    }
 
 
-# the keys whose value is one of a fixed set (each is checked where its dataclass is built)
-# the allowed values of every key with a fixed set (python train.py --help lists them): those
-# declared with the fields (diffjax.config.declared), then the sections' own
-CHOICES: dict[str, tuple[str, ...]] = {
-    **{
-        f"{section}.{name}": allowed.choices
-        for section, cls in SECTIONS.items()
-        for name, allowed in allowed_values(cls).items()
-        if allowed.choices is not None
-    },
+SECTIONS = sections(ExperimentConfig)
+
+# the allowed values of keys whose sections check them by hand (python train.py --help lists
+# them beside those declared with the fields: :func:`choices`)
+SECTION_CHOICES: dict[str, tuple[str, ...]] = {
     "model.rope_scaling": ROPE_SCALINGS,
     "data.mixture_exhausted": MIXTURE_EXHAUSTED,
     "retrofit.ramp": RAMPS,
@@ -438,46 +377,59 @@ CHOICES: dict[str, tuple[str, ...]] = {
 }
 
 
+def choices(cls: type = ExperimentConfig) -> dict[str, tuple[str, ...]]:
+    """The allowed values of every key of ``cls`` with a fixed set: those declared with the
+    fields (:func:`diffjax.config.declared`), then the sections' own."""
+    declared_choices = {
+        f"{section}.{name}": allowed.choices
+        for section, sub in sections(cls).items()
+        for name, allowed in allowed_values(sub).items()
+        if allowed.choices is not None
+    }
+    return {**declared_choices, **SECTION_CHOICES}
+
+
+CHOICES = choices(ExperimentConfig)
+
+
 # ---------------------------------------------------------------------------- keys and overrides
 def config_keys(config: ExperimentConfig | None = None) -> list[tuple[str, str, Any]]:
-    """Every settable key as ``(key, type, current value)``."""
+    """Every settable key of ``config`` (default: a default :class:`ExperimentConfig`) as
+    ``(key, type, current value)``, section by section."""
     config = config or ExperimentConfig()
     keys = []
-    for section in SECTIONS:
+    for section in sections(type(config)):
         sub = getattr(config, section)
         for f in dataclasses.fields(sub):
             keys.append((f"{section}.{f.name}", str(f.type), getattr(sub, f.name)))
-    keys.append(("compare", "bool", config.compare))
-    keys.append(("twin_init_std", "float | None", config.twin_init_std))
     return keys
 
 
-def key_descriptions() -> dict[str, str]:
-    """``{key: one line}`` for every settable key: the first sentence of the comment beside or
-    above its dataclass field, and its allowed values where it has a fixed set
-    (:data:`CHOICES`). ``python train.py --help`` prints them."""
-    classes = {**{f"{s}.": c for s, c in SECTIONS.items()}, "": ExperimentConfig}
+def key_descriptions(cls: type = ExperimentConfig) -> dict[str, str]:
+    """``{key: one line}`` for every settable key of ``cls``: the first sentence of the comment
+    beside or above its dataclass field, and its allowed values where it has a fixed set
+    (:func:`choices`). ``python train.py --help`` prints them."""
+    fixed = choices(cls)
     out = {}
-    for prefix, cls in classes.items():
-        comments = field_comments(cls)
-        for f in dataclasses.fields(cls):
-            if dataclasses.is_dataclass(field_types(cls)[f.name]):
-                continue  # a section, not a key
-            key = prefix + f.name
+    for section, sub in sections(cls).items():
+        comments = field_comments(sub)
+        for f in dataclasses.fields(sub):
+            key = f"{section}.{f.name}"
             text = summary(comments.get(f.name, ""))
-            if key in CHOICES:
-                values = "one of " + ", ".join(map(repr, CHOICES[key]))
+            if key in fixed:
+                values = "one of " + ", ".join(map(repr, fixed[key]))
                 text = f"{text}; {values}" if text else values
             out[key] = text
     return out
 
 
-def experiment_keys_help() -> str:
-    """Every config key with its type and default (of the built-in default comparison), and its
-    one-line description: ``python train.py --help`` ends with it."""
+def experiment_keys_help(config: ExperimentConfig | None = None) -> str:
+    """Every key of ``config`` (default: :func:`default_config`) with its type, its value there
+    and its one-line description: ``python train.py --help`` ends with it."""
+    config = config or default_config()
     lines = ["config keys (set as key=value; defaults of the built-in default comparison):"]
-    descriptions = key_descriptions()
-    for key, type_str, value in config_keys(load_config(None)):
+    descriptions = key_descriptions(type(config))
+    for key, type_str, value in config_keys(config):
         lines.append(f"  {key:<27} {type_str:<24} default: {value!r}")
         if descriptions.get(key):
             lines.append(f"      {descriptions[key]}")
@@ -485,11 +437,12 @@ def experiment_keys_help() -> str:
 
 
 def apply_overrides(config: ExperimentConfig, overrides: list[str]) -> ExperimentConfig:
-    """Apply ``["section.field=value", ...]``; validation runs once all are applied."""
+    """Apply ``["section.field=value", ...]`` to ``config`` (any :class:`ExperimentConfig`,
+    its subclasses' sections included); validation runs once all are applied. A key the
+    config's class lists in ``MOVED`` is refused with what replaced it."""
     known = {k: t for k, t, _ in config_keys(config)}
-    sections = {**SECTIONS, "compare": ExperimentConfig, "twin_init_std": ExperimentConfig}
+    by_name = sections(type(config))
     changes: dict[str, dict[str, Any]] = {}
-    top: dict[str, Any] = {}
     components: list[tuple[str, str, Any]] = []
     for item in overrides:
         if "=" not in item:
@@ -502,32 +455,31 @@ def apply_overrides(config: ExperimentConfig, overrides: list[str]) -> Experimen
         if key.startswith(COMPONENT_KEY):
             components.append(_component_change(key, raw))
             continue
+        if key in config.MOVED:
+            raise ConfigError(f"the key {key!r} has moved. Fix: {config.MOVED[key]}.")
         if key not in known:
             close = difflib.get_close_matches(key, list(known), n=3)
             hint = f"did you mean {', '.join(close)}? " if close else ""
             raise ConfigError(
                 f"unknown config key {key!r}. Fix: {hint}run train.py --help for the list of keys."
             )
-        section, _, name = key.rpartition(".")
+        section, _, name = key.partition(".")
+        tp = field_types(by_name[section])[name]
         try:
-            value = convert(field_types(sections[section or key])[name], raw, text=True)
+            value = convert(tp, raw, text=True)
         except ConfigError:  # a nested config's own check (a mixture component's)
             raise
         except ValueError as e:
-            tp = field_types(sections[section or key])[name]
             raise ConfigError(
                 f"{key}: bad value {raw!r}: {e}. Fix: give {describe_type(tp)}."
             ) from None
-        if section:
-            changes.setdefault(section, {})[name] = value
-        else:
-            top[key] = value
+        changes.setdefault(section, {})[name] = value
     data = changes.get("data", {})
     if components:  # data.mixture.NAME.FIELD=VALUE, applied to the mixture given or set here
         data["mixture"] = _set_components(data.get("mixture", config.data.mixture), components)
         changes["data"] = data
     replaced = {s: dataclasses.replace(getattr(config, s), **c) for s, c in changes.items()}
-    return dataclasses.replace(config, **replaced, **top)
+    return dataclasses.replace(config, **replaced)
 
 
 COMPONENT_KEY = "data.mixture."
@@ -567,8 +519,9 @@ def _set_components(mixture, changes: list[tuple[str, str, Any]]):
 
 
 def load_config(path: str | None) -> ExperimentConfig:
-    """``get_config()`` of a Python config file, or the defaults (``configs/default.py``'s
-    equivalent is :func:`default_config`) when ``path`` is None."""
+    """``get_config()`` of a Python config file (an :class:`ExperimentConfig`, or a subclass of
+    it such as the experiment layer's comparison), or :func:`default_config` when ``path`` is
+    None."""
     if path is None:
         return default_config()
     if not os.path.isfile(path):
@@ -596,10 +549,10 @@ def load_config(path: str | None) -> ExperimentConfig:
 
 
 def default_config() -> ExperimentConfig:
-    """The default comparison: a small DIFF V1 model and its twin on the built-in corpus (the
-    standard library's sources), from two paired init seeds (so the report can give an
-    interval on the difference), sized to finish in about seven minutes on 2 CPU cores (an
-    estimate), quick evaluation included."""
+    """The default experiment, one model's training: a small DIFF V1 model on the built-in
+    corpus (the standard library's sources), sized so that the default comparison
+    (:func:`diffjax.compare.default_comparison`: it and its twin, two seeds each, quick
+    evaluation included) finishes in about seven minutes on 2 CPU cores (an estimate)."""
     return ExperimentConfig(
         run=RunConfig(name="default"),
         model=ModelConfig(
@@ -623,8 +576,5 @@ def default_config() -> ExperimentConfig:
             eval_every=50,
             eval_batches=8,
             checkpoint_every=100,
-            num_seeds=2,
-            quick_eval=True,
         ),
-        compare=True,
     )

@@ -118,7 +118,7 @@ def model_setup(
     the tokens out in over a ``context`` axis."""
     setup = _model_setup(
         model_cfg,
-        dataclasses.replace(tcfg, seed=0, num_seeds=1),
+        dataclasses.replace(tcfg, seed=0),
         runtime,
         sharding.current_rules(),
         ramp if model_cfg.ramp else None,
@@ -208,11 +208,11 @@ def check_run(exp: ExperimentConfig, mesh, models: Iterable[ModelConfig] | None 
     its "field: problem. Fix: ..." message: each model's heads and the batch against the mesh
     axes (:func:`diffjax.infra.sharding.check_model_mesh`), the accumulation against the data shards
     (:func:`check_grad_accum`), the sequence against the ``context`` axis and its order
-    (:func:`diffjax.ops.context.check_sequence`). ``models``: default every model of ``exp``;
+    (:func:`diffjax.ops.context.check_sequence`). ``models``: default ``exp.model``;
     ``mesh`` may be abstract (a planner's target)."""
     check_wandb(exp.run.wandb)
     order = exp.mesh.context_order
-    for model_cfg in exp.models.values() if models is None else models:
+    for model_cfg in [exp.model] if models is None else models:
         sharding.check_model_mesh(model_cfg, mesh, exp.train.batch_size, order)
     check_grad_accum(exp.train, mesh)
     context.check_sequence(exp.data.seq_len, context.axis_size(mesh), order)
