@@ -65,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Train a Differential Transformer and its standard-attention twin on the "
         "same data, in the same order, from the same seed, and compare them.",
-        epilog=experiment_keys_help(default_comparison()) + "\n\nexample: python train.py --config configs/needle.py "
+        epilog=experiment_keys_help(default_comparison())
+        + "\n\nexample: python train.py --config configs/needle.py "
         "train.steps=200 model.num_layers=4",
     )
     parser.add_argument(

@@ -230,7 +230,9 @@ def _keys_help() -> str:
         exclude=tuple(f.name for f in dataclasses.fields(Ladder) if f.name not in SCALAR_FIELDS),
     )
     title = "sweep settings (set as sweep.field=value; defaults: Ladder's, unless SWEEP sets them):"
-    return cli.keys_help([section], title=title) + "\n\n" + experiment_keys_help(default_comparison())
+    return (
+        cli.keys_help([section], title=title) + "\n\n" + experiment_keys_help(default_comparison())
+    )
 
 
 def build_parser(study: str = "SWEEP") -> argparse.ArgumentParser:
