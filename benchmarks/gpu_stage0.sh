@@ -26,7 +26,7 @@ export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-$RUN/jax_cache}
 CONFIG=configs/gpu_stage0.py
 if [ "${STAGE0_TINY:-0}" = 1 ]; then
   TINY=(model.d_model=32 model.num_layers=1 model.max_seq_len=64 data.seq_len=64
-        data.stdlib_tests=false data.max_files=12 train.batch_size=4 train.warmup_steps=1
+        data.stdlib.tests=false data.max_files=12 train.batch_size=4 train.warmup_steps=1
         train.eval_batches=1 train.checkpoint_every=4 model.dtype=float32 train.progress=false
         sweep.evals=2)
   PROBE=(--tiny --batch 4 --seq 64 --steps 2 --doc-len 40)

@@ -163,7 +163,7 @@ def main(argv=None) -> int:
         f"absolute mass\n"
     )
     swapped = dict(val)
-    swapped["inputs"], new = swap_asked_value(val, data.mqar_num_values)
+    swapped["inputs"], new = swap_asked_value(val, data.mqar.num_values)
     first = np.asarray(val["answer_spans"])[:, 0]
     old = np.stack([np.asarray(val["targets"])[i, s:e] for i, (s, e) in enumerate(first)])
     table = []

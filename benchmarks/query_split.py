@@ -70,7 +70,7 @@ def main(argv=None) -> int:
         _, preds = losses_and_predictions(model, val)
         rows.append((entry, split_accuracy(query_correct(preds, val), val)))
     print(
-        f"{len(val['inputs'])} validation examples, {data.num_queries} queries each "
+        f"{len(val['inputs'])} validation examples, {data.task.num_queries} queries each "
         f"({rows[0][1]['repeat_share']:.0%} of them repeats) | no retrieval: all "
         f"{chance['no_retrieval']:.3f}, first query {chance['no_retrieval_first']:.3f}\n"
     )

@@ -13,7 +13,7 @@ measured at this size yet (docs/results.md lists what has).
 """
 
 from diffjax import ModelConfig
-from diffjax.data import DataConfig
+from diffjax.data import DataConfig, TokensData
 from diffjax.compare import Comparison
 from diffjax.train import RunConfig, TrainConfig
 
@@ -34,7 +34,10 @@ def get_config():
             scan_layers=True,  # one compiled block, scanned: compile time flat in depth
         ),
         data=DataConfig(
-            source="tokens", path="data/tokens/*.bin", token_dtype="uint16", seq_len=2048
+            source="tokens",
+            path="data/tokens/*.bin",
+            tokens=TokensData(dtype="uint16"),
+            seq_len=2048,
         ),
         train=TrainConfig(
             steps=20000,

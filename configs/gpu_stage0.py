@@ -57,7 +57,7 @@ def get_config():
             "model.max_seq_len=1024",
             "model.dtype=bfloat16",
             "data.seq_len=1024",
-            "data.stdlib_tests=true",
+            "data.stdlib.tests=true",
             "train.batch_size=64",
             "train.lr=1e-3",
             "train.warmup_steps=100",

@@ -11,12 +11,12 @@ shares), in ``metrics.jsonl`` and TensorBoard; ``report.md`` gives per component
 the trained examples, the passes over it and DIFF − twin in its validation loss.
 
 For prepared corpora (local or ``gs://``) write the components the same way with their
-folders: ``data.mixture=web:0.7:gs://BUCKET/web,code:0.3:gs://BUCKET/code``
+folders: ``data.mixture.components=web:0.7:gs://BUCKET/web,code:0.3:gs://BUCKET/code``
 (docs/data.md#mixtures)."""
 
 import dataclasses
 
-from diffjax.data import MixtureComponent
+from diffjax.data import MixtureComponent, MixtureData
 from diffjax.compare import default_comparison
 
 
@@ -25,10 +25,12 @@ def get_config():
     data = dataclasses.replace(
         exp.data,
         source="mixture",
-        mixture=(
-            MixtureComponent("modules", weight=0.5, source="stdlib", stdlib_part="modules"),
-            MixtureComponent("packages", weight=0.5, source="stdlib", stdlib_part="packages"),
+        mixture=MixtureData(
+            components=(
+                MixtureComponent("modules", weight=0.5, source="stdlib", stdlib_part="modules"),
+                MixtureComponent("packages", weight=0.5, source="stdlib", stdlib_part="packages"),
+            ),
+            exhausted="repeat",  # a component that runs out starts over (said in the log)
         ),
-        mixture_exhausted="repeat",  # a component that runs out starts over (said in the log)
     )
     return dataclasses.replace(exp, run=dataclasses.replace(exp.run, name="mixture_cpu"), data=data)

@@ -3,7 +3,7 @@ d_model 64, 2 layers, from scratch, the same batches in the same order; batch 12
 steps, minutes per model and seed on 2 CPU cores.
 
 Task: 8 (key, value) byte pairs (keys distinct, from 16 key ids; values from 16 value ids, they
-may repeat), then 16 queries drawn *with replacement* from the 8 pairs (`query_replacement`:
+may repeat), then 16 queries drawn *with replacement* from the 8 pairs (`data.mqar.query_replacement`:
 16 answers to learn from per example, and no answer follows by elimination); the loss and
 `val_query_accuracy` count the queried values only. Chance per query
 (diffjax.data.synthetic.query_chance): uniform 1/16 = 0.062; "no retrieval" 0.180 (copy the
@@ -28,7 +28,7 @@ found: docs/retrieval.md.
 """
 
 from diffjax import ModelConfig
-from diffjax.data import DataConfig
+from diffjax.data import DataConfig, MqarData
 from diffjax.compare import Comparison
 from diffjax.train import RunConfig, TrainConfig
 
@@ -47,11 +47,9 @@ def get_config():
         data=DataConfig(
             source="mqar",
             seq_len=48,
-            num_pairs=8,
-            num_queries=16,
-            query_replacement=True,
-            mqar_num_keys=16,
-            mqar_num_values=16,
+            mqar=MqarData(
+                num_pairs=8, num_queries=16, query_replacement=True, num_keys=16, num_values=16
+            ),
         ),
         train=TrainConfig(
             steps=2000,

@@ -8,7 +8,7 @@ bytes of it haystack), then 16 queries "<K><v>" drawn with replacement, so none 
 elimination. The keys are the characters "JQZXYKVW", which are rare in the text, so, as with
 the paper's keys, the needle is the one place the key points to, and the other three needles
 are the distractors (lowercase letters also occur in the text; set
-`data.needle_key_letters=abcdefghijklmnopqrstuvwxyz` to try them). The loss and
+`data.needle.key_letters=abcdefghijklmnopqrstuvwxyz` to try them). The loss and
 `val_query_accuracy` count the value digits only. Chance per query
 (diffjax.data.synthetic.query_chance): uniform 1/9 = 0.111; "no retrieval" 1/4 (the value of a
 random needle). `model.max_seq_len` is 256, twice the trained length, so
@@ -25,7 +25,7 @@ Results (5 paired seeds): docs/results.md; how this setting was found: docs/retr
 """
 
 from diffjax import ModelConfig
-from diffjax.data import DataConfig
+from diffjax.data import DataConfig, NeedleData
 from diffjax.compare import Comparison
 from diffjax.train import RunConfig, TrainConfig
 
@@ -44,14 +44,16 @@ def get_config():
         data=DataConfig(
             source="needle",
             seq_len=128,
-            num_needles=4,
-            num_queries=16,
-            query_replacement=True,
-            key_len=1,
-            value_len=1,
-            needle_key_letters="JQZXYKVW",
-            needle_template="{key}{value}",
-            query_template="{key}{value}",
+            needle=NeedleData(
+                num_needles=4,
+                num_queries=16,
+                query_replacement=True,
+                key_len=1,
+                value_len=1,
+                key_letters="JQZXYKVW",
+                template="{key}{value}",
+                query_template="{key}{value}",
+            ),
         ),
         train=TrainConfig(
             steps=1500,

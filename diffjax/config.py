@@ -361,10 +361,11 @@ def _bounds_text(a: Allowed) -> str:
     return f"in {'(' if a.low_open else '['}{low}, {high}{')' if a.high_open else ']'}"
 
 
-def check_declared(config: Any) -> None:
+def check_declared(config: Any, where: str | None = None) -> None:
     """Every field of ``config`` declared with :func:`declared` against the values it allows:
-    a ConfigError ``"<Class>.<field>: ... Fix: ..."`` for the first that is outside them."""
-    section = type(config).__name__
+    a ConfigError ``"<where>.<field>: ... Fix: ..."`` (default the class's name) for the first
+    that is outside them."""
+    section = where or type(config).__name__
     for name, a in allowed_values(type(config)).items():
         value = getattr(config, name)
         # a tuple field's choices are those of each of its items
@@ -390,10 +391,11 @@ def check_declared(config: Any) -> None:
             fail(section, name, f"must be {bounds}, got {value}", a.fix or f"use a value {bounds}")
 
 
-def check_fields(config: Any) -> None:
+def check_fields(config: Any, where: str | None = None) -> None:
     """Check every field of the frozen config dataclass ``config`` against its annotation and
     store the converted value (see :func:`convert`); a wrong type raises ConfigError
-    ``"<Class>.<field>: expected <type>, got <type> <value>. Fix: ..."``."""
+    ``"<where>.<field>: expected <type>, got <type> <value>. Fix: ..."`` (``where``: default the
+    class's name; a section of a config names its place, e.g. ``DataConfig.needle``)."""
     cls = type(config)
     for f in dataclasses.fields(config):
         value = getattr(config, f.name)
@@ -403,7 +405,7 @@ def check_fields(config: Any) -> None:
             raise
         except ValueError:
             fail(
-                cls.__name__,
+                where or cls.__name__,
                 f.name,
                 f"expected {f.type}, got {type(value).__name__} {value!r}",
                 f"pass a value of type {f.type}",

@@ -13,7 +13,7 @@ from flax import nnx
 
 import diffjax
 from diffjax.nn.attention import Projection
-from diffjax.data import DataConfig
+from diffjax.data import DataConfig, NeedleData, SyntheticData
 from diffjax.evaluate import (
     CATEGORIES,
     EvalSettings,
@@ -35,12 +35,14 @@ from diffjax.evaluate.report import render
 DATA = DataConfig(
     source="needle",
     seq_len=64,
-    num_needles=2,
-    num_queries=2,
-    key_len=1,
-    value_len=2,
-    needle_template="\n${key}{value}\n",
-    query_template="\n${key}{value}",
+    needle=NeedleData(
+        num_needles=2,
+        num_queries=2,
+        key_len=1,
+        value_len=2,
+        template="\n${key}{value}\n",
+        query_template="\n${key}{value}",
+    ),
 )
 
 
@@ -241,11 +243,8 @@ def test_evaluate_model_writes_the_ablation_table(tmp_path):
     data = DataConfig(
         source="needle",
         seq_len=80,
-        num_needles=1,
-        num_queries=1,
-        key_len=2,
-        value_len=2,
-        num_val_examples=4,
+        needle=NeedleData(num_needles=1, num_queries=1, key_len=2, value_len=2),
+        synthetic=SyntheticData(num_val_examples=4),
     )
     settings = EvalSettings(
         True,

@@ -7,7 +7,7 @@ import os
 import numpy as np
 import pytest
 
-from diffjax.data import DataConfig, make_dataset, make_source
+from diffjax.data import DataConfig, make_dataset, make_source, MqarData, NeedleData, SyntheticData
 from diffjax.data.synthetic import query_chance
 from diffjax.train.config import ExperimentConfig, apply_overrides, load_config
 
@@ -30,13 +30,13 @@ def test_retrieval_config_loads_and_needs_retrieval(name):
     d = cfg.data
     # distractors, and no query answerable by elimination alone: fewer queries than needles/pairs,
     # or queries drawn with replacement
-    items = d.num_needles if name == "needle" else d.num_pairs
-    assert items >= 3 and (d.num_queries < items or d.query_replacement)
+    items = d.needle.num_needles if name == "needle" else d.mqar.num_pairs
+    assert items >= 3 and (d.task.num_queries < items or d.task.query_replacement)
     chance = query_chance(d)
     assert 0 < chance["uniform"] < chance["no_retrieval"] < 0.5
     batch = next(iter(make_dataset(d, "train", batch_size=cfg.train.batch_size)))
     assert batch["inputs"].shape == (cfg.train.batch_size, d.seq_len)
-    assert batch["answer_spans"].shape == (cfg.train.batch_size, d.num_queries, 2)
+    assert batch["answer_spans"].shape == (cfg.train.batch_size, d.task.num_queries, 2)
     # the overrides a notebook uses for a quick run keep the config valid
     quick = apply_overrides(cfg, ["train.steps=20", "train.eval_every=10", "compare.seeds=1"])
     assert quick.data == d and quick.train.steps == 20
@@ -56,7 +56,9 @@ def _brute_force_no_retrieval(config: DataConfig, n: int) -> float:
             spans, asked = ex["pair_spans"] + np.array([1, 0]), ex["query_pair"]
         values = [w[s:e].tobytes() for s, e in spans]
         for r, q in enumerate(asked):
-            left = [j for j in range(len(values)) if config.query_replacement or j not in asked[:r]]
+            left = [
+                j for j in range(len(values)) if config.task.query_replacement or j not in asked[:r]
+            ]
             hits.append(np.mean([values[j] == values[q] for j in left]))
     return float(np.mean(hits))
 
@@ -65,11 +67,8 @@ def test_query_chance_matches_a_brute_force_guesser():
     needle = DataConfig(
         source="needle",
         seq_len=200,
-        num_needles=4,
-        num_queries=2,
-        key_len=1,
-        value_len=1,
-        num_val_examples=32,
+        needle=NeedleData(num_needles=4, num_queries=2, key_len=1, value_len=1),
+        synthetic=SyntheticData(num_val_examples=32),
     )
     c = query_chance(needle)
     assert c["uniform"] == pytest.approx(1 / 9)
@@ -79,17 +78,14 @@ def test_query_chance_matches_a_brute_force_guesser():
     mqar = DataConfig(
         source="mqar",
         seq_len=24,
-        num_pairs=8,
-        num_queries=4,
-        mqar_num_keys=16,
-        mqar_num_values=4,
-        num_val_examples=400,
+        mqar=MqarData(num_pairs=8, num_queries=4, num_keys=16, num_values=4),
+        synthetic=SyntheticData(num_val_examples=400),
     )
     c = query_chance(mqar)
     assert c["uniform"] == 0.25
     assert _brute_force_no_retrieval(mqar, 400) == pytest.approx(c["no_retrieval"], abs=0.01)
     # every pair queried: the last answer follows by elimination (probability 1)
-    c = query_chance(mqar.replace(num_queries=8, seq_len=32))
+    c = query_chance(mqar.replace(seq_len=32, mqar=dict(num_queries=8)))
     assert c["no_retrieval"] == pytest.approx(
         np.mean([1 / (8 - r) + (1 - 1 / (8 - r)) / 4 for r in range(8)])
     )
@@ -101,12 +97,10 @@ def test_queries_with_replacement_repeat_keys_and_eliminate_nothing():
     mqar = DataConfig(
         source="mqar",
         seq_len=48,
-        num_pairs=8,
-        num_queries=16,
-        mqar_num_keys=16,
-        mqar_num_values=16,
-        query_replacement=True,
-        num_val_examples=300,
+        mqar=MqarData(
+            num_pairs=8, num_queries=16, num_keys=16, num_values=16, query_replacement=True
+        ),
+        synthetic=SyntheticData(num_val_examples=300),
     )
     c = query_chance(mqar)
     assert c["no_retrieval"] == pytest.approx(1 / 8 + (1 - 1 / 8) / 16)  # the same for every query
@@ -123,17 +117,15 @@ def test_queries_with_replacement_repeat_keys_and_eliminate_nothing():
     needle = DataConfig(
         source="needle",
         seq_len=300,
-        num_needles=3,
-        num_queries=4,
-        key_len=1,
-        value_len=1,
-        query_replacement=True,
-        num_val_examples=8,
+        needle=NeedleData(
+            num_needles=3, num_queries=4, key_len=1, value_len=1, query_replacement=True
+        ),
+        synthetic=SyntheticData(num_val_examples=8),
     )
     assert query_chance(needle)["no_retrieval"] == pytest.approx(1 / 3)
     assert make_source(needle, "validation")[0]["query_needle"].shape == (4,)
     with pytest.raises(ValueError, match="query_replacement=True"):
-        mqar.replace(query_replacement=False)
+        mqar.replace(mqar=dict(query_replacement=False))
 
 
 @pytest.mark.parametrize("name", ["needle", "mqar"])
@@ -144,7 +136,7 @@ def test_repeated_queries_can_be_copied_and_the_first_query_cannot(name):
     level on the first query: why the first query's accuracy is what shows retrieval."""
     from diffjax.data import query_kinds
 
-    d = _load(name).data.replace(num_val_examples=256)
+    d = _load(name).data.replace(synthetic=dict(num_val_examples=256))
     chance = query_chance(d)
     src = make_source(d, "validation")
     rng = np.random.default_rng(0)
@@ -185,7 +177,7 @@ def test_needle_config_keys_occur_only_in_their_needle():
     key occurs earlier in the example (outside its needle and earlier queries) in few examples,
     as the paper's keys do; with lowercase letters it occurs in about half (why the model must
     then also tell the needle from the text)."""
-    d = _load("needle").data.replace(num_val_examples=256)
+    d = _load("needle").data.replace(synthetic=dict(num_val_examples=256))
 
     def key_in_text(config: DataConfig) -> float:
         src = make_source(config, "validation")
@@ -202,7 +194,7 @@ def test_needle_config_keys_occur_only_in_their_needle():
             found.append(bool(np.any(text & (w == key))))
         return float(np.mean(found))
 
-    assert d.needle_template == "{key}{value}" and d.key_len == 1
-    assert not set(d.key_alphabet) & set("abcdefghijklmnopqrstuvwxyz0123456789")
+    assert d.needle.template == "{key}{value}" and d.needle.key_len == 1
+    assert not set(d.needle.key_alphabet) & set("abcdefghijklmnopqrstuvwxyz0123456789")
     assert key_in_text(d) < 0.1
-    assert key_in_text(d.replace(needle_key_letters="abcdefghijklmnopqrstuvwxyz")) > 0.3
+    assert key_in_text(d.replace(needle=dict(key_letters="abcdefghijklmnopqrstuvwxyz"))) > 0.3

@@ -226,7 +226,9 @@ def test_evaluate_long_context_on_a_run(needle_run, capsys):
         assert [x["length"] for x in m["noise_measured"]] == [128, 256]
         model = load_model(str(reference / m["label"] / "seed_0"), "best")
         batch = retrieval.task_examples(
-            run_needle_task(data, 256, data.num_needles, data.num_queries, num_examples=4, seed=1)
+            run_needle_task(
+                data, 256, data.needle.num_needles, data.needle.num_queries, num_examples=4, seed=1
+            )
         )
         want = allocation.measured_noise_floor(model, batch, batch_size=1)
         got = m["noise_measured"][1]

@@ -13,6 +13,11 @@ from hypothesis import strategies as st
 
 from diffjax.config import ConfigError
 from diffjax.data import (
+    StdlibData,
+    MqarData,
+    NeedleData,
+    SyntheticData,
+    TokensData,
     BOS,
     EOS,
     PAD,
@@ -334,12 +339,12 @@ def test_token_files_memory_mapped(tmp_path, fmt):
         path=str(tmp_path),
         seq_len=32,
         val_fraction=0.1,
-        token_dtype=dtype if kind == "bin" else "uint16",
+        tokens=TokensData(dtype=dtype if kind == "bin" else "uint16"),
     )
     corpus = load_corpus(cfg)
     assert len(corpus.files) == 3
     for f in corpus.files:
-        assert isinstance(open_token_file(f, cfg.token_dtype), np.memmap)
+        assert isinstance(open_token_file(f, cfg.tokens.dtype), np.memmap)
     whole = np.concatenate(arrays).astype(np.int32)
     cut = 1500 - 150
     np.testing.assert_array_equal(corpus.train.read(0, cut), whole[:cut])
@@ -363,10 +368,8 @@ def test_token_files_memory_mapped(tmp_path, fmt):
 NEEDLE = DataConfig(
     source="needle",
     seq_len=768,
-    num_needles=4,
-    num_queries=2,
-    needle_depths=(0.0, 0.3, 0.6, 1.0),
     max_files=40,
+    needle=NeedleData(num_needles=4, num_queries=2, depths=(0.0, 0.3, 0.6, 1.0)),
 )
 
 
@@ -383,7 +386,7 @@ def test_needle_layout_answers_and_depths():
         w = np.concatenate([ex["inputs"], ex["targets"][-1:]])
         text = TOK.decode(w)
         # needles at the requested depths, each the expected sentence
-        np.testing.assert_allclose(ex["needle_depths"], NEEDLE.needle_depths, atol=1 / (H - nl))
+        np.testing.assert_allclose(ex["needle_depths"], NEEDLE.needle.depths, atol=1 / (H - nl))
         facts = {}
         for (s, e), (vs, ve) in zip(ex["needle_spans"], ex["needle_value_spans"]):
             m = re.fullmatch(
@@ -395,7 +398,7 @@ def test_needle_layout_answers_and_depths():
             assert e <= 1 + H  # inside the haystack
         assert len(set(facts.values())) == 4
         starts = ex["needle_spans"][:, 0] - 1
-        np.testing.assert_array_equal(starts, np.rint(np.array(NEEDLE.needle_depths) * (H - nl)))
+        np.testing.assert_array_equal(starts, np.rint(np.array(NEEDLE.needle.depths) * (H - nl)))
         # queries at the end; weights exactly on the answer digits; answers appear in context
         queries = re.findall(
             r"\nWhat is the magic number for ([a-z]{5})\? (\d{6})\.?", text[-2 * ql :]
@@ -422,9 +425,9 @@ def test_needle_deterministic_and_random_depths():
     other = make_source(NEEDLE, "train", seed=1)
     assert not np.array_equal(src[3]["inputs"], other[3]["inputs"])
     val = make_source(NEEDLE, "validation")
-    assert len(val) == NEEDLE.num_val_examples
+    assert len(val) == NEEDLE.synthetic.num_val_examples
     assert not np.array_equal(src[3]["inputs"], val[3]["inputs"])
-    rnd = make_source(NEEDLE.replace(needle_depths=None), "train")
+    rnd = make_source(NEEDLE.replace(needle=dict(depths=None)), "train")
     depths = np.stack([rnd[i]["needle_depths"] for i in range(20)])
     assert depths.min() >= 0 and depths.max() <= 1 and depths.std() > 0.1
     for i in range(20):  # needles never overlap
@@ -445,8 +448,10 @@ def test_place_needles_resolves_overlaps():
 
 
 def test_needle_minimal_seq_len_and_text_haystack(text_dir):
-    cfg = DataConfig(source="needle", num_needles=2, num_queries=1, path=str(text_dir))
-    need = cfg.needle_min_seq_len
+    cfg = DataConfig(
+        source="needle", path=str(text_dir), needle=NeedleData(num_needles=2, num_queries=1)
+    )
+    need = cfg.needle.min_seq_len
     ex = make_source(cfg.replace(seq_len=need), "validation")[0]  # no haystack at all
     assert ex["inputs"].shape == (need,)
     ex = make_source(cfg.replace(seq_len=need + 40), "train")[0]
@@ -466,17 +471,22 @@ def test_needle_custom_templates_key_letters_and_query_spans():
     cfg = DataConfig(
         source="needle",
         seq_len=96,
-        num_needles=3,
-        num_queries=4,
-        query_replacement=True,
-        key_len=1,
-        value_len=2,
-        needle_template="\n${key}{value}\n",
-        query_template="\n${key}{value}",
-        needle_num_key_letters=4,
         max_files=40,
+        needle=NeedleData(
+            num_needles=3,
+            num_queries=4,
+            query_replacement=True,
+            key_len=1,
+            value_len=2,
+            template="\n${key}{value}\n",
+            query_template="\n${key}{value}",
+            num_key_letters=4,
+        ),
     )
-    assert (cfg.needle_bytes, cfg.query_bytes) == (6, 5) and cfg.needle_min_seq_len == 38
+    assert (cfg.needle.needle_bytes, cfg.needle.query_bytes) == (
+        6,
+        5,
+    ) and cfg.needle.min_seq_len == 38
     src = make_source(cfg, "train")
     for i in range(20):
         ex = src[i]
@@ -497,8 +507,8 @@ def test_needle_custom_templates_key_letters_and_query_spans():
             t for a, b in ex["answer_spans"] for t in range(a, b)
         )
     # keys from an own alphabet (characters rare in the haystack): every key is one of them
-    rare = cfg.replace(needle_key_letters="JQZXYKVW", needle_num_key_letters=26)
-    assert rare.key_alphabet == "JQZXYKVW"
+    rare = cfg.replace(needle=dict(key_letters="JQZXYKVW", num_key_letters=26))
+    assert rare.needle.key_alphabet == "JQZXYKVW"
     seen = set()
     for i in range(20):
         ex = make_source(rare, "train")[i]
@@ -510,7 +520,7 @@ def test_needle_custom_templates_key_letters_and_query_spans():
         assert len(set(keys)) == 3 and set(keys) <= set("JQZXYKVW")
         seen |= set(keys)
     assert len(seen) >= 6  # drawn from the whole alphabet, not its first letters
-    assert cfg.replace(needle_key_letters="JQZXYKVW").key_alphabet == "JQZX"
+    assert cfg.replace(needle=dict(key_letters="JQZXYKVW")).needle.key_alphabet == "JQZX"
     # the default (the paper's sentences) is unchanged, and query_spans marks its queries too
     ex = make_source(NEEDLE, "train")[0]
     w = np.concatenate([ex["inputs"], ex["targets"][-1:]])
@@ -524,16 +534,14 @@ def test_context_len_schedule():
     cfg = DataConfig(
         source="mqar",
         seq_len=128,
-        num_pairs=8,
-        num_queries=16,
-        query_replacement=True,
-        curriculum_steps=100,
+        mqar=MqarData(num_pairs=8, num_queries=16, query_replacement=True),
+        synthetic=SyntheticData(curriculum_steps=100),
     )
     assert cfg.task_min_seq_len == 48
     lens = [cfg.context_len(s) for s in (0, 1, 50, 99, 100, 10**6)]
     assert lens == [48, 48, 88, 127, 128, 128]
-    assert cfg.replace(curriculum_start_len=100).context_len(50) == 114
-    assert DataConfig(source="mqar", seq_len=128, num_pairs=8).context_len(0) == 128
+    assert cfg.replace(synthetic=dict(curriculum_start_len=100)).context_len(50) == 114
+    assert DataConfig(source="mqar", seq_len=128, mqar=MqarData(num_pairs=8)).context_len(0) == 128
 
 
 def test_needle_curriculum_short_examples_then_full():
@@ -543,16 +551,18 @@ def test_needle_curriculum_short_examples_then_full():
     base = DataConfig(
         source="needle",
         seq_len=96,
-        num_needles=3,
-        num_queries=4,
-        query_replacement=True,
-        key_len=1,
-        value_len=2,
-        needle_template="\n${key}{value}\n",
-        query_template="\n${key}{value}",
         max_files=40,
+        needle=NeedleData(
+            num_needles=3,
+            num_queries=4,
+            query_replacement=True,
+            key_len=1,
+            value_len=2,
+            template="\n${key}{value}\n",
+            query_template="\n${key}{value}",
+        ),
     )
-    cfg = base.replace(curriculum_steps=10)
+    cfg = base.replace(synthetic=dict(curriculum_steps=10))
     G = 4
     src, full = make_source(cfg, "train", global_batch=G), make_source(base, "train")
     for i in (0, 3, 4 * G + 1, 10 * G - 1):
@@ -589,8 +599,8 @@ def test_needle_curriculum_short_examples_then_full():
 
 
 def test_mqar_curriculum_layout():
-    base = DataConfig(source="mqar", seq_len=64, num_pairs=8, num_queries=3)
-    cfg = base.replace(curriculum_steps=8, curriculum_start_len=30)
+    base = DataConfig(source="mqar", seq_len=64, mqar=MqarData(num_pairs=8, num_queries=3))
+    cfg = base.replace(synthetic=dict(curriculum_steps=8, curriculum_start_len=30))
     src, full = make_source(cfg, "train", global_batch=2), make_source(base, "train")
     for i in range(0, 20, 3):
         ex, L = src[i], cfg.context_len(i // 2)
@@ -608,7 +618,7 @@ def test_mqar_curriculum_layout():
 
 
 def test_needle_validation_padding_matches_train_batches():
-    cfg = NEEDLE.replace(num_val_examples=5)
+    cfg = NEEDLE.replace(synthetic=dict(num_val_examples=5))
     val = list(make_dataset(cfg, "validation", batch_size=4))
     train = next(iter(make_dataset(cfg, "train", batch_size=4)))
     assert len(val) == 2 and val[1]["weights"].any(axis=1).tolist() == [True, False, False, False]
@@ -620,7 +630,7 @@ def test_needle_validation_padding_matches_train_batches():
 
 # ============================================================================ MQAR
 def test_mqar_layout_and_determinism():
-    cfg = DataConfig(source="mqar", seq_len=64, num_pairs=8, num_queries=3)
+    cfg = DataConfig(source="mqar", seq_len=64, mqar=MqarData(num_pairs=8, num_queries=3))
     src = make_source(cfg, "train")
     for i in range(5):
         ex = src[i]
@@ -648,7 +658,9 @@ def test_mqar_key_and_value_vocabulary():
     """mqar_num_keys / mqar_num_values narrow the vocabularies; at their defaults (128 each)
     the stream is the one the generator wrote before they existed (the same draws)."""
     cfg = DataConfig(
-        source="mqar", seq_len=64, num_pairs=8, num_queries=3, mqar_num_keys=10, mqar_num_values=4
+        source="mqar",
+        seq_len=64,
+        mqar=MqarData(num_pairs=8, num_queries=3, num_keys=10, num_values=4),
     )
     src = make_source(cfg, "train")
     for i in range(20):
@@ -656,7 +668,7 @@ def test_mqar_key_and_value_vocabulary():
         keys, values = w[1:17:2], w[2:17:2]
         assert len(set(keys.tolist())) == 8 and keys.max() < 10
         assert values.min() >= 128 and values.max() < 132
-    default = DataConfig(source="mqar", seq_len=64, num_pairs=8, num_queries=3)
+    default = DataConfig(source="mqar", seq_len=64, mqar=MqarData(num_pairs=8, num_queries=3))
     for i in range(3):  # the original draws: keys from 128, values from 128..255
         rng = np.random.default_rng([0, 0, i])
         keys = rng.choice(128, size=8, replace=False)
@@ -667,7 +679,7 @@ def test_mqar_key_and_value_vocabulary():
 
 
 def test_query_correct_scores_each_answer_span():
-    cfg = DataConfig(source="mqar", seq_len=32, num_pairs=4, num_queries=2)
+    cfg = DataConfig(source="mqar", seq_len=32, mqar=MqarData(num_pairs=4, num_queries=2))
     b = next(iter(make_dataset(cfg, "validation", batch_size=4)))
     ok, has = query_correct(b["targets"], b)
     assert ok.shape == has.shape == (4, 2) and ok.all() and has.all()
@@ -692,7 +704,7 @@ def test_query_correct_scores_each_answer_span():
 
 # ============================================================================ answer_accuracy
 def test_answer_accuracy_numpy_and_jax():
-    cfg = DataConfig(source="mqar", seq_len=32, num_pairs=4, num_queries=2)
+    cfg = DataConfig(source="mqar", seq_len=32, mqar=MqarData(num_pairs=4, num_queries=2))
     b = next(iter(make_dataset(cfg, "validation", batch_size=4)))
     assert answer_accuracy(b["targets"], b) == 1.0
     wrong = b["targets"].copy()
@@ -742,7 +754,7 @@ def assert_error(exc_type, fn, *contains):
         (dict(val_fraction=1.0), "val_fraction", "[0, 1)"),
         (dict(val_fraction=-0.1), "val_fraction", "[0, 1)"),
         (dict(seed=-1), "seed", "2**32"),
-        (dict(token_dtype="int8"), "token_dtype", "uint16"),
+        (dict(tokens=dict(dtype="int8")), "tokens.dtype", "uint16"),
         (dict(max_files=0), "max_files", ">= 1"),
         (dict(seq_len="256"), "seq_len", "expected int"),
         (dict(shuffle=1), "shuffle", "expected bool"),
@@ -750,131 +762,214 @@ def assert_error(exc_type, fn, *contains):
         (dict(source="tokens"), "path", "None"),
         (dict(path="/tmp"), "path", "does not read files"),
         (dict(source="mqar", path="x.txt"), "path", "does not read files"),
-        (dict(source="needle", num_needles=2, num_queries=3, seq_len=1024), "num_queries", "<= 2"),
+        (
+            dict(source="needle", seq_len=1024, needle=dict(num_needles=2, num_queries=3)),
+            "needle.num_queries",
+            "<= 2",
+        ),
         (dict(source="needle", seq_len=100), "seq_len", "needs >= 244"),
         (
-            dict(source="needle", seq_len=512, needle_depths=(0.1, 0.2)),
-            "needle_depths",
+            dict(source="needle", seq_len=512, needle=dict(depths=(0.1, 0.2))),
+            "needle.depths",
             "exactly 4",
         ),
         (
-            dict(source="needle", seq_len=512, needle_depths=(0.1, 0.2, 0.3, 1.5)),
-            "needle_depths",
+            dict(source="needle", seq_len=512, needle=dict(depths=(0.1, 0.2, 0.3, 1.5))),
+            "needle.depths",
             "[0, 1]",
         ),
-        (dict(needle_depths=(0.5,) * 4), "needle_depths", "source='needle'"),
-        (dict(source="needle", seq_len=512, needle_depths="a,b"), "needle_depths", "expected"),
-        (dict(source="mqar", num_pairs=200, seq_len=1024), "num_pairs", "128"),
-        (dict(source="mqar", num_pairs=4, num_queries=5), "num_queries", "<= 4"),
-        (dict(source="mqar", num_pairs=16, seq_len=32), "seq_len", "needs >= 36"),
+        (dict(needle=dict(depths=(0.5,) * 4)), "needle.depths", "is a needle setting"),
         (
-            dict(source="mqar", num_pairs=16, seq_len=64, mqar_num_keys=8),
-            "num_pairs",
-            "mqar_num_keys=8",
+            dict(source="needle", seq_len=512, needle=dict(depths="a,b")),
+            "needle.depths",
+            "expected",
         ),
-        (dict(source="mqar", mqar_num_keys=129, seq_len=64), "mqar_num_keys", "[1, 128]"),
-        (dict(source="mqar", mqar_num_values=0, seq_len=64), "mqar_num_values", "[1, 128]"),
-        (dict(curriculum_steps=100), "curriculum_steps", "source='needle' or 'mqar'"),
-        (dict(source="mqar", seq_len=64, curriculum_steps=-1), "curriculum_steps", ">= 0"),
+        (dict(source="mqar", seq_len=1024, mqar=dict(num_pairs=200)), "mqar.num_pairs", "128"),
+        (dict(source="mqar", mqar=dict(num_pairs=4, num_queries=5)), "mqar.num_queries", "<= 4"),
+        (dict(source="mqar", seq_len=32, mqar=dict(num_pairs=16)), "seq_len", "needs >= 36"),
         (
-            dict(source="mqar", seq_len=64, curriculum_start_len=40),
-            "curriculum_start_len",
+            dict(source="mqar", seq_len=64, mqar=dict(num_pairs=16, num_keys=8)),
+            "mqar.num_pairs",
+            "num_keys=8",
+        ),
+        (dict(source="mqar", seq_len=64, mqar=dict(num_keys=129)), "mqar.num_keys", "[1, 128]"),
+        (
+            dict(source="mqar", seq_len=64, mqar=dict(num_values=0)),
+            "mqar.num_values",
+            "[1, 128]",
+        ),
+        (
+            dict(synthetic=dict(curriculum_steps=100)),
+            "synthetic.curriculum_steps",
+            "is a synthetic setting but source='stdlib'",
+        ),
+        (
+            dict(source="mqar", seq_len=64, synthetic=dict(curriculum_steps=-1)),
+            "synthetic.curriculum_steps",
+            ">= 0",
+        ),
+        (
+            dict(source="mqar", seq_len=64, synthetic=dict(curriculum_start_len=40)),
+            "synthetic.curriculum_start_len",
             "curriculum_steps=0",
         ),
         (
             dict(
                 source="mqar",
                 seq_len=64,
-                num_pairs=8,
-                num_queries=4,
-                curriculum_steps=10,
-                curriculum_start_len=20,
+                mqar=dict(num_pairs=8, num_queries=4),
+                synthetic=dict(curriculum_steps=10, curriculum_start_len=20),
             ),
-            "curriculum_start_len",
+            "synthetic.curriculum_start_len",
             "[24, seq_len=64]",
         ),
         (
             dict(
-                source="mqar", seq_len=64, num_pairs=8, curriculum_steps=10, curriculum_start_len=65
+                source="mqar",
+                seq_len=64,
+                mqar=dict(num_pairs=8),
+                synthetic=dict(curriculum_steps=10, curriculum_start_len=65),
             ),
-            "curriculum_start_len",
+            "synthetic.curriculum_start_len",
             "[20, seq_len=64]",
         ),
         (
-            dict(source="needle", value_len=1, num_needles=10, num_queries=1, seq_len=1024),
-            "value_len",
+            dict(
+                source="needle",
+                seq_len=1024,
+                needle=dict(value_len=1, num_needles=10, num_queries=1),
+            ),
+            "needle.value_len",
             "distinct",
         ),
         (
-            dict(source="needle", seq_len=512, needle_template="{value} is {key}"),
-            "needle_template",
+            dict(source="needle", seq_len=512, needle=dict(template="{value} is {key}")),
+            "needle.template",
             "before",
         ),
         (
-            dict(source="needle", seq_len=512, query_template="What is {key}?"),
-            "query_template",
+            dict(source="needle", seq_len=512, needle=dict(query_template="What is {key}?")),
+            "needle.query_template",
             "exactly once",
         ),
         (
-            dict(source="needle", seq_len=512, needle_template="{key} \u2192 {value}"),
-            "needle_template",
+            dict(source="needle", seq_len=512, needle=dict(template="{key} \u2192 {value}")),
+            "needle.template",
             "ASCII",
         ),
         (
-            dict(source="needle", seq_len=512, query_template="{key} {value} {x}"),
-            "query_template",
+            dict(source="needle", seq_len=512, needle=dict(query_template="{key} {value} {x}")),
+            "needle.query_template",
             "braces",
         ),
         (
-            dict(source="needle", seq_len=512, needle_num_key_letters=27),
-            "needle_num_key_letters",
+            dict(source="needle", seq_len=512, needle=dict(num_key_letters=27)),
+            "needle.num_key_letters",
             "[1, 26]",
         ),
         (
-            dict(source="needle", seq_len=512, needle_key_letters="JQJZ"),
-            "needle_key_letters",
+            dict(source="needle", seq_len=512, needle=dict(key_letters="JQJZ")),
+            "needle.key_letters",
             "once",
         ),
         (
-            dict(source="needle", seq_len=512, needle_key_letters="AB1C"),
-            "needle_key_letters",
+            dict(source="needle", seq_len=512, needle=dict(key_letters="AB1C")),
+            "needle.key_letters",
             "no digits",
         ),
         (
-            dict(source="needle", seq_len=512, needle_key_letters=""),
-            "needle_key_letters",
+            dict(source="needle", seq_len=512, needle=dict(key_letters="")),
+            "needle.key_letters",
             "non-empty",
         ),
         (
-            dict(source="needle", seq_len=512, key_len=1, needle_key_letters="JQZ"),
-            "key_len",
+            dict(source="needle", seq_len=512, needle=dict(key_len=1, key_letters="JQZ")),
+            "needle.key_len",
             "fewer than 4 distinct keys",
         ),
-        (dict(source="mqar", needle_key_letters="JQZ"), "needle_key_letters", "source='needle'"),
         (
-            dict(source="needle", seq_len=512, key_len=1, needle_num_key_letters=3),
-            "key_len",
+            dict(source="mqar", needle=dict(key_letters="JQZ")),
+            "needle.key_letters",
+            "is a needle setting but source='mqar'",
+        ),
+        (
+            dict(source="needle", seq_len=512, needle=dict(key_len=1, num_key_letters=3)),
+            "needle.key_len",
             "fewer than 4 distinct keys",
         ),
-        (dict(source="mqar", query_template="{key}={value}"), "query_template", "source='needle'"),
+        (
+            dict(source="mqar", needle=dict(query_template="{key}={value}")),
+            "needle.query_template",
+            "is a needle setting but source='mqar'",
+        ),
     ],
 )
 def test_config_errors(kwargs, field, contains):
-    msg = assert_error(ConfigError, lambda: DataConfig(**kwargs), f"DataConfig.{field}", contains)
+    """Each bad setting, a section's (given as a dict: its other fields at their defaults)
+    included, is refused naming its key and the fix."""
+    msg = assert_error(
+        ConfigError, lambda: DataConfig().replace(**kwargs), f"DataConfig.{field}", contains
+    )
     assert msg.startswith(f"DataConfig.{field}: ")
+
+
+def test_each_sources_settings_are_a_section_and_the_flat_spelling_is_refused():
+    """The data settings of one source sit together under ``data.<section>.`` (``--help``
+    lists them so), an earlier version's flat key is refused naming its new one, and a run
+    folder's saved flat config loads into the sections (a task's query settings into its own)."""
+    from diffjax.data.config import MOVED
+    from diffjax.train import apply_overrides, config_keys, default_config
+
+    keys = [k for k, _, _ in config_keys(default_config()) if k.startswith("data.")]
+    for section in ("needle", "mqar", "synthetic", "stdlib", "tokens", "mixture"):
+        at = [i for i, k in enumerate(keys) if k.startswith(f"data.{section}.")]
+        assert at and at == list(range(at[0], at[-1] + 1)), section  # together
+    for old, new in MOVED.items():
+        with pytest.raises(ConfigError, match=rf"'data\.{old}' has moved\. Fix: write data\.{new}"):
+            apply_overrides(default_config(), [f"data.{old}=1"])
+    exp = apply_overrides(
+        default_config(), ["data.source=mqar", "data.seq_len=64", "data.mqar.num_pairs=8"]
+    )
+    assert exp.data.mqar.num_pairs == 8 and exp.data.task is exp.data.mqar
+    old_needle = dict(
+        source="needle",
+        seq_len=512,
+        num_needles=3,
+        num_queries=5,
+        query_replacement=True,
+        needle_key_letters="JQZ",
+        curriculum_steps=4,
+        stdlib_part="modules",
+        document_mask=None,
+    )
+    loaded = DataConfig.from_saved(old_needle)
+    assert loaded == DataConfig(
+        source="needle",
+        seq_len=512,
+        needle=NeedleData(num_needles=3, num_queries=5, query_replacement=True, key_letters="JQZ"),
+        synthetic=SyntheticData(curriculum_steps=4),
+        stdlib=StdlibData(part="modules"),
+    )
+    old_mqar = dict(source="mqar", seq_len=64, num_pairs=8, num_queries=3, num_needles=4)
+    assert DataConfig.from_saved(old_mqar).mqar == MqarData(num_pairs=8, num_queries=3)
+    assert DataConfig.from_saved(old_mqar).needle == NeedleData()  # the default, not the source's
+    assert DataConfig.from_saved(loaded.to_dict()) == loaded  # this version's own
+    assert DataConfig.from_saved({"source": "stdlib"}).document_mask is False  # saved before it
 
 
 def test_config_coercions_and_roundtrip():
     c = DataConfig(
         source="needle",
         seq_len=np.int64(512),
-        needle_depths="0, 0.5,1,0.25",
         val_fraction=0,
         shuffle=np.bool_(False),
+        needle=NeedleData(depths="0, 0.5,1,0.25"),
     )
-    assert c.needle_depths == (0.0, 0.5, 1.0, 0.25) and type(c.seq_len) is int
+    assert c.needle.depths == (0.0, 0.5, 1.0, 0.25) and type(c.seq_len) is int
     assert isinstance(c.val_fraction, float) and c.shuffle is False
-    assert DataConfig(source="needle", seq_len=512, needle_depths=[0, 1, 1, 0]).needle_depths == (
+    assert DataConfig(
+        source="needle", seq_len=512, needle=NeedleData(depths=[0, 1, 1, 0])
+    ).needle.depths == (
         0.0,
         1.0,
         1.0,
@@ -986,7 +1081,7 @@ def test_data_errors_token_files(tmp_path):
     assert_error(
         DataError,
         lambda: check_data(DataConfig(source="tokens", seq_len=8, path=str(tmp_path / "odd.bin"))),
-        "DataConfig.token_dtype",
+        "DataConfig.tokens.dtype",
         "not a multiple of 2",
     )
     (tmp_path / "x.txt").write_text("text")

@@ -22,7 +22,7 @@ import diffjax
 from diffjax import ops
 from diffjax.compare.cli import main as train_main
 from diffjax.config import ConfigError
-from diffjax.data import ByteTokenizer, DataConfig
+from diffjax.data import ByteTokenizer, DataConfig, NeedleData
 from diffjax.data.config import needle_len, query_len
 from diffjax.evaluate import (
     CATEGORIES,
@@ -224,12 +224,14 @@ def test_position_categories_follow_custom_templates():
     data = DataConfig(
         source="needle",
         seq_len=64,
-        num_needles=3,
-        num_queries=2,
-        key_len=1,
-        value_len=2,
-        needle_template="\n${key}{value}\n",
-        query_template="\n${key}{value}",
+        needle=NeedleData(
+            num_needles=3,
+            num_queries=2,
+            key_len=1,
+            value_len=2,
+            template="\n${key}{value}\n",
+            query_template="\n${key}{value}",
+        ),
     )
     batch = task_examples(
         needle_task(data, seq_len=64, num_needles=3, num_queries=2, num_examples=4)
@@ -250,19 +252,21 @@ def test_the_runs_own_setting_keeps_its_query_replacement():
     data = DataConfig(
         source="needle",
         seq_len=64,
-        num_needles=2,
-        num_queries=4,
-        query_replacement=True,
-        key_len=1,
-        value_len=1,
-        needle_template="\n${key}{value}\n",
-        query_template="\n${key}{value}",
+        needle=NeedleData(
+            num_needles=2,
+            num_queries=4,
+            query_replacement=True,
+            key_len=1,
+            value_len=1,
+            template="\n${key}{value}\n",
+            query_template="\n${key}{value}",
+        ),
     )
     assert (
         inputs_lib.fits(data, 64, 2, 4)
-        and inputs_lib.run_needle_task(data, 64, 2, 4).query_replacement
+        and inputs_lib.run_needle_task(data, 64, 2, 4).needle.query_replacement
     )
-    assert not inputs_lib.run_needle_task(data, 64, 2, 2).query_replacement
+    assert not inputs_lib.run_needle_task(data, 64, 2, 2).needle.query_replacement
     batch = task_examples(inputs_lib.run_needle_task(data, 64, 2, 4, num_examples=8))
     assert batch["query_needle"].shape == (8, 4)
     with pytest.raises(ConfigError, match="num_queries"):
@@ -859,11 +863,11 @@ TINY_NEEDLE = tiny_run(
     "model.max_seq_len=96",
     "data.source=needle",
     "data.seq_len=80",
-    "data.num_needles=1",
-    "data.num_queries=1",
-    "data.key_len=2",
-    "data.value_len=2",
-    "data.num_val_examples=16",
+    "data.needle.num_needles=1",
+    "data.needle.num_queries=1",
+    "data.needle.key_len=2",
+    "data.needle.value_len=2",
+    "data.synthetic.num_val_examples=16",
     "train.warmup_steps=1",
     "train.steps=2",
     "train.eval_every=2",

@@ -23,6 +23,7 @@ import pytest
 from diffjax.compare.cli import main
 from diffjax.config import ConfigError
 from diffjax.data import (
+    MixtureData,
     BOS,
     EOS,
     PAD,
@@ -88,11 +89,18 @@ def corpora(tmp_path_factory) -> dict[str, str]:
     return out
 
 
-def mixture(corpora, weights=(0.7, 0.3), **kw) -> DataConfig:
+def mixture(corpora, weights=(0.7, 0.3), seed=0, **kw) -> DataConfig:
+    """A two-corpus mixture; ``kw``: the mixture section's other settings."""
     parts = tuple(
         MixtureComponent(name, corpora[name], w) for name, w in zip(("alpha", "beta"), weights)
     )
-    return DataConfig(source="mixture", seq_len=T, mixture=parts, prefetch=0, **kw)
+    return DataConfig(
+        source="mixture",
+        seq_len=T,
+        prefetch=0,
+        seed=seed,
+        mixture=MixtureData(components=parts, **kw),
+    )
 
 
 def batches(config, n, *, pi=0, pc=1, stages=None, state=None):
@@ -142,21 +150,21 @@ def test_grain_mix_positions_have_the_closed_form_counts(weights):
 
 # ---------------------------------------------------------------------------- the config
 def test_a_mixture_is_written_in_a_config_file_or_on_the_command_line():
-    """``data.mixture=NAME:WEIGHT:PATH,...`` (text: and stdlib spellings too), one field as
+    """``data.mixture.components=NAME:WEIGHT:PATH,...`` (text: and stdlib spellings too), one field as
     ``data.mixture.NAME.FIELD=VALUE``; the typed dataclass round-trips through a checkpoint's
     JSON and its command-line text."""
     exp = apply_overrides(
         default_config(),
         [
             "data.source=mixture",
-            "data.mixture=web:0.7:gs://bucket/web,code:0.2:text:src/,lib:0.1:stdlib,"
+            "data.mixture.components=web:0.7:gs://bucket/web,code:0.2:text:src/,lib:0.1:stdlib,"
             "mods:0.1:stdlib:modules",
             "data.mixture.code.max_files=3",
             "data.mixture.web.val_fraction=0",
-            "data.mixture_exhausted=stop",
+            "data.mixture.exhausted=stop",
         ],
     )
-    web, code, lib, mods = exp.data.mixture
+    web, code, lib, mods = exp.data.mixture.components
     assert mods == MixtureComponent("mods", None, 0.1, "stdlib", stdlib_part="modules")
     assert web == MixtureComponent("web", "gs://bucket/web", 0.7, "tokens", val_fraction=0.0)
     assert code == MixtureComponent("code", "src/", 0.2, "text", max_files=3)
@@ -177,29 +185,29 @@ def test_a_mixture_is_written_in_a_config_file_or_on_the_command_line():
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["data.source=mixture"], r"DataConfig.mixture: source='mixture' but no component"),
-        (["data.mixture=a:1:p"], r"DataConfig.mixture: is a mixture setting but source='stdlib'"),
-        (["data.source=mixture", "data.mixture=a:0:p,b:0:q"], r"every weight is 0 \(a, b\)"),
-        (["data.source=mixture", "data.mixture=a:-1:p"], r"mixture\[a\].weight: must be .* >= 0"),
-        (["data.source=mixture", "data.mixture=a:1:p,a:2:q"], r"names the component 'a' more"),
-        (["data.source=mixture", "data.mixture=a:x:p"], r"the weight 'x' of 'a:x:p' is not a"),
-        (["data.source=mixture", "data.mixture=a b:1:p"], r"'a b' is not a component name"),
-        (["data.source=mixture", "data.mixture=a:1:p", "data.mixture.b.weight=1"],
+        (["data.source=mixture"], r"DataConfig.mixture.components: source='mixture' but no component"),
+        (["data.mixture.components=a:1:p"], r"DataConfig.mixture.components: is a mixture setting but source='stdlib'"),
+        (["data.source=mixture", "data.mixture.components=a:0:p,b:0:q"], r"every weight is 0 \(a, b\)"),
+        (["data.source=mixture", "data.mixture.components=a:-1:p"], r"mixture\[a\].weight: must be .* >= 0"),
+        (["data.source=mixture", "data.mixture.components=a:1:p,a:2:q"], r"names the component 'a' more"),
+        (["data.source=mixture", "data.mixture.components=a:x:p"], r"the weight 'x' of 'a:x:p' is not a"),
+        (["data.source=mixture", "data.mixture.components=a b:1:p"], r"'a b' is not a component name"),
+        (["data.source=mixture", "data.mixture.components=a:1:p", "data.mixture.b.weight=1"],
          r"data.mixture.b.weight: the mixture has no component 'b' \(its components: a\)"),
-        (["data.source=mixture", "data.mixture=a:1:p", "data.mixture.a.size=1"],
+        (["data.source=mixture", "data.mixture.components=a:1:p", "data.mixture.a.size=1"],
          r"data.mixture.a.size: not a component setting"),
-        (["data.source=mixture", "data.mixture=a:1:p", "data.mixture.a.val_fraction=2"],
+        (["data.source=mixture", "data.mixture.components=a:1:p", "data.mixture.a.val_fraction=2"],
          r"DataConfig.mixture\[a\].val_fraction: must be in \[0, 1\)"),
-        (["data.source=mixture", "data.mixture=a:1:p", "data.path=x"],
+        (["data.source=mixture", "data.mixture.components=a:1:p", "data.path=x"],
          r"DataConfig.path: source='mixture' reads its components' paths"),
-        (["data.source=mixture", "data.mixture=a:1:p", "data.mixture_exhausted=wrap"],
-         r"DataConfig.mixture_exhausted: unknown setting 'wrap'"),
-        (["data.source=mixture", "data.mixture=a:1:p", "data.mixture.a.stdlib_part=modules"],
+        (["data.source=mixture", "data.mixture.components=a:1:p", "data.mixture.exhausted=wrap"],
+         r"DataConfig.mixture.exhausted: unknown setting 'wrap'"),
+        (["data.source=mixture", "data.mixture.components=a:1:p", "data.mixture.a.stdlib_part=modules"],
          r"DataConfig.mixture\[a\].stdlib_part: is a stdlib setting"),
-        (["data.source=mixture", "data.mixture=a:1:stdlib", "data.mixture.a.stdlib_part=docs"],
+        (["data.source=mixture", "data.mixture.components=a:1:stdlib", "data.mixture.a.stdlib_part=docs"],
          r"DataConfig.mixture\[a\].stdlib_part: unknown part 'docs'"),
-        (["data.source=text", "data.path=x", "data.stdlib_part=modules"],
-         r"DataConfig.stdlib_part: is a stdlib setting but source='text'"),
+        (["data.source=text", "data.path=x", "data.stdlib.part=modules"],
+         r"DataConfig.stdlib.part: is a stdlib setting but source='text'"),
     ],
 )  # fmt: skip
 def test_bad_mixture_settings_are_refused_at_construction(overrides, message):
@@ -277,7 +285,8 @@ def test_the_example_config_mixes_two_disjoint_parts_of_the_stdlib():
     summary = check_data(exp.data, exp.model.vocab_size)
     assert "modules (50%)" in summary.description and "its packages" in summary.description
     keys = {
-        c.name: {k for k, _ in text_files(exp.data.component(c.name))} for c in exp.data.mixture
+        c.name: {k for k, _ in text_files(exp.data.component(c.name))}
+        for c in exp.data.mixture.components
     }
     whole = DataConfig(source="stdlib", seq_len=exp.data.seq_len)
     assert keys["modules"] and all("/" not in k for k in keys["modules"])
@@ -325,7 +334,7 @@ from diffjax.infra import sharding
 from diffjax.train import apply_overrides, default_config
 from diffjax.train.setup import process_stream
 
-mix = f"data.mixture=alpha:0.7:{alpha},beta:0.3:{beta}"
+mix = f"data.mixture.components=alpha:0.7:{alpha},beta:0.3:{beta}"
 exp = apply_overrides(default_config(), [
     "data.source=mixture", mix, "data.seq_len=16", "train.batch_size=8", "data.prefetch=0"])
 saved = {}
@@ -459,7 +468,7 @@ def test_a_component_that_runs_out_starts_over_in_a_new_order_and_is_said(corpor
 def test_a_stop_mixture_ends_when_a_component_runs_out(corpora):
     """``stop``: the batches end at the plan's count, no example read twice, the component
     named that ran out; a state saved at the end resumes at the end."""
-    config = mixture(corpora, mixture_exhausted="stop")
+    config = mixture(corpora, exhausted="stop")
     plan = mixture_plan(config, B)
     end = plan.available_batches()
     it = iter(make_dataset(config, "train", batch_size=B))
@@ -489,16 +498,18 @@ def test_iterator_state_resumes_the_same_batches(corpora):
 
 
 def test_changed_weights_at_a_resume_need_the_setting_and_continue_each_component(corpora):
-    """Other weights at a resume are refused without data.mixture_reweight (naming it), a
+    """Other weights at a resume are refused without data.mixture.reweight (naming it), a
     component left out is refused (naming weight 0); with it a new stage starts at the resumed
     batch: the batches before it are the first stage's, and after it each component goes on
     with the examples after those it had given."""
     old = mixture(corpora)
-    new = mixture(corpora, (0.5, 0.5), mixture_reweight=True)
+    new = mixture(corpora, (0.5, 0.5), reweight=True)
     saved = json.loads(json.dumps(old.to_dict()))
-    with pytest.raises(ConfigError, match=r"alpha 0.7 -> 0.5, beta 0.3 -> 0.5.*mixture_reweight"):
-        resume_stages(new.replace(mixture_reweight=False), None, saved, 6, 6)
-    alone = DataConfig(source="mixture", seq_len=T, mixture=old.mixture[:1])
+    with pytest.raises(ConfigError, match=r"alpha 0.7 -> 0.5, beta 0.3 -> 0.5.*mixture.reweight"):
+        resume_stages(new.replace(mixture=dict(reweight=False)), None, saved, 6, 6)
+    alone = DataConfig(
+        source="mixture", seq_len=T, mixture=MixtureData(components=old.mixture.components[:1])
+    )
     with pytest.raises(ConfigError, match=r"mixes the component 'beta'.*weight=0"):
         resume_stages(alone, None, saved, 6, 6)
     assert resume_stages(old, None, saved, 6, 6) == (resume_stages(old, None, saved, 6, 6)[0], None)
@@ -531,7 +542,7 @@ def train_args(corpora, *extra) -> list[str]:
         "train.eval_every=4",
         "train.checkpoint_every=4",
         "data.source=mixture",
-        f"data.mixture=alpha:0.7:{corpora['alpha']},beta:0.3:{corpora['beta']}",
+        f"data.mixture.components=alpha:0.7:{corpora['alpha']},beta:0.3:{corpora['beta']}",
         *extra,
         drop=("data.max_files", "train.tensorboard"),
     )
@@ -652,7 +663,7 @@ def test_the_evaluation_gives_each_components_loss_and_its_difference(straight, 
 @pytest.mark.xdist_group("mixture-train")
 def test_weights_changed_at_a_resume_are_refused_then_recorded(corpora, straight, tmp_path, capsys):
     """The finished run continued to 12 steps at 0.5/0.5: refused before training without
-    data.mixture_reweight (nothing written); with it, the log, every later checkpoint,
+    data.mixture.reweight (nothing written); with it, the log, every later checkpoint,
     result.json and report.md record the change at step 8."""
     run = tmp_path / "run"
     shutil.copytree(straight[0], run)
@@ -662,9 +673,9 @@ def test_weights_changed_at_a_resume_are_refused_then_recorded(corpora, straight
     assert main(args) == 2
     err = capsys.readouterr().err
     assert "data.mixture: the weights differ from those of the checkpoint at step 8" in err
-    assert "Fix: set data.mixture_reweight=true" in err
+    assert "Fix: set data.mixture.reweight=true" in err
     assert (run / "diff" / "seed_0" / "metrics.jsonl").read_text() == before
-    assert main([*args, "data.mixture_reweight=true"]) == 0
+    assert main([*args, "data.mixture.reweight=true"]) == 0
     out = capsys.readouterr().out
     assert "the weights change at step 8 (alpha 0.7 -> 0.5, beta 0.3 -> 0.5" in out
     assert "data config differs" not in out
@@ -687,16 +698,16 @@ def test_weights_changed_at_a_resume_are_refused_then_recorded(corpora, straight
 
 
 def test_training_stops_when_a_stop_mixture_ends(corpora, tmp_path, capsys):
-    """``data.mixture_exhausted=stop``: the log says before training where it will stop and
+    """``data.mixture.exhausted=stop``: the log says before training where it will stop and
     then that it stopped; the last step is evaluated and saved."""
     run = tmp_path / "run"
     args = [f"run.dir={run}", *train_args(corpora, "train.steps=40", "compare.twins=")]
-    args += ["data.mixture_exhausted=stop", "train.tensorboard=false"]
+    args += ["data.mixture.exhausted=stop", "train.tensorboard=false"]
     assert main(args) == 0
     out = capsys.readouterr().out
-    end = mixture_plan(mixture(corpora, mixture_exhausted="stop"), B).available_batches()
+    end = mixture_plan(mixture(corpora, exhausted="stop"), B).available_batches()
     assert f"component 'beta' runs out after {end} steps" in out
-    assert f"training stops after step {end} (data.mixture_exhausted=stop)" in out
+    assert f"training stops after step {end} (data.mixture.exhausted=stop)" in out
     records = read_metrics(str(run / "diff" / "seed_0" / "metrics.jsonl"))
     assert records[-1]["step"] == end and "val_loss" in records[-1]
     assert end in Checkpointer(str(run / "diff" / "seed_0" / "checkpoints")).all_steps()

@@ -153,14 +153,14 @@ def test_task_metrics_are_summed_over_processes(tmp_path):
     needle = [
         "data.source=needle",
         "data.seq_len=32",
-        "data.num_needles=2",
-        "data.num_queries=4",
-        "data.query_replacement=true",
-        "data.key_len=1",
-        "data.value_len=1",
-        "data.needle_template={key}{value}",
-        "data.query_template={key}{value}",
-        "data.num_val_examples=12",  # padded to 16: the last batch's rows differ per process
+        "data.needle.num_needles=2",
+        "data.needle.num_queries=4",
+        "data.needle.query_replacement=true",
+        "data.needle.key_len=1",
+        "data.needle.value_len=1",
+        "data.needle.template={key}{value}",
+        "data.needle.query_template={key}{value}",
+        "data.synthetic.num_val_examples=12",  # padded to 16: the last batch's rows differ per process
         "train.steps=2",
         "train.eval_batches=2",
     ]

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from diffjax.compare.cli import main as train_main
-from diffjax.data import DataConfig, DataError, check_data, load_corpus
+from diffjax.data import DataConfig, DataError, check_data, load_corpus, TokensData
 from diffjax.data import prepare as prep
 from diffjax.data.sources import (
     _concat_documents,
@@ -240,14 +240,14 @@ def test_uint16_with_a_large_vocab_is_refused(tmp_path):
     ).manifest
     assert m["dtype"] == "uint32"
     assert read_split(tmp_path / "out", "train").tolist() == [1, 69999, 7]
-    # the reader takes the dtype from the manifest, not data.token_dtype
+    # the reader takes the dtype from the manifest, not data.tokens.dtype
     corpus = load_corpus(
         DataConfig(
             source="tokens",
             path=str(tmp_path / "out"),
-            token_dtype="uint16",
             val_fraction=0.0,
             seq_len=8,
+            tokens=TokensData(dtype="uint16"),
         )
     )
     assert corpus.train.read(0, 3).tolist() == [1, 69999, 7]

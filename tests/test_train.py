@@ -168,7 +168,7 @@ def test_the_comparisons_old_keys_are_refused_with_the_new_ones(old, new):
         ("train.steps=many", r"train.steps: bad value 'many'.*Fix: give an integer\.$"),
         ("train.lr=fast", r"train.lr: bad value 'fast'.*Fix: give a number\.$"),
         ("model.num_kv_heads=x", r"Fix: give an integer or none\.$"),
-        ("data.needle_depths=a,b", r"Fix: give a comma-separated list of numbers or none\.$"),
+        ("data.needle.depths=a,b", r"Fix: give a comma-separated list of numbers or none\.$"),
         ("compare.quick_eval=maybe", r"quick_eval: bad value 'maybe'.*Fix: give true or false\.$"),
         ("compare.twins=gated", r"CompareConfig.twins: unknown twin 'gated'.*'standard'"),
         ("compare.seeds=0", r"CompareConfig.seeds: must be >= 1"),
@@ -842,20 +842,29 @@ def test_validation_splits_first_and_repeated_queries():
     import jax.numpy as jnp
 
     from diffjax.infra import sharding
-    from diffjax.data import DataConfig, make_source, query_kinds, validation_metrics
+    from diffjax.data import (
+        DataConfig,
+        NeedleData,
+        SyntheticData,
+        make_source,
+        query_kinds,
+        validation_metrics,
+    )
     from diffjax.train import step as step_lib
 
     d = DataConfig(
         source="needle",
         seq_len=128,
-        num_needles=4,
-        num_queries=16,
-        query_replacement=True,
-        key_len=1,
-        value_len=1,
-        needle_template="{key}{value}",
-        query_template="{key}{value}",
-        num_val_examples=8,
+        needle=NeedleData(
+            num_needles=4,
+            num_queries=16,
+            query_replacement=True,
+            key_len=1,
+            value_len=1,
+            template="{key}{value}",
+            query_template="{key}{value}",
+        ),
+        synthetic=SyntheticData(num_val_examples=8),
     )
     src = make_source(d, "validation")
     batch = {k: np.stack([src[i][k] for i in range(8)]) for k in src[0]}
@@ -879,7 +888,12 @@ def test_a_corpus_declares_no_validation_metric_and_the_loop_computes_none():
     """The loop sums only what the data declares: a corpus has loss and perplexity alone."""
     import jax.numpy as jnp
 
-    from diffjax.data import DataConfig, RETRIEVAL_METRICS, make_source, validation_metrics
+    from diffjax.data import (
+        RETRIEVAL_METRICS,
+        DataConfig,
+        make_source,
+        validation_metrics,
+    )
     from diffjax.infra import sharding
     from diffjax.train import step as step_lib
 

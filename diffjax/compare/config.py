@@ -64,6 +64,7 @@ class Comparison(ExperimentConfig):
 
     compare: CompareConfig = CompareConfig()
     MOVED: ClassVar[dict[str, str]] = {
+        **ExperimentConfig.MOVED,
         "compare": f"write compare.twins ({_TWINS_FIX})",
         "twin_init_std": "write compare.twin_init_std",
         "train.num_seeds": "write compare.seeds",

@@ -494,7 +494,7 @@ def mixture_lines(exp: Comparison, results: Sequence[TrainResult]) -> list[str]:
     lines = [
         f"**The mixture** ({len(mixed['components'])} components; the validation loss above is "
         f"their blend by the training shares; when a component runs out: "
-        f"{exp.data.mixture_exhausted}):",
+        f"{exp.data.mixture.exhausted}):",
         "",
         "| component | weight | share of trained examples | passes over it | validation loss"
         + (" DIFF − twin [95% CI] |" if paired else " |"),

@@ -423,7 +423,9 @@ def retrieval_probes(model, data: data_lib.DataConfig, examples: int) -> dict[st
             )
         except ConfigError:
             continue
-        cfg = data_lib.DataConfig(source="needle", seq_len=seq_len, num_needles=n, num_queries=1)
+        cfg = data_lib.DataConfig(
+            source="needle", seq_len=seq_len, needle=data_lib.NeedleData(num_needles=n, num_queries=1)
+        )
         out["needle"] = {
             "accuracy": grid.overall(),
             "queries": int(grid.total.sum()),
@@ -438,9 +440,8 @@ def retrieval_probes(model, data: data_lib.DataConfig, examples: int) -> dict[st
         cfg = data_lib.DataConfig(
             source="mqar",
             seq_len=seq_len,
-            num_pairs=MQAR_PAIRS,
-            num_queries=MQAR_QUERIES,
-            num_val_examples=examples,
+            mqar=data_lib.MqarData(num_pairs=MQAR_PAIRS, num_queries=MQAR_QUERIES),
+            synthetic=data_lib.SyntheticData(num_val_examples=examples),
         )
     except ConfigError:
         return out

@@ -21,6 +21,12 @@ from diffjax.data.config import (
     DataConfig,
     DataError,
     MixtureComponent,
+    MixtureData,
+    MqarData,
+    NeedleData,
+    StdlibData,
+    SyntheticData,
+    TokensData,
 )
 from diffjax.data.documents import DocumentIndex, SpecialTokens, mark_documents
 from diffjax.data.mixture import MixturePlan, Stage, batches_read, resume_stages
@@ -71,6 +77,12 @@ __all__ = [
     "COMPONENT_SOURCES",
     "MIXTURE_EXHAUSTED",
     "MixtureComponent",
+    "MixtureData",
+    "MqarData",
+    "NeedleData",
+    "StdlibData",
+    "SyntheticData",
+    "TokensData",
     "STDLIB_PARTS",
     "MixturePlan",
     "Stage",

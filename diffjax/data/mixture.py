@@ -1,7 +1,7 @@
 """Mixtures: weighted blends of corpora, built on Grain's own mixing (``MapDataset.mix``).
 
 Each component's train examples are shuffled with a seed of their own (:func:`component_seed`
-of ``data.seed`` and the component's name) and repeated (``data.mixture_exhausted="repeat"``:
+of ``data.seed`` and the component's name) and repeated (``data.mixture.exhausted="repeat"``:
 a new order each pass) or read once (``"stop"``); ``grain.MapDataset.mix`` then interleaves
 them by their weights. Grain's mix is a deterministic function of the position: example ``k``
 of the mixture is a fixed example of a fixed component (the weights rounded to integer
@@ -9,7 +9,7 @@ proportions, the smallest scaled to 100), so every global batch of ``G`` example
 component's share to within one example, on any number of processes (each reads its rows of
 the global batch) and the iterator's state is the batches read, as for one corpus.
 
-A change of weights at a resume (``data.mixture_reweight``) starts a new *stage* at the
+A change of weights at a resume (``data.mixture.reweight``) starts a new *stage* at the
 resumed batch: each component continues from the examples it had given
 (:meth:`MixturePlan.examples_read`), mixed at the new weights. The stages are recorded with
 each checkpoint (``mixture_stages`` in its metadata) and rebuilt from there, so a later resume
@@ -97,13 +97,13 @@ def resume_stages(
     """The stages a run resumed at global batch ``batch`` (train step ``step``) reads, from
     those its checkpoint recorded (``saved``; None for a checkpoint that recorded none: the
     weights of its data config ``saved_data``), and the line to log when the weights change
-    there. Changed weights need ``data.mixture_reweight``; a component of the checkpoint's
+    there. Changed weights need ``data.mixture.reweight``; a component of the checkpoint's
     mixture must stay in it (weight 0 stops training on it). Else a ConfigError naming the
     fix, before any compute."""
     if saved:
         stages = [Stage.from_dict(s) for s in saved]
     else:
-        weights = {c["name"]: float(c["weight"]) for c in saved_data.get("mixture") or ()}
+        weights = DataConfig.from_saved(saved_data).weights
         stages = [Stage(0, 0, weights)]
     old, new = stages[-1].weights, config.weights
     if old == new:
@@ -117,16 +117,16 @@ def resume_stages(
             f"(data.mixture.{removed[0]}.weight=0: no longer trained on, still evaluated), "
             f"or set run.dir to a new directory."
         )
-    if not config.mixture_reweight:
+    if not config.mixture.reweight:
         raise ConfigError(
             f"data.mixture: the weights differ from those of the checkpoint at step {step} "
             f"({words}), so the batches from here on would not be the run's. Fix: set "
-            f"data.mixture_reweight=true to change them from step {step} on (recorded in the "
+            f"data.mixture.reweight=true to change them from step {step} on (recorded in the "
             f"checkpoints and the report), or resume with the checkpoint's weights."
         )
     stages = [s for s in stages if s.batch < batch] + [Stage(batch, step, dict(new))]
     return stages, (
-        f"data.mixture: the weights change at step {step} ({words}; data.mixture_reweight); "
+        f"data.mixture: the weights change at step {step} ({words}; data.mixture.reweight); "
         f"each component continues from the examples it has given"
     )
 
@@ -229,7 +229,7 @@ class MixturePlan:
         names = ", ".join(repr(n) for n in self.ran_out())
         return (
             f"data.mixture: component {names} runs out after {end:,} steps "
-            f"(data.mixture_exhausted=stop): training stops there, before train.steps={steps:,}"
+            f"(data.mixture.exhausted=stop): training stops there, before train.steps={steps:,}"
         )
 
     def end_note(self, step: int) -> str:
@@ -237,7 +237,7 @@ class MixturePlan:
         names = ", ".join(repr(n) for n in self.ran_out())
         return (
             f"data.mixture: component {names} has given all its train examples: training "
-            f"stops after step {step:,} (data.mixture_exhausted=stop)"
+            f"stops after step {step:,} (data.mixture.exhausted=stop)"
         )
 
     # ---------------------------------------------------------------- summaries
@@ -282,7 +282,7 @@ class MixturePlan:
             if any(len(p) == 0 for p in parents):
                 raise DataError(
                     f"DataConfig.mixture: the mixture ran out before step {stage.step}, where "
-                    f"the weights change. Fix: resume with data.mixture_exhausted=repeat"
+                    f"the weights change. Fix: resume with data.mixture.exhausted=repeat"
                 )
             mixes.append(grain.MapDataset.mix(parents, [stage.weights[n] for n in stage.mixed]))
         if len(mixes) == 1:

@@ -87,22 +87,22 @@ def make_source(
     ``seed`` (default ``config.seed``) picks the synthetic *train* examples; synthetic validation
     examples always use ``config.seed``. ``global_batch`` (examples per step over all
     processes) is needed by a synthetic train split with a context-length curriculum
-    (``config.curriculum_steps > 0``): example ``i`` belongs to step ``i // global_batch``."""
+    (``config.synthetic.curriculum_steps > 0``): example ``i`` belongs to step ``i // global_batch``."""
     _check_config(config)
     _check_split(split)
     seed = config.seed if seed is None or split == "validation" else int(seed)
-    if config.curriculum_steps > 0 and split == "train" and global_batch is None:
+    if config.synthetic.curriculum_steps > 0 and split == "train" and global_batch is None:
         raise DataError(
-            "make_source: data.curriculum_steps > 0 sizes each train example by its "
+            "make_source: data.synthetic.curriculum_steps > 0 sizes each train example by its "
             "step, which needs the global batch size. Fix: pass global_batch=G "
             "(examples per step over all processes)"
         )
     if config.source == "mqar":
-        n = SYNTHETIC_TRAIN_EXAMPLES if split == "train" else config.num_val_examples
+        n = SYNTHETIC_TRAIN_EXAMPLES if split == "train" else config.synthetic.num_val_examples
         return MQARSource(config, split, seed, n, global_batch)
     if config.source == "needle":
         _, stream = _haystack(config, split)
-        n = SYNTHETIC_TRAIN_EXAMPLES if split == "train" else config.num_val_examples
+        n = SYNTHETIC_TRAIN_EXAMPLES if split == "train" else config.synthetic.num_val_examples
         return NeedleSource(config, split, seed, stream, n, global_batch)
     if config.source == "mixture":
         import grain
@@ -126,7 +126,7 @@ def _in_component(name: str, error: DataError) -> DataError:
 
 def _component_windows(config: DataConfig, split: str) -> dict[str, WindowSource]:
     out = {}
-    for c in config.mixture:
+    for c in config.mixture.components:
         part = config.component(c.name)
         if split == "validation" and part.val_fraction == 0:
             continue  # a component without a validation split is not validated
@@ -159,7 +159,7 @@ def component_sources(config: DataConfig, split: str) -> dict[str, Any]:
             _NOTED.add(note)
             print(note, file=sys.stderr)
         windows = _component_windows(config.replace(document_mask=False), split)
-    index = {c.name: i for i, c in enumerate(config.mixture)}
+    index = {c.name: i for i, c in enumerate(config.mixture.components)}
     return {
         name: grain.MapDataset.source(src).map(_Tag(index[name])) for name, src in windows.items()
     }
@@ -204,7 +204,7 @@ def mixture_plan(
     """The :class:`~diffjax.data.mixture.MixturePlan` of a mixture's train split read in global
     batches of ``global_batch`` examples: its components' sizes, the ``stages`` (dicts as
     checkpoints record them, or :class:`~diffjax.data.mixture.Stage`; default the config's
-    weights from step 0) and the passes over each component (``data.mixture_exhausted``, or
+    weights from step 0) and the passes over each component (``data.mixture.exhausted``, or
     ``num_epochs`` when given)."""
     if config.source != "mixture":
         raise DataError(
@@ -230,7 +230,7 @@ def mixture_plan(
                     f"{stage.weights[name]:g}. Fix: give it more data, use a shorter "
                     f"data.seq_len, or weight 0"
                 )
-    repeat = config.mixture_exhausted == "repeat" and num_epochs is None
+    repeat = config.mixture.exhausted == "repeat" and num_epochs is None
     return MixturePlan(lengths, int(global_batch), staged, None if repeat else (num_epochs or 1))
 
 
@@ -245,7 +245,7 @@ def _mixture_train(
         raise DataError(
             f"make_dataset: the mixture holds {len(ds)} train examples before a component runs "
             f"out, fewer than one global batch of {pc} x {batch_size}. Fix: use a smaller "
-            f"batch_size or seq_len, more data, or data.mixture_exhausted=repeat"
+            f"batch_size or seq_len, more data, or data.mixture.exhausted=repeat"
         )
     return _process_batches(ds, global_batch, batch_size, pi)
 
@@ -261,7 +261,7 @@ def carries_documents(config: DataConfig) -> bool:
     if not config.masks_documents:
         return False
     if config.source == "mixture":
-        return all(carries_documents(config.component(c.name)) for c in config.mixture)
+        return all(carries_documents(config.component(c.name)) for c in config.mixture.components)
     if config.source != "tokens":
         return True
     if config.tokenizer is not None:
@@ -537,8 +537,8 @@ def _corpus_words(corpus: Corpus, config: DataConfig) -> str:
     if corpus.split_by == "stream" and corpus.kind != "tokens" and config.val_fraction > 0:
         how = " (split by position: too few files to split by file)"
     if corpus.kind == "stdlib":
-        tests = "with" if config.stdlib_tests else "without"
-        part = "" if config.stdlib_part == "all" else f"its {config.stdlib_part}, "
+        tests = "with" if config.stdlib.tests else "without"
+        part = "" if config.stdlib.part == "all" else f"its {config.stdlib.part}, "
         return f"stdlib corpus ({stdlib_root()}, {part}{tests} tests): {files}, {tokens}{how}"
     if corpus.kind == "text":
         return f"text corpus {config.path!r}: {files}, {tokens}{how}"
@@ -556,27 +556,25 @@ def _synthetic_summary(config: DataConfig) -> DataSummary:
             if corpus.kind == "stdlib"
             else f"{len(corpus.files):,} text file(s) {config.path!r}"
         )
-        F = config.seq_len - config.needle_min_seq_len
-        fill = dict(key="k" * config.key_len, value="0" * config.value_len)
+        F = config.seq_len - config.needle.min_seq_len
+        fill = dict(key="k" * config.needle.key_len, value="0" * config.needle.value_len)
         desc = (
-            f"needle retrieval: {config.num_needles} needles "
-            f"{config.needle_template.format(**fill)!r}, {config.num_queries} queries "
-            f"{config.query_template.format(**fill)!r} (keys: {config.key_len} of "
-            f"{config.key_alphabet!r}), seq_len {T} ({F:,} haystack bytes per example "
+            f"needle retrieval: {config.needle.num_needles} needles "
+            f"{config.needle.template.format(**fill)!r}, {config.needle.num_queries} queries "
+            f"{config.needle.query_template.format(**fill)!r} (keys: {config.needle.key_len} of "
+            f"{config.needle.key_alphabet!r}), seq_len {T} ({F:,} haystack bytes per example "
             f"from {hay})"
         )
         files, secs = len(corpus.files), corpus.seconds
     else:
-        desc = (
-            f"MQAR: {config.num_pairs} key-value pairs, {config.num_queries} queries, seq_len {T}"
-        )
+        desc = f"MQAR: {config.mqar.num_pairs} key-value pairs, {config.mqar.num_queries} queries, seq_len {T}"
         files, secs = 0, 0.0
-    ntr, nva = SYNTHETIC_TRAIN_EXAMPLES, config.num_val_examples
+    ntr, nva = SYNTHETIC_TRAIN_EXAMPLES, config.synthetic.num_val_examples
     desc += f", {nva:,} validation examples"
-    if config.curriculum_steps:
+    if config.synthetic.curriculum_steps:
         desc += (
             f"; curriculum: train examples grow from {config.context_len(0)} to {T} "
-            f"tokens over the first {config.curriculum_steps:,} steps (PAD after each)"
+            f"tokens over the first {config.synthetic.curriculum_steps:,} steps (PAD after each)"
         )
     return DataSummary(
         config.source,
@@ -622,7 +620,7 @@ def check_data(config: DataConfig, vocab_size: int = VOCAB_SIZE) -> DataSummary:
     # the streams and their sizes (document boundaries are read by make_source, when used)
     corpus = load_corpus(config.replace(document_mask=False))
     if config.source == "tokens":
-        check_token_ids(corpus.files, config.token_dtype, vocab_size)
+        check_token_ids(corpus.files, config.tokens.dtype, vocab_size)
     ntr = max(0, (len(corpus.train) - 1) // T)
     nva = max(0, (len(corpus.validation) - 1) // T)
     where = config.path if config.path is not None else str(stdlib_root())
@@ -670,7 +668,7 @@ def _tokenizer_of(part: DataConfig) -> tuple[str, int, str]:
 def _check_mixture(config: DataConfig, vocab_size: int) -> DataSummary:
     """:func:`check_data` of every component (its errors named by it), and one tokenizer for
     them all: a model reads one vocabulary."""
-    parts, tokenizers = {c.name: config.component(c.name) for c in config.mixture}, {}
+    parts, tokenizers = {c.name: config.component(c.name) for c in config.mixture.components}, {}
     for name, part in parts.items():
         try:
             if part.source == "tokens":
@@ -702,7 +700,7 @@ def _check_mixture(config: DataConfig, vocab_size: int) -> DataSummary:
     return DataSummary(
         "mixture",
         f"mixture of {len(summaries)} components (realised train shares in parentheses; "
-        f"when one runs out: {config.mixture_exhausted}): {words}",
+        f"when one runs out: {config.mixture.exhausted}): {words}",
         config.seq_len,
         total("files"),
         total("train_files"),
@@ -729,7 +727,7 @@ def num_tokens(config: DataConfig, split: str) -> int:
     if config.is_synthetic:
         return num_examples(config, split) * (config.seq_len + 1)
     if config.source == "mixture":
-        parts = [config.component(c.name) for c in config.mixture]
+        parts = [config.component(c.name) for c in config.mixture.components]
         return sum(num_tokens(p, split) for p in parts if split == "train" or p.val_fraction)
     return len(load_corpus(config).stream(split))
 
@@ -738,5 +736,5 @@ def num_examples(config: DataConfig, split: str) -> int:
     """Examples (windows of seq_len + 1 tokens) in one pass of ``split``."""
     _check_split(split)
     if config.is_synthetic:
-        return SYNTHETIC_TRAIN_EXAMPLES if split == "train" else config.num_val_examples
+        return SYNTHETIC_TRAIN_EXAMPLES if split == "train" else config.synthetic.num_val_examples
     return len(make_source(config, split))

@@ -459,7 +459,7 @@ def text_files(config: DataConfig) -> list[tuple[str, str]]:
     """``[(key, full path)]`` of a stdlib/text(/needle haystack) corpus, sorted, capped by
     ``max_files``."""
     if config.path is None:
-        files = list(_stdlib_files(str(stdlib_root()), config.stdlib_tests, config.stdlib_part))
+        files = list(_stdlib_files(str(stdlib_root()), config.stdlib.tests, config.stdlib.part))
         if not files:
             raise DataError(
                 f"DataConfig.source: no .py files under {str(stdlib_root())!r} "
@@ -506,7 +506,7 @@ def _check_token_file(path: str, dtype: str) -> int:
     if not path.endswith(TOKEN_EXTENSIONS):
         raise DataError(
             f"DataConfig.path: {path!r} is not a token file. Fix: give .npy files "
-            f"(any integer dtype) or raw .bin files of data.token_dtype"
+            f"(any integer dtype) or raw .bin files of data.tokens.dtype"
         )
     size = os.path.getsize(path)
     if size == 0:
@@ -532,8 +532,8 @@ def _check_token_file(path: str, dtype: str) -> int:
         item = np.dtype(dtype).itemsize
         if size % item:
             raise DataError(
-                f"DataConfig.token_dtype: {path!r} has {size} bytes, not a multiple "
-                f"of {item} ({dtype}). Fix: set data.token_dtype to the dtype the "
+                f"DataConfig.tokens.dtype: {path!r} has {size} bytes, not a multiple "
+                f"of {item} ({dtype}). Fix: set data.tokens.dtype to the dtype the "
                 f"file was written with (uint16, uint32 or int32)"
             )
         n = size // item
@@ -581,7 +581,7 @@ def check_token_ids(files: Sequence[str], dtype: str, vocab_size: int) -> None:
             raise DataError(
                 f"DataConfig.path: the token file {path!r} holds id {hi} (at position {where}), "
                 f"but the model's vocab_size is {vocab_size}. Fix: set model.vocab_size >= {hi + 1}, "
-                f"or check data.token_dtype ({file_dtype}) and the tokenizer that wrote the file"
+                f"or check data.tokens.dtype ({file_dtype}) and the tokenizer that wrote the file"
             )
         if lo < 0:
             raise DataError(
@@ -999,7 +999,7 @@ def load_token_corpus(config: DataConfig) -> Corpus:
     if config.max_files is not None:
         files = files[: config.max_files]
     pieces = [
-        _FilePiece(full, config.token_dtype, _check_token_file(full, config.token_dtype))
+        _FilePiece(full, config.tokens.dtype, _check_token_file(full, config.tokens.dtype))
         for _, full in files
     ]
     stream = TokenStream(pieces)

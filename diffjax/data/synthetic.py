@@ -128,7 +128,7 @@ class NeedleSource:
 
     needle: ``needle_template`` (by default ``"\\nThe magic number for <key> is <value>.\\n"``);
     query: ``query_template`` (``"\\nWhat is the magic number for <key>? <value>."``); keys are
-    ``key_len`` characters of ``config.key_alphabet`` (lowercase letters by default), values
+    ``key_len`` characters of ``config.needle.key_alphabet`` (lowercase letters by default), values
     ``value_len`` digits (no leading zero), both distinct within an example.
     Only the answer digits carry weight. The haystack is a random span of the split's corpus
     stream (document markers become newlines). Under a context-length curriculum a short train
@@ -150,13 +150,15 @@ class NeedleSource:
         self.global_batch = global_batch
         c = config
         self.T = c.seq_len
-        self.K, self.V = c.key_len, c.value_len
-        self.nl, self.ql = c.needle_bytes, c.query_bytes
-        self.H = self.T - c.num_queries * self.ql  # haystack + needles (BOS is the other token)
-        self.F = self.H - c.num_needles * self.nl  # filler bytes (at full length)
-        self._needle_parts = [p.encode() for p in _split_template(c.needle_template)]
-        self._query_parts = [p.encode() for p in _split_template(c.query_template)]
-        self._key_letters = np.frombuffer(c.key_alphabet.encode("ascii"), np.uint8)
+        self.K, self.V = c.needle.key_len, c.needle.value_len
+        self.nl, self.ql = c.needle.needle_bytes, c.needle.query_bytes
+        self.H = (
+            self.T - c.needle.num_queries * self.ql
+        )  # haystack + needles (BOS is the other token)
+        self.F = self.H - c.needle.num_needles * self.nl  # filler bytes (at full length)
+        self._needle_parts = [p.encode() for p in _split_template(c.needle.template)]
+        self._query_parts = [p.encode() for p in _split_template(c.needle.query_template)]
+        self._key_letters = np.frombuffer(c.needle.key_alphabet.encode("ascii"), np.uint8)
         # Offset of the value inside a needle / of the answer inside a query.
         self.needle_value_at = len(self._needle_parts[0]) + self.K + len(self._needle_parts[1])
         self.query_value_at = len(self._query_parts[0]) + self.K + len(self._query_parts[1])
@@ -185,7 +187,7 @@ class NeedleSource:
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         c = self.config
-        N, R, T = c.num_needles, c.num_queries, self.T
+        N, R, T = c.needle.num_needles, c.needle.num_queries, self.T
         rng = _rng(self.seed, self.split, index)
         keys = _distinct_rows(
             rng,
@@ -199,11 +201,11 @@ class NeedleSource:
                 [_DIGITS[g.integers(1, 10, (k, 1))], _DIGITS[g.integers(0, 10, (k, self.V - 1))]], 1
             ),
         )
-        if c.needle_depths is not None:
-            depths = np.asarray(c.needle_depths, np.float64)
+        if c.needle.depths is not None:
+            depths = np.asarray(c.needle.depths, np.float64)
         else:
             depths = rng.uniform(0.0, 1.0, N)
-        asked = rng.choice(N, size=R, replace=c.query_replacement)
+        asked = rng.choice(N, size=R, replace=c.needle.query_replacement)
         L = context_len(c, self.split, index, self.global_batch)
         H = L - R * self.ql  # this example's haystack + needles
         filler = self._filler(rng, H - N * self.nl)
@@ -252,21 +254,21 @@ class NeedleSource:
     def __repr__(self) -> str:
         c = self.config
         return (
-            f"NeedleSource({self.split}, {self._len} examples, {c.num_needles} needles, "
-            f"{c.num_queries} queries, seq_len {c.seq_len}, {self.F} filler bytes)"
+            f"NeedleSource({self.split}, {self._len} examples, {c.needle.num_needles} needles, "
+            f"{c.needle.num_queries} queries, seq_len {c.seq_len}, {self.F} filler bytes)"
         )
 
 
 def context_len(config: DataConfig, split: str, index: int, global_batch: int | None) -> int:
     """Tokens of example ``index`` of ``split``: under a context-length curriculum
-    (``config.curriculum_steps > 0``) a train example belongs to step ``index // global_batch``
+    (``config.synthetic.curriculum_steps > 0``) a train example belongs to step ``index // global_batch``
     (synthetic train examples are not shuffled, so example ``i`` is row ``i % G`` of global batch
     ``i // G``) and is :meth:`DataConfig.context_len` of that step long; else ``seq_len``."""
-    if config.curriculum_steps == 0 or split != "train":
+    if config.synthetic.curriculum_steps == 0 or split != "train":
         return config.seq_len
     if global_batch is None:
         raise ValueError(
-            "a context-length curriculum (data.curriculum_steps > 0) needs the "
+            "a context-length curriculum (data.synthetic.curriculum_steps > 0) needs the "
             "global batch size to know each train example's step: build the source "
             "with make_source(..., global_batch=G) (make_dataset does)"
         )
@@ -309,11 +311,11 @@ class MQARSource:
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         c = self.config
-        P, R, T = c.num_pairs, c.num_queries, c.seq_len
+        P, R, T = c.mqar.num_pairs, c.mqar.num_queries, c.seq_len
         rng = _rng(self.seed, self.split, index)
-        keys = rng.choice(c.mqar_num_keys, size=P, replace=False).astype(np.int32)
-        values = rng.integers(128, 128 + c.mqar_num_values, size=P).astype(np.int32)
-        asked = rng.choice(P, size=R, replace=c.query_replacement)
+        keys = rng.choice(c.mqar.num_keys, size=P, replace=False).astype(np.int32)
+        values = rng.integers(128, 128 + c.mqar.num_values, size=P).astype(np.int32)
+        asked = rng.choice(P, size=R, replace=c.mqar.query_replacement)
         w = np.full((T + 1,), PAD, np.int32)
         w[0] = BOS
         w[1 : 1 + 2 * P : 2] = keys
@@ -337,8 +339,8 @@ class MQARSource:
     def __repr__(self) -> str:
         c = self.config
         return (
-            f"MQARSource({self.split}, {self._len} examples, {c.num_pairs} pairs, "
-            f"{c.num_queries} queries, seq_len {c.seq_len})"
+            f"MQARSource({self.split}, {self._len} examples, {c.mqar.num_pairs} pairs, "
+            f"{c.mqar.num_queries} queries, seq_len {c.seq_len})"
         )
 
 
@@ -365,14 +367,14 @@ def query_chance(config: DataConfig) -> dict[str, float]:
     """
 
     def left(n: int, i: int) -> int:  # needles/pairs a no-retrieval guess picks from at query i
-        return n if config.query_replacement else n - i
+        return n if config.task.query_replacement else n - i
 
     if config.source == "needle":
-        n, r = config.num_needles, config.num_queries
-        uniform = 1.0 / (9 * 10 ** (config.value_len - 1))
+        n, r = config.needle.num_needles, config.needle.num_queries
+        uniform = 1.0 / (9 * 10 ** (config.needle.value_len - 1))
         per_query = [1.0 / left(n, i) for i in range(r)]
     elif config.source == "mqar":
-        p, r, m = config.num_pairs, config.num_queries, config.mqar_num_values
+        p, r, m = config.mqar.num_pairs, config.mqar.num_queries, config.mqar.num_values
         uniform = 1.0 / m
         per_query = [1.0 / left(p, i) + (1.0 - 1.0 / left(p, i)) / m for i in range(r)]
     else:

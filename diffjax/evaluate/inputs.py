@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from diffjax.config import ConfigError
-from diffjax.data import DataConfig, DataError, make_source
+from diffjax.data import DataConfig, DataError, NeedleData, SyntheticData, make_source
 
 from diffjax.evaluate.probe import losses_and_predictions
 from diffjax.evaluate.settings import EvalSettings
@@ -65,37 +65,28 @@ def needle_task(
     when it is a needle task (the haystack's ``path`` too when it is a text corpus), the stdlib
     corpus otherwise; ``query_replacement`` as in ``DataConfig`` (False: the paper's R distinct
     needles). Validated: a ``seq_len`` too short for the needles raises ``ConfigError``."""
-    kw: dict = {}
-    if base is not None and base.source == "needle":
-        kw = dict(
-            path=base.path,
-            key_len=base.key_len,
-            value_len=base.value_len,
-            needle_template=base.needle_template,
-            query_template=base.query_template,
-            needle_key_letters=base.needle_key_letters,
-            needle_num_key_letters=base.needle_num_key_letters,
-            val_fraction=base.val_fraction,
-            max_files=base.max_files,
-            stdlib_tests=base.stdlib_tests,
-            stdlib_part=base.stdlib_part,
-        )
-    elif base is not None and base.source in ("stdlib", "text"):
+    needle, kw = NeedleData(), {}
+    if base is not None and base.source in ("needle", "stdlib", "text"):
         kw = dict(
             path=base.path,
             val_fraction=base.val_fraction,
             max_files=base.max_files,
-            stdlib_tests=base.stdlib_tests,
-            stdlib_part=base.stdlib_part,
+            stdlib=base.stdlib,
         )
+        if base.source == "needle":  # its keys, values and templates
+            needle = base.needle
     return DataConfig(
         source="needle",
         seq_len=seq_len,
-        num_needles=num_needles,
-        num_queries=num_queries,
-        num_val_examples=num_examples,
+        needle=dataclasses.replace(
+            needle,
+            num_needles=num_needles,
+            num_queries=num_queries,
+            query_replacement=query_replacement,
+            depths=None,
+        ),
+        synthetic=SyntheticData(num_val_examples=num_examples),
         seed=seed,
-        query_replacement=query_replacement,
         **kw,
     )
 
@@ -111,13 +102,17 @@ def task_examples(config: DataConfig, num: int | None = None) -> dict[str, np.nd
 # ---------------------------------------------------------------------------- the run's needles
 def run_needle_setting(data: DataConfig) -> tuple[int, int]:
     """``(N needles, R queried)`` of a run on the needle task; (1, 1) for any other run."""
-    return (data.num_needles, data.num_queries) if data.source == "needle" else (1, 1)
+    return (data.needle.num_needles, data.needle.num_queries) if data.source == "needle" else (1, 1)
 
 
 def keeps_replacement(data: DataConfig, n: int, r: int) -> bool:
     """The run's own needle setting keeps its query_replacement; the paper's settings ask R
     distinct needles."""
-    return data.source == "needle" and data.query_replacement and (n, r) == run_needle_setting(data)
+    return (
+        data.source == "needle"
+        and data.needle.query_replacement
+        and (n, r) == run_needle_setting(data)
+    )
 
 
 def run_needle_task(data: DataConfig, seq_len: int, n: int, r: int, **kw) -> DataConfig:

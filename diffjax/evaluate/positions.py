@@ -31,8 +31,7 @@ def corpus_for_positions(data: DataConfig, seq_len: int) -> DataConfig | None:
             seq_len=seq_len,
             val_fraction=data.val_fraction,
             max_files=data.max_files,
-            stdlib_tests=data.stdlib_tests,
-            stdlib_part=data.stdlib_part,
+            stdlib=data.stdlib,
             document_mask=False,  # as the haystacks the model trained on
         )
     return None

@@ -64,7 +64,7 @@ def by_component(inputs: ModelInputs) -> dict[str, float] | None:
     if data.source != "mixture":
         return None
     out = {}
-    for c in data.mixture:
+    for c in data.mixture.components:
         part = data.component(c.name)
         if part.val_fraction == 0:
             continue
@@ -105,7 +105,7 @@ def section(run: Run) -> list[str]:
             rows.append([name] + [run.cell(lab, lambda r: val(r).get(key)) for lab in run.labels])
     components = sorted(
         {name for v in run.measured("validation") for name in (v.by_component or {})},
-        key=[c.name for c in run.data.mixture].index,
+        key=[c.name for c in run.data.mixture.components].index,
     )
 
     def component_loss(name):

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import importlib.util
 import os
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Iterator
 
 from diffjax.infra import storage
 from diffjax.cli import summary
@@ -38,11 +39,8 @@ from diffjax.config import (
     field_comments,
     field_types,
 )
-from diffjax.data import (
-    MIXTURE_EXHAUSTED,
-    DataConfig,
-    MixtureComponent,
-)
+from diffjax.data import DataConfig, MixtureComponent
+from diffjax.data.config import moved_keys
 from diffjax.interop.conversion import LAMBDA_PROJ, RAMPS, SECONDS, RetrofitConfig
 from diffjax.infra.sharding import MeshConfig
 
@@ -297,7 +295,7 @@ class ExperimentConfig:
     mesh: MeshConfig = MeshConfig()
     retrofit: RetrofitConfig = RetrofitConfig()
     # keys this config no longer has: {old key: what replaced it}, for the override's error
-    MOVED: ClassVar[dict[str, str]] = {}
+    MOVED: ClassVar[dict[str, str]] = moved_keys()
 
     def __post_init__(self):
         check_fields(self)
@@ -370,23 +368,32 @@ SECTIONS = sections(ExperimentConfig)
 # them beside those declared with the fields: :func:`choices`)
 SECTION_CHOICES: dict[str, tuple[str, ...]] = {
     "model.rope_scaling": ROPE_SCALINGS,
-    "data.mixture_exhausted": MIXTURE_EXHAUSTED,
     "retrofit.ramp": RAMPS,
     "retrofit.second": SECONDS,
     "retrofit.lambda_proj": LAMBDA_PROJ,
 }
 
 
+def _leaves(cls: type, prefix: str = "") -> Iterator[tuple[str, type, dataclasses.Field]]:
+    """``(key, the dataclass that holds it, its field)`` of every settable key under the config
+    class ``cls``, a section's own sections included (``data.needle.num_needles``)."""
+    types = field_types(cls)
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(types[f.name]):
+            yield from _leaves(types[f.name], f"{prefix}{f.name}.")
+        else:
+            yield f"{prefix}{f.name}", cls, f
+
+
 def choices(cls: type = ExperimentConfig) -> dict[str, tuple[str, ...]]:
     """The allowed values of every key of ``cls`` with a fixed set: those declared with the
     fields (:func:`diffjax.config.declared`), then the sections' own."""
-    declared_choices = {
-        f"{section}.{name}": allowed.choices
-        for section, sub in sections(cls).items()
-        for name, allowed in allowed_values(sub).items()
-        if allowed.choices is not None
-    }
-    return {**declared_choices, **SECTION_CHOICES}
+    out = {}
+    for key, owner, f in _leaves(cls):
+        allowed = allowed_values(owner).get(f.name)
+        if allowed is not None and allowed.choices is not None:
+            out[key] = allowed.choices
+    return {**out, **SECTION_CHOICES}
 
 
 CHOICES = choices(ExperimentConfig)
@@ -395,14 +402,12 @@ CHOICES = choices(ExperimentConfig)
 # ---------------------------------------------------------------------------- keys and overrides
 def config_keys(config: ExperimentConfig | None = None) -> list[tuple[str, str, Any]]:
     """Every settable key of ``config`` (default: a default :class:`ExperimentConfig`) as
-    ``(key, type, current value)``, section by section."""
+    ``(key, type, current value)``, section by section (a section's sections together)."""
     config = config or ExperimentConfig()
-    keys = []
-    for section in sections(type(config)):
-        sub = getattr(config, section)
-        for f in dataclasses.fields(sub):
-            keys.append((f"{section}.{f.name}", str(f.type), getattr(sub, f.name)))
-    return keys
+    return [
+        (key, str(f.type), functools.reduce(getattr, key.split("."), config))
+        for key, _, f in _leaves(type(config))
+    ]
 
 
 def key_descriptions(cls: type = ExperimentConfig) -> dict[str, str]:
@@ -411,15 +416,12 @@ def key_descriptions(cls: type = ExperimentConfig) -> dict[str, str]:
     (:func:`choices`). ``python train.py --help`` prints them."""
     fixed = choices(cls)
     out = {}
-    for section, sub in sections(cls).items():
-        comments = field_comments(sub)
-        for f in dataclasses.fields(sub):
-            key = f"{section}.{f.name}"
-            text = summary(comments.get(f.name, ""))
-            if key in fixed:
-                values = "one of " + ", ".join(map(repr, fixed[key]))
-                text = f"{text}; {values}" if text else values
-            out[key] = text
+    for key, owner, f in _leaves(cls):
+        text = summary(field_comments(owner).get(f.name, ""))
+        if key in fixed:
+            values = "one of " + ", ".join(map(repr, fixed[key]))
+            text = f"{text}; {values}" if text else values
+        out[key] = text
     return out
 
 
@@ -430,7 +432,7 @@ def experiment_keys_help(config: ExperimentConfig | None = None) -> str:
     lines = ["config keys (set as key=value; defaults of the built-in default comparison):"]
     descriptions = key_descriptions(type(config))
     for key, type_str, value in config_keys(config):
-        lines.append(f"  {key:<27} {type_str:<24} default: {value!r}")
+        lines.append(f"  {key:<33} {type_str:<24} default: {value!r}")
         if descriptions.get(key):
             lines.append(f"      {descriptions[key]}")
     return "\n".join(lines)
@@ -438,11 +440,12 @@ def experiment_keys_help(config: ExperimentConfig | None = None) -> str:
 
 def apply_overrides(config: ExperimentConfig, overrides: list[str]) -> ExperimentConfig:
     """Apply ``["section.field=value", ...]`` to ``config`` (any :class:`ExperimentConfig`,
-    its subclasses' sections included); validation runs once all are applied. A key the
-    config's class lists in ``MOVED`` is refused with what replaced it."""
-    known = {k: t for k, t, _ in config_keys(config)}
-    by_name = sections(type(config))
-    changes: dict[str, dict[str, Any]] = {}
+    its subclasses' sections included; ``data.needle.num_needles=4`` for a section's own
+    section); each section is validated once all its changes are applied. A key the config's
+    class lists in ``MOVED`` is refused with what replaced it."""
+    leaves = {key: f for key, owner, f in _leaves(type(config))}
+    types = {key: field_types(owner)[f.name] for key, owner, f in _leaves(type(config))}
+    changes: dict[str, Any] = {}
     components: list[tuple[str, str, Any]] = []
     for item in overrides:
         if "=" not in item:
@@ -452,19 +455,18 @@ def apply_overrides(config: ExperimentConfig, overrides: list[str]) -> Experimen
             )
         key, raw = item.split("=", 1)
         key = key.strip()
-        if key.startswith(COMPONENT_KEY):
-            components.append(_component_change(key, raw))
-            continue
         if key in config.MOVED:
             raise ConfigError(f"the key {key!r} has moved. Fix: {config.MOVED[key]}.")
-        if key not in known:
-            close = difflib.get_close_matches(key, list(known), n=3)
+        if key not in leaves and key.startswith(COMPONENT_KEY):
+            components.append(_component_change(key, raw))
+            continue
+        if key not in leaves:
+            close = difflib.get_close_matches(key, list(leaves), n=3)
             hint = f"did you mean {', '.join(close)}? " if close else ""
             raise ConfigError(
                 f"unknown config key {key!r}. Fix: {hint}run train.py --help for the list of keys."
             )
-        section, _, name = key.partition(".")
-        tp = field_types(by_name[section])[name]
+        tp = types[key]
         try:
             value = convert(tp, raw, text=True)
         except ConfigError:  # a nested config's own check (a mixture component's)
@@ -473,13 +475,25 @@ def apply_overrides(config: ExperimentConfig, overrides: list[str]) -> Experimen
             raise ConfigError(
                 f"{key}: bad value {raw!r}: {e}. Fix: give {describe_type(tp)}."
             ) from None
-        changes.setdefault(section, {})[name] = value
-    data = changes.get("data", {})
-    if components:  # data.mixture.NAME.FIELD=VALUE, applied to the mixture given or set here
-        data["mixture"] = _set_components(data.get("mixture", config.data.mixture), components)
-        changes["data"] = data
-    replaced = {s: dataclasses.replace(getattr(config, s), **c) for s, c in changes.items()}
-    return dataclasses.replace(config, **replaced)
+        *path, name = key.split(".")
+        functools.reduce(lambda d, p: d.setdefault(p, {}), path, changes)[name] = value
+    if components:  # data.mixture.NAME.FIELD=VALUE, applied to the components given or set here
+        mixture = changes.setdefault("data", {}).setdefault("mixture", {})
+        given = mixture.get("components", config.data.mixture.components)
+        mixture["components"] = _set_components(given, components)
+    return _replaced(config, changes)
+
+
+def _replaced(obj: Any, changes: dict[str, Any]) -> Any:
+    """``obj`` with ``changes`` applied, a nested dict per section (each section rebuilt, so
+    validated, once)."""
+    return dataclasses.replace(
+        obj,
+        **{
+            k: _replaced(getattr(obj, k), v) if isinstance(v, dict) else v
+            for k, v in changes.items()
+        },
+    )
 
 
 COMPONENT_KEY = "data.mixture."
@@ -511,7 +525,7 @@ def _set_components(mixture, changes: list[tuple[str, str, Any]]):
             names = ", ".join(by_name) or "none"
             raise ConfigError(
                 f"data.mixture.{name}.{field}: the mixture has no component {name!r} (its "
-                f"components: {names}). Fix: name one of them, or add it: data.mixture="
+                f"components: {names}). Fix: name one of them, or add it: data.mixture.components="
                 f"{','.join([*map(str, mixture), name + ':WEIGHT:PATH'])}."
             )
         by_name[name] = dataclasses.replace(by_name[name], **{field: value})

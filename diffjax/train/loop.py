@@ -125,7 +125,7 @@ class _Steps:
 
     def batch(self) -> tuple[dict[str, jax.Array] | None, float]:
         """The next training batch on the devices (None: the data has ended, a mixture with
-        ``data.mixture_exhausted=stop``), and the seconds spent waiting for it."""
+        ``data.mixture.exhausted=stop``), and the seconds spent waiting for it."""
         t = time.perf_counter()
         host = next(self.train_iter, None)
         wait = time.perf_counter() - t

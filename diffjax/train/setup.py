@@ -372,27 +372,35 @@ def open_run(
 
 
 def data_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """The data settings that differ from a checkpoint's (as JSON: a saved config's lists are
-    its tuples), leaving out those that change no batch (``prefetch``) and a mixture's weights,
-    which :func:`mixture_stages` handles."""
-    theirs = {**data_lib.config.SAVED_BEFORE, **saved}
-    mine = json.loads(json.dumps(current))
+    """The data settings (``data.`` keys) that differ from a checkpoint's (a saved config of
+    this version or an earlier one: :meth:`DataConfig.from_saved`), leaving out those that
+    change no batch (``prefetch``) and a mixture's weights, which :func:`mixture_stages`
+    handles."""
 
-    def strip(k: str, v: Any) -> Any:
-        return [{**c, "weight": None} for c in v or ()] if k == "mixture" else v
+    def flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+        out = {}
+        for k, v in d.items():
+            if isinstance(v, dict):
+                out.update(flat(v, f"{prefix}{k}."))
+            elif k == "components":
+                out[prefix + k] = [{**c, "weight": None} for c in v]
+            else:
+                out[prefix + k] = v
+        return out
 
+    theirs = flat(json.loads(json.dumps(data_lib.DataConfig.from_saved(saved).to_dict())))
+    mine = flat(json.loads(json.dumps(current)))
     return sorted(
         k
         for k in set(theirs) | set(mine)
-        if strip(k, theirs.get(k)) != strip(k, mine.get(k))
-        and k not in ("prefetch", "mixture_reweight")
+        if theirs.get(k) != mine.get(k) and k not in ("prefetch", "mixture.reweight")
     )
 
 
 def mixture_stages(data, ckpt: Checkpointer, latest, saved, log, label: str) -> list[dict]:
     """A mixture's weights over the run (:func:`diffjax.data.resume_stages`): the config's
     from step 0 for a new run; a resumed run's from its checkpoint, with a change of weights
-    (allowed by ``data.mixture_reweight``, else refused) starting at the resumed step."""
+    (allowed by ``data.mixture.reweight``, else refused) starting at the resumed step."""
     if latest is None:
         return [s.to_dict() for s in data_lib.mixture.first_stage(data)]
     batch = data_lib.batches_read(ckpt.read_data(latest))
@@ -481,7 +489,7 @@ class Validation:
             return cls(
                 _some(batches, exp, mesh, repr(data.source)), data_lib.validation_metrics(data)
             )
-        parts = {c.name: data.component(c.name) for c in data.mixture}
+        parts = {c.name: data.component(c.name) for c in data.mixture.components}
         components = {
             name: _some(
                 list(itertools.islice(process_stream(exp, "validation", mesh, part), n)),
