@@ -424,7 +424,9 @@ def retrieval_probes(model, data: data_lib.DataConfig, examples: int) -> dict[st
         except ConfigError:
             continue
         cfg = data_lib.DataConfig(
-            source="needle", seq_len=seq_len, needle=data_lib.NeedleData(num_needles=n, num_queries=1)
+            source="needle",
+            seq_len=seq_len,
+            needle=data_lib.NeedleData(num_needles=n, num_queries=1),
         )
         out["needle"] = {
             "accuracy": grid.overall(),
