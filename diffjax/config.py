@@ -31,6 +31,9 @@ from typing import Any, NoReturn
 import numpy as np
 
 ATTENTION_KINDS = ("standard", "diff_v1", "diff_v2")
+# the attention output gate of Qiu et al. 2025 (gated attention): none, one value per head, one
+# per output channel
+GATES = ("none", "headwise", "elementwise")
 ATTENTION_IMPLS = ("auto", "xla", "pallas", "cudnn", "splash")
 # the vendors' attention and the platform each runs on (a CPU runs either's composition through
 # XLA or the interpreter, for tests)
@@ -466,6 +469,10 @@ class ModelConfig:
     attention: str = declared(
         "diff_v1", choices=ATTENTION_KINDS, what="attention kind"
     )  # standard softmax attention, DIFF V1 or DIFF V2
+    # the output gate of gated attention (Qiu et al. 2025): sigmoid(x W_gate) from the layer's
+    # input multiplies each head's output before out_proj. "headwise": one value per head;
+    # "elementwise": one per output channel of a head; "none": no gate. Any attention kind.
+    gate: str = declared("none", choices=GATES, what="gate")
     max_seq_len: int = declared(
         1024, ge=1, fix="use a positive integer"
     )  # the longest sequence the model takes

@@ -117,7 +117,7 @@ def _ablated_layer_output(layer, x, rows, onehot, head, c):
     rows, and its projection."""
     w, vh, o = abl.layer_heads(layer, x)
     terms = abl.group_terms(w, vh, rows, onehot)
-    return layer.output(abl.ablate(o, rows, terms, 0, head, c)), layer.project(x)
+    return layer.output(abl.ablate(o, rows, terms, 0, head, c), x), layer.project(x)
 
 
 @pytest.mark.parametrize("kind", ["diff_v1", "diff_v2"])
@@ -177,7 +177,7 @@ def _forward_with_maps_scaled(model, tokens, keep):
         w = (maps["diff"] if "diff" in maps else maps["a"]) * keep[i]  # [B, H, T, S]
         v = block.attn.project(h).v
         v = jnp.repeat(v, w.shape[1] // v.shape[2], axis=2)
-        y = x + block.attn.output(jnp.einsum("bhts,bshd->bthd", w, v))
+        y = x + block.attn.output(jnp.einsum("bhts,bshd->bthd", w, v), h)
         x = y + block.ffn(block.ffn_norm(y))
     return model._logits(x)
 

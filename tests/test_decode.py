@@ -73,12 +73,19 @@ def full_logits(model, seqs, width=24):
 
 
 # ---------------------------------------------------------------------------- cache == forward
-@pytest.mark.parametrize("kind", ["v1", "v1_mqa", "v2", "v2_gqa", "standard_gqa", "standard_mqa"])
-def test_cache_equals_full_forward_at_every_step(kind):
+@pytest.mark.parametrize(
+    "kind, gate",
+    [
+        *[(k, "none") for k in ("v1", "v1_mqa", "v2", "v2_gqa", "standard_gqa", "standard_mqa")],
+        ("v1", "elementwise"),  # gated attention's output gate
+        ("v2_gqa", "headwise"),
+    ],
+)
+def test_cache_equals_full_forward_at_every_step(kind, gate):
     """Prompts of lengths 5, 3, 7 left-padded in one batch (plus 2 slots of extra padding): the
     prefill's logits at each row's real tokens and every decode step's logits equal the full
     forward of that row alone, unpadded (positions from 0 at its first token)."""
-    model = make_model(kind)
+    model = make_model(kind, gate=gate)
     prompts = rows()
     tokens, lengths = decode.pad_prompts(prompts, pad_id=VOCAB - 1)
     tokens = np.concatenate([np.full((3, 2), 7, np.int32), tokens], axis=1)  # more padding
@@ -282,13 +289,16 @@ def test_sharded_decoding_equals_single_device(kind):
         )
 
 
-@pytest.mark.parametrize("kind", ["v1_gqa", "v2", "standard_mqa"])
-def test_fused_kernels_decode_like_xla(kind):
+@pytest.mark.parametrize(
+    "kind, gate",
+    [("v1_gqa", "none"), ("v2", "none"), ("standard_mqa", "none"), ("v2", "elementwise")],
+)
+def test_fused_kernels_decode_like_xla(kind, gate):
     """attention_impl='pallas' (the Pallas GPU kernel, interpreted on CPU) for the prefill and
     for one query against the cache with the filled slots as kv segment ids: the XLA path's
     logits."""
-    xla = make_model(kind, seed=2, layers=1)
-    fused = make_model(kind, impl="pallas", seed=2, layers=1)  # same seed: the same weights
+    xla = make_model(kind, seed=2, layers=1, gate=gate)
+    fused = make_model(kind, impl="pallas", seed=2, layers=1, gate=gate)  # the same weights
     tokens, lengths = decode.pad_prompts(rows(seed=3, lengths=(4, 2)))
     start = jnp.asarray(4 - lengths)
     results = []

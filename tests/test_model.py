@@ -29,6 +29,9 @@ KINDS = {
     "diff_v1_gqa": dict(attention="diff_v1", num_heads=2, num_kv_heads=1, num_layers=1),
     "diff_v2": dict(attention="diff_v2", num_heads=2),  # d = 32
     "diff_v2_gqa": dict(attention="diff_v2", num_heads=4, num_kv_heads=2, num_layers=1),  # d = 16
+    # gated attention's output gate (model.gate), one per kind of gate
+    "diff_v1_gated": dict(attention="diff_v1", num_heads=2, gate="headwise", num_layers=1),
+    "standard_gated": dict(attention="standard", num_heads=4, gate="elementwise", num_layers=1),
 }
 NAMES = list(KINDS)
 MHA_NAMES = ["standard", "diff_v1", "diff_v2"]
@@ -357,9 +360,11 @@ def test_grads_finite_and_nonzero_for_every_param(name):
         keys = [str(getattr(k, "key", getattr(k, "idx", k))) for k in path]
         if keys[0] == "layers" and keys[2] == "attn":
             attn_names.add(keys[3])
-    assert attn_names == EXPECTED_PARAMS[model.config.attention], attn_names
+    expected = EXPECTED_PARAMS[model.config.attention]
+    expected = expected | ({"gate_proj"} if model.config.gate != "none" else set())
+    assert attn_names == expected, attn_names
     # embed, final norm, lm_head; per block: 2 norms, 3 FFN kernels, the attention params.
-    n_attn = len(EXPECTED_PARAMS[model.config.attention])
+    n_attn = len(expected)
     assert len(params) == 3 + model.config.num_layers * (2 + 3 + n_attn)
 
 

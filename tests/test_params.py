@@ -32,6 +32,12 @@ CONFIGS = {
     "diff_v2_head_dim": cfg(attention="diff_v2", num_heads=3, num_kv_heads=1, head_dim=16),
     "diff_v1_tied": cfg(attention="diff_v1", num_heads=2, tie_embeddings=True),
     "ffn_dim": cfg(attention="diff_v2", num_heads=2, ffn_dim=40, num_layers=3),
+    # gated attention's output gate: D -> h (headwise) or D -> h x a head's output width
+    "standard_gate_headwise": cfg(
+        attention="standard", num_heads=4, num_kv_heads=2, gate="headwise"
+    ),
+    "diff_v1_gate_elementwise": cfg(attention="diff_v1", num_heads=2, gate="elementwise"),
+    "diff_v2_gate_headwise": cfg(attention="diff_v2", num_heads=3, head_dim=16, gate="headwise"),
 }
 
 
@@ -62,6 +68,10 @@ def formula(c: ModelConfig) -> dict[str, int]:
         parts["attn.k_proj"] = parts["attn.v_proj"] = L * D * hkv * d
         parts["attn.out_proj"] = L * h * d * D
         parts["attn.lambda"] = L * D * h
+    width = 2 * d if c.attention == "diff_v1" else d  # a head's output width
+    parts["attn.gate"] = {"none": 0, "headwise": L * D * h, "elementwise": L * D * h * width}[
+        c.gate
+    ]
     return parts
 
 
@@ -117,6 +127,7 @@ def test_hand_count_small_diff_v1():
         "attn.out_proj": 64,
         "attn.lambda": 16,
         "attn.subln": 8,
+        "attn.gate": 0,
         "ffn": 384,
         "norms": 24,
         "lm_head": 80,

@@ -107,8 +107,9 @@ def layer_heads(layer, x: jax.Array):
 
 def finish_block(block, x: jax.Array, o: jax.Array) -> jax.Array:
     """The rest of a block from its heads' outputs ``o`` ``[B, T, H, dv]``: the attention
-    layer's output step (V1: per-head norm and scale; out_proj), the residual and the FFN."""
-    y = x + block.attn.output(o).astype(x.dtype)
+    layer's output step (V1: per-head norm and scale; the gate, from the layer's input; out_proj),
+    the residual and the FFN."""
+    y = x + block.attn.output(o, block.attn_norm(x)).astype(x.dtype)
     return y + block.ffn(block.ffn_norm(y))
 
 

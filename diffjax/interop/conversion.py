@@ -135,6 +135,12 @@ def check_source(source: ModelConfig, where: str = "the source") -> None:
             f"model (a diffjax twin or a Hugging Face Llama)",
             "pass a standard model; a DIFF checkpoint is trained on with train.init_from alone",
         )
+    if source.gate != "none":
+        _refuse(
+            f"{where} has an attention output gate (model.gate={source.gate!r}), which the "
+            f"conversion does not carry over",
+            "retrofit a model trained with model.gate=none",
+        )
 
 
 def retrofit_config(

@@ -326,6 +326,13 @@ def hf_config(config: ModelConfig) -> dict[str, Any]:
 
 def check_exportable(config: ModelConfig) -> None:
     """Refuse a config the Hugging Face formats cannot express, naming the field."""
+    if config.gate != "none":
+        raise PretrainedError(
+            f"save_pretrained: ModelConfig.gate={config.gate!r} (gated attention) cannot be "
+            f"expressed: neither DiffLlama nor Llama has an attention output gate. Fix: keep the "
+            f"diffjax checkpoint (train.py run folder, diffjax.train.load_model), or export a "
+            f"model trained with model.gate=none."
+        )
     if config.attention == "diff_v2":
         raise PretrainedError(
             "save_pretrained: DIFF V2 has no Hugging Face format (transformers has DiffLlama, "

@@ -12,7 +12,7 @@ steps::
 
     p = layer.project(x, positions)   # Projection: q/k/v after rotary, and lambda
     o = attention(p)                  # diffjax.ops: the one dispatch point (attention_impl)
-    y = layer.output(o)               # (V1: per-head norm) and out_proj
+    y = layer.output(o, x)            # (V1: per-head norm), the gate (if any) and out_proj
 
 ``project`` is also what analyses read (maps and logits are computed from it with
 :mod:`diffjax.kernels.reference`). For decoding, ``extend`` runs the same body against a KV
@@ -30,7 +30,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from diffjax import ops
-from diffjax.config import ContextSpec, KernelTarget, RopeScaling, lambda_init_fn
+from diffjax.config import GATES, ContextSpec, KernelTarget, RopeScaling, lambda_init_fn
 from diffjax.nn.layers import (
     Dtype,
     Linear,
@@ -229,6 +229,28 @@ class AttentionLayer(nnx.Module):
             rngs=rngs,
         )
 
+    def _init_gate(self, gate: str, width: int, args) -> None:
+        """Gated attention's output gate (Qiu et al. 2025), ``gate_proj: D -> h`` ("headwise")
+        or ``D -> h * width`` ("elementwise", ``width``: a head's output width); None for
+        "none". Its kernel is initialised as the query projection's: the released code computes
+        the gate as extra output columns of ``q_proj``."""
+        if gate not in GATES:
+            raise ValueError(f"{type(self).__name__}: gate must be one of {GATES}, got {gate!r}")
+        self.gate = gate
+        n_out = {"none": 0, "headwise": self.num_heads, "elementwise": self.num_heads * width}
+        self.gate_proj = self._linear(self.embed_dim, n_out[gate], *args) if n_out[gate] else None
+
+    def _gated(self, o: jax.Array, x: jax.Array) -> jax.Array:
+        """The heads ``o [B, T, H, dv]`` times ``sigmoid(gate_proj(x))`` (per head, or per
+        channel), or ``o`` without a gate."""
+        if self.gate_proj is None:
+            return o
+        b, t, h, dv = o.shape
+        g = jax.nn.sigmoid(self.gate_proj(x)).reshape(
+            b, t, h, dv if self.gate == "elementwise" else 1
+        )
+        return o * constrain(g, *_Q_ACT).astype(o.dtype)
+
     def _split_heads(self, x: jax.Array, positions, q_heads: int, k_heads: int, v_width: int):
         """q ``[B, T, q_heads, d]``, k ``[B, T, k_heads, d]`` (both rotated) and v ``[B, T,
         H_kv, v_width]`` from ``x [B, T, D]``."""
@@ -300,13 +322,15 @@ class AttentionLayer(nnx.Module):
             _sow_diagnostics(self, p, maxes)
         else:
             o = attend(p, segment_ids=segment_ids, **masks)
-        return self.output(checkpoint_name(o, "attn_out")), cache
+        return self.output(checkpoint_name(o, "attn_out"), x), cache
 
     def project(self, x: jax.Array, positions: jax.Array | None = None) -> Projection:
         raise NotImplementedError
 
-    def output(self, o: jax.Array) -> jax.Array:
-        """``out_proj`` of the heads ``o [B, T, H, dv]`` concatenated."""
+    def output(self, o: jax.Array, x: jax.Array) -> jax.Array:
+        """``out_proj`` of the heads ``o [B, T, H, dv]``, gated by the layer's input ``x`` when
+        the layer has a gate, concatenated."""
+        o = self._gated(o, x)
         b, t, h, dv = o.shape
         return self.out_proj(o.reshape(b, t, h * dv))
 
@@ -336,6 +360,7 @@ class MultiheadAttention(AttentionLayer):
         dtype: Dtype = jnp.float32,
         param_dtype: Dtype = jnp.float32,
         kernel_init=torch_linear_init,
+        gate: str = "none",
         rngs: nnx.Rngs,
     ):
         if head_dim is None:
@@ -364,6 +389,7 @@ class MultiheadAttention(AttentionLayer):
         self.k_proj = self._linear(embed_dim, hkv * d, *args, axes=("embed", "kv_heads"))
         self.v_proj = self._linear(embed_dim, hkv * d, *args, axes=("embed", "kv_heads"))
         self.out_proj = self._linear(h * d, embed_dim, *args, axes=("heads", "embed"))
+        self._init_gate(gate, d, args)
 
     def project(self, x: jax.Array, positions: jax.Array | None = None) -> Projection:
         """q ``[B, T, H, d]``, k and v ``[B, T, H_kv, d]``, after rotary."""
@@ -414,6 +440,7 @@ class MultiheadDiffAttn(AttentionLayer):
         dtype: Dtype = jnp.float32,
         param_dtype: Dtype = jnp.float32,
         kernel_init=torch_linear_init,
+        gate: str = "none",
         rngs: nnx.Rngs,
     ):
         if embed_dim % (2 * num_heads):
@@ -445,6 +472,7 @@ class MultiheadDiffAttn(AttentionLayer):
         self.k_proj = self._linear(embed_dim, embed_dim // n_rep, *args, axes=kv)
         self.v_proj = self._linear(embed_dim, embed_dim // n_rep, *args, axes=kv)
         self.out_proj = self._linear(embed_dim, embed_dim, *args, axes=("heads", "embed"))
+        self._init_gate(gate, 2 * head_dim, args)
         init = nnx.initializers.normal(0.1)
         k1, k2, k3, k4 = jax.random.split(rngs.params(), 4)
         self.lambda_q1 = param(init(k1, (head_dim,), jnp.float32), "head_dim")
@@ -472,12 +500,12 @@ class MultiheadDiffAttn(AttentionLayer):
         (q1, q2), (k1, k2) = _pair_halves(q, _Q_ACT), _pair_halves(k, _KV_ACT)
         return Projection(q1, k1, v, q2=q2, k2=k2, lam=_ramped(self, self.lambda_full()))
 
-    def output(self, o: jax.Array) -> jax.Array:
+    def output(self, o: jax.Array, x: jax.Array) -> jax.Array:
         """The per-head RMSNorm times ``1 - lambda_init`` (unless built with ``norm=False``),
-        then ``out_proj``."""
+        then the gate (if any) and ``out_proj``."""
         if self.subln is not None:
             o = self.subln(o) * self.output_scale[...].astype(o.dtype)
-        return super().output(o)
+        return super().output(o, x)
 
     def cache_layout(self) -> dict[str, tuple[int, int]]:
         """The KV cache entries of this layer: name -> (kv heads, width) per token. The raw key
@@ -516,6 +544,7 @@ class MultiheadDiffAttnV2(AttentionLayer):
         kernel_init=torch_linear_init,
         lambda_proj_init=torch_linear_init,
         ramp: bool = False,
+        gate: str = "none",
         rngs: nnx.Rngs,
     ):
         if head_dim is None:
@@ -545,6 +574,7 @@ class MultiheadDiffAttnV2(AttentionLayer):
         self.k_proj = self._linear(embed_dim, hkv * d, *args, axes=("embed", "kv_heads"))
         self.v_proj = self._linear(embed_dim, hkv * d, *args, axes=("embed", "kv_heads"))
         self.out_proj = self._linear(h * d, embed_dim, *args, axes=("heads", "embed"))
+        self._init_gate(gate, d, args)
         # lambda is computed in float32 whatever the activation dtype.
         # (``lambda_proj_init``: torch's default Linear init, as the official code leaves it.)
         self.lambda_proj = self._linear(

@@ -85,6 +85,7 @@ def make_attention(
         dtype=as_dtype(config.dtype),
         param_dtype=as_dtype(config.param_dtype),
         kernel_init=nnx.initializers.normal(config.init_std),
+        gate=config.gate,
         rngs=rngs,
     )
     if config.attention == "standard":

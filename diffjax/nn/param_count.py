@@ -21,6 +21,7 @@ PARTS = (
     "attn.out_proj",
     "attn.lambda",
     "attn.subln",
+    "attn.gate",
     "ffn",
     "norms",
     "lm_head",
@@ -41,6 +42,8 @@ def _part(path: tuple) -> str:
             return "attn.lambda"
         if name == "subln":
             return "attn.subln"
+        if name == "gate_proj":
+            return "attn.gate"
     if "ffn" in keys:
         return "ffn"
     return "norms"
