@@ -136,3 +136,57 @@ def test_a_gated_comparison_trains_checkpoints_and_loads(tmp_path):
         assert model.config.gate == "elementwise", label
         kernel = np.asarray(model.layers[0].attn.gate_proj.kernel[...])
         assert kernel.shape == (32, 32) and np.isfinite(kernel).all()
+
+
+def test_the_comparison_takes_a_list_of_twins():
+    """``compare.twins=standard,gated``: DIFF, its standard twin and that twin with the gate
+    (``compare.twin_gate``), in that order; a twin named twice, or a gated twin that the
+    model's own gate already makes the standard one, is refused."""
+    from diffjax.compare import default_comparison
+    from diffjax.train import apply_overrides
+
+    exp = apply_overrides(default_comparison(), ["compare.twins=standard,gated"])
+    models = exp.models
+    assert list(models) == ["diff", "standard", "gated"]
+    assert models["gated"] == models["standard"].replace(gate="elementwise")
+    alone = apply_overrides(exp, ["compare.twins=gated", "compare.twin_gate=headwise"]).models
+    assert list(alone) == ["diff", "gated"] and alone["gated"].gate == "headwise"
+    with pytest.raises(ConfigError, match=r"compare.twins: names a twin twice"):
+        apply_overrides(exp, ["compare.twins=gated,gated"])
+    with pytest.raises(ConfigError, match=r"already gives the standard twin that gate"):
+        apply_overrides(exp, ["model.gate=elementwise"])
+
+
+def test_diff_against_two_twins_trains_three_models_and_reports_each_pair(tmp_path):
+    """Three models on the same batches from the same init seeds; report.md gives every model's
+    column, DIFF minus each twin with its interval, a sentence block and a curve per twin, the
+    side-by-side timing per pair and how the gated twin is matched (its extra parameters)."""
+    from diffjax.compare.cli import main
+    from diffjax.train.metrics import read_metrics
+    from tiny import tiny_run
+
+    run = tmp_path / "run"
+    argv = tiny_run(
+        "train.steps=4",
+        "train.eval_every=2",
+        "compare.twins=standard,gated",
+        "compare.seeds=2",
+        "compare.throughput_rounds=1",
+    )
+    assert main([f"run.dir={run}", *argv]) == 0
+    tokens = {
+        label: [r["tokens"] for r in read_metrics(str(run / label / "seed_1" / "metrics.jsonl"))]
+        for label in ("diff", "standard", "gated")
+    }
+    assert tokens["diff"] == tokens["standard"] == tokens["gated"]
+    report = (run / "report.md").read_text()
+    header = next(line for line in report.splitlines() if line.startswith("| | diff"))
+    assert header.endswith("| gated (standard) | DIFF − twin [95% CI] | DIFF − gated [95% CI] |"), (
+        header
+    )
+    assert "**DIFF against its twin:**" in report and "**DIFF against the gated twin:**" in report
+    assert "**DIFF − twin over training**" in report and "**DIFF − gated over training**" in report
+    assert report.count("**Throughput, measured side by side:** diff throughput is") == 2
+    extra = 32 * 32  # one layer: D -> 1 head x 32 channels
+    assert f"{extra:,} parameters more than the twin" in report
+    assert (run / "loss.png").exists()

@@ -194,7 +194,7 @@ def test_tflops_and_mfu_where_throughput_is_shown(tmp_path):
         16 * seq,
         devices=4,
     )
-    text = write_report(str(tmp_path), exp, results, throughput=side)
+    text = write_report(str(tmp_path), exp, results, throughput=[side])
     assert "| model | tokens/s (side by side, median) | TFLOP/s per device | MFU |" in text
     side_row = row(text, "diff (diff_v1) | 4,000,000")
     assert f"| {per_token['diff'] * 4e6 / 4 / 1e12:.3g} | n/a |" in side_row

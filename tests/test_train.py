@@ -95,7 +95,7 @@ def test_help_describes_every_key_in_one_line_with_its_allowed_values(capsys):
     assert "'interpret'" in described["train.kernel_check"]
     assert described["train.batch_size"] == "global batch (sequences per step)"  # its comment
     assert described["compare.twins"].startswith("the twins trained beside the DIFF model")
-    assert described["compare.twins"].endswith("one of 'standard'")
+    assert described["compare.twins"].endswith("one of 'standard', 'gated'")
     assert described["compare.seeds"].startswith("train each model from init seeds")
     assert all(len(d) <= 170 for d in described.values()), described
 
@@ -170,7 +170,10 @@ def test_the_comparisons_old_keys_are_refused_with_the_new_ones(old, new):
         ("model.num_kv_heads=x", r"Fix: give an integer or none\.$"),
         ("data.needle.depths=a,b", r"Fix: give a comma-separated list of numbers or none\.$"),
         ("compare.quick_eval=maybe", r"quick_eval: bad value 'maybe'.*Fix: give true or false\.$"),
-        ("compare.twins=gated", r"CompareConfig.twins: unknown twin 'gated'.*'standard'"),
+        (
+            "compare.twins=sparse",
+            r"CompareConfig.twins: unknown twin 'sparse'.*'standard', 'gated'",
+        ),
         ("compare.seeds=0", r"CompareConfig.seeds: must be >= 1"),
         ("train.steps=0", r"TrainConfig.steps: must be >= 1"),
         ("train.schedule=exp", r"TrainConfig.schedule: unknown schedule 'exp'"),

@@ -260,18 +260,21 @@ def main(
         )
         return EXIT_PREEMPTED
 
-    side = None
+    sides = []
     rounds = exp.compare.throughput_rounds
     if exp.compare.twins and rounds:
         print(
             f"\nthroughput side by side: {rounds} rounds, the compiled steps alternated on the "
             f"same batches"
         )
-        side = side_by_side_throughput(exp, exp.models, mesh, rounds=rounds)
+        models = exp.models
+        for name in exp.compare.twins:  # DIFF against each twin
+            pair = {"diff": models["diff"], name: models[name]}
+            sides.append(side_by_side_throughput(exp, pair, mesh, rounds=rounds))
     if main_process:
-        write_report(run_dir, exp, results, description, throughput=side)
+        write_report(run_dir, exp, results, description, throughput=sides)
         print("\n" + results_table(results))
-        if side is not None:
+        for side in sides:
             print(side.describe())
         print(
             f"\nreport: {storage.join(run_dir, 'report.md')}, plot: "

@@ -20,8 +20,11 @@ from typing import ClassVar
 from diffjax.config import ModelConfig, check_declared, check_fields, declared, fail, twin
 from diffjax.train.config import ExperimentConfig, default_config, load_config
 
-# what a twin can be: the model's standard-attention twin (diffjax.config.twin)
-TWINS = ("standard",)
+# what a twin can be: the model's standard-attention twin (diffjax.config.twin), and that twin
+# with gated attention's output gate (model.gate; Qiu et al. 2025)
+TWINS = ("standard", "gated")
+# what each twin is called in the reports
+TWIN_NAMES = {"standard": "the twin", "gated": "the gated twin"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,8 +32,11 @@ class CompareConfig:
     """What a comparison trains beside the configured DIFF model, and what it measures after."""
 
     # the twins trained beside the DIFF model on the same data, order and init seeds (empty,
-    # compare.twins=, trains it alone). "standard": its standard-attention twin.
+    # compare.twins=, trains it alone). "standard": its standard-attention twin; "gated": that
+    # twin with gated attention's output gate (compare.twin_gate), more parameters than it.
     twins: tuple[str, ...] = declared(("standard",), choices=TWINS, what="twin")
+    # the gated twin's gate (model.gate): "elementwise", the paper's best variant, or "headwise"
+    twin_gate: str = declared("elementwise", choices=("headwise", "elementwise"), what="gate")
     # train each model from init seeds train.seed .. train.seed + seeds - 1. Paired: seed s of
     # DIFF and of its twin start from the same seed; every run sees the same batches (data.seed)
     seeds: int = declared(1, ge=1, fix="set compare.seeds to a positive integer")
@@ -82,6 +88,21 @@ class Comparison(ExperimentConfig):
                 f"is {c.twin_init_std:g} but compare.twins is empty: no twin is trained",
                 "leave compare.twin_init_std unset (None), or set compare.twins=standard",
             )
+        if len(set(c.twins)) != len(c.twins):
+            fail(
+                "Comparison",
+                "compare.twins",
+                f"names a twin twice: {','.join(c.twins)}",
+                "name each twin once, e.g. compare.twins=standard,gated",
+            )
+        if "gated" in c.twins and self.model.gate == c.twin_gate:
+            fail(
+                "Comparison",
+                "compare.twins",
+                f"lists the gated twin, but model.gate={self.model.gate!r} already gives the "
+                f"standard twin that gate",
+                "drop gated from compare.twins, or set compare.twin_gate to the other gate",
+            )
         if c.twins and not self.model.is_diff:
             fail(
                 "Comparison",
@@ -110,12 +131,14 @@ class Comparison(ExperimentConfig):
     @property
     def models(self) -> dict[str, ModelConfig]:
         """``{label: model config}`` of every model the comparison trains: ``diff`` (the
-        configured model) then each twin by its name, or the model alone by its label."""
-        if not self.compare.twins:
+        configured model) then each twin by its name (:data:`TWINS`), or the model alone by its
+        label."""
+        c = self.compare
+        if not c.twins:
             return {self.label: self.model}
-        std = self.compare.twin_init_std
-        standard = twin(self.model).replace(init_std=std or self.model.init_std)
-        return {"diff": self.model, "standard": standard}
+        standard = twin(self.model).replace(init_std=c.twin_init_std or self.model.init_std)
+        twins = {"standard": standard, "gated": standard.replace(gate=c.twin_gate)}
+        return {"diff": self.model, **{name: twins[name] for name in c.twins}}
 
     @property
     def seeds(self) -> list[int]:

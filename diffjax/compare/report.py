@@ -41,11 +41,12 @@ from diffjax.evaluate.stats import (
     paired_by_seed,
     paired_difference,
 )
+from diffjax.nn.param_count import count_params
 from diffjax.train.recorder import TrainResult
 from diffjax.train.metrics import read_metrics
 
 from diffjax.compare import signals
-from diffjax.compare.config import Comparison
+from diffjax.compare.config import TWIN_NAMES, Comparison
 from diffjax.compare.curves import (
     DifferenceCurve,
     crossover,
@@ -229,25 +230,34 @@ def metric_rows(results: Sequence[TrainResult], flops: Flops | None = None) -> l
     return [*LOSS_ROWS, *(_metric_row(k) for k in metric_keys(results)), *timing]
 
 
-def _difference_cell(groups, row: Row) -> str:
+def twins_of(groups) -> list[str]:
+    """The twins the results hold beside DIFF (every other label), in order; none without
+    DIFF."""
+    return [label for label in groups if label != "diff"] if "diff" in groups else []
+
+
+def _minus(twin: str) -> str:
+    """``DIFF − twin`` (the standard twin) or ``DIFF − gated`` (another twin, by label)."""
+    return "DIFF − " + ("twin" if twin == "standard" else twin)
+
+
+def _difference_cell(groups, row: Row, twin: str = "standard") -> str:
     if row.timing:
         return "one after the other: see the side-by-side throughput"
-    d = paired_difference(*paired_by_seed(groups, row.get))
+    d = paired_difference(*paired_by_seed(groups, row.get, b=twin))
     return difference_cell(d, row.spec.replace("{:", "{:+"))
 
 
 def results_table(results: Sequence[TrainResult], flops: Flops | None = None) -> str:
     """A markdown table, one column per model (mean ± standard deviation over its seeds), and
-    with a DIFF model and its twin a column of the paired difference and its 95% interval.
+    with a DIFF model a column per twin of the paired difference and its 95% interval.
     With ``flops`` (:meth:`Flops.of`), the model FLOPs per token and the TFLOP/s per device
     and MFU during training too."""
     groups = group_by_label(results)
-    paired = "diff" in groups and "standard" in groups
+    twins = twins_of(groups)
     heads = [f"{label} ({rs[0].attention})" for label, rs in groups.items()]
-    lines = [
-        "| | " + " | ".join(heads) + (" | DIFF − twin [95% CI] |" if paired else " |"),
-        "|---|" + "---:|" * (len(groups) + paired),
-    ]
+    heads += [f"{_minus(t)} [95% CI]" for t in twins]
+    lines = ["| | " + " | ".join(heads) + " |", "|---|" + "---:|" * (len(groups) + len(twins))]
     fixed = [
         ("parameters", lambda rs: f"{rs[0].params:,}"),
         ("seeds", lambda rs: ", ".join(str(r.seed) for r in rs)),
@@ -265,12 +275,12 @@ def results_table(results: Sequence[TrainResult], flops: Flops | None = None) ->
         lines.append(
             f"| {name} | "
             + " | ".join(get(rs) for rs in groups.values())
-            + (" | |" if paired else " |")
+            + " |" * len(twins)
+            + " |"
         )
     for row in metric_rows(results, flops):
         cells = [fmt_mean_std([row.get(r) for r in rs], row.spec) for rs in groups.values()]
-        if paired:
-            cells.append(_difference_cell(groups, row))
+        cells += [_difference_cell(groups, row, t) for t in twins]
         lines.append(f"| {row.name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -297,29 +307,33 @@ def per_seed_table(results: Sequence[TrainResult]) -> str:
     return "\n".join(lines)
 
 
-def difference_curve(results: Sequence[TrainResult]) -> DifferenceCurve | None:
-    """DIFF − twin over training (:func:`diffjax.compare.curves.paired_difference_curve`) from
-    the runs' ``metrics.jsonl``, over the seeds both models have; None without both models or
-    without an evaluation common to every seed."""
+def difference_curve(
+    results: Sequence[TrainResult], twin: str = "standard"
+) -> DifferenceCurve | None:
+    """DIFF − ``twin`` over training (:func:`diffjax.compare.curves.paired_difference_curve`)
+    from the runs' ``metrics.jsonl``, over the seeds both models have; None without both models
+    or without an evaluation common to every seed."""
     groups = group_by_label(results)
-    if "diff" not in groups or "standard" not in groups:
+    if "diff" not in groups or twin not in groups:
         return None
     curves = {
         label: {
             r.seed: eval_curve(read_metrics(storage.join(r.directory, "metrics.jsonl")))
             for r in groups[label]
         }
-        for label in ("diff", "standard")
+        for label in ("diff", twin)
     }
-    return paired_curve(curves["diff"], curves["standard"])[1]
+    return paired_curve(curves["diff"], curves[twin])[1]
 
 
 def loss_figure(run_dir: str, results: Sequence[TrainResult]) -> Figure:
     """The figure of ``loss.png`` (see :func:`plot_losses`), with the Agg canvas attached."""
-    difference = difference_curve(results)
-    fig = Figure(figsize=(11, 4) if difference is None else (16.5, 4))
+    twins = twins_of(group_by_label(results))
+    differences = {t: difference_curve(results, t) for t in twins}
+    differences = {t: c for t, c in differences.items() if c is not None}
+    fig = Figure(figsize=(11 + 5.5 * len(differences), 4))
     FigureCanvasAgg(fig)
-    ax_val, ax_train, *ax_diff = fig.subplots(1, 2 if difference is None else 3)
+    ax_val, ax_train, *ax_diff = fig.subplots(1, 2 + len(differences))
     for i, (label, rs) in enumerate(group_by_label(results).items()):
         color = f"C{i}"
         val_curves, train_curves = [], []
@@ -340,8 +354,8 @@ def loss_figure(run_dir: str, results: Sequence[TrainResult]) -> Figure:
     for ax, title in ((ax_val, "validation loss"), (ax_train, "training loss (smoothed)")):
         ax.set_ylabel("loss (nats/token)")
         ax.set_title(title)
-    if difference is not None:
-        draw_difference(ax_diff[0], difference, crossover(difference))
+    for ax, (t, curve) in zip(ax_diff, differences.items()):
+        draw_difference(ax, curve, crossover(curve), what=_minus(t))
     for ax in (ax_val, ax_train, *ax_diff):
         token_axis(ax)
     fig.suptitle(storage.absolute(run_dir).name)
@@ -356,21 +370,20 @@ def plot_losses(run_dir: str, results: Sequence[TrainResult], path: str) -> None
     storage.save_figure(loss_figure(run_dir, results), path, dpi=110)
 
 
-def comparison_sentences(results: Sequence[TrainResult]) -> list[str]:
-    """Per metric, DIFF minus the twin in words: the mean, the 95% t-interval over the paired
+def comparison_sentences(results: Sequence[TrainResult], twin: str = "standard") -> list[str]:
+    """Per metric, DIFF minus ``twin`` in words: the mean, the 95% t-interval over the paired
     seeds and whether it excludes zero (or that one seed gives no interval)."""
     groups = group_by_label(results)
-    if not ("diff" in groups and "standard" in groups):
+    if not ("diff" in groups and twin in groups):
         return []
     out = []
     for row in metric_rows(results):
         if row.timing:
             continue  # timing: see the side-by-side measurement
-        d = paired_difference(*paired_by_seed(groups, row.get))
+        d = paired_difference(*paired_by_seed(groups, row.get, b=twin))
         what = row.name[0].upper() + row.name[1:]
-        out.append(
-            "- " + describe_difference(d, what, "DIFF", "the twin", row.spec.replace("{:", "{:+"))
-        )
+        name, spec = TWIN_NAMES[twin], row.spec.replace("{:", "{:+")
+        out.append("- " + describe_difference(d, what, "DIFF", name, spec))
     return out
 
 
@@ -427,14 +440,18 @@ def _title(exp: Comparison, groups: dict[str, list[TrainResult]]) -> list[str]:
 def _results(
     results: Sequence[TrainResult], groups, n_seeds: int, flops: Flops | None = None
 ) -> list[str]:
+    n = len(twins_of(groups))
+    same = "seed by seed: the same init seed and the same batches"
     paired = (
-        "; the last column is the paired difference DIFF − twin (seed by seed: the same init "
-        "seed and the same batches) and its 95% Student-t interval."
+        f"; the last column is the paired difference DIFF − twin ({same}) and its 95% "
+        f"Student-t interval."
+        if n == 1
+        else f"; the last {n} columns are the paired differences of DIFF and each twin ({same}) "
+        f"and their 95% Student-t intervals."
     )
     return [
         f"{n_seeds} seed{'s' * (n_seeds != 1)} per model; each cell is the mean ± the standard "
-        f"deviation over seeds (a single value with one seed)"
-        + (paired if len(groups) > 1 else "."),
+        f"deviation over seeds (a single value with one seed)" + (paired if n else "."),
         "",
         results_table(results, flops),
         "",
@@ -442,13 +459,14 @@ def _results(
     ]
 
 
-def _comparison(results: Sequence[TrainResult]) -> list[str]:
-    sentences = comparison_sentences(results)
-    return ["**DIFF against its twin:**", "", *sentences, ""] if sentences else []
+def _comparison(results: Sequence[TrainResult], twin: str = "standard") -> list[str]:
+    sentences = comparison_sentences(results, twin)
+    against = "its twin" if twin == "standard" else TWIN_NAMES[twin]
+    return [f"**DIFF against {against}:**", "", *sentences, ""] if sentences else []
 
 
-def over_training(curve: DifferenceCurve | None) -> list[str]:
-    """The lines of DIFF − twin over training: the crossover, the difference at the last
+def over_training(curve: DifferenceCurve | None, twin: str = "standard") -> list[str]:
+    """The lines of DIFF − ``twin`` over training: the crossover, the difference at the last
     evaluation with its interval, and the difference at a handful of evaluations."""
     if curve is None:
         return []
@@ -461,7 +479,11 @@ def over_training(curve: DifferenceCurve | None) -> list[str]:
     )
     cross = crossover(curve)
     return [
-        f"**DIFF − twin over training** (validation loss, seed by seed, at the "
+        f"**{_minus(twin)} over training** (validation loss, seed by seed, at the "
+        f"{curve.tokens.size} evaluations every seed of both models has; {how}; its "
+        f"panel of loss.png):"
+        if twin != "standard"
+        else f"**DIFF − twin over training** (validation loss, seed by seed, at the "
         f"{curve.tokens.size} evaluations every seed of both models has; {how}; the right "
         f"panel of loss.png):",
         "",
@@ -534,18 +556,20 @@ def throughput_table(throughput: SideBySide, flops: Flops) -> str:
     return "\n".join(lines)
 
 
-def _throughput(throughput: SideBySide | None, flops: Flops | None = None) -> list[str]:
-    if throughput is None:
-        return []
-    table = [throughput_table(throughput, flops), ""] if flops else []
-    return [
-        f"**Throughput, measured side by side:** {throughput.describe()}. The "
-        f"tokens/s rows above are medians during each model's own training, one model "
-        f"after the other, so whatever else ran on the machine then lands on one model "
-        f"only; compare throughput by this side-by-side figure.",
-        "",
-        *table,
-    ]
+def _throughput(throughputs: Sequence[SideBySide], flops: Flops | None = None) -> list[str]:
+    """The side-by-side measurement of DIFF against each twin (one pair at a time)."""
+    out = []
+    for throughput in throughputs:
+        table = [throughput_table(throughput, flops), ""] if flops else []
+        out += [
+            f"**Throughput, measured side by side:** {throughput.describe()}. The "
+            f"tokens/s rows above are medians during each model's own training, one model "
+            f"after the other, so whatever else ran on the machine then lands on one model "
+            f"only; compare throughput by this side-by-side figure.",
+            "",
+            *table,
+        ]
+    return out
 
 
 def _lambdas(groups: dict[str, list[TrainResult]]) -> list[str]:
@@ -577,11 +601,22 @@ def _setup_model(exp: Comparison) -> str:
         else f"{m.init_std:g} (DIFF) and {twin_std:g} (twin): **not one init scale** "
         f"(`compare.twin_init_std`)"
     )
-    return (
+    gate = f", gated attention's output gate `{m.gate}` (both)" if m.gate != "none" else ""
+    line = (
         f"- model: `{m.attention}`, d_model {m.d_model}, {m.num_layers} layers, {m.num_heads} "
-        f"heads ({m.kv_heads} kv), head dim {m.resolved_head_dim}, dtype {m.dtype}, init std "
-        f"{init}; the twin: standard attention with the matching heads (`diffjax.twin`)."
+        f"heads ({m.kv_heads} kv), head dim {m.resolved_head_dim}, dtype {m.dtype}{gate}, init "
+        f"std {init}; the twin: standard attention with the matching heads (`diffjax.twin`)."
     )
+    if "gated" in exp.compare.twins:
+        models = exp.models
+        extra = count_params(models["gated"]).total - count_params(models["standard"]).total
+        line += (
+            f"\n- the gated twin: the twin with gated attention's output gate "
+            f"(`compare.twin_gate={exp.compare.twin_gate}`: sigmoid(x W_gate) times each "
+            f"head's output before out_proj, Qiu et al. 2025), {extra:,} parameters more than "
+            f"the twin: matched to it in everything but the gate, not in parameters."
+        )
+    return line
 
 
 def _setup_training(exp: Comparison, data_description: str) -> list[str]:
@@ -669,11 +704,11 @@ def write_report(
     exp: Comparison,
     results: Sequence[TrainResult],
     data_description: str = "",
-    throughput: SideBySide | None = None,
+    throughput: Sequence[SideBySide] = (),
 ) -> str:
     """Write ``report.md`` and ``loss.png`` into ``run_dir`` (local or ``gs://``); return the
-    markdown. ``throughput``: the side-by-side measurement
-    (:func:`diffjax.compare.side_by_side_throughput`) or None."""
+    markdown. ``throughput``: the side-by-side measurements of DIFF against each twin
+    (:func:`diffjax.compare.side_by_side_throughput`), none when not measured."""
     plot_losses(run_dir, results, storage.join(run_dir, "loss.png"))
     groups = group_by_label(results)
     n_seeds = max((len(rs) for rs in groups.values()), default=0)
@@ -681,8 +716,11 @@ def write_report(
     sections: list[list[str]] = [
         _title(exp, groups),
         _results(results, groups, n_seeds, flops),
-        _comparison(results),
-        over_training(difference_curve(results)),
+        *(
+            section
+            for t in twins_of(groups)
+            for section in (_comparison(results, t), over_training(difference_curve(results, t), t))
+        ),
         mixture_lines(exp, results),
         _retrieval(exp, results),
         _throughput(throughput, flops),
