@@ -160,7 +160,8 @@ def test_the_comparison_takes_a_list_of_twins():
 def test_diff_against_two_twins_trains_three_models_and_reports_each_pair(tmp_path):
     """Three models on the same batches from the same init seeds; report.md gives every model's
     column, DIFF minus each twin with its interval, a sentence block and a curve per twin, the
-    side-by-side timing per pair and how the gated twin is matched (its extra parameters)."""
+    side-by-side timing per pair and how the gated twin is matched (its extra parameters); the
+    quick evaluation's sinks and massive activations cover all three."""
     from diffjax.compare.cli import main
     from diffjax.train.metrics import read_metrics
     from tiny import tiny_run
@@ -172,6 +173,7 @@ def test_diff_against_two_twins_trains_three_models_and_reports_each_pair(tmp_pa
         "compare.twins=standard,gated",
         "compare.seeds=2",
         "compare.throughput_rounds=1",
+        "compare.quick_eval=true",
     )
     assert main([f"run.dir={run}", *argv]) == 0
     tokens = {
@@ -190,3 +192,10 @@ def test_diff_against_two_twins_trains_three_models_and_reports_each_pair(tmp_pa
     extra = 32 * 32  # one layer: D -> 1 head x 32 channels
     assert f"{extra:,} parameters more than the twin" in report
     assert (run / "loss.png").exists()
+    # the evaluation measures sinks and massive activations of every model, DIFF beside each twin
+    evaluation = (run / "eval.md").read_text()
+    sinks = evaluation[evaluation.index("## 7. Attention sinks and massive activations") :]
+    header = sinks.splitlines()[2]
+    for name in ("diff (diff_v1)", "standard (standard)", "gated (standard)"):
+        assert f"{name}: first token" in header and f"{name}: max / median" in header, header
+    assert "the gated twin" in sinks and (run / "eval_sinks.png").exists()

@@ -13,6 +13,7 @@ from diffjax.evaluate import (
     positions,
     quantize,
     retrieval,
+    sinks,
 )
 from diffjax.evaluate import validation
 from diffjax.evaluate.analysis import Analysis
@@ -26,4 +27,5 @@ ANALYSES: tuple[Analysis, ...] = (
     quantize.ANALYSIS,
     noise_floor.ANALYSIS,  # the closed form beside the measured noise floor
     positions.ANALYSIS,
+    sinks.ANALYSIS,  # every model: DIFF's and gated attention's claim
 )

@@ -125,14 +125,19 @@ def table(header: list[str], rows: list[list[str]]) -> list[str]:
     ]
 
 
-def paired(groups, getter, what: str, unit: str = "") -> list[str]:
-    """``- DIFF - twin ...`` over the seeds both have, with a 95% t-interval; no line without
-    both models."""
-    a, b = paired_by_seed(groups, getter)
+def paired(
+    groups, getter, what: str, unit: str = "", *, spec: str = "{:+.4f}", twin: str = "standard"
+) -> list[str]:
+    """``- DIFF - twin ...`` (``twin``: the label of the model DIFF is paired with; the standard
+    twin is "the twin", another "the <label> twin") over the seeds both have, with a 95%
+    t-interval; no line without both models."""
+    a, b = paired_by_seed(groups, getter, b=twin)
     if not a:
         return []
     d = paired_difference(a, b)
-    return [f"- {describe_difference(d, what + (f' ({unit})' if unit else ''))}"]
+    name = "the twin" if twin == "standard" else f"the {twin} twin"
+    text = describe_difference(d, what + (f" ({unit})" if unit else ""), b=name, spec=spec)
+    return [f"- {text}"]
 
 
 def image(alt: str, name: str) -> list[str]:
