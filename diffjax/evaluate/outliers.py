@@ -108,9 +108,11 @@ class Outliers:
         return self.stats.get(kind, {}).get(stat)
 
 
-def measure(inputs: ModelInputs) -> Outliers:
-    """Over ``outlier_examples`` sequences of the run's validation text at the trained context
-    (a needle run: its haystack text; MQAR: its own validation examples)."""
+def activation_text(inputs: ModelInputs) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """``(tokens [N, T], their positions and segment ids where documents are kept apart)``:
+    ``outlier_examples`` sequences of the run's validation text at the trained context (a
+    needle run: its haystack text; MQAR: its own validation examples), what the activation
+    statistics read."""
     data, n = inputs.data, inputs.settings.outlier_examples
     corpus = pos.corpus_for_positions(data, data.seq_len)
     ex = (
@@ -118,8 +120,12 @@ def measure(inputs: ModelInputs) -> Outliers:
         if corpus is not None
         else {"inputs": inputs.val["inputs"][:n]}
     )
-    tokens = ex["inputs"]
-    masks = {k: ex[k] for k in ("positions", "segment_ids") if k in ex}
+    return ex["inputs"], {k: ex[k] for k in ("positions", "segment_ids") if k in ex}
+
+
+def measure(inputs: ModelInputs) -> Outliers:
+    """Over the run's validation text (:func:`activation_text`)."""
+    tokens, masks = activation_text(inputs)
     stats = activation_outliers(
         inputs.model, tokens, batch_size=min(inputs.settings.batch_size, 4), masks=masks
     )

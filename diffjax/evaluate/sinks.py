@@ -27,9 +27,9 @@ from flax import nnx
 from diffjax.infra import storage
 
 from diffjax.evaluate import plots
-from diffjax.evaluate import positions as pos
 from diffjax.evaluate.analysis import DOC, Analysis, Run, image, paired, table
 from diffjax.evaluate.inputs import ModelInputs
+from diffjax.evaluate.outliers import activation_text
 from diffjax.evaluate.probe import attention_maps, capture_layers, check_tokens, for_analysis
 
 
@@ -126,17 +126,8 @@ def sinks(model, tokens, *, batch_size: int = 4, masks: dict | None = None) -> S
 def measure(inputs: ModelInputs) -> Sinks:
     """Over ``outlier_examples`` sequences of the run's validation text at the trained context
     (the activation outliers' text: a needle run's haystack, MQAR's own examples)."""
-    data, n = inputs.data, inputs.settings.outlier_examples
-    corpus = pos.corpus_for_positions(data, data.seq_len)
-    ex = (
-        pos.validation_examples(corpus, n)
-        if corpus is not None
-        else {"inputs": inputs.val["inputs"][:n]}
-    )
-    masks = {k: ex[k] for k in ("positions", "segment_ids") if k in ex}
-    return sinks(
-        inputs.model, ex["inputs"], batch_size=min(inputs.settings.batch_size, 4), masks=masks
-    )
+    tokens, masks = activation_text(inputs)
+    return sinks(inputs.model, tokens, batch_size=min(inputs.settings.batch_size, 4), masks=masks)
 
 
 # ---------------------------------------------------------------------------- the section
