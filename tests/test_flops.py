@@ -45,6 +45,13 @@ CONFIGS = {
     "v2_head_dim_ffn": ModelConfig(
         **BASE, num_heads=2, head_dim=48, ffn_dim=320, attention="diff_v2"
     ),
+    # gated attention's output gate: its projection, per head or per output channel
+    "v1_gate_elementwise": ModelConfig(
+        **BASE, num_heads=2, attention="diff_v1", gate="elementwise"
+    ),
+    "standard_gate_headwise": ModelConfig(
+        **BASE, num_heads=4, attention="standard", gate="headwise"
+    ),
 }
 for _name in ("v1", "v1_gqa", "v2", "v2_gqa"):
     CONFIGS[f"{_name}_twin"] = twin(CONFIGS[_name])

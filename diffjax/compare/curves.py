@@ -291,12 +291,12 @@ def band_cell(curve: DifferenceCurve, i: int, spec: str = "{:+.4f}") -> str:
     return "undefined: no spread"
 
 
-def difference_table(curve: DifferenceCurve, count: int = 6) -> str:
-    """A markdown table of DIFF − twin at about ``count`` evaluations evenly spaced and the last:
-    step, tokens, the mean difference and its band."""
+def difference_table(curve: DifferenceCurve, count: int = 6, what: str = "DIFF − twin") -> str:
+    """A markdown table of ``what`` (the difference, DIFF − twin by default) at about ``count``
+    evaluations evenly spaced and the last: step, tokens, the mean difference and its band."""
     pct = f"{curve.confidence:.0%}"
     lines = [
-        f"| step | tokens | DIFF − twin | {pct} band |",
+        f"| step | tokens | {what} | {pct} band |",
         "|---:|---:|---:|---:|",
     ]
     for i in table_indices(curve.tokens.size, count):

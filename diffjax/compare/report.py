@@ -487,10 +487,10 @@ def over_training(curve: DifferenceCurve | None, twin: str = "standard") -> list
         f"{curve.tokens.size} evaluations every seed of both models has; {how}; the right "
         f"panel of loss.png):",
         "",
-        f"- {describe_crossover(cross)}",
-        f"- {describe_final(cross)}",
+        f"- {describe_crossover(cross, b=TWIN_NAMES[twin])}",
+        f"- {describe_final(cross, b=TWIN_NAMES[twin])}",
         "",
-        difference_table(curve),
+        difference_table(curve, what=_minus(twin)),
         "",
     ]
 

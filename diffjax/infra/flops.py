@@ -32,8 +32,11 @@ matmul with the embedding table); the embedding lookup is a gather (no FLOPs).
 - Causal maps are halved: a query sees on average about T/2 keys (the convention of
   MaxText's and FlashAttention's counts; PaLM's and Megatron's count the full maps).
   ``causal=False`` gives the full maps, which is what XLA's masked attention multiplies.
-- Not counted: elementwise work (norms, rotary, softmax, SiLU, the lambda arithmetic,
-  the loss) and DIFF V1's lambda, ``exp(lq1 . lk1) - exp(lq2 . lk2)``, which is per layer
+- Gated attention's output gate (``ModelConfig.gate``) adds its projection, ``2 D h``
+  (headwise) or ``2 D h dv`` (elementwise, ``dv`` a head's output width) per token and layer,
+  to the projections; its sigmoid and product are elementwise.
+- Not counted: elementwise work (norms, rotary, softmax, SiLU, the lambda arithmetic, the
+  gate's sigmoid, the loss) and DIFF V1's lambda, ``exp(lq1 . lk1) - exp(lq2 . lk2)``, which is per layer
   and not per token. XLA's own count, which has them, is 1-1.5% above the formula at
   d_model 256 (``tests/test_flops.py``), less at larger widths.
 - Training: the backward pass computes two matmuls for each forward one (the gradient with
@@ -65,7 +68,7 @@ from diffjax.config import ModelConfig
 class FlopsBreakdown:
     """Forward FLOPs per token by part, summed over the layers (the head once)."""
 
-    projections: float  # q/k/v/out projections (and DIFF V2's lambda_proj)
+    projections: float  # q/k/v/out projections (and DIFF V2's lambda_proj, a gate's gate_proj)
     attention: float  # the Q K^T maps and the value products
     ffn: float  # the SwiGLU FFN's three matrices
     head: float  # the output head (vocab logits)
@@ -105,9 +108,11 @@ def flops_breakdown(cfg: ModelConfig, seq_len: int, *, causal: bool = True) -> F
         raise ValueError(f"seq_len must be >= 1, got {seq_len}")
     D, L = cfg.d_model, cfg.num_layers
     q, k, v, o, lam, qk, av = _layer_widths(cfg)
+    # gated attention's gate_proj: D -> one value per output head, or per output channel
+    gate = {"none": 0, "headwise": cfg.num_heads, "elementwise": o}[cfg.gate]
     keys = seq_len / 2 if causal else seq_len  # keys a query sees (on average)
     return FlopsBreakdown(
-        projections=float(L * 2 * D * (q + k + v + o + lam)),
+        projections=float(L * 2 * D * (q + k + v + o + lam + gate)),
         attention=float(L * 2 * keys * (qk + av)),
         ffn=float(L * 3 * 2 * D * cfg.resolved_ffn_dim),
         head=float(2 * D * cfg.vocab_size),
