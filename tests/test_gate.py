@@ -161,7 +161,8 @@ def test_diff_against_two_twins_trains_three_models_and_reports_each_pair(tmp_pa
     """Three models on the same batches from the same init seeds; report.md gives every model's
     column, DIFF minus each twin with its interval, a sentence block and a curve per twin, the
     side-by-side timing per pair and how the gated twin is matched (its extra parameters); the
-    quick evaluation's sinks and massive activations cover all three."""
+    quick evaluation's sections give DIFF minus each twin, its sinks and massive activations
+    cover all three."""
     from diffjax.compare.cli import main
     from diffjax.train.metrics import read_metrics
     from tiny import tiny_run
@@ -199,3 +200,6 @@ def test_diff_against_two_twins_trains_three_models_and_reports_each_pair(tmp_pa
     for name in ("diff (diff_v1)", "standard (standard)", "gated (standard)"):
         assert f"{name}: first token" in header and f"{name}: max / median" in header, header
     assert "the gated twin" in sinks and (run / "eval_sinks.png").exists()
+    # every section's DIFF-minus-twin line comes for each twin
+    assert "validation loss (nats), DIFF minus the twin:" in evaluation
+    assert "validation loss (nats), DIFF minus the gated twin:" in evaluation

@@ -125,19 +125,21 @@ def table(header: list[str], rows: list[list[str]]) -> list[str]:
     ]
 
 
-def paired(
-    groups, getter, what: str, unit: str = "", *, spec: str = "{:+.4f}", twin: str = "standard"
-) -> list[str]:
-    """``- DIFF - twin ...`` (``twin``: the label of the model DIFF is paired with; the standard
-    twin is "the twin", another "the <label> twin") over the seeds both have, with a 95%
-    t-interval; no line without both models."""
-    a, b = paired_by_seed(groups, getter, b=twin)
-    if not a:
-        return []
-    d = paired_difference(a, b)
-    name = "the twin" if twin == "standard" else f"the {twin} twin"
-    text = describe_difference(d, what + (f" ({unit})" if unit else ""), b=name, spec=spec)
-    return [f"- {text}"]
+def paired(groups, getter, what: str, unit: str = "", *, spec: str = "{:+.4f}") -> list[str]:
+    """``- DIFF - twin ...`` for each twin beside DIFF (every other label; the standard twin is
+    "the twin", another "the <label> twin") over the seeds both have, with a 95% t-interval;
+    no line for a twin without values, none without DIFF."""
+    twins = [label for label in groups if label != "diff"] if "diff" in groups else []
+    out = []
+    for twin in twins:
+        a, b = paired_by_seed(groups, getter, b=twin)
+        if not a:
+            continue
+        d = paired_difference(a, b)
+        name = "the twin" if twin == "standard" else f"the {twin} twin"
+        text = describe_difference(d, what + (f" ({unit})" if unit else ""), b=name, spec=spec)
+        out.append(f"- {text}")
+    return out
 
 
 def image(alt: str, name: str) -> list[str]:

@@ -190,20 +190,17 @@ def section(run: Run) -> list[str]:
         f"seeds). What it measures: {DOC}, section 7.",
         "",
     ]
-    for twin in [lab for lab in measured if lab != "diff"] if "diff" in measured else []:
-        L += paired(
-            run.groups,
-            lambda r: float(np.mean(r.get("sinks").first_token)),
-            "first token's mass, mean over layers",
-            twin=twin,
-        )
-        L += paired(
-            run.groups,
-            lambda r: float(np.max(r.get("sinks").massive)),
-            "largest max / median |hidden state| over layers",
-            spec="{:+.1f}",
-            twin=twin,
-        )
+    L += paired(
+        run.groups,
+        lambda r: float(np.mean(r.get("sinks").first_token)),
+        "first token's mass, mean over layers",
+    )
+    L += paired(
+        run.groups,
+        lambda r: float(np.max(r.get("sinks").massive)),
+        "largest max / median |hidden state| over layers",
+        spec="{:+.1f}",
+    )
     L += [""]
     return L + image("attention sinks and massive activations", figure(run))
 
