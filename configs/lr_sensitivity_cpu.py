@@ -1,5 +1,6 @@
 """Learning-rate sensitivity on 2 CPU cores (``python -m diffjax.sweep.lr_sensitivity --config
-configs/lr_sensitivity_cpu.py``): DIFF V1, DIFF V2 and their twin trained at 10 learning rates,
+configs/lr_sensitivity_cpu.py``): DIFF V1, DIFF V2, their twin and their gated twin (the twin
+with gated attention's elementwise output gate, Qiu et al. 2025) trained at 10 learning rates,
 log-spaced half a decade apart from 1e-4 (20x below the default's 2e-3) to 3 (past divergence), each from two paired init seeds, on the built-in corpus. Measured the way
 Wortsman et al. 2023 measure small-scale instability: each model's learning-rate sensitivity
 (``sweep.md``), with the largest attention logit and output logit of every run
@@ -12,13 +13,12 @@ AdamW, warmup 20, cosine to 0.1, clipping at 1):
 
 | arm | model | heads x width | its twin |
 |---|---|---|---|
-| v1 | DIFF V1 | 1 x (2 x 32) | standard, 2 x 32 (trained in this arm) |
-| v2 | DIFF V2 | 2 x 32 | the same standard 2 x 32: V2 gets twice V1's heads so that its twin is V1's |
+| v1 | DIFF V1 | 1 x (2 x 32) | standard, 2 x 32, and the gated twin (both trained in this arm) |
+| v2 | DIFF V2 | 2 x 32 | the same two: V2 gets twice V1's heads so that its twins are V1's |
 
-Both DIFF models are paired with the one twin (seeds paired: the same init seed and data order).
-Time: about 27 minutes on 2 otherwise idle cores (the 8 rates up to 0.3 took 21.5 minutes:
-about 100 s per rung for V1 and its twin, 60 s for V2, of which 18 s per run are steps, the
-rest data loading, compiling and evaluating). Results: docs/results.md.
+Both DIFF models are paired with both twins (seeds paired: the same init seed and data order).
+Time: about 40 minutes on 2 otherwise idle cores (without the gated twin it took 27). Results:
+docs/results.md.
 """
 
 from diffjax.sweep import Ladder
@@ -31,7 +31,7 @@ SENSITIVITY = Ladder(
     tokens=500 * 16 * 128,
     evals=5,
     arms={
-        "v1": ["model.attention=diff_v1", "model.num_heads=1"],
+        "v1": ["model.attention=diff_v1", "model.num_heads=1", "compare.twins=standard,gated"],
         "v2": ["model.attention=diff_v2", "model.num_heads=2", "compare.twins="],
     },
 )

@@ -1,7 +1,7 @@
 """A sweep over any setting (``Ladder(field=..., values=...)``): the learning-rate sensitivity
 and its paired bootstrap on made-up loss curves, the ladder's checks, and a two-rung ladder over
-``train.lr`` with two arms (DIFF V1 with its twin, DIFF V2 sharing that twin) trained and
-reported."""
+``train.lr`` with two arms (DIFF V1 with its standard and gated twins, DIFF V2 sharing both)
+trained and reported."""
 
 from __future__ import annotations
 
@@ -100,7 +100,7 @@ SWEEP = Ladder(
     evals=2,
     min_steps=2,
     arms={
-        "v1": ["model.attention=diff_v1", "model.num_heads=1"],
+        "v1": ["model.attention=diff_v1", "model.num_heads=1", "compare.twins=standard,gated"],
         "v2": ["model.attention=diff_v2", "model.num_heads=2", "compare.twins="],
     },
 )
@@ -129,16 +129,20 @@ def test_a_two_rung_ladder_over_the_learning_rate_trains_and_reports(tmp_path, c
     assert "[rung 2/4] lr_0.001/v2: training DIFF" in out
     for rung in ("lr_0.001", "lr_3"):
         assert (run / rung / "v1" / "standard" / "seed_1" / "result.json").is_file()
-        assert not (run / rung / "v2" / "standard").exists()  # V2 shares V1's twin
+        assert (run / rung / "v1" / "gated" / "seed_1" / "result.json").is_file()
+        assert not (run / rung / "v2" / "standard").exists()  # V2 shares V1's twins
         cfg = json.loads((run / rung / "v2" / "config.json").read_text())
         assert cfg["train"]["lr"] == (1e-3 if rung == "lr_0.001" else 3.0)
         assert cfg["model"]["attention"] == "diff_v2"
     report = (run / "sweep.md").read_text()
     assert "# Sweep over `train.lr`" in report
-    assert "| train.lr | DIFF V1 (v1) | twin | DIFF V2 (v2) |" in report
+    assert "| train.lr | DIFF V1 (v1) | twin | gated twin | DIFF V2 (v2) |" in report
     assert "## Learning-rate sensitivity" in report
     for pair in ("| DIFF V1 (v1) | twin | 2 |", "| DIFF V2 (v2) | twin | 2 |"):
         assert pair in report
+    for pair in ("| DIFF V1 (v1) | gated twin | 2 |", "| DIFF V2 (v2) | gated twin | 2 |"):
+        assert pair in report
+    assert "- DIFF V2 (v2) against gated twin: learning-rate sensitivity" in report
     assert "- DIFF V1 (v1) against twin: learning-rate sensitivity" in report
     assert "| 3 | DIFF V2 (v2) |" in report and "largest attention logit" in report
     assert (run / "sweep_field.png").stat().st_size > 10_000
@@ -159,3 +163,8 @@ def test_a_two_rung_ladder_over_the_learning_rate_trains_and_reports(tmp_path, c
     diff = np.mean([family("v1", "diff", seed) for seed in (0, 1)])
     assert f"{diff:.4f}" in report.split("## Learning-rate sensitivity")[1].split("\n| DIFF V1")[1]
     assert math.isfinite(diff)
+    # DIFF V2 against the gated twin V1's arm trained: the sensitivities' paired difference
+    v2 = [family("v2", "diff", seed) for seed in (0, 1)]
+    gated = [family("v1", "gated", seed) for seed in (0, 1)]
+    row = report.split("| DIFF V2 (v2) | gated twin | 2 |")[1].split("\n")[0]
+    assert f"{np.mean(v2) - np.mean(gated):+.4f}" in row

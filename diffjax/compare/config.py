@@ -15,7 +15,7 @@ here (``compare=false``, ``train.num_seeds``, ...) are refused with the new spel
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
+from typing import Any, ClassVar, Mapping
 
 from diffjax.config import ModelConfig, check_declared, check_fields, declared, fail, twin
 from diffjax.train.config import ExperimentConfig, default_config, load_config
@@ -136,8 +136,7 @@ class Comparison(ExperimentConfig):
         c = self.compare
         if not c.twins:
             return {self.label: self.model}
-        standard = twin(self.model).replace(init_std=c.twin_init_std or self.model.init_std)
-        twins = {"standard": standard, "gated": standard.replace(gate=c.twin_gate)}
+        twins = twin_models(self.model, c)
         return {"diff": self.model, **{name: twins[name] for name in c.twins}}
 
     @property
@@ -150,6 +149,27 @@ class Comparison(ExperimentConfig):
         the library trains and plans."""
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(ExperimentConfig)}
         return ExperimentConfig(**{**fields, "model": model or self.model})
+
+
+def twin_models(model: ModelConfig, compare: CompareConfig) -> dict[str, ModelConfig]:
+    """Every twin a comparison can train beside ``model`` (:data:`TWINS`), whether or not
+    ``compare.twins`` lists it: ``{name: model config}``."""
+    standard = twin(model).replace(init_std=compare.twin_init_std or model.init_std)
+    return {"standard": standard, "gated": standard.replace(gate=compare.twin_gate)}
+
+
+def saved_models(saved: Mapping[str, Any]) -> tuple[ModelConfig, CompareConfig]:
+    """The configured model and the comparison settings of a run's saved ``config.json``
+    (one written before the ``compare`` section: its standard twin); keys a newer version
+    wrote and this one does not know are left out."""
+
+    def known(cls, d):
+        return {f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d}
+
+    compare = known(CompareConfig, saved.get("compare") or {})
+    if "twins" in compare:
+        compare["twins"] = tuple(compare["twins"])
+    return ModelConfig(**known(ModelConfig, saved["model"])), CompareConfig(**compare)
 
 
 def as_comparison(config: ExperimentConfig, compare: CompareConfig | None = None) -> Comparison:

@@ -24,7 +24,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from diffjax.infra import storage
-from diffjax.config import ModelConfig, twin
+from diffjax.config import ModelConfig
+from diffjax.compare.config import TWIN_NAMES, TWINS, saved_models, twin_models
 from diffjax.compare.plots import draw_points_and_mean
 from diffjax.evaluate.stats import fmt_mean_std
 from diffjax.train.metrics import read_metrics
@@ -50,6 +51,8 @@ class Family:
     output_max: dict = dataclasses.field(default_factory=dict)
     skipped: dict = dataclasses.field(default_factory=dict)
     folders: dict = dataclasses.field(default_factory=dict)  # {value: the model's folder}
+    # a DIFF model's twins, trained or not: {twin name: config} (diffjax.compare.twin_models)
+    twins: dict = dataclasses.field(default_factory=dict)
 
     @property
     def is_diff(self) -> bool:
@@ -87,7 +90,8 @@ def _read_seed(family: Family, value, seed: int, folder: str) -> None:
 
 
 def _name(config: ModelConfig, label: str, arm: str) -> str:
-    kind = {"diff_v1": "DIFF V1", "diff_v2": "DIFF V2", "standard": "twin"}[config.attention]
+    kind = {"diff_v1": "DIFF V1", "diff_v2": "DIFF V2"}.get(config.attention)
+    kind = kind or TWIN_NAMES.get(label, "the twin").removeprefix("the ")
     return f"{kind} ({arm})" if arm else kind
 
 
@@ -110,20 +114,20 @@ def families(run_dir: str, plan: dict) -> list[Family]:
         path = storage.join(folder, "config.json")
         if not storage.exists(path):
             continue
-        saved = storage.read_json(path)["model"]
-        known = {f.name for f in dataclasses.fields(ModelConfig)}
-        diff = ModelConfig(**{k: v for k, v in saved.items() if k in known})
-        for label, config in (("diff", diff), ("standard", twin(diff))):
+        model, compare = saved_models(storage.read_json(path))
+        twins = twin_models(model, compare)
+        for label, config in {"diff": model, **twins}.items():
             key = f"{run['arm']}/{label}"
             base = storage.join(folder, label)
             if not storage.isdir(base):
                 continue
             family = out.get(key)
             if family is None:
-                same = [f for f in out.values() if label == "standard" and f.config == config]
+                same = [f for f in out.values() if label != "diff" and f.config == config]
                 if same:  # another arm's twin: the same model, already read
                     continue
                 family = out[key] = Family(key, _name(config, label, run["arm"]), config)
+                family.twins = twins if label == "diff" else {}
             family.folders[run["value"]] = base
             for entry in sorted(p.name for p in storage.path(base).iterdir()):
                 seed_dir = storage.join(base, entry)
@@ -132,28 +136,28 @@ def families(run_dir: str, plan: dict) -> list[Family]:
                 ):
                     _read_seed(family, run["value"], int(entry[len("seed_") :]), seed_dir)
     # a twin read from one arm only: name it plainly when every DIFF model shares it
-    twins = [f for f in out.values() if not f.is_diff]
-    if len(twins) == 1:
-        twins[0].name = "twin"
+    for label in TWINS:
+        read = [f for f in out.values() if f.key.endswith(f"/{label}")]
+        if len(read) == 1:
+            read[0].name = _name(read[0].config, label, "")
     return list(out.values())
 
 
 def pairs(
     fams: list[Family], twins: Mapping[str, str] | None = None
 ) -> list[tuple[Family, Family]]:
-    """Each DIFF family with its twin: its arm's, else the arm ``twins`` names for it (the
-    ladder's), else another arm's of the same config."""
+    """Each DIFF family with each of its twins (``compare.twins`` and every other twin the
+    runs trained): its arm's, else the arm ``twins`` names for it (the ladder's), else another
+    arm's of the same config."""
     out = []
-    for f in fams:
-        if not f.is_diff:
-            continue
+    for f in (f for f in fams if f.is_diff):
         arm = f.key.split("/")[0]
-        want = twin(f.config)
-        mine = [t for t in fams if not t.is_diff and t.key == f"{arm}/standard"]
-        named = [t for t in fams if not t.is_diff and t.key == f"{(twins or {}).get(arm)}/standard"]
-        other = [t for t in fams if not t.is_diff and t.config == want]
-        if mine or named or other:
-            out.append((f, (mine or named or other)[0]))
+        for label, want in f.twins.items():
+            keys = (f"{arm}/{label}", f"{(twins or {}).get(arm)}/{label}")
+            found = [t for k in keys for t in fams if not t.is_diff and t.key == k]
+            found += [t for t in fams if not t.is_diff and t.config == want]
+            if found:
+                out.append((f, found[0]))
     return out
 
 
