@@ -296,3 +296,48 @@ def test_generate_prefills_through_the_ring_and_gives_the_same_tokens(monkeypatc
     assert calls, "the prefill did not run as a ring"
     np.testing.assert_array_equal(got, ref)
     assert bool(blocks) == (impl == "pallas")  # the ring's blocks ran the kernels' partials
+
+
+def test_long_context_md_gives_diff_minus_each_twin_paired_by_seed():
+    """render() with DIFF, the twin and the gated twin: a column per twin whose cell is the
+    seed-paired mean difference with its t-interval, a sentence per twin and length, and the
+    distractor-share difference per twin; numbers checked by hand (numpy)."""
+    from scipy import stats as st
+
+    from diffjax.evaluate.long_context import render
+
+    acc = {"diff": [0.9, 0.7, 0.8], "standard": [0.5, 0.6, 0.4], "gated": [0.8, 0.8, 0.6]}
+    share = {"diff": [0.1, 0.2, 0.3], "standard": [0.4, 0.4, 0.5], "gated": [0.2, 0.3, 0.3]}
+    models = [
+        dict(
+            label=lab,
+            seed=s,
+            attention="diff_v1" if lab == "diff" else "standard",
+            accuracy=[acc[lab][s]],
+            noise_measured=[
+                dict(
+                    length=64, num_distractors=10, signal_share=0.5, distractor_share=share[lab][s]
+                )
+            ],
+        )
+        for s in (2, 0, 1)  # out of seed order: pairing goes by seed
+        for lab in acc
+    ]
+    out = dict(lengths=[64], num_needles=2, num_queries=1, examples=3, mesh={"context": 2})
+    md = "\n".join(render({**out, "context_order": "zigzag", "models": models}))
+
+    def cell(a, b):
+        d = np.subtract(a, b)
+        half = st.t.ppf(0.975, len(d) - 1) * d.std(ddof=1) / np.sqrt(len(d))
+        return f"{d.mean():+.3f} [{d.mean() - half:+.3f}, {d.mean() + half:+.3f}]"
+
+    assert "DIFF − twin [95% t-interval] | DIFF − gated [95% t-interval] |" in md
+    row = next(line for line in md.splitlines() if line.startswith("| 64 |"))
+    assert row.endswith(
+        f"| {cell(acc['diff'], acc['standard'])} | {cell(acc['diff'], acc['gated'])} |"
+    )
+    assert "the gated twin" in md and md.count("accuracy at 64 tokens") == 2
+    noise = md.split("## The noise floor")[1]
+    assert "distractors DIFF − gated" in noise
+    assert f"| {cell(share['diff'], share['gated'])} |" in noise
+    assert f"| {cell(share['diff'], share['standard'])} |" in noise

@@ -438,6 +438,26 @@ def test_a_whole_run_gives_every_model_and_seed_beside_its_twin(export, tmp_path
     assert any(x.startswith("| `djx_mc` | acc") and x.endswith("| 0.500 | 0.625 |") for x in lines)
 
 
+def test_the_task_table_gives_diff_minus_each_twin():
+    """render_section with DIFF, the twin and the gated twin: a column and a sentence per twin,
+    each the seed-paired difference (models listed out of seed order)."""
+    acc = {"diff": [0.6, 0.7, 0.5], "standard": [0.4, 0.6, 0.5], "gated": [0.7, 0.6, 0.6]}
+    models = [
+        {"label": lab, "seed": s, "attention": "standard", "metrics": {"t": {"acc,none": v[s]}}}
+        for lab, v in acc.items()
+        for s in (2, 1, 0)
+    ]
+    data = {"models": models, "tasks": ["t"], "higher_is_better": {"t": {"acc": True}}}
+    text = "\n".join(render_section(data, paper={}))
+    assert "| DIFF − twin [95% t-interval] | DIFF − gated [95% t-interval] |" in text
+    row = next(x for x in text.splitlines() if x.startswith("| `t` |"))
+    cells = row.split(" | ")
+    d_twin = np.subtract(acc["diff"], acc["standard"]).mean()
+    d_gated = np.subtract(acc["diff"], acc["gated"]).mean()
+    assert cells[5].startswith(f"{d_twin:+.3f} [") and cells[6].startswith(f"{d_gated:+.3f} [")
+    assert "t acc ↑, DIFF minus the twin:" in text and "t acc ↑, DIFF minus the gated twin:" in text
+
+
 def test_evaluate_rejects_bad_lm_eval_input_before_compute(export, tmp_path, capsys):
     # imported here: runpy warns when the command-line test runs a module already imported
     from diffjax.evaluate.__main__ import main

@@ -125,7 +125,7 @@ def test_a_two_rung_ladder_over_the_learning_rate_trains_and_reports(tmp_path, c
     assert main(["--config", str(config), f"run.dir={run}"]) == 0
     out = capsys.readouterr().out
     assert "sweep: 4 comparisons over train.lr" in out
-    assert "[rung 1/4] lr_0.001/v1: training DIFF" in out and "and the twin" in out
+    assert "[rung 1/4] lr_0.001/v1: training DIFF" in out and "and the gated twin (" in out
     assert "[rung 2/4] lr_0.001/v2: training DIFF" in out
     for rung in ("lr_0.001", "lr_3"):
         assert (run / rung / "v1" / "standard" / "seed_1" / "result.json").is_file()

@@ -23,8 +23,6 @@ from diffjax.train.config import ExperimentConfig, default_config, load_config
 # what a twin can be: the model's standard-attention twin (diffjax.config.twin), and that twin
 # with gated attention's output gate (model.gate; Qiu et al. 2025)
 TWINS = ("standard", "gated")
-# what each twin is called in the reports
-TWIN_NAMES = {"standard": "the twin", "gated": "the gated twin"}
 
 
 @dataclasses.dataclass(frozen=True)

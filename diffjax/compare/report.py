@@ -38,15 +38,18 @@ from diffjax.evaluate.stats import (
     difference_cell,
     fmt_mean_std,
     group_by_label,
+    minus,
     paired_by_seed,
     paired_difference,
+    twin_name,
+    twins_of,
 )
 from diffjax.nn.param_count import count_params
 from diffjax.train.recorder import TrainResult
 from diffjax.train.metrics import read_metrics
 
 from diffjax.compare import signals
-from diffjax.compare.config import TWIN_NAMES, Comparison
+from diffjax.compare.config import Comparison
 from diffjax.compare.curves import (
     DifferenceCurve,
     crossover,
@@ -230,17 +233,6 @@ def metric_rows(results: Sequence[TrainResult], flops: Flops | None = None) -> l
     return [*LOSS_ROWS, *(_metric_row(k) for k in metric_keys(results)), *timing]
 
 
-def twins_of(groups) -> list[str]:
-    """The twins the results hold beside DIFF (every other label), in order; none without
-    DIFF."""
-    return [label for label in groups if label != "diff"] if "diff" in groups else []
-
-
-def _minus(twin: str) -> str:
-    """``DIFF − twin`` (the standard twin) or ``DIFF − gated`` (another twin, by label)."""
-    return "DIFF − " + ("twin" if twin == "standard" else twin)
-
-
 def _difference_cell(groups, row: Row, twin: str = "standard") -> str:
     if row.timing:
         return "one after the other: see the side-by-side throughput"
@@ -256,7 +248,7 @@ def results_table(results: Sequence[TrainResult], flops: Flops | None = None) ->
     groups = group_by_label(results)
     twins = twins_of(groups)
     heads = [f"{label} ({rs[0].attention})" for label, rs in groups.items()]
-    heads += [f"{_minus(t)} [95% CI]" for t in twins]
+    heads += [f"{minus(t)} [95% CI]" for t in twins]
     lines = ["| | " + " | ".join(heads) + " |", "|---|" + "---:|" * (len(groups) + len(twins))]
     fixed = [
         ("parameters", lambda rs: f"{rs[0].params:,}"),
@@ -355,7 +347,7 @@ def loss_figure(run_dir: str, results: Sequence[TrainResult]) -> Figure:
         ax.set_ylabel("loss (nats/token)")
         ax.set_title(title)
     for ax, (t, curve) in zip(ax_diff, differences.items()):
-        draw_difference(ax, curve, crossover(curve), what=_minus(t))
+        draw_difference(ax, curve, crossover(curve), what=minus(t))
     for ax in (ax_val, ax_train, *ax_diff):
         token_axis(ax)
     fig.suptitle(storage.absolute(run_dir).name)
@@ -382,7 +374,7 @@ def comparison_sentences(results: Sequence[TrainResult], twin: str = "standard")
             continue  # timing: see the side-by-side measurement
         d = paired_difference(*paired_by_seed(groups, row.get, b=twin))
         what = row.name[0].upper() + row.name[1:]
-        name, spec = TWIN_NAMES[twin], row.spec.replace("{:", "{:+")
+        name, spec = twin_name(twin), row.spec.replace("{:", "{:+")
         out.append("- " + describe_difference(d, what, "DIFF", name, spec))
     return out
 
@@ -461,7 +453,7 @@ def _results(
 
 def _comparison(results: Sequence[TrainResult], twin: str = "standard") -> list[str]:
     sentences = comparison_sentences(results, twin)
-    against = "its twin" if twin == "standard" else TWIN_NAMES[twin]
+    against = "its twin" if twin == "standard" else twin_name(twin)
     return [f"**DIFF against {against}:**", "", *sentences, ""] if sentences else []
 
 
@@ -479,7 +471,7 @@ def over_training(curve: DifferenceCurve | None, twin: str = "standard") -> list
     )
     cross = crossover(curve)
     return [
-        f"**{_minus(twin)} over training** (validation loss, seed by seed, at the "
+        f"**{minus(twin)} over training** (validation loss, seed by seed, at the "
         f"{curve.tokens.size} evaluations every seed of both models has; {how}; its "
         f"panel of loss.png):"
         if twin != "standard"
@@ -487,10 +479,10 @@ def over_training(curve: DifferenceCurve | None, twin: str = "standard") -> list
         f"{curve.tokens.size} evaluations every seed of both models has; {how}; the right "
         f"panel of loss.png):",
         "",
-        f"- {describe_crossover(cross, b=TWIN_NAMES[twin])}",
-        f"- {describe_final(cross, b=TWIN_NAMES[twin])}",
+        f"- {describe_crossover(cross, b=twin_name(twin))}",
+        f"- {describe_final(cross, b=twin_name(twin))}",
         "",
-        difference_table(curve, what=_minus(twin)),
+        difference_table(curve, what=minus(twin)),
         "",
     ]
 

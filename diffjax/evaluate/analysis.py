@@ -25,6 +25,8 @@ from diffjax.evaluate.stats import (
     fmt_mean_std,
     paired_by_seed,
     paired_difference,
+    twin_name,
+    twins_of,
 )
 
 DOC = "docs/evaluation.md"
@@ -129,15 +131,15 @@ def paired(groups, getter, what: str, unit: str = "", *, spec: str = "{:+.4f}") 
     """``- DIFF - twin ...`` for each twin beside DIFF (every other label; the standard twin is
     "the twin", another "the <label> twin") over the seeds both have, with a 95% t-interval;
     no line for a twin without values, none without DIFF."""
-    twins = [label for label in groups if label != "diff"] if "diff" in groups else []
     out = []
-    for twin in twins:
+    for twin in twins_of(groups):
         a, b = paired_by_seed(groups, getter, b=twin)
         if not a:
             continue
         d = paired_difference(a, b)
-        name = "the twin" if twin == "standard" else f"the {twin} twin"
-        text = describe_difference(d, what + (f" ({unit})" if unit else ""), b=name, spec=spec)
+        text = describe_difference(
+            d, what + (f" ({unit})" if unit else ""), b=twin_name(twin), spec=spec
+        )
         out.append(f"- {text}")
     return out
 

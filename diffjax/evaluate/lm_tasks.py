@@ -13,9 +13,14 @@ from diffjax.infra import storage
 from diffjax.evaluate.results import model_name
 from diffjax.evaluate.stats import (
     describe_difference,
+    difference_cell,
     fmt_mean_std,
     group_by_label,
+    minus,
+    paired_by_seed,
     paired_difference,
+    twin_name,
+    twins_of,
 )
 
 __all__ = [
@@ -86,8 +91,7 @@ def render_section(
     paper = PAPER_TASKS if paper is None else paper
     models = data["models"]
     groups = group_by_label(models)
-    labels = list(groups)
-    paired = "diff" in groups and "standard" in groups
+    labels, twins = list(groups), twins_of(groups)
     limit, shots = data.get("limit"), data.get("num_fewshot")
     L = [HEADING, ""]
     L += [
@@ -99,9 +103,9 @@ def render_section(
         + (f"{shots}-shot" if shots is not None else "each task's own number of shots")
         + f". A cell is the mean ± sd over seeds (n: {', '.join(f'{lab} {len(groups[lab])}' for lab in labels)})"
         + (
-            "; DIFF − twin is the mean of the per-seed differences (seed s of both models "
-            "shares its init seed and data order) with its 95% t-interval."
-            if paired
+            f"; {', '.join(minus(t) for t in twins)}: the mean of the per-seed differences "
+            "(seed s of both models shares its init seed and data order) with its 95% t-interval."
+            if twins
             else "."
         ),
         "",
@@ -115,8 +119,7 @@ def render_section(
     keys = sorted({(t, m) for r in models for t, ms in r["metrics"].items() for m in ms})
     hib = data.get("higher_is_better", {})
     header = ["task", "metric"] + [model_name(lab, groups[lab]) for lab in labels]
-    if paired:
-        header.append("DIFF − twin [95% t-interval]")
+    header += [f"{minus(t)} [95% t-interval]" for t in twins]
     header += [f"paper Transformer-{PAPER_SCALE}", f"paper DIFF-{PAPER_SCALE}"]
     rows, lines = [], []
     for task, metric in keys:
@@ -129,22 +132,14 @@ def render_section(
         shown = name + ("" if filt in ("", "none") else f" ({filt})")
         shown += "" if better is None else (" ↑" if better else " ↓")
         row = [f"`{task}`", shown] + [fmt_mean_std(values[lab], spec) for lab in labels]
-        if paired:
-            a = {r["seed"]: r["metrics"].get(task, {}).get(metric) for r in groups["diff"]}
-            b = {r["seed"]: r["metrics"].get(task, {}).get(metric) for r in groups["standard"]}
-            seeds = sorted(s for s in a if s in b and a[s] is not None and b[s] is not None)
-            if seeds:
-                d = paired_difference([a[s] for s in seeds], [b[s] for s in seeds])
-                sign = "{:+,.1f}" if spec == "{:,.1f}" else "{:+.3f}"
-                cell = sign.format(d.mean)
-                if d.low is not None:
-                    cell += f" [{sign.format(d.low)}, {sign.format(d.high)}]"
-                elif d.no_spread:
-                    cell += " (no spread)"
-                row.append(cell)
-                lines.append(f"- {describe_difference(d, f'{task} {shown}', spec=sign)}")
-            else:
-                row.append("")
+        sign = "{:+,.1f}" if spec == "{:,.1f}" else "{:+.3f}"
+        for t in twins:
+            a, b = paired_by_seed(groups, lambda r: r["metrics"].get(task, {}).get(metric), b=t)
+            d = paired_difference(a, b)
+            row.append(difference_cell(d, sign) if a else "")
+            if a:
+                what = f"{task} {shown}"
+                lines.append(f"- {describe_difference(d, what, b=twin_name(t), spec=sign)}")
         t_paper, d_paper = paper.get((task, metric), (None, None))
         rows.append(row + [_fmt(t_paper), _fmt(d_paper)])
     L += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]

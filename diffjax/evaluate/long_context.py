@@ -36,9 +36,14 @@ from diffjax.evaluate.inputs import fits, keeps_replacement, run_needle_setting,
 from diffjax.evaluate.run import data_config, discover_models, read_run_config
 from diffjax.evaluate.stats import (
     describe_difference,
+    difference_cell,
     fmt_mean_std,
     group_by_label,
+    minus,
+    paired_by_seed,
     paired_difference,
+    twin_name,
+    twins_of,
 )
 
 __all__ = ["LongContextSettings", "evaluate_long_context", "render"]
@@ -202,10 +207,9 @@ def evaluate_long_context(
 
 
 def render(out: dict[str, Any]) -> list[str]:
-    """``long_context.md``: accuracy per length, per model over seeds, and DIFF - twin."""
+    """``long_context.md``: accuracy per length, per model over seeds, and DIFF - each twin."""
     groups = group_by_label(out["models"])
-    labels = list(groups)
-    paired = "diff" in groups and "standard" in groups
+    labels, twins = list(groups), twins_of(groups)
     mesh = " ".join(f"{k}={v}" for k, v in out["mesh"].items())
     L = [
         "# Multi-needle retrieval at long context",
@@ -218,38 +222,27 @@ def render(out: dict[str, Any]) -> list[str]:
         "",
     ]
     header = ["length"] + [model_name(lab, groups[lab]) for lab in labels]
-    header += ["DIFF − twin [95% t-interval]"] if paired else []
+    header += [f"{minus(t)} [95% t-interval]" for t in twins]
     L += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     notes = []
     for i, length in enumerate(out["lengths"]):
         row = [f"{length:,}"] + [
             fmt_mean_std([r["accuracy"][i] for r in groups[lab]]) for lab in labels
         ]
-        if paired:
-            d, cell = _paired(
-                groups,
-                [r["accuracy"][i] for r in groups["diff"]],
-                [r["accuracy"][i] for r in groups["standard"]],
-            )
+        for t in twins:
+            d, cell = _paired(groups, lambda r: r["accuracy"][i], t)
             row.append(cell)
-            notes.append(
-                f"- {describe_difference(d, f'accuracy at {length:,} tokens', spec='{:+.3f}')}"
-            )
+            what = f"accuracy at {length:,} tokens"
+            notes.append(f"- {describe_difference(d, what, b=twin_name(t), spec='{:+.3f}')}")
         L.append("| " + " | ".join(row) + " |")
     return L + [""] + notes + ([""] if notes else []) + _render_noise(out, groups, labels)
 
 
-def _paired(groups: dict, diff: list[float], twin: list[float]):
-    """``(difference, cell)``: DIFF - twin paired by seed (values in ``groups``' order) and its
-    table cell, the mean with its 95% t-interval when there are two pairs or more."""
-    a = {r["seed"]: v for r, v in zip(groups["diff"], diff)}
-    b = {r["seed"]: v for r, v in zip(groups["standard"], twin)}
-    seeds = sorted(set(a) & set(b))
-    d = paired_difference([a[s] for s in seeds], [b[s] for s in seeds])
-    cell = f"{d.mean:+.3f}"
-    if d.low is not None:
-        cell += f" [{d.low:+.3f}, {d.high:+.3f}]"
-    return d, cell
+def _paired(groups: dict, get: Callable[[Any], float], twin: str):
+    """``(difference, cell)``: DIFF - ``twin`` of ``get(result)``, paired by seed, and its
+    table cell (:func:`difference_cell`: the mean with its 95% t-interval, or why none)."""
+    d = paired_difference(*paired_by_seed(groups, get, b=twin))
+    return d, difference_cell(d, "{:+.3f}")
 
 
 def _render_noise(out: dict[str, Any], groups: dict, labels: list[str]) -> list[str]:
@@ -262,7 +255,7 @@ def _render_noise(out: dict[str, Any], groups: dict, labels: list[str]) -> list[
     lengths = [x for x in out["lengths"] if all(x in d for lab in labels for d in by[lab])]
     if not lengths:
         return []
-    paired = "diff" in groups and "standard" in groups
+    twins = twins_of(groups)
     L = [
         "## The noise floor at each length",
         "",
@@ -276,7 +269,7 @@ def _render_noise(out: dict[str, Any], groups: dict, labels: list[str]) -> list[
     for lab in labels:
         name = model_name(lab, groups[lab])
         header += [f"{name} signal", f"{name} distractors"]
-    header += ["distractors DIFF − twin [95% t-interval]"] if paired else []
+    header += [f"distractors {minus(t)} [95% t-interval]" for t in twins]
     L += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for x in lengths:
         first = by[labels[0]][0][x]
@@ -286,8 +279,12 @@ def _render_noise(out: dict[str, Any], groups: dict, labels: list[str]) -> list[
                 fmt_mean_std([d[x]["signal_share"] for d in by[lab]]),
                 fmt_mean_std([d[x]["distractor_share"] for d in by[lab]]),
             ]
-        if paired:
-            share = [[d[x]["distractor_share"] for d in by[lab]] for lab in ("diff", "standard")]
-            row.append(_paired(groups, *share)[1])
+        share = {
+            (lab, r["seed"]): d[x]["distractor_share"]
+            for lab in labels
+            for r, d in zip(groups[lab], by[lab])
+        }
+        for t in twins:
+            row.append(_paired(groups, lambda r: share[r["label"], r["seed"]], t)[1])
         L.append("| " + " | ".join(row) + " |")
     return L + [""]

@@ -44,6 +44,22 @@ def group_by_label(results: Sequence[R]) -> dict[str, list[R]]:
     return {k: sorted(v, key=lambda r: _field(r, "seed")) for k, v in out.items()}
 
 
+def twins_of(groups: Mapping[str, Any]) -> list[str]:
+    """The twins beside DIFF in :func:`group_by_label`'s groups (every other label), in
+    order; none without DIFF."""
+    return [label for label in groups if label != "diff"] if "diff" in groups else []
+
+
+def twin_name(label: str) -> str:
+    """How the reports name a twin: ``"the twin"`` (the standard twin), ``"the gated twin"``."""
+    return "the twin" if label == "standard" else f"the {label} twin"
+
+
+def minus(label: str) -> str:
+    """A difference's column name: ``"DIFF − twin"`` (the standard twin), ``"DIFF − gated"``."""
+    return "DIFF − " + ("twin" if label == "standard" else label)
+
+
 def _finite(values: Sequence[float | None]) -> np.ndarray:
     return np.array([v for v in values if v is not None and math.isfinite(v)], np.float64)
 

@@ -35,6 +35,7 @@ from diffjax.compare.config import default_comparison, load_comparison
 from diffjax.compare.runner import Run, RunFailed, run_log, run_plan
 from diffjax.config import ConfigError, ModelConfig, split_scoped
 from diffjax.data import DataError
+from diffjax.evaluate.stats import twin_name
 from diffjax.nn.param_count import count_params
 from diffjax.train.config import apply_overrides, experiment_keys_help
 from diffjax.train.loop import AfterStep
@@ -67,7 +68,7 @@ def non_embedding_params(model: ModelConfig) -> int:
 class SizeRun:
     """One comparison of the sweep (a size, or a field's rung and an arm): its name, folder,
     the overrides of its comparison, its steps and tokens, and the non-embedding parameters of
-    DIFF and the twin (None: an arm that trains DIFF alone)."""
+    DIFF and the twin (None: an arm that trains DIFF alone) and of any other twin by name."""
 
     name: str
     shape: tuple[int, ...] | None
@@ -80,6 +81,7 @@ class SizeRun:
     note: str = ""
     value: Any = None  # a sweep over a field: this rung's value
     arm: str = ""  # the ladder's arm ("": none)
+    others: dict = dataclasses.field(default_factory=dict)  # {"gated": its parameters}
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -172,6 +174,11 @@ def plan_sweep(
                     note,
                     value=None if sized else rung,
                     arm=arm,
+                    others={
+                        k: non_embedding_params(m)
+                        for k, m in size_exp.models.items()
+                        if k not in ("diff", "standard")
+                    },
                 )
             )
     return run_dir, ladder, runs
@@ -212,6 +219,7 @@ def _plan_run(run: SizeRun) -> Run:
 def _describe(run: SizeRun) -> str:
     """The progress line's words for a size or rung."""
     twin = "" if run.twin_params is None else f" and the twin ({run.twin_params:,})"
+    twin += "".join(f" and {twin_name(k)} ({n:,})" for k, n in run.others.items())
     note = f" ({run.note})" if run.note else ""
     return (
         f"training DIFF ({run.diff_params:,} non-embedding parameters){twin}, {run.steps} "

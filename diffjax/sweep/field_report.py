@@ -25,9 +25,9 @@ from matplotlib.figure import Figure
 
 from diffjax.infra import storage
 from diffjax.config import ModelConfig
-from diffjax.compare.config import TWIN_NAMES, TWINS, saved_models, twin_models
+from diffjax.compare.config import TWINS, saved_models, twin_models
 from diffjax.compare.plots import draw_points_and_mean
-from diffjax.evaluate.stats import fmt_mean_std
+from diffjax.evaluate.stats import fmt_mean_std, twin_name
 from diffjax.train.metrics import read_metrics
 
 from diffjax.sweep.ladder import rung_name
@@ -91,7 +91,7 @@ def _read_seed(family: Family, value, seed: int, folder: str) -> None:
 
 def _name(config: ModelConfig, label: str, arm: str) -> str:
     kind = {"diff_v1": "DIFF V1", "diff_v2": "DIFF V2"}.get(config.attention)
-    kind = kind or TWIN_NAMES.get(label, "the twin").removeprefix("the ")
+    kind = kind or twin_name(label).removeprefix("the ")
     return f"{kind} ({arm})" if arm else kind
 
 
