@@ -443,6 +443,11 @@ class RopeScaling:
             raise ValueError(f"RopeScaling.kind: unknown {self.kind!r}; use 'linear' or 'llama3'")
 
 
+# The byte tokenizer's special tokens (diffjax.data.tokenizer; its Hugging Face form,
+# diffjax.interop.hf.byte_tokenizer_files): ids 0..255 are the bytes.
+BYTE_SPECIAL_TOKENS = {"<bos>": 256, "<eos>": 257, "<pad>": 258}
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """A decoder-only language model built from one attention kind.

@@ -311,6 +311,155 @@ def test_save_pretrained_loads_in_transformers(tmp_path, case):
     assert_logits_close(jax_logits(again, toks), jax_logits(model, toks))
 
 
+# ---------------------------------------------------------------------------- DIFF V2 and the byte tokenizer
+# Run in a subprocess in which diffjax cannot be imported: the export's own modeling code, its
+# logits (eager, SDPA, and with documents kept apart by a 4-D mask and per-document
+# positions), greedy generation with transformers' cache, and AutoTokenizer on texts.
+PEER = r"""
+import importlib.abc, json, sys
+
+class NoDiffjax(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "diffjax" or name.startswith("diffjax."):
+            raise ImportError("diffjax is not on this path")
+
+sys.meta_path.insert(0, NoDiffjax())
+import numpy as np, torch, transformers
+
+path, toks_file, out_file = sys.argv[1:4]
+toks = np.load(toks_file)
+load = transformers.AutoModelForCausalLM.from_pretrained
+out = {}
+for impl in ("eager", "sdpa"):
+    model = load(path, trust_remote_code=True, dtype=torch.float32, attn_implementation=impl)
+    with torch.no_grad():
+        out[impl] = model(torch.from_numpy(toks["tokens"])).logits.numpy()
+        seg = torch.from_numpy(toks["segments"])
+        allowed = (seg[:, :, None] == seg[:, None, :]) & torch.ones(seg.shape[1], seg.shape[1]).tril().bool()
+        mask = torch.where(allowed, 0.0, torch.finfo(torch.float32).min)[:, None]
+        out[impl + "_docs"] = model(
+            torch.from_numpy(toks["tokens"]),
+            attention_mask=mask,
+            position_ids=torch.from_numpy(toks["positions"]),
+        ).logits.numpy()
+out["generated"] = model.generate(
+    torch.from_numpy(toks["prompt"]), max_new_tokens=8, do_sample=False, use_cache=True,
+    pad_token_id=0,
+).numpy()
+out["model_class"] = np.array(type(model).__name__)
+assert "diffjax" not in sys.modules
+tok = transformers.AutoTokenizer.from_pretrained(path)
+texts = json.loads(toks["texts"].item())
+out["encoded"] = np.array(json.dumps([tok(t)["input_ids"] for t in texts]))
+out["decoded"] = np.array(json.dumps([tok.decode(list(t.encode()) + [257], skip_special_tokens=True) for t in texts]))
+out["specials"] = np.array([tok.bos_token_id, tok.eos_token_id, tok.pad_token_id])
+np.savez(out_file, **out)
+"""
+
+TEXTS = ["héllo wörld\n\t ✓ 😀", "a <eos> b <bos><pad>", " don 't  ,  . ", ""]
+
+
+@pytest.mark.parametrize("kv_heads", [2, 4])
+def test_diff_v2_export_is_exact_in_transformers_without_diffjax(tmp_path, kv_heads):
+    """DIFF V2 (GQA and MHA) trained a few steps: its export loads through the modeling code
+    written beside it in a process that cannot import diffjax; logits (eager and SDPA, with
+    documents apart too), greedy generation with the cache and the byte tokenizer are
+    diffjax's; and from_pretrained reads it back exactly."""
+    import subprocess
+    import sys
+
+    cfg = diffjax.ModelConfig(
+        vocab_size=259,
+        d_model=64,
+        num_layers=2,
+        ffn_dim=48,
+        max_seq_len=64,
+        rope_theta=500.0,
+        attention="diff_v2",
+        num_heads=4,
+        num_kv_heads=kv_heads,
+    )
+    model = train_a_few_steps(cfg)
+    out = tmp_path / "export"
+    diffjax.save_pretrained(model, str(out), tokenizer="byte")
+    saved = json.loads((out / "config.json").read_text())
+    assert (
+        saved["model_type"] == "diff_transformer_v2" and "AutoModelForCausalLM" in saved["auto_map"]
+    )
+    for f in hf.REMOTE_FILES:  # its code (past the docstring) imports torch and transformers
+        code = (out / f).read_text().split('"""', 2)[2]
+        assert "diffjax" not in code and "import" in code
+    rng = np.random.default_rng(4)
+    toks = rng.integers(0, 256, (2, 24))
+    segments = np.array([[0] * 8 + [1] * 9 + [2] * 7, [0] * 15 + [1] * 9])
+    positions = np.concatenate(
+        [
+            np.concatenate([np.arange(n) for n in np.unique(row, return_counts=True)[1]])[None]
+            for row in segments
+        ]
+    )
+    prompt = rng.integers(0, 256, (2, 5))
+    np.savez(
+        tmp_path / "in.npz",
+        tokens=toks,
+        segments=segments,
+        positions=positions,
+        prompt=prompt,
+        texts=np.array(json.dumps(TEXTS)),
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    subprocess.run(
+        [sys.executable, "-c", PEER, str(out), str(tmp_path / "in.npz"), str(tmp_path / "out.npz")],
+        check=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=600,
+    )
+    peer = np.load(tmp_path / "out.npz")
+    assert str(peer["model_class"]) == "DiffTransformerV2ForCausalLM"
+    ours = jax_logits(model, toks)
+    assert_logits_close(peer["eager"], ours)
+    assert_logits_close(peer["sdpa"], ours)
+    docs = np.asarray(model(*(jnp.asarray(a, jnp.int32) for a in (toks, positions, segments))))
+    assert np.abs(docs - ours).max() > 1e-2  # documents apart is another computation
+    assert_logits_close(peer["eager_docs"], docs)
+    assert_logits_close(peer["sdpa_docs"], docs)
+    ref = np.asarray(diffjax.generate(model, jnp.asarray(prompt, jnp.int32), 8))
+    np.testing.assert_array_equal(peer["generated"], ref)
+    from diffjax.data.tokenizer import ByteTokenizer, HFTokenizer
+
+    byte = ByteTokenizer()
+    assert json.loads(str(peer["encoded"])) == [byte.encode(t).tolist() for t in TEXTS]
+    assert json.loads(str(peer["decoded"])) == TEXTS
+    assert peer["specials"].tolist() == [byte.bos_id, byte.eos_id, byte.pad_id]
+    ours_hf = HFTokenizer(str(out))  # diffjax reads the export's tokenizer the same way
+    assert [ours_hf.encode(t).tolist() for t in TEXTS] == [byte.encode(t).tolist() for t in TEXTS]
+    assert (ours_hf.bos_id, ours_hf.eos_id, ours_hf.pad_id) == (256, 257, 258)
+    # and back in: the same config and logits
+    again = diffjax.from_pretrained(str(out))
+    assert again.config == cfg.replace(num_kv_heads=cfg.kv_heads, head_dim=cfg.resolved_head_dim)
+    np.testing.assert_array_equal(jax_logits(again, toks), ours)
+
+
+def test_every_byte_sequence_round_trips_through_the_byte_tokenizer_json():
+    """All 256 byte values, invalid UTF-8 included: the tokenizer.json's ids and decoding are
+    the byte tokenizer's (tokenizers itself, no transformers)."""
+    from tokenizers import Tokenizer
+
+    from diffjax.data.tokenizer import ByteTokenizer
+
+    files = hf.byte_tokenizer_files()
+    tok = Tokenizer.from_str(json.dumps(files["tokenizer.json"]))
+    assert tok.get_vocab_size() == 259
+    rng = np.random.default_rng(0)
+    for n in (1, 7, 300):
+        ids = rng.integers(0, 256, n).tolist()
+        assert tok.decode(ids) == ByteTokenizer().decode(ids)
+        text = bytes(ids).decode("utf-8", errors="replace")
+        assert tok.encode(text).ids == ByteTokenizer().encode(text).tolist()
+    assert [tok.id_to_token(i) for i in (256, 257, 258)] == ["<bos>", "<eos>", "<pad>"]
+
+
 def test_bfloat16_parameters_are_written_as_bfloat16(tmp_path):
     from safetensors import safe_open
 
@@ -499,7 +648,7 @@ def _tiny(**kw):
 @pytest.mark.parametrize(
     "kw,match",
     [
-        (dict(attention="diff_v2"), r"DIFF V2 has no Hugging Face format"),
+        (dict(attention="diff_v2", gate="headwise"), r"gate='headwise'"),
         (dict(attention="diff_v1", lambda_init=0.5), r"lambda_init=0\.5"),
         (dict(attention="diff_v1", diff_norm=False), r"diff_norm=False"),
         (

@@ -6,15 +6,15 @@ import os
 
 import numpy as np
 
+from diffjax.config import BYTE_SPECIAL_TOKENS as SPECIAL_TOKENS
 from diffjax.infra import storage
 
 from diffjax.data.config import DataError
 
-BOS = 256  # beginning of a document
-EOS = 257  # end of a document
-PAD = 258  # filler; never a target that counts (weight 0)
+BOS = SPECIAL_TOKENS["<bos>"]  # beginning of a document
+EOS = SPECIAL_TOKENS["<eos>"]  # end of a document
+PAD = SPECIAL_TOKENS["<pad>"]  # filler; never a target that counts (weight 0)
 VOCAB_SIZE = 259
-SPECIAL_TOKENS = {"<bos>": BOS, "<eos>": EOS, "<pad>": PAD}
 
 
 class ByteTokenizer:
@@ -105,6 +105,8 @@ class HFTokenizer:
         cfg_file = storage.join(str(storage.path(file).parent), "tokenizer_config.json")
         if storage.exists(cfg_file):
             special = storage.read_json(cfg_file)
+        # transformers' split_special_tokens: a special token's spelling in a text is text
+        self._tok.encode_special_tokens = bool(special.get("split_special_tokens", False))
 
         def token_id(key: str) -> int | None:
             tok = special.get(key)

@@ -30,8 +30,14 @@ are exact (up to float32 rounding of the same operations in another order):
   the heads) is folded into the columns of ``o_proj``.
 - **Layout.** ``nn.Linear.weight`` is ``[out, in]``; a flax kernel is ``[in, out]``.
 
-DIFF V2 has no Hugging Face format and is refused, as is any config diffjax cannot express
-(biases, dropout, other activations or rotary variants), each with a message naming it.
+DIFF V2, which transformers lacks, goes out as ``diff_transformer_v2``: Llama's layout (the
+rotary rows permuted as above, the 2h query heads in diffjax's order: heads 2i and 2i + 1 form
+pair i) plus ``lambda_proj``, with its modeling code (``diffjax/interop/remote``, torch and
+transformers only) written beside the weights and named in ``auto_map``; it reads back exactly.
+``tokenizer="byte"`` writes diffjax's byte tokenizer as a ``tokenizer.json``.
+
+Any config diffjax cannot express (biases, dropout, other activations or rotary variants; a
+gate on export) is refused, each with a message naming it.
 """
 
 from __future__ import annotations
@@ -47,12 +53,25 @@ import numpy as np
 from flax import nnx
 
 from diffjax.infra import sharding, storage
-from diffjax.config import ConfigError, ModelConfig
+from diffjax.config import BYTE_SPECIAL_TOKENS, ConfigError, ModelConfig
 from diffjax.nn.attention import Ramp
 from diffjax.nn.model import TransformerLM, initial_rest, stack_layers, unstack_layers
 
-MODEL_TYPES = {"diffllama": "diff_v1", "llama": "standard"}
-ARCHITECTURES = {"diffllama": "DiffLlamaForCausalLM", "llama": "LlamaForCausalLM"}
+MODEL_TYPES = {"diffllama": "diff_v1", "llama": "standard", "diff_transformer_v2": "diff_v2"}
+ARCHITECTURES = {
+    "diffllama": "DiffLlamaForCausalLM",
+    "llama": "LlamaForCausalLM",
+    "diff_transformer_v2": "DiffTransformerV2ForCausalLM",
+}
+# DIFF V2's modeling code, written beside its weights (transformers has no DIFF V2 model):
+# files of diffjax/interop/remote that import torch and transformers only
+REMOTE_DIR = os.path.join(os.path.dirname(__file__), "remote")
+REMOTE_FILES = ("configuration_diff_transformer_v2.py", "modeling_diff_transformer_v2.py")
+AUTO_MAP = {
+    "AutoConfig": "configuration_diff_transformer_v2.DiffTransformerV2Config",
+    "AutoModel": "modeling_diff_transformer_v2.DiffTransformerV2Model",
+    "AutoModelForCausalLM": "modeling_diff_transformer_v2.DiffTransformerV2ForCausalLM",
+}
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -181,7 +200,8 @@ def config_from_hf(
         _fail(
             where,
             f"model_type {mt!r} is not supported",
-            "diffjax reads 'diffllama' (DIFF V1) and 'llama' (standard attention) checkpoints",
+            "diffjax reads 'diffllama' (DIFF V1), 'llama' (standard attention) and "
+            "'diff_transformer_v2' (DIFF V2, as diffjax.save_pretrained writes it) checkpoints",
         )
     bad = sorted(set(overrides) - set(OVERRIDABLE))
     if bad:
@@ -259,6 +279,15 @@ def config_from_hf(
                 "use a checkpoint whose head_dim is hidden_size / num_attention_heads",
             )
         kw.update(attention="diff_v1", num_heads=H // 2, num_kv_heads=Hkv // 2, diff_norm_eps=eps)
+    elif mt == "diff_transformer_v2":
+        if H % 2:
+            _fail(
+                where,
+                f"num_attention_heads={H} counts DIFF V2's query heads, two per output head, "
+                f"so it must be even",
+                "fix config.json",
+            )
+        kw.update(attention="diff_v2", num_heads=H // 2, num_kv_heads=Hkv, head_dim=head_dim)
     else:
         kw.update(attention="standard", num_heads=H, num_kv_heads=Hkv, head_dim=head_dim)
     kw.update(overrides)
@@ -280,8 +309,7 @@ def hf_config(config: ModelConfig) -> dict[str, Any]:
     """The Hugging Face ``config.json`` (as a dict) of ``config``; refuses what the format cannot
     express (see :func:`check_exportable`)."""
     check_exportable(config)
-    mt = "diffllama" if config.attention == "diff_v1" else "llama"
-    pair = 2 if mt == "diffllama" else 1
+    mt = _model_type(config)
     scaling = None
     if config.rope_scaling != "none":
         scaling = {"rope_type": config.rope_scaling, "factor": config.rope_factor}
@@ -298,8 +326,8 @@ def hf_config(config: ModelConfig) -> dict[str, Any]:
         "hidden_size": config.d_model,
         "intermediate_size": config.resolved_ffn_dim,
         "num_hidden_layers": config.num_layers,
-        "num_attention_heads": pair * config.num_heads,
-        "num_key_value_heads": pair * config.kv_heads,
+        "num_attention_heads": _query_heads(config),
+        "num_key_value_heads": _key_heads(config),
         "head_dim": config.resolved_head_dim,
         "hidden_act": "silu",
         "max_position_embeddings": config.max_seq_len,
@@ -317,10 +345,12 @@ def hf_config(config: ModelConfig) -> dict[str, Any]:
         "torch_dtype": config.param_dtype,
         "use_cache": True,
     }
-    if mt == "llama":
-        out["mlp_bias"] = False
-    else:
+    if mt == "diffllama":
         out["lambda_std_dev"] = 0.1
+    else:
+        out["mlp_bias"] = False
+    if mt == "diff_transformer_v2":
+        out["auto_map"] = AUTO_MAP
     return out
 
 
@@ -329,15 +359,10 @@ def check_exportable(config: ModelConfig) -> None:
     if config.gate != "none":
         raise PretrainedError(
             f"save_pretrained: ModelConfig.gate={config.gate!r} (gated attention) cannot be "
-            f"expressed: neither DiffLlama nor Llama has an attention output gate. Fix: keep the "
+            f"expressed: no exported format (DiffLlama, Llama, diffjax's DIFF V2) has an "
+            f"attention output gate. Fix: keep the "
             f"diffjax checkpoint (train.py run folder, diffjax.train.load_model), or export a "
             f"model trained with model.gate=none."
-        )
-    if config.attention == "diff_v2":
-        raise PretrainedError(
-            "save_pretrained: DIFF V2 has no Hugging Face format (transformers has DiffLlama, "
-            "which is DIFF V1, and no DIFF V2 model). Fix: keep the diffjax checkpoint (train.py "
-            "run folder, diffjax.train.load_model), or export a diff_v1 or standard model."
         )
     if config.attention == "diff_v1":
         if config.lambda_init is not None:
@@ -415,6 +440,8 @@ def weight_table(config: ModelConfig) -> list[tuple[tuple, str | None, str]]:
                 for n in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")
             ]
             rows.append((a + ("subln", "scale"), None, "ones"))
+        if config.attention == "diff_v2":
+            rows.append((a + ("lambda_proj", "kernel"), f"{hf}.lambda_proj.weight", "linear"))
         m, hm = ("layers", i, "ffn"), f"model.layers.{i}.mlp"
         rows += [
             (m + ("w1", "kernel"), f"{hm}.gate_proj.weight", "linear"),
@@ -437,17 +464,23 @@ def weight_table(config: ModelConfig) -> list[tuple[tuple, str | None, str]]:
     return rows
 
 
+def _query_heads(config: ModelConfig) -> int:
+    """The Hugging Face ``num_attention_heads``: every raw query head (2h for DIFF V1 and V2)."""
+    return config.num_heads * (1 if config.attention == "standard" else 2)
+
+
+def _key_heads(config: ModelConfig) -> int:
+    """The Hugging Face ``num_key_value_heads`` (DiffLlama counts both keys of a pair)."""
+    return config.kv_heads * (2 if config.attention == "diff_v1" else 1)
+
+
 def _permutation(config: ModelConfig, kind: str) -> np.ndarray | None:
-    diff = config.attention == "diff_v1"
+    diff = config.attention == "diff_v1"  # DiffLlama pairs heads in halves, diffjax adjacent
     d = config.resolved_head_dim
     if kind == "q":
-        return row_permutation(
-            config.num_heads * (2 if diff else 1), d, pair_halves=diff, rotary=True
-        )
+        return row_permutation(_query_heads(config), d, pair_halves=diff, rotary=True)
     if kind == "k":
-        return row_permutation(
-            config.kv_heads * (2 if diff else 1), d, pair_halves=diff, rotary=True
-        )
+        return row_permutation(_key_heads(config), d, pair_halves=diff, rotary=True)
     if kind == "v" and diff:
         return row_permutation(2 * config.kv_heads, d, pair_halves=True, rotary=False)
     return None
@@ -652,7 +685,7 @@ def _some(names: list[str], n: int = 4) -> str:
 
 
 def _model_type(config: ModelConfig) -> str:
-    return "diffllama" if config.attention == "diff_v1" else "llama"
+    return {v: k for k, v in MODEL_TYPES.items()}[config.attention]
 
 
 # ---------------------------------------------------------------------------- writing
@@ -687,20 +720,25 @@ def save_pretrained(
     path: str,
     *,
     max_shard_size: int | str = "5GB",
+    tokenizer: str | None = None,
     tokenizer_from: str | None = None,
 ) -> str:
     """Write ``model`` as a Hugging Face checkpoint directory: DIFF V1 as ``diffllama``
     (``DiffLlamaForCausalLM``), standard attention as ``llama`` (``LlamaForCausalLM``), so
-    ``transformers.AutoModelForCausalLM.from_pretrained(path)`` gives the same logits.
+    ``transformers.AutoModelForCausalLM.from_pretrained(path)`` gives the same logits; DIFF V2
+    as ``diff_transformer_v2`` with its modeling code beside the weights (``auto_map``), loaded
+    with ``from_pretrained(path, trust_remote_code=True)`` on a machine without diffjax.
 
     ``path``: a local directory or a ``gs://`` prefix (written to a temporary directory, each
     file uploaded whole as soon as it is written: the weights first, ``config.json`` last).
     Weights are written in the parameters' dtype, in shards of at most ``max_shard_size`` (an
-    index ``model.safetensors.index.json`` when there are several). ``tokenizer_from``: a
-    directory (local or ``gs://``) whose tokenizer files (``tokenizer.json``,
-    ``tokenizer_config.json``, ...) are copied beside the weights. DIFF V2, a fixed
-    ``lambda_init``, ``diff_norm=False`` or a ``diff_norm_eps`` other than ``norm_eps`` are
-    refused (the formats cannot express them); so is a directory that already holds a
+    index ``model.safetensors.index.json`` when there are several). ``tokenizer``:
+    ``"byte"`` writes diffjax's byte tokenizer as ``tokenizer.json`` (+ its config;
+    :func:`byte_tokenizer_files`), so ``AutoTokenizer`` loads it; a directory (local or
+    ``gs://``; ``tokenizer_from``, its older name) has its tokenizer files
+    (``tokenizer.json``, ``tokenizer_config.json``, ...) copied beside the weights. A gate
+    (``model.gate``), a fixed ``lambda_init``, ``diff_norm=False`` or a ``diff_norm_eps``
+    other than ``norm_eps`` are refused (the formats cannot express them); so is a directory that already holds a
     checkpoint (nothing saved is overwritten), and, before any work, a bucket that does not
     exist or cannot be written (:class:`diffjax.infra.storage.StorageError`). Returns ``path``. With
     several processes every process calls it and process 0 writes.
@@ -713,9 +751,15 @@ def save_pretrained(
         )
     path = os.fspath(path)
     storage.check_access(path, what="save_pretrained path", write=jax.process_index() == 0)
-    if tokenizer_from is not None:
-        tokenizer_from = os.fspath(tokenizer_from)
-        storage.check_access(tokenizer_from, what="tokenizer_from", write=False)
+    if tokenizer is not None and tokenizer_from is not None:
+        raise PretrainedError(
+            "save_pretrained: both tokenizer and tokenizer_from are given. Fix: pass tokenizer= "
+            "only (tokenizer_from is its older name)."
+        )
+    tokenizer = tokenizer if tokenizer is not None else tokenizer_from
+    if tokenizer is not None and tokenizer != "byte":
+        tokenizer = os.fspath(tokenizer)
+        storage.check_access(tokenizer, what="tokenizer", write=False)
     if model.config.scan_layers:  # the format has one entry per layer
         model = unstack_layers(model)
     config = model.config
@@ -725,7 +769,7 @@ def save_pretrained(
     hf = hf_config(config)
     limit = _parse_size(max_shard_size)
     _check_new_checkpoint_dir(path)
-    tok_files = _tokenizer_files(tokenizer_from) if tokenizer_from is not None else []
+    tok_files = _tokenizer_files(tokenizer) if tokenizer not in (None, "byte") else []
     tensors = _hf_tensors(model, config)
     if jax.process_index() != 0:
         return path
@@ -747,9 +791,17 @@ def save_pretrained(
             done(INDEX_FILE)
         for f in tok_files:
             if not storage.exists(storage.join(path, f)):
-                src = storage.join(tokenizer_from, f)
+                src = storage.join(tokenizer, f)
                 storage.write_bytes(os.path.join(out, f), storage.read_bytes(src))
                 done(f)
+        for f, obj in (byte_tokenizer_files() if tokenizer == "byte" else {}).items():
+            _write_json(os.path.join(out, f), obj)
+            done(f)
+        for f in REMOTE_FILES if config.attention == "diff_v2" else ():  # its modeling code
+            storage.write_bytes(
+                os.path.join(out, f), storage.read_bytes(os.path.join(REMOTE_DIR, f))
+            )
+            done(f)
         _write_json(os.path.join(out, CONFIG_FILE), hf)  # last: it marks a whole checkpoint
         done(CONFIG_FILE)
     return path
@@ -783,9 +835,53 @@ def _tokenizer_files(tokenizer_from: str) -> list[str]:
         _fail(
             tokenizer_from,
             f"holds none of {', '.join(TOKENIZER_FILES)}",
-            "pass the directory holding the tokenizer files, or leave tokenizer_from out",
+            "pass the directory holding the tokenizer files, 'byte', or leave tokenizer out",
         )
     return tok_files
+
+
+def byte_tokenizer_files() -> dict[str, dict]:
+    """diffjax's byte tokenizer (:class:`diffjax.data.tokenizer.ByteTokenizer`) as a Hugging
+    Face tokenizer (``{file name: its JSON}``), built with the ``tokenizers`` package:
+    ``AutoTokenizer`` (and diffjax's ``HFTokenizer``) encode every text to its UTF-8 bytes as
+    it does, and decode with ``skip_special_tokens=True`` as it decodes. A byte-level BPE
+    without merges: each byte is its own token, id = the byte. ``<bos>``/``<eos>``/``<pad>``
+    are 256/257/258; ``split_special_tokens`` keeps their spelling in a text plain bytes, as
+    diffjax does, and nothing is added around a text."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    chars = _byte_chars()
+    tok = Tokenizer(models.BPE(vocab={chars[b]: b for b in range(256)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    names = sorted(BYTE_SPECIAL_TOKENS, key=BYTE_SPECIAL_TOKENS.get)
+    tok.add_special_tokens([AddedToken(n, special=True, normalized=False) for n in names])
+    assert [tok.token_to_id(n) for n in names] == [BYTE_SPECIAL_TOKENS[n] for n in names]
+    bos, eos, pad = names
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": bos,
+        "eos_token": eos,
+        "pad_token": pad,
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "split_special_tokens": True,
+        "clean_up_tokenization_spaces": False,
+    }
+    specials = {"bos_token": bos, "eos_token": eos, "pad_token": pad}
+    return {
+        TOKENIZER_FILES[0]: json.loads(tok.to_str()),
+        "tokenizer_config.json": config,
+        "special_tokens_map.json": specials,
+    }
+
+
+def _byte_chars() -> dict[int, str]:
+    """GPT-2's byte -> printable character map, the alphabet of ``tokenizers``' ByteLevel:
+    printable Latin-1 bytes stand for themselves, the other 68 for U+0100 onwards in order."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    rest = [b for b in range(256) if b not in kept]
+    return {**{b: chr(b) for b in kept}, **{b: chr(256 + i) for i, b in enumerate(rest)}}
 
 
 def _hf_tensors(model: TransformerLM, config: ModelConfig) -> list[tuple[str, np.ndarray]]:
@@ -862,6 +958,7 @@ def _write_json(file: str, obj: Any) -> None:
 
 __all__ = [
     "ARCHITECTURES",
+    "byte_tokenizer_files",
     "MODEL_TYPES",
     "OVERRIDABLE",
     "PretrainedError",
