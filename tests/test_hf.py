@@ -713,3 +713,14 @@ def test_train_py_starts_from_a_checkpoint(tmp_path):
     assert model.config == hf.config_from_pretrained(str(tmp_path / "hf"))
     toks = tokens(vocab=259)
     assert_logits_close(jax_logits(model, toks), torch_logits(ref_model, toks))
+    # and out again from the run's folder, with the run's tokenizer (bytes: a tokenizer.json)
+    from diffjax.train import export_model
+
+    folder, out = str(tmp_path / "run" / "diff" / "seed_0"), str(tmp_path / "out")
+    assert export_model(folder, out, "latest") == out
+    assert_logits_close(torch_logits(hf_load(out), toks), jax_logits(model, toks))
+    text = "héllo <eos>\n"
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    assert tok(text)["input_ids"] == list(text.encode()) and tok.eos_token_id == 257
+    with pytest.raises(diffjax.PretrainedError, match="already holds a checkpoint"):
+        export_model(folder, out, "latest")

@@ -266,19 +266,52 @@ def test_simple_evaluate_runs_the_three_request_types(run, lm):
 
 
 # ---------------------------------------------------------------------------- the peer
-def test_same_loglikelihoods_and_accuracy_as_lm_evals_hf_model(export, run, tasks):
+@pytest.fixture(scope="module")
+def byte_v2(export):
+    """A tiny DIFF V2 model (GQA) exported with the byte tokenizer: transformers loads it
+    through the modeling code written beside it, AutoTokenizer through its tokenizer.json."""
+    cfg = diffjax.ModelConfig(
+        d_model=32,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        ffn_dim=64,
+        max_seq_len=MAX_LEN,
+        init_std=0.2,
+        attention="diff_v2",
+    )
+    model = diffjax.TransformerLM(cfg, rngs=nnx.Rngs(1))
+    diffjax.save_pretrained(model, str(export / "v2"), tokenizer="byte")
+    return export / "v2"
+
+
+@pytest.mark.parametrize("which", ["bpe_v1", "byte_v2"])
+def test_same_loglikelihoods_and_accuracy_as_lm_evals_hf_model(export, run, tasks, request, which):
+    """lm-eval's own hf model (transformers, torch on CPU) on an export gives diffjax.lm_eval's
+    scores on it: DIFF V1 (DiffLlama) with a BPE tokenizer, and DIFF V2 (its remote code) with
+    the byte tokenizer's tokenizer.json."""
     pytest.importorskip("accelerate")
     torch = pytest.importorskip("torch")
     from lm_eval.models.huggingface import HFLM
 
+    names = ["djx_mc", "djx_rolling"]
+    if which == "bpe_v1":
+        path, ours_run = export / "hf", run
+    else:
+        path = request.getfixturevalue("byte_v2")
+        ours_lm = DiffJaxLM(path=str(path), batch_size=8)
+        assert isinstance(ours_lm._tok, HFTokenizer)  # the export's tokenizer.json
+        ours_run = lm_eval.simple_evaluate(
+            model=ours_lm, tasks=names, task_manager=tasks, log_samples=True
+        )
     torch.manual_seed(0)
-    peer = HFLM(pretrained=str(export / "hf"), dtype="float32", device="cpu", batch_size=8)
-    assert peer.max_length == MAX_LEN
-    ref = lm_eval.simple_evaluate(
-        model=peer, tasks=["djx_mc", "djx_rolling"], task_manager=tasks, log_samples=True
+    peer = HFLM(
+        pretrained=str(path), dtype="float32", device="cpu", batch_size=8, trust_remote_code=True
     )
-    for task in ("djx_mc", "djx_rolling"):
-        ours = {s["doc_id"]: s["resps"] for s in run["samples"][task]}
+    assert peer.max_length == MAX_LEN
+    ref = lm_eval.simple_evaluate(model=peer, tasks=names, task_manager=tasks, log_samples=True)
+    for task in names:
+        ours = {s["doc_id"]: s["resps"] for s in ours_run["samples"][task]}
         theirs = {s["doc_id"]: s["resps"] for s in ref["samples"][task]}
         assert ours.keys() == theirs.keys()
         for doc in ours:
@@ -287,9 +320,9 @@ def test_same_loglikelihoods_and_accuracy_as_lm_evals_hf_model(export, run, task
             np.testing.assert_allclose(a, b, atol=TOL, rtol=0)
             if task == "djx_mc":  # and the same is_greedy
                 assert [r[0][1] for r in ours[doc]] == [r[0][1] for r in theirs[doc]]
-    assert run["results"]["djx_mc"]["acc,none"] == ref["results"]["djx_mc"]["acc,none"]
+    assert ours_run["results"]["djx_mc"]["acc,none"] == ref["results"]["djx_mc"]["acc,none"]
     np.testing.assert_allclose(
-        run["results"]["djx_rolling"]["word_perplexity,none"],
+        ours_run["results"]["djx_rolling"]["word_perplexity,none"],
         ref["results"]["djx_rolling"]["word_perplexity,none"],
         rtol=1e-4,
     )

@@ -16,7 +16,12 @@ from diffjax.config import ConfigError
 from diffjax.data.tokenizer import TOKENIZER_JSON, ByteTokenizer, HFTokenizer, load_tokenizer
 from diffjax.interop.hf import from_pretrained
 from diffjax.nn.model import TransformerLM
-from diffjax.train.checkpoint import committed_steps, load_model
+from diffjax.train.checkpoint import (
+    committed_steps,
+    load_model,
+    run_of,
+    run_tokenizer_spec,
+)
 from diffjax.train.config import model_directory
 
 Tokenizer = ByteTokenizer | HFTokenizer
@@ -43,15 +48,7 @@ def has_checkpoints(path: str) -> bool:
 def run_config(model_dir: str) -> tuple[str, dict[str, Any]] | None:
     """``(run dir, its config.json)`` of the run holding ``model_dir`` (the folder itself, its
     parent or grandparent: ``RUN/<label>/seed_<n>/``), or None."""
-    d = storage.absolute(model_dir)
-    for _ in range(3):
-        cfg = _read_json(storage.join(d, "config.json"))
-        if cfg is not None and "model" in cfg and "data" in cfg:
-            return str(d), cfg
-        if not d.parent.name:  # the root, or a bucket's top
-            break
-        d = d.parent
-    return None
+    return run_of(model_dir)
 
 
 def models_of_run(run_dir: str) -> list[str]:
@@ -89,10 +86,7 @@ def model_dir_of_run(run_dir: str, label: str, seed: int) -> str:
 def run_tokenizer(spec: str | None, run_dir: str) -> Tokenizer:
     """A run's ``data.tokenizer`` (None or ``"byte"``: bytes); a relative path that does not
     exist from here is read relative to the run directory."""
-    if spec not in (None, "byte") and not storage.exists(spec):
-        inside = storage.join(run_dir, spec)
-        spec = inside if storage.exists(inside) else spec
-    return load_tokenizer(spec)
+    return load_tokenizer(run_tokenizer_spec(spec, run_dir))
 
 
 def hf_dir_tokenizer(path: str) -> Tokenizer:

@@ -12,7 +12,7 @@ A model and seed of a run lives in ``<run dir>/<label>/seed_<seed>/`` (:func:`mo
 ``metrics.jsonl``, ``tb/``, ``checkpoints/`` and ``result.json``.
 """
 
-from diffjax.train.checkpoint import Checkpointer, CheckpointError, load_model
+from diffjax.train.checkpoint import Checkpointer, CheckpointError, export_model, load_model
 from diffjax.train.config import (
     ExperimentConfig,
     RunConfig,
@@ -43,6 +43,7 @@ __all__ = [
     "default_config",
     "learning_rate_schedule",
     "load_config",
+    "export_model",
     "load_model",
     "make_optimizer",
     "model_directory",

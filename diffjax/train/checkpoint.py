@@ -407,6 +407,48 @@ def load_model(
     return nnx.merge(graphdef, params, rest)
 
 
+def run_of(model_dir: storage.PathLike) -> tuple[str, dict[str, Any]] | None:
+    """``(run dir, its config.json)`` of the train.py run holding ``model_dir`` (the folder
+    itself, its parent or grandparent: ``RUN/<label>/seed_<n>/``), or None."""
+    d = storage.absolute(model_dir)
+    for _ in range(3):
+        file = storage.join(d, "config.json")
+        cfg = storage.read_json(file) if storage.path(file).is_file() else None
+        if isinstance(cfg, dict) and "model" in cfg and "data" in cfg:
+            return str(d), cfg
+        if not d.parent.name:  # the root, or a bucket's top
+            break
+        d = d.parent
+    return None
+
+
+def run_tokenizer_spec(spec: str | None, run_dir: str) -> str:
+    """A run's ``data.tokenizer`` as :func:`diffjax.data.load_tokenizer` and
+    ``save_pretrained(tokenizer=...)`` take it: ``"byte"`` for bytes (None); a relative path
+    that does not exist from here is read relative to the run directory."""
+    if spec in (None, "byte"):
+        return "byte"
+    inside = storage.join(run_dir, spec)
+    return spec if storage.exists(spec) or not storage.exists(inside) else inside
+
+
+def export_model(directory: storage.PathLike, out: str, step: int | str = "best", **kw: Any) -> str:
+    """Write one model of a train.py run as a Hugging Face checkpoint (:func:`hf.save_pretrained`;
+    ``kw``: its ``max_shard_size`` or ``tokenizer``) with the run's own tokenizer beside it
+    (its ``data.tokenizer``: the byte tokenizer as a ``tokenizer.json``, or the run's
+    tokenizer files). ``directory``: the model's folder (``RUN/<label>/seed_<s>``); ``step``
+    as :func:`load_model`. Refused before anything is read when ``out`` holds a checkpoint
+    or the model cannot be expressed. Returns ``out``."""
+    _, _, _, config = read_checkpoint(directory, step)
+    hf.check_exportable(config.replace(ramp=False))
+    if "tokenizer" not in kw:
+        run = run_of(directory)
+        kw["tokenizer"] = (
+            run_tokenizer_spec(run[1]["data"].get("tokenizer"), run[0]) if run else None
+        )
+    return hf.save_pretrained(load_model(directory, step), out, **kw)
+
+
 # ---------------------------------------------------------------------------- train.init_from
 def pretrained_source(path: str) -> tuple[str, ModelConfig, dict[str, Any]]:
     """``(kind, model config, meta)`` of a checkpoint to start from (``train.init_from``, a

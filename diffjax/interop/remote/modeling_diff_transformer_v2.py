@@ -54,9 +54,7 @@ class DiffTransformerV2Attention(LlamaAttention):
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
         x = hidden_states.float()
-        self.o_proj.lam = torch.sigmoid(
-            nn.functional.linear(x, self.lambda_proj.weight.float())
-        )
+        self.o_proj.lam = torch.sigmoid(nn.functional.linear(x, self.lambda_proj.weight.float()))
         return super().forward(hidden_states, *args, **kwargs)
 
 
