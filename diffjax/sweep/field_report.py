@@ -206,7 +206,7 @@ def _summary(sens_rows, done: list[Family], values: list) -> list[str]:
         )
         lines.append(
             f"- {diff.name} against {tw.name}: learning-rate sensitivity {est['diff'].cell()} "
-            f"against {est['twin'].cell()}; DIFF − twin {d.cell('{:+.4f}')} over {len(seeds)} "
+            f"against {est['twin'].cell()}; DIFF − {tw.name} {d.cell('{:+.4f}')} over {len(seeds)} "
             f"paired seeds ({verdict})."
         )
     lines.append(
