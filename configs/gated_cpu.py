@@ -11,10 +11,14 @@ seeds (0, 1, 2):
 
 The quick evaluation adds the attention sinks and massive activations of all three models.
 DIFF V2 against its own two twins is the same command with ``model.attention=diff_v2
-run.name=gated-cpu-v2``. Results: docs/results.md.
+run.name=gated-cpu-v2``. DIFF with the gate itself (``model.gate=elementwise``) trains against
+its twin, which the gate makes the gated twin (``compare.twins=standard``; the same gated twin,
+run for run, as above). Results: docs/results.md.
 
     python train.py --config configs/gated_cpu.py
     python train.py --config configs/gated_cpu.py model.attention=diff_v2 run.name=gated-cpu-v2
+    python train.py --config configs/gated_cpu.py model.gate=elementwise compare.twins=standard \
+        run.name=gated-cpu-diffgate          # and model.attention=diff_v2 run.name=gated-cpu-v2-diffgate
 """
 
 from diffjax.compare import default_comparison
