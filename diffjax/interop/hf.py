@@ -257,6 +257,19 @@ def config_from_hf(
         init_std=float(hf.get("initializer_range", 0.02)),
         **_rope_fields(hf, where),
     )
+    kw.update(_attention_fields(mt, D, H, Hkv, head_dim, eps, where))
+    kw.update(overrides)
+    try:
+        return ModelConfig(**kw)
+    except ConfigError as e:
+        raise PretrainedError(f"{where}: diffjax cannot express this config ({e})") from None
+
+
+def _attention_fields(
+    mt: str, D: int, H: int, Hkv: int, head_dim: int, eps: float, where: str
+) -> dict[str, Any]:
+    """ModelConfig's attention fields of a checkpoint of model type ``mt`` with ``H`` query
+    heads (``num_attention_heads``), ``Hkv`` kv heads of width ``head_dim`` and width ``D``."""
     if H % Hkv:
         _fail(
             where,
@@ -278,8 +291,8 @@ def config_from_hf(
                 f"DIFF V1 fixes head_dim = hidden_size / num_attention_heads",
                 "use a checkpoint whose head_dim is hidden_size / num_attention_heads",
             )
-        kw.update(attention="diff_v1", num_heads=H // 2, num_kv_heads=Hkv // 2, diff_norm_eps=eps)
-    elif mt == "diff_transformer_v2":
+        return dict(attention="diff_v1", num_heads=H // 2, num_kv_heads=Hkv // 2, diff_norm_eps=eps)
+    if mt == "diff_transformer_v2":
         if H % 2:
             _fail(
                 where,
@@ -287,14 +300,8 @@ def config_from_hf(
                 f"so it must be even",
                 "fix config.json",
             )
-        kw.update(attention="diff_v2", num_heads=H // 2, num_kv_heads=Hkv, head_dim=head_dim)
-    else:
-        kw.update(attention="standard", num_heads=H, num_kv_heads=Hkv, head_dim=head_dim)
-    kw.update(overrides)
-    try:
-        return ModelConfig(**kw)
-    except ConfigError as e:
-        raise PretrainedError(f"{where}: diffjax cannot express this config ({e})") from None
+        return dict(attention="diff_v2", num_heads=H // 2, num_kv_heads=Hkv, head_dim=head_dim)
+    return dict(attention="standard", num_heads=H, num_kv_heads=Hkv, head_dim=head_dim)
 
 
 def config_from_pretrained(path: str, **overrides: Any) -> ModelConfig:
@@ -789,22 +796,30 @@ def save_pretrained(
             }
             _write_json(os.path.join(out, INDEX_FILE), index)
             done(INDEX_FILE)
-        for f in tok_files:
-            if not storage.exists(storage.join(path, f)):
-                src = storage.join(tokenizer, f)
-                storage.write_bytes(os.path.join(out, f), storage.read_bytes(src))
-                done(f)
-        for f, obj in (byte_tokenizer_files() if tokenizer == "byte" else {}).items():
-            _write_json(os.path.join(out, f), obj)
-            done(f)
-        for f in REMOTE_FILES if config.attention == "diff_v2" else ():  # its modeling code
-            storage.write_bytes(
-                os.path.join(out, f), storage.read_bytes(os.path.join(REMOTE_DIR, f))
-            )
+        for f, data in _side_files(config, path, tokenizer, tok_files).items():
+            storage.write_bytes(os.path.join(out, f), data)
             done(f)
         _write_json(os.path.join(out, CONFIG_FILE), hf)  # last: it marks a whole checkpoint
         done(CONFIG_FILE)
     return path
+
+
+def _side_files(
+    config: ModelConfig, path: str, tokenizer: str | None, tok_files: list[str]
+) -> dict[str, bytes]:
+    """The files written beside the weights: the tokenizer's (copied from the directory
+    ``tokenizer``, or the byte tokenizer's with ``"byte"``) and DIFF V2's modeling code."""
+    out = {
+        f: storage.read_bytes(storage.join(tokenizer, f))
+        for f in tok_files
+        if not storage.exists(storage.join(path, f))
+    }
+    if tokenizer == "byte":
+        for f, obj in byte_tokenizer_files().items():
+            out[f] = (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode()
+    if config.attention == "diff_v2":
+        out.update({f: storage.read_bytes(os.path.join(REMOTE_DIR, f)) for f in REMOTE_FILES})
+    return out
 
 
 def _check_new_checkpoint_dir(path: str) -> None:
