@@ -184,9 +184,9 @@ def test_diff_against_two_twins_trains_three_models_and_reports_each_pair(tmp_pa
     assert tokens["diff"] == tokens["standard"] == tokens["gated"]
     report = (run / "report.md").read_text()
     header = next(line for line in report.splitlines() if line.startswith("| | diff"))
-    assert header.endswith("| gated (standard) | DIFF − twin [95% CI] | DIFF − gated [95% CI] |"), (
-        header
-    )
+    assert header.endswith(
+        "| gated (standard, elementwise gate) | DIFF − twin [95% CI] | DIFF − gated [95% CI] |"
+    ), header
     assert "**DIFF against its twin:**" in report and "**DIFF against the gated twin:**" in report
     assert "**DIFF − twin over training**" in report and "**DIFF − gated over training**" in report
     assert report.count("**Throughput, measured side by side:** diff throughput is") == 2
@@ -197,7 +197,7 @@ def test_diff_against_two_twins_trains_three_models_and_reports_each_pair(tmp_pa
     evaluation = (run / "eval.md").read_text()
     sinks = evaluation[evaluation.index("## 7. Attention sinks and massive activations") :]
     header = sinks.splitlines()[2]
-    for name in ("diff (diff_v1)", "standard (standard)", "gated (standard)"):
+    for name in ("diff (diff_v1)", "standard (standard)", "gated (standard, elementwise gate)"):
         assert f"{name}: first token" in header and f"{name}: max / median" in header, header
     assert "the gated twin" in sinks and (run / "eval_sinks.png").exists()
     # every section's DIFF-minus-twin line comes for each twin

@@ -32,6 +32,7 @@ from diffjax.infra import storage
 from diffjax.config import ModelConfig
 from diffjax.data.mixture import stage_words
 from diffjax.data.synthetic import query_chance
+from diffjax.evaluate.results import kind_entry, model_name
 from diffjax.evaluate.stats import (
     clopper_pearson,
     describe_difference,
@@ -247,7 +248,7 @@ def results_table(results: Sequence[TrainResult], flops: Flops | None = None) ->
     and MFU during training too."""
     groups = group_by_label(results)
     twins = twins_of(groups)
-    heads = [f"{label} ({rs[0].attention})" for label, rs in groups.items()]
+    heads = [model_name(label, rs) for label, rs in groups.items()]
     heads += [f"{minus(t)} [95% CI]" for t in twins]
     lines = ["| | " + " | ".join(heads) + " |", "|---|" + "---:|" * (len(groups) + len(twins))]
     fixed = [
@@ -340,7 +341,7 @@ def loss_figure(run_dir: str, results: Sequence[TrainResult]) -> Figure:
                 k = max(1, len(loss) // 50)
                 smooth = np.convolve(loss, np.ones(k) / k, mode="valid")
                 train_curves.append((tokens[k - 1 :], smooth))
-        name = f"{label} ({rs[0].attention})"
+        name = model_name(label, rs)
         draw_seed_curves(ax_val, val_curves, color, name, marker="o")
         draw_seed_curves(ax_train, train_curves, color, name)
     for ax, title in ((ax_val, "validation loss"), (ax_train, "training loss (smoothed)")):
@@ -423,8 +424,7 @@ def learned_counts(
 # ---------------------------------------------------------------------------- report.md sections
 def _title(exp: Comparison, groups: dict[str, list[TrainResult]]) -> list[str]:
     return [
-        f"# {exp.run.name}: "
-        + " vs ".join(f"{label} ({rs[0].attention})" for label, rs in groups.items()),
+        f"# {exp.run.name}: " + " vs ".join(model_name(label, rs) for label, rs in groups.items()),
         "",
     ]
 
@@ -540,7 +540,7 @@ def throughput_table(throughput: SideBySide, flops: Flops) -> str:
     for label in throughput.labels:
         tps = throughput.median_tokens_per_s(label)
         cfg = flops.models.get(label)
-        name = label if cfg is None else f"{label} ({cfg.attention})"
+        name = label if cfg is None else model_name(label, [kind_entry(cfg)])
         lines.append(
             f"| {name} | {tps:,.0f} | {_fmt(flops.tflops(label, tps, devices), '{:.3g}')} | "
             f"{_fmt(flops.mfu(label, tps, devices), '{:.1%}')} |"

@@ -13,6 +13,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, MaxNLocator
 
 from diffjax.infra import storage
+from diffjax.evaluate.results import model_name
 from diffjax.evaluate.stats import fmt_mean_std, group_by_label
 from diffjax.train.recorder import TrainResult
 from diffjax.train.metrics import read_metrics
@@ -138,7 +139,7 @@ def stability_table(results: Sequence[TrainResult]) -> str | None:
     lines.append("|---|---:|---:|---:|")
     for r in watched:
         skipped = "off" if r.spikes_skipped is None else f"{r.spikes_skipped}"
-        lines.append(f"| {r.label} ({r.attention}) | {r.seed} | {skipped} | {r.rollbacks} |")
+        lines.append(f"| {model_name(r.label, [r])} | {r.seed} | {skipped} | {r.rollbacks} |")
     return "\n".join(lines)
 
 

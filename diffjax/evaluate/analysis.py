@@ -89,6 +89,10 @@ class ModelResult:
     def attention(self) -> str:
         return self.entry["attention"]
 
+    @property
+    def gate(self) -> str:
+        return self.entry.get("gate", "none")
+
 
 @dataclasses.dataclass(frozen=True)
 class Run:

@@ -26,6 +26,7 @@ from diffjax.evaluate.lm_tasks import (
     render_section,
     replace_section,
 )
+from diffjax.evaluate.results import kind_entry
 from diffjax.evaluate.run import ModelEntry, discover_models, relative_path
 
 try:  # the `eval` extra
@@ -211,7 +212,7 @@ def evaluate_run_tasks(
                 "label": e.label,
                 "seed": e.seed,
                 "path": relative_path(e.path, run_dir),
-                "attention": lm.model.config.attention,
+                **kind_entry(lm.model.config),
                 "metrics": metrics,
                 "n_samples": {
                     t: v.get("effective", v.get("original"))

@@ -31,7 +31,7 @@ from diffjax.train.checkpoint import load_model
 
 from diffjax.evaluate import allocation as alloc
 from diffjax.evaluate import retrieval as ret
-from diffjax.evaluate.results import model_name
+from diffjax.evaluate.results import kind_entry, model_name
 from diffjax.evaluate.inputs import fits, keeps_replacement, run_needle_setting, run_needle_task
 from diffjax.evaluate.run import data_config, discover_models, read_run_config
 from diffjax.evaluate.stats import (
@@ -128,7 +128,7 @@ def _one_model(e, model, mesh, runtime, data, lengths, examples, batch_size, noi
     return {
         "label": e.label,
         "seed": e.seed,
-        "attention": model.config.attention,
+        **kind_entry(model.config),
         "accuracy": acc,
         "grid": grid.to_dict(),
         "noise_measured": noise,

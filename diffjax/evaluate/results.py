@@ -7,10 +7,20 @@ import numpy as np
 
 
 def model_name(label: str, rs: list) -> str:
-    """``"label (attention kind)"``, the column name of a model (``rs``: its results, eval.json
-    entries or :class:`~diffjax.evaluate.analysis.ModelResult`)."""
-    attention = rs[0]["attention"] if isinstance(rs[0], dict) else rs[0].attention
-    return f"{label} ({attention})"
+    """``"label (attention kind)"``, or ``"label (attention kind, elementwise gate)"`` for a
+    gated model: the column name of a model (``rs``: its results, eval.json entries,
+    :class:`~diffjax.evaluate.analysis.ModelResult` or :class:`diffjax.train.TrainResult`)."""
+    r = rs[0]
+    attention = r["attention"] if isinstance(r, dict) else r.attention
+    gate = (r.get("gate") if isinstance(r, dict) else getattr(r, "gate", None)) or "none"
+    return f"{label} ({attention}{'' if gate == 'none' else f', {gate} gate'})"
+
+
+def kind_entry(config) -> dict:
+    """What a model's result entry says of its kind: ``{"attention": ...}``, and ``"gate"``
+    for a gated model (``config``: its :class:`diffjax.ModelConfig`); read by :func:`model_name`."""
+    gated = config.gate != "none"
+    return {"attention": config.attention, **({"gate": config.gate} if gated else {})}
 
 
 def seed_mean(arrays) -> np.ndarray:

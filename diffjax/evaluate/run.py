@@ -29,6 +29,7 @@ from diffjax.evaluate import noise_floor as nf
 from diffjax.evaluate.analysis import Analysis
 from diffjax.evaluate.inputs import ModelInputs
 from diffjax.evaluate.report import render
+from diffjax.evaluate.results import kind_entry
 from diffjax.evaluate.settings import EvalSettings
 
 __all__ = [
@@ -143,7 +144,7 @@ def evaluate_model(
 ) -> dict[str, Any]:
     """Every analysis of the registry on one model: its entry of eval.json (a JSON-able dict:
     the attention kind, DIFF V1's λ per layer, each analysis's result)."""
-    out: dict[str, Any] = {"attention": model.config.attention}
+    out: dict[str, Any] = kind_entry(model.config)
     lam = model.lambdas() if model.config.attention == "diff_v1" else None
     out["lambda"] = None if lam is None else [float(x) for x in lam]
     inputs = ModelInputs(model, data, settings)

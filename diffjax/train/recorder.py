@@ -57,6 +57,7 @@ class TrainResult:
     # (set explicitly, or auto's measurement: diffjax.ops.Resolved.describe)
     attention_impl: str | None = None
     attention_impl_why: str | None = None
+    gate: str = "none"  # gated attention's output gate (model.gate)
     # a mixture (data.source=mixture): what the run read of each component and the weights
     # over the run (diffjax.data.MixturePlan.summary); None for one corpus
     mixture: dict[str, Any] | None = None
@@ -304,6 +305,7 @@ def summarize(
     return TrainResult(
         label=label,
         attention=model_cfg.attention,
+        gate=model_cfg.gate,
         directory=directory,
         params=n_params,
         steps=int(last.get("step", 0)),
